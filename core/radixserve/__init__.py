@@ -1,0 +1,19 @@
+"""radixserve: a fast LLM inference server with a hardware-agnostic core."""
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Lazy, so `import radixserve.hooks` in a plugin does not import the runtime.
+    if name == "Engine":
+        from radixserve.engine import Engine
+
+        return Engine
+    if name == "ServerArgs":
+        from radixserve.config import ServerArgs
+
+        return ServerArgs
+    raise AttributeError(name)
+
+
+__all__ = ["Engine", "ServerArgs", "__version__"]

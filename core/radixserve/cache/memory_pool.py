@@ -1,0 +1,136 @@
+"""Paged KV memory: request->token table, per-layer KV buffers and the page allocator.
+
+Slot 0..page_size-1 (page 0) is never handed out: padded positions may point at
+it harmlessly. Everything else is owned by exactly one of: the free list, a
+running request, or the radix cache.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class ReqToTokenPool:
+    """Maps a request slot to the KV slots of its tokens, position by position."""
+
+    def __init__(self, size: int, max_context_len: int, device: torch.device):
+        self.size = size
+        self.max_context_len = max_context_len
+        self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self._free = list(range(size))
+
+    def available_size(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> Optional[int]:
+        return self._free.pop() if self._free else None
+
+    def free(self, index: int) -> None:
+        self._free.append(index)
+
+    def write(self, index: int, start: int, slots: torch.Tensor) -> None:
+        self.req_to_token[index, start : start + slots.numel()] = slots
+
+
+class KVPool:
+    """Per-layer K and V buffers of ``num_pages * page_size`` slots (page 0 reserved)."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.device = device
+        slots = (num_pages + 1) * page_size
+        self.k_buffers = [torch.zeros((slots, num_kv_heads, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros((slots, num_kv_heads, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def size(self) -> int:
+        """Usable token slots (excludes the reserved page)."""
+        return self.num_pages * self.page_size
+
+    def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffers[layer_id], self.v_buffers[layer_id]
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k_buffers[layer_id][loc] = k.to(self.dtype)
+        self.v_buffers[layer_id][loc] = v.to(self.dtype)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class PagedAllocator:
+    """Hands out KV slots a page at a time; a request's pages are its own.
+
+    ``alloc_extend`` continues each request in the unused tail of its last page
+    before taking new pages, so a request's slots are page-contiguous and any
+    page-aligned prefix of it can be shared through the radix cache.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, device: torch.device):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.device = device
+        self.clear()
+
+    def clear(self) -> None:
+        self._free_pages: list[int] = list(range(self.num_pages, 0, -1))
+
+    @property
+    def size(self) -> int:
+        return self.num_pages * self.page_size
+
+    def available_size(self) -> int:
+        """Free token slots (whole free pages only)."""
+        return len(self._free_pages) * self.page_size
+
+    def pages_needed(self, prefix_lens: list[int], extend_lens: list[int]) -> int:
+        ps = self.page_size
+        return sum(-(-(p + n) // ps) - (-(-p // ps)) for p, n in zip(prefix_lens, extend_lens))
+
+    def alloc_extend(self, prefix_lens: list[int], last_locs: list[int], extend_lens: list[int]) -> Optional[torch.Tensor]:
+        """Slots for ``extend_lens[i]`` new tokens after ``prefix_lens[i]`` tokens whose
+        last slot is ``last_locs[i]`` (ignored when the prefix is empty or page aligned).
+        Returns None, allocating nothing, when there are not enough free pages."""
+        if self.pages_needed(prefix_lens, extend_lens) > len(self._free_pages):
+            return None
+        ps = self.page_size
+        out: list[int] = []
+        for prefix, last, n in zip(prefix_lens, last_locs, extend_lens):
+            in_page = prefix % ps
+            if in_page:
+                take = min(n, ps - in_page)
+                out.extend(range(last + 1, last + 1 + take))
+                n -= take
+            while n > 0:
+                page = self._free_pages.pop()
+                take = min(n, ps)
+                out.extend(range(page * ps, page * ps + take))
+                n -= take
+        return torch.tensor(out, dtype=torch.int64, device=self.device)
+
+    def alloc(self, num_tokens: int) -> Optional[torch.Tensor]:
+        """Slots for ``num_tokens`` tokens starting on a fresh page."""
+        return self.alloc_extend([0], [-1], [num_tokens])
+
+    def free(self, slots: torch.Tensor) -> None:
+        """Return the pages that ``slots`` lie on. Callers pass whole ownership: every
+        slot of a request's page that is not shared with the cache."""
+        if slots.numel() == 0:
+            return
+        pages = torch.unique(slots // self.page_size).tolist()
+        self._free_pages.extend(pages)

@@ -1,0 +1,127 @@
+"""ServerArgs: every flag, one dataclass, one place. The CLI, the Engine and the
+server all build it from here."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _flag(help: str, **kw: Any) -> Any:
+    default = kw.pop("default")
+    meta = {"help": help, **kw}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ServerArgs:
+    # model
+    model_path: Optional[str] = _flag("HF directory or hub repo id; omitted: the built-in demo model", default=None)
+    tokenizer_path: Optional[str] = _flag("tokenizer directory (defaults to model_path)", default=None)
+    served_model_name: Optional[str] = _flag("model name reported by the API (defaults to model_path)", default=None)
+    dtype: str = _flag("weight and activation dtype", default="auto", choices=DTYPES)
+    kv_cache_dtype: str = _flag("KV cache dtype (auto: same as dtype)", default="auto", choices=DTYPES)
+    context_length: Optional[int] = _flag("max tokens per request (defaults to the model's)", default=None)
+    quantization: Optional[str] = _flag("quantization method, e.g. int8 (weight-only, per channel)", default=None)
+    chat_template: Optional[str] = _flag("Jinja chat template file overriding the tokenizer's", default=None)
+    random_seed: int = _flag("seed for weights-free randomness (sampling without a per-request seed)", default=0)
+    # device and backends
+    device: str = _flag("platform name: auto, cpu, cuda, rocm, npu, or any registered plugin platform", default="auto")
+    attention_backend: str = _flag("attention backend name or auto", default="auto")
+    gemm_backend: str = _flag("GEMM backend name or auto", default="auto")
+    moe_backend: str = _flag("MoE backend name or auto", default="auto")
+    tp_size: int = _flag("tensor parallel size", default=1)
+    # memory and cache
+    page_size: int = _flag("KV cache page size in tokens", default=1)
+    max_total_tokens: Optional[int] = _flag("KV pool size in tokens (overrides mem_fraction_static)", default=None)
+    mem_fraction_static: float = _flag("fraction of the device memory for weights + KV pool", default=0.3)
+    disable_radix_cache: bool = _flag("disable prefix caching", default=False)
+    # scheduling
+    max_running_requests: Optional[int] = _flag("max requests decoding at once", default=None)
+    max_queued_requests: Optional[int] = _flag("reject new requests with 503 beyond this many waiting", default=None)
+    chunked_prefill_size: Optional[int] = _flag("max prompt tokens per prefill chunk; -1 disables chunking", default=2048)
+    max_prefill_tokens: int = _flag("max new prompt tokens in one prefill batch", default=8192)
+    schedule_policy: str = _flag("waiting-queue order", default="fcfs", choices=SCHEDULE_POLICIES)
+    schedule_conservativeness: float = _flag("scales the reserved decode budget when admitting requests", default=1.0)
+    init_new_token_ratio: float = _flag("initial fraction of max_new_tokens reserved per running request", default=0.7)
+    min_new_token_ratio: float = _flag("floor that the reserved fraction decays to", default=0.1)
+    new_token_ratio_decay: float = _flag("decrease of the reserved fraction per decode step", default=0.001)
+    stream_interval: int = _flag("send streamed output every N tokens", default=1)
+    # server
+    host: str = _flag("HTTP host", default="127.0.0.1")
+    port: int = _flag("HTTP port", default=30000)
+    api_key: Optional[str] = _flag("require this bearer token", default=None)
+    max_payload_size: int = _flag("max request body in bytes", default=32 * 1024 * 1024)
+    log_level: str = _flag("logging level", default="info")
+    skip_server_warmup: bool = _flag("skip the warm-up generation at startup", default=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, msg: str) -> None:
+            raise ValueError(f"{name}: {msg}")
+
+        if self.page_size < 1:
+            bad("page_size", f"must be >= 1, got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            bad("max_total_tokens", f"must be >= page_size, got {self.max_total_tokens}")
+        if not 0 < self.mem_fraction_static <= 1:
+            bad("mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.dtype not in DTYPES:
+            bad("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in DTYPES:
+            bad("kv_cache_dtype", f"must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
+            bad("chunked_prefill_size", f"must be positive or -1, got {self.chunked_prefill_size}")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        if self.tp_size < 1:
+            bad("tp_size", f"must be >= 1, got {self.tp_size}")
+        if self.stream_interval < 1:
+            bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
+
+    @property
+    def chunk_size(self) -> Optional[int]:
+        """Effective prefill chunk size, None when chunking is off."""
+        if self.chunked_prefill_size in (None, -1):
+            return None
+        return self.chunked_prefill_size
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
+        unknown = set(kwargs) - cls.field_names()
+        if unknown:
+            raise TypeError(f"unknown server argument(s): {sorted(unknown)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            meta = dict(f.metadata)
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", default=default, help=meta["help"])
+                continue
+            kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
+            parser.add_argument(flag, type=kind, default=default, choices=meta.get("choices"),
+                                help=f"{meta['help']} (default: {default})")
+        parser.add_argument("--model", dest="model_path", default=None, help=argparse.SUPPRESS)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
+        return cls(**{name: getattr(ns, name) for name in cls.field_names()})

@@ -1,0 +1,52 @@
+"""The plugin contract: one bodiless hookspec per kind of device-specific piece.
+
+A plugin is any module or object with functions marked ``@hookimpl`` whose names
+match these specs. Each hook receives a ``register`` callback and calls it once
+per class it provides; it returns nothing. A plugin implements only the hooks
+it has. Plugins are found through the ``radixserve`` entry-point group.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pluggy
+
+PROJECT_NAME = "radixserve"
+ENTRY_POINT_GROUP = "radixserve"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+Register = Callable[[type], None]
+
+
+@hookspec
+def register_platforms(register: Register) -> None:
+    """Register :class:`radixserve.platform.Platform` subclasses."""
+
+
+@hookspec
+def register_attention_backends(register: Register) -> None:
+    """Register :class:`radixserve.kernels.attention.AttentionBackend` subclasses."""
+
+
+@hookspec
+def register_gemm_backends(register: Register) -> None:
+    """Register :class:`radixserve.kernels.gemm.GemmBackend` subclasses."""
+
+
+@hookspec
+def register_moe_backends(register: Register) -> None:
+    """Register :class:`radixserve.kernels.moe.MoEBackend` subclasses."""
+
+
+@hookspec
+def register_quantization_methods(register: Register) -> None:
+    """Register :class:`radixserve.kernels.quantization.QuantizationMethod` subclasses."""
+
+
+@hookspec
+def register_models(register: Register) -> None:
+    """Register model classes (``torch.nn.Module`` subclasses with an
+    ``architectures`` tuple naming the HuggingFace architectures they serve)."""

@@ -1,0 +1,20 @@
+"""Interfaces that backends implement; the core calls kernels only through these."""
+
+from radixserve.kernels.attention import AttentionBackend, AttentionLayerSpec
+from radixserve.kernels.base import Backend
+from radixserve.kernels.gemm import GemmBackend
+from radixserve.kernels.moe import MoEBackend, MoERouting, route
+from radixserve.kernels.quantization import QuantizationMethod
+from radixserve.kernels.query import KernelQuery
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionLayerSpec",
+    "Backend",
+    "GemmBackend",
+    "KernelQuery",
+    "MoEBackend",
+    "MoERouting",
+    "QuantizationMethod",
+    "route",
+]

@@ -1,0 +1,50 @@
+"""Mixture-of-experts: top-k routing over SiLU-gated experts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.kernels.base import Backend
+from radixserve.kernels.query import KernelQuery
+
+
+@dataclass(frozen=True)
+class MoERouting:
+    top_k: int
+    renormalize: bool  # divide the top-k weights by their sum
+    scoring: str = "softmax"  # softmax over all experts, then top-k
+
+
+class MoEBackend(Backend):
+    """``forward`` returns ``sum_k w_k * W2_e (silu(W1_e x) * W3_e x)`` over the
+    top-k experts ``e`` of each token.
+
+    Shapes: hidden ``[T, H]``, router_logits ``[T, E]``, w13 ``[E, 2*I, H]`` (gate
+    rows first, then up rows), w2 ``[E, H, I]``.
+    """
+
+    def __init__(self, query: KernelQuery):
+        self.query = query
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        router_logits: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        routing: MoERouting,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def route(router_logits: torch.Tensor, routing: MoERouting) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k expert weights ``[T, k]`` (float32) and ids ``[T, k]``; shared by backends."""
+    if routing.scoring != "softmax":
+        raise ValueError(f"unknown MoE scoring function {routing.scoring!r}")
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, routing.top_k, dim=-1)
+    if routing.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids

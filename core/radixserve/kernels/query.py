@@ -1,0 +1,32 @@
+"""The one frozen, hashable query every backend candidate is asked about."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class KernelQuery:
+    """What the model needs from a kernel backend.
+
+    Fields that do not apply to a kind stay ``None``; a candidate only looks at
+    the fields its kind uses.
+    """
+
+    device: str
+    dtype: torch.dtype
+    head_dim: Optional[int] = None
+    num_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    page_size: int = 1
+    kv_dtype: Optional[torch.dtype] = None
+    num_experts: Optional[int] = None
+    top_k: Optional[int] = None
+    quantization: Optional[str] = None
+
+    def describe(self) -> str:
+        parts = [f"{k}={v}" for k, v in self.__dict__.items() if v is not None]
+        return ", ".join(parts)

@@ -1,0 +1,317 @@
+"""Plugin manager: entry-point loading, allow-list, kept errors, and selection.
+
+One registry per process (``get_registry()``). The scheduler and worker
+processes are spawned, so each builds its own from the entry points: loading and
+registration are idempotent and side-effect free.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import pluggy
+
+from radixserve import hooks
+from radixserve.kernels.query import KernelQuery
+
+logger = logging.getLogger(__name__)
+
+# kind -> hook that registers it
+KIND_HOOKS: dict[str, str] = {
+    "platform": "register_platforms",
+    "attention": "register_attention_backends",
+    "gemm": "register_gemm_backends",
+    "moe": "register_moe_backends",
+    "quantization": "register_quantization_methods",
+    "model": "register_models",
+}
+SELECTABLE_KINDS = ("attention", "gemm", "moe", "quantization")
+ALLOW_LIST_ENV = "RADIXSERVE_PLUGINS"
+TRACE_ENV = "RADIXSERVE_TRACE_PLUGINS"
+BUILTIN_MODELS_PLUGIN = "radixserve-models"
+
+
+class PluginError(RuntimeError):
+    """Selection or resolution failed; the message says why and what exists."""
+
+
+@dataclass
+class PluginInfo:
+    name: str
+    distribution: Optional[str] = None
+    version: Optional[str] = None
+    module: Optional[str] = None
+    hooks: list[str] = field(default_factory=list)
+    registered: dict[str, list[str]] = field(default_factory=dict)
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    kind: str
+    name: str
+    cls: type
+    plugin: str
+
+    @property
+    def priority(self) -> int:
+        return getattr(self.cls, "priority", 0)
+
+
+def _allow_list() -> Optional[set[str]]:
+    raw = os.environ.get(ALLOW_LIST_ENV)
+    if raw is None or raw.strip() == "":
+        return None
+    return {part.strip() for part in raw.split(",") if part.strip()}
+
+
+class PluginRegistry:
+    def __init__(self, load_entry_points: bool = True):
+        self.pm = pluggy.PluginManager(hooks.PROJECT_NAME)
+        self.pm.add_hookspecs(hooks)
+        if os.environ.get(TRACE_ENV):
+            self.pm.trace.root.setwriter(lambda msg: sys.stderr.write(f"[radixserve plugins] {msg}"))
+            self.pm.enable_tracing()
+        self.plugins: dict[str, PluginInfo] = {}
+        self._candidates: Optional[dict[str, dict[str, Candidate]]] = None
+        # The core's own architectures register through the same hook as anyone's.
+        import radixserve.models
+
+        self.register_plugin(radixserve.models, BUILTIN_MODELS_PLUGIN)
+        if load_entry_points:
+            self.load_entry_points()
+
+    # ---- loading -------------------------------------------------------
+    def load_entry_points(self) -> None:
+        allowed = _allow_list()
+        for ep in importlib.metadata.entry_points(group=hooks.ENTRY_POINT_GROUP):
+            dist = ep.dist.name if ep.dist is not None else None
+            if allowed is not None and ep.name not in allowed and dist not in allowed:
+                logger.info("plugin %s skipped: not in %s", ep.name, ALLOW_LIST_ENV)
+                continue
+            if ep.name in self.plugins:
+                continue
+            info = PluginInfo(
+                name=ep.name,
+                distribution=dist,
+                version=ep.dist.version if ep.dist is not None else None,
+                module=ep.value,
+            )
+            self.plugins[ep.name] = info
+            try:
+                obj = ep.load()
+            except Exception:
+                info.error = traceback.format_exc(limit=4).strip()
+                logger.error("plugin %s failed to load:\n%s", ep.name, info.error)
+                continue
+            self._register(obj, info)
+
+    def register_plugin(self, obj: Any, name: str) -> PluginInfo:
+        """Add an in-process plugin object (a module, class or instance with hookimpls)."""
+        info = PluginInfo(name=name, module=getattr(obj, "__name__", type(obj).__name__))
+        self.plugins[name] = info
+        self._register(obj, info)
+        return info
+
+    def unregister_plugin(self, name: str) -> None:
+        if self.pm.has_plugin(name):
+            self.pm.unregister(name=name)
+        self.plugins.pop(name, None)
+        self._candidates = None
+
+    def _register(self, obj: Any, info: PluginInfo) -> None:
+        try:
+            self.pm.register(obj, name=info.name)
+            self.pm.check_pending()
+        except Exception as exc:  # a misspelt or malformed hookimpl
+            if self.pm.has_plugin(info.name):
+                self.pm.unregister(name=info.name)
+            info.error = f"{type(exc).__name__}: {exc}"
+            logger.error("plugin %s rejected: %s", info.name, info.error)
+            return
+        info.hooks = sorted(impl.name for impl in self._hookimpls_of(info.name))
+        self._candidates = None
+
+    def _hookimpls_of(self, plugin_name: str) -> list[Any]:
+        plugin = self.pm.get_plugin(plugin_name)
+        return [c for c in (self.pm.get_hookcallers(plugin) or [])]
+
+    # ---- collection ----------------------------------------------------
+    @property
+    def candidates(self) -> dict[str, dict[str, Candidate]]:
+        if self._candidates is None:
+            self._candidates = self._collect()
+        return self._candidates
+
+    def _collect(self) -> dict[str, dict[str, Candidate]]:
+        found: dict[str, dict[str, Candidate]] = {kind: {} for kind in KIND_HOOKS}
+        for info in self.plugins.values():
+            info.registered = {}
+        for kind, hook_name in KIND_HOOKS.items():
+            caller = getattr(self.pm.hook, hook_name)
+            # Call each plugin's implementation separately so every class is
+            # attributed to the plugin that registered it.
+            for impl in reversed(caller.get_hookimpls()):
+                info = self.plugins.get(impl.plugin_name)
+                if info is None or info.error:
+                    continue
+                try:
+                    impl.function(register=self._register_callback(kind, info, found[kind]))
+                except Exception:
+                    info.error = traceback.format_exc(limit=4).strip()
+                    logger.error("plugin %s failed in %s:\n%s", info.name, hook_name, info.error)
+        return found
+
+    def _register_callback(self, kind: str, info: PluginInfo, table: dict[str, Candidate]):
+        def register(cls: type) -> None:
+            names = list(getattr(cls, "architectures", ())) if kind == "model" else [getattr(cls, "name", None)]
+            if not names or any(not isinstance(n, str) or not n for n in names):
+                raise TypeError(f"{kind} class {cls!r} has no name")
+            for name in names:
+                previous = table.get(name)
+                if previous is not None and previous.cls is not cls:
+                    raise PluginError(f"{kind} {name!r} is already registered by plugin {previous.plugin!r}")
+                table[name] = Candidate(kind, name, cls, info.name)
+                info.registered.setdefault(kind, []).append(name)
+
+        return register
+
+    # ---- queries -------------------------------------------------------
+    def load_errors(self) -> dict[str, str]:
+        _ = self.candidates  # registration errors land on the plugin too
+        return {name: info.error for name, info in self.plugins.items() if info.error}
+
+    def _load_error_note(self) -> str:
+        errors = self.load_errors()
+        if not errors:
+            return ""
+        lines = [f"  plugin {name!r} failed: {err.splitlines()[-1]}" for name, err in errors.items()]
+        return "\nPlugins that failed to load (run `radixserve plugins` for details):\n" + "\n".join(lines)
+
+    def resolve_platform(self, device: str = "auto"):
+        """The Platform class for ``--device``; never falls back silently."""
+        platforms = self.candidates["platform"]
+        if device == "auto":
+            errors = self.load_errors()
+            if errors:
+                raise PluginError(
+                    "--device auto refuses to guess while plugins failed to load; fix them, exclude them with "
+                    f"{ALLOW_LIST_ENV}, or name --device explicitly." + self._load_error_note()
+                )
+            usable = []
+            for cand in sorted(platforms.values(), key=lambda c: -c.priority):
+                reasons = cand.cls.unavailable_reasons()
+                if reasons:
+                    logger.info("device %s not usable: %s", cand.name, "; ".join(reasons))
+                else:
+                    usable.append(cand)
+            if not usable:
+                raise PluginError("no usable device platform registered" + self._load_error_note())
+            return usable[0].cls
+        cand = platforms.get(device)
+        if cand is None:
+            raise PluginError(
+                f"--device {device!r} is not a registered platform; available: {self._platform_summary()}"
+                + self._load_error_note()
+            )
+        reasons = cand.cls.unavailable_reasons()
+        if reasons:
+            raise PluginError(
+                f"--device {device!r} (plugin {cand.plugin!r}) is not usable here: " + "; ".join(reasons)
+                + f"\nAvailable: {self._platform_summary()}"
+            )
+        return cand.cls
+
+    def _platform_summary(self) -> str:
+        parts = []
+        for cand in self.candidates["platform"].values():
+            reasons = cand.cls.unavailable_reasons()
+            parts.append(cand.name + ("" if not reasons else f" (unusable: {'; '.join(reasons)})"))
+        return ", ".join(parts) or "none"
+
+    def select(self, kind: str, query: KernelQuery, requested: str = "auto") -> type:
+        """Pick a backend class of ``kind`` for ``query``: a forced name must
+        support the query; ``auto`` takes the highest priority candidate with no
+        unsupported reasons. Every rejected candidate is logged."""
+        if kind not in SELECTABLE_KINDS:
+            raise ValueError(f"unknown backend kind {kind!r}")
+        table = self.candidates[kind]
+        if requested != "auto":
+            cand = table.get(requested)
+            if cand is None:
+                raise PluginError(
+                    f"unknown {kind} backend {requested!r}; registered: {sorted(table) or 'none'}"
+                    + self._load_error_note()
+                )
+            reasons = cand.cls.unsupported_reasons(query)
+            if reasons:
+                raise PluginError(
+                    f"{kind} backend {requested!r} (plugin {cand.plugin!r}) cannot serve {query.describe()}: "
+                    + "; ".join(reasons)
+                )
+            return cand.cls
+        rejected = []
+        for cand in sorted(table.values(), key=lambda c: (-c.priority, c.name)):
+            reasons = cand.cls.unsupported_reasons(query)
+            if not reasons:
+                logger.info("selected %s backend %s (plugin %s)", kind, cand.name, cand.plugin)
+                return cand.cls
+            rejected.append(f"{cand.name}: {'; '.join(reasons)}")
+            logger.info("rejected %s backend %s: %s", kind, cand.name, "; ".join(reasons))
+        raise PluginError(
+            f"no {kind} backend supports {query.describe()}; rejected: {rejected or 'none registered'}"
+            + self._load_error_note()
+        )
+
+    def model_class(self, architecture: str) -> type:
+        cand = self.candidates["model"].get(architecture)
+        if cand is None:
+            raise PluginError(
+                f"model architecture {architecture!r} is not registered; registered: "
+                f"{sorted(self.candidates['model'])}" + self._load_error_note()
+            )
+        return cand.cls
+
+    def report(self) -> dict[str, Any]:
+        """What ``radixserve plugins`` prints: plugins, their backends, and usability here."""
+        candidates = self.candidates
+        platform_rows, device_for_query = [], None
+        for cand in sorted(candidates["platform"].values(), key=lambda c: -c.priority):
+            reasons = cand.cls.unavailable_reasons()
+            platform_rows.append({"name": cand.name, "plugin": cand.plugin, "usable": not reasons, "reasons": reasons})
+            if not reasons and device_for_query is None:
+                device_for_query = cand.cls
+        backends: dict[str, list[dict[str, Any]]] = {"platform": platform_rows}
+        query = None
+        if device_for_query is not None:
+            query = KernelQuery(device=device_for_query.name, dtype=device_for_query.default_dtype)
+        for kind in SELECTABLE_KINDS:
+            rows = []
+            for cand in sorted(candidates[kind].values(), key=lambda c: (-c.priority, c.name)):
+                reasons = cand.cls.unsupported_reasons(query) if query else ["no usable device platform"]
+                rows.append({"name": cand.name, "plugin": cand.plugin, "priority": cand.priority,
+                             "usable": not reasons, "reasons": reasons})
+            backends[kind] = rows
+        backends["model"] = [{"name": c.name, "plugin": c.plugin} for c in candidates["model"].values()]
+        plugins = [
+            {"name": i.name, "distribution": i.distribution, "version": i.version, "module": i.module,
+             "hooks": i.hooks, "registered": i.registered, "error": i.error}
+            for i in self.plugins.values()
+        ]
+        return {"device_checked": query.device if query else None, "plugins": plugins, "backends": backends}
+
+
+_registry: Optional[PluginRegistry] = None
+
+
+def get_registry() -> PluginRegistry:
+    global _registry
+    if _registry is None:
+        _registry = PluginRegistry()
+    return _registry

@@ -1,0 +1,37 @@
+"""Reference backends in plain PyTorch: device ``cpu``, and the numerical ground
+truth every other backend is tested against. Registered through the
+``radixserve`` entry point exactly as a third-party plugin would be."""
+
+from radixserve.hooks import Register, hookimpl
+
+from radixserve_torch.attention import TorchNativeAttention
+from radixserve_torch.gemm import TorchGemm
+from radixserve_torch.moe import TorchNativeMoE
+from radixserve_torch.platform import CpuPlatform
+from radixserve_torch.quantization import Int8WeightOnly, NoQuantization
+
+
+@hookimpl
+def register_platforms(register: Register) -> None:
+    register(CpuPlatform)
+
+
+@hookimpl
+def register_attention_backends(register: Register) -> None:
+    register(TorchNativeAttention)
+
+
+@hookimpl
+def register_gemm_backends(register: Register) -> None:
+    register(TorchGemm)
+
+
+@hookimpl
+def register_moe_backends(register: Register) -> None:
+    register(TorchNativeMoE)
+
+
+@hookimpl
+def register_quantization_methods(register: Register) -> None:
+    register(NoQuantization)
+    register(Int8WeightOnly)

@@ -1,0 +1,65 @@
+"""Paged attention in plain PyTorch: the reference every other backend must match."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.forward_batch import ForwardBatch
+from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
+
+
+class TorchNativeAttention(AttentionBackend):
+    name = "torch_native"
+    priority = 0
+
+    @classmethod
+    def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
+        reasons = []
+        if query.num_heads is not None and query.num_kv_heads and query.num_heads % query.num_kv_heads:
+            reasons.append(f"num_heads {query.num_heads} is not a multiple of num_kv_heads {query.num_kv_heads}")
+        return reasons
+
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        out = torch.empty_like(q)
+        for i, start in enumerate(batch.extend_start_loc):
+            n, seq_len = batch.extend_lens_cpu[i], batch.seq_lens_cpu[i]
+            slots = batch.req_to_token[batch.req_pool_indices[i], :seq_len]
+            k = k_buf[slots].to(q.dtype)
+            v = v_buf[slots].to(q.dtype)
+            # Query j sits at position prefix+j and sees keys 0..prefix+j.
+            prefix = seq_len - n
+            mask = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
+            out[start : start + n] = _sdpa(q[start : start + n], k, v, mask, layer)
+        return out
+
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        max_len = max(batch.seq_lens_cpu)
+        slots = batch.req_to_token[batch.req_pool_indices, :max_len]  # [B, S]; padding points anywhere
+        positions = torch.arange(max_len, device=q.device)
+        mask = positions[None, :] < batch.seq_lens[:, None]  # [B, S]
+        k = k_buf[slots].to(q.dtype)  # [B, S, KVH, D]
+        v = v_buf[slots].to(q.dtype)
+        return _sdpa_batched(q, k, v, mask, layer)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: AttentionLayerSpec) -> torch.Tensor:
+    """q [n, H, D], k/v [S, KVH, D], mask [n, S] -> [n, H, D]."""
+    group = layer.num_heads // layer.num_kv_heads
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=layer.scaling
+    )
+    return o.transpose(0, 1)
+
+
+def _sdpa_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: AttentionLayerSpec) -> torch.Tensor:
+    """q [B, H, D], k/v [B, S, KVH, D], mask [B, S] -> [B, H, D]."""
+    group = layer.num_heads // layer.num_kv_heads
+    k = k.repeat_interleave(group, dim=2).transpose(1, 2)  # [B, H, S, D]
+    v = v.repeat_interleave(group, dim=2).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=layer.scaling)
+    return o.squeeze(2)
