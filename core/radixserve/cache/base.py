@@ -1,0 +1,82 @@
+"""The interface the scheduler uses for prefix caching, shared by RadixCache and ChunkCache.
+
+Ownership of a request's KV slots: the first ``num_cached`` tokens belong to the
+cache (pinned through ``last_node``), the rest are the request's own. The
+request-level helpers move slots between the two and free what nobody owns, so
+that at all times
+
+    allocator.available_size() + requests' own slots (whole pages)
+        + cache.total_size() == allocator.size
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class MatchResult:
+    """A cached prefix: the KV ``slots`` of its tokens (page aligned) and ``last_node``,
+    an opaque handle to pass back to the cache for locking and unlocking."""
+
+    slots: torch.Tensor
+    last_node: Any
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slots.numel()
+
+
+class PrefixCache(ABC):
+    @abstractmethod
+    def match_prefix(self, token_ids: list[int]) -> MatchResult:
+        """The longest cached page-aligned prefix of ``token_ids`` (not locked)."""
+
+    @abstractmethod
+    def inc_lock_ref(self, node: Any) -> None:
+        """Pin ``node`` and its ancestors so they cannot be evicted."""
+
+    @abstractmethod
+    def dec_lock_ref(self, node: Any) -> None:
+        """Undo one ``inc_lock_ref(node)``."""
+
+    @abstractmethod
+    def cache_finished_req(self, token_ids: list[int], slots: torch.Tensor, last_node: Any, num_cached: int) -> None:
+        """A request is done. ``slots[i]`` is the KV slot of ``token_ids[i]``; the first
+        ``num_cached`` came from the cache and are locked through ``last_node``. Keeps
+        what is worth caching, frees the rest of the request's slots, and unlocks."""
+
+    @abstractmethod
+    def cache_unfinished_req(self, token_ids: list[int], slots: torch.Tensor, last_node: Any, num_cached: int) -> MatchResult:
+        """Cache a running request's KV so far (chunked prefill). Returns the request's new
+        cached prefix, already locked (the old ``last_node`` is unlocked): its slots
+        replace the first ``num_tokens`` entries of the request's row, and its
+        ``num_tokens`` is the request's new ``num_cached``. Slots past it stay the request's."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least ``num_tokens`` slots if possible; returns how many were freed."""
+
+    @abstractmethod
+    def reset(self) -> bool:
+        """Drop everything cached; False (and nothing done) while anything is locked."""
+
+    @abstractmethod
+    def evictable_size(self) -> int:
+        """Tokens held by the cache that nothing has locked."""
+
+    @abstractmethod
+    def protected_size(self) -> int:
+        """Tokens held by the cache and locked by running requests."""
+
+    def total_size(self) -> int:
+        """Tokens held by the cache."""
+        return self.evictable_size() + self.protected_size()
+
+    @abstractmethod
+    def check_invariants(self) -> None:
+        """Recompute the bookkeeping from scratch and assert it matches (for tests)."""

@@ -1,0 +1,263 @@
+"""RadixAttention prefix cache: a radix tree over token ids whose values are KV slots.
+
+Only whole pages are stored: every node's key is a multiple of ``page_size``
+tokens, so every match is page aligned and every node owns whole pages, which
+it hands back to the allocator when evicted. A node's children are indexed by
+their first page of token ids, so a lookup costs one dict probe per level.
+
+A node is *protected* while its ``lock_ref`` is positive (a running request
+reads its KV, or that of a descendant) and *evictable* otherwise; eviction
+takes unlocked leaves in least-recently-used order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+import torch
+
+from radixserve.cache.base import MatchResult, PrefixCache
+from radixserve.cache.memory_pool import PagedAllocator
+
+
+@dataclass(eq=False)
+class TreeNode:
+    key: list[int]
+    value: torch.Tensor  # int64 KV slots of ``key``, one per token
+    parent: Optional[TreeNode]
+    id: int  # creation order; breaks LRU ties deterministically
+    last_access: int
+    children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
+    lock_ref: int = 0
+
+
+class RadixCache(PrefixCache):
+    def __init__(self, allocator: PagedAllocator, page_size: int):
+        if allocator.page_size != page_size:
+            raise ValueError(f"page_size {page_size} != allocator page size {allocator.page_size}")
+        self.allocator = allocator
+        self.page_size = page_size
+        self._clock = itertools.count()
+        self._ids = itertools.count()
+        self._new_tree()
+
+    def _new_tree(self) -> None:
+        empty = torch.empty(0, dtype=torch.int64, device=self.allocator.device)
+        self.root = TreeNode(key=[], value=empty, parent=None, id=next(self._ids), last_access=next(self._clock))
+        self._evictable = 0
+        self._protected = 0
+
+    # ------------------------------------------------------------------ lookup
+
+    def match_prefix(self, token_ids: list[int]) -> MatchResult:
+        """Longest cached page-aligned prefix. A match ending inside a node splits it, so
+        that ``last_node`` covers exactly the matched tokens and can be locked alone."""
+        now = next(self._clock)
+        node, pos, values = self.root, 0, []
+        node.last_access = now
+        while len(token_ids) - pos >= self.page_size:
+            child = node.children.get(self._page(token_ids, pos))
+            if child is None:
+                break
+            n = self._match_len(child.key, token_ids, pos, len(token_ids))
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            values.append(child.value)
+            node, pos = child, pos + n
+        slots = torch.cat(values) if values else self.root.value
+        return MatchResult(slots=slots, last_node=node)
+
+    def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
+        """Store the page-aligned part of ``token_ids`` with ``slots`` (one per token).
+        Returns how many leading tokens were already cached: the caller's slots for
+        those are duplicates the tree did not take. The rest now belong to the tree."""
+        if slots.numel() != len(token_ids):
+            raise ValueError(f"{len(token_ids)} tokens but {slots.numel()} slots")
+        end = len(token_ids) - len(token_ids) % self.page_size
+        now = next(self._clock)
+        node, pos = self.root, 0
+        node.last_access = now
+        while pos < end:
+            page = self._page(token_ids, pos)
+            child = node.children.get(page)
+            if child is None:
+                leaf = TreeNode(
+                    key=token_ids[pos:end],
+                    value=slots[pos:end].clone(),  # callers may pass a view of their req_to_token row
+                    parent=node,
+                    id=next(self._ids),
+                    last_access=now,
+                )
+                node.children[page] = leaf
+                self._evictable += end - pos
+                return pos
+            n = self._match_len(child.key, token_ids, pos, end)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access = now
+            node, pos = child, pos + n
+        return pos
+
+    def _page(self, token_ids: list[int], pos: int) -> tuple[int, ...]:
+        return tuple(token_ids[pos : pos + self.page_size])
+
+    def _match_len(self, key: list[int], token_ids: list[int], start: int, end: int) -> int:
+        """Whole pages of ``key`` that equal ``token_ids[start:end]``, in tokens."""
+        ps = self.page_size
+        limit = min(len(key), end - start)
+        limit -= limit % ps
+        i = 0
+        while i < limit and key[i : i + ps] == token_ids[start + i : start + i + ps]:
+            i += ps
+        return i
+
+    def _split(self, node: TreeNode, n: int) -> TreeNode:
+        """Cut ``node`` after its first ``n`` tokens; returns the new upper half, which
+        inherits the locks (every lock through ``node`` also passes through it)."""
+        upper = TreeNode(
+            key=node.key[:n],
+            value=node.value[:n],
+            parent=node.parent,
+            id=next(self._ids),
+            last_access=node.last_access,
+            lock_ref=node.lock_ref,
+        )
+        node.parent.children[self._page(node.key, 0)] = upper
+        node.key, node.value, node.parent = node.key[n:], node.value[n:], upper
+        upper.children[self._page(node.key, 0)] = node
+        return upper
+
+    # ----------------------------------------------------------------- locking
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._evictable -= len(node.key)
+                self._protected += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise RuntimeError("dec_lock_ref on an unlocked node")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected -= len(node.key)
+                self._evictable += len(node.key)
+            node = node.parent
+
+    # ---------------------------------------------------------- request level
+
+    def cache_finished_req(self, token_ids: list[int], slots: torch.Tensor, last_node: TreeNode, num_cached: int) -> None:
+        aligned = self._insert_req(token_ids, slots, num_cached)
+        self.allocator.free(slots[aligned:])  # the partial last page is never cached
+        self.dec_lock_ref(last_node)
+
+    def cache_unfinished_req(self, token_ids: list[int], slots: torch.Tensor, last_node: TreeNode, num_cached: int) -> MatchResult:
+        aligned = self._insert_req(token_ids, slots, num_cached)
+        match = self.match_prefix(token_ids[:aligned])
+        assert match.num_tokens == aligned, "nothing can evict between insert and match"
+        self.inc_lock_ref(match.last_node)
+        self.dec_lock_ref(last_node)
+        return match
+
+    def _insert_req(self, token_ids: list[int], slots: torch.Tensor, num_cached: int) -> int:
+        """Insert a request's page-aligned tokens and free its slots the tree already had.
+        Returns the aligned length. Slots ``[num_cached, present)`` are whole pages the
+        request allocated itself (its cached prefix and its own pages are page aligned)."""
+        if num_cached % self.page_size or num_cached > len(token_ids):
+            raise ValueError(f"num_cached={num_cached} must be page aligned and <= {len(token_ids)} tokens")
+        aligned = len(token_ids) - len(token_ids) % self.page_size
+        present = self.insert(token_ids[:aligned], slots[:aligned])
+        self.allocator.free(slots[num_cached:present])
+        return aligned
+
+    # ---------------------------------------------------------------- eviction
+
+    def evict(self, num_tokens: int) -> int:
+        """Free unlocked leaves, least recently used first, until ``num_tokens`` are freed
+        or nothing evictable is left. A parent whose children are all gone joins in."""
+        heap = [(n.last_access, n.id, n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, node = heapq.heappop(heap)
+            self.allocator.free(node.value)
+            freed += len(node.key)
+            self._evictable -= len(node.key)
+            parent = node.parent
+            del parent.children[self._page(node.key, 0)]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return freed
+
+    def reset(self) -> bool:
+        if self._protected:
+            return False
+        for node in self._nodes():
+            self.allocator.free(node.value)
+        self._new_tree()
+        return True
+
+    # ------------------------------------------------------------------- sizes
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def _nodes(self) -> Iterator[TreeNode]:
+        """Every node but the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def check_invariants(self) -> None:
+        ps = self.page_size
+        evictable = protected = 0
+        pages: set[int] = set()
+        for node in self._nodes():
+            n = len(node.key)
+            assert n > 0 and n % ps == 0, f"node key of {n} tokens is not whole pages"
+            assert node.value.numel() == n, "key and value lengths differ"
+            assert node.parent.children.get(self._page(node.key, 0)) is node, "child indexed under the wrong page"
+            assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "child locked more than parent"
+            rows = node.value.view(-1, ps)
+            assert bool((rows - rows[:, :1] == torch.arange(ps, device=rows.device)).all()), "page not contiguous"
+            assert bool((rows[:, 0] % ps == 0).all()), "page does not start on a page boundary"
+            node_pages = (rows[:, 0] // ps).tolist()
+            assert 0 not in node_pages, "reserved page 0 cached"
+            assert pages.isdisjoint(node_pages) and len(set(node_pages)) == len(node_pages), "page cached twice"
+            pages.update(node_pages)
+            if node.lock_ref:
+                protected += n
+            else:
+                evictable += n
+        assert (evictable, protected) == (self._evictable, self._protected), (
+            f"tracked evictable/protected {self._evictable}/{self._protected}, tree has {evictable}/{protected}"
+        )
+
+    # ------------------------------------------------------------------- debug
+
+    def pretty_print(self) -> None:
+        print(self)
+        stack = [(child, 1) for child in self.root.children.values()]
+        while stack:
+            node, depth = stack.pop()
+            head = " ".join(map(str, node.key[:8])) + (" ..." if len(node.key) > 8 else "")
+            print(f"{'  ' * depth}[{len(node.key)}] {head}  lock={node.lock_ref} t={node.last_access}")
+            stack.extend((child, depth + 1) for child in node.children.values())
+
+    def __repr__(self) -> str:
+        return (
+            f"RadixCache(page_size={self.page_size}, nodes={sum(1 for _ in self._nodes())}, "
+            f"evictable={self._evictable}, protected={self._protected})"
+        )

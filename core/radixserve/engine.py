@@ -1,0 +1,144 @@
+"""The offline API, in the style of ``sglang.Engine``: the same processes as the
+server (scheduler, detokenizer, tokenizer manager), without HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any, Iterator, Optional, Union
+
+from transformers import AutoTokenizer
+
+from radixserve.config import ServerArgs
+from radixserve.launch import launch_runtime
+from radixserve.model_source import resolve_model_path
+from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, list[str], None]
+InputIds = Union[list[int], list[list[int]], None]
+Params = Union[dict, list[dict], None]
+
+
+class Engine:
+    """``Engine(model_path=..., **server_args)``; every ServerArgs field is a keyword."""
+
+    def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
+        self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        self.model_path = resolve_model_path(self.args)
+        self._runtime = launch_runtime(self.args, self.model_path)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="engine-loop")
+        self._thread.start()
+        summary = self._runtime.summary
+        tokenizer = AutoTokenizer.from_pretrained(self._runtime.tokenizer_path)
+
+        async def make() -> TokenizerManager:
+            tm = TokenizerManager(self.args, tokenizer, self._runtime.endpoints, summary["context_length"],
+                                  summary["vocab_size"])
+            tm.start()
+            return tm
+
+        self.tokenizer_manager = self._call(make())
+        self._runtime.watch(lambda reason: self._loop.call_soon_threadsafe(self.tokenizer_manager.fail_all, reason))
+        self._closed = False
+
+    @property
+    def tokenizer(self):
+        return self.tokenizer_manager.tokenizer
+
+    def server_info(self) -> dict:
+        return self._call(self.tokenizer_manager.control("server_info"))
+
+    def flush_cache(self) -> bool:
+        return self._call(self.tokenizer_manager.control("flush_cache"))
+
+    def generate(
+        self,
+        prompt: Prompt = None,
+        sampling_params: Params = None,
+        input_ids: InputIds = None,
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        logprob_start_len: int = -1,
+        stream: bool = False,
+        rid: Optional[str] = None,
+    ) -> Union[dict, list, Iterator[dict]]:
+        """A dict for one prompt, a list for a batch (a list per prompt when n > 1);
+        with ``stream=True`` an iterator of incremental results (text deltas)."""
+        if prompt is not None and input_ids is not None:
+            raise ValueError("prompt: give either prompt or input_ids, not both")
+        is_batch = isinstance(prompt, list) or (isinstance(input_ids, list) and bool(input_ids)
+                                                and isinstance(input_ids[0], list))
+        texts = (prompt if isinstance(prompt, list) else [prompt]) if prompt is not None else None
+        ids = (input_ids if is_batch else [input_ids]) if input_ids is not None else None
+        count = len(texts if texts is not None else ids if ids is not None else [None])
+        if isinstance(sampling_params, list):
+            if len(sampling_params) != count:
+                raise ValueError(f"sampling_params: {len(sampling_params)} given for {count} prompts")
+            params = sampling_params
+        else:
+            params = [sampling_params] * count
+        inputs = [
+            GenerateInput(
+                text=texts[i] if texts is not None else None,
+                input_ids=ids[i] if ids is not None else None,
+                sampling_params=dict(params[i] or {}),
+                return_logprob=return_logprob,
+                top_logprobs_num=top_logprobs_num,
+                logprob_start_len=logprob_start_len,
+                stream=stream,
+                rid=(rid if count == 1 else f"{rid}-{i}") if rid else None,
+            )
+            for i in range(count)
+        ]
+        if stream:
+            if is_batch:
+                raise ValueError("stream: streaming takes a single prompt")
+            return self._stream(inputs[0])
+        results = self._call(asyncio.gather(*(self._collect(inp) for inp in inputs)))
+        return results if is_batch else results[0]
+
+    async def _collect(self, inp: GenerateInput) -> Union[dict, list[dict]]:
+        outs = [out async for out in self.tokenizer_manager.generate(inp)]
+        outs.sort(key=lambda o: o["index"])
+        return outs[0] if len(outs) == 1 else outs
+
+    def _stream(self, inp: GenerateInput) -> Iterator[dict]:
+        agen = self.tokenizer_manager.generate(inp)
+        try:
+            while True:
+                try:
+                    yield self._call(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._call(agen.aclose())
+
+    def _call(self, coro):
+        if self._closed if hasattr(self, "_closed") else False:
+            raise RuntimeError("the engine is shut down")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def shutdown(self) -> None:
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._runtime.shutdown()
+        self._loop.call_soon_threadsafe(self.tokenizer_manager.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

@@ -1,0 +1,58 @@
+"""ZMQ plumbing shared by the processes: endpoints, sockets, child-process hygiene."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import zmq
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    """IPC addresses: who binds which (the receiver binds)."""
+
+    scheduler: str  # scheduler PULLs requests from the tokenizer manager
+    detokenizer: str  # detokenizer PULLs token batches from the scheduler
+    tokenizer_manager: str  # tokenizer manager PULLs text batches and control replies
+
+    @classmethod
+    def fresh(cls) -> "Endpoints":
+        base = tempfile.mkdtemp(prefix="radixserve-")
+        return cls(*(f"ipc://{base}/{name}" for name in ("scheduler", "detokenizer", "tokenizer_manager")))
+
+
+def push_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def pull_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(address)
+    return sock
+
+
+def die_with_parent() -> None:
+    """In a child process: exit when the parent does, so nothing is orphaned."""
+    parent = os.getppid()
+    try:  # Linux: the kernel delivers SIGTERM when the parent dies
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:  # portable fallback
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()

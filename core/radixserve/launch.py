@@ -1,0 +1,92 @@
+"""Starts the runtime processes shared by the HTTP server and the offline Engine:
+the scheduler and the detokenizer, spawned (never forked), wired by ZMQ."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from radixserve.config import ServerArgs
+from radixserve.ipc import Endpoints
+from radixserve.runtime.scheduler_process import run_scheduler_process
+from radixserve.server.detokenizer import run_detokenizer_process
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 600
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+@dataclass
+class RuntimeProcesses:
+    args: ServerArgs
+    model_path: str
+    tokenizer_path: str
+    endpoints: Endpoints
+    summary: dict
+    processes: list[mp.Process] = field(default_factory=list)
+    _stopping: bool = False
+
+    def watch(self, on_death: Callable[[str], None]) -> None:
+        """Call ``on_death(reason)`` once, from a thread, if a child exits while we run."""
+
+        def wait() -> None:
+            from multiprocessing.connection import wait as wait_any
+
+            wait_any([p.sentinel for p in self.processes])
+            if self._stopping:
+                return
+            dead = [p for p in self.processes if not p.is_alive()]
+            reason = ", ".join(f"{p.name} exited with code {p.exitcode}" for p in dead)
+            logger.error("runtime process died: %s", reason)
+            on_death(reason)
+
+        threading.Thread(target=wait, daemon=True, name="process-watch").start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in self.processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def launch_runtime(args: ServerArgs, model_path: str) -> RuntimeProcesses:
+    ctx = mp.get_context("spawn")
+    endpoints = Endpoints.fresh()
+    tokenizer_path = args.tokenizer_path or model_path
+    ready_recv, ready_send = ctx.Pipe(duplex=False)
+    scheduler = ctx.Process(target=run_scheduler_process, name="scheduler",
+                            args=(args, model_path, endpoints, ready_send), daemon=True)
+    detokenizer = ctx.Process(target=run_detokenizer_process, name="detokenizer",
+                              args=(tokenizer_path, endpoints, args.log_level), daemon=True)
+    runtime = RuntimeProcesses(args, model_path, tokenizer_path, endpoints, summary={},
+                               processes=[scheduler, detokenizer])
+    scheduler.start()
+    detokenizer.start()
+    ready_send.close()
+    try:
+        if not ready_recv.poll(STARTUP_TIMEOUT_S):
+            raise StartupError(f"the scheduler did not start within {STARTUP_TIMEOUT_S} s")
+        status: Optional[dict] = ready_recv.recv()
+    except EOFError:
+        status = None
+    except BaseException:
+        runtime.shutdown()
+        raise
+    if not status or "error" in status:
+        runtime.shutdown()
+        detail = status["error"] if status else f"the scheduler exited with code {scheduler.exitcode}"
+        raise StartupError(f"the scheduler failed to start:\n{detail}")
+    runtime.summary = status["summary"]
+    return runtime

@@ -1,0 +1,88 @@
+"""A request as the scheduler tracks it, from queueing to completion."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from radixserve.messages import GenerateRequest
+from radixserve.runtime.stop import FinishReason
+from radixserve.sampling.params import SamplingParams
+
+_arrival = itertools.count()
+
+
+@dataclass
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1
+    stream: bool = False
+    priority: int = 0
+    arrival: int = field(default_factory=lambda: next(_arrival))
+
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[FinishReason] = None
+
+    # Memory. The request's tokens are fill_ids = origin_input_ids + output_ids;
+    # the first kv_len of them have KV in the pool, at req_to_token[req_pool_idx].
+    # The first num_cached of those belong to the prefix cache, pinned via last_node.
+    req_pool_idx: Optional[int] = None
+    kv_len: int = 0
+    num_cached: int = 0
+    last_node: Any = None
+    # Tokens this step extends (set by the scheduler when it schedules an extend).
+    extend_len: int = 0
+    # Prompt tokens served from the cache when the request was first scheduled.
+    cached_tokens: int = -1
+    num_retractions: int = 0
+
+    # Per-request sampling RNG (seeded requests), kept across retractions.
+    generator: Optional[torch.Generator] = None
+
+    # Logprob accumulators and streaming bookkeeping.
+    output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_logprobs: Optional[list] = None
+    input_top_logprobs: Optional[list] = None
+    sent_len: int = 0
+    input_logprobs_done: bool = False
+
+    @classmethod
+    def from_message(cls, msg: GenerateRequest) -> "Req":
+        return cls(
+            rid=msg.rid,
+            origin_input_ids=list(msg.input_ids),
+            sampling_params=msg.sampling_params,
+            return_logprob=msg.return_logprob,
+            top_logprobs_num=msg.top_logprobs_num,
+            logprob_start_len=msg.logprob_start_len,
+            stream=msg.stream,
+            priority=msg.priority,
+        )
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return self.return_logprob and 0 <= self.logprob_start_len < len(self.origin_input_ids) and not self.input_logprobs_done
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.sampling_params.max_new_tokens - len(self.output_ids), 0)

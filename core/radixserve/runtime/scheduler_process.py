@@ -1,0 +1,75 @@
+"""The scheduler process: receive requests, step the Scheduler, send token batches."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from multiprocessing.connection import Connection
+
+import zmq
+
+from radixserve.config import ServerArgs
+from radixserve.ipc import Endpoints, die_with_parent, pull_socket, push_socket
+from radixserve.logging_utils import configure_logging
+from radixserve.messages import AbortRequest, ControlReply, ControlRequest, GenerateRequest, TokenBatch
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 50
+
+
+def run_scheduler_process(args: ServerArgs, model_path: str, endpoints: Endpoints, ready: Connection) -> None:
+    die_with_parent()
+    configure_logging(args.log_level, prefix="scheduler")
+    try:
+        from transformers import AutoTokenizer
+
+        from radixserve.runtime.scheduler import Scheduler
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path)
+        scheduler = Scheduler(args, model_path, tokenizer)
+    except Exception:
+        ready.send({"error": traceback.format_exc()})
+        return
+    ready.send({"summary": scheduler.runner.summary()})
+    ctx = zmq.Context()
+    recv = pull_socket(ctx, endpoints.scheduler)
+    to_detok = push_socket(ctx, endpoints.detokenizer)
+    to_tm = push_socket(ctx, endpoints.tokenizer_manager)
+    poller = zmq.Poller()
+    poller.register(recv, zmq.POLLIN)
+    checked_idle = False
+    while True:
+        if not scheduler.has_work():
+            poller.poll(IDLE_POLL_MS)
+        while True:
+            try:
+                msg = recv.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            checked_idle = False
+            if isinstance(msg, GenerateRequest):
+                scheduler.add_request(msg)
+            elif isinstance(msg, AbortRequest):
+                scheduler.abort(msg.rid)
+            elif isinstance(msg, ControlRequest):
+                to_tm.send_pyobj(ControlReply(msg.kind, msg.call_id, _control(scheduler, msg.kind)))
+            else:
+                logger.error("unknown message %r", type(msg).__name__)
+        outputs = scheduler.step() if scheduler.has_work() else scheduler.step_outputs()
+        if outputs:
+            to_detok.send_pyobj(TokenBatch(outputs))
+        if not scheduler.has_work() and not checked_idle:
+            checked_idle = True
+            if not scheduler.check_memory():
+                logger.error("KV memory invariant broken while idle: %s", scheduler.stats())
+
+
+def _control(scheduler, kind: str):
+    if kind == "server_info":
+        return {"stats": scheduler.stats().__dict__, **scheduler.runner.summary()}
+    if kind == "flush_cache":
+        return scheduler.flush_cache()
+    if kind == "health":
+        return True
+    return {"error": f"unknown control request {kind!r}"}

@@ -1,0 +1,170 @@
+"""The plugin contract: discovery through entry points, kept load errors,
+selection with reasons, allow-list, and rejection of misspelt hooks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixserve.hooks import hookimpl
+from radixserve.kernels import AttentionBackend, KernelQuery
+from radixserve.registry import PluginError, PluginRegistry
+from radixserve_torch.attention import TorchNativeAttention
+
+QUERY = KernelQuery(device="cpu", dtype=torch.float32, head_dim=64, num_heads=4, num_kv_heads=2)
+
+
+class Fp16OnlyAttention(TorchNativeAttention):
+    name = "fp16_only"
+    priority = 50
+
+    @classmethod
+    def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
+        return [] if query.dtype == torch.float16 else [f"dtype {query.dtype} is not float16"]
+
+
+class FirstChoiceAttention(TorchNativeAttention):
+    name = "first_choice"
+    priority = 10
+
+
+class AttentionPlugin:
+    @hookimpl
+    def register_attention_backends(self, register):
+        register(Fp16OnlyAttention)
+        register(FirstChoiceAttention)
+
+
+def make_dist(root: Path, dist: str, entry_name: str, module: str, source: str) -> None:
+    """A minimal installed distribution on a path: dist-info with an entry point."""
+    (root / f"{module}.py").write_text(textwrap.dedent(source))
+    info = root / f"{dist.replace('-', '_')}-1.2.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.2.3\n")
+    (info / "entry_points.txt").write_text(f"[radixserve]\n{entry_name} = {module}\n")
+
+
+def plugins_json(extra_path: Path, **env: str) -> dict:
+    environ = {**os.environ, "PYTHONPATH": f"{extra_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
+    out = subprocess.run([sys.executable, "-m", "radixserve.cli", "plugins", "--json"], env=environ,
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_torch_plugin_found_through_entry_point():
+    report = PluginRegistry().report()
+    torch_plugin = next(p for p in report["plugins"] if p["name"] == "torch")
+    assert torch_plugin["distribution"] == "radixserve"
+    assert torch_plugin["registered"]["attention"] == ["torch_native"]
+    assert {"none", "int8"} <= set(torch_plugin["registered"]["quantization"])
+    assert report["backends"]["platform"][0] == {"name": "cpu", "plugin": "torch", "usable": True, "reasons": []}
+
+
+def test_registered_plugin_backend_selected_by_name_and_by_priority():
+    registry = PluginRegistry()
+    registry.register_plugin(AttentionPlugin(), "test-attention")
+    assert registry.select("attention", QUERY, "first_choice") is FirstChoiceAttention
+    # auto: fp16_only has the highest priority but rejects float32, so first_choice wins
+    assert registry.select("attention", QUERY) is FirstChoiceAttention
+    fp16 = KernelQuery(device="cpu", dtype=torch.float16, head_dim=64, num_heads=4, num_kv_heads=2)
+    assert registry.select("attention", fp16) is Fp16OnlyAttention
+    registry.unregister_plugin("test-attention")
+    assert registry.select("attention", QUERY) is TorchNativeAttention
+
+
+def test_forcing_an_unsupported_backend_names_the_reason():
+    registry = PluginRegistry()
+    registry.register_plugin(AttentionPlugin(), "test-attention")
+    with pytest.raises(PluginError, match=r"fp16_only.*dtype torch.float32 is not float16"):
+        registry.select("attention", QUERY, "fp16_only")
+    with pytest.raises(PluginError, match=r"unknown attention backend 'nope'.*torch_native"):
+        registry.select("attention", QUERY, "nope")
+
+
+def test_misspelt_hookimpl_is_rejected():
+    class Misspelt:
+        @hookimpl
+        def register_attention_backend(self, register):  # missing "s"
+            register(FirstChoiceAttention)
+
+    registry = PluginRegistry()
+    info = registry.register_plugin(Misspelt(), "misspelt")
+    assert info.error is not None and "register_attention_backend" in info.error
+    assert "first_choice" not in registry.candidates["attention"]
+
+
+def test_registration_error_is_kept_not_swallowed():
+    class Broken:
+        @hookimpl
+        def register_gemm_backends(self, register):
+            raise RuntimeError("kernel library missing symbol")
+
+    registry = PluginRegistry()
+    registry.register_plugin(Broken(), "broken")
+    assert "kernel library missing symbol" in registry.load_errors()["broken"]
+
+
+def test_import_failure_is_reported_by_cli(tmp_path):
+    make_dist(tmp_path, "radixserve-plugin-broken", "broken", "broken_plugin",
+              "raise ImportError('libfancy.so: cannot open shared object file')\n")
+    report = plugins_json(tmp_path)
+    broken = next(p for p in report["plugins"] if p["name"] == "broken")
+    assert broken["distribution"] == "radixserve-plugin-broken"
+    assert broken["version"] == "1.2.3"
+    assert "libfancy.so" in broken["error"]
+    # The healthy plugin is still there and usable.
+    assert any(p["name"] == "torch" and p["error"] is None for p in report["plugins"])
+
+
+def test_third_party_platform_and_backend_from_entry_point(tmp_path):
+    make_dist(tmp_path, "radixserve-plugin-fakeaccel", "fakeaccel", "fakeaccel_plugin", """
+        from radixserve.hooks import hookimpl
+        from radixserve.platform import Platform
+
+        class FakeAccel(Platform):
+            name = "fakeaccel"
+            priority = 100
+            @classmethod
+            def unavailable_reasons(cls):
+                return ["no fakeaccel devices found (FAKEACCEL_VISIBLE_DEVICES is empty)"]
+
+        @hookimpl
+        def register_platforms(register):
+            register(FakeAccel)
+    """)
+    report = plugins_json(tmp_path)
+    row = next(r for r in report["backends"]["platform"] if r["name"] == "fakeaccel")
+    assert row == {"name": "fakeaccel", "plugin": "fakeaccel", "usable": False,
+                   "reasons": ["no fakeaccel devices found (FAKEACCEL_VISIBLE_DEVICES is empty)"]}
+    # The allow-list hides it.
+    report = plugins_json(tmp_path, RADIXSERVE_PLUGINS="torch")
+    assert [p["name"] for p in report["plugins"] if p["name"] != "radixserve-models"] == ["torch"]
+
+
+def test_device_resolution_is_loud():
+    registry = PluginRegistry()
+    assert registry.resolve_platform("cpu").name == "cpu"
+    assert registry.resolve_platform("auto").name == "cpu"
+    with pytest.raises(PluginError, match=r"--device 'cuda' is not a registered platform; available: cpu"):
+        registry.resolve_platform("cuda")
+
+
+def test_device_auto_refuses_to_guess_when_a_plugin_failed():
+    class Broken:
+        @hookimpl
+        def register_platforms(self, register):
+            raise ImportError("libcudart.so.13 not found")
+
+    registry = PluginRegistry()
+    registry.register_plugin(Broken(), "radixserve-cuda")
+    with pytest.raises(PluginError, match=r"(?s)refuses to guess.*radixserve-cuda.*libcudart"):
+        registry.resolve_platform("auto")
+    # Naming the device explicitly still works.
+    assert registry.resolve_platform("cpu").name == "cpu"
