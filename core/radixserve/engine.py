@@ -98,7 +98,10 @@ class Engine:
             if is_batch:
                 raise ValueError("stream: streaming takes a single prompt")
             return self._stream(inputs[0])
-        results = self._call(asyncio.gather(*(self._collect(inp) for inp in inputs)))
+        async def run_all() -> list:
+            return list(await asyncio.gather(*(self._collect(inp) for inp in inputs)))
+
+        results = self._call(run_all())
         return results if is_batch else results[0]
 
     async def _collect(self, inp: GenerateInput) -> Union[dict, list[dict]]:
@@ -118,7 +121,7 @@ class Engine:
             self._call(agen.aclose())
 
     def _call(self, coro):
-        if self._closed if hasattr(self, "_closed") else False:
+        if getattr(self, "_closed", False):
             raise RuntimeError("the engine is shut down")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 

@@ -6,8 +6,6 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import torch
-
 from radixserve.messages import GenerateRequest
 from radixserve.runtime.stop import FinishReason
 from radixserve.sampling.params import SamplingParams
@@ -42,9 +40,6 @@ class Req:
     # Prompt tokens served from the cache when the request was first scheduled.
     cached_tokens: int = -1
     num_retractions: int = 0
-
-    # Per-request sampling RNG (seeded requests), kept across retractions.
-    generator: Optional[torch.Generator] = None
 
     # Logprob accumulators and streaming bookkeeping.
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)

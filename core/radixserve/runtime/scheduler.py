@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from transformers import GenerationConfig
 
 from radixserve.cache.chunk_cache import ChunkCache
 from radixserve.cache.radix_cache import RadixCache
@@ -69,8 +70,9 @@ class Scheduler:
         self.caches_prefixes = not args.disable_radix_cache
         self.max_running = self.runner.max_running_requests
         self.context_length = self.runner.context_length
-        self.sampler = Sampler(self.runner.shape.vocab_size, self.runner.device, args.random_seed)
-        self.stop_checker = StopChecker(tokenizer, _eos_ids(self.runner.hf_config, tokenizer))
+        eos_ids = _eos_ids(self.runner.hf_config, _generation_config(model_path), tokenizer)
+        self.sampler = Sampler(self.runner.vocab_size, self.runner.device, args.random_seed, eos_ids)
+        self.stop_checker = StopChecker(tokenizer, eos_ids)
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -92,8 +94,6 @@ class Scheduler:
         if error is not None:
             self._finish(req, FinishReason(type="abort", matched=None, message=error))
             return
-        if req.sampling_params.seed is not None:
-            req.generator = self.sampler.make_generator(req.sampling_params.seed)
         self.waiting.append(req)
 
     def _admission_error(self, req: Req) -> Optional[str]:
@@ -382,12 +382,14 @@ class Scheduler:
     # ---- results -----------------------------------------------------------------
     def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
         out = self.sampler.sample(reqs, logits)
+        tokens = out.next_token_ids.tolist()
+        logprobs = out.chosen_logprobs.tolist() if out.chosen_logprobs is not None else None
         for i, req in enumerate(reqs):
-            token = int(out.next_token_ids[i])
+            token = tokens[i]
             req.output_ids.append(token)
             self.generation_tokens_total += 1
             if req.return_logprob:
-                req.output_token_logprobs.append((float(out.chosen_logprobs[i]), token))
+                req.output_token_logprobs.append((logprobs[i], token))
                 if req.top_logprobs_num > 0:
                     req.output_top_logprobs.append(out.top_logprobs_list(i, req.top_logprobs_num))
             reason = self.stop_checker.check(req.sampling_params, req.output_ids)
@@ -503,11 +505,21 @@ class Scheduler:
         return bool(self.tree.reset())
 
 
-def _eos_ids(hf_config, tokenizer) -> set[int]:
+def _eos_ids(hf_config, generation_config, tokenizer) -> set[int]:
+    """EOS ids from the model config, its generation config (e.g. Llama 3's
+    <|eot_id|>) and the tokenizer."""
     ids: set[int] = set()
-    for source in (getattr(hf_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+    sources = (hf_config, generation_config, tokenizer)
+    for source in (getattr(s, "eos_token_id", None) for s in sources):
         if isinstance(source, int):
             ids.add(source)
         elif isinstance(source, (list, tuple)):
             ids.update(int(x) for x in source)
     return ids
+
+
+def _generation_config(model_path: str):
+    try:
+        return GenerationConfig.from_pretrained(model_path)
+    except OSError:  # the file is optional
+        return None

@@ -1,21 +1,22 @@
 """The detokenizer process: token batches in, UTF-8-complete text deltas out.
 
-Stop strings: while a request runs, the last ``max(len(stop)) - 1`` characters
-are held back so a stop string is never partly streamed before it matches; at
-the finish the text is cut before the matched stop string (unless
-``no_stop_trim``), and a matched stop token id is left out of the text.
+Stop strings: while a request runs, a trailing prefix of any stop string is
+held back so a stop string is never partly streamed before it matches; at the
+finish the text is cut before the matched stop string and a matched stop token
+is left out of the text (both unless ``no_stop_trim``).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 
 from radixserve.ipc import Endpoints, die_with_parent, pull_socket, push_socket
 from radixserve.logging_utils import configure_logging
 from radixserve.messages import TextBatch, TextOutput, TokenBatch, TokenOutput
+from radixserve.runtime.stop import drop_stop_token, stop_holdback, trim_stop_string
 from radixserve.server.incremental_detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,6 @@ class _RequestText:
     decoder: IncrementalDetokenizer
     text: str = ""  # all text decoded so far
     sent: int = 0  # characters already sent
-    pending_ids: list[int] = field(default_factory=list)
 
 
 class DetokenizerState:
@@ -42,20 +42,14 @@ class DetokenizerState:
             decoder = IncrementalDetokenizer(self.tokenizer, out.skip_special_tokens, out.spaces_between_special_tokens)
             state = self.requests[out.rid] = _RequestText(decoder)
         finish = out.finish_reason
-        ids = out.new_token_ids
-        if finish is not None and isinstance(finish.get("matched"), int) and ids and ids[-1] == finish["matched"]:
-            ids = ids[:-1]  # the matched stop token is not part of the text
-        state.text += state.decoder.push(ids)
         if finish is None:
-            holdback = max((len(s) for s in out.stop_strings), default=1) - 1
-            end = max(len(state.text) - holdback, state.sent)
+            state.text += state.decoder.push(out.new_token_ids)
+            end = max(len(state.text) - stop_holdback(state.text, out.stop_strings), state.sent)
         else:
-            state.text += state.decoder.finish()
             matched = finish.get("matched")
-            if isinstance(matched, str) and not out.no_stop_trim:
-                cut = state.text.find(matched, 0)
-                if cut >= 0:
-                    state.text = state.text[:cut]
+            state.text += state.decoder.push(drop_stop_token(out.new_token_ids, matched, out.no_stop_trim))
+            state.text += state.decoder.finish()
+            state.text = trim_stop_string(state.text, matched, out.no_stop_trim, start=state.sent)
             end = len(state.text)
             del self.requests[out.rid]
         new_text = state.text[state.sent : end]

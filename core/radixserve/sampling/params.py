@@ -1,0 +1,155 @@
+"""Per-request sampling parameters, named as in SGLang's ``sampling_params``.
+
+Construction only normalizes shapes (``stop`` becomes a list, JSON's string keys
+of ``logit_bias`` become ints); ``validate`` is what rejects bad values, with a
+message that starts with the field name so the server can report it as is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+# Temperatures below this sample from a distribution so peaked that argmax is
+# the only sensible reading, and dividing by them overflows float32.
+GREEDY_TEMPERATURE = 1e-6
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Optional[dict[int, float]] = None
+    seed: Optional[int] = None
+    stop: Union[str, list[str], None] = field(default_factory=list)  # a list after __post_init__
+    stop_token_ids: Optional[list[int]] = field(default_factory=list)  # a list after __post_init__
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        # Normalize only what has the right shape; validate() reports the rest.
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
+
+    @classmethod
+    def from_dict(cls, d: Optional[dict[str, Any]]) -> "SamplingParams":
+        """Build from a request's JSON object; unknown keys are an error."""
+        d = d or {}
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in d:
+            if key not in known:
+                raise ValueError(f"unknown sampling parameter {key!r}")
+        return cls(**d)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling needs the request's token history."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    def validate(self, vocab_size: Optional[int] = None) -> None:
+        """Raise ValueError naming the first bad field; ``vocab_size`` bounds token ids."""
+        _int("max_new_tokens", self.max_new_tokens, low=0)
+        _int("min_new_tokens", self.min_new_tokens, low=0)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
+                             f"got {self.min_new_tokens}")
+        _float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        _float("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _int("top_k", self.top_k)
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        _float("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _float(name, value)
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be an object of token id -> bias, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                _token_id("logit_bias", token, vocab_size)
+                _float("logit_bias", bias)
+        if self.seed is not None:
+            _int("seed", self.seed)
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if any(s == "" for s in self.stop):
+            raise ValueError("stop must not contain empty strings")
+        if not isinstance(self.stop_token_ids, list):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        for token in self.stop_token_ids:
+            _token_id("stop_token_ids", token, vocab_size)
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        _int("n", self.n, low=1)
+
+
+def _token_key(key: Any) -> Any:
+    """JSON object keys are strings: accept "42" for token 42."""
+    if isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            return key  # validate() reports it
+    return key
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(name: str, value: Any, low: Optional[int] = None) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def _float(name: str, value: Any) -> None:
+    if not (_is_int(value) or isinstance(value, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _token_id(name: str, value: Any, vocab_size: Optional[int]) -> None:
+    if not _is_int(value):
+        raise ValueError(f"{name} must hold integer token ids, got {value!r}")
+    if value < 0 or (vocab_size is not None and value >= vocab_size):
+        bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        raise ValueError(f"{name} token id {value} is out of range {bound}")
