@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import nn
@@ -11,7 +11,15 @@ from radixserve.kernels.base import Backend
 from radixserve.kernels.gemm import GemmBackend
 from radixserve.kernels.query import KernelQuery
 
-WeightLoader = Callable[[nn.Parameter, torch.Tensor], None]
+
+class WeightLoader(Protocol):
+    """Copies one checkpoint tensor into ``param``. ``shard_id`` names the part of a
+    fused parameter the tensor fills (``"q"``/``"k"``/``"v"`` of a QKV projection,
+    ``0``/``1`` for gate/up of a merged projection, ``(expert, "gate"|"up"|"down")``
+    for MoE experts); ``None`` means the whole parameter. The loader also takes this
+    rank's slice of the tensor under tensor parallelism."""
+
+    def __call__(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None: ...
 
 
 class QuantizationMethod(Backend):

@@ -1,0 +1,36 @@
+"""Model building blocks. Every device-specific computation goes through the
+backends in :class:`ModelContext`; the layers own shapes, tensor-parallel
+sharding and checkpoint loading."""
+
+from radixserve.layers.attention import PagedAttention
+from radixserve.layers.context import ModelContext
+from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from radixserve.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    linear_layers,
+)
+from radixserve.layers.moe import FusedMoE, MoERouter
+from radixserve.layers.norm import RMSNorm
+from radixserve.layers.rotary import RotaryEmbedding, apply_rotary
+
+__all__ = [
+    "ColumnParallelLinear",
+    "FusedMoE",
+    "LinearBase",
+    "MergedColumnParallelLinear",
+    "ModelContext",
+    "MoERouter",
+    "PagedAttention",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "apply_rotary",
+    "linear_layers",
+]

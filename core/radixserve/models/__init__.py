@@ -1,0 +1,28 @@
+"""Built-in model architectures, registered through the same ``register_models``
+hook a third-party plugin uses (the registry loads this module as a plugin)."""
+
+from radixserve.hooks import Register, hookimpl
+from radixserve.models.base import CausalLM
+from radixserve.models.llama import LlamaForCausalLM
+from radixserve.models.qwen2 import Qwen2ForCausalLM
+from radixserve.models.qwen3 import Qwen3ForCausalLM
+from radixserve.models.qwen3_moe import Qwen3MoeForCausalLM
+
+MODEL_CLASSES: tuple[type, ...] = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+
+
+@hookimpl
+def register_models(register: Register) -> None:
+    for cls in MODEL_CLASSES:
+        register(cls)
+
+
+__all__ = [
+    "CausalLM",
+    "LlamaForCausalLM",
+    "MODEL_CLASSES",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "register_models",
+]

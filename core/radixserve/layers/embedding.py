@@ -1,0 +1,66 @@
+"""Vocabulary-parallel token embedding and LM head.
+
+The vocabulary is padded up to a multiple of ``tp_size`` and each rank holds a
+contiguous block of rows; padding rows are zero and their logits are cut off.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.layers.context import ModelContext
+from radixserve.layers.parallel import all_gather_last_dim, all_reduce
+from radixserve.layers.weights import copy_into
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, ctx: ModelContext):
+        super().__init__()
+        self.ctx = ctx
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // ctx.tp_size)
+        self.vocab_start = ctx.tp_rank * self.rows_per_rank
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size, dtype=ctx.dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
+        if loaded.shape[0] != self.vocab_size:
+            raise ValueError(f"embedding has {loaded.shape[0]} rows in the checkpoint, expected vocab_size {self.vocab_size}")
+        rows = self.vocab_end - self.vocab_start
+        param.data[rows:].zero_()
+        copy_into(param.data[:rows], loaded[self.vocab_start : self.vocab_end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.ctx.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside[:, None], 0)
+        return all_reduce(out, self.ctx)
+
+    def extra_repr(self) -> str:
+        return f"vocab_size={self.vocab_size}, rows_per_rank={self.rows_per_rank}"
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden states -> logits over the full vocabulary, via ``ctx.gemm.linear``.
+
+    For tied embeddings the model points ``weight`` at the embedding's parameter
+    (same shape and sharding), and the checkpoint then needs no ``lm_head.weight``.
+    """
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.ctx.gemm.linear(hidden, self.weight)
+        logits = all_gather_last_dim(logits, self.ctx)
+        return logits[..., : self.vocab_size]
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight

@@ -1,0 +1,101 @@
+"""Mixture-of-experts layers: a replicated router and stacked expert weights that
+``ctx.moe`` runs (see :class:`radixserve.kernels.moe.MoEBackend`).
+
+Experts are split by intermediate size across TP ranks: every rank holds every
+expert's slice of gate/up rows and down columns, and the partial outputs are
+all-reduced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from radixserve.kernels import MoERouting
+from radixserve.layers.context import ModelContext
+from radixserve.layers.parallel import all_reduce, divide
+from radixserve.layers.weights import copy_into
+
+
+class MoERouter(nn.Module):
+    """Router logits ``[T, E]`` from hidden ``[T, H]``; weight ``[E, H]``, never quantized."""
+
+    def __init__(self, hidden_size: int, num_experts: int, ctx: ModelContext):
+        super().__init__()
+        self.gemm = ctx.gemm
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=ctx.dtype), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.gemm.linear(hidden, self.weight)
+
+
+class FusedMoE(nn.Module):
+    """Experts as two stacked parameters: ``w13_weight`` ``[E, 2*I, H]`` (each
+    expert's gate rows, then its up rows) and ``w2_weight`` ``[E, H, I]``, with I
+    this rank's intermediate size.
+
+    Shard ids for ``weight_loader``: ``(expert, "gate" | "up")`` for one expert's
+    ``[I, H]`` projection into ``w13_weight``, ``(expert, "down")`` for its
+    ``[H, I]`` projection into ``w2_weight``, or ``None`` for a checkpoint that
+    already stacks all experts in this layout.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        ctx: ModelContext,
+        renormalize: bool,
+    ):
+        super().__init__()
+        if ctx.moe is None:
+            raise ValueError("the model has MoE layers but the ModelContext has no MoE backend")
+        self.ctx = ctx
+        self.num_experts = num_experts
+        self.intermediate_full = intermediate_size
+        self.intermediate = divide(intermediate_size, ctx.tp_size)
+        self.routing = MoERouting(top_k=top_k, renormalize=renormalize)
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * self.intermediate, hidden_size, dtype=ctx.dtype), requires_grad=False
+        )
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, self.intermediate, dtype=ctx.dtype), requires_grad=False
+        )
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w13_weight.shard_ids = tuple((e, part) for e in range(num_experts) for part in ("gate", "up"))
+        self.w2_weight.weight_loader = self.weight_loader
+        self.w2_weight.shard_ids = tuple((e, "down") for e in range(num_experts))
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        full, local, start = self.intermediate_full, self.intermediate, self.ctx.tp_rank * self.intermediate
+        if shard_id is None:
+            if loaded.shape[0] != self.num_experts:
+                raise ValueError(f"stacked experts tensor has {loaded.shape[0]} experts, expected {self.num_experts}")
+            for e in range(self.num_experts):
+                if param is self.w13_weight:
+                    self.weight_loader(param, loaded[e, :full], (e, "gate"))
+                    self.weight_loader(param, loaded[e, full:], (e, "up"))
+                else:
+                    self.weight_loader(param, loaded[e], (e, "down"))
+            return
+        expert, part = shard_id
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range (num_experts={self.num_experts})")
+        if part not in ("gate", "up", "down") or (param is self.w2_weight) != (part == "down"):
+            raise ValueError(f"shard {shard_id!r} does not belong to this parameter")
+        if part == "down":
+            copy_into(param.data[expert], loaded.narrow(1, start, local), f"expert {expert} down")
+        else:
+            offset = 0 if part == "gate" else local
+            copy_into(param.data[expert, offset : offset + local], loaded.narrow(0, start, local), f"expert {expert} {part}")
+
+    def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        out = self.ctx.moe.forward(hidden, router_logits, self.w13_weight, self.w2_weight, self.routing)
+        return all_reduce(out, self.ctx)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, top_k={self.routing.top_k}, intermediate_per_rank={self.intermediate}"

@@ -1,0 +1,159 @@
+"""HF model directory -> constructed model with its safetensors weights loaded.
+
+Typical use (what the model runner does)::
+
+    config = load_config(path)
+    dtype = resolve_dtype(args.dtype, config, platform)
+    query = model_kernel_query(config, platform.name, dtype, tp_size=..., page_size=...)
+    ctx = ModelContext.create(registry, query, device, quantization=args.quantization, ...)
+    model, config = load_model(path, ctx, registry, config=config)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+
+import torch
+from torch import nn
+
+from radixserve.kernels import KernelQuery
+from radixserve.layers.context import ModelContext
+from radixserve.layers.linear import linear_layers
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+DTYPE_NAMES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def load_config(model_path: Union[str, Path]) -> "PretrainedConfig":
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(model_path))
+
+
+def _as_dtype(value: Any) -> Optional[torch.dtype]:
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {value!r}; known: {sorted(DTYPE_NAMES)}")
+    return DTYPE_NAMES[name]
+
+
+def checkpoint_dtype(config: "PretrainedConfig") -> Optional[torch.dtype]:
+    """The dtype the checkpoint was saved in, per its config (None if unstated)."""
+    return _as_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+
+
+def resolve_dtype(requested: Union[str, torch.dtype], config: "PretrainedConfig", platform: Any) -> torch.dtype:
+    """The compute dtype for ``--dtype requested`` on ``platform`` (a Platform
+    class or instance: ``default_dtype``, ``supported_dtypes``).
+
+    ``auto`` keeps a 16-bit checkpoint's dtype where the platform supports it and
+    otherwise (float32 or unstated) takes the platform's default, the same rule
+    as HF-serving engines: fp32 checkpoints run in bf16 on accelerators, in fp32
+    on the CPU platform.
+    """
+    if requested == "auto":
+        saved = checkpoint_dtype(config)
+        if saved in (torch.bfloat16, torch.float16) and saved in platform.supported_dtypes:
+            return saved
+        return platform.default_dtype
+    dtype = _as_dtype(requested)
+    if dtype not in platform.supported_dtypes:
+        raise ValueError(f"dtype {dtype} is not supported by platform {platform.name!r}: {platform.supported_dtypes}")
+    return dtype
+
+
+def model_kernel_query(
+    config: "PretrainedConfig",
+    device: str,
+    dtype: torch.dtype,
+    *,
+    tp_size: int = 1,
+    page_size: int = 1,
+    kv_dtype: Optional[torch.dtype] = None,
+    quantization: Optional[str] = None,
+) -> KernelQuery:
+    """The backend-selection query for one TP rank of the model in ``config``."""
+    from radixserve.models.llama import head_dim_of
+    from radixserve.models.qwen3_moe import num_experts_of
+
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    num_experts = num_experts_of(config) or None
+    return KernelQuery(
+        device=device,
+        dtype=dtype,
+        head_dim=head_dim_of(config),
+        num_heads=heads // tp_size,
+        num_kv_heads=max(1, kv_heads // tp_size),
+        page_size=page_size,
+        kv_dtype=kv_dtype or dtype,
+        num_experts=num_experts,
+        top_k=getattr(config, "num_experts_per_tok", None) if num_experts else None,
+        quantization=quantization,
+    )
+
+
+def safetensors_files(model_path: Union[str, Path]) -> list[Path]:
+    """The checkpoint's safetensors files: the shards named by the index, the single
+    ``model.safetensors``, or (failing both) every ``*.safetensors`` file."""
+    root = Path(model_path)
+    index = root / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [root / name for name in sorted(set(weight_map.values()))]
+    if (root / SAFETENSORS_SINGLE).is_file():
+        return [root / SAFETENSORS_SINGLE]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors checkpoint in {root} (only safetensors is supported)")
+    return files
+
+
+def iterate_weights(model_path: Union[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor of the checkpoint, one file at a time, on the CPU."""
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_path):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    model_path: Union[str, Path],
+    ctx: ModelContext,
+    registry: Any,
+    *,
+    config: Optional["PretrainedConfig"] = None,
+) -> tuple[nn.Module, "PretrainedConfig"]:
+    """Build the registered class for ``config.architectures[0]`` on ``ctx.device``
+    in ``ctx.dtype``, load the safetensors weights (cast to ``ctx.dtype``), let the
+    quantization method post-process every linear layer, and return it in eval mode."""
+    config = config if config is not None else load_config(model_path)
+    architectures = getattr(config, "architectures", None) or []
+    if not architectures:
+        raise ValueError(f"{model_path}: config.json names no architectures")
+    cls = registry.model_class(architectures[0])
+    with torch.device(ctx.device):
+        model = cls(config, ctx)
+    model.load_weights(iterate_weights(model_path))
+    for layer in linear_layers(model):
+        layer.quant.process_weights_after_loading(layer)
+    logger.info("loaded %s (%s) from %s in %s on %s", architectures[0], cls.__name__, model_path, ctx.dtype, ctx.device)
+    return model.eval(), config

@@ -1,0 +1,210 @@
+"""The Llama-family decoder: Llama 2/3/3.1 and Mistral. Qwen2, Qwen3 and
+Qwen3-MoE are small subclasses that change the attention options or the MLP.
+
+Numerics follow HuggingFace's modeling code step by step (residual adds in the
+model dtype, RMSNorm in float32, rotary cos/sin cast to the model dtype), so the
+logits match HF on the same weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.forward_batch import ForwardBatch
+from radixserve.layers import (
+    MergedColumnParallelLinear,
+    PagedAttention,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rotary,
+)
+from radixserve.layers.context import ModelContext
+from radixserve.layers.weights import load_named_weights
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+
+def head_dim_of(config: "PretrainedConfig") -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config: "PretrainedConfig") -> Optional[int]:
+    """The attention window HF applies to every layer, or None for full attention.
+
+    Configs with per-layer ``layer_types`` (Qwen2/Qwen3) slide only where a layer
+    says so, which the attention interface cannot express: rejected. Otherwise a
+    set ``sliding_window`` applies to all layers (Mistral)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        if any(t != "full_attention" for t in layer_types):
+            raise NotImplementedError(f"per-layer attention types are not supported: {sorted(set(layer_types))}")
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What differs between the attention blocks of the Llama family."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before rotary (Qwen3)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: "PretrainedConfig", layer_id: int, ctx: ModelContext, options: AttentionOptions):
+        super().__init__()
+        head_dim = head_dim_of(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads, ctx, bias=options.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, ctx, bias=options.o_bias)
+        if options.qk_norm:
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, ctx)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, ctx)
+        self.qk_norm = options.qk_norm
+        self.attn = PagedAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, ctx)
+
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+        p = self.qkv_proj
+        q, k, v = p(hidden).split([p.q_size, p.kv_size, p.kv_size], dim=-1)
+        q = q.reshape(-1, p.num_heads, p.head_dim)
+        k = k.reshape(-1, p.num_kv_heads, p.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, *rope)
+        return self.o_proj(self.attn(q, k, v, batch))
+
+
+class LlamaMLP(nn.Module):
+    """SiLU-gated MLP with gate and up fused into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, ctx: ModelContext, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], ctx, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, ctx, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: "PretrainedConfig",
+        layer_id: int,
+        ctx: ModelContext,
+        options: AttentionOptions,
+        mlp: nn.Module,
+    ):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, ctx, options)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+
+    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, batch)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: "PretrainedConfig", ctx: ModelContext, layers: Iterable[nn.Module]):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.embed_tokens(batch.input_ids)
+        rope = self.rotary_emb(batch.positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, rope, batch)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama 2/3/3.1 (any supported rope scaling) and Mistral.
+
+    Subclasses customise :meth:`attention_options` and :meth:`make_mlp`, and
+    extend :meth:`map_weight_name` for extra checkpoint layouts.
+    """
+
+    architectures = ("LlamaForCausalLM", "MistralForCausalLM")
+
+    # checkpoint projection -> (fused parameter, shard id)
+    stacked_params: dict[str, tuple[str, Any]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: "PretrainedConfig", ctx: ModelContext):
+        super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"hidden_act {act!r} is not supported (only silu)")
+        self.config = config
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        options = self.attention_options(config)
+        layers = (
+            LlamaDecoderLayer(config, i, ctx, options, self.make_mlp(config, i, ctx))
+            for i in range(config.num_hidden_layers)
+        )
+        self.model = LlamaModel(config, ctx, layers)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        self.max_context_len = config.max_position_embeddings
+        window = sliding_window_of(config)
+        if window is not None and window < self.max_context_len:
+            logger.info("sliding window %d: context limited to it to stay exact", window)
+            self.max_context_len = window
+
+    @classmethod
+    def attention_options(cls, config: "PretrainedConfig") -> AttentionOptions:
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionOptions(qkv_bias=bias, o_bias=bias)
+
+    @classmethod
+    def make_mlp(cls, config: "PretrainedConfig", layer_id: int, ctx: ModelContext) -> nn.Module:
+        return LlamaMLP(config.hidden_size, config.intermediate_size, ctx, bias=bool(getattr(config, "mlp_bias", False)))
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        hidden = self.model(batch)
+        if batch.logits_indices is not None:
+            hidden = hidden[batch.logits_indices]
+        return self.lm_head(hidden).float()
+
+    def map_weight_name(self, name: str) -> Optional[tuple[str, Any]]:
+        """HF checkpoint name -> (parameter name, shard id), or None to skip it."""
+        if name.endswith("rotary_emb.inv_freq"):
+            return None
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in self.stacked_params:
+                fused, shard_id = self.stacked_params[part]
+                return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard_id
+        return name, None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_named_weights(self, weights, self.map_weight_name)

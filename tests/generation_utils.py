@@ -1,0 +1,97 @@
+"""Helpers shared by the generation tests: run prompts through the in-process
+Scheduler, and through HuggingFace transformers for reference."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from radixserve.config import ServerArgs
+from radixserve.messages import GenerateRequest, TokenOutput
+from radixserve.runtime.scheduler import Scheduler
+from radixserve.sampling.params import SamplingParams
+
+_rids = itertools.count()
+
+
+@dataclass
+class Result:
+    output_ids: list[int]
+    finish_reason: dict
+    cached_tokens: int
+    logprobs: list[float]
+    input_logprobs: Optional[list]
+
+
+def make_scheduler(model_dir: Path, registry=None, **server_args: Any) -> Scheduler:
+    server_args.setdefault("max_total_tokens", 8192)
+    args = ServerArgs(model_path=str(model_dir), **server_args)
+    return Scheduler(args, str(model_dir), AutoTokenizer.from_pretrained(model_dir), registry=registry)
+
+
+def submit(scheduler: Scheduler, prompt: list[int], return_logprob: bool = False, logprob_start_len: int = -1,
+           **params: Any) -> str:
+    rid = f"r{next(_rids)}"
+    scheduler.add_request(GenerateRequest(rid=rid, input_ids=prompt, sampling_params=SamplingParams(**params),
+                                          return_logprob=return_logprob, logprob_start_len=logprob_start_len))
+    return rid
+
+
+def run(scheduler: Scheduler, check_every_step: bool = True) -> dict[str, Result]:
+    """Step until idle, asserting the memory invariant at every step boundary."""
+    outputs: list[TokenOutput] = scheduler.step_outputs()
+    while scheduler.has_work():
+        outputs.extend(scheduler.step())
+        if check_every_step:
+            assert scheduler.check_memory(), scheduler.stats()
+    assert scheduler.check_memory(), scheduler.stats()
+    results: dict[str, Result] = {}
+    for out in outputs:
+        assert out.finish_reason is not None, "non-streaming requests report once, finished"
+        results[out.rid] = Result(out.new_token_ids, out.finish_reason, out.cached_tokens,
+                                  [lp for lp, _ in out.output_token_logprobs], out.input_token_logprobs)
+    return results
+
+
+def generate(scheduler: Scheduler, prompts: list[list[int]], **params: Any) -> list[Result]:
+    params.setdefault("temperature", 0.0)
+    rids = [submit(scheduler, p, **params) for p in prompts]
+    results = run(scheduler)
+    return [results[r] for r in rids]
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """HF transformers greedy tokens and the log_softmax of each chosen token (fp32)."""
+    model = _hf_model(str(model_dir))
+    # Like ignore_eos: an EOS id that can never be generated (min_new_tokens
+    # would instead mask the real EOS out of the distribution).
+    never = model.config.vocab_size + 1
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=never,
+                              pad_token_id=model.generation_config.pad_token_id)
+    out = model.generate(torch.tensor([prompt]), generation_config=config, output_logits=True,
+                         return_dict_in_generate=True)
+    ids = out.sequences[0, len(prompt):].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, ids)]
+    return ids, logprobs
+
+
+_hf_cache: dict[str, Any] = {}
+
+
+def _hf_model(path: str):
+    if path not in _hf_cache:
+        _hf_cache.clear()
+        _hf_cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return _hf_cache[path]
+
+
+def mixed_prompts(vocab_size: int, lengths: list[int], seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
+    """Random prompts (avoiding the special ids at the start of the vocab)."""
+    gen = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(16, vocab_size, (shared_prefix,), generator=gen).tolist()
+    return [prefix + torch.randint(16, vocab_size, (n,), generator=gen).tolist() for n in lengths]
