@@ -26,6 +26,7 @@ class Result:
     cached_tokens: int
     logprobs: list[float]
     input_logprobs: Optional[list]
+    input_top_logprobs: Optional[list]
 
 
 def make_scheduler(model_dir: Path, registry=None, **server_args: Any) -> Scheduler:
@@ -35,10 +36,11 @@ def make_scheduler(model_dir: Path, registry=None, **server_args: Any) -> Schedu
 
 
 def submit(scheduler: Scheduler, prompt: list[int], return_logprob: bool = False, logprob_start_len: int = -1,
-           **params: Any) -> str:
+           top_logprobs_num: int = 0, **params: Any) -> str:
     rid = f"r{next(_rids)}"
     scheduler.add_request(GenerateRequest(rid=rid, input_ids=prompt, sampling_params=SamplingParams(**params),
-                                          return_logprob=return_logprob, logprob_start_len=logprob_start_len))
+                                          return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                                          top_logprobs_num=top_logprobs_num))
     return rid
 
 
@@ -54,7 +56,8 @@ def run(scheduler: Scheduler, check_every_step: bool = True) -> dict[str, Result
     for out in outputs:
         assert out.finish_reason is not None, "non-streaming requests report once, finished"
         results[out.rid] = Result(out.new_token_ids, out.finish_reason, out.cached_tokens,
-                                  [lp for lp, _ in out.output_token_logprobs], out.input_token_logprobs)
+                                  [lp for lp, _ in out.output_token_logprobs], out.input_token_logprobs,
+                                  out.input_top_logprobs)
     return results
 
 

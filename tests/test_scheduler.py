@@ -1,0 +1,167 @@
+"""Scheduler behaviour: identical outputs across cache, paging, chunking,
+policy and retraction; prefix-cache accounting; aborts; the memory invariant
+at every step."""
+
+from __future__ import annotations
+
+import pytest
+
+from generation_utils import generate, make_scheduler, mixed_prompts, run, submit
+from radixserve.hooks import hookimpl
+from radixserve.registry import PluginRegistry
+from radixserve_torch.attention import TorchNativeAttention
+
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llama_dir):
+    # Shared prefixes (so the radix cache and lpm matter) and ragged lengths.
+    shared = mixed_prompts(512, [5, 17, 33], seed=11, shared_prefix=24)
+    fresh = mixed_prompts(512, [3, 41, 9], seed=12)
+    return shared + fresh
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir, prompts):
+    scheduler = make_scheduler(tiny_llama_dir)
+    return [r.output_ids for r in generate(scheduler, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)]
+
+
+CONFIGS = {
+    "no-radix-cache": dict(disable_radix_cache=True),
+    "page-16": dict(page_size=16),
+    "chunked-16": dict(chunked_prefill_size=16),
+    "lpm": dict(schedule_policy="lpm"),
+    "priority": dict(schedule_policy="priority"),
+    "page-16-chunked-16-lpm": dict(page_size=16, chunked_prefill_size=16, schedule_policy="lpm"),
+    "no-cache-chunked-16": dict(disable_radix_cache=True, chunked_prefill_size=16),
+    "max-running-2": dict(max_running_requests=2),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_outputs_identical_across_configs(tiny_llama_dir, prompts, reference, name):
+    scheduler = make_scheduler(tiny_llama_dir, **CONFIGS[name])
+    results = generate(scheduler, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert [r.output_ids for r in results] == reference
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_retraction_when_kv_runs_out_keeps_outputs(tiny_llama_dir, prompts, reference, page_size):
+    # Enough for any one request, far too little for all six at once; an
+    # optimistic decode estimate admits too many, so running ones must retract.
+    scheduler = make_scheduler(tiny_llama_dir, max_total_tokens=160, page_size=page_size,
+                               init_new_token_ratio=0.05, min_new_token_ratio=0.05)
+    results = generate(scheduler, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert scheduler.num_retracted_total > 0, "the pool was meant to be too small"
+    assert [r.output_ids for r in results] == reference
+    assert all(r.finish_reason["type"] == "length" for r in results)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_repeated_prompt_reports_cached_tokens(tiny_llama_dir, page_size):
+    scheduler = make_scheduler(tiny_llama_dir, page_size=page_size)
+    prompt = mixed_prompts(512, [45], seed=5)[0]
+    first = generate(scheduler, [prompt], max_new_tokens=4)[0]
+    second = generate(scheduler, [prompt], max_new_tokens=4)[0]
+    assert first.cached_tokens == 0
+    expected = (len(prompt) - 1) // page_size * page_size
+    assert second.cached_tokens == expected
+    assert second.output_ids == first.output_ids
+    stats = scheduler.stats()
+    assert stats.cached_tokens_total == expected and stats.memory_invariant_ok
+
+
+def test_radix_cache_off_reports_no_cached_tokens(tiny_llama_dir):
+    scheduler = make_scheduler(tiny_llama_dir, disable_radix_cache=True)
+    prompt = mixed_prompts(512, [20], seed=5)[0]
+    generate(scheduler, [prompt], max_new_tokens=2)
+    assert generate(scheduler, [prompt], max_new_tokens=2)[0].cached_tokens == 0
+    assert scheduler.allocator.available_size() == scheduler.allocator.size
+
+
+def test_abort_waiting_and_running_requests_frees_memory(tiny_llama_dir):
+    scheduler = make_scheduler(tiny_llama_dir, max_running_requests=2)
+    prompts = mixed_prompts(512, [10, 12, 14], seed=8)
+    rids = [submit(scheduler, p, max_new_tokens=50, temperature=0.0, ignore_eos=True) for p in prompts]
+    for _ in range(3):
+        scheduler.step()
+    assert [r.rid for r in scheduler.running] == rids[:2] and scheduler.waiting[0].rid == rids[2]
+    scheduler.abort(rids[0])  # running
+    scheduler.abort(rids[2])  # waiting
+    assert scheduler.check_memory()
+    results = run(scheduler)
+    assert results[rids[0]].finish_reason["type"] == "abort"
+    assert results[rids[2]].finish_reason["type"] == "abort" and results[rids[2]].output_ids == []
+    assert results[rids[1]].finish_reason["type"] == "length" and len(results[rids[1]].output_ids) == 50
+    # Everything not cached is free again, and the cache can be flushed to empty.
+    assert scheduler.flush_cache()
+    assert scheduler.allocator.available_size() == scheduler.allocator.size
+
+
+def test_chunked_prefill_prompt_logprobs_match_unchunked(tiny_llama_dir):
+    prompt = mixed_prompts(512, [50], seed=9)[0]
+    outs = []
+    for chunk in (None, 16):
+        scheduler = make_scheduler(tiny_llama_dir, chunked_prefill_size=chunk or -1)
+        rid = submit(scheduler, prompt, return_logprob=True, logprob_start_len=0, max_new_tokens=3,
+                     temperature=0.0)
+        outs.append(run(scheduler)[rid])
+    plain, chunked = outs
+    assert plain.input_logprobs[0] == (None, prompt[0])
+    assert [t for _, t in plain.input_logprobs] == prompt
+    assert len(chunked.input_logprobs) == len(prompt)
+    for (a, ta), (b, tb) in zip(plain.input_logprobs[1:], chunked.input_logprobs[1:]):
+        assert ta == tb and abs(a - b) < 1e-5
+
+
+def test_prompt_logprobs_are_computed_even_when_prefix_is_cached(tiny_llama_dir):
+    scheduler = make_scheduler(tiny_llama_dir)
+    prompt = mixed_prompts(512, [30], seed=10)[0]
+    generate(scheduler, [prompt], max_new_tokens=2)  # warm the cache
+    rid = submit(scheduler, prompt, return_logprob=True, logprob_start_len=20, max_new_tokens=2, temperature=0.0)
+    result = run(scheduler)[rid]
+    assert [t for _, t in result.input_logprobs] == prompt[20:]
+    assert all(lp is not None and lp <= 0 for lp, _ in result.input_logprobs)
+    assert result.cached_tokens <= 19
+
+
+def test_prefill_only_request_caches_prompt(tiny_llama_dir):
+    scheduler = make_scheduler(tiny_llama_dir)
+    prompt = mixed_prompts(512, [25], seed=4)[0]
+    warm = generate(scheduler, [prompt], max_new_tokens=0)[0]
+    assert warm.output_ids == [] and warm.finish_reason == {"type": "length", "matched": None}
+    assert generate(scheduler, [prompt], max_new_tokens=2)[0].cached_tokens == len(prompt) - 1
+
+
+def test_oversized_prompt_is_rejected_not_hung(tiny_llama_dir):
+    scheduler = make_scheduler(tiny_llama_dir, max_total_tokens=32)
+    rid = submit(scheduler, list(range(20, 60)), max_new_tokens=2)
+    result = run(scheduler)[rid]
+    assert result.finish_reason["type"] == "abort" and "KV pool" in result.finish_reason["message"]
+
+
+class CountingAttention(TorchNativeAttention):
+    name = "counting"
+    calls = 0
+
+    def forward(self, q, k, v, layer, batch):
+        CountingAttention.calls += 1
+        return super().forward(q, k, v, layer, batch)
+
+
+class CountingPlugin:
+    @hookimpl
+    def register_attention_backends(self, register):
+        register(CountingAttention)
+
+
+def test_plugin_backend_selected_by_name_generates_reference_output(tiny_llama_dir, prompts, reference):
+    registry = PluginRegistry()
+    registry.register_plugin(CountingPlugin(), "counting-plugin")
+    scheduler = make_scheduler(tiny_llama_dir, registry=registry, attention_backend="counting")
+    assert scheduler.runner.summary()["backends"]["attention"] == "counting"
+    results = generate(scheduler, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert [r.output_ids for r in results] == reference
+    assert CountingAttention.calls > 0
