@@ -106,6 +106,23 @@ def synthetic_corpus(num_lines: int = 3000, seed: int = 0) -> list[str]:
     return lines
 
 
+# The plain corpus supports vocabularies up to about this size; larger ones get
+# pseudo-words too (so small tokenizers stay exactly as they were).
+_PLAIN_CORPUS_VOCAB = 2048
+_ONSETS = ("b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z", "br", "st",
+           "tr", "pl", "gr", "ch", "sh", "th")
+_NUCLEI = ("a", "e", "i", "o", "u", "ai", "ou", "ee", "oa")
+
+
+def pseudo_word_corpus(vocab_size: int, seed: int = 1) -> list[str]:
+    """Lines of deterministic made-up words (syllable strings), enough distinct
+    material for a byte-level BPE to learn ``vocab_size`` tokens."""
+    rng = random.Random(seed)
+    vocab = ["".join(rng.choice(_ONSETS) + rng.choice(_NUCLEI) for _ in range(rng.randint(2, 4)))
+             for _ in range(vocab_size)]
+    return [" ".join(rng.choice(vocab) for _ in range(12)) for _ in range(vocab_size)]
+
+
 def build_tokenizer(out_dir: PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
     """Train a byte-level BPE tokenizer of exactly ``vocab_size`` tokens (special
     tokens included) and save it with ``save_pretrained`` into ``out_dir``.
@@ -126,7 +143,10 @@ def build_tokenizer(out_dir: PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(synthetic_corpus(), trainer=trainer)
+    corpus = synthetic_corpus()
+    if vocab_size > _PLAIN_CORPUS_VOCAB:
+        corpus += pseudo_word_corpus(vocab_size)
+    tok.train_from_iterator(corpus, trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
         raise ValueError(f"trained vocab has {tok.get_vocab_size()} tokens, wanted {vocab_size}")
     fast = PreTrainedTokenizerFast(

@@ -1,0 +1,114 @@
+"""``triton``: paged attention (extend and decode) and the KV store in Triton."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.forward_batch import ForwardBatch, ForwardMode
+from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
+
+from radixserve_triton._env import device_reasons, dtype_reasons, interpreter_requested
+
+MAX_HEAD_DIM = 256
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """Per-step values shared by every layer (filled by ``init_forward_metadata``)."""
+
+    mode: ForwardMode
+    max_seq_len: int
+    max_extend_len: int
+    extend_start: torch.Tensor  # [B] offset of each request's first new token
+    num_kv_splits: int
+
+
+class TritonAttention(AttentionBackend):
+    """Triton kernels: flash-decoding with split KV for decode, a causal
+    flash-attention over the cached prefix plus the new tokens for extend, and a
+    scatter kernel that stores the new K/V into the pool.
+
+    Runs on cuda and rocm; on cpu only under ``TRITON_INTERPRET=1`` (the
+    interpreter, for tests), where its priority makes ``auto`` pick it over
+    ``torch_native``: setting that variable is the opt-in.
+    """
+
+    name = "triton"
+    priority = 10
+
+    @classmethod
+    def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
+        reasons = device_reasons(query) + dtype_reasons(query)
+        if query.head_dim is not None and not 1 <= query.head_dim <= MAX_HEAD_DIM:
+            reasons.append(f"head_dim {query.head_dim} is not supported (1..{MAX_HEAD_DIM})")
+        if query.num_heads is not None and query.num_kv_heads:
+            if query.num_heads % query.num_kv_heads:
+                reasons.append(
+                    f"num_heads {query.num_heads} is not a multiple of num_kv_heads {query.num_kv_heads}"
+                )
+        return reasons
+
+    def __init__(self, query: KernelQuery):
+        super().__init__(query)
+        if query.device == "cpu" and not interpreter_requested():
+            raise RuntimeError("the triton attention backend runs on cpu only with TRITON_INTERPRET=1")
+        from radixserve_triton import ops
+        from radixserve_triton.ops import attention as kernels
+
+        if query.device == "cpu" and not ops.INTERPRETED:
+            raise RuntimeError(
+                "radixserve_triton's kernels were imported before TRITON_INTERPRET=1 was set, so they were "
+                "built for a GPU; set the variable before the process imports radixserve_triton.ops"
+            )
+        self._kernels = kernels
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        batch.attn_metadata = self._metadata(batch)
+
+    def _metadata(self, batch: ForwardBatch) -> TritonAttentionMetadata:
+        seq_lens = batch.seq_lens_cpu or batch.seq_lens.tolist()
+        extend_lens = batch.extend_lens_cpu or batch.extend_lens.tolist()
+        max_seq = max(seq_lens, default=0)
+        extend_start = torch.cumsum(batch.extend_lens, 0) - batch.extend_lens
+        splits = 1
+        if batch.mode is ForwardMode.DECODE:
+            num_kv_heads = batch.kv_pool.k_buffers[0].shape[1]
+            splits = self._kernels.choose_num_kv_splits(len(seq_lens), num_kv_heads, max_seq)
+        return TritonAttentionMetadata(
+            mode=batch.mode,
+            max_seq_len=max_seq,
+            max_extend_len=max(extend_lens, default=0),
+            extend_start=extend_start,
+            num_kv_splits=splits,
+        )
+
+    def _meta(self, batch: ForwardBatch) -> TritonAttentionMetadata:
+        meta = batch.attn_metadata
+        if not isinstance(meta, TritonAttentionMetadata) or meta.mode is not batch.mode:
+            meta = batch.attn_metadata = self._metadata(batch)
+        return meta
+
+    def forward(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        k_cache, v_cache = batch.kv_pool.get_kv(layer.layer_id)
+        self._kernels.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)
+        if batch.mode is ForwardMode.DECODE:
+            return self.forward_decode(q, layer, batch)
+        return self.forward_extend(q, layer, batch)
+
+    def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        meta = self._meta(batch)
+        k_cache, v_cache = batch.kv_pool.get_kv(layer.layer_id)
+        return self._kernels.extend_attention(
+            q, k_cache, v_cache, batch.req_to_token, batch.req_pool_indices,
+            batch.prefix_lens, batch.extend_lens, meta.extend_start, meta.max_extend_len, layer.scaling,
+        )
+
+    def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        meta = self._meta(batch)
+        k_cache, v_cache = batch.kv_pool.get_kv(layer.layer_id)
+        return self._kernels.decode_attention(
+            q, k_cache, v_cache, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
+            layer.scaling, num_kv_splits=meta.num_kv_splits,
+        )

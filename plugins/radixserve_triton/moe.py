@@ -1,0 +1,46 @@
+"""``triton``: fused MoE (sorted, block-aligned grouped GEMMs with SiLU gating)."""
+
+from __future__ import annotations
+
+import torch
+
+from radixserve.kernels import KernelQuery, MoEBackend, MoERouting, route
+
+from radixserve_triton._env import device_reasons, dtype_reasons, interpreter_requested
+
+
+class TritonMoE(MoEBackend):
+    """Routing through ``radixserve.kernels.route`` (the shared semantics), then
+    two Triton grouped GEMMs over the tokens sorted by expert.
+
+    Runs on cuda and rocm; on cpu only under ``TRITON_INTERPRET=1``."""
+
+    name = "triton"
+    priority = 10
+
+    @classmethod
+    def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
+        reasons = device_reasons(query) + dtype_reasons(query)
+        if query.num_experts is not None and query.top_k is not None and query.top_k > query.num_experts:
+            reasons.append(f"top_k {query.top_k} exceeds num_experts {query.num_experts}")
+        if query.quantization not in (None, "none"):
+            reasons.append(f"quantized expert weights ({query.quantization}) are not supported")
+        return reasons
+
+    def __init__(self, query: KernelQuery):
+        super().__init__(query)
+        if query.device == "cpu" and not interpreter_requested():
+            raise RuntimeError("the triton MoE backend runs on cpu only with TRITON_INTERPRET=1")
+        from radixserve_triton import ops
+        from radixserve_triton.ops import moe as kernels
+
+        if query.device == "cpu" and not ops.INTERPRETED:
+            raise RuntimeError(
+                "radixserve_triton's kernels were imported before TRITON_INTERPRET=1 was set, so they were "
+                "built for a GPU; set the variable before the process imports radixserve_triton.ops"
+            )
+        self._kernels = kernels
+
+    def forward(self, hidden, router_logits, w13, w2, routing: MoERouting) -> torch.Tensor:
+        weights, ids = route(router_logits, routing)
+        return self._kernels.fused_moe(hidden, w13, w2, weights, ids)

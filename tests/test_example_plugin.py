@@ -1,0 +1,108 @@
+"""examples/kernel-plugin as a real third-party distribution: pip-installed into
+this environment, discovered through its entry point by `radixserve plugins`,
+usable by name, conformant under the kit, and gone again after uninstall.
+
+(A generation through its backends equal to the reference output belongs with
+the Engine tests.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "kernel-plugin"
+DIST = "radixserve-example-kernels"
+PLUGIN = "example"
+
+pytestmark = pytest.mark.skipif(not (EXAMPLE / "pyproject.toml").exists(), reason="examples/kernel-plugin is missing")
+
+
+def _env() -> dict[str, str]:
+    # No allow-list or interpreter opt-in from the outer environment.
+    return {k: v for k, v in os.environ.items() if k not in ("RADIXSERVE_PLUGINS", "TRITON_INTERPRET")}
+
+
+def _run(args: list[str], cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _pip(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input", *args], cwd)
+
+
+def _plugins_json(cwd: Path) -> dict:
+    # `radixserve plugins --json`, through the module so the test needs no PATH entry.
+    proc = _run([sys.executable, "-m", "radixserve.cli", "plugins", "--json"], cwd)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    # Build from a copy, so the source tree gets no build/ or *.egg-info, and run
+    # the subprocesses outside the repository, so nothing there shadows site-packages.
+    root = tmp_path_factory.mktemp("example-plugin")
+    shutil.copytree(EXAMPLE, root / "kernel-plugin",
+                    ignore=shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".pytest_cache"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def installed(workdir: Path):
+    proc = _pip("install", "--no-deps", "--no-build-isolation", str(workdir / "kernel-plugin"), cwd=workdir)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    try:
+        yield workdir
+    finally:
+        _pip("uninstall", "-y", DIST, cwd=workdir)
+
+
+def test_listed_and_usable_after_install(installed: Path):
+    report = _plugins_json(installed)
+    plugin = next((p for p in report["plugins"] if p["name"] == PLUGIN), None)
+    assert plugin is not None, [p["name"] for p in report["plugins"]]
+    assert plugin["distribution"] == DIST and plugin["version"] == "0.1.0"
+    assert plugin["error"] is None
+    assert plugin["registered"] == {"attention": ["example_sdpa"], "gemm": ["example_gemm"]}
+    assert set(plugin["hooks"]) == {"register_attention_backends", "register_gemm_backends"}
+    rows = {(kind, row["name"]): row for kind in ("attention", "gemm") for row in report["backends"][kind]}
+    for key in (("attention", "example_sdpa"), ("gemm", "example_gemm")):
+        assert rows[key]["usable"] and rows[key]["plugin"] == PLUGIN and rows[key]["priority"] == -10
+
+
+def test_selected_by_name_not_by_auto(installed: Path):
+    code = (
+        "import torch\n"
+        "from radixserve.registry import PluginRegistry\n"
+        "from radixserve.kernels import KernelQuery\n"
+        "r = PluginRegistry()\n"
+        "q = KernelQuery(device='cpu', dtype=torch.float32, head_dim=64, num_heads=4, num_kv_heads=2)\n"
+        "assert r.select('attention', q, 'example_sdpa').__module__ == 'radixserve_example_kernels.attention'\n"
+        "assert r.select('gemm', q, 'example_gemm').name == 'example_gemm'\n"
+        "assert r.select('attention', q).name != 'example_sdpa'\n"
+        "print('ok')\n"
+    )
+    proc = _run([sys.executable, "-c", code], installed)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+
+
+def test_its_own_tests_pass_the_conformance_kit(installed: Path):
+    proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], installed / "kernel-plugin")
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    assert "passed" in proc.stdout.splitlines()[-1]
+
+
+def test_gone_after_uninstall(installed: Path):
+    proc = _pip("uninstall", "-y", DIST, cwd=installed)
+    assert proc.returncode == 0, proc.stderr
+    report = _plugins_json(installed)
+    assert PLUGIN not in [p["name"] for p in report["plugins"]]
+    names = {row["name"] for kind in ("attention", "gemm") for row in report["backends"][kind]}
+    assert not names & {"example_sdpa", "example_gemm"}
