@@ -1,9 +1,7 @@
 """examples/kernel-plugin as a real third-party distribution: pip-installed into
 this environment, discovered through its entry point by `radixserve plugins`,
-usable by name, conformant under the kit, and gone again after uninstall.
-
-(A generation through its backends equal to the reference output belongs with
-the Engine tests.)
+usable by name, conformant under the kit, generating the reference output
+when selected by name, and gone again after uninstall.
 """
 
 from __future__ import annotations
@@ -97,6 +95,23 @@ def test_its_own_tests_pass_the_conformance_kit(installed: Path):
     proc = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], installed / "kernel-plugin")
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
     assert "passed" in proc.stdout.splitlines()[-1]
+
+
+def test_generation_through_it_equals_reference(installed: Path, tiny_llama_dir: Path):
+    from generation_utils import generate, make_scheduler, mixed_prompts
+    from radixserve import Engine
+
+    prompts = mixed_prompts(512, [7, 18], seed=41)
+    params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    reference = generate(make_scheduler(tiny_llama_dir), prompts, **params)
+    # The Engine's scheduler process is spawned after the install, so it finds
+    # the plugin through its entry point like any user's process would.
+    with Engine(model_path=str(tiny_llama_dir), attention_backend="example_sdpa", gemm_backend="example_gemm",
+                max_total_tokens=2048, log_level="warning") as engine:
+        assert engine.server_info()["backends"] == {"attention": "example_sdpa", "gemm": "example_gemm",
+                                                    "quantization": "none"}
+        results = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [r["output_ids"] for r in results] == [r.output_ids for r in reference]
 
 
 def test_gone_after_uninstall(installed: Path):
