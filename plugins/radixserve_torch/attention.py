@@ -30,7 +30,7 @@ class TorchNativeAttention(AttentionBackend):
             v = v_buf[slots].to(q.dtype)
             # Query j sits at position prefix+j and sees keys 0..prefix+j.
             prefix = seq_len - n
-            mask = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(diagonal=prefix)
+            mask = None if prefix == 0 else torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(prefix)
             out[start : start + n] = _sdpa(q[start : start + n], k, v, mask, layer)
         return out
 
@@ -45,21 +45,19 @@ class TorchNativeAttention(AttentionBackend):
         return _sdpa_batched(q, k, v, mask, layer)
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: AttentionLayerSpec) -> torch.Tensor:
-    """q [n, H, D], k/v [S, KVH, D], mask [n, S] -> [n, H, D]."""
-    group = layer.num_heads // layer.num_kv_heads
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, layer: AttentionLayerSpec) -> torch.Tensor:
+    """q [n, H, D], k/v [S, KVH, D], mask [n, S] (None: plain causal) -> [n, H, D]."""
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=layer.scaling
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=mask is None,
+        scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads,
     )
     return o.transpose(0, 1)
 
 
 def _sdpa_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: AttentionLayerSpec) -> torch.Tensor:
     """q [B, H, D], k/v [B, S, KVH, D], mask [B, S] -> [B, H, D]."""
-    group = layer.num_heads // layer.num_kv_heads
-    k = k.repeat_interleave(group, dim=2).transpose(1, 2)  # [B, H, S, D]
-    v = v.repeat_interleave(group, dim=2).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :], scale=layer.scaling)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
+        scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads,
+    )
     return o.squeeze(2)
