@@ -41,7 +41,8 @@ class ServerArgs:
     # memory and cache
     page_size: int = _flag("KV cache page size in tokens", default=1)
     max_total_tokens: Optional[int] = _flag("KV pool size in tokens (overrides mem_fraction_static)", default=None)
-    mem_fraction_static: float = _flag("fraction of the device memory for weights + KV pool", default=0.3)
+    mem_fraction_static: Optional[float] = _flag(
+        "fraction of the device memory for weights + KV pool (defaults to the platform's)", default=None)
     disable_radix_cache: bool = _flag("disable prefix caching", default=False)
     # scheduling
     max_running_requests: Optional[int] = _flag("max requests decoding at once", default=None)
@@ -73,7 +74,7 @@ class ServerArgs:
             bad("page_size", f"must be >= 1, got {self.page_size}")
         if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             bad("max_total_tokens", f"must be >= page_size, got {self.max_total_tokens}")
-        if not 0 < self.mem_fraction_static <= 1:
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             bad("mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")

@@ -22,6 +22,8 @@ class Platform:
     dist_backend: ClassVar[str] = "gloo"
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
     default_dtype: ClassVar[torch.dtype] = torch.bfloat16
+    # Share of device memory for weights + KV pool when --mem-fraction-static is not given.
+    default_mem_fraction: ClassVar[float] = 0.85
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:

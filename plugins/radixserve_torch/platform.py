@@ -13,6 +13,7 @@ class CpuPlatform(Platform):
     torch_device_type = "cpu"
     dist_backend = "gloo"
     default_dtype = torch.float32
+    default_mem_fraction = 0.3  # host memory is shared with everything else
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")

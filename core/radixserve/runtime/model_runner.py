@@ -70,10 +70,10 @@ class ModelRunner:
         else:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
             weights += sum(b.numel() * b.element_size() for b in self.model.buffers())
-            budget = min(
-                self.platform.total_memory_bytes() * args.mem_fraction_static - weights,
-                self.platform.available_memory_bytes() * args.mem_fraction_static,
-            )
+            fraction = args.mem_fraction_static or self.platform.default_mem_fraction
+            # Weights are loaded already, so what is free now excludes them.
+            budget = min(self.platform.total_memory_bytes() * fraction - weights,
+                         self.platform.available_memory_bytes() * 0.9)
             # No point in more slots than every running request at full context.
             tokens = int(min(budget // per_token, max_running * self.context_length))
         num_pages = tokens // args.page_size
