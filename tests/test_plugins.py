@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -64,7 +65,8 @@ def test_torch_plugin_found_through_entry_point():
     assert torch_plugin["distribution"] == "radixserve"
     assert torch_plugin["registered"]["attention"] == ["torch_native"]
     assert {"none", "int8"} <= set(torch_plugin["registered"]["quantization"])
-    assert report["backends"]["platform"][0] == {"name": "cpu", "plugin": "torch", "usable": True, "reasons": []}
+    cpu = next(row for row in report["backends"]["platform"] if row["name"] == "cpu")
+    assert cpu == {"name": "cpu", "plugin": "torch", "usable": True, "reasons": []}
 
 
 def test_registered_plugin_backend_selected_by_name_and_by_priority():
@@ -152,8 +154,8 @@ def test_device_resolution_is_loud():
     registry = PluginRegistry()
     assert registry.resolve_platform("cpu").name == "cpu"
     assert registry.resolve_platform("auto").name == "cpu"
-    with pytest.raises(PluginError, match=r"--device 'cuda' is not a registered platform; available: cpu"):
-        registry.resolve_platform("cuda")
+    with pytest.raises(PluginError, match=r"--device 'npu' is not a registered platform; available: .*cpu"):
+        registry.resolve_platform("npu")
 
 
 def test_device_auto_refuses_to_guess_when_a_plugin_failed():
@@ -168,3 +170,18 @@ def test_device_auto_refuses_to_guess_when_a_plugin_failed():
         registry.resolve_platform("auto")
     # Naming the device explicitly still works.
     assert registry.resolve_platform("cpu").name == "cpu"
+
+
+def test_cuda_plugin_is_listed_with_why_it_is_unusable_here():
+    """hardware/cuda is installed by the test command; on a CPU-only machine it
+    must say why it cannot run, and never be picked silently or fallen back from."""
+    registry = PluginRegistry()
+    cuda = registry.plugins["cuda"]
+    assert cuda.error is None and cuda.distribution == "radixserve-plugin-cuda"
+    reasons = registry.candidates["platform"]["cuda"].cls.unavailable_reasons()
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a usable CUDA device")
+    assert reasons, "a CPU-only machine must give a reason"
+    with pytest.raises(PluginError, match=re.escape(f"--device 'cuda' (plugin 'cuda') is not usable here: {reasons[0]}")):
+        registry.resolve_platform("cuda")
+    assert registry.resolve_platform("auto").name == "cpu"
