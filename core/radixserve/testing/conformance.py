@@ -235,6 +235,27 @@ def _tolerance(dtype: torch.dtype, tolerances: Tolerances) -> Tolerance:
     return DEFAULT_TOLERANCES.get(dtype, Tolerance(atol=2e-2, rtol=2e-2))
 
 
+def _f32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A float32 copy for the reference (never an alias of the backend's input); None stays None."""
+    return None if t is None else t.to(torch.float32, copy=True)
+
+
+def _score(result: CaseResult, out: Any, expected: torch.Tensor, dtype: torch.dtype, tol: Tolerance) -> bool:
+    """Fill ``result``'s error, max_abs and max_rel from ``out`` against ``expected``;
+    True when the output has ``dtype`` and is close, with no other problem."""
+    if isinstance(out, torch.Tensor) and out.dtype != dtype:
+        result.error = f"output dtype {out.dtype} != {dtype}"
+    result.max_abs, result.max_rel, close, problem = compare(out, expected, tol)
+    result.error = result.error or problem
+    return close and result.error is None
+
+
+# ``check_one(case, dtype, query, tol, result, case_seed)``: one case's body. It
+# fills ``result`` (max_abs, max_rel, error, kv_store, passed); an exception it
+# raises becomes the case's error.
+CaseBody = Callable[[Any, torch.dtype, KernelQuery, Tolerance, CaseResult, int], None]
+
+
 class _Run:
     """Shared driver: dtype selection from ``unsupported_reasons`` and per-case bookkeeping."""
 
@@ -304,6 +325,41 @@ class _Run:
         if reasons:
             raise RuntimeError(f"reference {self.ref_name!r} cannot serve {ref_query.describe()}: {'; '.join(reasons)}")
         return ref_query
+
+    def check_each(
+        self,
+        case_list: Sequence[Any],
+        tolerances: Tolerances,
+        seed: int,
+        check_one: CaseBody,
+        shared_query: Optional[Callable[[torch.dtype], KernelQuery]] = None,
+    ) -> ConformanceReport:
+        """Run ``check_one`` on every case for every claimed dtype and return the report.
+
+        Case ``index`` gets the seed ``seed * 1000 + index``. By default each case
+        runs under its own ``case.query(device, dtype)``, which must be accepted
+        (else the case is skipped), and a dtype is claimed when any case's query is
+        accepted. With ``shared_query(dtype)`` every case runs under that one query,
+        which alone claims the dtype, and no case is asked again."""
+        if shared_query is None:
+            claim = lambda dt: [c.query(self.device, dt) for c in case_list]  # noqa: E731
+        else:
+            claim = lambda dt: [shared_query(dt)]  # noqa: E731
+        for dtype in self.claimed_dtypes(claim):
+            tol = _tolerance(dtype, tolerances)
+            query = None if shared_query is None else shared_query(dtype)
+            for index, case in enumerate(case_list):
+                if shared_query is None:
+                    query = case.query(self.device, dtype)
+                    if not self.case_supported(case.name, dtype, query):
+                        continue
+                result = CaseResult(case.name, _dtype_name(dtype), False, atol=tol.atol, rtol=tol.rtol)
+                self.report.results.append(result)
+                try:
+                    check_one(case, dtype, query, tol, result, seed * 1000 + index)
+                except Exception as exc:
+                    result.error = _error_text(exc)
+        return self.finish()
 
     def finish(self) -> ConformanceReport:
         if not self.report.results and not self.report.problems:
@@ -585,36 +641,25 @@ def check_attention_backend(
     """Run the attention cases on ``backend`` and compare with ``reference``."""
     run = _Run.resolve("attention", backend, device, dtypes, registry, reference)
     case_list = _cases("attention", cases, ATTENTION_CASES)
-    for dtype in run.claimed_dtypes(lambda dt: [c.query(device, dt) for c in case_list]):
-        tol = _tolerance(dtype, tolerances)
-        for index, case in enumerate(case_list):
-            query = case.query(device, dtype)
-            if not run.case_supported(case.name, dtype, query):
-                continue
-            result = CaseResult(case.name, _dtype_name(dtype), False, atol=tol.atol, rtol=tol.rtol)
-            run.report.results.append(result)
-            try:
-                inputs = make_attention_inputs(case, dtype, run.torch_device, seed=seed * 1000 + index)
-                ref_inputs = _inputs_on_cpu_fp32(inputs)
-                before_k = [b.to("cpu", copy=True) for b in inputs.batch.kv_pool.k_buffers]
-                before_v = [b.to("cpu", copy=True) for b in inputs.batch.kv_pool.v_buffers]
 
-                ref = run.ref_cls(run.reference_query(query))
-                ref.init_forward_metadata(ref_inputs.batch)
-                expected = ref.forward(ref_inputs.q, ref_inputs.k, ref_inputs.v, ref_inputs.layer, ref_inputs.batch)
+    def check_one(case, dtype, query, tol, result, case_seed):
+        inputs = make_attention_inputs(case, dtype, run.torch_device, seed=case_seed)
+        ref_inputs = _inputs_on_cpu_fp32(inputs)
+        before_k = [b.to("cpu", copy=True) for b in inputs.batch.kv_pool.k_buffers]
+        before_v = [b.to("cpu", copy=True) for b in inputs.batch.kv_pool.v_buffers]
 
-                impl = run.cls(query)
-                impl.init_forward_metadata(inputs.batch)
-                out = impl.forward(inputs.q, inputs.k, inputs.v, inputs.layer, inputs.batch)
-                if isinstance(out, torch.Tensor) and out.dtype != dtype:
-                    result.error = f"output dtype {out.dtype} != {dtype}"
-                result.max_abs, result.max_rel, close, problem = compare(out, expected, tol)
-                result.error = result.error or problem
-                result.kv_store = _check_kv_store(inputs, before_k, before_v)
-                result.passed = close and result.error is None and result.kv_store == "ok"
-            except Exception as exc:
-                result.error = _error_text(exc)
-    return run.finish()
+        ref = run.ref_cls(run.reference_query(query))
+        ref.init_forward_metadata(ref_inputs.batch)
+        expected = ref.forward(ref_inputs.q, ref_inputs.k, ref_inputs.v, ref_inputs.layer, ref_inputs.batch)
+
+        impl = run.cls(query)
+        impl.init_forward_metadata(inputs.batch)
+        out = impl.forward(inputs.q, inputs.k, inputs.v, inputs.layer, inputs.batch)
+        close = _score(result, out, expected, dtype, tol)
+        result.kv_store = _check_kv_store(inputs, before_k, before_v)
+        result.passed = close and result.kv_store == "ok"
+
+    return run.check_each(case_list, tolerances, seed, check_one)
 
 
 # ---------------------------------------------------------------------------
@@ -679,30 +724,17 @@ def check_moe_backend(
     """Run the MoE cases (expert counts, top-k, renormalization) on ``backend``."""
     run = _Run.resolve("moe", backend, device, dtypes, registry, reference)
     case_list = _cases("moe", cases, MOE_CASES)
-    for dtype in run.claimed_dtypes(lambda dt: [c.query(device, dt) for c in case_list]):
-        tol = _tolerance(dtype, tolerances)
-        for index, case in enumerate(case_list):
-            query = case.query(device, dtype)
-            if not run.case_supported(case.name, dtype, query):
-                continue
-            result = CaseResult(case.name, _dtype_name(dtype), False, atol=tol.atol, rtol=tol.rtol)
-            run.report.results.append(result)
-            try:
-                hidden, logits, w13, w2, routing = make_moe_inputs(case, dtype, seed=seed * 1000 + index)
-                ref = run.ref_cls(run.reference_query(query))
-                f32 = lambda x: x.to(torch.float32, copy=True)  # noqa: E731  (never alias the backend's inputs)
-                expected = ref.forward(f32(hidden), f32(logits), f32(w13), f32(w2), routing)
-                dev = run.torch_device
-                impl = run.cls(query)
-                out = impl.forward(hidden.to(dev), logits.to(dev), w13.to(dev), w2.to(dev), routing)
-                if isinstance(out, torch.Tensor) and out.dtype != dtype:
-                    result.error = f"output dtype {out.dtype} != {dtype}"
-                result.max_abs, result.max_rel, close, problem = compare(out, expected, tol)
-                result.error = result.error or problem
-                result.passed = close and result.error is None
-            except Exception as exc:
-                result.error = _error_text(exc)
-    return run.finish()
+
+    def check_one(case, dtype, query, tol, result, case_seed):
+        hidden, logits, w13, w2, routing = make_moe_inputs(case, dtype, seed=case_seed)
+        ref = run.ref_cls(run.reference_query(query))
+        expected = ref.forward(_f32(hidden), _f32(logits), _f32(w13), _f32(w2), routing)
+        dev = run.torch_device
+        impl = run.cls(query)
+        out = impl.forward(hidden.to(dev), logits.to(dev), w13.to(dev), w2.to(dev), routing)
+        result.passed = _score(result, out, expected, dtype, tol)
+
+    return run.check_each(case_list, tolerances, seed, check_one)
 
 
 # ---------------------------------------------------------------------------
@@ -759,29 +791,16 @@ def check_gemm_backend(
     """Run ``linear`` on several shapes (1-3D inputs, with and without bias)."""
     run = _Run.resolve("gemm", backend, device, dtypes, registry, reference)
     case_list = _cases("gemm", cases, GEMM_CASES)
-    for dtype in run.claimed_dtypes(lambda dt: [c.query(device, dt) for c in case_list]):
-        tol = _tolerance(dtype, tolerances)
-        for index, case in enumerate(case_list):
-            query = case.query(device, dtype)
-            if not run.case_supported(case.name, dtype, query):
-                continue
-            result = CaseResult(case.name, _dtype_name(dtype), False, atol=tol.atol, rtol=tol.rtol)
-            run.report.results.append(result)
-            try:
-                x, w, b = _gemm_inputs(case, dtype, seed * 1000 + index)
-                ref = run.ref_cls(run.reference_query(query))
-                f32 = lambda x: x.to(torch.float32, copy=True)  # noqa: E731
-                expected = ref.linear(f32(x), f32(w), None if b is None else f32(b))
-                dev = run.torch_device
-                out = run.cls(query).linear(x.to(dev), w.to(dev), None if b is None else b.to(dev))
-                if isinstance(out, torch.Tensor) and out.dtype != dtype:
-                    result.error = f"output dtype {out.dtype} != {dtype}"
-                result.max_abs, result.max_rel, close, problem = compare(out, expected, tol)
-                result.error = result.error or problem
-                result.passed = close and result.error is None
-            except Exception as exc:
-                result.error = _error_text(exc)
-    return run.finish()
+
+    def check_one(case, dtype, query, tol, result, case_seed):
+        x, w, b = _gemm_inputs(case, dtype, case_seed)
+        ref = run.ref_cls(run.reference_query(query))
+        expected = ref.linear(_f32(x), _f32(w), _f32(b))
+        dev = run.torch_device
+        out = run.cls(query).linear(x.to(dev), w.to(dev), None if b is None else b.to(dev))
+        result.passed = _score(result, out, expected, dtype, tol)
+
+    return run.check_each(case_list, tolerances, seed, check_one)
 
 
 # ---------------------------------------------------------------------------
@@ -823,6 +842,15 @@ _QUANT_STANDARD = _QUANT_QUICK + (QuantCase("M1/K256/N64", (1,), 256, 64, False)
 QUANT_CASES: dict[str, tuple[QuantCase, ...]] = {"quick": _QUANT_QUICK, "standard": _QUANT_STANDARD, "full": _QUANT_STANDARD}
 
 
+def _quant_inputs(case: QuantCase, dtype: torch.dtype, seed: int):
+    """``(weight, x, bias)``: the float checkpoint weight, the input and the optional bias."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = (torch.randn((case.out_features, case.in_features), generator=gen) / math.sqrt(case.in_features)).to(dtype)
+    x = torch.randn((*case.batch_shape, case.in_features), generator=gen).to(dtype)
+    bias = torch.randn((case.out_features,), generator=gen).to(dtype) if case.bias else None
+    return weight, x, bias
+
+
 def check_quantization_method(
     method: BackendSpec,
     device: str = "cpu",
@@ -855,57 +883,43 @@ def check_quantization_method(
         )
         return report
     case_list = _cases("quantization", cases, QUANT_CASES)
-    for dtype in run.claimed_dtypes(lambda dt: [KernelQuery(device=device, dtype=dt, quantization=name)]):
-        tol = _tolerance(dtype, tolerances)
-        query = KernelQuery(device=device, dtype=dtype, quantization=name)
-        for index, case in enumerate(case_list):
-            result = CaseResult(case.name, _dtype_name(dtype), False, atol=tol.atol, rtol=tol.rtol)
-            report.results.append(result)
-            try:
-                gen = torch.Generator().manual_seed(seed * 1000 + index)
-                weight = (torch.randn((case.out_features, case.in_features), generator=gen)
-                          / math.sqrt(case.in_features)).to(dtype)
-                x = torch.randn((*case.batch_shape, case.in_features), generator=gen).to(dtype)
-                bias = torch.randn((case.out_features,), generator=gen).to(dtype) if case.bias else None
-                f32 = lambda t: t.to(torch.float32, copy=True)  # noqa: E731
-                expected = semantics(f32(weight), f32(x), None if bias is None else f32(bias))
 
-                gemm_reasons = _reasons(gemm_cls, query)
-                if gemm_reasons:
-                    raise RuntimeError(f"gemm backend {gemm!r} cannot serve {query.describe()}: {'; '.join(gemm_reasons)}")
-                impl = cls(query, gemm_cls(query))
-                layer = nn.Module()
-                loaded: list[str] = []
+    def check_one(case, dtype, query, tol, result, case_seed):
+        weight, x, bias = _quant_inputs(case, dtype, case_seed)
+        expected = semantics(_f32(weight), _f32(x), _f32(bias))
 
-                def loader(param: nn.Parameter, tensor: torch.Tensor) -> None:
-                    param.data.copy_(tensor)
+        gemm_reasons = _reasons(gemm_cls, query)
+        if gemm_reasons:
+            raise RuntimeError(f"gemm backend {gemm!r} cannot serve {query.describe()}: {'; '.join(gemm_reasons)}")
+        impl = cls(query, gemm_cls(query))
+        layer = nn.Module()
 
-                with torch.device(run.torch_device):
-                    impl.create_weights(layer, case.in_features, case.out_features, dtype, loader)
-                params = dict(layer.named_parameters())
-                if not params:
-                    raise AssertionError("create_weights registered no parameters")
-                for pname, param in params.items():
-                    param_loader = getattr(param, "weight_loader", None)
-                    if param_loader is None:
-                        raise AssertionError(f"parameter {pname!r} has no weight_loader attribute")
-                    if pname != "weight":
-                        raise AssertionError(
-                            f"parameter {pname!r} needs a checkpoint tensor the kit does not know how to make; "
-                            "the kit loads only a float 'weight'"
-                        )
-                    param_loader(param, weight.to(run.torch_device))
-                    loaded.append(pname)
-                impl.process_weights_after_loading(layer)
-                out = impl.apply(layer, x.to(run.torch_device), None if bias is None else bias.to(run.torch_device))
-                if isinstance(out, torch.Tensor) and out.dtype != dtype:
-                    result.error = f"output dtype {out.dtype} != {dtype}"
-                result.max_abs, result.max_rel, close, problem = compare(out, expected, tol)
-                result.error = result.error or problem
-                result.passed = close and result.error is None
-            except Exception as exc:
-                result.error = _error_text(exc)
-    return run.finish()
+        def loader(param: nn.Parameter, tensor: torch.Tensor) -> None:
+            param.data.copy_(tensor)
+
+        with torch.device(run.torch_device):
+            impl.create_weights(layer, case.in_features, case.out_features, dtype, loader)
+        params = dict(layer.named_parameters())
+        if not params:
+            raise AssertionError("create_weights registered no parameters")
+        for pname, param in params.items():
+            param_loader = getattr(param, "weight_loader", None)
+            if param_loader is None:
+                raise AssertionError(f"parameter {pname!r} has no weight_loader attribute")
+            if pname != "weight":
+                raise AssertionError(
+                    f"parameter {pname!r} needs a checkpoint tensor the kit does not know how to make; "
+                    "the kit loads only a float 'weight'"
+                )
+            param_loader(param, weight.to(run.torch_device))
+        impl.process_weights_after_loading(layer)
+        out = impl.apply(layer, x.to(run.torch_device), None if bias is None else bias.to(run.torch_device))
+        result.passed = _score(result, out, expected, dtype, tol)
+
+    return run.check_each(
+        case_list, tolerances, seed, check_one,
+        shared_query=lambda dt: KernelQuery(device=device, dtype=dt, quantization=name),
+    )
 
 
 __all__ = [
