@@ -7,6 +7,7 @@ import logging
 import multiprocessing as mp
 import threading
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from typing import Callable, Optional
 
 from radixserve.config import ServerArgs
@@ -39,10 +40,12 @@ class RuntimeProcesses:
         def wait() -> None:
             from multiprocessing.connection import wait as wait_any
 
-            wait_any([p.sentinel for p in self.processes])
+            ready = wait_any([p.sentinel for p in self.processes])
             if self._stopping:
                 return
-            dead = [p for p in self.processes if not p.is_alive()]
+            dead = [p for p in self.processes if p.sentinel in ready]
+            for p in dead:  # the sentinel fires a moment before the exit code can be read
+                p.join(timeout=5)
             reason = ", ".join(f"{p.name} exited with code {p.exitcode}" for p in dead)
             logger.error("runtime process died: %s", reason)
             on_death(reason)
@@ -62,6 +65,16 @@ class RuntimeProcesses:
 
 
 def launch_runtime(args: ServerArgs, model_path: str) -> RuntimeProcesses:
+    runtime, ready = spawn_runtime(args, model_path)
+    wait_until_ready(runtime, ready)
+    return runtime
+
+
+def spawn_runtime(args: ServerArgs, model_path: str) -> tuple[RuntimeProcesses, Connection]:
+    """Start the processes; returns at once, with the pipe the scheduler reports on.
+
+    Call it from a thread that lives as long as the server: the children's
+    PR_SET_PDEATHSIG fires when the *thread* that spawned them exits."""
     ctx = mp.get_context("spawn")
     endpoints = Endpoints.fresh()
     tokenizer_path = args.tokenizer_path or model_path
@@ -75,6 +88,12 @@ def launch_runtime(args: ServerArgs, model_path: str) -> RuntimeProcesses:
     scheduler.start()
     detokenizer.start()
     ready_send.close()
+    return runtime, ready_recv
+
+
+def wait_until_ready(runtime: RuntimeProcesses, ready_recv: Connection) -> None:
+    """Block until the scheduler has loaded the model (fills ``runtime.summary``);
+    on failure stop the processes and raise StartupError."""
     try:
         if not ready_recv.poll(STARTUP_TIMEOUT_S):
             raise StartupError(f"the scheduler did not start within {STARTUP_TIMEOUT_S} s")
@@ -86,7 +105,6 @@ def launch_runtime(args: ServerArgs, model_path: str) -> RuntimeProcesses:
         raise
     if not status or "error" in status:
         runtime.shutdown()
-        detail = status["error"] if status else f"the scheduler exited with code {scheduler.exitcode}"
+        detail = status["error"] if status else f"the scheduler exited with code {runtime.processes[0].exitcode}"
         raise StartupError(f"the scheduler failed to start:\n{detail}")
     runtime.summary = status["summary"]
-    return runtime

@@ -185,7 +185,7 @@ class TokenizerManager:
         streams = [
             self._run_one(f"{rid}-{i}", ids, _child_params(params, i), obj, index=i) for i in range(params.n)
         ]
-        async for out in _merge(streams):
+        async for out in merge_streams(streams):
             yield out
 
     async def _run_one(self, rid: str, ids: list[int], params: SamplingParams, obj: GenerateInput,
@@ -297,7 +297,7 @@ class _Accumulator:
                 "finished": t.finish_reason is not None}
 
 
-async def _merge(streams: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
+async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
     """Interleave several async iterators as their items arrive."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()

@@ -1,0 +1,106 @@
+"""Errors as the OpenAI API reports them: ``{"error": {message, type, param, code}}``
+with the HTTP status that fits. Every non-2xx answer of the server goes through
+``error_response``; handlers installed by ``install_error_handlers`` make sure
+FastAPI's own errors (validation, malformed JSON, unknown routes) do too."""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    499: "client_closed_request",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error to answer with; raise it anywhere below a route."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code}}
+
+
+def error_response(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+_LEADING_NAME = re.compile(r"^([A-Za-z_][\w.\[\]]*)(?::| must| token id)")
+
+
+def bad_request(exc: ValueError, renames: Optional[dict[str, str]] = None) -> APIError:
+    """A 400 for a ValueError from the runtime's validation, whose message starts
+    with the offending field's name (``"top_p must be in (0, 1]"``,
+    ``"max_new_tokens: prompt ... exceeds"``). ``renames`` maps the runtime's
+    names to the API's (``max_new_tokens`` -> ``max_tokens``)."""
+    message = str(exc)
+    match = _LEADING_NAME.match(message)
+    if match is None:
+        return APIError(400, message)
+    name = match.group(1)
+    param = (renames or {}).get(name, name)
+    return APIError(400, param + message[len(name):], param=param)
+
+
+def _is_type_tag(part: str) -> bool:
+    """Pydantic puts the tried member of a union in ``loc`` (``str``, ``list[int]``)."""
+    return "[" in part or part.startswith("function-") or part in {"str", "int", "float", "bool", "none"}
+
+
+def _loc_to_param(loc: tuple[Any, ...]) -> Optional[str]:
+    """``("body", "messages", 0, "role")`` -> ``"messages[0].role"``."""
+    parts = [p for p in loc if p not in ("body", "query", "path")]
+    param = ""
+    for part in parts:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif not _is_type_tag(str(part)):
+            param += ("." if param else "") + str(part)
+    return param or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        # Malformed JSON lands here too (pydantic error type "json_invalid").
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: {first.get('msg', '')}")
+        param = _loc_to_param(tuple(first.get("loc", ())))
+        message = first.get("msg", "invalid request")
+        if first.get("type") == "missing":
+            message = "field required"
+        return error_response(400, f"{param}: {message}" if param else message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error serving %s %s", request.method, request.url.path)
+        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}")

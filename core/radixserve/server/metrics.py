@@ -1,0 +1,74 @@
+"""Prometheus metrics of one server, in its own CollectorRegistry (several
+servers in one process, e.g. tests, do not clash).
+
+Gauges mirror the scheduler's stats and are refreshed when /metrics is scraped;
+counters and histograms are fed per request by the TokenizerManager, which
+calls the ``record_*`` hooks.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "radixserve:"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+# Scheduler stat -> help text; each becomes a gauge of the same name.
+_GAUGES = {
+    "num_running_reqs": "requests being decoded or prefilled",
+    "num_queue_reqs": "requests waiting to be scheduled",
+    "token_usage": "fraction of the KV pool in use (evictable cache excluded)",
+    "cache_hit_rate": "prompt tokens served from the prefix cache / prompt tokens",
+    "num_retracted_reqs": "requests retracted to free KV memory since start",
+}
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ("model_name",)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.gauges = {name: gauge(name, doc) for name, doc in _GAUGES.items()}
+        self.prompt_tokens = counter("prompt_tokens", "prompt tokens of finished requests")
+        self.generation_tokens = counter("generation_tokens", "generated tokens of finished requests")
+        self.cached_tokens = counter("cached_tokens", "prompt tokens served from the prefix cache")
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "time to first token",
+                                             _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram("inter_token_latency_seconds", "time between output tokens",
+                                             _LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "request latency, arrival to finish",
+                                             _E2E_BUCKETS)
+
+    # ---- TokenizerManager hooks -----------------------------------------------------
+    def record_first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+
+    def record_inter_token(self, seconds: float) -> None:
+        self.inter_token_latency.observe(seconds)
+
+    def record_finish(self, e2e_s: float, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
+        self.e2e_request_latency.observe(e2e_s)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.cached_tokens.inc(cached_tokens)
+
+    # ---- scrape ---------------------------------------------------------------------
+    def update(self, stats: dict) -> None:
+        """Refresh the gauges from ``control("server_info")["stats"]``."""
+        for name, gauge in self.gauges.items():
+            gauge.set(stats[name])
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,122 @@
+"""POST /generate, SGLang's native API: ``text`` or ``input_ids`` (one prompt or
+a batch), ``sampling_params`` in the runtime's own names, optional logprobs.
+
+The answer is ``{"text", "output_ids", "meta_info"}`` for one prompt, and a flat
+list (prompt-major) for a batch or ``n > 1``. Streamed chunks carry the text so
+far, as SGLang's do (a client prints ``text[len(previous):]``), plus ``index``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, AsyncIterator, Union
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from radixserve.sampling.params import SamplingParams
+from radixserve.server.errors import APIError
+from radixserve.server.protocol import GenerateRequestBody
+from radixserve.server.streaming import (
+    Tagged,
+    cancel_on_disconnect,
+    collect,
+    first_and_rest,
+    runtime_errors,
+    sse_stream,
+    start_generation,
+)
+from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
+
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs")
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list:
+    """A value given once for all prompts, or as a list with one per prompt."""
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise APIError(400, f"{name}: {len(value)} given for {count} prompts", param=name)
+    return value
+
+
+def _inputs(body: GenerateRequestBody) -> list[GenerateInput]:
+    if body.text is not None and body.input_ids is not None:
+        raise APIError(400, "text: give either text or input_ids, not both", param="text")
+    if body.text is not None:
+        prompts: list[dict[str, Any]] = [{"text": t} for t in _as_list(body.text, batch=isinstance(body.text, list))]
+    elif body.input_ids is not None:
+        batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
+        prompts = [{"input_ids": ids} for ids in _as_list(body.input_ids, batch)]
+    else:
+        raise APIError(400, "text: one of text or input_ids is required", param="text")
+    count = len(prompts)
+    params = [dict(p or {}) for p in _per_prompt(body.sampling_params, count, "sampling_params")]
+    for p in params:
+        unknown = sorted(set(p) - _SAMPLING_FIELDS)
+        if unknown:
+            raise APIError(400, f"sampling_params: unknown parameter(s) {unknown}", param="sampling_params")
+    if isinstance(body.rid, str) and count > 1:
+        rids = [f"{body.rid}-{i}" for i in range(count)]
+    else:
+        rids = _per_prompt(body.rid, count, "rid")
+    return [
+        GenerateInput(**prompt, sampling_params=params[i], return_logprob=body.return_logprob,
+                      top_logprobs_num=body.top_logprobs_num, logprob_start_len=body.logprob_start_len,
+                      stream=body.stream, rid=rids[i])
+        for i, prompt in enumerate(prompts)
+    ]
+
+
+def _as_list(value: Any, batch: bool) -> list:
+    return value if batch else [value]
+
+
+def _output(out: dict, return_logprob: bool, started: float) -> dict:
+    meta = dict(out["meta_info"])
+    if not return_logprob:
+        for key in _LOGPROB_KEYS:
+            meta.pop(key, None)
+    meta["e2e_latency"] = time.perf_counter() - started
+    return {"text": out["text"], "output_ids": out["output_ids"], "meta_info": meta}
+
+
+async def generate(tm: TokenizerManager, body: GenerateRequestBody, request: Request) -> Union[dict, list,
+                                                                                            StreamingResponse]:
+    started = time.perf_counter()
+    inputs = _inputs(body)
+    is_batch = len(inputs) > 1
+    results = start_generation(tm, inputs)
+    if body.stream:
+        results = await first_and_rest(results, request)
+        firsts = [0]  # global index of each prompt's first choice
+        for inp in inputs:
+            firsts.append(firsts[-1] + int(inp.sampling_params.get("n", 1)))
+        return StreamingResponse(sse_stream(_chunks(results, firsts, body.return_logprob, started)),
+                                 media_type="text/event-stream")
+    with runtime_errors():
+        outs = await cancel_on_disconnect(request, collect(results))
+    outs.sort(key=lambda item: (item[0], item[1]["index"]))
+    answers = [_output(out, body.return_logprob, started) for _, out in outs]
+    return answers if is_batch or len(answers) > 1 else answers[0]
+
+
+async def _chunks(results: AsyncIterator[Tagged], firsts: list[int], return_logprob: bool,
+                  started: float) -> AsyncIterator[dict]:
+    """Turn the runtime's deltas into SGLang's cumulative chunks."""
+    so_far: dict[int, dict] = {}
+    async for p, out in results:
+        index = firsts[p] + out["index"]
+        acc = so_far.setdefault(index, {"text": "", "output_ids": [], **{k: [] for k in _LOGPROB_KEYS}})
+        acc["text"] += out["text"]
+        acc["output_ids"] += out["output_ids"]
+        meta = dict(out["meta_info"])
+        for k in _LOGPROB_KEYS:
+            acc[k] += meta.get(k) or []
+            meta[k] = acc[k]
+        chunk = _output({"text": acc["text"], "output_ids": acc["output_ids"], "meta_info": meta}, return_logprob,
+                        started)
+        chunk["index"] = index
+        yield chunk

@@ -1,0 +1,261 @@
+"""/v1/chat/completions and /v1/completions on top of the TokenizerManager.
+
+A request becomes one ``GenerateInput`` per prompt (the runtime fans out ``n``);
+choice ``i`` of prompt ``p`` is choice ``p * n + i`` of the response. Streams
+wait for the first result before sending headers (so a full queue is still a
+503) and end with ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import AsyncIterator, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from radixserve.server.chat_template import ChatTemplate
+from radixserve.server.errors import APIError
+from radixserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from radixserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    MatchedStop,
+    PromptTokensDetails,
+    Usage,
+)
+from radixserve.server.streaming import (
+    Tagged,
+    cancel_on_disconnect,
+    collect,
+    first_and_rest,
+    runtime_errors,
+    sse_stream,
+    start_generation,
+)
+from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
+
+# Without max_tokens a request may use the rest of the context (as in vLLM), up
+# to this many tokens so one request cannot reserve a long model's whole window.
+DEFAULT_MAX_TOKENS_CAP = 16384
+
+_RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+CHAT_RENAMES = {**_RENAMES, "input_ids": "messages"}
+COMPLETION_RENAMES = {**_RENAMES, "input_ids": "prompt"}
+
+
+def finish_fields(meta: dict) -> tuple[Optional[str], MatchedStop]:
+    """The runtime's ``{"type", "matched"}`` as OpenAI's ``finish_reason`` and our ``matched_stop``."""
+    reason = meta["finish_reason"]
+    if reason is None:
+        return None, None
+    return reason["type"], reason.get("matched") if reason["type"] == "stop" else None
+
+
+class UsageCounter:
+    """Token counts over the choices of a request: each prompt counts once,
+    completions add up, cached prompt tokens are the least any choice of that
+    prompt got (the others may have hit the first one's cache)."""
+
+    def __init__(self) -> None:
+        self.prompt: dict[int, int] = {}
+        self.cached: dict[int, int] = {}
+        self.completion: dict[int, int] = {}
+
+    def add(self, prompt_index: int, choice_index: int, meta: dict) -> None:
+        self.prompt[prompt_index] = meta["prompt_tokens"]
+        self.cached[prompt_index] = min(self.cached.get(prompt_index, math.inf), meta["cached_tokens"])
+        self.completion[choice_index] = meta["completion_tokens"]
+
+    def total(self) -> Usage:
+        return make_usage(sum(self.prompt.values()), sum(self.completion.values()), sum(self.cached.values()))
+
+
+def make_usage(prompt: int, completion: int, cached: int) -> Usage:
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+class OpenAIServing:
+    def __init__(self, tm: TokenizerManager, model_name: str, chat_template: ChatTemplate):
+        self.tm = tm
+        self.model_name = model_name
+        self.chat_template = chat_template
+        self.texts = TokenTexts(tm.tokenizer)
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _check_request(self, req: Union[ChatCompletionRequest, CompletionRequest]) -> None:
+        self.check_model(req.model)
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options")
+
+    def _max_tokens(self, requested: Optional[int], prompt_len: int) -> int:
+        if requested is not None:
+            return requested
+        return max(min(self.tm.context_length - prompt_len, DEFAULT_MAX_TOKENS_CAP), 0)
+
+    # ---- chat --------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> Union[ChatCompletionResponse,
+                                                                                StreamingResponse]:
+        self._check_request(req)
+        if req.top_logprobs and not req.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
+        if req.continue_final_message and req.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message: the last message must be the assistant's",
+                           param="continue_final_message")
+        with runtime_errors(CHAT_RENAMES):
+            ids = self.chat_template.encode(req)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        inp = GenerateInput(input_ids=ids, sampling_params=req.sampling_params(self._max_tokens(requested, len(ids))),
+                            return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0, stream=req.stream,
+                            rid=rid)
+        results = start_generation(self.tm, [inp], CHAT_RENAMES)
+        if req.stream:
+            results = await first_and_rest(results, request, CHAT_RENAMES)
+            return StreamingResponse(sse_stream(self._chat_chunks(req, rid, results)),
+                                     media_type="text/event-stream")
+        with runtime_errors(CHAT_RENAMES):
+            outs = await cancel_on_disconnect(request, collect(results, CHAT_RENAMES))
+        usage = UsageCounter()
+        choices = []
+        for _, out in sorted(outs, key=lambda item: item[1]["index"]):
+            meta = out["meta_info"]
+            usage.add(0, out["index"], meta)
+            finish, matched = finish_fields(meta)
+            choices.append(ChatChoice(
+                index=out["index"], message=AssistantMessage(content=out["text"]),
+                logprobs=self._chat_logprobs(meta) if req.logprobs else None,
+                finish_reason=finish, matched_stop=matched,
+            ))
+        return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage.total())
+
+    def _chat_logprobs(self, meta: dict):
+        return chat_logprobs(self.texts, meta["output_token_logprobs"], meta["output_top_logprobs"])
+
+    async def _chat_chunks(self, req: ChatCompletionRequest, rid: str,
+                           results: AsyncIterator[Tagged]) -> AsyncIterator[ChatCompletionChunk]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatStreamChoice], usage: Optional[Usage] = None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
+
+        for index in range(req.n):
+            yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        usage = UsageCounter()
+        async for _, out in results:
+            meta = out["meta_info"]
+            usage.add(0, out["index"], meta)
+            finish, matched = finish_fields(meta)
+            if not out["text"] and finish is None and not meta["output_token_logprobs"]:
+                continue  # nothing to tell (e.g. a token that completes no character yet)
+            choice = ChatStreamChoice(
+                index=out["index"], delta=DeltaMessage(content=out["text"] or None),
+                logprobs=self._chat_logprobs(meta) if req.logprobs else None,
+                finish_reason=finish, matched_stop=matched,
+            )
+            running = make_usage(meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) \
+                if req.continuous_usage else None
+            yield chunk([choice], running)
+        if req.include_usage:
+            yield chunk([], usage.total())
+
+    # ---- completions ---------------------------------------------------------------
+    def _prompts(self, req: CompletionRequest) -> list[list[int]]:
+        """The prompt(s) as token ids; text is tokenized like the native API does."""
+        prompt = req.prompt
+        if isinstance(prompt, str):
+            prompts: list = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError(400, "prompt: must not be empty", param="prompt")
+        return [self.tm.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
+
+    async def completions(self, req: CompletionRequest, request: Request) -> Union[CompletionResponse,
+                                                                                   StreamingResponse]:
+        self._check_request(req)
+        prompts = self._prompts(req)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        want_logprobs = req.logprobs is not None
+        inputs = [
+            GenerateInput(
+                input_ids=ids, sampling_params=req.sampling_params(self._max_tokens(req.max_tokens, len(ids))),
+                return_logprob=want_logprobs, top_logprobs_num=req.logprobs or 0,
+                logprob_start_len=0 if (req.echo and want_logprobs) else -1, stream=req.stream,
+                rid=rid if len(prompts) == 1 else f"{rid}-{p}",
+            )
+            for p, ids in enumerate(prompts)
+        ]
+        results = start_generation(self.tm, inputs, COMPLETION_RENAMES)
+        echoes = [self.tm.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
+        if req.stream:
+            results = await first_and_rest(results, request, COMPLETION_RENAMES)
+            return StreamingResponse(sse_stream(self._completion_chunks(req, rid, results, echoes)),
+                                     media_type="text/event-stream")
+        with runtime_errors(COMPLETION_RENAMES):
+            outs = await cancel_on_disconnect(request, collect(results, COMPLETION_RENAMES))
+        usage = UsageCounter()
+        choices = []
+        for p, out in outs:
+            index = p * req.n + out["index"]
+            meta = out["meta_info"]
+            usage.add(p, index, meta)
+            finish, matched = finish_fields(meta)
+            logprobs = self._completion_logprobs(meta, req.echo, 0)[0] if want_logprobs else None
+            choices.append(CompletionChoice(index=index, text=echoes[p] + out["text"], logprobs=logprobs,
+                                            finish_reason=finish, matched_stop=matched))
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage.total())
+
+    def _completion_logprobs(self, meta: dict, echo: bool, offset: int) -> tuple[CompletionLogprobs, int]:
+        tokens, tops = list(meta["output_token_logprobs"]), list(meta["output_top_logprobs"])
+        if echo and meta.get("input_token_logprobs") is not None:
+            tokens = list(meta["input_token_logprobs"]) + tokens
+            tops = list(meta["input_top_logprobs"]) + tops
+        return completion_logprobs(self.texts, tokens, tops, offset)
+
+    async def _completion_chunks(self, req: CompletionRequest, rid: str, results: AsyncIterator[Tagged],
+                                 echoes: list[str]) -> AsyncIterator[CompletionResponse]:
+        created = int(time.time())
+        usage = UsageCounter()
+        started: set[int] = set()  # choices that sent their first chunk (with the echo)
+        offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+        async for p, out in results:
+            index = p * req.n + out["index"]
+            meta = out["meta_info"]
+            usage.add(p, index, meta)
+            finish, matched = finish_fields(meta)
+            first = index not in started
+            started.add(index)
+            text = (echoes[p] if first else "") + out["text"]
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs, offsets[index] = self._completion_logprobs(meta, req.echo and first, offsets.get(index, 0))
+            if not text and finish is None and not (logprobs and logprobs.tokens):
+                continue
+            running = make_usage(meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) \
+                if req.continuous_usage else None
+            yield CompletionResponse(id=rid, created=created, model=self.model_name, usage=running, choices=[
+                CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
+                                 matched_stop=matched)])
+        if req.include_usage:
+            yield CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
+                                     usage=usage.total())

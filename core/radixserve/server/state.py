@@ -1,0 +1,190 @@
+"""The server's runtime, from boot to shutdown.
+
+The HTTP server answers at once (``/health`` is 503 while starting); the boot
+runs in the background: resolve the model (maybe building the demo model or
+downloading), launch the scheduler and detokenizer processes, create the
+TokenizerManager in the serving event loop, warm up, and ask the scheduler for
+its health. If a runtime process dies later, every waiting request fails and the
+server exits: a half-dead server must not linger behind a load balancer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+from typing import Any, Callable, Optional, TypeVar
+
+from radixserve.config import ServerArgs
+from radixserve.demo_model import DEMO_MODEL_NAME
+from radixserve.launch import RuntimeProcesses, spawn_runtime, wait_until_ready
+from radixserve.model_source import resolve_model_path
+from radixserve.server.chat_template import ChatTemplate
+from radixserve.server.errors import APIError
+from radixserve.server.metrics import ServerMetrics
+from radixserve.server.openai_serving import OpenAIServing
+from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+HEALTH_TIMEOUT_S = 10.0
+HEALTH_GENERATE_TIMEOUT_S = 60.0
+
+
+async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
+    """Run blocking startup work off the event loop. A daemon thread, unlike
+    ``asyncio.to_thread``, does not hold up the exit of a server stopped
+    mid-boot (its child processes die with us)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def settle(result: Any, error: Optional[BaseException]) -> None:
+        if not future.done():  # the awaiting coroutine may have been cancelled
+            future.set_result(result) if error is None else future.set_exception(error)
+
+    def work() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as exc:  # handed to the awaiting coroutine
+            result, error = None, exc
+        loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=work, daemon=True, name=f"boot-{fn.__name__}").start()
+    return await future
+
+
+class ServerState:
+    def __init__(self, args: ServerArgs, request_exit: Callable[[int], None]):
+        self.args = args
+        self.model_name = args.served_model_name or args.model_path or DEMO_MODEL_NAME
+        self.metrics = ServerMetrics(self.model_name)
+        self.request_exit = request_exit
+        self.status = "starting"  # -> ready | failed | dead
+        self.model_path: Optional[str] = None
+        self.runtime: Optional[RuntimeProcesses] = None
+        self.tm: Optional[TokenizerManager] = None
+        self.openai: Optional[OpenAIServing] = None
+        self.on_ready: Callable[[], None] = lambda: None
+
+    # ---- boot and shutdown -----------------------------------------------------------
+    async def start(self) -> None:
+        try:
+            await self._boot()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("startup failed")
+            self.status = "failed"
+            self.request_exit(1)
+            return
+        self.status = "ready"
+        self.on_ready()
+
+    async def _boot(self) -> None:
+        from transformers import AutoTokenizer
+
+        args = self.args
+        self.model_path = await _in_daemon_thread(resolve_model_path, args)
+        # Spawned from this (the event loop's) thread, which lives as long as the server.
+        self.runtime, ready = spawn_runtime(args, self.model_path)
+        await _in_daemon_thread(wait_until_ready, self.runtime, ready)
+        loop = asyncio.get_running_loop()
+        self.runtime.watch(lambda reason: loop.call_soon_threadsafe(self._on_runtime_death, reason))
+        tokenizer = await _in_daemon_thread(AutoTokenizer.from_pretrained, self.runtime.tokenizer_path)
+        summary = self.runtime.summary
+        self.tm = TokenizerManager(args, tokenizer, self.runtime.endpoints, summary["context_length"],
+                                   summary["vocab_size"])
+        self.tm.start()
+        template = ChatTemplate(tokenizer, args.chat_template)
+        self.openai = OpenAIServing(self.tm, self.model_name, template)
+        self._log_summary(template)
+        if not args.skip_server_warmup:
+            await self.generate_one_token()
+        await self.tm.control("health", timeout=HEALTH_TIMEOUT_S)
+        self.tm.metrics = self.metrics  # after the warm-up, which is not traffic
+
+    def _log_summary(self, template: ChatTemplate) -> None:
+        s, args = self.runtime.summary, self.args
+        demo = " (the built-in demo model: RANDOM weights)" if args.model_path is None else ""
+        logger.info("model: %s%s, served as %r, architecture %s", self.model_path, demo, self.model_name,
+                    s["architecture"])
+        logger.info("device: %s (platform %s, --device %s)", s["device"], s["platform"], args.device)
+        for kind, name in s["backends"].items():
+            flag = "quantization" if kind == "quantization" else f"{kind}_backend"
+            requested = getattr(args, flag, None)
+            if requested is None:
+                why = f"no --{flag.replace('_', '-')}"
+            elif requested == "auto":
+                why = "auto: the highest-priority usable candidate; the scheduler logs the rejected ones"
+            else:
+                why = f"forced by --{flag.replace('_', '-')}"
+            logger.info("%s backend: %s (%s)", kind, name, why)
+        logger.info("dtype %s, KV cache dtype %s; KV pool %d tokens (page size %d); context length %d; "
+                    "max running requests %d", s["dtype"], s["kv_cache_dtype"], s["max_total_tokens"], s["page_size"],
+                    s["context_length"], s["max_running_requests"])
+        logger.info("chat template: %s", template.origin)
+
+    def _on_runtime_death(self, reason: str) -> None:
+        if self.status == "dead":
+            return
+        logger.error("a runtime process died (%s); shutting the server down", reason)
+        self.status = "dead"
+        if self.tm is not None:
+            self.tm.fail_all(reason)
+        self.request_exit(1)
+
+    def stop(self) -> None:
+        if self.runtime is not None:
+            self.runtime.shutdown()
+        if self.tm is not None:
+            self.tm.close()
+
+    # ---- used by the routes -----------------------------------------------------------
+    def ready_tm(self) -> TokenizerManager:
+        """The TokenizerManager, or a 503 while the server is not serving."""
+        if self.status != "ready" or self.tm is None:
+            message = {"starting": "the server is starting up", "failed": "the server failed to start",
+                       "dead": f"the runtime is down: {self.tm.dead_reason if self.tm else ''}"}[self.status]
+            raise APIError(503, message)
+        return self.tm
+
+    def ready_openai(self) -> OpenAIServing:
+        self.ready_tm()
+        return self.openai
+
+    async def healthy(self) -> bool:
+        tm = self.ready_tm()
+        try:
+            return bool(await tm.control("health", timeout=HEALTH_TIMEOUT_S))
+        except (asyncio.TimeoutError, RuntimeError):
+            return False
+
+    async def generate_one_token(self) -> dict:
+        tm = self.tm
+        inp = GenerateInput(text="Hello", sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+        outs = [out async for out in tm.generate(inp)]
+        return outs[-1]
+
+    async def server_info(self) -> dict:
+        info = await self.ready_tm().control("server_info")
+        args = dataclasses.asdict(self.args)
+        if args.get("api_key"):
+            args["api_key"] = "<redacted>"
+        return {
+            **info,
+            "version": _version(),
+            "model_path": self.model_path,
+            "served_model_name": self.model_name,
+            "server_args": args,
+            "num_in_flight": self.tm.num_in_flight,
+            "pids": {p.name: p.pid for p in self.runtime.processes},
+        }
+
+
+def _version() -> str:
+    from radixserve import __version__
+
+    return __version__

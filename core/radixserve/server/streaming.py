@@ -1,0 +1,143 @@
+"""Request lifetime helpers shared by the OpenAI and native APIs: running the
+TokenizerManager's generators, turning runtime exceptions into API errors
+before a response starts, aborting on client disconnect, and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any, AsyncIterator, Awaitable, Iterator, Optional, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from radixserve.server.errors import APIError, bad_request, error_body
+from radixserve.server.tokenizer_manager import (
+    GenerateInput,
+    QueueFullError,
+    RuntimeDeadError,
+    TokenizerManager,
+    merge_streams,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Tagged = tuple[int, dict]  # (prompt index, result dict of the TokenizerManager)
+
+
+@contextlib.contextmanager
+def runtime_errors(renames: Optional[dict[str, str]] = None) -> Iterator[None]:
+    """Map the runtime's exceptions to API errors (used before a response starts)."""
+    try:
+        yield
+    except ValueError as exc:
+        raise bad_request(exc, renames) from exc
+    except QueueFullError as exc:
+        raise APIError(503, str(exc), code="queue_full") from exc
+    except RuntimeDeadError as exc:
+        raise APIError(503, f"the runtime is down: {exc}") from exc
+
+
+def start_generation(tm: TokenizerManager, inputs: list[GenerateInput],
+                     renames: Optional[dict[str, str]] = None) -> AsyncIterator[Tagged]:
+    """Validate every prompt up front (a 400 before anything runs), then run
+    them all, yielding ``(prompt index, result)`` as results arrive."""
+    with runtime_errors(renames):
+        for inp in inputs:
+            tm.prepare(inp)
+
+    async def tagged(i: int, inp: GenerateInput) -> AsyncIterator[Tagged]:
+        async for out in tm.generate(inp):
+            yield i, out
+
+    streams = [tagged(i, inp) for i, inp in enumerate(inputs)]
+    return streams[0] if len(streams) == 1 else merge_streams(streams)
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``, cancelling it if the client goes away (which aborts its
+    requests in the runtime and frees their KV)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                task.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.done():
+            raise APIError(499, "the client closed the connection") from None
+        raise
+    finally:
+        watcher.cancel()
+
+
+def raise_if_rejected(out: dict, renames: Optional[dict[str, str]] = None) -> None:
+    """The scheduler refuses a prompt it cannot hold (e.g. larger than the KV
+    pool) by aborting it at once with a message that names the field: a 400."""
+    meta = out["meta_info"]
+    reason = meta["finish_reason"]
+    if reason and reason["type"] == "abort" and meta["completion_tokens"] == 0 and reason.get("message"):
+        error = bad_request(ValueError(reason["message"]), renames)
+        if error.param is not None:
+            raise error
+
+
+async def collect(results: AsyncIterator[Tagged], renames: Optional[dict[str, str]] = None) -> list[Tagged]:
+    items = [item async for item in results]
+    for _, out in items:
+        raise_if_rejected(out, renames)
+    return items
+
+
+async def first_and_rest(results: AsyncIterator[Tagged], request: Request,
+                         renames: Optional[dict[str, str]] = None) -> AsyncIterator[Tagged]:
+    """Wait for the first result before a stream's headers go out, so that a
+    full queue, a dead runtime or a rejected prompt still get their status.
+    Returns an iterator over all results, the first included."""
+    with runtime_errors(renames):
+        first = await cancel_on_disconnect(request, results.__anext__())
+    try:
+        raise_if_rejected(first[1], renames)
+    except APIError:
+        await results.aclose()
+        raise
+
+    async def chained() -> AsyncIterator[Tagged]:
+        try:
+            yield first
+            async for item in results:
+                yield item
+        finally:
+            await results.aclose()
+
+    return chained()
+
+
+def sse(payload: Any) -> str:
+    body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {body}\n\n"
+
+
+async def sse_stream(events: AsyncIterator[Any]) -> AsyncIterator[str]:
+    """Frame events as server-sent events ending with ``data: [DONE]``. An error
+    after the stream started can only be reported in band, as an error event."""
+    try:
+        async for event in events:
+            yield sse(event)
+    except RuntimeDeadError as exc:
+        yield sse(error_body(503, f"the runtime is down: {exc}"))
+    except APIError as exc:
+        yield sse(error_body(exc.status, exc.message, exc.param))
+    except Exception as exc:  # a bug: log it, tell the client, end the stream
+        logger.exception("error while streaming")
+        yield sse(error_body(500, f"internal server error: {type(exc).__name__}: {exc}"))
+    yield "data: [DONE]\n\n"

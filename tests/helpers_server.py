@@ -1,0 +1,98 @@
+"""`radixserve serve` as a subprocess, for the server tests.
+
+The server is started with ``--port 0`` and its URL read from the line it prints
+(``radixserve listening at URL``), so parallel test runs never clash on ports.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+READY_TIMEOUT_S = 300  # generous: the CI box has 2 cores shared with other suites
+_ANNOUNCE = re.compile(r"radixserve (listening|ready) at (\S+)")
+
+
+class ServerProcess:
+    def __init__(self, *cli_args: str, env: Optional[dict[str, str]] = None):
+        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", "0", *cli_args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, **(env or {})}, bufsize=1)
+        self.lines: list[str] = []
+        self.url: Optional[str] = None
+        self._listening = threading.Event()
+        self._ready = threading.Event()
+        self._reader = threading.Thread(target=self._read_output, daemon=True)
+        self._reader.start()
+
+    def _read_output(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            match = _ANNOUNCE.search(line)
+            if match:
+                self.url = match.group(2)
+                (self._listening if match.group(1) == "listening" else self._ready).set()
+        self._listening.set()  # the process ended: wake any waiter
+        self._ready.set()
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def _wait(self, event: threading.Event, what: str, timeout: float) -> str:
+        if not event.wait(timeout) or self.proc.poll() is not None or self.url is None:
+            raise RuntimeError(f"the server did not become {what} (exit code {self.proc.poll()}):\n{self.log}")
+        return self.url
+
+    def wait_listening(self, timeout: float = 120) -> str:
+        return self._wait(self._listening, "listening", timeout)
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> str:
+        return self._wait(self._ready, "ready", timeout)
+
+    def wait_exit(self, timeout: float) -> Optional[int]:
+        """The exit code, with all output read; None if still running."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+        self._reader.join(10)  # the last lines may still be in the pipe
+        return code
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            if self.wait_exit(30) is None:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def process_alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet reaped, counts as gone)."""
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

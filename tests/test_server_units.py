@@ -1,0 +1,151 @@
+"""Server pieces that need no running server: error mapping, request parsing,
+logprob token bytes, chat templates, metrics registries, model sources and the
+demo model cache."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
+
+from radixserve import demo_model
+from radixserve.config import ServerArgs
+from radixserve.model_source import resolve_model_path
+from radixserve.server.chat_template import ChatTemplate
+from radixserve.server.errors import APIError, _loc_to_param, bad_request
+from radixserve.server.logprobs import TokenTexts, completion_logprobs
+from radixserve.server.metrics import ServerMetrics
+from radixserve.server.openai_serving import OpenAIServing
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir):
+    return AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+
+
+@pytest.mark.parametrize("message,renames,param,text", [
+    ("top_p must be in (0, 1], got 3", None, "top_p", "top_p must be in (0, 1], got 3"),
+    ("max_new_tokens: prompt (5) + max_new_tokens (9) exceeds", {"max_new_tokens": "max_tokens"}, "max_tokens",
+     "max_tokens: prompt (5) + max_new_tokens (9) exceeds"),
+    ("logit_bias token id 9999 is out of range [0, 512)", None, "logit_bias", None),
+    ("something went wrong", None, None, "something went wrong"),
+])
+def test_bad_request_names_the_field(message, renames, param, text):
+    error = bad_request(ValueError(message), renames)
+    assert error.status == 400 and error.param == param
+    if text is not None:
+        assert error.message == text
+
+
+def test_validation_locations_become_params():
+    assert _loc_to_param(("body", "messages", 0, "role")) == "messages[0].role"
+    assert _loc_to_param(("body", "prompt", "list[int]", 0)) == "prompt[0]"
+    assert _loc_to_param(("body", "stream")) == "stream"
+    assert _loc_to_param(("body",)) is None
+
+
+def test_requests_parse_openai_shapes():
+    req = CompletionRequest.model_validate({"prompt": [[1, 2], [3]], "extra_body": {"top_k": 5, "n": 9}, "n": 2})
+    assert req.prompt == [[1, 2], [3]] and req.top_k == 5 and req.n == 2  # top level wins over extra_body
+    params = req.sampling_params(max_tokens=7)
+    assert params["max_new_tokens"] == 7 and params["top_k"] == 5 and "temperature" not in params
+    assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompt == [1, 2]
+    assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompt == ["a", "b"]
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "stop": "END",
+                                                 "stream_options": {"include_usage": True}})
+    assert chat.sampling_params(3)["stop"] == "END" and chat.include_usage and not chat.continuous_usage
+
+
+def test_token_bytes_rebuild_multibyte_text(tokenizer):
+    texts = TokenTexts(tokenizer)
+    text = "你好 🚀 bytes"
+    ids = tokenizer.encode(text)
+    assert b"".join(texts.bytes(i) for i in ids).decode() == text
+    assert any(texts.text(i) == "\ufffd" for i in ids)  # pieces of characters read as replacement chars
+    pairs = [(None, ids[0])] + [(-1.0, i) for i in ids[1:]]
+    logprobs, end = completion_logprobs(texts, pairs, [None] + [[(-0.5, ids[1])]] * (len(ids) - 1), 0)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.text_offset[0] == 0 and end == sum(len(t) for t in logprobs.tokens)
+
+
+def test_chat_template_from_tokenizer_and_override(tokenizer, tmp_path):
+    req = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    own = ChatTemplate(tokenizer).render(req)
+    assert own.startswith("<|im_start|>system\nbe brief") and "a\nb" in own
+    assert own.endswith("<|im_start|>assistant\n")
+    override = tmp_path / "template.jinja"
+    override.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}>>")
+    custom = ChatTemplate(tokenizer, str(override))
+    assert custom.render(req) == "[system] be brief\n[user] a\nb\n>>"
+    assert custom.encode(req) == tokenizer.encode("[system] be brief\n[user] a\nb\n>>", add_special_tokens=False)
+
+
+def test_a_model_without_chat_template_gets_a_400(tokenizer):
+    no_template = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None, encode=tokenizer.encode))
+    serving = OpenAIServing(SimpleNamespace(tokenizer=tokenizer, context_length=1024), "m",
+                            ChatTemplate(no_template.tokenizer))
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
+    with pytest.raises(APIError) as info:
+        asyncio.run(serving.chat(req, request=None))
+    assert info.value.status == 400 and "no chat template" in info.value.message
+    assert "--chat-template" in info.value.message and info.value.param == "messages"
+
+
+def test_metrics_registries_are_per_server():
+    first, second = ServerMetrics("m"), ServerMetrics("m")  # no "Duplicated timeseries" clash
+    first.record_first_token(0.01)
+    first.record_finish(0.5, prompt_tokens=10, completion_tokens=3, cached_tokens=4)
+    first.update({"num_running_reqs": 2, "num_queue_reqs": 1, "token_usage": 0.5, "cache_hit_rate": 0.4,
+                  "num_retracted_reqs": 0})
+    samples = {s.name: s for f in text_string_to_metric_families(first.render().decode()) for s in f.samples}
+    assert samples["radixserve:prompt_tokens_total"].value == 10
+    assert samples["radixserve:num_running_reqs"].value == 2
+    assert samples["radixserve:num_running_reqs"].labels == {"model_name": "m"}
+    untouched = {s.name: s for f in text_string_to_metric_families(second.render().decode()) for s in f.samples}
+    assert untouched["radixserve:prompt_tokens_total"].value == 0
+
+
+def test_model_paths(tmp_path, monkeypatch):
+    assert resolve_model_path(ServerArgs(model_path=str(tmp_path))) == str(tmp_path)
+    with pytest.raises(ValueError, match="is not a directory"):
+        resolve_model_path(ServerArgs(model_path=str(tmp_path / "missing")))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="HF_HUB_OFFLINE"):
+        resolve_model_path(ServerArgs(model_path="radixserve-tests/not-a-real-repo"))
+    monkeypatch.setattr(demo_model, "demo_model_path", lambda: tmp_path / "demo")
+    assert resolve_model_path(ServerArgs()) == str(tmp_path / "demo")
+
+
+def test_demo_model_concurrent_first_runs_share_one_build(tmp_path, monkeypatch):
+    """Two first runs at once: both build, one rename wins, both get the same
+    complete directory, and no temporary directory is left behind."""
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake_build(out_dir, **recipe):
+        calls.append(recipe)
+        time.sleep(0.2)  # both builders overlap
+        Path(out_dir, "config.json").write_text("{}")
+        return Path(out_dir)
+
+    monkeypatch.setattr("radixserve.testing.tiny_models.build_tiny_model", fake_build)
+    results: list[Path] = []
+    threads = [threading.Thread(target=lambda: results.append(demo_model.demo_model_path())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 2 and results[0] == results[1]
+    assert (results[0] / "config.json").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == [results[0].name]
+    assert calls and calls[0]["hidden_size"] == 256 and calls[0]["max_position_embeddings"] == 2048
+    assert demo_model.demo_model_path() == results[0] and len(calls) <= 2  # cached from now on
