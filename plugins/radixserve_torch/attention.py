@@ -26,8 +26,8 @@ class TorchNativeAttention(AttentionBackend):
         for i, start in enumerate(batch.extend_start_loc):
             n, seq_len = batch.extend_lens_cpu[i], batch.seq_lens_cpu[i]
             slots = batch.req_to_token[batch.req_pool_indices[i], :seq_len]
-            k = k_buf[slots].to(q.dtype)
-            v = v_buf[slots].to(q.dtype)
+            k = k_buf.index_select(0, slots).to(q.dtype)
+            v = v_buf.index_select(0, slots).to(q.dtype)
             # Query j sits at position prefix+j and sees keys 0..prefix+j.
             prefix = seq_len - n
             mask = None if prefix == 0 else torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(prefix)
@@ -40,8 +40,10 @@ class TorchNativeAttention(AttentionBackend):
         slots = batch.req_to_token[batch.req_pool_indices, :max_len]  # [B, S]; padding points anywhere
         positions = torch.arange(max_len, device=q.device)
         mask = positions[None, :] < batch.seq_lens[:, None]  # [B, S]
-        k = k_buf[slots].to(q.dtype)  # [B, S, KVH, D]
-        v = v_buf[slots].to(q.dtype)
+        # index_select on the flat slot list is much faster than 2-D indexing.
+        shape = (*slots.shape, *k_buf.shape[1:])  # [B, S, KVH, D]
+        k = k_buf.index_select(0, slots.flatten()).view(shape).to(q.dtype)
+        v = v_buf.index_select(0, slots.flatten()).view(shape).to(q.dtype)
         return _sdpa_batched(q, k, v, mask, layer)
 
 
