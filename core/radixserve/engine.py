@@ -32,18 +32,22 @@ class Engine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name="engine-loop")
         self._thread.start()
-        summary = self._runtime.summary
-        tokenizer = AutoTokenizer.from_pretrained(self._runtime.tokenizer_path)
-
-        async def make() -> TokenizerManager:
-            tm = TokenizerManager(self.args, tokenizer, self._runtime.endpoints, summary["context_length"],
-                                  summary["vocab_size"])
-            tm.start()
-            return tm
-
-        self.tokenizer_manager = self._call(make())
+        try:
+            self.tokenizer_manager = self._call(self._make_tokenizer_manager())
+        except BaseException:
+            self._runtime.shutdown()
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
         self._runtime.watch(lambda reason: self._loop.call_soon_threadsafe(self.tokenizer_manager.fail_all, reason))
         self._closed = False
+
+    async def _make_tokenizer_manager(self) -> TokenizerManager:
+        summary = self._runtime.summary
+        tokenizer = AutoTokenizer.from_pretrained(self._runtime.tokenizer_path)
+        tm = TokenizerManager(self.args, tokenizer, self._runtime.endpoints, summary["context_length"],
+                              summary["vocab_size"])
+        tm.start()
+        return tm
 
     @property
     def tokenizer(self):
@@ -128,9 +132,9 @@ class Engine:
     def shutdown(self) -> None:
         if getattr(self, "_closed", True):
             return
-        self._closed = True
         self._runtime.shutdown()
-        self._loop.call_soon_threadsafe(self.tokenizer_manager.close)
+        self._call(self.tokenizer_manager.close())
+        self._closed = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 

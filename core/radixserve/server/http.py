@@ -55,7 +55,7 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
             yield
         finally:
             boot.cancel()
-            state.stop()
+            await state.stop()
 
     app = FastAPI(title="radixserve", lifespan=lifespan)
     app.state.server = state

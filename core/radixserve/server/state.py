@@ -136,11 +136,11 @@ class ServerState:
             self.tm.fail_all(reason)
         self.request_exit(1)
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
         if self.runtime is not None:
             self.runtime.shutdown()
         if self.tm is not None:
-            self.tm.close()
+            await self.tm.close()
 
     # ---- used by the routes -----------------------------------------------------------
     def ready_tm(self) -> TokenizerManager:

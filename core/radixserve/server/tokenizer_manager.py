@@ -5,6 +5,7 @@ scheduler, and routes text back to the coroutine waiting for each request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -107,9 +108,13 @@ class TokenizerManager:
             if not fut.done():
                 fut.set_exception(RuntimeDeadError(reason))
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Stop routing replies (awaiting the routing task, so it ends cleanly
+        inside its loop) and close the sockets."""
         if self._loop_task is not None:
             self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
         self._send.close()
         self._recv.close()
         self._ctx.term()
