@@ -1,5 +1,6 @@
 """Whole-model generation through the Triton backends (CPU interpreter) gives
-the torch reference's greedy tokens, on a dense and an MoE model.
+Engine and by the server, gives the torch reference's greedy tokens, on a dense
+and an MoE model.
 
 The Engine's scheduler process is spawned, so setting TRITON_INTERPRET for it
 is enough; this pytest process itself never builds a Triton backend."""
@@ -39,3 +40,31 @@ def test_triton_engine_matches_torch_reference(tiny_model_factory, monkeypatch, 
     assert first["output_ids"] == reference[0].output_ids
     assert second["output_ids"] == reference[1].output_ids
     assert second["meta_info"]["cached_tokens"] == 20 // page_size * page_size
+
+
+def test_triton_server_matches_torch_reference(tiny_model_factory):
+    """`radixserve serve --attention-backend triton --moe-backend triton` on the MoE model."""
+    import httpx
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    from helpers_server import ServerProcess
+
+    model_dir = tiny_model_factory(**MODELS["moe"])
+    prompts = mixed_prompts(512, [9, 14], seed=32)
+    params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    reference = generate(make_scheduler(model_dir), prompts, **params)
+    with ServerProcess("--model", str(model_dir), "--attention-backend", "triton", "--moe-backend", "triton",
+                       "--max-total-tokens", "2048", "--skip-server-warmup", "--log-level", "warning",
+                       env={"TRITON_INTERPRET": "1"}) as server:
+        url = server.wait_ready()
+        info = httpx.get(f"{url}/get_server_info", timeout=60).json()
+        assert info["backends"]["attention"] == "triton" and info["backends"]["moe"] == "triton"
+        native = httpx.post(f"{url}/generate", json={"input_ids": prompts[0], "sampling_params": params},
+                            timeout=300).json()
+        assert native["output_ids"] == reference[0].output_ids
+        client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+        completion = client.completions.create(model=str(model_dir), prompt=prompts[1], max_tokens=16,
+                                               temperature=0.0, extra_body={"ignore_eos": True})
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    assert completion.choices[0].text == tokenizer.decode(reference[1].output_ids, skip_special_tokens=True)
