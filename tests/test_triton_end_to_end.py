@@ -1,9 +1,9 @@
-"""Whole-model generation through the Triton backends (CPU interpreter) gives
+"""Whole-model generation through the Triton backends (CPU interpreter), by the
 Engine and by the server, gives the torch reference's greedy tokens, on a dense
 and an MoE model.
 
-The Engine's scheduler process is spawned, so setting TRITON_INTERPRET for it
-is enough; this pytest process itself never builds a Triton backend."""
+The scheduler processes are spawned, so setting TRITON_INTERPRET for them is
+enough; this pytest process itself never builds a Triton backend."""
 
 from __future__ import annotations
 
