@@ -47,11 +47,12 @@ def test_outputs_identical_across_configs(tiny_llama_dir, prompts, reference, na
     assert [r.output_ids for r in results] == reference
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_retraction_when_kv_runs_out_keeps_outputs(tiny_llama_dir, prompts, reference, page_size):
+@pytest.mark.parametrize("page_size,chunk", [(1, -1), (16, -1), (1, 8), (16, 16)])
+def test_retraction_when_kv_runs_out_keeps_outputs(tiny_llama_dir, prompts, reference, page_size, chunk):
     # Enough for any one request, far too little for all six at once; an
-    # optimistic decode estimate admits too many, so running ones must retract.
-    scheduler = make_scheduler(tiny_llama_dir, max_total_tokens=160, page_size=page_size,
+    # optimistic decode estimate admits too many, so running ones must retract
+    # (with chunking, also while a long prompt is being prefilled in chunks).
+    scheduler = make_scheduler(tiny_llama_dir, max_total_tokens=160, page_size=page_size, chunked_prefill_size=chunk,
                                init_new_token_ratio=0.05, min_new_token_ratio=0.05)
     results = generate(scheduler, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert scheduler.num_retracted_total > 0, "the pool was meant to be too small"

@@ -82,8 +82,12 @@ class ServerArgs:
             bad("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in DTYPES:
             bad("kv_cache_dtype", f"must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and self.chunked_prefill_size < 1:
-            bad("chunked_prefill_size", f"must be positive or -1, got {self.chunked_prefill_size}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and (
+                self.chunked_prefill_size < self.page_size):
+            bad("chunked_prefill_size", f"must be -1 (off) or at least page_size ({self.page_size}), "
+                                        f"got {self.chunked_prefill_size}")
+        if self.max_prefill_tokens < self.page_size:
+            bad("max_prefill_tokens", f"must be at least page_size ({self.page_size}), got {self.max_prefill_tokens}")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
         if self.tp_size < 1:

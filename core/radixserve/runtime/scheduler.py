@@ -184,9 +184,20 @@ class Scheduler:
         if self.chunked_req is not None:
             req = self.chunked_req
             req.extend_len = self._chunk_len(req.seq_len - req.kv_len, chunk_left)
+            pages = self._pages(req.kv_len, req.extend_len) * ps
+            if pages > self.allocator.available_size() + self.tree.evictable_size():
+                # Already admitted, so it waits for room rather than being
+                # judged against new-request budgets; alone, it can never fit.
+                req.extend_len = 0
+                if not self.running:
+                    self.chunked_req = None
+                    self._release(req)
+                    self._finish(req, FinishReason(type="abort", matched=None,
+                                                   message="out of KV cache memory for a single request"))
+                return []
             chunk_left -= req.extend_len
             prefill_left -= req.extend_len
-            committed += self._pages(req.kv_len, req.extend_len) * ps
+            committed += pages
             selected.append(req)
             if chunk_left <= 0 or req.kv_len + req.extend_len < req.seq_len:
                 return selected
