@@ -84,7 +84,6 @@ class Scheduler:
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.generation_tokens_total = 0
-        self.forward_steps = 0
 
     # ---- intake ------------------------------------------------------------
     def add_request(self, msg: GenerateRequest | Req) -> None:
@@ -310,9 +309,8 @@ class Scheduler:
         batch = build_forward_batch(ForwardMode.EXTEND, reqs, slots, logits_indices, self.req_to_token_pool,
                                     self.runner.kv_pool, self.runner.device)
         logits = self.runner.forward(batch)
-        self.forward_steps += 1
         for req, row, first, count in input_rows:
-            self._add_input_logprobs(req, logits[row : row + count], req.origin_input_ids[first : first + count], first)
+            self._add_input_logprobs(req, logits[row : row + count], req.origin_input_ids[first : first + count])
         for req in reqs:
             req.kv_len += req.extend_len
             req.extend_len = 0
@@ -356,7 +354,6 @@ class Scheduler:
         batch = build_forward_batch(ForwardMode.DECODE, reqs, slots, list(range(len(reqs))),
                                     self.req_to_token_pool, self.runner.kv_pool, self.runner.device)
         logits = self.runner.forward(batch)
-        self.forward_steps += 1
         for req in reqs:
             req.kv_len += 1
             req.extend_len = 0
@@ -409,7 +406,7 @@ class Scheduler:
             else:
                 self._touched[req.rid] = req
 
-    def _add_input_logprobs(self, req: Req, logits: torch.Tensor, targets: list[int], first: int) -> None:
+    def _add_input_logprobs(self, req: Req, logits: torch.Tensor, targets: list[int]) -> None:
         if req.input_token_logprobs is None:
             req.input_token_logprobs, req.input_top_logprobs = [], []
             if req.logprob_start_len == 0:
