@@ -30,12 +30,6 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: A
     copy_into(param.data, loaded)
 
 
-def set_weight_attrs(params: Iterable[nn.Parameter], weight_loader: Any, shard_ids: tuple = (None,)) -> None:
-    for param in params:
-        param.weight_loader = weight_loader
-        param.shard_ids = shard_ids
-
-
 class CheckpointMismatchError(ValueError):
     """The checkpoint's tensors do not fill the model's parameters one to one."""
 

@@ -29,36 +29,24 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.dtype = resolve_dtype(args.dtype, hf_config, self.platform)
         self.kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else _DTYPES[args.kv_cache_dtype]
-        model_context = hf_config.max_position_embeddings
-        self.context_length = args.context_length or model_context
-        if self.context_length > model_context:
-            logger.warning("context_length %d exceeds the model's %d", self.context_length, model_context)
         self.query = model_kernel_query(hf_config, self.platform.name, self.dtype, tp_size=args.tp_size,
                                         page_size=args.page_size, kv_dtype=self.kv_dtype,
                                         quantization=args.quantization)
-        self.backends = {
-            kind: registry.select(kind, self.query, requested)
-            for kind, requested in (
-                ("attention", args.attention_backend),
-                ("gemm", args.gemm_backend),
-                ("quantization", args.quantization or "none"),
-            )
-        }
-        if self.query.num_experts:
-            self.backends["moe"] = registry.select("moe", self.query, args.moe_backend)
-        gemm = self.backends["gemm"](self.query)
-        ctx = ModelContext(
-            attention=self.backends["attention"](self.query),
-            gemm=gemm,
-            quant=self.backends["quantization"](self.query, gemm),
-            moe=self.backends["moe"](self.query) if "moe" in self.backends else None,
-            dtype=self.dtype,
-            device=self.device,
-            tp_rank=tp_rank,
-            tp_size=args.tp_size,
+        ctx = ModelContext.create(
+            registry, self.query, self.device, attention=args.attention_backend, gemm=args.gemm_backend,
+            moe=args.moe_backend, quantization=args.quantization, tp_rank=tp_rank, tp_size=args.tp_size,
         )
+        self.backends = {"attention": ctx.attention.name, "gemm": ctx.gemm.name, "quantization": ctx.quant.name}
+        if ctx.moe is not None:
+            self.backends["moe"] = ctx.moe.name
         self.attention = ctx.attention
         self.model, self.hf_config = load_model(model_path, ctx, registry, config=hf_config)
+        # The model's own limit (position embeddings, or a sliding window it cannot apply).
+        model_context = self.model.max_context_len
+        self.context_length = args.context_length or model_context
+        if self.context_length > model_context:
+            raise ValueError(f"context_length: {self.context_length} exceeds what the model supports "
+                             f"({model_context})")
         self._init_memory()
 
     def _init_memory(self) -> None:
@@ -101,7 +89,7 @@ class ModelRunner:
             "platform": self.platform.name,
             "dtype": str(self.dtype).replace("torch.", ""),
             "kv_cache_dtype": str(self.kv_dtype).replace("torch.", ""),
-            "backends": {kind: cls.name for kind, cls in self.backends.items()},
+            "backends": dict(self.backends),
             "max_total_tokens": self.max_total_tokens,
             "context_length": self.context_length,
             "max_running_requests": self.max_running_requests,

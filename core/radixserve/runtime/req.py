@@ -39,7 +39,6 @@ class Req:
     extend_len: int = 0
     # Prompt tokens served from the cache when the request was first scheduled.
     cached_tokens: int = -1
-    num_retractions: int = 0
 
     # Logprob accumulators and streaming bookkeeping.
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)

@@ -381,7 +381,6 @@ class Scheduler:
         """Give back a running request's memory; it requeues first in line and
         resumes from prompt + output so far, producing the same tokens."""
         self._release(req)
-        req.num_retractions += 1
         self.num_retracted_total += 1
         self.waiting.insert(0, req)
         self.new_token_ratio = self.args.init_new_token_ratio
