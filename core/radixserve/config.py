@@ -90,8 +90,10 @@ class ServerArgs:
             bad("max_prefill_tokens", f"must be at least page_size ({self.page_size}), got {self.max_prefill_tokens}")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
-        if self.tp_size < 1:
-            bad("tp_size", f"must be >= 1, got {self.tp_size}")
+        if self.tp_size != 1:
+            # The layers shard weights by rank already; running TP ranks as
+            # processes (one scheduler per rank, torch.distributed) is not built yet.
+            bad("tp_size", f"only 1 is supported so far, got {self.tp_size}")
         if self.stream_interval < 1:
             bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
 
