@@ -192,3 +192,13 @@ def test_int8_weight_only_matches_dequantized_reference(tiny_model_factory, tmp_
     with capsys.disabled():
         print(f"\nint8 vs fp32 teacher-forced greedy agreement: {same}/{total} = {same / total:.1%}")
     assert same / total > 0.9
+
+
+def test_request_larger_than_the_kv_pool_is_rejected_up_front(tiny_llama_dir):
+    with Engine(model_path=str(tiny_llama_dir), max_total_tokens=64, log_level="warning") as small:
+        with pytest.raises(ValueError, match=r"max_new_tokens: .* needs 80 KV cache slots; the pool holds 64"):
+            small.generate(input_ids=list(range(20, 40)), sampling_params={"max_new_tokens": 60})
+        with pytest.raises(ValueError, match=r"input_ids: .*the pool holds 64"):
+            small.generate(input_ids=list(range(20, 90)), sampling_params={"max_new_tokens": 1})
+        ok = small.generate(input_ids=list(range(20, 40)), sampling_params={"max_new_tokens": 44})
+        assert ok["meta_info"]["finish_reason"]["type"] in ("length", "stop")

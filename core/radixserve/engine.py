@@ -44,8 +44,7 @@ class Engine:
     async def _make_tokenizer_manager(self) -> TokenizerManager:
         summary = self._runtime.summary
         tokenizer = AutoTokenizer.from_pretrained(self._runtime.tokenizer_path)
-        tm = TokenizerManager(self.args, tokenizer, self._runtime.endpoints, summary["context_length"],
-                              summary["vocab_size"])
+        tm = TokenizerManager(self.args, tokenizer, self._runtime.endpoints, summary)
         tm.start()
         return tm
 

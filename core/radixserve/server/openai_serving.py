@@ -107,7 +107,9 @@ class OpenAIServing:
     def _max_tokens(self, requested: Optional[int], prompt_len: int) -> int:
         if requested is not None:
             return requested
-        return max(min(self.tm.context_length - prompt_len, DEFAULT_MAX_TOKENS_CAP), 0)
+        # The rest of the context, within what the KV pool can hold for one request.
+        room = min(self.tm.context_length, self.tm.kv_pool_tokens // self.tm.page_size * self.tm.page_size)
+        return max(min(room - prompt_len, DEFAULT_MAX_TOKENS_CAP), 0)
 
     # ---- chat --------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request: Request) -> Union[ChatCompletionResponse,

@@ -95,8 +95,7 @@ class ServerState:
         self.runtime.watch(lambda reason: loop.call_soon_threadsafe(self._on_runtime_death, reason))
         tokenizer = await _in_daemon_thread(AutoTokenizer.from_pretrained, self.runtime.tokenizer_path)
         summary = self.runtime.summary
-        self.tm = TokenizerManager(args, tokenizer, self.runtime.endpoints, summary["context_length"],
-                                   summary["vocab_size"])
+        self.tm = TokenizerManager(args, tokenizer, self.runtime.endpoints, summary)
         self.tm.start()
         template = ChatTemplate(tokenizer, args.chat_template)
         self.openai = OpenAIServing(self.tm, self.model_name, template)

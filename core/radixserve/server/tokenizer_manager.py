@@ -64,12 +64,14 @@ class _Pending:
 
 
 class TokenizerManager:
-    def __init__(self, args: ServerArgs, tokenizer, endpoints: Endpoints, context_length: int, vocab_size: int,
-                 metrics: Any = None):
+    def __init__(self, args: ServerArgs, tokenizer, endpoints: Endpoints, summary: dict, metrics: Any = None):
+        """``summary`` is the scheduler's startup summary (ModelRunner.summary())."""
         self.args = args
         self.tokenizer = tokenizer
-        self.context_length = context_length
-        self.vocab_size = vocab_size
+        self.context_length: int = summary["context_length"]
+        self.vocab_size: int = summary["vocab_size"]
+        self.kv_pool_tokens: int = summary["max_total_tokens"]
+        self.page_size: int = summary["page_size"]
         self.metrics = metrics
         self._ctx = zmq.asyncio.Context()
         self._send = push_socket(self._ctx, endpoints.scheduler)
@@ -154,6 +156,12 @@ class TokenizerManager:
         if len(ids) + params.max_new_tokens > self.context_length:
             raise ValueError(f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
                              f"({params.max_new_tokens}) exceeds the context length {self.context_length}")
+        # Whole pages of KV for every token; more than the pool could never finish.
+        needed = -(-(len(ids) + params.max_new_tokens) // self.page_size) * self.page_size
+        if needed > self.kv_pool_tokens:
+            name = field_name if len(ids) + 1 > self.kv_pool_tokens else "max_new_tokens"
+            raise ValueError(f"{name}: prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
+                             f"needs {needed} KV cache slots; the pool holds {self.kv_pool_tokens}")
         if obj.top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num: must be >= 0, got {obj.top_logprobs_num}")
         if obj.logprob_start_len < -1:
