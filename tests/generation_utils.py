@@ -36,28 +36,33 @@ def make_scheduler(model_dir: Path, registry=None, **server_args: Any) -> Schedu
 
 
 def submit(scheduler: Scheduler, prompt: list[int], return_logprob: bool = False, logprob_start_len: int = -1,
-           top_logprobs_num: int = 0, **params: Any) -> str:
+           top_logprobs_num: int = 0, priority: int = 0, **params: Any) -> str:
     rid = f"r{next(_rids)}"
     scheduler.add_request(GenerateRequest(rid=rid, input_ids=prompt, sampling_params=SamplingParams(**params),
                                           return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                                          top_logprobs_num=top_logprobs_num))
+                                          top_logprobs_num=top_logprobs_num, priority=priority))
     return rid
 
 
-def run(scheduler: Scheduler, check_every_step: bool = True) -> dict[str, Result]:
-    """Step until idle, asserting the memory invariant at every step boundary."""
-    outputs: list[TokenOutput] = scheduler.step_outputs()
+def run(scheduler: Scheduler, check_every_step: bool = True, earlier: Optional[list[TokenOutput]] = None
+        ) -> dict[str, Result]:
+    """Step until idle, asserting the memory invariant at every step boundary;
+    ``earlier``: outputs of steps the caller ran itself."""
+    outputs: list[TokenOutput] = list(earlier or []) + scheduler.step_outputs()
     while scheduler.has_work():
         outputs.extend(scheduler.step())
         if check_every_step:
             assert scheduler.check_memory(), scheduler.stats()
     assert scheduler.check_memory(), scheduler.stats()
     results: dict[str, Result] = {}
-    for out in outputs:
-        assert out.finish_reason is not None, "non-streaming requests report once, finished"
-        results[out.rid] = Result(out.new_token_ids, out.finish_reason, out.cached_tokens,
-                                  [lp for lp, _ in out.output_token_logprobs], out.input_token_logprobs,
-                                  out.input_top_logprobs)
+    for out in outputs:  # a request's messages, in order: its first token, then the rest
+        r = results.setdefault(out.rid, Result([], None, 0, [], None, None))
+        r.output_ids += out.new_token_ids
+        r.logprobs += [lp for lp, _ in out.output_token_logprobs]
+        r.input_logprobs = out.input_token_logprobs if out.input_token_logprobs is not None else r.input_logprobs
+        r.input_top_logprobs = out.input_top_logprobs if out.input_top_logprobs is not None else r.input_top_logprobs
+        r.finish_reason, r.cached_tokens = out.finish_reason, out.cached_tokens
+    assert all(r.finish_reason is not None for r in results.values()), "every request ends with a finish reason"
     return results
 
 

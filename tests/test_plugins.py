@@ -150,10 +150,14 @@ def test_third_party_platform_and_backend_from_entry_point(tmp_path):
     assert [p["name"] for p in report["plugins"] if p["name"] != "radixserve-models"] == ["torch"]
 
 
-def test_device_resolution_is_loud():
+def test_device_resolution_is_loud(monkeypatch):
     registry = PluginRegistry()
     assert registry.resolve_platform("cpu").name == "cpu"
-    assert registry.resolve_platform("auto").name == "cpu"
+    # With the CUDA plugin installed and usable, auto rightly picks it; pin the
+    # check to the reference plugin so it holds on any machine.
+    monkeypatch.setenv("RADIXSERVE_PLUGINS", "torch")
+    assert PluginRegistry().resolve_platform("auto").name == "cpu"
+    monkeypatch.delenv("RADIXSERVE_PLUGINS")
     with pytest.raises(PluginError, match=r"--device 'npu' is not a registered platform; available: .*cpu"):
         registry.resolve_platform("npu")
 
@@ -185,3 +189,10 @@ def test_cuda_plugin_is_listed_with_why_it_is_unusable_here():
     with pytest.raises(PluginError, match=re.escape(f"--device 'cuda' (plugin 'cuda') is not usable here: {reasons[0]}")):
         registry.resolve_platform("cuda")
     assert registry.resolve_platform("auto").name == "cpu"
+
+
+def test_quantization_is_never_auto_selected():
+    from radixserve.config import ServerArgs
+
+    with pytest.raises(ValueError, match="quantization: is never chosen automatically"):
+        ServerArgs(quantization="auto")

@@ -52,6 +52,9 @@ def greedy_pick(logits_row, params: SamplingParams, prompt=(), output=()) -> int
         ({"min_p": -0.1}, "min_p"),
         ({"min_p": 1.1}, "min_p"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": 2.5}, "repetition_penalty"),
+        ({"logit_bias": {"5": 1e39}}, "logit_bias"),
+        ({"logit_bias": {"5": -101}}, "logit_bias"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"presence_penalty": -3}, "presence_penalty"),
         ({"n": 0}, "n"),
@@ -383,3 +386,13 @@ def test_streaming_with_holdback_never_shows_a_stop_string():
         streamed += text[sent:end]
         sent = end
     assert streamed == "Hello " and reason == FinishReason("stop", "wor")
+
+
+def test_extreme_penalties_never_produce_nan():
+    """A tiny repetition penalty overflows the seen tokens' logits to inf; the
+    draw must still work (one request must not be able to break a batch)."""
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(0)) * 5
+    params = [SamplingParams(temperature=1.0, repetition_penalty=1e-45, seed=1), SamplingParams(temperature=0.0)]
+    out = sample(logits, batch_of(params, prompts=[[3, 4], [5]], outputs=[[6], []]))
+    assert out.next_token_ids.shape == (2,)
+    assert int(out.next_token_ids[1]) == int(logits[1].argmax())

@@ -1,6 +1,6 @@
 """Scheduler behaviour: identical outputs across cache, paging, chunking,
-policy and retraction; prefix-cache accounting; aborts; the memory invariant
-at every step."""
+policy and retraction; the admission order of each schedule policy;
+prefix-cache accounting; aborts; the memory invariant at every step."""
 
 from __future__ import annotations
 
@@ -47,6 +47,32 @@ def test_outputs_identical_across_configs(tiny_llama_dir, prompts, reference, na
     assert [r.output_ids for r in results] == reference
 
 
+# Arrival order "a", "b", "c": (cached prefix tokens after warming, priority).
+# Each policy serves them in a different order.
+POLICY_REQUESTS = {"a": (0, 1), "b": (10, 0), "c": (30, 2)}
+POLICY_ORDER = {"fcfs": ["a", "b", "c"], "priority": ["c", "a", "b"], "lpm": ["c", "b", "a"]}
+
+
+@pytest.mark.parametrize("policy", list(POLICY_ORDER))
+def test_policy_decides_admission_order(tiny_llama_dir, policy):
+    scheduler = make_scheduler(tiny_llama_dir, schedule_policy=policy, max_running_requests=1)
+    warm, *tails = mixed_prompts(512, [40, 20, 20, 20], seed=21)
+    generate(scheduler, [warm], max_new_tokens=1)  # the cache now holds `warm`
+    rids = {}
+    for (name, (cached, priority)), tail in zip(POLICY_REQUESTS.items(), tails):
+        rids[submit(scheduler, warm[:cached] + tail, priority=priority, max_new_tokens=2, temperature=0.0)] = name
+    admitted: list[str] = []
+    finished = []
+    while scheduler.has_work():
+        finished += [o for o in scheduler.step() if o.finish_reason is not None]
+        admitted += [rids[r.rid] for r in scheduler.running if rids[r.rid] not in admitted]
+        assert len(scheduler.running) <= 1
+    assert admitted == POLICY_ORDER[policy]
+    assert [rids[o.rid] for o in finished] == POLICY_ORDER[policy]  # one at a time: finished in that order
+    cached = {rids[o.rid]: o.cached_tokens for o in finished}
+    assert cached == {name: c for name, (c, _) in POLICY_REQUESTS.items()}
+
+
 @pytest.mark.parametrize("page_size,chunk", [(1, -1), (16, -1), (1, 8), (16, 16)])
 def test_retraction_when_kv_runs_out_keeps_outputs(tiny_llama_dir, prompts, reference, page_size, chunk):
     # Enough for any one request, far too little for all six at once; an
@@ -86,13 +112,12 @@ def test_abort_waiting_and_running_requests_frees_memory(tiny_llama_dir):
     scheduler = make_scheduler(tiny_llama_dir, max_running_requests=2)
     prompts = mixed_prompts(512, [10, 12, 14], seed=8)
     rids = [submit(scheduler, p, max_new_tokens=50, temperature=0.0, ignore_eos=True) for p in prompts]
-    for _ in range(3):
-        scheduler.step()
+    earlier = [out for _ in range(3) for out in scheduler.step()]
     assert [r.rid for r in scheduler.running] == rids[:2] and scheduler.waiting[0].rid == rids[2]
     scheduler.abort(rids[0])  # running
     scheduler.abort(rids[2])  # waiting
     assert scheduler.check_memory()
-    results = run(scheduler)
+    results = run(scheduler, earlier=earlier)
     assert results[rids[0]].finish_reason["type"] == "abort"
     assert results[rids[2]].finish_reason["type"] == "abort" and results[rids[2]].output_ids == []
     assert results[rids[1]].finish_reason["type"] == "length" and len(results[rids[1]].output_ids) == 50
@@ -140,7 +165,8 @@ def test_oversized_prompt_is_rejected_not_hung(tiny_llama_dir):
     scheduler = make_scheduler(tiny_llama_dir, max_total_tokens=32)
     rid = submit(scheduler, list(range(20, 60)), max_new_tokens=2)
     result = run(scheduler)[rid]
-    assert result.finish_reason["type"] == "abort" and "KV pool" in result.finish_reason["message"]
+    assert result.finish_reason["type"] == "abort" and result.finish_reason["status_code"] == 400
+    assert result.finish_reason["message"].startswith("input_ids:") and "the pool holds 32" in result.finish_reason["message"]
 
 
 class CountingAttention(TorchNativeAttention):
@@ -166,3 +192,23 @@ def test_plugin_backend_selected_by_name_generates_reference_output(tiny_llama_d
     results = generate(scheduler, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert [r.output_ids for r in results] == reference
     assert CountingAttention.calls > 0
+
+
+def test_chunked_prefill_yields_memory_to_decoding_requests(tiny_llama_dir):
+    """A long prompt being prefilled in chunks holds pages a decoding request
+    needs: the chunked prompt must step back (and resume), not the decoder be
+    aborted. Each request alone fits the 64-token pool."""
+    short = mixed_prompts(512, [30], seed=61)[0]
+    long = mixed_prompts(512, [60], seed=62)[0]
+    reference = generate(make_scheduler(tiny_llama_dir), [short, long], max_new_tokens=30, ignore_eos=True)
+    reference[1].output_ids = reference[1].output_ids[:3]
+    scheduler = make_scheduler(tiny_llama_dir, max_total_tokens=64, chunked_prefill_size=16)
+    rids = [submit(scheduler, short, max_new_tokens=30, temperature=0.0, ignore_eos=True),
+            submit(scheduler, long, max_new_tokens=3, temperature=0.0, ignore_eos=True, return_logprob=True,
+                   logprob_start_len=0)]
+    results = run(scheduler)
+    assert [results[r].finish_reason["type"] for r in rids] == ["length", "length"]
+    assert [results[r].output_ids for r in rids] == [reference[0].output_ids, reference[1].output_ids]
+    assert scheduler.num_retracted_total > 0
+    # Prompt logprobs survive the retraction: one per prompt token, no duplicates.
+    assert [t for _, t in results[rids[1]].input_logprobs] == long

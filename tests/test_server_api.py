@@ -16,14 +16,13 @@ from radixserve import Engine
 
 API_KEY = "test-key"
 MAX_PAYLOAD = 65536
-QUEUE_LIMIT = 100
 GREEDY = {"temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
     with ServerProcess("--model", str(tiny_llama_dir), "--served-model-name", "tiny", "--api-key", API_KEY,
-                       "--max-payload-size", str(MAX_PAYLOAD), "--max-queued-requests", str(QUEUE_LIMIT),
+                       "--max-payload-size", str(MAX_PAYLOAD),
                        "--max-total-tokens", "16384", "--log-level", "warning") as srv:
         srv.wait_ready()
         yield srv
@@ -253,11 +252,17 @@ ERROR_CASES = [
      "stream_options"),
     ("/v1/completions", {"model": "other", "prompt": "x"}, 404, "model"),
     ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": QUEUE_LIMIT + 1}, 503, None),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": QUEUE_LIMIT + 1, "stream": True}, 503, None),
     ("/generate", {"text": "x", "sampling_params": {"bogus": 1}}, 400, "sampling_params"),
     ("/generate", {"input_ids": [10**9]}, 400, "input_ids"),
     ("/generate", {"sampling_params": {}}, 400, "text"),
+    ("/generate", {"text": []}, 400, "text"),
+    ("/generate", {"text": [], "stream": True}, 400, "text"),
+    ("/generate", {"input_ids": []}, 400, "input_ids"),
+    ("/generate", {"input_ids": [[]]}, 400, "input_ids"),
+    ("/generate", {"input_ids": [], "stream": True}, 400, "input_ids"),
+    ("/generate", {"text": ["a", "b"], "priority": [1]}, 400, "priority"),
+    ("/generate", {"text": "x", "priority": "high"}, 400, "priority"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "priority": "high"}, 400, "priority"),
 ]
 
 
@@ -311,6 +316,16 @@ def test_native_generate(http):
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["text"] == one["text"] and chunks[-1]["output_ids"] == one["output_ids"]
     assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))  # cumulative
+
+
+def test_priority_is_accepted(client, http):
+    out = client.completions.create(model="tiny", prompt="first", max_tokens=2, extra_body={"priority": 5})
+    assert out.usage.completion_tokens <= 2
+    out = chat(client, max_tokens=2, extra_body={"priority": -1})
+    assert out.usage.completion_tokens <= 2
+    batch = http.post("/generate", json={"text": ["a", "b"], "priority": [2, 1],
+                                         "sampling_params": {"max_new_tokens": 2}})
+    assert batch.status_code == 200 and len(batch.json()) == 2
 
 
 def test_tokenize_detokenize(http):
@@ -440,3 +455,42 @@ def test_abort_request_endpoint(http):
                     aborted = True
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
     assert last["meta_info"]["completion_tokens"] < 1000
+
+
+def test_full_queue_is_503_and_the_server_keeps_serving(tiny_llama_dir):
+    """One running slot and room for one waiting request: with one request
+    running and one waiting, a third is refused with 503 (streamed or not);
+    once the first two are gone, requests are served again."""
+
+    async def scenario(url: str) -> None:
+        long = {"model": str(tiny_llama_dir), "prompt": "x", "max_tokens": 900, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            async def stats() -> dict:
+                return (await c.get("/get_server_info")).json()["stats"]
+
+            async def until(predicate) -> None:
+                for _ in range(300):
+                    if predicate(await stats()):
+                        return
+                    await asyncio.sleep(0.1)
+                raise AssertionError(f"timed out; stats {await stats()}")
+
+            running = asyncio.create_task(c.post("/v1/completions", json=long))
+            await until(lambda s: s["num_running_reqs"] == 1)
+            waiting = asyncio.create_task(c.post("/v1/completions", json=long))
+            await until(lambda s: s["num_queue_reqs"] == 1)
+            for stream in (False, True):
+                refused = await c.post("/v1/completions", json={**long, "max_tokens": 4, "stream": stream})
+                assert refused.status_code == 503, refused.text
+                assert refused.json()["error"]["code"] == "queue_full"
+            # The first two clients go away: their requests are aborted.
+            running.cancel()
+            waiting.cancel()
+            await until(lambda s: s["num_running_reqs"] == 0 and s["num_queue_reqs"] == 0)
+            served = await c.post("/v1/completions", json={**long, "max_tokens": 4, "n": 2})
+            assert served.status_code == 200 and len(served.json()["choices"]) == 2
+            assert (await stats())["memory_invariant_ok"]
+
+    with ServerProcess("--model", str(tiny_llama_dir), "--max-running-requests", "1", "--max-queued-requests", "1",
+                       "--max-total-tokens", "4096", "--log-level", "warning") as srv:
+        asyncio.run(scenario(srv.wait_ready()))

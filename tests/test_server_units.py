@@ -5,6 +5,7 @@ demo model cache."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import processors
 from transformers import AutoTokenizer
 
 from radixserve import demo_model
@@ -21,8 +23,11 @@ from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError, _loc_to_param, bad_request
 from radixserve.server.logprobs import TokenTexts, completion_logprobs
 from radixserve.server.metrics import ServerMetrics
+from radixserve.server import native_serving
+from radixserve.sampling.params import SamplingParams
 from radixserve.server.openai_serving import OpenAIServing
-from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.tokenizer_manager import PreparedInput
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequestBody
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +154,129 @@ def test_demo_model_concurrent_first_runs_share_one_build(tmp_path, monkeypatch)
     assert [p.name for p in tmp_path.iterdir()] == [results[0].name]
     assert calls and calls[0]["hidden_size"] == 256 and calls[0]["max_position_embeddings"] == 2048
     assert demo_model.demo_model_path() == results[0] and len(calls) <= 2  # cached from now on
+
+
+# ---- the OpenAI and native layers over a stand-in TokenizerManager -------------------------------
+class FakeTokenizerManager:
+    """Records the GenerateInputs it is given and answers each prompt with one
+    finished choice (" done"), with prompt logprobs when asked for them."""
+
+    context_length, kv_pool_tokens, page_size = 1024, 4096, 1
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.inputs = []
+
+    def tokenize(self, text):
+        return self.tokenizer.encode(text)
+
+    def prepare(self, inp):
+        ids = inp.input_ids if inp.input_ids is not None else self.tokenize(inp.text)
+        return PreparedInput(inp, ids, SamplingParams.from_dict(inp.sampling_params))
+
+    async def generate(self, prepared):
+        inp, ids = prepared.obj, prepared.input_ids
+        self.inputs.append(inp)
+        out_ids = self.tokenizer.encode(" done", add_special_tokens=False)
+        meta = {"id": inp.rid, "prompt_tokens": len(ids), "completion_tokens": len(out_ids), "cached_tokens": 0,
+                "finish_reason": {"type": "length", "matched": None},
+                "output_token_logprobs": [(-0.5, t) for t in out_ids], "output_top_logprobs": [[] for _ in out_ids]}
+        if inp.return_logprob and inp.logprob_start_len == 0:
+            meta["input_token_logprobs"] = [(None, ids[0])] + [(-1.0, t) for t in ids[1:]]
+            meta["input_top_logprobs"] = [None] + [[] for _ in ids[1:]]
+        yield {"index": 0, "text": self.tokenizer.decode(out_ids), "output_ids": out_ids, "meta_info": meta,
+               "finished": True}
+
+
+class ConnectedClient:
+    """A Request whose client never disconnects."""
+
+    async def receive(self):
+        await asyncio.Event().wait()
+
+
+def _answer(coro):
+    """Run an endpoint; a streamed answer becomes its list of SSE payloads."""
+    async def run():
+        response = await coro
+        if not hasattr(response, "body_iterator"):
+            return response
+        events = [event async for event in response.body_iterator]
+        assert events[-1] == "data: [DONE]\n\n"
+        return [json.loads(e[len("data: "):]) for e in events[:-1]]
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(tiny_llama_dir):
+    """The tiny tokenizer made to prepend its BOS on encode, as Llama's and Mistral's do."""
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    bos = tok.convert_tokens_to_ids("<|startoftext|>")
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|startoftext|> $A", special_tokens=[("<|startoftext|>", bos)])
+    assert tok.encode("x")[0] == bos
+    return tok
+
+
+def _assert_offsets_match(text, logprobs):
+    assert logprobs.text_offset[0] == 0
+    for token, offset in zip(logprobs.tokens, logprobs.text_offset):
+        assert text[offset:offset + len(token)] == token, (text, logprobs)
+    assert "".join(logprobs.tokens) == text
+
+
+def test_echo_returns_the_prompt_as_given(bos_tokenizer):
+    tm = FakeTokenizerManager(bos_tokenizer)
+    serving = OpenAIServing(tm, "m", ChatTemplate(bos_tokenizer))
+    prompt_ids = bos_tokenizer.encode("echo me")
+    req = CompletionRequest.model_validate({"prompt": "echo me", "echo": True, "logprobs": 1, "max_tokens": 3})
+    choice = _answer(serving.completions(req, ConnectedClient())).choices[0]
+    assert choice.text == "echo me done"  # no "<|startoftext|>" in front
+    # The echoed logprobs cover the echoed text: the BOS the tokenizer added is not in it.
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt_ids) - 1 + len(bos_tokenizer.encode(" done", add_special_tokens=False))
+    assert lp.token_logprobs[0] == -1.0  # the first prompt token, predicted from the BOS
+    _assert_offsets_match(choice.text, lp)
+
+    chunks = _answer(serving.completions(req.model_copy(update={"stream": True}), ConnectedClient()))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "echo me done"
+    streamed = chunks[0]["choices"][0]["logprobs"]
+    assert streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+
+    # Token ids are echoed as given: every id, special ones included, decoded.
+    req = CompletionRequest.model_validate({"prompt": prompt_ids, "echo": True, "logprobs": 0, "max_tokens": 3})
+    choice = _answer(serving.completions(req, ConnectedClient())).choices[0]
+    assert choice.text == "<|startoftext|>echo me done"
+    done = bos_tokenizer.encode(" done", add_special_tokens=False)
+    assert len(choice.logprobs.tokens) == len(prompt_ids) + len(done) and choice.logprobs.token_logprobs[0] is None
+    _assert_offsets_match(choice.text, choice.logprobs)
+
+
+def test_priority_reaches_the_runtime(tokenizer):
+    tm = FakeTokenizerManager(tokenizer)
+    serving = OpenAIServing(tm, "m", ChatTemplate(tokenizer))
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "priority": 3})
+    _answer(serving.chat(chat, ConnectedClient()))
+    completion = CompletionRequest.model_validate({"prompt": ["a", "b"], "extra_body": {"priority": -2}})
+    _answer(serving.completions(completion, ConnectedClient()))
+    _answer(serving.completions(CompletionRequest.model_validate({"prompt": "a"}), ConnectedClient()))
+    assert [inp.priority for inp in tm.inputs] == [3, -2, -2, 0]
+
+    tm.inputs.clear()
+    body = GenerateRequestBody.model_validate({"text": ["a", "b"], "priority": [5, 1]})
+    _answer(native_serving.generate(tm, body, ConnectedClient()))
+    _answer(native_serving.generate(tm, GenerateRequestBody(text="a", priority=7), ConnectedClient()))
+    assert [inp.priority for inp in tm.inputs] == [5, 1, 7]
+    with pytest.raises(APIError) as info:
+        _answer(native_serving.generate(tm, GenerateRequestBody(text=["a", "b"], priority=[1]), ConnectedClient()))
+    assert info.value.status == 400 and info.value.param == "priority"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_rejects_an_empty_batch(tokenizer, stream):
+    # (Empty input_ids prompts, [] or [[]], are the TokenizerManager's 400: see test_server_api.)
+    tm = FakeTokenizerManager(tokenizer)
+    with pytest.raises(APIError) as info:
+        _answer(native_serving.generate(tm, GenerateRequestBody(text=[], stream=stream), ConnectedClient()))
+    assert info.value.status == 400 and info.value.param == "text" and "empty" in info.value.message
+    assert tm.inputs == []

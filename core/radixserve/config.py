@@ -90,6 +90,9 @@ class ServerArgs:
             bad("max_prefill_tokens", f"must be at least page_size ({self.page_size}), got {self.max_prefill_tokens}")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
+        if self.quantization == "auto":
+            bad("quantization", "is never chosen automatically: leave it unset for none, or name a method "
+                                "(e.g. int8)")
         if self.tp_size != 1:
             # The layers shard weights by rank already; running TP ranks as
             # processes (one scheduler per rank, torch.distributed) is not built yet.

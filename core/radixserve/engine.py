@@ -68,9 +68,11 @@ class Engine:
         logprob_start_len: int = -1,
         stream: bool = False,
         rid: Optional[str] = None,
+        priority: int = 0,
     ) -> Union[dict, list, Iterator[dict]]:
         """A dict for one prompt, a list for a batch (a list per prompt when n > 1);
-        with ``stream=True`` an iterator of incremental results (text deltas)."""
+        with ``stream=True`` an iterator of incremental results (text deltas).
+        ``priority``: higher is served first under ``schedule_policy="priority"``."""
         if prompt is not None and input_ids is not None:
             raise ValueError("prompt: give either prompt or input_ids, not both")
         is_batch = isinstance(prompt, list) or (isinstance(input_ids, list) and bool(input_ids)
@@ -94,6 +96,7 @@ class Engine:
                 logprob_start_len=logprob_start_len,
                 stream=stream,
                 rid=(rid if count == 1 else f"{rid}-{i}") if rid else None,
+                priority=priority,
             )
             for i in range(count)
         ]

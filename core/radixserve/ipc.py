@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -20,11 +21,17 @@ class Endpoints:
     scheduler: str  # scheduler PULLs requests from the tokenizer manager
     detokenizer: str  # detokenizer PULLs token batches from the scheduler
     tokenizer_manager: str  # tokenizer manager PULLs text batches and control replies
+    directory: str  # holds the socket files
 
     @classmethod
     def fresh(cls) -> "Endpoints":
         base = tempfile.mkdtemp(prefix="radixserve-")
-        return cls(*(f"ipc://{base}/{name}" for name in ("scheduler", "detokenizer", "tokenizer_manager")))
+        names = ("scheduler", "detokenizer", "tokenizer_manager")
+        return cls(*(f"ipc://{base}/{name}" for name in names), directory=base)
+
+    def remove(self) -> None:
+        """Delete the socket files (after every process using them has stopped)."""
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def push_socket(ctx: zmq.Context, address: str) -> zmq.Socket:

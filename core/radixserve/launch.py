@@ -62,6 +62,7 @@ class RuntimeProcesses:
             if p.is_alive():
                 p.kill()
                 p.join()
+        self.endpoints.remove()
 
 
 def launch_runtime(args: ServerArgs, model_path: str) -> RuntimeProcesses:

@@ -38,12 +38,6 @@ class Platform:
     def available_memory_bytes(self, index: int = 0) -> int:
         raise NotImplementedError
 
-    def synchronize(self, index: int = 0) -> None:
-        pass
-
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
-
     def describe(self, index: int = 0) -> str:
         return self.name
 

@@ -145,6 +145,9 @@ def sample(
     ``return_logprob``. ``logits`` itself is never modified."""
     raw = logits.float()
     x = _adjusted_logits(raw, batch)
+    if x is not raw:
+        # Extreme penalties may overflow; never let one request's row turn into NaN.
+        x = x.nan_to_num(nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
     sampled = [i for i, p in enumerate(batch.params) if not p.is_greedy]
     if len(sampled) < len(batch.params):
         next_ids = x.argmax(dim=-1)

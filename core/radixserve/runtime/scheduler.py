@@ -26,6 +26,7 @@ from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardMode
 from radixserve.messages import GenerateRequest, TokenOutput
 from radixserve.registry import PluginRegistry, get_registry
+from radixserve.request_limits import request_fit_error
 from radixserve.runtime.batch import build_forward_batch
 from radixserve.runtime.model_runner import ModelRunner
 from radixserve.runtime.policy import order_waiting
@@ -91,22 +92,25 @@ class Scheduler:
         self._by_rid[req.rid] = req
         error = self._admission_error(req)
         if error is not None:
-            self._finish(req, FinishReason(type="abort", matched=None, message=error))
+            self._finish(req, FinishReason(type="abort", message=error, status_code=400))
+            return
+        if self._queue_full():
+            self._finish(req, FinishReason(type="abort", status_code=503, message=(
+                f"too many queued requests; --max-queued-requests is {self.args.max_queued_requests}")))
             return
         self.waiting.append(req)
 
+    def _queue_full(self) -> bool:
+        """Waiting requests beyond the free running slots are the queue."""
+        limit = self.args.max_queued_requests
+        if limit is None:
+            return False
+        free_slots = self.max_running - len(self.running) - (1 if self.chunked_req else 0)
+        return len(self.waiting) - max(free_slots, 0) >= limit
+
     def _admission_error(self, req: Req) -> Optional[str]:
-        n = len(req.origin_input_ids)
-        if n == 0:
-            return "input_ids: the prompt is empty"
-        if n >= self.context_length:
-            return f"input_ids: prompt of {n} tokens is not shorter than the context length {self.context_length}"
-        if n + req.sampling_params.max_new_tokens > self.context_length:
-            return (f"max_new_tokens: prompt ({n}) + max_new_tokens ({req.sampling_params.max_new_tokens}) "
-                    f"exceeds the context length {self.context_length}")
-        if n + 1 > self.allocator.size:
-            return f"input_ids: prompt of {n} tokens does not fit in the KV pool of {self.allocator.size} tokens"
-        return None
+        return request_fit_error(len(req.origin_input_ids), req.sampling_params.max_new_tokens,
+                                 self.context_length, self.allocator.size, self.page_size)
 
     def abort(self, rid: str) -> None:
         """Abort one request (or all with rid ""), wherever it is; frees its memory."""
@@ -361,12 +365,18 @@ class Scheduler:
         self.new_token_ratio = max(self.new_token_ratio - self.args.new_token_ratio_decay, self.args.min_new_token_ratio)
 
     def _make_room_for_decode(self) -> None:
-        """Retract the newest requests until every running one can take one more token."""
+        """Retract (the chunked prefill first, then the newest requests) until
+        every running request can take one more token."""
         while self.running:
             need = self.allocator.pages_needed([r.kv_len for r in self.running], [1] * len(self.running))
             free_pages = (self.allocator.available_size() + self.tree.evictable_size()) // self.page_size
             if need <= free_pages:
                 return
+            if self.chunked_req is not None:
+                # A prompt still being prefilled holds pages the decoders need; it steps back first.
+                victim, self.chunked_req = self.chunked_req, None
+                self._retract(victim)
+                continue
             if len(self.running) == 1:
                 req = self.running.pop()
                 self._release(req)
@@ -381,6 +391,8 @@ class Scheduler:
         """Give back a running request's memory; it requeues first in line and
         resumes from prompt + output so far, producing the same tokens."""
         self._release(req)
+        if not req.input_logprobs_done:  # a partly prefilled prompt recomputes them from the start
+            req.input_token_logprobs = req.input_top_logprobs = None
         self.num_retracted_total += 1
         self.waiting.insert(0, req)
         self.new_token_ratio = self.args.init_new_token_ratio
@@ -440,7 +452,10 @@ class Scheduler:
         outputs = []
         for rid, req in list(self._touched.items()):
             new = len(req.output_ids) - req.sent_len
-            if not req.finished and (not req.stream or new < self.args.stream_interval):
+            # Streams send every stream_interval tokens; others send their first
+            # token (so time-to-first-token is known) and then the rest at the end.
+            first = req.sent_len == 0 and new > 0
+            if not req.finished and not first and (not req.stream or new < self.args.stream_interval):
                 continue
             outputs.append(self._make_output(req))
             del self._touched[rid]
@@ -481,9 +496,8 @@ class Scheduler:
         return sum((-(-r.kv_len // ps) - r.num_cached // ps) * ps for r in holders if r.req_pool_idx is not None)
 
     def check_memory(self) -> bool:
-        free = self.allocator.available_size()
-        cached = self.tree.evictable_size() + self.tree.protected_size()
-        return free + self.private_tokens() + cached == self.allocator.size
+        """The pool invariant: free + held privately by requests + cached == total."""
+        return self.stats().memory_invariant_ok
 
     def stats(self) -> SchedulerStats:
         free = self.allocator.available_size()

@@ -20,11 +20,15 @@ class FinishReason:
     type: Literal["stop", "length", "abort"]
     matched: Union[int, str, None] = None  # the stop token id or stop string
     message: Optional[str] = None  # why, for aborts
+    # For a request refused at the door: 400 (it can never be served) or 503 (queue full).
+    status_code: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.type, "matched": self.matched}
         if self.message is not None:
             d["message"] = self.message
+        if self.status_code is not None:
+            d["status_code"] = self.status_code
         return d
 
 

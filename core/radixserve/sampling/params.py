@@ -92,8 +92,8 @@ class SamplingParams:
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         _float("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0 < self.repetition_penalty <= 2:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             _float(name, value)
@@ -105,6 +105,8 @@ class SamplingParams:
             for token, bias in self.logit_bias.items():
                 _token_id("logit_bias", token, vocab_size)
                 _float("logit_bias", bias)
+                if not -100 <= bias <= 100:  # OpenAI's range; larger would overflow the logits
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
         if self.seed is not None:
             _int("seed", self.seed)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):

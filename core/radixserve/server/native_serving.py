@@ -52,6 +52,9 @@ def _inputs(body: GenerateRequestBody) -> list[GenerateInput]:
         prompts = [{"input_ids": ids} for ids in _as_list(body.input_ids, batch)]
     else:
         raise APIError(400, "text: one of text or input_ids is required", param="text")
+    if not prompts:
+        name = "text" if body.text is not None else "input_ids"
+        raise APIError(400, f"{name}: the batch is empty; give at least one prompt", param=name)
     count = len(prompts)
     params = [dict(p or {}) for p in _per_prompt(body.sampling_params, count, "sampling_params")]
     for p in params:
@@ -62,10 +65,11 @@ def _inputs(body: GenerateRequestBody) -> list[GenerateInput]:
         rids = [f"{body.rid}-{i}" for i in range(count)]
     else:
         rids = _per_prompt(body.rid, count, "rid")
+    priorities = _per_prompt(body.priority, count, "priority")
     return [
         GenerateInput(**prompt, sampling_params=params[i], return_logprob=body.return_logprob,
                       top_logprobs_num=body.top_logprobs_num, logprob_start_len=body.logprob_start_len,
-                      stream=body.stream, rid=rids[i])
+                      stream=body.stream, rid=rids[i], priority=priorities[i])
         for i, prompt in enumerate(prompts)
     ]
 

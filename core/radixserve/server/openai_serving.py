@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from dataclasses import dataclass
 from typing import AsyncIterator, Optional, Union
 
 from fastapi import Request
@@ -53,6 +54,16 @@ DEFAULT_MAX_TOKENS_CAP = 16384
 _RENAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 CHAT_RENAMES = {**_RENAMES, "input_ids": "messages"}
 COMPLETION_RENAMES = {**_RENAMES, "input_ids": "prompt"}
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A prompt as ``echo`` shows it; ``lead``/``trail`` tokens the tokenizer
+    added before/after it are not part of ``text``."""
+
+    text: str
+    lead: int = 0
+    trail: int = 0
 
 
 def finish_fields(meta: dict) -> tuple[Optional[str], MatchedStop]:
@@ -126,7 +137,7 @@ class OpenAIServing:
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         inp = GenerateInput(input_ids=ids, sampling_params=req.sampling_params(self._max_tokens(requested, len(ids))),
                             return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0, stream=req.stream,
-                            rid=rid)
+                            rid=rid, priority=req.priority)
         results = start_generation(self.tm, [inp], CHAT_RENAMES)
         if req.stream:
             results = await first_and_rest(results, request, CHAT_RENAMES)
@@ -178,8 +189,9 @@ class OpenAIServing:
             yield chunk([], usage.total())
 
     # ---- completions ---------------------------------------------------------------
-    def _prompts(self, req: CompletionRequest) -> list[list[int]]:
-        """The prompt(s) as token ids; text is tokenized like the native API does."""
+    @staticmethod
+    def _raw_prompts(req: CompletionRequest) -> list[Union[str, list[int]]]:
+        """The prompt(s) as given: strings or lists of token ids."""
         prompt = req.prompt
         if isinstance(prompt, str):
             prompts: list = [prompt]
@@ -189,12 +201,29 @@ class OpenAIServing:
             prompts = list(prompt)
         if not prompts:
             raise APIError(400, "prompt: must not be empty", param="prompt")
-        return [self.tm.tokenize(p) if isinstance(p, str) else list(p) for p in prompts]
+        return prompts
+
+    def _echo(self, given: Union[str, list[int]], ids: list[int]) -> Echo:
+        """What ``echo`` shows of a prompt: the prompt as given (a text prompt
+        verbatim, token ids decoded as they are), and for a text prompt the
+        counts of tokens the tokenizer added around it (a BOS, say), which are
+        not in that text and so are left out of the echoed logprobs."""
+        if not isinstance(given, str):
+            return Echo(self.tm.tokenizer.decode(ids, skip_special_tokens=False))
+        plain = list(self.tm.tokenizer.encode(given, add_special_tokens=False))
+        extra = len(ids) - len(plain)
+        if extra > 0:
+            for lead in range(extra + 1):
+                if ids[lead:lead + len(plain)] == plain:
+                    return Echo(given, lead, extra - lead)
+        return Echo(given)
 
     async def completions(self, req: CompletionRequest, request: Request) -> Union[CompletionResponse,
                                                                                    StreamingResponse]:
         self._check_request(req)
-        prompts = self._prompts(req)
+        given = self._raw_prompts(req)
+        # Text is tokenized like the native API does.
+        prompts = [self.tm.tokenize(p) if isinstance(p, str) else list(p) for p in given]
         rid = f"cmpl-{uuid.uuid4().hex}"
         want_logprobs = req.logprobs is not None
         inputs = [
@@ -202,12 +231,12 @@ class OpenAIServing:
                 input_ids=ids, sampling_params=req.sampling_params(self._max_tokens(req.max_tokens, len(ids))),
                 return_logprob=want_logprobs, top_logprobs_num=req.logprobs or 0,
                 logprob_start_len=0 if (req.echo and want_logprobs) else -1, stream=req.stream,
-                rid=rid if len(prompts) == 1 else f"{rid}-{p}",
+                rid=rid if len(prompts) == 1 else f"{rid}-{p}", priority=req.priority,
             )
             for p, ids in enumerate(prompts)
         ]
         results = start_generation(self.tm, inputs, COMPLETION_RENAMES)
-        echoes = [self.tm.tokenizer.decode(ids) if req.echo else "" for ids in prompts]
+        echoes = [self._echo(g, ids) if req.echo else Echo("") for g, ids in zip(given, prompts)]
         if req.stream:
             results = await first_and_rest(results, request, COMPLETION_RENAMES)
             return StreamingResponse(sse_stream(self._completion_chunks(req, rid, results, echoes)),
@@ -221,21 +250,26 @@ class OpenAIServing:
             meta = out["meta_info"]
             usage.add(p, index, meta)
             finish, matched = finish_fields(meta)
-            logprobs = self._completion_logprobs(meta, req.echo, 0)[0] if want_logprobs else None
-            choices.append(CompletionChoice(index=index, text=echoes[p] + out["text"], logprobs=logprobs,
+            logprobs = self._completion_logprobs(meta, echoes[p] if req.echo else None, 0)[0] \
+                if want_logprobs else None
+            choices.append(CompletionChoice(index=index, text=echoes[p].text + out["text"], logprobs=logprobs,
                                             finish_reason=finish, matched_stop=matched))
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage.total())
 
-    def _completion_logprobs(self, meta: dict, echo: bool, offset: int) -> tuple[CompletionLogprobs, int]:
+    def _completion_logprobs(self, meta: dict, echo: Optional[Echo], offset: int) -> tuple[CompletionLogprobs, int]:
+        """Logprobs of the new tokens, preceded with ``echo`` by those of the echoed
+        prompt (without the tokens the tokenizer added, which the echo lacks)."""
         tokens, tops = list(meta["output_token_logprobs"]), list(meta["output_top_logprobs"])
-        if echo and meta.get("input_token_logprobs") is not None:
-            tokens = list(meta["input_token_logprobs"]) + tokens
-            tops = list(meta["input_top_logprobs"]) + tops
+        if echo is not None and meta.get("input_token_logprobs") is not None:
+            prompt_tokens, prompt_tops = list(meta["input_token_logprobs"]), list(meta["input_top_logprobs"])
+            end = len(prompt_tokens) - echo.trail
+            tokens = prompt_tokens[echo.lead:end] + tokens
+            tops = prompt_tops[echo.lead:end] + tops
         return completion_logprobs(self.texts, tokens, tops, offset)
 
     async def _completion_chunks(self, req: CompletionRequest, rid: str, results: AsyncIterator[Tagged],
-                                 echoes: list[str]) -> AsyncIterator[CompletionResponse]:
+                                 echoes: list[Echo]) -> AsyncIterator[CompletionResponse]:
         created = int(time.time())
         usage = UsageCounter()
         started: set[int] = set()  # choices that sent their first chunk (with the echo)
@@ -247,10 +281,11 @@ class OpenAIServing:
             finish, matched = finish_fields(meta)
             first = index not in started
             started.add(index)
-            text = (echoes[p] if first else "") + out["text"]
+            text = (echoes[p].text if first else "") + out["text"]
             logprobs = None
             if req.logprobs is not None:
-                logprobs, offsets[index] = self._completion_logprobs(meta, req.echo and first, offsets.get(index, 0))
+                echo = echoes[p] if req.echo and first else None
+                logprobs, offsets[index] = self._completion_logprobs(meta, echo, offsets.get(index, 0))
             if not text and finish is None and not (logprobs and logprobs.tokens):
                 continue
             running = make_usage(meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) \

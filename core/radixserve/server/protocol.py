@@ -59,6 +59,9 @@ class _SamplingRequest(_OpenAIRequest):
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # Scheduling priority (SGLang / vLLM extra): higher is served first under
+    # --schedule-policy priority; other policies ignore it.
+    priority: int = 0
 
     def sampling_params(self, max_tokens: int) -> dict[str, Any]:
         """The runtime's ``sampling_params`` for this request (unset fields keep
@@ -144,6 +147,8 @@ class GenerateRequestBody(BaseModel):
     top_logprobs_num: int = 0
     logprob_start_len: int = -1
     rid: Union[str, list[str], None] = None
+    # Higher is served first under --schedule-policy priority; one for all prompts or one per prompt.
+    priority: Union[int, list[int]] = 0
 
 
 class TokenizeRequest(BaseModel):

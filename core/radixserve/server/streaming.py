@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from radixserve.server.errors import APIError, bad_request, error_body
 from radixserve.server.tokenizer_manager import (
     GenerateInput,
+    PreparedInput,
     QueueFullError,
     RuntimeDeadError,
     TokenizerManager,
@@ -46,14 +47,13 @@ def start_generation(tm: TokenizerManager, inputs: list[GenerateInput],
     """Validate every prompt up front (a 400 before anything runs), then run
     them all, yielding ``(prompt index, result)`` as results arrive."""
     with runtime_errors(renames):
-        for inp in inputs:
-            tm.prepare(inp)
+        prepared = [tm.prepare(inp) for inp in inputs]
 
-    async def tagged(i: int, inp: GenerateInput) -> AsyncIterator[Tagged]:
+    async def tagged(i: int, inp: PreparedInput) -> AsyncIterator[Tagged]:
         async for out in tm.generate(inp):
             yield i, out
 
-    streams = [tagged(i, inp) for i, inp in enumerate(inputs)]
+    streams = [tagged(i, inp) for i, inp in enumerate(prepared)]
     return streams[0] if len(streams) == 1 else merge_streams(streams)
 
 
@@ -131,12 +131,11 @@ async def sse_stream(events: AsyncIterator[Any]) -> AsyncIterator[str]:
     """Frame events as server-sent events ending with ``data: [DONE]``. An error
     after the stream started can only be reported in band, as an error event."""
     try:
-        async for event in events:
-            yield sse(event)
-    except RuntimeDeadError as exc:
-        yield sse(error_body(503, f"the runtime is down: {exc}"))
+        with runtime_errors():  # the same mapping as before the stream started
+            async for event in events:
+                yield sse(event)
     except APIError as exc:
-        yield sse(error_body(exc.status, exc.message, exc.param))
+        yield sse(error_body(exc.status, exc.message, exc.param, exc.code))
     except Exception as exc:  # a bug: log it, tell the client, end the stream
         logger.exception("error while streaming")
         yield sse(error_body(500, f"internal server error: {type(exc).__name__}: {exc}"))

@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from radixserve.config import ServerArgs
 from radixserve.ipc import Endpoints, pull_socket, push_socket
+from radixserve.request_limits import request_fit_error
 from radixserve.messages import (
     AbortRequest,
     ControlReply,
@@ -56,6 +57,16 @@ class GenerateInput:
 
 
 @dataclass
+class PreparedInput:
+    """A validated prompt: what ``prepare`` returns and ``generate`` accepts, so a
+    caller that validates a whole batch up front does not tokenize twice."""
+
+    obj: GenerateInput
+    input_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
 class _Pending:
     queue: asyncio.Queue
     created: float = field(default_factory=time.perf_counter)
@@ -76,7 +87,9 @@ class TokenizerManager:
         self._ctx = zmq.asyncio.Context()
         self._send = push_socket(self._ctx, endpoints.scheduler)
         self._recv = pull_socket(self._ctx, endpoints.tokenizer_manager)
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, _Pending] = {}  # by internal request id
+        self._aliases: dict[str, list[str]] = {}  # client rid -> its internal ids in flight
+        self._internal_ids = itertools.count()
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
         self._loop_task: Optional[asyncio.Task] = None
@@ -129,7 +142,7 @@ class TokenizerManager:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def prepare(self, obj: GenerateInput) -> tuple[list[int], SamplingParams]:
+    def prepare(self, obj: GenerateInput) -> PreparedInput:
         """Validate one prompt; ValueError names the offending field."""
         if obj.text is not None and obj.input_ids is not None:
             raise ValueError("text: give either text or input_ids, not both")
@@ -145,69 +158,64 @@ class TokenizerManager:
             field_name = "text"
         else:
             raise ValueError("text: one of text or input_ids is required")
-        if not ids:
-            raise ValueError(f"{field_name}: the prompt is empty")
         params = obj.sampling_params if isinstance(obj.sampling_params, SamplingParams) \
             else SamplingParams.from_dict(obj.sampling_params)
         params.validate(self.vocab_size)
-        if len(ids) >= self.context_length:
-            raise ValueError(f"{field_name}: the prompt has {len(ids)} tokens; the context length is "
-                             f"{self.context_length}")
-        if len(ids) + params.max_new_tokens > self.context_length:
-            raise ValueError(f"max_new_tokens: prompt ({len(ids)} tokens) + max_new_tokens "
-                             f"({params.max_new_tokens}) exceeds the context length {self.context_length}")
-        # Whole pages of KV for every token; more than the pool could never finish.
-        needed = -(-(len(ids) + params.max_new_tokens) // self.page_size) * self.page_size
-        if needed > self.kv_pool_tokens:
-            name = field_name if len(ids) + 1 > self.kv_pool_tokens else "max_new_tokens"
-            raise ValueError(f"{name}: prompt ({len(ids)} tokens) + max_new_tokens ({params.max_new_tokens}) "
-                             f"needs {needed} KV cache slots; the pool holds {self.kv_pool_tokens}")
+        error = request_fit_error(len(ids), params.max_new_tokens, self.context_length, self.kv_pool_tokens,
+                                  self.page_size, prompt_field=field_name)
+        if error is not None:
+            raise ValueError(error)
         if obj.top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num: must be >= 0, got {obj.top_logprobs_num}")
         if obj.logprob_start_len < -1:
             raise ValueError(f"logprob_start_len: must be >= -1, got {obj.logprob_start_len}")
-        return ids, params
-
-    def _check_queue(self, extra: int) -> None:
-        limit = self.args.max_queued_requests
-        if limit is None:
-            return
-        queued = sum(1 for p in self._pending.values() if p.first_token_at is None)
-        if queued + extra > limit:
-            raise QueueFullError(f"too many queued requests ({queued}); the limit is {limit}")
+        if obj.rid is not None and obj.rid in self._aliases:
+            raise ValueError(f"rid: request id {obj.rid!r} is already in flight")
+        return PreparedInput(obj, ids, params)
 
     # ---- generation --------------------------------------------------------------
-    async def generate(self, obj: GenerateInput) -> AsyncIterator[dict]:
+    async def generate(self, obj: Union[GenerateInput, PreparedInput]) -> AsyncIterator[dict]:
         """Yield results for one prompt: a dict per streamed delta (``stream``) or
         one per finished choice. With ``n > 1`` every dict carries its ``index``.
-        A cancelled consumer (client gone) aborts the request and frees its KV."""
+        A cancelled consumer (client gone) aborts the request and frees its KV.
+
+        The scheduler sees unique internal request ids; the client's ``rid`` (or
+        a fresh one) names them all, for ``abort`` and in ``meta_info["id"]``."""
         if self.dead_reason:
             raise RuntimeDeadError(self.dead_reason)
-        ids, params = self.prepare(obj)
-        self._check_queue(params.n)
+        prepared = obj if isinstance(obj, PreparedInput) else self.prepare(obj)
+        obj, ids, params = prepared.obj, prepared.input_ids, prepared.params
         rid = obj.rid or uuid.uuid4().hex
-        if params.n == 1:
-            async for out in self._run_one(rid, ids, params, obj, index=0):
+        if rid in self._aliases:
+            raise ValueError(f"rid: request id {rid!r} is already in flight")
+        self._aliases[rid] = []
+        try:
+            if params.n == 1:
+                async for out in self._run_one(rid, ids, params, obj, index=0):
+                    yield out
+                return
+            cached = None
+            if not self.args.disable_radix_cache:
+                # Prefill the shared prompt once; the n children then hit it in the
+                # cache. The request's own cache hit is the warm-up's.
+                warm = SamplingParams.from_dict({"max_new_tokens": 0})
+                async for out in self._run_one(rid, ids, warm, GenerateInput(input_ids=ids), index=0, observe=False):
+                    cached = out["meta_info"]["cached_tokens"]
+            streams = [self._run_one(rid, ids, _child_params(params, i), obj, index=i) for i in range(params.n)]
+            async for out in merge_streams(streams):
+                if cached is not None:
+                    out["meta_info"]["cached_tokens"] = cached
                 yield out
-            return
-        if not self.args.disable_radix_cache:
-            # Prefill the shared prompt once; the n children then hit it in the cache.
-            warm = SamplingParams.from_dict({"max_new_tokens": 0})
-            async for _ in self._run_one(f"{rid}-prefill", ids, warm, GenerateInput(input_ids=ids), index=0):
-                pass
-        streams = [
-            self._run_one(f"{rid}-{i}", ids, _child_params(params, i), obj, index=i) for i in range(params.n)
-        ]
-        async for out in merge_streams(streams):
-            yield out
+        finally:
+            del self._aliases[rid]
 
     async def _run_one(self, rid: str, ids: list[int], params: SamplingParams, obj: GenerateInput,
-                       index: int) -> AsyncIterator[dict]:
-        if rid in self._pending:
-            raise ValueError(f"rid: request id {rid!r} is already in flight")
-        pending = self._pending[rid] = _Pending(asyncio.Queue())
+                       index: int, observe: bool = True) -> AsyncIterator[dict]:
+        internal = f"{rid}#{next(self._internal_ids)}"
+        self._aliases[rid].append(internal)
+        pending = self._pending[internal] = _Pending(asyncio.Queue())
         self._send.send_pyobj(GenerateRequest(
-            rid=rid, input_ids=ids, sampling_params=params, return_logprob=obj.return_logprob,
+            rid=internal, input_ids=ids, sampling_params=params, return_logprob=obj.return_logprob,
             top_logprobs_num=obj.top_logprobs_num, logprob_start_len=obj.logprob_start_len,
             stream=obj.stream, priority=obj.priority,
         ))
@@ -218,15 +226,19 @@ class TokenizerManager:
                 item = await pending.queue.get()
                 if isinstance(item, Exception):
                     raise item
-                self._observe(pending, item)
                 finished = item.token.finish_reason is not None
+                if finished:
+                    _raise_if_rejected(item.token.finish_reason)
+                if observe:
+                    self._observe(pending, item)
                 chunk = result.add(item)
                 if obj.stream or finished:
                     yield chunk
         finally:
-            self._pending.pop(rid, None)
+            self._pending.pop(internal, None)
+            self._aliases[rid].remove(internal)
             if not finished and self.dead_reason is None:
-                self._send.send_pyobj(AbortRequest(rid))
+                self._send.send_pyobj(AbortRequest(internal))
 
     def _observe(self, pending: _Pending, item: TextOutput) -> None:
         now = time.perf_counter()
@@ -244,7 +256,9 @@ class TokenizerManager:
             self.metrics.record_finish(now - pending.created, t.prompt_tokens, t.completion_tokens, t.cached_tokens)
 
     async def abort(self, rid: str) -> None:
-        self._send.send_pyobj(AbortRequest(rid))
+        """Abort every scheduler request of the client's ``rid`` (all n choices)."""
+        for internal in list(self._aliases.get(rid, ())):
+            self._send.send_pyobj(AbortRequest(internal))
 
     # ---- control -------------------------------------------------------------------
     async def control(self, kind: str, timeout: float = 30.0) -> Any:
@@ -258,6 +272,17 @@ class TokenizerManager:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._calls.pop(call_id, None)
+
+
+def _raise_if_rejected(finish: dict) -> None:
+    """The scheduler refused the request: a full queue (503) or input it cannot
+    serve (400), raised as the exceptions the API layers map to those statuses."""
+    if finish["type"] != "abort":
+        return
+    if finish.get("status_code") == 503:
+        raise QueueFullError(finish["message"])
+    if finish.get("status_code") == 400:
+        raise ValueError(finish["message"])
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -1,12 +1,17 @@
 """The plugin's own tests: the radixserve conformance kit, one line per backend.
 
 Backends are looked up by name through the installed entry point, so install
-the plugin first (``pip install -e .``)."""
+the plugin first (``pip install -e .``). Only radixserve's public plugin API is
+used (``radixserve.testing`` and the ``radixserve plugins`` command).
+"""
+
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from radixserve.registry import PluginRegistry
 from radixserve.testing import check_attention_backend, check_gemm_backend
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -23,7 +28,12 @@ def test_gemm_conforms(device):
 
 
 def test_registered_through_the_entry_point():
-    registry = PluginRegistry()
-    assert registry.candidates["attention"]["example_sdpa"].plugin == "example"
-    assert registry.candidates["gemm"]["example_gemm"].plugin == "example"
-    assert "example" not in registry.load_errors()
+    # `radixserve plugins --json`, run through the module so no PATH entry is needed.
+    proc = subprocess.run([sys.executable, "-m", "radixserve.cli", "plugins", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    plugin = next((p for p in report["plugins"] if p["name"] == "example"), None)
+    assert plugin is not None, [p["name"] for p in report["plugins"]]
+    assert plugin["error"] is None
+    assert plugin["registered"] == {"attention": ["example_sdpa"], "gemm": ["example_gemm"]}

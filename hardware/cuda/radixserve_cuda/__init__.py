@@ -35,13 +35,6 @@ class CudaPlatform(Platform):
         free, _ = torch.cuda.mem_get_info(index)
         return free
 
-    def synchronize(self, index: int = 0) -> None:
-        torch.cuda.synchronize(index)
-
-    def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
-        torch.cuda.manual_seed_all(seed)
-
     def describe(self, index: int = 0) -> str:
         props = torch.cuda.get_device_properties(index)
         return f"cuda:{index} {props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor})"
