@@ -1,0 +1,40 @@
+"""Plugins (ours, hardware distributions, the third-party template) import only
+the core's public API, so they are written exactly as an outside author's."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PUBLIC = ("radixserve.hooks", "radixserve.kernels", "radixserve.platform", "radixserve.forward_batch",
+          "radixserve.cache.memory_pool", "radixserve.testing")
+PLUGIN_DIRS = ("plugins", "hardware", "examples")
+
+
+def core_imports(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        found += [(node.lineno, n) for n in names if n == "radixserve" or n.startswith("radixserve.")]
+    return found
+
+
+FILES = sorted(p for d in PLUGIN_DIRS for p in (ROOT / d).rglob("*.py"))
+
+
+def test_there_are_plugin_files():
+    assert len(FILES) > 10
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_plugin_imports_only_public_api(path):
+    private = [(line, name) for line, name in core_imports(path)
+               if not any(name == p or name.startswith(p + ".") for p in PUBLIC)]
+    assert not private, f"{path.relative_to(ROOT)} imports non-public core modules: {private}"
