@@ -90,6 +90,18 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr):
+    """Fold one block of base-2 scores ``s`` [M, N] and values ``v`` [N, D] into
+    the running max ``m_i``, normalizer ``l_i`` and unnormalized output ``acc``."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mma(cast_to(p, v.dtype, RNE_BF16), v, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_partial_kernel(
     Q, KCache, VCache, ReqToToken, ReqPoolIdx, SeqLens,
     PartialO, PartialLse,
@@ -133,14 +145,8 @@ def _decode_partial_kernel(
         k = tl.load(KCache + slot[:, None] * stride_kct + kv_head * stride_kch + d[None, :], mask=kv_mask, other=0.0)
         s = mma(q, tl.trans(k.to(q.dtype)), UPCAST) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VCache + slot[:, None] * stride_vct + kv_head * stride_vch + d[None, :], mask=kv_mask, other=0.0)
-        v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + mma(cast_to(p, v.dtype, RNE_BF16), v, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, UPCAST, RNE_BF16)
 
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -285,14 +291,8 @@ def _extend_kernel(
         # Key 0 is visible to every row, so no row is all -inf after the first block.
         visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(VCache + slot[:, None] * stride_vct + kv_head * stride_vch + d[None, :], mask=kv_mask, other=0.0)
-        v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + mma(cast_to(p, v.dtype, RNE_BF16), v, UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, UPCAST, RNE_BF16)
 
     out = acc / l_i[:, None]
     tl.store(Out + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :],
