@@ -1,7 +1,10 @@
 """IncrementalDetokenizer: streamed text equals the full decode, never shows half
 a character, honours skip_special_tokens; on the project's tiny byte-level BPE
 tokenizer (GPT-2, Llama-3, Qwen style) and on a SentencePiece-like one with byte
-fallback and a leading-space strip (Llama-2, Mistral style) trained here."""
+fallback and a leading-space strip (Llama-2, Mistral style) trained here.
+
+DetokenizerState (the detokenizer process's logic): settings once per request,
+stop-string holdback, and one failing request never affecting the others."""
 
 from __future__ import annotations
 
@@ -12,6 +15,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from radixserve.messages import DetokenizeSettings, TokenBatch, TokenOutput
+from radixserve.runtime.stop import StopHoldback
+from radixserve.server.detokenizer import DetokenizerState
 from radixserve.server.incremental_detokenizer import IncrementalDetokenizer
 from radixserve.testing.tiny_models import build_tokenizer
 
@@ -126,3 +132,87 @@ def test_context_dependent_spaces_survive_streaming():
     assert "".join(tokenizer.decode([i]) for i in ids) != "the quick brown fox"  # the premise
     detok = IncrementalDetokenizer(tokenizer)
     assert "".join([detok.push([i]) for i in ids] + [detok.finish()]) == "the quick brown fox"
+
+
+# ---- DetokenizerState -----------------------------------------------------------------------
+def stop_holdback(text: str, stop: list[str]) -> int:
+    """The plain definition: the longest suffix of ``text`` that begins some stop string."""
+    held = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), held, -1):
+            if text.endswith(s[:n]):
+                held = n
+                break
+    return held
+
+
+def test_stop_holdback_agrees_with_the_plain_definition():
+    rng = random.Random(3)
+    for _ in range(2000):
+        stops = ["".join(rng.choice("ab#") for _ in range(rng.randint(1, 5))) for _ in range(rng.randint(1, 6))]
+        text = "".join(rng.choice("ab#") for _ in range(rng.randint(0, 8)))
+        assert StopHoldback(tuple(stops))(text) == stop_holdback(text, stops), (text, stops)
+    assert StopHoldback(())("anything") == 0
+
+
+def _out(rid: str, ids: list[int], finish: dict | None = None, **settings) -> TokenOutput:
+    return TokenOutput(rid=rid, new_token_ids=ids, finish_reason=finish,
+                       detokenize=DetokenizeSettings(**settings) if settings else None)
+
+
+def test_settings_travel_once_and_stop_strings_are_held_back_and_trimmed(tokenizer):
+    state = DetokenizerState(tokenizer)
+    hello, world = (tokenizer.encode(t, add_special_tokens=False) for t in ("Hello", " world###"))
+    first = state.handle(_out("r", hello, stop_strings=("###",), no_stop_trim=False))
+    later = [state.handle(_out("r", [i])) for i in world[:-1]]  # no settings: the state has them
+    final = state.handle(_out("r", world[-1:], {"type": "stop", "matched": "###"}))  # the token completing it
+    assert first.new_text + "".join(o.new_text for o in later) + final.new_text == "Hello world"
+    assert not any("#" in o.new_text for o in later)
+    assert state.requests == {}
+
+
+class _FailsOn:
+    """The tokenizer, except that decoding ``bad_id`` raises."""
+
+    def __init__(self, tokenizer, bad_id: int):
+        self._tokenizer, self.bad_id = tokenizer, bad_id
+
+    def decode(self, ids, **kw):
+        if self.bad_id in ids:
+            raise RuntimeError(f"cannot decode {self.bad_id}")
+        return self._tokenizer.decode(ids, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_a_failing_request_ends_with_an_error_and_the_rest_are_served(tokenizer):
+    ids = tokenizer.encode("good text here", add_special_tokens=False)
+    bad = next(i for i in tokenizer.encode("龍", add_special_tokens=False) if i not in ids)
+    state = DetokenizerState(_FailsOn(tokenizer, bad))
+    batch = TokenBatch([_out("a", ids[:2], skip_special_tokens=True), _out("bad", [bad], skip_special_tokens=True),
+                        _out("c", ids[:1], skip_special_tokens=True)])
+    a, failed, c = state.handle_batch(batch).outputs
+    assert a.error is None and c.error is None and a.new_text + c.new_text != ""
+    assert "RuntimeError" in failed.error and failed.token.finish_reason is None
+    # The scheduler runs it until the abort lands: its outputs are dropped, but
+    # its final one still goes through (the TokenizerManager tracks it until then).
+    later = state.handle_batch(TokenBatch([_out("bad", ids[:1]), _out("a", ids[2:])])).outputs
+    assert [o.token.rid for o in later] == ["a"] and later[0].error is None
+    end = state.handle_batch(TokenBatch([_out("bad", [], {"type": "abort", "matched": None}),
+                                         _out("a", [], {"type": "length", "matched": None}),
+                                         _out("c", [], {"type": "length", "matched": None})])).outputs
+    assert [(o.token.rid, o.error, o.new_text) for o in end][0] == ("bad", None, "")
+    assert a.new_text + later[0].new_text + end[1].new_text == tokenizer.decode(ids)
+    assert state.requests == {} and state.failed == set()
+    # A failure on a final output ends the request there: nothing is kept.
+    state.handle_batch(TokenBatch([_out("d", ids[:1], skip_special_tokens=True)]))
+    (last,) = state.handle_batch(TokenBatch([_out("d", [bad], {"type": "length", "matched": None})])).outputs
+    assert last.error and state.requests == {} and state.failed == set()
+
+
+def test_an_output_without_settings_for_an_unknown_request_fails_only_that_request(tokenizer):
+    state = DetokenizerState(tokenizer)
+    (orphan,) = state.handle_batch(TokenBatch([_out("x", [1])])).outputs
+    assert "DetokenizeSettings" in orphan.error
+    assert state.handle(_out("y", [1], stop_strings=())).error is None

@@ -63,10 +63,10 @@ def test_torch_plugin_found_through_entry_point():
     report = PluginRegistry().report()
     torch_plugin = next(p for p in report["plugins"] if p["name"] == "torch")
     assert torch_plugin["distribution"] == "radixserve"
-    assert torch_plugin["registered"]["attention"] == ["torch_native"]
+    assert torch_plugin["registered"]["attention"] == ["torch_native", "torch_varlen"]
     assert {"none", "int8"} <= set(torch_plugin["registered"]["quantization"])
     cpu = next(row for row in report["backends"]["platform"] if row["name"] == "cpu")
-    assert cpu == {"name": "cpu", "plugin": "torch", "usable": True, "reasons": []}
+    assert cpu == {"name": "cpu", "plugin": "torch", "priority": 0, "usable": True, "reasons": []}
 
 
 def test_registered_plugin_backend_selected_by_name_and_by_priority():
@@ -78,7 +78,7 @@ def test_registered_plugin_backend_selected_by_name_and_by_priority():
     fp16 = KernelQuery(device="cpu", dtype=torch.float16, head_dim=64, num_heads=4, num_kv_heads=2)
     assert registry.select("attention", fp16) is Fp16OnlyAttention
     registry.unregister_plugin("test-attention")
-    assert registry.select("attention", QUERY) is TorchNativeAttention
+    assert registry.select("attention", QUERY).name == "torch_varlen"  # the torch plugin's fast path (priority 5)
 
 
 def test_forcing_an_unsupported_backend_names_the_reason():
@@ -143,7 +143,7 @@ def test_third_party_platform_and_backend_from_entry_point(tmp_path):
     """)
     report = plugins_json(tmp_path)
     row = next(r for r in report["backends"]["platform"] if r["name"] == "fakeaccel")
-    assert row == {"name": "fakeaccel", "plugin": "fakeaccel", "usable": False,
+    assert row == {"name": "fakeaccel", "plugin": "fakeaccel", "priority": 100, "usable": False,
                    "reasons": ["no fakeaccel devices found (FAKEACCEL_VISIBLE_DEVICES is empty)"]}
     # The allow-list hides it.
     report = plugins_json(tmp_path, RADIXSERVE_PLUGINS="torch")

@@ -13,7 +13,7 @@ from radixserve.runtime.stop import (
     FinishReason,
     StopChecker,
     drop_stop_token,
-    stop_holdback,
+    StopHoldback,
     trim_stop_string,
 )
 from radixserve.sampling import SamplingParams
@@ -362,14 +362,14 @@ def test_final_text_helpers():
     assert trim_stop_string("Hello\n\nworld\n\n", "\n\n", no_stop_trim=False) == "Hello"
     assert trim_stop_string("Hello\n\nworld\n\n", "\n\n", no_stop_trim=False, start=7) == "Hello\n\nworld"
     assert trim_stop_string("Hello###", "###", no_stop_trim=True) == "Hello###"
-    assert stop_holdback("Hello #", ["###"]) == 1
-    assert stop_holdback("Hello ##", ["###", "#!"]) == 2
-    assert stop_holdback("Hello", ["###"]) == 0
-    assert stop_holdback("ab", ["abc", "b"]) == 2
+    assert StopHoldback(("###",))("Hello #") == 1
+    assert StopHoldback(("###", "#!"))("Hello ##") == 2
+    assert StopHoldback(("###",))("Hello") == 0
+    assert StopHoldback(("abc", "b"))("ab") == 2
 
 
 def test_streaming_with_holdback_never_shows_a_stop_string():
-    """The detokenizer-side recipe: stream what ``stop_holdback`` allows, and at
+    """The detokenizer-side recipe: stream what ``StopHoldback`` allows, and at
     the finish trim from what was already sent."""
     p = SamplingParams(stop=["wor"], min_new_tokens=0)
     tokenizer = ByteTokenizer()
@@ -382,7 +382,7 @@ def test_streaming_with_holdback_never_shows_a_stop_string():
         if reason is not None:
             streamed += trim_stop_string(text, reason.matched, p.no_stop_trim, start=sent)[sent:]
             break
-        end = len(text) - stop_holdback(text, p.stop)
+        end = len(text) - StopHoldback(tuple(p.stop))(text)
         streamed += text[sent:end]
         sent = end
     assert streamed == "Hello " and reason == FinishReason("stop", "wor")

@@ -37,6 +37,11 @@ CONFIGS = {
     "page-16-chunked-16-lpm": dict(page_size=16, chunked_prefill_size=16, schedule_policy="lpm"),
     "no-cache-chunked-16": dict(disable_radix_cache=True, chunked_prefill_size=16),
     "max-running-2": dict(max_running_requests=2),
+    # The reference overlaps scheduling with the forward (the default); these do not.
+    "no-overlap": dict(disable_overlap_schedule=True),
+    "no-overlap-page-16-chunked-16-lpm": dict(disable_overlap_schedule=True, page_size=16, chunked_prefill_size=16,
+                                              schedule_policy="lpm"),
+    "no-overlap-max-running-2": dict(disable_overlap_schedule=True, max_running_requests=2),
 }
 
 
@@ -73,13 +78,15 @@ def test_policy_decides_admission_order(tiny_llama_dir, policy):
     assert cached == {name: c for name, (c, _) in POLICY_REQUESTS.items()}
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("page_size,chunk", [(1, -1), (16, -1), (1, 8), (16, 16)])
-def test_retraction_when_kv_runs_out_keeps_outputs(tiny_llama_dir, prompts, reference, page_size, chunk):
+def test_retraction_when_kv_runs_out_keeps_outputs(tiny_llama_dir, prompts, reference, page_size, chunk, overlap):
     # Enough for any one request, far too little for all six at once; an
     # optimistic decode estimate admits too many, so running ones must retract
     # (with chunking, also while a long prompt is being prefilled in chunks).
     scheduler = make_scheduler(tiny_llama_dir, max_total_tokens=160, page_size=page_size, chunked_prefill_size=chunk,
-                               init_new_token_ratio=0.05, min_new_token_ratio=0.05)
+                               init_new_token_ratio=0.05, min_new_token_ratio=0.05,
+                               disable_overlap_schedule=not overlap)
     results = generate(scheduler, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert scheduler.num_retracted_total > 0, "the pool was meant to be too small"
     assert [r.output_ids for r in results] == reference
@@ -212,3 +219,26 @@ def test_chunked_prefill_yields_memory_to_decoding_requests(tiny_llama_dir):
     assert scheduler.num_retracted_total > 0
     # Prompt logprobs survive the retraction: one per prompt token, no duplicates.
     assert [t for _, t in results[rids[1]].input_logprobs] == long
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_abort_while_a_step_computes_frees_memory(tiny_llama_dir, overlap):
+    """With overlap a step is still computing between two ``step()`` calls; an
+    abort then (of a decoding request, and of a prefill-only one that is in no
+    queue yet) frees everything, and the other request is unaffected."""
+    scheduler = make_scheduler(tiny_llama_dir, disable_overlap_schedule=not overlap)
+    long_prompt, short_prompt, warm_prompt = mixed_prompts(512, [30, 8, 20], seed=31)
+    keep = submit(scheduler, long_prompt, max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    victim = submit(scheduler, short_prompt, max_new_tokens=20, temperature=0.0, ignore_eos=True)
+    earlier = scheduler.step() + scheduler.step()
+    warm = submit(scheduler, warm_prompt, max_new_tokens=0)
+    earlier += scheduler.step()  # the prefill-only request's step may still be computing
+    scheduler.abort(victim)
+    scheduler.abort(warm)
+    assert scheduler.check_memory(), scheduler.stats()
+    results = run(scheduler, earlier=earlier)
+    assert results[victim].finish_reason["type"] == "abort"
+    assert results[keep].output_ids == generate(make_scheduler(tiny_llama_dir), [long_prompt], max_new_tokens=20,
+                                                ignore_eos=True)[0].output_ids
+    stats = scheduler.stats()
+    assert stats.private_tokens == 0 and stats.num_running_reqs == 0 and stats.memory_invariant_ok

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from pydantic import ValidationError
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import processors
 from transformers import AutoTokenizer
@@ -20,14 +22,20 @@ from radixserve import demo_model
 from radixserve.config import ServerArgs
 from radixserve.model_source import resolve_model_path
 from radixserve.server.chat_template import ChatTemplate
-from radixserve.server.errors import APIError, _loc_to_param, bad_request
+from radixserve.server.errors import APIError, _loc_to_param, bad_request, validation_summary
 from radixserve.server.logprobs import TokenTexts, completion_logprobs
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server import native_serving
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.openai_serving import OpenAIServing
 from radixserve.server.tokenizer_manager import PreparedInput
-from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequestBody
+from radixserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequestBody,
+    MAX_JSON_DEPTH,
+    find_bad_json,
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +62,7 @@ def test_validation_locations_become_params():
     assert _loc_to_param(("body", "prompt", "list[int]", 0)) == "prompt[0]"
     assert _loc_to_param(("body", "stream")) == "stream"
     assert _loc_to_param(("body",)) is None
+    assert _loc_to_param(("body", "priority", "constrained-int")) == "priority"
 
 
 def test_requests_parse_openai_shapes():
@@ -108,7 +117,9 @@ def test_a_model_without_chat_template_gets_a_400(tokenizer):
 def test_metrics_registries_are_per_server():
     first, second = ServerMetrics("m"), ServerMetrics("m")  # no "Duplicated timeseries" clash
     first.record_first_token(0.01)
-    first.record_finish(0.5, prompt_tokens=10, completion_tokens=3, cached_tokens=4)
+    first.record_admitted(0.02, prompt_tokens=10, cached_tokens=4)
+    first.record_generated(3)
+    first.record_finish(0.5, "stop")
     first.update({"num_running_reqs": 2, "num_queue_reqs": 1, "token_usage": 0.5, "cache_hit_rate": 0.4,
                   "num_retracted_reqs": 0})
     samples = {s.name: s for f in text_string_to_metric_families(first.render().decode()) for s in f.samples}
@@ -120,6 +131,9 @@ def test_metrics_registries_are_per_server():
 
 
 def test_model_paths(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="has no config.json"):
+        resolve_model_path(ServerArgs(model_path=str(tmp_path)))
+    (tmp_path / "config.json").write_text("{}")
     assert resolve_model_path(ServerArgs(model_path=str(tmp_path))) == str(tmp_path)
     with pytest.raises(ValueError, match="is not a directory"):
         resolve_model_path(ServerArgs(model_path=str(tmp_path / "missing")))
@@ -280,3 +294,76 @@ def test_generate_rejects_an_empty_batch(tokenizer, stream):
         _answer(native_serving.generate(tm, GenerateRequestBody(text=[], stream=stream), ConnectedClient()))
     assert info.value.status == 400 and info.value.param == "text" and "empty" in info.value.message
     assert tm.inputs == []
+
+
+# ---- front-door validation (the server-level cases are in test_hostile_inputs.py) -----------------
+def test_lone_surrogates_and_deep_nesting_are_found_by_path():
+    lone = "\udc00"
+    assert find_bad_json({"messages": [{"role": "user", "content": "ok 😀"}], "stop": ["a"]}) is None
+    path, problem = find_bad_json({"messages": [{"content": "ok"}, {"content": [{"text": lone}]}]})
+    assert path == "messages[1].content[0].text" and "lone UTF-16 surrogate" in problem
+    assert find_bad_json({"stop": ["a", "b", "c" + lone]})[0] == "stop[2]"
+    assert find_bad_json({"chat_template_kwargs": {"k" + lone: 1}})[0] == "chat_template_kwargs"
+    assert find_bad_json({"\ud800": 1})[0] == ""  # a top-level key: the body itself
+    assert find_bad_json(5) is None
+    assert find_bad_json("\U0001F600") is None  # a proper pair, as json.loads builds it from "\\ud83d\\ude00"
+    deep: object = "x"
+    for _ in range(MAX_JSON_DEPTH):
+        deep = [deep]
+    assert find_bad_json({"a": deep[0]}) is None  # exactly the limit
+    path, problem = find_bad_json({"a": deep})
+    assert path == "a" + "[0]" * (MAX_JSON_DEPTH - 1) and "nested deeper" in problem
+    for _ in range(100_000):  # far deeper than the stack could recurse
+        deep = {"k": deep}
+    assert find_bad_json(deep)[0].count(".k") == MAX_JSON_DEPTH - 1
+
+
+def _summary(model, data: dict) -> tuple:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(data)
+    return validation_summary(info.value.errors())
+
+
+def test_validation_errors_name_the_most_specific_field():
+    chat = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}
+    param, message = _summary(ChatCompletionRequest, chat)
+    assert param == "messages[0].content[0].type" and "'image_url'" in message
+    # No member of the prompt's union takes [true]: the messages of all that were tried there are joined.
+    param, message = _summary(CompletionRequest, {"prompt": [True]})
+    assert param == "prompt[0]" and "valid integer" in message and "valid string" in message
+    assert _summary(CompletionRequest, {"prompt": "x", "stop": ["a", "\udc00"]})[0] == "stop[1]"
+    assert _summary(ChatCompletionRequest, {**chat, "messages": [{"role": "user", "content": "x"}],
+                                            "response_format": {"type": "json_object"}})[0] == "response_format"
+    assert validation_summary([]) == (None, "invalid request")
+
+
+def test_strict_types_keep_harmless_coercions():
+    req = CompletionRequest.model_validate({"prompt": "x", "temperature": 1, "n": None, "stream": None})
+    assert req.temperature == 1.0 and req.n == 1 and req.stream is False  # OpenAI's nulls mean "unset"
+    for field, value in [("n", "2"), ("n", 2.0), ("echo", "yes"), ("max_tokens", True), ("seed", 2**64)]:
+        assert _summary(CompletionRequest, {"prompt": "x", field: value})[0] == field
+
+
+def test_undefined_fields_are_ignored_with_a_debug_line(caplog):
+    with caplog.at_level(logging.DEBUG, logger="radixserve.server.protocol"):
+        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
+                                                    "brand_new_option": 1, "user": "u"})
+    assert req.user == "u"
+    assert "brand_new_option" in caplog.text and "'user'" not in caplog.text
+
+
+def test_sampling_limits_come_from_the_flags():
+    args = ServerArgs(max_n=4, max_stop_strings=2, max_stop_chars=10)
+    SamplingParams(n=4, stop=["abcde", "fghij"]).validate(512, args)
+    SamplingParams(n=1000, stop=["x"] * 100).validate(512)  # no limits given: none applied
+    for params, text in [
+        (SamplingParams(n=5), "n must be <= 4"),
+        (SamplingParams(stop=["a", "b", "c"]), "stop must hold at most 2 strings"),
+        (SamplingParams(stop=["abcdef", "ghijk"]), "stop must total at most 10 characters"),
+        (SamplingParams(stop="x\udc00"), "stop must be valid Unicode"),
+        (SamplingParams(top_k=2**63), "top_k must fit in 64 bits"),
+    ]:
+        with pytest.raises(ValueError, match=text):
+            params.validate(512, args)
+    defaults = ServerArgs()
+    assert (defaults.max_n, defaults.max_stop_strings, defaults.max_stop_chars) == (64, 64, 8192)

@@ -97,12 +97,12 @@ def test_registered_through_entry_point_and_selection(no_interpreter, monkeypatc
     assert info.registered == {"attention": ["triton"], "moe": ["triton"]}
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    # cpu without the opt-in: auto takes torch_native, forcing triton says why not
-    assert registry.select("attention", ATTN_QUERY).name == "torch_native"
+    # cpu without the opt-in: auto takes torch_varlen (torch's fast path), forcing triton says why not
+    assert registry.select("attention", ATTN_QUERY).name == "torch_varlen"
     assert registry.select("moe", MOE_QUERY).name == "torch_native"
     with pytest.raises(PluginError, match="TRITON_INTERPRET=1"):
         registry.select("attention", ATTN_QUERY, "triton")
-    # opted in: triton outranks torch_native (selection alone imports nothing)
+    # opted in: triton outranks the torch backends (selection alone imports nothing)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert registry.select("attention", ATTN_QUERY) is TritonAttention
     assert registry.select("moe", MOE_QUERY) is TritonMoE

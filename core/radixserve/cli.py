@@ -1,12 +1,14 @@
-"""``radixserve serve | plugins``: one entry point, flags straight from ServerArgs."""
+"""``radixserve serve | plugins | --version``: one entry point, flags straight from ServerArgs."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Optional
 
+from radixserve import __version__
 from radixserve.config import ServerArgs
 
 
@@ -27,34 +29,65 @@ def _print_plugins(as_json: bool) -> int:
         if plugin["error"]:
             for line in plugin["error"].splitlines():
                 print(f"      ! {line}")
-    print(f"\nBackends (usability checked for device {report['device_checked']!r}):")
+    print(f"\nBackends (usability checked for device {report['device_checked']!r}; auto picks the "
+          f"highest-priority usable one):")
     for kind, rows in report["backends"].items():
         print(f"  {kind}:")
         for row in rows:
             usable = row.get("usable")
             mark = "" if usable is None else ("usable" if usable else "not usable: " + "; ".join(row["reasons"]))
-            print(f"      {row['name']:<20} [{row['plugin']}] {mark}")
+            priority = f"priority {row['priority']:<4}" if "priority" in row else ""
+            print(f"      {row['name']:<20} {priority:<13} [{row['plugin']}] {mark}")
     return 0
+
+
+def _serve(args: ServerArgs) -> int:
+    """Check what can be checked here, then serve; a start-up error is a line
+    and a hint on stderr (the traceback too with ``--log-level debug``)."""
+    from radixserve.launch import StartupError, check_startup
+    from radixserve.logging_utils import configure_logging
+    from radixserve.server.http import run_server
+
+    configure_logging(args.log_level, prefix="server")
+    try:
+        check_startup(args)
+        return run_server(args)
+    except StartupError as exc:
+        logging.getLogger("radixserve.cli").debug("start-up error", exc_info=True)
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        if exc.hint:
+            print(f"radixserve: hint: {exc.hint}", file=sys.stderr)
+        return 1
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="radixserve", description="A fast LLM inference server.")
+    parser.add_argument("--version", action="version", version=f"radixserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="start the OpenAI-compatible server")
+    # A short usage line, so that a bad flag value is reported in two lines, not forty.
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible server", usage="radixserve serve [options]")
     ServerArgs.add_cli_args(serve)
     plugins = sub.add_parser("plugins", help="list plugins, their backends, and what is usable here")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
+    from radixserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     ns = parser.parse_args(argv)
     if ns.command == "plugins":
         return _print_plugins(ns.json)
-    if ns.command == "serve":
-        from radixserve.server.http import run_server
+    if ns.command == "bench":
+        from radixserve.bench.cli import run_bench
 
+        try:
+            return run_bench(ns)
+        except ValueError as exc:
+            parser.error(str(exc))
+    if ns.command == "serve":
         try:
             args = ServerArgs.from_cli_args(ns)
         except ValueError as exc:
-            parser.error(str(exc))
-        return run_server(args)
+            serve.error(str(exc))
+        return _serve(args)
     return 2
 
 

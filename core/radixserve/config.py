@@ -23,9 +23,11 @@ def _flag(help: str, **kw: Any) -> Any:
 @dataclass
 class ServerArgs:
     # model
-    model_path: Optional[str] = _flag("HF directory or hub repo id; omitted: the built-in demo model", default=None)
-    tokenizer_path: Optional[str] = _flag("tokenizer directory (defaults to model_path)", default=None)
-    served_model_name: Optional[str] = _flag("model name reported by the API (defaults to model_path)", default=None)
+    model_path: Optional[str] = _flag(
+        "local HuggingFace model directory or hub repo id (org/name); omitted: the built-in demo model "
+        "(random weights)", default=None)
+    tokenizer_path: Optional[str] = _flag("tokenizer directory (defaults to --model)", default=None)
+    served_model_name: Optional[str] = _flag("model name reported by the API (defaults to --model)", default=None)
     dtype: str = _flag("weight and activation dtype", default="auto", choices=DTYPES)
     kv_cache_dtype: str = _flag("KV cache dtype (auto: same as dtype)", default="auto", choices=DTYPES)
     context_length: Optional[int] = _flag("max tokens per request (defaults to the model's)", default=None)
@@ -33,10 +35,12 @@ class ServerArgs:
     chat_template: Optional[str] = _flag("Jinja chat template file overriding the tokenizer's", default=None)
     random_seed: int = _flag("seed for weights-free randomness (sampling without a per-request seed)", default=0)
     # device and backends
-    device: str = _flag("platform name: auto, cpu, cuda, rocm, npu, or any registered plugin platform", default="auto")
-    attention_backend: str = _flag("attention backend name or auto", default="auto")
+    device: str = _flag("platform: auto (the highest-priority usable one), cpu (built in), cuda (with "
+                        "hardware/cuda installed), or any registered plugin platform; `radixserve plugins` lists "
+                        "them", default="auto")
+    attention_backend: str = _flag("attention backend name or auto (`radixserve plugins` lists them)", default="auto")
     gemm_backend: str = _flag("GEMM backend name or auto", default="auto")
-    moe_backend: str = _flag("MoE backend name or auto", default="auto")
+    moe_backend: str = _flag("MoE backend name or auto (used by MoE models only)", default="auto")
     tp_size: int = _flag("tensor parallel size", default=1)
     # memory and cache
     page_size: int = _flag("KV cache page size in tokens", default=1)
@@ -55,13 +59,28 @@ class ServerArgs:
     min_new_token_ratio: float = _flag("floor that the reserved fraction decays to", default=0.1)
     new_token_ratio_decay: float = _flag("decrease of the reserved fraction per decode step", default=0.001)
     stream_interval: int = _flag("send streamed output every N tokens", default=1)
+    disable_overlap_schedule: bool = _flag(
+        "run each step's scheduling and result handling after its forward instead of alongside the next one",
+        default=False)
+    decode_log_interval: int = _flag("log a scheduler stats line every N decode steps", default=40)
     # server
     host: str = _flag("HTTP host", default="127.0.0.1")
     port: int = _flag("HTTP port", default=30000)
     api_key: Optional[str] = _flag("require this bearer token", default=None)
     max_payload_size: int = _flag("max request body in bytes", default=32 * 1024 * 1024)
-    log_level: str = _flag("logging level", default="info")
+    # request limits (radixserve.request_limits; a request beyond one is a 400 naming the field)
+    max_n: int = _flag("max choices per request (n)", default=64)
+    max_stop_strings: int = _flag("max stop strings per request", default=64)
+    max_stop_chars: int = _flag("max characters over all of a request's stop strings", default=8192)
+    log_level: str = _flag("logging level; debug also shows the full traceback of a start-up error",
+                           default="info")
+    log_requests: bool = _flag("also log each request's body (its first 2 KB) and finish reasons in the access log",
+                               default=False)
     skip_server_warmup: bool = _flag("skip the warm-up generation at startup", default=False)
+    shutdown_timeout: float = _flag(
+        "seconds that SIGTERM/SIGINT lets in-flight requests finish (new ones get 503) before ending them "
+        "with an error; 0 ends them at once", default=30.0)
+    max_header_size: int = _flag("max size of a request's headers in bytes (431 beyond)", default=64 * 1024)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -97,8 +116,19 @@ class ServerArgs:
             # The layers shard weights by rank already; running TP ranks as
             # processes (one scheduler per rank, torch.distributed) is not built yet.
             bad("tp_size", f"only 1 is supported so far, got {self.tp_size}")
+        for name in ("max_n", "max_stop_strings", "max_stop_chars"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.decode_log_interval < 1:
+            bad("decode_log_interval", f"must be >= 1, got {self.decode_log_interval}")
         if self.stream_interval < 1:
             bad("stream_interval", f"must be >= 1, got {self.stream_interval}")
+        if not 0 <= self.port <= 65535:
+            bad("port", f"must be in [0, 65535] (0 picks a free port), got {self.port}")
+        if self.shutdown_timeout < 0:
+            bad("shutdown_timeout", f"must be >= 0, got {self.shutdown_timeout}")
+        if self.max_header_size < 1024:
+            bad("max_header_size", f"must be >= 1024 bytes, got {self.max_header_size}")
 
     @property
     def chunk_size(self) -> Optional[int]:
@@ -121,16 +151,17 @@ class ServerArgs:
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
+            # --model is the documented spelling; --model-path stays as an alias.
+            flags = ["--model", "--model-path"] if f.name == "model_path" else ["--" + f.name.replace("_", "-")]
+            metavar = "MODEL" if f.name == "model_path" else None
             meta = dict(f.metadata)
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=default, help=meta["help"])
+                parser.add_argument(*flags, action="store_true", default=default, help=meta["help"])
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
-            parser.add_argument(flag, type=kind, default=default, choices=meta.get("choices"),
-                                help=f"{meta['help']} (default: {default})")
-        parser.add_argument("--model", dest="model_path", default=None, help=argparse.SUPPRESS)
+            parser.add_argument(*flags, dest=f.name, type=kind, default=default, choices=meta.get("choices"),
+                                metavar=metavar, help=f"{meta['help']} (default: {default})")
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":

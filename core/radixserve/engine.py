@@ -126,6 +126,12 @@ class Engine:
         finally:
             self._call(agen.aclose())
 
+    def run_coroutine(self, coro):
+        """Run ``coro`` on the engine's event loop, where ``tokenizer_manager`` lives, and
+        return its result: for callers that drive many requests themselves
+        (``radixserve bench offline`` streams each one to time its tokens)."""
+        return self._call(coro)
+
     def _call(self, coro):
         if getattr(self, "_closed", False):
             raise RuntimeError("the engine is shut down")

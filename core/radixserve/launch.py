@@ -1,14 +1,23 @@
 """Starts the runtime processes shared by the HTTP server and the offline Engine:
-the scheduler and the detokenizer, spawned (never forked), wired by ZMQ."""
+the scheduler and the detokenizer, spawned (never forked), wired by ZMQ.
+
+Start-up errors are one line (plus a hint) for the operator: ``check_startup``
+runs every check that needs no child process (model directory, device, backend
+names and, for a local model, their usability) before anything starts, and a
+failure inside a child is reported as its exception's last line; full
+tracebacks are logged at debug level only.
+"""
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import signal
+import sys
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from radixserve.config import ServerArgs
 from radixserve.ipc import Endpoints
@@ -18,10 +27,100 @@ from radixserve.server.detokenizer import run_detokenizer_process
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600
+PLUGINS_HINT = "`radixserve plugins` lists every platform and backend and why each is usable here or not"
+MODEL_HINT = ("--model takes a local HuggingFace model directory (with config.json) or a hub repo id "
+              "(org/name); without --model the built-in demo model is served")
 
 
 class StartupError(RuntimeError):
-    pass
+    """The server cannot start. ``str()`` is the one line to show; ``hint`` says
+    what to try; ``detail`` (a traceback, if any) is for ``--log-level debug``."""
+
+    def __init__(self, message: str, hint: Optional[str] = None, detail: Optional[str] = None):
+        super().__init__(message)
+        self.hint, self.detail = hint, detail
+
+
+def check_startup(args: ServerArgs) -> None:
+    """Raise StartupError for what is wrong with ``args`` that can be seen
+    without starting a child process or initialising any accelerator: the model
+    and tokenizer directories, ``--device``, the backend names, and (for a local model) the
+    model's architecture, dtype, weight files and each forced backend's support
+    for it."""
+    from radixserve.model_loader import load_config, model_query_for_args, safetensors_files
+    from radixserve.model_source import check_model_source, check_tokenizer_source, is_hub_id
+    from radixserve.registry import PluginError, PluginRegistry
+
+    if args.model_path is not None:
+        try:
+            check_model_source(args.model_path)
+            check_tokenizer_source(args.tokenizer_path or args.model_path)
+        except ValueError as exc:
+            raise StartupError(str(exc), MODEL_HINT) from exc
+    registry = PluginRegistry()
+    try:
+        platform = registry.resolve_platform(args.device)
+    except PluginError as exc:
+        raise StartupError(str(exc), PLUGINS_HINT) from exc
+    forced = {kind: name for kind, name in _forced_backends(args).items() if name != "auto"}
+    for kind, name in forced.items():
+        if name not in registry.candidates[kind]:
+            flag = "--quantization" if kind == "quantization" else f"--{kind}-backend"
+            what = "quantization method" if kind == "quantization" else f"{kind} backend"
+            raise StartupError(f"{flag} {name!r} is not a registered {what}; registered: "
+                               f"{', '.join(sorted(registry.candidates[kind])) or 'none'}", PLUGINS_HINT)
+    if args.model_path is None or is_hub_id(args.model_path):
+        return  # the model's shapes are known once it is built or downloaded; the scheduler checks then
+    try:
+        config = load_config(args.model_path)
+        architectures = getattr(config, "architectures", None) or []
+        if not architectures:
+            raise ValueError(f"model_path: {args.model_path}/config.json names no architectures")
+        registry.model_class(architectures[0])
+        safetensors_files(args.model_path)
+        query = model_query_for_args(args, config, platform)
+        for kind, name in forced.items():
+            if kind != "moe" or query.num_experts:
+                registry.select(kind, query, name)
+    except PluginError as exc:
+        raise StartupError(str(exc), PLUGINS_HINT) from exc
+    except (ValueError, OSError, KeyError) as exc:
+        raise StartupError(f"{type(exc).__name__}: {exc}", MODEL_HINT) from exc
+
+
+def _forced_backends(args: ServerArgs) -> dict[str, str]:
+    return {"attention": args.attention_backend, "gemm": args.gemm_backend, "moe": args.moe_backend,
+            "quantization": args.quantization or "none"}
+
+
+def exception_summary(traceback_text: str) -> str:
+    """The ``Type: message`` part of a formatted traceback (the last exception's,
+    message lines included), with the type's module path left out."""
+    lines = traceback_text.rstrip().splitlines()
+    if not lines:
+        return "no traceback"
+    # The exception line is the last unindented line that follows a frame's indented lines.
+    start = next((i for i in range(len(lines) - 1, 0, -1)
+                  if lines[i] and not lines[i][0].isspace() and lines[i - 1].startswith("  ")), 0)
+    head, sep, rest = lines[start].partition(": ")
+    exc_type = head.rsplit(".", 1)[-1]
+    return "\n".join([f"{exc_type}: {rest}" if sep else exc_type, *lines[start + 1:]])
+
+
+def _run_child(target: Callable[..., None], *args: Any) -> None:
+    """A child's entry point. Ctrl-C reaches the whole process group; the
+    parent decides when its children stop, so they ignore SIGINT. A crash is
+    one line at error level, the traceback at debug (the child's logging is set
+    up by ``target``, from the server's --log-level)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        target(*args)
+    except Exception as exc:
+        name = mp.current_process().name
+        logger.error("%s process failed: %s: %s (--log-level debug shows the traceback)", name,
+                     type(exc).__name__, exc)
+        logger.debug("%s process traceback", name, exc_info=True)
+        sys.exit(1)
 
 
 @dataclass
@@ -80,10 +179,10 @@ def spawn_runtime(args: ServerArgs, model_path: str) -> tuple[RuntimeProcesses, 
     endpoints = Endpoints.fresh()
     tokenizer_path = args.tokenizer_path or model_path
     ready_recv, ready_send = ctx.Pipe(duplex=False)
-    scheduler = ctx.Process(target=run_scheduler_process, name="scheduler",
-                            args=(args, model_path, endpoints, ready_send), daemon=True)
-    detokenizer = ctx.Process(target=run_detokenizer_process, name="detokenizer",
-                              args=(tokenizer_path, endpoints, args.log_level), daemon=True)
+    scheduler = ctx.Process(target=_run_child, name="scheduler",
+                            args=(run_scheduler_process, args, model_path, endpoints, ready_send), daemon=True)
+    detokenizer = ctx.Process(target=_run_child, name="detokenizer",
+                              args=(run_detokenizer_process, tokenizer_path, endpoints, args.log_level), daemon=True)
     runtime = RuntimeProcesses(args, model_path, tokenizer_path, endpoints, summary={},
                                processes=[scheduler, detokenizer])
     scheduler.start()
@@ -106,6 +205,9 @@ def wait_until_ready(runtime: RuntimeProcesses, ready_recv: Connection) -> None:
         raise
     if not status or "error" in status:
         runtime.shutdown()
-        detail = status["error"] if status else f"the scheduler exited with code {runtime.processes[0].exitcode}"
-        raise StartupError(f"the scheduler failed to start:\n{detail}")
+        if status:
+            logger.debug("the scheduler's traceback:\n%s", status["error"])
+            raise StartupError(f"the scheduler failed to start: {exception_summary(status['error'])}",
+                               detail=status["error"])
+        raise StartupError(f"the scheduler exited with code {runtime.processes[0].exitcode} while starting")
     runtime.summary = status["summary"]

@@ -9,23 +9,36 @@ server/ and runtime/ both import this; neither imports the other.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from radixserve.sampling.params import SamplingParams
 
 
-@dataclass
-class GenerateRequest:
-    rid: str
-    input_ids: list[int]
-    sampling_params: SamplingParams
+@dataclass(kw_only=True)
+class RequestOptions:
+    """What a request asks for besides its prompt and sampling parameters,
+    declared once: the TokenizerManager's ``GenerateInput``, the
+    ``GenerateRequest`` message and the scheduler's ``Req`` all extend it."""
+
     return_logprob: bool = False
     top_logprobs_num: int = 0
     # First prompt position whose logprob is returned; -1: none of the prompt.
     logprob_start_len: int = -1
     stream: bool = False
+    # Higher is admitted first under --schedule-policy priority.
     priority: int = 0
+
+    def options(self) -> dict[str, Any]:
+        """These fields as keywords, to pass them on to the next stage."""
+        return {f.name: getattr(self, f.name) for f in fields(RequestOptions)}
+
+
+@dataclass(kw_only=True)
+class GenerateRequest(RequestOptions):
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
 
 
 @dataclass
@@ -49,6 +62,17 @@ class ControlReply:
     payload: Any = None
 
 
+@dataclass(frozen=True)
+class DetokenizeSettings:
+    """How the detokenizer turns one request's tokens into text. Sent once, with
+    the request's first ``TokenOutput``; the detokenizer keeps it until the finish."""
+
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stop_strings: tuple[str, ...] = ()
+    no_stop_trim: bool = False
+
+
 @dataclass
 class TokenOutput:
     """New output of one request since the last message about it."""
@@ -67,11 +91,10 @@ class TokenOutput:
     # the first prompt token's logprob is None.
     input_token_logprobs: Optional[list[tuple[Optional[float], int]]] = None
     input_top_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
-    # Detokenization settings, carried so the detokenizer keeps no per-request config.
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    stop_strings: tuple[str, ...] = ()
-    no_stop_trim: bool = False
+    # Set in the request's first output only (the detokenizer keeps it from there).
+    detokenize: Optional[DetokenizeSettings] = None
+    # Seconds from arrival to first admission; None while the request is queued.
+    queue_time: Optional[float] = None
     stream: bool = False
 
 
@@ -86,6 +109,10 @@ class TextOutput:
 
     token: TokenOutput
     new_text: str
+    # Set when the detokenizer failed on this request: the request ends with this
+    # error (``token.finish_reason`` stays the scheduler's: None while it still
+    # runs, and the TokenizerManager then aborts it).
+    error: Optional[str] = None
 
 
 @dataclass

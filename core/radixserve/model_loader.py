@@ -11,8 +11,12 @@ Typical use (what the model runner does)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import sys
+import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 
@@ -109,6 +113,15 @@ def model_kernel_query(
     )
 
 
+def model_query_for_args(args: Any, config: "PretrainedConfig", platform: Any) -> KernelQuery:
+    """The query for ``args`` (a ServerArgs: dtype, KV cache dtype, TP size, page
+    size, quantization) on ``platform``; what the start-up checks ask the registry."""
+    dtype = resolve_dtype(args.dtype, config, platform)
+    kv_dtype = dtype if args.kv_cache_dtype == "auto" else DTYPE_NAMES[args.kv_cache_dtype]
+    return model_kernel_query(config, platform.name, dtype, tp_size=args.tp_size, page_size=args.page_size,
+                              kv_dtype=kv_dtype, quantization=args.quantization)
+
+
 def safetensors_files(model_path: Union[str, Path]) -> list[Path]:
     """The checkpoint's safetensors files: the shards named by the index, the single
     ``model.safetensors``, or (failing both) every ``*.safetensors`` file."""
@@ -126,13 +139,25 @@ def safetensors_files(model_path: Union[str, Path]) -> list[Path]:
 
 
 def iterate_weights(model_path: Union[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every tensor of the checkpoint, one file at a time, on the CPU."""
+    """``(name, tensor)`` for every tensor of the checkpoint, on the CPU, with a
+    progress bar over the tensors on stderr when it is a terminal."""
     from safetensors import safe_open
+    from tqdm import tqdm
 
-    for path in safetensors_files(model_path):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    if not hasattr(tqdm, "_lock"):
+        # tqdm's default lock includes a multiprocessing semaphore, which the
+        # resource tracker reports as leaked when the scheduler is stopped.
+        tqdm.set_lock(threading.RLock())
+    with contextlib.ExitStack() as stack:  # opening reads only the headers (the data is mapped)
+        handles = [stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
+                   for path in safetensors_files(model_path)]
+        total = sum(len(f.keys()) for f in handles)
+        with tqdm(total=total, desc="Loading weights", unit="tensor", file=sys.stderr,
+                  disable=not sys.stderr.isatty()) as bar:
+            for f in handles:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+                    bar.update()
 
 
 def load_model(
@@ -150,10 +175,12 @@ def load_model(
     if not architectures:
         raise ValueError(f"{model_path}: config.json names no architectures")
     cls = registry.model_class(architectures[0])
+    start = time.perf_counter()
     with torch.device(ctx.device):
         model = cls(config, ctx)
     model.load_weights(iterate_weights(model_path))
     for layer in linear_layers(model):
         layer.quant.process_weights_after_loading(layer)
-    logger.info("loaded %s (%s) from %s in %s on %s", architectures[0], cls.__name__, model_path, ctx.dtype, ctx.device)
+    logger.info("loaded %s (%s) from %s in %s on %s in %.2f s", architectures[0], cls.__name__, model_path, ctx.dtype,
+                ctx.device, time.perf_counter() - start)
     return model.eval(), config

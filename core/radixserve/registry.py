@@ -108,7 +108,7 @@ class PluginRegistry:
                 obj = ep.load()
             except Exception:
                 info.error = traceback.format_exc(limit=4).strip()
-                logger.error("plugin %s failed to load:\n%s", ep.name, info.error)
+                _log_plugin_error(f"plugin {ep.name} failed to load", info.error)
                 continue
             self._register(obj, info)
 
@@ -165,7 +165,7 @@ class PluginRegistry:
                     impl.function(register=self._register_callback(kind, info, found[kind]))
                 except Exception:
                     info.error = traceback.format_exc(limit=4).strip()
-                    logger.error("plugin %s failed in %s:\n%s", info.name, hook_name, info.error)
+                    _log_plugin_error(f"plugin {info.name} failed in {hook_name}", info.error)
         return found
 
     def _register_callback(self, kind: str, info: PluginInfo, table: dict[str, Candidate]):
@@ -284,7 +284,8 @@ class PluginRegistry:
         platform_rows, device_for_query = [], None
         for cand in sorted(candidates["platform"].values(), key=lambda c: -c.priority):
             reasons = cand.cls.unavailable_reasons()
-            platform_rows.append({"name": cand.name, "plugin": cand.plugin, "usable": not reasons, "reasons": reasons})
+            platform_rows.append({"name": cand.name, "plugin": cand.plugin, "priority": cand.priority,
+                                  "usable": not reasons, "reasons": reasons})
             if not reasons and device_for_query is None:
                 device_for_query = cand.cls
         backends: dict[str, list[dict[str, Any]]] = {"platform": platform_rows}
@@ -305,6 +306,13 @@ class PluginRegistry:
             for i in self.plugins.values()
         ]
         return {"device_checked": query.device if query else None, "plugins": plugins, "backends": backends}
+
+
+def _log_plugin_error(what: str, error: str) -> None:
+    """One line at error level (the exception's last line); the traceback, kept on
+    the PluginInfo for ``radixserve plugins``, at debug."""
+    logger.error("%s: %s (`radixserve plugins` shows the traceback)", what, error.splitlines()[-1])
+    logger.debug("%s:\n%s", what, error)
 
 
 _registry: Optional[PluginRegistry] = None

@@ -1,9 +1,36 @@
-"""Whether a request can ever be served: one rule for the front door (the
-TokenizerManager, which answers 400) and the scheduler (which guards itself)."""
+"""What one request may be: text that every tokenizer takes, the operator's
+bounds on its sampling parameters, and whether it can ever be served (one rule
+for the front door, the TokenizerManager, which answers 400, and the
+scheduler, which guards itself)."""
 
 from __future__ import annotations
 
-from typing import Optional
+import re
+from typing import Optional, Protocol
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def has_lone_surrogate(text: str) -> bool:
+    """JSON can carry a lone UTF-16 surrogate (``"\\udc00"``) that no tokenizer or
+    UTF-8 encoder accepts; such text is refused before it goes any further."""
+    return not text.isascii() and _LONE_SURROGATE.search(text) is not None
+
+
+class SamplingLimits(Protocol):
+    """Bounds on one request's sampling parameters; ``ServerArgs`` has them as
+    flags (``--max-n``, ``--max-stop-strings``, ``--max-stop-chars``).
+
+    Every choice of ``n`` is a request in the scheduler, and every stop string
+    is matched against the text after each token, so both cost the whole
+    server, not just the request that asks for them. The defaults (64 choices;
+    64 stop strings of 8192 characters in all) are far above what clients use
+    (OpenAI allows 4 stop strings) and keep the matching after each token to a
+    few KiB of text."""
+
+    max_n: int
+    max_stop_strings: int
+    max_stop_chars: int
 
 
 def request_fit_error(prompt_len: int, max_new_tokens: int, context_length: int, kv_pool_tokens: int,

@@ -13,12 +13,16 @@ import torch
 
 
 class ReqToTokenPool:
-    """Maps a request slot to the KV slots of its tokens, position by position."""
+    """Per request row, position by position: the KV slot of each token
+    (``req_to_token``) and the token id itself (``token_ids``). Both live on the
+    device, so a step's inputs are gathered there by index, and a sampled token
+    is written back there before the host ever looks at it."""
 
     def __init__(self, size: int, max_context_len: int, device: torch.device):
         self.size = size
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
+        self.token_ids = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
         self._free = list(range(size))
 
     def available_size(self) -> int:
@@ -32,6 +36,13 @@ class ReqToTokenPool:
 
     def write(self, index: int, start: int, slots: torch.Tensor) -> None:
         self.req_to_token[index, start : start + slots.numel()] = slots
+
+    def write_tokens(self, index: int, start: int, token_ids: list[int]) -> None:
+        self.token_ids[index, start : start + len(token_ids)] = torch.tensor(token_ids, dtype=torch.int64)
+
+    def append_tokens(self, rows: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """``token_ids[i]`` goes to row ``rows[i]`` at ``positions[i]``: one step's samples."""
+        self.token_ids.index_put_((rows, positions), token_ids)
 
 
 class KVPool:
@@ -65,8 +76,10 @@ class KVPool:
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffers[layer_id][loc] = k.to(self.dtype)
-        self.v_buffers[layer_id][loc] = v.to(self.dtype)
+        # index_copy_ is a plain scatter; ``buf[loc] = x`` goes through index_put
+        # and costs milliseconds per call on CPU.
+        self.k_buffers[layer_id].index_copy_(0, loc, k.to(self.dtype))
+        self.v_buffers[layer_id].index_copy_(0, loc, v.to(self.dtype))
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -10,13 +10,12 @@ from radixserve.cache.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
 from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.context import ModelContext
-from radixserve.model_loader import load_config, load_model, model_kernel_query, resolve_dtype
+from radixserve.model_loader import load_config, load_model, model_query_for_args
 from radixserve.registry import PluginRegistry
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RUNNING_REQUESTS = 128
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelRunner:
@@ -27,11 +26,8 @@ class ModelRunner:
         hf_config = load_config(model_path)
         self.num_layers = hf_config.num_hidden_layers
         self.vocab_size = hf_config.vocab_size
-        self.dtype = resolve_dtype(args.dtype, hf_config, self.platform)
-        self.kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else _DTYPES[args.kv_cache_dtype]
-        self.query = model_kernel_query(hf_config, self.platform.name, self.dtype, tp_size=args.tp_size,
-                                        page_size=args.page_size, kv_dtype=self.kv_dtype,
-                                        quantization=args.quantization)
+        self.query = model_query_for_args(args, hf_config, self.platform)
+        self.dtype, self.kv_dtype = self.query.dtype, self.query.kv_dtype or self.query.dtype
         ctx = ModelContext.create(
             registry, self.query, self.device, attention=args.attention_backend, gemm=args.gemm_backend,
             moe=args.moe_backend, quantization=args.quantization, tp_rank=tp_rank, tp_size=args.tp_size,

@@ -3,27 +3,26 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from radixserve.messages import GenerateRequest
+from radixserve.messages import GenerateRequest, RequestOptions
 from radixserve.runtime.stop import FinishReason
 from radixserve.sampling.params import SamplingParams
 
 _arrival = itertools.count()
 
 
-@dataclass
-class Req:
+@dataclass(kw_only=True)
+class Req(RequestOptions):
     rid: str
     origin_input_ids: list[int]
     sampling_params: SamplingParams
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
-    stream: bool = False
-    priority: int = 0
     arrival: int = field(default_factory=lambda: next(_arrival))
+    arrival_time: float = field(default_factory=time.perf_counter)
+    # Seconds from arrival to first admission (None until admitted).
+    queue_time: Optional[float] = None
 
     output_ids: list[int] = field(default_factory=list)
     finish_reason: Optional[FinishReason] = None
@@ -35,6 +34,9 @@ class Req:
     kv_len: int = 0
     num_cached: int = 0
     last_node: Any = None
+    # KV slot of token kv_len - 1, kept on the host so allocation never reads the
+    # device (needed only when kv_len is not page aligned; -1 otherwise).
+    last_slot: int = -1
     # Tokens this step extends (set by the scheduler when it schedules an extend).
     extend_len: int = 0
     # Prompt tokens served from the cache when the request was first scheduled.
@@ -47,19 +49,12 @@ class Req:
     input_top_logprobs: Optional[list] = None
     sent_len: int = 0
     input_logprobs_done: bool = False
+    detokenize_sent: bool = False  # the detokenizer has this request's DetokenizeSettings
 
     @classmethod
     def from_message(cls, msg: GenerateRequest) -> "Req":
-        return cls(
-            rid=msg.rid,
-            origin_input_ids=list(msg.input_ids),
-            sampling_params=msg.sampling_params,
-            return_logprob=msg.return_logprob,
-            top_logprobs_num=msg.top_logprobs_num,
-            logprob_start_len=msg.logprob_start_len,
-            stream=msg.stream,
-            priority=msg.priority,
-        )
+        return cls(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
+                   **msg.options())
 
     @property
     def fill_ids(self) -> list[int]:

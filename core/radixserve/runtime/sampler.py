@@ -81,8 +81,10 @@ def compute_logprobs(
 class TokenStats:
     """One request's token history in the form penalties need, on the device.
 
-    Kept across steps and brought up to date with only the tokens added since
-    the last ``update``, so a step costs nothing per token already counted."""
+    Kept across steps: ``update`` counts the outputs a request already has when
+    its statistics are created, and every token sampled after that is added on
+    the device (``add``), so a step costs nothing per token already counted and
+    never waits for the host to learn the previous step's token."""
 
     def __init__(self, prompt_ids: Sequence[int], vocab_size: int, device: torch.device | str):
         self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)
@@ -98,6 +100,11 @@ class TokenStats:
             idx = torch.as_tensor(new, dtype=torch.int64, device=self.output_counts.device)
             self.output_counts.index_add_(0, idx, torch.ones(len(new), device=idx.device))
             self.num_output = len(output_ids)
+
+    def add(self, token_id: torch.Tensor) -> None:
+        """Count one sampled token (a 0-d device tensor)."""
+        self.output_counts.index_add_(0, token_id.reshape(1), torch.ones(1, device=self.output_counts.device))
+        self.num_output += 1
 
 
 @dataclass
@@ -303,23 +310,32 @@ class Sampler:
         self.generator.manual_seed(random_seed)
         self._stats: dict[int, tuple[weakref.ref, TokenStats]] = {}
 
-    def sample(self, reqs: Sequence[SamplingRequest], logits: torch.Tensor) -> SampleOutput:
+    def sample(self, reqs: Sequence[SamplingRequest], logits: torch.Tensor,
+               output_lens: Optional[Sequence[int]] = None) -> SampleOutput:
         """One token for each request from its row of ``logits`` ([len(reqs), V]).
-        Call after the request's previous tokens are in ``output_ids``."""
+        ``output_lens``: tokens each request has generated before this one
+        (default ``len(output_ids)``; with overlap scheduling the host learns a
+        step's tokens after the next step is launched, so the scheduler counts
+        them itself). Every token sampled here is counted for penalties at once."""
+        stats = [self._token_stats(r) for r in reqs]
         batch = SamplingBatch(
             params=[r.sampling_params for r in reqs],
-            output_lens=[len(r.output_ids) for r in reqs],
-            token_stats=[self._token_stats(r) for r in reqs],
+            output_lens=list(output_lens) if output_lens is not None else [len(r.output_ids) for r in reqs],
+            token_stats=stats,
             eos_token_ids=self.eos_token_ids,
         )
         top = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
-        return sample(
+        out = sample(
             logits,
             batch,
             generator=self.generator,
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_num=top,
         )
+        for i, s in enumerate(stats):
+            if s is not None:
+                s.add(out.next_token_ids[i])
+        return out
 
     def prompt_logprobs(
         self, logits: torch.Tensor, target_ids: Sequence[int], top_logprobs_num: int = 0
@@ -338,6 +354,5 @@ class Sampler:
         if entry is None or entry[0]() is not req:
             ref = weakref.ref(req, lambda _, key=key: self._stats.pop(key, None))
             entry = self._stats[key] = (ref, TokenStats(req.origin_input_ids, self.vocab_size, self.device))
-        stats = entry[1]
-        stats.update(req.output_ids)
-        return stats
+            entry[1].update(req.output_ids)  # outputs from before (a request resumed after retraction)
+        return entry[1]

@@ -3,6 +3,12 @@ sampler -> results. Usable in-process, one ``step()`` at a time (tests, the
 offline API's own process) and inside the scheduler process loop
 (``runtime/scheduler_process.py``).
 
+Its seams: which requests a step prefills (``prefill_planning.py``), running
+a step's forward and sampling (``model_worker.py``, overlapped with the host
+work of the next step), building the batch (``batch.py``) and assembling what
+is sent about a request (``output_assembly.py``). This module keeps the
+request lifecycle and the memory accounting.
+
 Memory rules (see docs/architecture.md): a request's tokens are
 ``origin_input_ids + output_ids``; the first ``kv_len`` have KV slots in
 ``req_to_token[req_pool_idx]``; the first ``num_cached`` of those belong to the
@@ -12,9 +18,11 @@ own pages. At every step boundary: free + private + cached == total.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -29,16 +37,28 @@ from radixserve.registry import PluginRegistry, get_registry
 from radixserve.request_limits import request_fit_error
 from radixserve.runtime.batch import build_forward_batch
 from radixserve.runtime.model_runner import ModelRunner
-from radixserve.runtime.policy import order_waiting
+from radixserve.runtime.model_worker import ModelWorker, PromptLogprobRows, StepResult, StepWork
+from radixserve.runtime.output_assembly import add_input_logprobs, error_output, make_output
+from radixserve.runtime.prefill_planning import PrefillPlanning
 from radixserve.runtime.req import Req
 from radixserve.runtime.sampler import Sampler
 from radixserve.runtime.stop import FinishReason, StopChecker
+from radixserve.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Cap on the decode tokens reserved per request when admitting new ones, so a
-# huge max_new_tokens does not block admission (SGLang uses the same idea).
-RESERVE_CLIP = 4096
+@dataclass
+class _Launched:
+    """A step handed to the worker: its requests, each one's ``kv_len`` once the
+    step is done, and (after it is awaited) its result."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    work: StepWork
+    future: Future
+    kv_after: list[int]
+    prompt_done: list[Req] = field(default_factory=list)  # whose prompt this step completes
+    result: Optional[StepResult] = None
 
 
 @dataclass
@@ -58,7 +78,7 @@ class SchedulerStats:
     memory_invariant_ok: bool
 
 
-class Scheduler:
+class Scheduler(PrefillPlanning):
     def __init__(self, args: ServerArgs, model_path: str, tokenizer, registry: Optional[PluginRegistry] = None):
         self.args = args
         self.registry = registry or get_registry()
@@ -80,17 +100,33 @@ class Scheduler:
         self.chunked_req: Optional[Req] = None
         self.new_token_ratio = args.init_new_token_ratio
         self._touched: dict[str, Req] = {}
+        self.worker = ModelWorker(self.runner, self.sampler, self.req_to_token_pool,
+                                  overlap=not args.disable_overlap_schedule)
+        self.worker_overlaps = not args.disable_overlap_schedule
+        self._launching: Optional[list[Req]] = None  # the requests of the step being launched
+        self._in_flight: Optional[_Launched] = None  # launched, not awaited yet (overlap)
+        self._unprocessed: Optional[_Launched] = None  # awaited, tokens not digested yet
         self._by_rid: dict[str, Req] = {}
         self.num_retracted_total = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.generation_tokens_total = 0
+        self.num_decode_steps = 0
+        self._last_decode_log = (time.perf_counter(), 0)  # time, generation_tokens_total
 
     # ---- intake ------------------------------------------------------------
     def add_request(self, msg: GenerateRequest | Req) -> None:
-        req = msg if isinstance(msg, Req) else Req.from_message(msg)
+        """Queue a request, or finish it at once with a 400 (it can never be
+        served), a 503 (queue full) or a 400 naming what it got wrong. The
+        TokenizerManager checks the same things first; the scheduler guards itself
+        so that no message can take it down."""
+        try:
+            req = msg if isinstance(msg, Req) else Req.from_message(msg)
+            error = self._admission_error(req)
+        except Exception as exc:  # malformed fields: refuse this request, keep serving
+            req = Req(rid=str(msg.rid), origin_input_ids=[], sampling_params=SamplingParams())
+            error = f"{exc}" if isinstance(exc, ValueError) else f"invalid request: {type(exc).__name__}: {exc}"
         self._by_rid[req.rid] = req
-        error = self._admission_error(req)
         if error is not None:
             self._finish(req, FinishReason(type="abort", message=error, status_code=400))
             return
@@ -109,7 +145,13 @@ class Scheduler:
         return len(self.waiting) - max(free_slots, 0) >= limit
 
     def _admission_error(self, req: Req) -> Optional[str]:
-        return request_fit_error(len(req.origin_input_ids), req.sampling_params.max_new_tokens,
+        ids = req.origin_input_ids
+        if not all(type(t) is int and 0 <= t < self.runner.vocab_size for t in ids):
+            return f"input_ids: every id must be an integer in [0, {self.runner.vocab_size})"
+        req.sampling_params.validate(self.runner.vocab_size, self.args)
+        for s in req.sampling_params.stop:
+            s.encode()  # a lone surrogate cannot be matched against decoded text
+        return request_fit_error(len(ids), req.sampling_params.max_new_tokens,
                                  self.context_length, self.allocator.size, self.page_size)
 
     def abort(self, rid: str) -> None:
@@ -118,32 +160,87 @@ class Scheduler:
             targets = list(self._by_rid.values())
         else:
             targets = [self._by_rid[rid]] if rid in self._by_rid else []
+        computing = {id(r) for step in (self._in_flight, self._unprocessed) if step is not None for r in step.reqs}
         for req in targets:
             if req.finished:
                 continue
             if req in self.waiting:
                 self.waiting.remove(req)
-            elif req is self.chunked_req:
+            if req is self.chunked_req:
                 self.chunked_req = None
-                self._release(req)
-            elif req in self.running:
+            if req in self.running:
                 self.running.remove(req)
+            if id(req) in computing:
+                self._discard(req)  # its KV of the step still computing is not worth caching
+            else:
                 self._release(req)
             self._finish(req, FinishReason(type="abort", matched=None, message="aborted"))
 
     # ---- the loop ------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req)
+        return bool(self.waiting or self.running or self.chunked_req or self._in_flight or self._unprocessed)
 
     def step(self) -> list[TokenOutput]:
-        """Run one model step (an extend batch if one can be formed, else a decode
-        batch) and return the outputs to stream."""
+        """Launch one model step (an extend batch if one can be formed, else a
+        decode batch) and return the outputs to stream.
+
+        Without overlap a step is launched, awaited and digested in one call.
+        With overlap, the step launched in the previous call is awaited first,
+        this call's step is launched, and only then are the previous step's
+        tokens digested, while the new one computes: a request that finished
+        there has run one step too many, whose token is dropped.
+
+        A failure inside a step (a bug, a kernel error) ends the requests of
+        that batch with an error and frees their memory; the scheduler goes on."""
+        if self._in_flight is not None:
+            self._settle(self._in_flight)
+            self._in_flight = None
+        self._launching = None
+        try:
+            launched = self._launch_next()
+        except Exception as exc:
+            logger.exception("launching a step failed; ending its requests with an error")
+            self._fail(self._launching if self._launching is not None else self._holding_memory(), exc)
+            launched = None
+        if launched is not None and self.worker_overlaps:
+            self._in_flight = launched
+            launched = None
+        self._drain()
+        if launched is not None:
+            self._settle(launched)
+            self._drain()
+        return self._collect_outputs()
+
+    def _launch_next(self) -> Optional[_Launched]:
         extend = self._schedule_extend()
         if extend:
-            self._run_extend(extend)
-        elif self.running:
-            self._run_decode()
-        return self._collect_outputs()
+            self._launching = list(extend)
+            return self._launch_extend(extend)
+        if self.running:
+            return self._launch_decode()
+        return None
+
+    def _settle(self, launched: _Launched) -> None:
+        """Wait for a launched step; it becomes the one to digest, or, if it
+        failed, its requests end with the error."""
+        try:
+            launched.result = launched.future.result()
+        except Exception as exc:
+            logger.exception("a model step failed; ending its requests with an error")
+            self._fail(launched.reqs, exc)
+            return
+        self._unprocessed = launched
+
+    def _drain(self) -> None:
+        """Digest the settled step, if any."""
+        launched, self._unprocessed = self._unprocessed, None
+        if launched is None:
+            return
+        try:
+            self._process(launched)
+        except Exception as exc:
+            logger.exception("digesting a model step failed; ending its requests with an error")
+            self._fail(launched.reqs, exc)
 
     def step_outputs(self) -> list[TokenOutput]:
         """Outputs pending without a model step (aborted or rejected requests)."""
@@ -156,99 +253,10 @@ class Scheduler:
         return outputs
 
     # ---- extend ----------------------------------------------------------------
-    def _match_limit(self, req: Req) -> int:
-        # Leave one token to compute (its logits pick the next token), and stop
-        # at logprob_start_len when prompt logprobs must be computed.
-        limit = req.seq_len - 1
-        if req.wants_input_logprobs:
-            limit = min(limit, req.logprob_start_len - 1)
-        return max(limit, 0)
-
-    def _prefix_len(self, req: Req) -> int:
-        return len(self.tree.match_prefix(req.fill_ids[: self._match_limit(req)]).slots)
-
-    def _reserved_decode_tokens(self) -> float:
-        reqs = self.running + ([self.chunked_req] if self.chunked_req else [])
-        return sum(min(r.remaining_new_tokens, RESERVE_CLIP) * self.new_token_ratio for r in reqs)
-
-    def _schedule_extend(self) -> list[Req]:
-        """Pick the requests to prefill this step (continuing a chunked one first),
-        within the free KV (allocator + evictable cache) minus what running
-        requests are expected to decode (``new_token_ratio`` of their budget)."""
-        if not self.waiting and self.chunked_req is None:
-            return []
-        ps = self.page_size
-        chunk_left = self.args.chunk_size if self.args.chunk_size is not None else float("inf")
-        prefill_left = self.args.max_prefill_tokens
-        reserved = self._reserved_decode_tokens() * self.args.schedule_conservativeness
-        committed = 0.0
-        selected: list[Req] = []
-
-        if self.chunked_req is not None:
-            req = self.chunked_req
-            req.extend_len = self._chunk_len(req.seq_len - req.kv_len, chunk_left)
-            pages = self._pages(req.kv_len, req.extend_len) * ps
-            if pages > self.allocator.available_size() + self.tree.evictable_size():
-                # Already admitted, so it waits for room rather than being
-                # judged against new-request budgets; alone, it can never fit.
-                req.extend_len = 0
-                if not self.running:
-                    self.chunked_req = None
-                    self._release(req)
-                    self._finish(req, FinishReason(type="abort", matched=None,
-                                                   message="out of KV cache memory for a single request"))
-                return []
-            chunk_left -= req.extend_len
-            prefill_left -= req.extend_len
-            committed += pages
-            selected.append(req)
-            if chunk_left <= 0 or req.kv_len + req.extend_len < req.seq_len:
-                return selected
-
-        for req in order_waiting(self.waiting, self.args.schedule_policy, self._prefix_len):
-            if len(self.running) + len(selected) >= self.max_running:
-                break
-            if self.req_to_token_pool.available_size() == 0 or min(prefill_left, chunk_left) <= 0:
-                break
-            match = self.tree.match_prefix(req.fill_ids[: self._match_limit(req)])
-            prefix = len(match.slots)
-            remaining = req.seq_len - prefix
-            extend_len = self._chunk_len(remaining, min(chunk_left, prefill_left))
-            if extend_len <= 0:
-                break
-            # Pin the prefix first, so what it held stops counting as evictable room.
-            self._lock(match.last_node)
-            pages = self._pages(prefix, extend_len) * ps
-            reserve = min(req.remaining_new_tokens, RESERVE_CLIP) * self.new_token_ratio
-            cost = pages + (reserve if extend_len == remaining else 0)
-            room = self.allocator.available_size() + self.tree.evictable_size() - reserved - committed
-            # With nothing else running, admit whenever the tokens themselves fit.
-            alone = not selected and not self.running
-            if cost > room and not (alone and pages <= room + reserved):
-                self._unlock(match.last_node)
-                break
-            committed += cost
-            prefill_left -= extend_len
-            chunk_left -= extend_len
-            self._start(req, match)
-            req.extend_len = extend_len
-            self.waiting.remove(req)
-            selected.append(req)
-            if extend_len < remaining:
-                self.chunked_req = req
-                break
-        return selected
-
-    def _chunk_len(self, remaining: int, left: float) -> int:
-        if remaining <= left:
-            return remaining
-        n = int(left)
-        if self.page_size > 1 and self.caches_prefixes:
-            n -= n % self.page_size  # chunks end on pages so the cache can take them
-        return max(n, 0)
-
-    def _pages(self, prefix: int, n: int) -> int:
-        return self.allocator.pages_needed([prefix], [n])
+    def _uncached_prefills(self) -> list[Req]:
+        """Requests of a prefill still computing or not digested: their prompts are not cached yet."""
+        steps = (self._in_flight, self._unprocessed)
+        return [r for step in steps if step is not None and step.mode is ForwardMode.EXTEND for r in step.reqs]
 
     def _lock(self, node) -> None:
         if node is not None:
@@ -264,37 +272,41 @@ class Scheduler:
         prefix = len(match.slots)
         if prefix:
             self.req_to_token_pool.write(req.req_pool_idx, 0, match.slots)
+        self.req_to_token_pool.write_tokens(req.req_pool_idx, 0, req.fill_ids)
         req.last_node = match.last_node
         req.kv_len = req.num_cached = prefix
+        req.last_slot = -1  # a cached prefix is page aligned
         if req.cached_tokens < 0:
+            req.queue_time = time.perf_counter() - req.arrival_time
             req.cached_tokens = prefix
             self.prompt_tokens_total += len(req.origin_input_ids)
             self.cached_tokens_total += prefix
 
     def _alloc(self, reqs: list[Req]) -> torch.Tensor:
-        """KV slots for each request's ``extend_len`` new tokens, evicting the
-        cache as needed; writes them into the request rows."""
+        """KV slots for each request's ``extend_len`` new tokens (in request order),
+        evicting the cache as needed. ``build_forward_batch`` records them in the
+        request rows."""
         prefix_lens = [r.kv_len for r in reqs]
         extend_lens = [r.extend_len for r in reqs]
         need = self.allocator.pages_needed(prefix_lens, extend_lens) * self.page_size
         if need > self.allocator.available_size():
             self.tree.evict(need - self.allocator.available_size())
-        last_locs = [int(self.req_to_token_pool.req_to_token[r.req_pool_idx, r.kv_len - 1]) if r.kv_len else -1
-                     for r in reqs]
-        slots = self.allocator.alloc_extend(prefix_lens, last_locs, extend_lens)
+        slots = self.allocator.alloc_extend(prefix_lens, [r.last_slot for r in reqs], extend_lens)
         if slots is None:
             raise RuntimeError("KV pool exhausted after admission; the admission budget is wrong")
-        offset = 0
-        for r in reqs:
-            self.req_to_token_pool.write(r.req_pool_idx, r.kv_len, slots[offset : offset + r.extend_len])
-            offset += r.extend_len
+        if self.page_size > 1:  # one host copy for the batch, none per request
+            ends = list(itertools.accumulate(r.extend_len for r in reqs))
+            for r, last in zip(reqs, slots[[e - 1 for e in ends]].tolist()):
+                r.last_slot = last
         return slots
 
-    def _run_extend(self, reqs: list[Req]) -> None:
+    def _launch_extend(self, reqs: list[Req]) -> _Launched:
+        self._log_prefill(reqs)
         slots = self._alloc(reqs)
         logits_indices: list[int] = []
-        sample_rows: list[tuple[Req, int]] = []  # request and its row in the logits
-        input_rows: list[tuple[Req, int, int, int]] = []  # request, first row, first position, count
+        prompt_rows: list[PromptLogprobRows] = []
+        sample_reqs: list[Req] = []
+        sample_rows: list[int] = []
         offset = 0
         for req in reqs:
             start, n = req.kv_len, req.extend_len
@@ -304,65 +316,98 @@ class Scheduler:
                 first = max(req.logprob_start_len, start + 1)
                 last = min(start + n + 1, len(req.origin_input_ids))  # exclusive
                 if last > first:
-                    input_rows.append((req, len(logits_indices), first, last - first))
+                    prompt_rows.append(PromptLogprobRows(req, len(logits_indices),
+                                                         req.origin_input_ids[first:last]))
                     logits_indices.extend(offset + (t - 1 - start) for t in range(first, last))
-            if start + n == req.seq_len:
-                sample_rows.append((req, len(logits_indices)))
+            if start + n == req.seq_len and req.sampling_params.max_new_tokens > 0:
+                sample_reqs.append(req)
+                sample_rows.append(len(logits_indices))
                 logits_indices.append(offset + n - 1)
             offset += n
         batch = build_forward_batch(ForwardMode.EXTEND, reqs, slots, logits_indices, self.req_to_token_pool,
                                     self.runner.kv_pool, self.runner.device)
-        logits = self.runner.forward(batch)
-        for req, row, first, count in input_rows:
-            self._add_input_logprobs(req, logits[row : row + count], req.origin_input_ids[first : first + count])
-        for req in reqs:
-            req.kv_len += req.extend_len
-            req.extend_len = 0
-        if self.chunked_req is not None and self.chunked_req.kv_len < self.chunked_req.seq_len:
-            self._cache_unfinished(self.chunked_req)
-        else:
+        prompt_done = [r for r in reqs if r.kv_len + r.extend_len == r.seq_len]
+        launched = self._launch(ForwardMode.EXTEND, reqs, batch, sample_reqs, sample_rows, prompt_rows)
+        launched.prompt_done = prompt_done
+        if self.chunked_req is not None and self.chunked_req.kv_len >= self.chunked_req.seq_len:
             self.chunked_req = None
-        for req, _ in sample_rows:
-            req.input_logprobs_done = True
-            if req.return_logprob and req.input_token_logprobs is None and req.logprob_start_len >= 0:
-                req.input_token_logprobs, req.input_top_logprobs = [], []
-        for req, _ in sample_rows:
-            if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. to warm the cache)
-                self._finish_running(req, FinishReason(type="length", matched=None))
-        to_sample = [(req, row) for req, row in sample_rows if not req.finished]
-        if to_sample:
-            rows = torch.tensor([row for _, row in to_sample], device=logits.device)
-            self._sample_and_append([r for r, _ in to_sample], logits[rows])
-        self.running.extend(req for req, _ in to_sample if not req.finished)
+        self.running.extend(sample_reqs)  # they decode from the next step on
+        return launched
 
-    def _cache_unfinished(self, req: Req) -> None:
-        """After a prefill chunk, hand the finished pages to the cache so the next
-        chunk (and other requests) can share them."""
+    def _launch(self, mode: ForwardMode, reqs: list[Req], batch, sample_reqs: list[Req], sample_rows: list[int],
+                prompt_rows: Optional[list[PromptLogprobRows]] = None) -> _Launched:
+        """Hand the step to the worker; each request's ``kv_len`` then counts the
+        tokens whose KV the step computes. A sampled token goes to position
+        ``kv_len`` of its request (the first not yet computed), and the tokens
+        generated before it are the ones past the prompt."""
+        kv_after = [r.kv_len + r.extend_len for r in reqs]
+        after = dict(zip(map(id, reqs), kv_after))
+        positions = [after[id(r)] for r in sample_reqs]
+        work = StepWork(batch, sample_reqs, sample_rows, [r.req_pool_idx for r in sample_reqs],
+                        [p - len(r.origin_input_ids) for r, p in zip(sample_reqs, positions)], positions,
+                        prompt_rows or [])
+        future = self.worker.launch(work)
+        for req, kv in zip(reqs, kv_after):
+            req.kv_len, req.extend_len = kv, 0
+        return _Launched(mode, list(reqs), work, future, kv_after)
+
+    def _process(self, launched: _Launched) -> None:
+        """Digest a finished step: prompt logprobs, cache the prefilled pages,
+        append the sampled tokens and check stop conditions."""
+        result, work = launched.result, launched.work
+        for rows, (values, tops) in zip(work.prompt_rows, result.prompt_logprobs):
+            if not rows.req.finished:
+                add_input_logprobs(rows.req, values, tops, rows.targets)
+        for req, kv in zip(launched.reqs, launched.kv_after):
+            if launched.mode is ForwardMode.EXTEND and not req.finished:
+                # Prefilled pages go to the cache now, not at the finish, so that waiting
+                # requests with the same prefix (deferred by _schedule_extend) match them.
+                self._cache_prefix(req, kv)
+        for req in launched.prompt_done:
+            if not req.finished:
+                self._prompt_done(req)
+        for i, req in enumerate(work.sample_reqs):
+            if req.finished:  # aborted, or finished by the step before (overlap): the token is dropped
+                continue
+            self._append(req, result, i)
+
+    def _prompt_done(self, req: Req) -> None:
+        req.input_logprobs_done = True
+        if req.return_logprob and req.input_token_logprobs is None and req.logprob_start_len >= 0:
+            req.input_token_logprobs, req.input_top_logprobs = [], []
+        if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. to warm the cache)
+            self._finish_running(req, FinishReason(type="length", matched=None))
+
+    def _cache_prefix(self, req: Req, computed: int) -> None:
+        """Hand a request's first ``computed`` tokens (whole pages of them) to the
+        cache, so its next chunk and other requests can share them."""
         if not self.caches_prefixes:
             return
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].clone()
-        match = self.tree.cache_unfinished_req(req.fill_ids[: req.kv_len], row, req.last_node, req.num_cached)
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, :computed].clone()
+        match = self.tree.cache_unfinished_req(req.fill_ids[:computed], row, req.last_node, req.num_cached)
         self.req_to_token_pool.write(req.req_pool_idx, 0, match.slots)
         req.num_cached = len(match.slots)
         req.last_node = match.last_node
 
     # ---- decode ----------------------------------------------------------------
-    def _run_decode(self) -> None:
+    def _launch_decode(self) -> Optional[_Launched]:
         self._make_room_for_decode()
         if not self.running:
-            return
-        reqs = self.running
+            return None
+        reqs = list(self.running)
+        self._launching = reqs
         for req in reqs:
             req.extend_len = 1
         slots = self._alloc(reqs)
-        batch = build_forward_batch(ForwardMode.DECODE, reqs, slots, list(range(len(reqs))),
-                                    self.req_to_token_pool, self.runner.kv_pool, self.runner.device)
-        logits = self.runner.forward(batch)
-        for req in reqs:
-            req.kv_len += 1
-            req.extend_len = 0
-        self._sample_and_append(list(reqs), logits)
+        rows = list(range(len(reqs)))
+        batch = build_forward_batch(ForwardMode.DECODE, reqs, slots, rows, self.req_to_token_pool,
+                                    self.runner.kv_pool, self.runner.device)
+        launched = self._launch(ForwardMode.DECODE, reqs, batch, reqs, rows)
         self.new_token_ratio = max(self.new_token_ratio - self.args.new_token_ratio_decay, self.args.min_new_token_ratio)
+        self.num_decode_steps += 1
+        if self.num_decode_steps % self.args.decode_log_interval == 0:
+            self._log_decode()
+        return launched
 
     def _make_room_for_decode(self) -> None:
         """Retract (the chunked prefill first, then the newest requests) until
@@ -372,6 +417,11 @@ class Scheduler:
             free_pages = (self.allocator.available_size() + self.tree.evictable_size()) // self.page_size
             if need <= free_pages:
                 return
+            if self._unprocessed is not None:
+                # Digest the last step first: its finished requests free memory, and
+                # a retracted request must not have a token still on its way.
+                self._drain()
+                continue
             if self.chunked_req is not None:
                 # A prompt still being prefilled holds pages the decoders need; it steps back first.
                 victim, self.chunked_req = self.chunked_req, None
@@ -399,34 +449,23 @@ class Scheduler:
         logger.info("retracted %s after %d tokens (KV pool full)", req.rid, len(req.output_ids))
 
     # ---- results -----------------------------------------------------------------
-    def _sample_and_append(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        out = self.sampler.sample(reqs, logits)
-        tokens = out.next_token_ids.tolist()
-        logprobs = out.chosen_logprobs.tolist() if out.chosen_logprobs is not None else None
-        for i, req in enumerate(reqs):
-            token = tokens[i]
-            req.output_ids.append(token)
-            self.generation_tokens_total += 1
-            if req.return_logprob:
-                req.output_token_logprobs.append((logprobs[i], token))
-                if req.top_logprobs_num > 0:
-                    req.output_top_logprobs.append(out.top_logprobs_list(i, req.top_logprobs_num))
+    def _append(self, req: Req, result: StepResult, row: int) -> None:
+        token = result.next_token_ids[row]
+        req.output_ids.append(token)
+        self.generation_tokens_total += 1
+        if req.return_logprob:
+            req.output_token_logprobs.append((result.chosen_logprobs[row], token))
+            if req.top_logprobs_num > 0:
+                req.output_top_logprobs.append(result.top_logprobs[row])
+        try:
             reason = self.stop_checker.check(req.sampling_params, req.output_ids)
-            if reason is not None:
-                self._finish_running(req, reason)
-            else:
-                self._touched[req.rid] = req
-
-    def _add_input_logprobs(self, req: Req, logits: torch.Tensor, targets: list[int]) -> None:
-        if req.input_token_logprobs is None:
-            req.input_token_logprobs, req.input_top_logprobs = [], []
-            if req.logprob_start_len == 0:
-                # The first prompt token has nothing before it to be scored against.
-                req.input_token_logprobs.append((None, req.origin_input_ids[0]))
-                req.input_top_logprobs.append(None)
-        values, tops = self.sampler.prompt_logprobs(logits, targets, req.top_logprobs_num)
-        req.input_token_logprobs.extend(zip(values, targets))
-        req.input_top_logprobs.extend(tops)
+        except Exception as exc:  # this request's own fault: end it alone
+            logger.exception("stop check failed for %s", req.rid)
+            reason = _internal_error(exc)
+        if reason is not None:
+            self._finish_running(req, reason)
+        else:
+            self._touched[req.rid] = req
 
     def _finish_running(self, req: Req, reason: FinishReason) -> None:
         if req in self.running:
@@ -437,6 +476,40 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finish_reason = reason
         self._touched[req.rid] = req
+
+    def _holding_memory(self) -> list[Req]:
+        """Requests that may hold KV: running, being prefilled, or in a step not digested yet
+        (a prefill-only request is in no queue until then)."""
+        steps = [s for s in (self._in_flight, self._unprocessed) if s is not None]
+        held = self.running + ([self.chunked_req] if self.chunked_req else [])
+        return held + [r for step in steps for r in step.reqs if not r.finished and r.req_pool_idx is not None]
+
+    def _fail(self, reqs: list[Req], exc: Exception) -> None:
+        """End ``reqs`` with an internal error after a failed step. Their KV of this
+        step may be half written, so none of it goes to the prefix cache."""
+        reason = _internal_error(exc)
+        for req in reqs:
+            if req.finished:
+                continue
+            if req in self.waiting:
+                self.waiting.remove(req)
+            if req in self.running:
+                self.running.remove(req)
+            if req is self.chunked_req:
+                self.chunked_req = None
+            self._discard(req)
+            self._finish(req, reason)
+
+    def _discard(self, req: Req) -> None:
+        """Free a request's own slots (including any allocated this step) without
+        caching them, and unpin its cached prefix."""
+        if req.req_pool_idx is None:
+            return
+        end = req.kv_len + req.extend_len
+        self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.num_cached:end].clone())
+        self._unlock(req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.kv_len, req.extend_len, req.num_cached, req.last_node = None, 0, 0, 0, None
 
     def _release(self, req: Req) -> None:
         """Return a request's KV: computed pages go to the cache (or back to the
@@ -457,42 +530,44 @@ class Scheduler:
             first = req.sent_len == 0 and new > 0
             if not req.finished and not first and (not req.stream or new < self.args.stream_interval):
                 continue
-            outputs.append(self._make_output(req))
+            try:
+                outputs.append(make_output(req))
+            except Exception as exc:
+                logger.exception("assembling the output of %s failed", rid)
+                self._fail([req], exc)
+                req.finish_reason = _internal_error(exc)
+                outputs.append(error_output(req))
             del self._touched[rid]
             if req.finished:
                 self._by_rid.pop(rid, None)
         return outputs
 
-    def _make_output(self, req: Req) -> TokenOutput:
-        start = req.sent_len
-        params = req.sampling_params
-        out = TokenOutput(
-            rid=req.rid,
-            new_token_ids=req.output_ids[start:],
-            finish_reason=req.finish_reason.to_dict() if req.finished else None,
-            prompt_tokens=len(req.origin_input_ids),
-            completion_tokens=len(req.output_ids),
-            cached_tokens=max(req.cached_tokens, 0),
-            skip_special_tokens=params.skip_special_tokens,
-            spaces_between_special_tokens=params.spaces_between_special_tokens,
-            stop_strings=tuple(params.stop or ()),
-            no_stop_trim=params.no_stop_trim,
-            stream=req.stream,
-        )
-        if req.return_logprob:
-            out.output_token_logprobs = req.output_token_logprobs[start:]
-            out.output_top_logprobs = req.output_top_logprobs[start:]
-            if req.input_token_logprobs is not None and start == 0:
-                out.input_token_logprobs = req.input_token_logprobs
-                out.input_top_logprobs = req.input_top_logprobs
-        req.sent_len = len(req.output_ids)
-        return out
+    # ---- operator log lines (SGLang's format, so existing dashboards and habits carry over)
+    def _log_prefill(self, reqs: list[Req]) -> None:
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        new_tokens = sum(r.extend_len for r in reqs)
+        cached = sum(r.kv_len for r in reqs)
+        stats = self.stats()
+        logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                    "#running-req: %d, #queue-req: %d", len(reqs), new_tokens, cached, stats.token_usage,
+                    len(self.running), len(self.waiting))
+
+    def _log_decode(self) -> None:
+        now, tokens = time.perf_counter(), self.generation_tokens_total
+        then, before = self._last_decode_log
+        self._last_decode_log = (now, tokens)
+        stats = self.stats()
+        used = stats.max_total_tokens - stats.free_tokens - self.tree.evictable_size()
+        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+                    "#queue-req: %d", len(self.running), used, stats.token_usage,
+                    (tokens - before) / max(now - then, 1e-9), len(self.waiting))
 
     # ---- introspection ---------------------------------------------------------
     def private_tokens(self) -> int:
         """Slots owned by requests themselves (whole pages), not by the cache."""
         ps = self.page_size
-        holders = self.running + ([self.chunked_req] if self.chunked_req else [])
+        holders = {id(r): r for r in self._holding_memory()}.values()
         return sum((-(-r.kv_len // ps) - r.num_cached // ps) * ps for r in holders if r.req_pool_idx is not None)
 
     def check_memory(self) -> bool:
@@ -524,6 +599,10 @@ class Scheduler:
         if self.has_work():
             return False
         return bool(self.tree.reset())
+
+
+def _internal_error(exc: Exception) -> FinishReason:
+    return FinishReason(type="abort", message=f"internal error: {type(exc).__name__}: {exc}", status_code=500)
 
 
 def _eos_ids(hf_config, generation_config, tokenizer) -> set[int]:

@@ -48,14 +48,10 @@ def run_scheduler_process(args: ServerArgs, model_path: str, endpoints: Endpoint
             except zmq.Again:
                 break
             checked_idle = False
-            if isinstance(msg, GenerateRequest):
-                scheduler.add_request(msg)
-            elif isinstance(msg, AbortRequest):
-                scheduler.abort(msg.rid)
-            elif isinstance(msg, ControlRequest):
-                to_tm.send_pyobj(ControlReply(msg.kind, msg.call_id, _control(scheduler, msg.kind)))
-            else:
-                logger.error("unknown message %r", type(msg).__name__)
+            try:
+                _dispatch(scheduler, msg, to_tm)
+            except Exception:  # one bad message must not stop the server
+                logger.exception("failed to handle a %s message", type(msg).__name__)
         outputs = scheduler.step() if scheduler.has_work() else scheduler.step_outputs()
         if outputs:
             to_detok.send_pyobj(TokenBatch(outputs))
@@ -63,6 +59,17 @@ def run_scheduler_process(args: ServerArgs, model_path: str, endpoints: Endpoint
             checked_idle = True
             if not scheduler.check_memory():
                 logger.error("KV memory invariant broken while idle: %s", scheduler.stats())
+
+
+def _dispatch(scheduler, msg, to_tm) -> None:
+    if isinstance(msg, GenerateRequest):
+        scheduler.add_request(msg)
+    elif isinstance(msg, AbortRequest):
+        scheduler.abort(msg.rid)
+    elif isinstance(msg, ControlRequest):
+        to_tm.send_pyobj(ControlReply(msg.kind, msg.call_id, _control(scheduler, msg.kind)))
+    else:
+        logger.error("unknown message %r", type(msg).__name__)
 
 
 def _control(scheduler, kind: str):

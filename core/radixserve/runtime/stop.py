@@ -1,13 +1,14 @@
 """When a request is finished, and what its final text leaves out.
 
 The scheduler asks ``StopChecker.check`` after every token it appends. The text
-side (the detokenizer) uses ``drop_stop_token``, ``stop_holdback`` and
+side (the detokenizer) uses ``drop_stop_token``, ``StopHoldback`` and
 ``trim_stop_string`` so that a stop string or stop token the user did not ask to
 see (``no_stop_trim``) is never streamed, not even in part.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Optional, Sequence, Union
@@ -100,23 +101,36 @@ def drop_stop_token(ids: list[int], matched: Union[int, str, None], no_stop_trim
     return ids[:-1]
 
 
-def stop_holdback(text: str, stop: Sequence[str]) -> int:
+class StopHoldback:
     """How many trailing characters of a running request's text not to stream
-    yet: the longest suffix that begins some stop string, since the next token
-    may complete it."""
-    held = 0
-    for s in stop:
-        for n in range(min(len(s) - 1, len(text)), held, -1):
-            if text.endswith(s[:n]):
-                held = n
-                break
-    return held
+    yet: the longest suffix that is a proper prefix of some stop string, since
+    the next token may complete it.
+
+    The stop strings are sorted once per request; the strings that start with a
+    given text are then contiguous, beginning where that text would be inserted.
+    So each candidate suffix costs one binary search, and a call costs
+    O(longest stop string x log(number of stop strings)) whatever their number.
+    """
+
+    def __init__(self, stop_strings: tuple[str, ...]):
+        self.sorted = sorted(set(stop_strings))
+        self.longest = max(map(len, self.sorted), default=0)
+
+    def __call__(self, text: str) -> int:
+        for n in range(min(self.longest - 1, len(text)), 0, -1):
+            suffix = text[-n:]
+            i = bisect.bisect_left(self.sorted, suffix)
+            if i < len(self.sorted) and self.sorted[i] == suffix:
+                i += 1  # equal is not a proper prefix; a longer string may follow
+            if i < len(self.sorted) and self.sorted[i].startswith(suffix):
+                return n
+        return 0
 
 
 def trim_stop_string(text: str, matched: Union[int, str, None], no_stop_trim: bool, start: int = 0) -> str:
     """A finished request's text, cut before the stop string ``matched`` (unless
     ``no_stop_trim``): at its first occurrence from ``start``. Pass as ``start``
-    the length of text already streamed under ``stop_holdback``: the matched
+    the length of text already streamed under ``StopHoldback``: the matched
     occurrence cannot begin before it, while an earlier one (completed before
     ``min_new_tokens``) can."""
     if no_stop_trim or not isinstance(matched, str):

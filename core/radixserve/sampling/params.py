@@ -12,9 +12,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from radixserve.request_limits import SamplingLimits, has_lone_surrogate
+
 # Temperatures below this sample from a distribution so peaked that argmax is
 # the only sensible reading, and dividing by them overflows float32.
 GREEDY_TEMPERATURE = 1e-6
+# Integers become int64 tensors in the scheduler; a larger one must not get that far.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -72,8 +76,9 @@ class SamplingParams:
         """Whether sampling needs the request's token history."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
-    def validate(self, vocab_size: Optional[int] = None) -> None:
-        """Raise ValueError naming the first bad field; ``vocab_size`` bounds token ids."""
+    def validate(self, vocab_size: Optional[int] = None, limits: Optional[SamplingLimits] = None) -> None:
+        """Raise ValueError naming the first bad field; ``vocab_size`` bounds token
+        ids, ``limits`` (the server's flags) bound ``n`` and the stop strings."""
         _int("max_new_tokens", self.max_new_tokens, low=0)
         _int("min_new_tokens", self.min_new_tokens, low=0)
         if self.min_new_tokens > self.max_new_tokens:
@@ -106,13 +111,15 @@ class SamplingParams:
                 _token_id("logit_bias", token, vocab_size)
                 _float("logit_bias", bias)
                 if not -100 <= bias <= 100:  # OpenAI's range; larger would overflow the logits
-                    raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+                    raise ValueError(f"logit_bias must hold biases in [-100, 100], got {bias} for token {token}")
         if self.seed is not None:
             _int("seed", self.seed)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in self.stop):
             raise ValueError("stop must not contain empty strings")
+        if any(has_lone_surrogate(s) for s in self.stop):
+            raise ValueError("stop must be valid Unicode text, without lone UTF-16 surrogates")
         if not isinstance(self.stop_token_ids, list):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         for token in self.stop_token_ids:
@@ -121,6 +128,20 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         _int("n", self.n, low=1)
+        if limits is not None:
+            _check_limits(self, limits)
+
+
+def _check_limits(params: SamplingParams, limits: SamplingLimits) -> None:
+    if params.n > limits.max_n:
+        raise ValueError(f"n must be <= {limits.max_n} (the server's --max-n), got {params.n}")
+    if len(params.stop) > limits.max_stop_strings:
+        raise ValueError(f"stop must hold at most {limits.max_stop_strings} strings (the server's "
+                         f"--max-stop-strings), got {len(params.stop)}")
+    chars = sum(len(s) for s in params.stop)
+    if chars > limits.max_stop_chars:
+        raise ValueError(f"stop must total at most {limits.max_stop_chars} characters over all its strings (the "
+                         f"server's --max-stop-chars), got {chars}")
 
 
 def _token_key(key: Any) -> Any:
@@ -140,6 +161,8 @@ def _is_int(value: Any) -> bool:
 def _int(name: str, value: Any, low: Optional[int] = None) -> None:
     if not _is_int(value):
         raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must fit in 64 bits, got {value}")
     if low is not None and value < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
 

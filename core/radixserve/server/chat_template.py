@@ -35,7 +35,7 @@ class ChatTemplate:
             return self.tokenizer.apply_chat_template(
                 messages,
                 chat_template=self.source,
-                tools=req.tools,
+                tools=[tool.model_dump(exclude_unset=True) for tool in req.tools] if req.tools else None,
                 add_generation_prompt=req.add_generation_prompt and not req.continue_final_message,
                 continue_final_message=req.continue_final_message,
                 tokenize=False,

@@ -62,9 +62,13 @@ def bad_request(exc: ValueError, renames: Optional[dict[str, str]] = None) -> AP
     return APIError(400, param + message[len(name):], param=param)
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
 def _is_type_tag(part: str) -> bool:
-    """Pydantic puts the tried member of a union in ``loc`` (``str``, ``list[int]``)."""
-    return "[" in part or part.startswith("function-") or part in {"str", "int", "float", "bool", "none"}
+    """Pydantic puts the tried member of a union in ``loc`` (``str``, ``list[int]``,
+    ``constrained-int``)."""
+    return "[" in part or part.startswith(("function-", "constrained-")) or part in _TYPE_TAGS
 
 
 def _loc_to_param(loc: tuple[Any, ...]) -> Optional[str]:
@@ -79,6 +83,34 @@ def _loc_to_param(loc: tuple[Any, ...]) -> Optional[str]:
     return param or None
 
 
+def _error_param(error: dict) -> Optional[str]:
+    """The field at fault: named by the validator in ``ctx["param"]`` when the
+    error's location cannot say it (a check of the whole body), else its location."""
+    ctx = error.get("ctx") or {}
+    if isinstance(ctx.get("param"), str):
+        return ctx["param"]
+    return _loc_to_param(tuple(error.get("loc", ())))
+
+
+def validation_summary(errors: list[dict]) -> tuple[Optional[str], str]:
+    """The param and message of a 400 for pydantic's errors. A value that matches
+    no member of a union gets one error per member; the deepest location is the
+    most specific (``messages[0].content[0].type`` over ``messages[0].content``),
+    and the messages of all the members tried there are joined with "or"."""
+    if not errors:
+        return None, "invalid request"
+    params = [_error_param(e) for e in errors]
+    depth = [len(re.findall(r"[.\[]", p)) + 1 if p else 0 for p in params]
+    chosen = params[depth.index(max(depth))]
+    messages: list[str] = []
+    for error, param in zip(errors, params):
+        if param == chosen:
+            message = "field required" if error.get("type") == "missing" else error.get("msg", "invalid value")
+            if message not in messages:
+                messages.append(message)
+    return chosen, " or ".join(messages)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -87,13 +119,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         # Malformed JSON lands here too (pydantic error type "json_invalid").
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
-            return error_response(400, f"the request body is not valid JSON: {first.get('msg', '')}")
-        param = _loc_to_param(tuple(first.get("loc", ())))
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "missing":
-            message = "field required"
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: {errors[0].get('msg', '')}")
+        param, message = validation_summary(errors)
         return error_response(400, f"{param}: {message}" if param else message, param=param)
 
     @app.exception_handler(StarletteHTTPException)

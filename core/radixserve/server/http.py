@@ -7,26 +7,40 @@
 ``run_server`` binds the socket itself (``--port 0`` picks a free port), prints
 ``radixserve listening at URL`` at once and ``radixserve ready at URL`` when the
 runtime answers; it returns the process exit code (1 when the runtime died or
-failed to start).
+failed to start, 0 after a shutdown by SIGTERM or SIGINT).
+
+Shutdown: the first SIGTERM/SIGINT drains the server (``ServerState.drain``:
+new requests get 503, in-flight ones have ``--shutdown-timeout`` seconds, then
+end with an error) before uvicorn closes any connection; a second one ends the
+process at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import json
 import logging
+import signal
 import socket
-from typing import AsyncIterator, Callable
+from types import FrameType
+from typing import AsyncIterator, Callable, Optional
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from radixserve import __version__
 from radixserve.config import ServerArgs
-from radixserve.logging_utils import configure_logging
+from radixserve.launch import StartupError
 from radixserve.server import native_serving
-from radixserve.server.errors import APIError, error_response, install_error_handlers
+from radixserve.server.access_log import AccessLog
+from radixserve.server.errors import APIError, error_body, error_response, install_error_handlers
 from radixserve.server.middleware import RequestGuard
 from radixserve.server.protocol import (
     AbortRequestBody,
@@ -42,7 +56,12 @@ from radixserve.server.state import HEALTH_GENERATE_TIMEOUT_S, ServerState
 
 logger = logging.getLogger(__name__)
 
+# After the drain, how long uvicorn waits for the last responses to be written.
 GRACEFUL_SHUTDOWN_S = 5
+# How long a connection refused for a malformed request keeps reading (and
+# dropping) what its client still sends, so the client reads the error instead
+# of a reset connection.
+LINGER_S = 2.0
 
 
 def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI:
@@ -50,6 +69,7 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.loop = asyncio.get_running_loop()
         boot = asyncio.create_task(state.start())
         try:
             yield
@@ -60,6 +80,8 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
     app = FastAPI(title="radixserve", lifespan=lifespan)
     app.state.server = state
     app.add_middleware(RequestGuard, api_key=args.api_key, max_payload_size=args.max_payload_size)
+    app.add_middleware(HeaderLimit, max_header_size=args.max_header_size)
+    app.add_middleware(AccessLog, metrics=state.metrics, log_bodies=args.log_requests)  # outermost: sees all
     install_error_handlers(app)
 
     # ---- OpenAI ----------------------------------------------------------------------
@@ -106,6 +128,10 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
         if any(not 0 <= t < tm.vocab_size for t in body.tokens):
             raise APIError(400, f"tokens: every id must be in [0, {tm.vocab_size})", param="tokens")
         return {"text": tm.tokenizer.decode(body.tokens, skip_special_tokens=body.skip_special_tokens)}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
 
     @app.get("/health")
     async def health() -> Response:
@@ -163,12 +189,104 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
     return app
 
 
+def header_too_large(limit: int) -> tuple[int, str, str]:
+    return 431, f"the request headers exceed {limit} bytes (--max-header-size)", "header_too_large"
+
+
+class HeaderLimit:
+    """ASGI middleware: 431 for headers over ``--max-header-size``. h11 enforces
+    the limit only while a request is incomplete (see ``_EnvelopeH11Protocol``);
+    headers that arrive whole are measured here."""
+
+    def __init__(self, app: ASGIApp, max_header_size: int):
+        self.app, self.max_header_size = app, max_header_size
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and sum(len(k) + len(v) + 4 for k, v in scope["headers"]) > self.max_header_size:
+            status, message, code = header_too_large(self.max_header_size)
+            await error_response(status, message, code=code)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class _EnvelopeH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, answering a request it cannot parse with an OpenAI
+    envelope rather than plain text: 431 (RFC 6585's status for it; h11 hints it
+    too) when the headers exceed ``--max-header-size``, 400 otherwise."""
+
+    def send_400_response(self, msg: str) -> None:
+        limit = self.config.h11_max_incomplete_event_size
+        if len(self.conn.trailing_data[0]) > limit:
+            status, message, code = header_too_large(limit)
+        else:
+            status, message, code = 400, "the request is not valid HTTP/1.1", "invalid_http"
+        body = json.dumps(error_body(status, message, code=code)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close after the client stops sending (or LINGER_S): closing a socket with
+        unread input resets the connection, and the client would lose the answer."""
+        self.data_received = lambda data: None  # the rest of the request is dropped
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with the first SIGTERM/SIGINT draining the server before uvicorn
+    stops accepting and closes connections; a second signal ends at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float):
+        super().__init__(config)
+        self.state, self.shutdown_timeout = state, shutdown_timeout
+        self.draining = False
+        self._drain_task: Optional[asyncio.Task] = None
+
+    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+        # Not recorded in _captured_signals: uvicorn would re-raise it at exit,
+        # and the process would end by the signal instead of with exit code 0.
+        loop = self.state.loop
+        if self.draining or loop is None:
+            self.force_exit = self.draining  # a second signal: stop waiting for anything
+            self.should_exit = True
+            return
+        self.draining = True
+        logger.info("%s: draining (up to %g s, --shutdown-timeout), then shutting down; send it again to stop at "
+                    "once", signal.Signals(sig).name, self.shutdown_timeout)
+        loop.call_soon_threadsafe(self._start_drain, loop)
+
+    def _start_drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._drain_task = loop.create_task(self._drain())  # referenced, so it is not collected
+
+    async def _drain(self) -> None:
+        try:
+            await self.state.drain(self.shutdown_timeout)
+        finally:
+            self.should_exit = True
+
+
 def _bind(host: str, port: int) -> socket.socket:
+    """The listening socket; StartupError naming host:port when it cannot be had."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        where = _url(host, port).removeprefix("http://")
+        reason = exc.strerror or str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            raise StartupError(f"cannot listen on {where}: the address is already in use",
+                               "another process holds that port: stop it, pick another --port, or pass --port 0 "
+                               "for a free one") from exc
+        raise StartupError(f"cannot listen on {where}: {reason}",
+                           "check --host (an address of this machine, e.g. 127.0.0.1 or 0.0.0.0) and --port") from exc
     return sock
 
 
@@ -177,10 +295,10 @@ def _url(host: str, port: int) -> str:
 
 
 def run_server(args: ServerArgs) -> int:
-    """Serve until stopped; the process exit code."""
-    configure_logging(args.log_level, prefix="server")
+    """Serve until stopped; the process exit code. Raises StartupError when the
+    socket cannot be bound (before anything is printed)."""
     exit_code = 0
-    server: uvicorn.Server
+    server: _Server
 
     def request_exit(code: int) -> None:
         nonlocal exit_code
@@ -190,10 +308,12 @@ def run_server(args: ServerArgs) -> int:
     app = create_app(args, request_exit)
     sock = _bind(args.host, args.port)
     url = _url(args.host, sock.getsockname()[1])
-    app.state.server.on_ready = lambda: print(f"radixserve ready at {url}", flush=True)
+    state: ServerState = app.state.server
+    state.on_ready = lambda: print(f"radixserve ready at {url}", flush=True)
     config = uvicorn.Config(app, log_config=None, log_level=args.log_level, lifespan="on",
-                            access_log=args.log_level == "debug", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    server = uvicorn.Server(config)
+                            access_log=args.log_level == "debug", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            http=_EnvelopeH11Protocol, h11_max_incomplete_event_size=args.max_header_size)
+    server = _Server(config, state, args.shutdown_timeout)
     print(f"radixserve listening at {url} (starting up; /health answers 503 until ready)", flush=True)
     server.run(sockets=[sock])
     return exit_code

@@ -1,9 +1,13 @@
 """Prometheus metrics of one server, in its own CollectorRegistry (several
 servers in one process, e.g. tests, do not clash).
 
-Gauges mirror the scheduler's stats and are refreshed when /metrics is scraped;
-counters and histograms are fed per request by the TokenizerManager, which
-calls the ``record_*`` hooks.
+Gauges mirror the scheduler's stats and are refreshed when /metrics is scraped,
+except ``cache_hit_rate``, computed from this server's own token counters so
+that it covers exactly the requests they count (warm-ups excluded). Counters
+and histograms are fed by the TokenizerManager from every output of every
+request until the scheduler finishes it, its client gone or not (so aborted
+and disconnected requests' tokens count), and by the access log, which counts
+error statuses.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ PREFIX = "radixserve:"
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
                     5.0, 10.0, 20.0, 40.0, 80.0)
+_QUEUE_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 # Scheduler stat -> help text; each becomes a gauge of the same name.
@@ -21,7 +26,7 @@ _GAUGES = {
     "num_running_reqs": "requests being decoded or prefilled",
     "num_queue_reqs": "requests waiting to be scheduled",
     "token_usage": "fraction of the KV pool in use (evictable cache excluded)",
-    "cache_hit_rate": "prompt tokens served from the prefix cache / prompt tokens",
+    "cache_hit_rate": "prompt tokens served from the prefix cache / prompt tokens (of the counted requests)",
     "num_retracted_reqs": "requests retracted to free KV memory since start",
 }
 
@@ -37,13 +42,28 @@ class ServerMetrics:
         def counter(name: str, doc: str) -> Counter:
             return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
 
+        def labelled_counter(name: str, doc: str, label: str) -> Counter:
+            return Counter(PREFIX + name, doc, (*labels, label), registry=self.registry)
+
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
 
         self.gauges = {name: gauge(name, doc) for name, doc in _GAUGES.items()}
-        self.prompt_tokens = counter("prompt_tokens", "prompt tokens of finished requests")
-        self.generation_tokens = counter("generation_tokens", "generated tokens of finished requests")
+        self.model_name = model_name
+        self.prompt_tokens = counter("prompt_tokens", "prompt tokens of admitted requests")
+        self.generation_tokens = counter("generation_tokens", "generated tokens, aborted requests' included")
         self.cached_tokens = counter("cached_tokens", "prompt tokens served from the prefix cache")
+        self.num_requests = labelled_counter(
+            "num_requests", "scheduler requests (one per choice) by finish reason: stop, length or abort "
+            "(refused and disconnected included)", "finish_reason")
+        self.num_request_errors = labelled_counter(
+            "num_request_errors", "HTTP requests answered with an error, by status (499: the client left first)",
+            "code")
+        for reason in ("stop", "length", "abort"):  # present from the start, at 0
+            self.num_requests.labels(model_name, reason)
+        self.queue_time = histogram("queue_time_seconds", "time from arrival to first admission", _QUEUE_BUCKETS)
+        self._prompt_total = 0
+        self._cached_total = 0
         self.time_to_first_token = histogram("time_to_first_token_seconds", "time to first token",
                                              _LATENCY_BUCKETS)
         self.inter_token_latency = histogram("inter_token_latency_seconds", "time between output tokens",
@@ -58,17 +78,36 @@ class ServerMetrics:
     def record_inter_token(self, seconds: float) -> None:
         self.inter_token_latency.observe(seconds)
 
-    def record_finish(self, e2e_s: float, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> None:
-        self.e2e_request_latency.observe(e2e_s)
+    def record_admitted(self, queue_s: float, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request was first scheduled (where the scheduler counts its prompt)."""
+        self.queue_time.observe(queue_s)
         self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
         self.cached_tokens.inc(cached_tokens)
+        self._prompt_total += prompt_tokens
+        self._cached_total += cached_tokens
+
+    def record_generated(self, tokens: int) -> None:
+        self.generation_tokens.inc(tokens)
+
+    def record_finish(self, e2e_s: float, finish_reason: str) -> None:
+        self.e2e_request_latency.observe(e2e_s)
+        self.num_requests.labels(self.model_name, finish_reason).inc()
+
+    # ---- access log hook ------------------------------------------------------------
+    def record_error(self, status: int) -> None:
+        self.num_request_errors.labels(self.model_name, str(status)).inc()
 
     # ---- scrape ---------------------------------------------------------------------
     def update(self, stats: dict) -> None:
         """Refresh the gauges from ``control("server_info")["stats"]``."""
         for name, gauge in self.gauges.items():
-            gauge.set(stats[name])
+            if name != "cache_hit_rate":
+                gauge.set(stats[name])
+        self.gauges["cache_hit_rate"].set(self.cache_hit_rate)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        return self._cached_total / self._prompt_total if self._prompt_total else 0.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

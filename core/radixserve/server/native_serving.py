@@ -19,17 +19,19 @@ from radixserve.sampling.params import SamplingParams
 from radixserve.server.errors import APIError
 from radixserve.server.protocol import GenerateRequestBody
 from radixserve.server.streaming import (
+    EventStreamResponse,
     Tagged,
     cancel_on_disconnect,
     collect,
     first_and_rest,
     runtime_errors,
-    sse_stream,
     start_generation,
 )
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
 
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+# The runtime names sampling parameters as they are; the API reports them where the request has them.
+RENAMES = {name: f"sampling_params.{name}" for name in _SAMPLING_FIELDS}
 _LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs")
 
 
@@ -92,16 +94,15 @@ async def generate(tm: TokenizerManager, body: GenerateRequestBody, request: Req
     started = time.perf_counter()
     inputs = _inputs(body)
     is_batch = len(inputs) > 1
-    results = start_generation(tm, inputs)
+    results = start_generation(tm, inputs, RENAMES)
     if body.stream:
-        results = await first_and_rest(results, request)
+        results = await first_and_rest(results, request, RENAMES)
         firsts = [0]  # global index of each prompt's first choice
         for inp in inputs:
             firsts.append(firsts[-1] + int(inp.sampling_params.get("n", 1)))
-        return StreamingResponse(sse_stream(_chunks(results, firsts, body.return_logprob, started)),
-                                 media_type="text/event-stream")
-    with runtime_errors():
-        outs = await cancel_on_disconnect(request, collect(results))
+        return EventStreamResponse(_chunks(results, firsts, body.return_logprob, started))
+    with runtime_errors(RENAMES):
+        outs = await cancel_on_disconnect(request, collect(results, RENAMES))
     outs.sort(key=lambda item: (item[0], item[1]["index"]))
     answers = [_output(out, body.return_logprob, started) for _, out in outs]
     return answers if is_batch or len(answers) > 1 else answers[0]

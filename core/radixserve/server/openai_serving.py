@@ -37,12 +37,12 @@ from radixserve.server.protocol import (
     Usage,
 )
 from radixserve.server.streaming import (
+    EventStreamResponse,
     Tagged,
     cancel_on_disconnect,
     collect,
     first_and_rest,
     runtime_errors,
-    sse_stream,
     start_generation,
 )
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
@@ -141,8 +141,7 @@ class OpenAIServing:
         results = start_generation(self.tm, [inp], CHAT_RENAMES)
         if req.stream:
             results = await first_and_rest(results, request, CHAT_RENAMES)
-            return StreamingResponse(sse_stream(self._chat_chunks(req, rid, results)),
-                                     media_type="text/event-stream")
+            return EventStreamResponse(self._chat_chunks(req, rid, results))
         with runtime_errors(CHAT_RENAMES):
             outs = await cancel_on_disconnect(request, collect(results, CHAT_RENAMES))
         usage = UsageCounter()
@@ -239,8 +238,7 @@ class OpenAIServing:
         echoes = [self._echo(g, ids) if req.echo else Echo("") for g, ids in zip(given, prompts)]
         if req.stream:
             results = await first_and_rest(results, request, COMPLETION_RENAMES)
-            return StreamingResponse(sse_stream(self._completion_chunks(req, rid, results, echoes)),
-                                     media_type="text/event-stream")
+            return EventStreamResponse(self._completion_chunks(req, rid, results, echoes))
         with runtime_errors(COMPLETION_RENAMES):
             outs = await cancel_on_disconnect(request, collect(results, COMPLETION_RENAMES))
         usage = UsageCounter()

@@ -1,67 +1,186 @@
 """The wire format: pydantic models of the OpenAI API subset we serve and of the
 SGLang-style native endpoints.
 
-Request models check shapes and API-level limits only; the values of sampling
-parameters are checked once, by ``SamplingParams.validate`` in the runtime.
-Unknown request fields are ignored, as OpenAI does; SGLang/vLLM extras may come
-at the top level or inside ``extra_body``.
+Request models check shapes, types and what the API accepts; the values of
+sampling parameters are checked once, by ``SamplingParams.validate`` in the
+runtime. Every request model derives from ``_Request``, which refuses (naming
+the field) text that no tokenizer can take (a lone UTF-16 surrogate, anywhere in
+the body) and JSON nested deeper than ``MAX_JSON_DEPTH``, and logs at DEBUG the
+fields the API does not define before ignoring them (clients add new ones over
+time). Integers, booleans and token ids are strict: ``"5"``, ``"yes"`` or
+``true`` where those are expected is a 400, not a coercion; an integer where a
+float is expected is fine. Options the OpenAI API defines but radixserve does
+not implement are a 400 naming them, never silently ignored; those that change
+nothing here (``user``, ``store``, ...) are accepted. SGLang/vLLM extras may
+come at the top level or inside ``extra_body``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from radixserve.request_limits import has_lone_surrogate
+from radixserve.sampling.params import INT64_MAX, INT64_MIN
+
+logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------
 # Requests
 
 
-class _OpenAIRequest(BaseModel):
+# Deeper JSON reaches recursive code (chat templates, repr) that could exhaust the
+# stack; 64 levels is far more than any request, tool schemas included, needs.
+MAX_JSON_DEPTH = 64
+
+
+def find_bad_json(value: Any) -> Optional[tuple[str, str]]:
+    """``(path, problem)`` for the first place in a parsed JSON body that nothing
+    downstream may see: a string holding a lone surrogate (JSON can carry
+    ``"\\udc00"``, which no tokenizer or UTF-8 encoder accepts), or nesting
+    deeper than ``MAX_JSON_DEPTH``; None when there is none. The path reads
+    ``messages[0].content``, ``stop[2]``; a bad object key is reported as the
+    object holding it (``""``: the body). Iterative, so no depth exhausts the
+    stack; numbers are skipped and paths built only for containers and the
+    culprit, so a body of millions of token ids costs little."""
+    stack: list[tuple[str, Any, int, Any]] = [("", None, 0, value)]  # (parent path, key, depth, value)
+    while stack:
+        parent, key, depth, item = stack.pop()
+        if isinstance(item, str):
+            if has_lone_surrogate(item):
+                return _json_path(parent, key), "not valid Unicode text (it holds a lone UTF-16 surrogate)"
+            continue
+        if not isinstance(item, (dict, list)):
+            continue  # a number, a boolean or null at the top
+        path = _json_path(parent, key)
+        if depth >= MAX_JSON_DEPTH:
+            return path, f"nested deeper than {MAX_JSON_DEPTH} levels"
+        if isinstance(item, dict):
+            if any(has_lone_surrogate(k) for k in item if isinstance(k, str)):
+                return path, "an object key is not valid Unicode text (it holds a lone UTF-16 surrogate)"
+            entries: Any = item.items()
+        else:
+            entries = enumerate(item)
+        children = [(path, k, depth + 1, v) for k, v in entries if isinstance(v, (str, dict, list))]
+        stack.extend(reversed(children))
+    return None
+
+
+def _json_path(parent: str, key: Any) -> str:
+    if key is None:
+        return parent
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{key}" if parent else str(key)
+
+
+def unsupported(param: str, why: str) -> PydanticCustomError:
+    """A 400 naming ``param``, for an option that radixserve does not serve (yet)."""
+    return PydanticCustomError("unsupported", "{why}", {"param": param, "why": why})
+
+
+_NO_STRUCTURED_OUTPUT = "structured output is not supported yet"
+
+
+class _Request(BaseModel):
+    """Base of every request body (see the module docstring)."""
+
     model_config = ConfigDict(extra="ignore")
+    # OpenAI clients may send ``extra_body`` literally rather than merged.
+    merges_extra_body: ClassVar[bool] = False
+    # OpenAI marks its optional fields nullable: null there means "unset".
+    null_means_unset: ClassVar[bool] = False
+    # Extras of other servers that radixserve does not implement: refused by name when set.
+    refused_extras: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="before")
     @classmethod
-    def _merge_extra_body(cls, data: Any) -> Any:
-        """Some clients send ``extra_body`` literally rather than merged."""
-        if isinstance(data, dict) and isinstance(data.get("extra_body"), dict):
+    def _check_raw_body(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if cls.merges_extra_body and isinstance(data.get("extra_body"), dict):
             data = {**data["extra_body"], **{k: v for k, v in data.items() if k != "extra_body"}}
+        bad = find_bad_json(data)
+        if bad is not None:
+            raise PydanticCustomError("unacceptable_json", "{problem}", {"param": bad[0] or None, "problem": bad[1]})
+        for name, why in cls.refused_extras.items():
+            if data.get(name) is not None:
+                raise unsupported(name, why)
+        unknown = sorted(k for k in data if k not in cls.model_fields)
+        if unknown:
+            logger.debug("%s: ignoring fields the API does not define: %s", cls.__name__, unknown)
+        if cls.null_means_unset:
+            data = {k: v for k, v in data.items() if v is not None}
         return data
 
 
+class _OpenAIRequest(_Request):
+    merges_extra_body = True
+    null_means_unset = True
+
+
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+# JSON integers are unbounded; every integer of a request fits in 64 bits (the runtime's tensors).
+Int = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenIds = list[Int]
 
 
 class _SamplingRequest(_OpenAIRequest):
     """Fields common to chat and text completions."""
 
+    # SGLang's and vLLM's constrained decoding: ignoring them would answer with unconstrained text.
+    refused_extras = {name: _NO_STRUCTURED_OUTPUT for name in (
+        "regex", "json_schema", "ebnf", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+        "structured_outputs")}
+
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
-    n: int = 1
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
+    max_tokens: Optional[Int] = None
+    n: Int = 1
+    temperature: Optional[StrictFloat] = None
+    top_p: Optional[StrictFloat] = None
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[dict[str, float]] = None
-    stream: bool = False
+    seed: Optional[Int] = None
+    presence_penalty: Optional[StrictFloat] = None
+    frequency_penalty: Optional[StrictFloat] = None
+    logit_bias: Optional[dict[str, StrictFloat]] = None
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
+    # Accepted no-ops: they only label or route the request at OpenAI.
     user: Optional[str] = None
+    metadata: Optional[dict[str, Any]] = None
+    store: Optional[StrictBool] = None
+    service_tier: Optional[str] = None
+    safety_identifier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None  # radixserve's prefix cache needs no key
     # Extras (SGLang / vLLM).
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    min_tokens: Optional[int] = None
-    stop_token_ids: Optional[list[int]] = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
+    top_k: Optional[Int] = None
+    min_p: Optional[StrictFloat] = None
+    repetition_penalty: Optional[StrictFloat] = None
+    min_tokens: Optional[Int] = None
+    stop_token_ids: Optional[TokenIds] = None
+    ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool = True
     # Scheduling priority (SGLang / vLLM extra): higher is served first under
     # --schedule-policy priority; other policies ignore it.
-    priority: int = 0
+    priority: Int = 0
 
     def sampling_params(self, max_tokens: int) -> dict[str, Any]:
         """The runtime's ``sampling_params`` for this request (unset fields keep
@@ -99,8 +218,24 @@ class _SamplingRequest(_OpenAIRequest):
 
 
 class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+    """A part of a message's content; only text exists for now."""
+
+    type: str
+    text: Optional[str] = None
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, kind: str) -> str:
+        if kind != "text":
+            raise PydanticCustomError("unsupported_content", "content parts of type {kind} are not supported; "
+                                      "only 'text'", {"kind": repr(kind)})
+        return kind
+
+    @model_validator(mode="after")
+    def _has_text(self) -> "TextPart":
+        if self.text is None:
+            raise ValueError("a text part needs its 'text'")
+        return self
 
 
 class ChatMessage(BaseModel):
@@ -113,57 +248,122 @@ class ChatMessage(BaseModel):
     tool_call_id: Optional[str] = None
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[StrictBool] = None
+
+
+class Tool(BaseModel):
+    """A tool as chat templates render it; radixserve does not call tools yet."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = None
-    logprobs: bool = False
-    top_logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-    tools: Optional[list[dict[str, Any]]] = None
+    max_completion_tokens: Optional[Int] = None
+    logprobs: StrictBool = False
+    top_logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[Tool]] = None
+    # Only "none" is served (see _refuse_unserved); the rest is typed to be refused by name.
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: Optional[StrictBool] = None  # a no-op while no tool is ever called
+    response_format: Optional[dict[str, Any]] = None
+    functions: Optional[list[dict[str, Any]]] = None
+    function_call: Union[str, dict[str, Any], None] = None
+    audio: Optional[dict[str, Any]] = None
+    modalities: Optional[list[str]] = None
+    reasoning_effort: Optional[str] = None
+    verbosity: Optional[str] = None
+    web_search_options: Optional[dict[str, Any]] = None
+    # Predicted output only speeds generation up where it is implemented; the output is the same without it.
+    prediction: Optional[dict[str, Any]] = None
     # Extras.
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    echo: Optional[StrictBool] = None  # vLLM's; refused when true
+
+    @model_validator(mode="after")
+    def _refuse_unserved(self) -> "ChatCompletionRequest":
+        """OpenAI options that radixserve does not implement are a 400, never ignored."""
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise unsupported("response_format", f"response_format of type {self.response_format.get('type')!r} "
+                                                 f"is not supported ({_NO_STRUCTURED_OUTPUT}); only 'text'")
+        if self.tools and self.tool_choice != "none":
+            raise unsupported("tool_choice", "tool calling is not supported yet: with tools, set tool_choice to "
+                                             "'none' (the tools then only reach the chat template)")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise unsupported("tool_choice", "tool calling is not supported yet; tool_choice may only be 'none'")
+        if self.functions:
+            raise unsupported("functions", "function calling is not supported yet")
+        if self.function_call not in (None, "none", "auto"):
+            raise unsupported("function_call", "function calling is not supported yet")
+        if self.modalities is not None and set(self.modalities) - {"text"}:
+            raise unsupported("modalities", "only the 'text' modality is served")
+        for name in ("audio", "reasoning_effort", "verbosity", "web_search_options"):
+            if getattr(self, name) is not None:
+                raise unsupported(name, f"{name} is not supported")
+        if self.echo:
+            raise unsupported("echo", "echo is not supported on chat completions; use /v1/completions")
+        return self
 
 
-Prompt = Union[str, list[str], list[int], list[list[int]]]
+Prompt = Union[str, list[str], TokenIds, list[TokenIds]]
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
-    logprobs: Optional[int] = Field(default=None, ge=0, le=20)
-    echo: bool = False
+    logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
+    echo: StrictBool = False
+    best_of: Optional[Int] = None  # only best_of == n (no extra candidates) is served
+    suffix: Optional[str] = None  # insertion is not served; refused unless empty
+
+    @model_validator(mode="after")
+    def _refuse_unserved(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of != self.n:
+            raise unsupported("best_of", f"best_of must equal n ({self.n}): choosing the best of extra "
+                                         f"candidates is not supported")
+        if self.suffix:
+            raise unsupported("suffix", "suffix (text insertion) is not supported")
+        return self
 
 
-class GenerateRequestBody(BaseModel):
+class GenerateRequestBody(_Request):
     """POST /generate, SGLang's native API: one prompt or a batch."""
 
-    model_config = ConfigDict(extra="ignore")
-
     text: Union[str, list[str], None] = None
-    input_ids: Union[list[int], list[list[int]], None] = None
+    input_ids: Union[TokenIds, list[TokenIds], None] = None
     sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None
-    stream: bool = False
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
+    stream: StrictBool = False
+    return_logprob: StrictBool = False
+    top_logprobs_num: Int = 0
+    logprob_start_len: Int = -1
     rid: Union[str, list[str], None] = None
     # Higher is served first under --schedule-policy priority; one for all prompts or one per prompt.
-    priority: Union[int, list[int]] = 0
+    priority: Union[Int, list[Int]] = 0
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     model: Optional[str] = None
     prompt: Union[str, list[str]]
-    add_special_tokens: bool = True
+    add_special_tokens: StrictBool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_Request):
     model: Optional[str] = None
-    tokens: list[int]
-    skip_special_tokens: bool = True
+    tokens: TokenIds
+    skip_special_tokens: StrictBool = True
 
 
-class AbortRequestBody(BaseModel):
+class AbortRequestBody(_Request):
     rid: str
 
 

@@ -6,6 +6,9 @@ downloading), launch the scheduler and detokenizer processes, create the
 TokenizerManager in the serving event loop, warm up, and ask the scheduler for
 its health. If a runtime process dies later, every waiting request fails and the
 server exits: a half-dead server must not linger behind a load balancer.
+
+A start-up failure is logged as one line (the traceback at debug level). On
+SIGTERM the server drains (``drain``) before it stops.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 from radixserve.config import ServerArgs
 from radixserve.demo_model import DEMO_MODEL_NAME
-from radixserve.launch import RuntimeProcesses, spawn_runtime, wait_until_ready
+from radixserve.launch import RuntimeProcesses, StartupError, spawn_runtime, wait_until_ready
 from radixserve.model_source import resolve_model_path
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError
@@ -32,6 +35,11 @@ T = TypeVar("T")
 
 HEALTH_TIMEOUT_S = 10.0
 HEALTH_GENERATE_TIMEOUT_S = 60.0
+# After ending the requests left at the drain's deadline, how long to wait for
+# their handlers to answer.
+FAIL_GRACE_S = 5.0
+DRAIN_POLL_S = 0.05
+SHUTDOWN_REASON = "the server is shutting down"
 
 
 async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -62,7 +70,8 @@ class ServerState:
         self.model_name = args.served_model_name or args.model_path or DEMO_MODEL_NAME
         self.metrics = ServerMetrics(self.model_name)
         self.request_exit = request_exit
-        self.status = "starting"  # -> ready | failed | dead
+        self.status = "starting"  # -> ready | failed | dead | draining
+        self.loop: Optional[asyncio.AbstractEventLoop] = None  # the serving loop, set by the app's lifespan
         self.model_path: Optional[str] = None
         self.runtime: Optional[RuntimeProcesses] = None
         self.tm: Optional[TokenizerManager] = None
@@ -75,13 +84,26 @@ class ServerState:
             await self._boot()
         except asyncio.CancelledError:
             raise
-        except Exception:
-            logger.exception("startup failed")
+        except Exception as exc:
+            self._report_startup_failure(exc)
             self.status = "failed"
             self.request_exit(1)
             return
-        self.status = "ready"
-        self.on_ready()
+        if self.status == "starting":  # not draining already
+            self.status = "ready"
+            self.on_ready()
+
+    @staticmethod
+    def _report_startup_failure(exc: Exception) -> None:
+        if isinstance(exc, StartupError):
+            logger.error("startup failed: %s", exc)
+            if exc.hint:
+                logger.error("hint: %s", exc.hint)
+        else:
+            logger.error("startup failed: %s: %s", type(exc).__name__, exc)
+        logger.debug("startup failure", exc_info=exc)
+        if logger.getEffectiveLevel() > logging.DEBUG:
+            logger.error("(--log-level debug shows the traceback)")
 
     async def _boot(self) -> None:
         from transformers import AutoTokenizer
@@ -132,8 +154,34 @@ class ServerState:
         logger.error("a runtime process died (%s); shutting the server down", reason)
         self.status = "dead"
         if self.tm is not None:
-            self.tm.fail_all(reason)
+            self.tm.fail_all(f"the runtime is down: {reason}")
         self.request_exit(1)
+
+    async def drain(self, timeout: float) -> None:
+        """Stop admitting (every route, /health included, answers 503), give the
+        requests in flight up to ``timeout`` seconds, then end the rest: each
+        gets an error (an error event and ``[DONE]`` on a stream, a 503 envelope
+        otherwise), and this returns once their handlers have answered."""
+        was_ready = self.status == "ready"
+        if self.status in ("starting", "ready"):
+            self.status = "draining"
+        if not was_ready or self.tm is None:
+            return
+        tm = self.tm
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while tm.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = tm.num_in_flight
+        if left:
+            logger.warning("shutdown timeout (%.0f s) reached: ending %d request(s) still running", timeout, left)
+        else:
+            logger.info("no request in flight; shutting down")
+        # Also refuses any request that got past the door just before draining began.
+        tm.fail_all(SHUTDOWN_REASON)
+        deadline = loop.time() + FAIL_GRACE_S
+        while tm.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(DRAIN_POLL_S)
 
     async def stop(self) -> None:
         if self.runtime is not None:
@@ -146,7 +194,8 @@ class ServerState:
         """The TokenizerManager, or a 503 while the server is not serving."""
         if self.status != "ready" or self.tm is None:
             message = {"starting": "the server is starting up", "failed": "the server failed to start",
-                       "dead": f"the runtime is down: {self.tm.dead_reason if self.tm else ''}"}[self.status]
+                       "dead": self.tm.dead_reason if self.tm else "the runtime is down",
+                       "draining": SHUTDOWN_REASON}[self.status]
             raise APIError(503, message)
         return self.tm
 

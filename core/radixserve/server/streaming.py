@@ -1,6 +1,11 @@
 """Request lifetime helpers shared by the OpenAI and native APIs: running the
 TokenizerManager's generators, turning runtime exceptions into API errors
-before a response starts, aborting on client disconnect, and SSE framing."""
+before a response starts, aborting on client disconnect, and SSE framing.
+
+Every generator here closes the generators it reads from however it ends, and
+``EventStreamResponse`` closes its body however the stream ends (a client gone
+mid-send included): a request's runtime work is aborted as soon as nobody
+waits for it, never later when the garbage collector gets to it."""
 
 from __future__ import annotations
 
@@ -11,13 +16,16 @@ import logging
 from typing import Any, AsyncIterator, Awaitable, Iterator, Optional, TypeVar
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from radixserve.server.errors import APIError, bad_request, error_body
 from radixserve.server.tokenizer_manager import (
     GenerateInput,
     PreparedInput,
     QueueFullError,
+    RequestFailedError,
     RuntimeDeadError,
     TokenizerManager,
     merge_streams,
@@ -39,7 +47,9 @@ def runtime_errors(renames: Optional[dict[str, str]] = None) -> Iterator[None]:
     except QueueFullError as exc:
         raise APIError(503, str(exc), code="queue_full") from exc
     except RuntimeDeadError as exc:
-        raise APIError(503, f"the runtime is down: {exc}") from exc
+        raise APIError(503, str(exc)) from exc  # the reason: a dead runtime, or a shutdown
+    except RequestFailedError as exc:
+        raise APIError(500, f"the request failed in the runtime: {exc}") from exc
 
 
 def start_generation(tm: TokenizerManager, inputs: list[GenerateInput],
@@ -50,8 +60,9 @@ def start_generation(tm: TokenizerManager, inputs: list[GenerateInput],
         prepared = [tm.prepare(inp) for inp in inputs]
 
     async def tagged(i: int, inp: PreparedInput) -> AsyncIterator[Tagged]:
-        async for out in tm.generate(inp):
-            yield i, out
+        async with contextlib.aclosing(tm.generate(inp)) as results:
+            async for out in results:
+                yield i, out
 
     streams = [tagged(i, inp) for i, inp in enumerate(prepared)]
     return streams[0] if len(streams) == 1 else merge_streams(streams)
@@ -92,7 +103,8 @@ def raise_if_rejected(out: dict, renames: Optional[dict[str, str]] = None) -> No
 
 
 async def collect(results: AsyncIterator[Tagged], renames: Optional[dict[str, str]] = None) -> list[Tagged]:
-    items = [item async for item in results]
+    async with contextlib.aclosing(results):
+        items = [item async for item in results]
     for _, out in items:
         raise_if_rejected(out, renames)
     return items
@@ -132,11 +144,27 @@ async def sse_stream(events: AsyncIterator[Any]) -> AsyncIterator[str]:
     after the stream started can only be reported in band, as an error event."""
     try:
         with runtime_errors():  # the same mapping as before the stream started
-            async for event in events:
-                yield sse(event)
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield sse(event)
     except APIError as exc:
         yield sse(error_body(exc.status, exc.message, exc.param, exc.code))
     except Exception as exc:  # a bug: log it, tell the client, end the stream
         logger.exception("error while streaming")
         yield sse(error_body(500, f"internal server error: {type(exc).__name__}: {exc}"))
     yield "data: [DONE]\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """``sse_stream(events)`` as a response that closes the stream when the
+    response ends in any way, so that a client gone mid-send aborts its
+    requests at once."""
+
+    def __init__(self, events: AsyncIterator[Any]):
+        super().__init__(sse_stream(events), media_type="text/event-stream")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()

@@ -12,23 +12,25 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncGenerator, AsyncIterator, Optional, Union
 
 import zmq
 import zmq.asyncio
 
 from radixserve.config import ServerArgs
 from radixserve.ipc import Endpoints, pull_socket, push_socket
-from radixserve.request_limits import request_fit_error
+from radixserve.request_limits import has_lone_surrogate, request_fit_error
 from radixserve.messages import (
     AbortRequest,
     ControlReply,
     ControlRequest,
     GenerateRequest,
+    RequestOptions,
     TextBatch,
     TextOutput,
 )
 from radixserve.sampling.params import SamplingParams
+from radixserve.server.access_log import current_request
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +43,18 @@ class RuntimeDeadError(RuntimeError):
     """A runtime process died; no request can complete."""
 
 
-@dataclass
-class GenerateInput:
+class RequestFailedError(RuntimeError):
+    """This request (only) failed inside the runtime, e.g. its text could not be decoded."""
+
+
+@dataclass(kw_only=True)
+class GenerateInput(RequestOptions):
     """One prompt as the native API takes it (SGLang's field names)."""
 
     text: Optional[str] = None
     input_ids: Optional[list[int]] = None
     sampling_params: Union[dict, SamplingParams, None] = None
-    return_logprob: bool = False
-    top_logprobs_num: int = 0
-    logprob_start_len: int = -1
-    stream: bool = False
     rid: Optional[str] = None
-    priority: int = 0
 
 
 @dataclass
@@ -68,10 +69,19 @@ class PreparedInput:
 
 @dataclass
 class _Pending:
-    queue: asyncio.Queue
+    """One scheduler request (an internal id), tracked from its GenerateRequest
+    until both its consumer is gone and the scheduler has sent its final output
+    (or died): the tokens it makes after its client left, until the abort
+    lands, still count in the metrics."""
+
+    queue: Optional[asyncio.Queue]  # None once the consumer has gone
+    scheduler_done: bool = False
+    observe: bool = True  # counted in the metrics (warm-ups are not)
     created: float = field(default_factory=time.perf_counter)
+    admitted: bool = False
     first_token_at: Optional[float] = None
     last_token_at: Optional[float] = None
+    abort_sent: bool = False
 
 
 class TokenizerManager:
@@ -88,7 +98,7 @@ class TokenizerManager:
         self._send = push_socket(self._ctx, endpoints.scheduler)
         self._recv = pull_socket(self._ctx, endpoints.tokenizer_manager)
         self._pending: dict[str, _Pending] = {}  # by internal request id
-        self._aliases: dict[str, list[str]] = {}  # client rid -> its internal ids in flight
+        self._aliases: dict[str, list[str]] = {}  # client rid -> the internal ids it started
         self._internal_ids = itertools.count()
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
@@ -102,23 +112,61 @@ class TokenizerManager:
             self._loop_task = asyncio.get_running_loop().create_task(self._route_replies())
 
     async def _route_replies(self) -> None:
+        """Route each reply to its waiter. One bad message is logged and fails
+        at most its own request: this loop must outlive anything it receives."""
         while True:
-            msg = await self._recv.recv_pyobj()
-            if isinstance(msg, TextBatch):
-                for out in msg.outputs:
-                    pending = self._pending.get(out.token.rid)
-                    if pending is not None:
-                        pending.queue.put_nowait(out)
-            elif isinstance(msg, ControlReply):
-                fut = self._calls.pop(msg.call_id, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg.payload)
+            try:
+                msg = await self._recv.recv_pyobj()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("dropping a reply that cannot be read")
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:
+                logger.exception("dropping a reply that cannot be routed")
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, TextBatch):
+            for out in msg.outputs:
+                self._deliver(out)
+        elif isinstance(msg, ControlReply):
+            fut = self._calls.pop(msg.call_id, None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg.payload)
+        else:
+            logger.error("dropping an unexpected reply of type %s", type(msg).__name__)
+
+    def _deliver(self, out: TextOutput) -> None:
+        rid = getattr(getattr(out, "token", None), "rid", None)
+        if not isinstance(rid, str):
+            logger.error("dropping a malformed output: %.200r", out)
+            return
+        pending = self._pending.get(rid)
+        if pending is None or pending.scheduler_done:
+            return  # not ours, or already finished
+        try:
+            if out.token.finish_reason is not None:  # first, so that nothing below can keep it tracked
+                pending.scheduler_done = True
+                if pending.queue is None:
+                    del self._pending[rid]
+            self._observe(pending, out)
+            if pending.queue is not None:
+                pending.queue.put_nowait(out)
+        except Exception as exc:
+            logger.exception("a reply for request %s is broken; failing that request", rid)
+            if pending.queue is not None:
+                pending.queue.put_nowait(RequestFailedError(f"a broken reply from the runtime: {exc}"))
 
     def fail_all(self, reason: str) -> None:
         """A child process died: wake every waiter with the reason."""
         self.dead_reason = reason
-        for pending in self._pending.values():
-            pending.queue.put_nowait(RuntimeDeadError(reason))
+        for internal, pending in list(self._pending.items()):
+            if pending.queue is not None:
+                pending.queue.put_nowait(RuntimeDeadError(reason))
+            else:  # nobody waits, and nothing more will come
+                del self._pending[internal]
         for fut in self._calls.values():
             if not fut.done():
                 fut.set_exception(RuntimeDeadError(reason))
@@ -136,6 +184,8 @@ class TokenizerManager:
 
     @property
     def num_in_flight(self) -> int:
+        """Scheduler requests that someone waits for or that the scheduler still
+        runs (those whose client left, until their abort lands)."""
         return len(self._pending)
 
     # ---- validation ------------------------------------------------------------
@@ -154,13 +204,15 @@ class TokenizerManager:
         elif obj.text is not None:
             if not isinstance(obj.text, str):
                 raise ValueError("text: must be a string")
+            if has_lone_surrogate(obj.text):
+                raise ValueError("text: contains a lone UTF-16 surrogate, which is not valid text")
             ids = self.tokenize(obj.text)
             field_name = "text"
         else:
             raise ValueError("text: one of text or input_ids is required")
         params = obj.sampling_params if isinstance(obj.sampling_params, SamplingParams) \
             else SamplingParams.from_dict(obj.sampling_params)
-        params.validate(self.vocab_size)
+        params.validate(self.vocab_size, self.args)  # the request limits are flags
         error = request_fit_error(len(ids), params.max_new_tokens, self.context_length, self.kv_pool_tokens,
                                   self.page_size, prompt_field=field_name)
         if error is not None:
@@ -188,77 +240,110 @@ class TokenizerManager:
         rid = obj.rid or uuid.uuid4().hex
         if rid in self._aliases:
             raise ValueError(f"rid: request id {rid!r} is already in flight")
-        self._aliases[rid] = []
+        group = self._aliases[rid] = []
         try:
             if params.n == 1:
-                async for out in self._run_one(rid, ids, params, obj, index=0):
-                    yield out
+                async with contextlib.aclosing(self._run_one(rid, group, ids, params, obj, index=0)) as one:
+                    async for out in one:
+                        yield out
                 return
             cached = None
             if not self.args.disable_radix_cache:
                 # Prefill the shared prompt once; the n children then hit it in the
                 # cache. The request's own cache hit is the warm-up's.
                 warm = SamplingParams.from_dict({"max_new_tokens": 0})
-                async for out in self._run_one(rid, ids, warm, GenerateInput(input_ids=ids), index=0, observe=False):
-                    cached = out["meta_info"]["cached_tokens"]
-            streams = [self._run_one(rid, ids, _child_params(params, i), obj, index=i) for i in range(params.n)]
-            async for out in merge_streams(streams):
-                if cached is not None:
-                    out["meta_info"]["cached_tokens"] = cached
-                yield out
+                warm_input = GenerateInput(input_ids=ids, priority=obj.priority)
+                async with contextlib.aclosing(self._run_one(rid, group, ids, warm, warm_input, index=0,
+                                                             observe=False)) as warm_up:
+                    async for out in warm_up:
+                        cached = out["meta_info"]["cached_tokens"]
+            streams = [self._run_one(rid, group, ids, _child_params(params, i), obj, index=i)
+                       for i in range(params.n)]
+            async with contextlib.aclosing(merge_streams(streams)) as merged:
+                async for out in merged:
+                    if cached is not None:
+                        out["meta_info"]["cached_tokens"] = cached
+                    yield out
         finally:
+            # However this generator ends (finished, failed, cancelled, closed, or
+            # collected late), every id it started that the scheduler still runs
+            # is aborted, once; nothing here waits, so nothing here can be cut short.
             del self._aliases[rid]
+            for internal in group:
+                self._release(internal)
 
-    async def _run_one(self, rid: str, ids: list[int], params: SamplingParams, obj: GenerateInput,
-                       index: int, observe: bool = True) -> AsyncIterator[dict]:
+    async def _run_one(self, rid: str, group: list[str], ids: list[int], params: SamplingParams,
+                       obj: GenerateInput, index: int, observe: bool = True) -> AsyncIterator[dict]:
         internal = f"{rid}#{next(self._internal_ids)}"
-        self._aliases[rid].append(internal)
-        pending = self._pending[internal] = _Pending(asyncio.Queue())
-        self._send.send_pyobj(GenerateRequest(
-            rid=internal, input_ids=ids, sampling_params=params, return_logprob=obj.return_logprob,
-            top_logprobs_num=obj.top_logprobs_num, logprob_start_len=obj.logprob_start_len,
-            stream=obj.stream, priority=obj.priority,
-        ))
+        group.append(internal)
+        pending = self._pending[internal] = _Pending(asyncio.Queue(), observe=observe)
+        self._send.send_pyobj(GenerateRequest(rid=internal, input_ids=ids, sampling_params=params, **obj.options()))
         result = _Accumulator(rid, index, obj.stream)
-        finished = False
+        record = current_request.get() if observe else None  # the HTTP request's, for the access log
         try:
-            while not finished:
+            while True:
                 item = await pending.queue.get()
                 if isinstance(item, Exception):
                     raise item
+                if item.error is not None:
+                    raise RequestFailedError(item.error)
+                if record is not None:
+                    record.update(rid, internal, item.token)
                 finished = item.token.finish_reason is not None
                 if finished:
                     _raise_if_rejected(item.token.finish_reason)
-                if observe:
-                    self._observe(pending, item)
                 chunk = result.add(item)
                 if obj.stream or finished:
                     yield chunk
+                if finished:
+                    return
         finally:
-            self._pending.pop(internal, None)
-            self._aliases[rid].remove(internal)
-            if not finished and self.dead_reason is None:
-                self._send.send_pyobj(AbortRequest(internal))
+            self._release(internal)
+
+    def _release(self, internal: str) -> None:
+        """The consumer of ``internal`` is gone: stop queueing its outputs and
+        abort it if the scheduler still runs it. Idempotent."""
+        pending = self._pending.get(internal)
+        if pending is None:
+            return
+        pending.queue = None
+        if pending.scheduler_done or self.dead_reason is not None:
+            del self._pending[internal]
+        else:
+            self._abort_once(internal, pending)
+
+    def _abort_once(self, internal: str, pending: _Pending) -> None:
+        if not pending.abort_sent and self.dead_reason is None:
+            pending.abort_sent = True
+            self._send.send_pyobj(AbortRequest(internal))
 
     def _observe(self, pending: _Pending, item: TextOutput) -> None:
-        now = time.perf_counter()
-        n_new = len(item.token.new_token_ids)
-        if self.metrics is not None and n_new:
+        """Feed the metrics from every output of an observed request, whether or
+        not its client still listens, so they count what the scheduler did."""
+        if self.metrics is None or not pending.observe:
+            return
+        t, now = item.token, time.perf_counter()
+        if not pending.admitted and t.queue_time is not None:
+            pending.admitted = True
+            self.metrics.record_admitted(t.queue_time, t.prompt_tokens, t.cached_tokens)
+        n_new = len(t.new_token_ids)
+        if n_new:
             if pending.first_token_at is None:
                 self.metrics.record_first_token(now - pending.created)
-            elif pending.last_token_at is not None:
+                pending.first_token_at = now
+            else:
                 self.metrics.record_inter_token((now - pending.last_token_at) / n_new)
-        if n_new:
-            pending.first_token_at = pending.first_token_at or now
             pending.last_token_at = now
-        if item.token.finish_reason is not None and self.metrics is not None:
-            t = item.token
-            self.metrics.record_finish(now - pending.created, t.prompt_tokens, t.completion_tokens, t.cached_tokens)
+            self.metrics.record_generated(n_new)
+        if t.finish_reason is not None:
+            self.metrics.record_finish(now - pending.created, t.finish_reason["type"])
 
     async def abort(self, rid: str) -> None:
         """Abort every scheduler request of the client's ``rid`` (all n choices)."""
-        for internal in list(self._aliases.get(rid, ())):
-            self._send.send_pyobj(AbortRequest(internal))
+        for internal in self._aliases.get(rid, ()):
+            pending = self._pending.get(internal)
+            if pending is not None and not pending.scheduler_done:
+                self._abort_once(internal, pending)
 
     # ---- control -------------------------------------------------------------------
     async def control(self, kind: str, timeout: float = 30.0) -> Any:
@@ -275,14 +360,17 @@ class TokenizerManager:
 
 
 def _raise_if_rejected(finish: dict) -> None:
-    """The scheduler refused the request: a full queue (503) or input it cannot
-    serve (400), raised as the exceptions the API layers map to those statuses."""
+    """The scheduler refused the request (a full queue, 503; input it cannot
+    serve, 400) or failed on it (500), raised as the exceptions the API layers
+    map to those statuses."""
     if finish["type"] != "abort":
         return
     if finish.get("status_code") == 503:
         raise QueueFullError(finish["message"])
     if finish.get("status_code") == 400:
         raise ValueError(finish["message"])
+    if finish.get("status_code") == 500:
+        raise RequestFailedError(finish["message"])
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -335,19 +423,23 @@ class _Accumulator:
                 "finished": t.finish_reason is not None}
 
 
-async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]:
-    """Interleave several async iterators as their items arrive."""
+async def merge_streams(streams: list[AsyncGenerator[Any, None]]) -> AsyncGenerator[Any, None]:
+    """Interleave several async generators as their items arrive. The first
+    error in any of them is raised here. However the merged generator ends, it
+    cancels the streams still running and waits for them, so every stream's
+    cleanup (aborting its request) has run when it is closed."""
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 
-    async def drain(stream: AsyncIterator[dict]) -> None:
+    async def drain(stream: AsyncGenerator[Any, None]) -> None:
         try:
-            async for item in stream:
-                await queue.put(item)
-        except BaseException as exc:  # surfaced to the consumer below
-            await queue.put(exc)
+            async with contextlib.aclosing(stream):
+                async for item in stream:
+                    queue.put_nowait(item)
+        except Exception as exc:  # surfaced to the consumer below
+            queue.put_nowait(exc)
         finally:
-            await queue.put(done)
+            queue.put_nowait(done)
 
     tasks = [asyncio.create_task(drain(s)) for s in streams]
     remaining = len(tasks)
@@ -356,10 +448,11 @@ async def merge_streams(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Any]
             item = await queue.get()
             if item is done:
                 remaining -= 1
-            elif isinstance(item, BaseException):
+            elif isinstance(item, Exception):
                 raise item
             else:
                 yield item
     finally:
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,148 @@
+"""Helpers for ``benchmarks/compare_vllm_cpu.sh`` (read that first).
+
+    python compare_vllm_cpu.py models DIR             build the two random-weight models (radixserve's Python)
+    python compare_vllm_cpu.py vllm-offline ...       replay a request JSONL through vLLM's LLM (vLLM's venv)
+    python compare_vllm_cpu.py table RESULTS.jsonl    print both engines side by side, with the ratios
+
+Only the standard library is imported at the top: each subcommand runs under a
+different interpreter and imports what it needs itself. The vLLM side reads the
+very JSONL that ``radixserve bench --save-requests`` wrote, so both engines get
+identical token-id requests, and writes a JSON line with the same keys as
+``radixserve bench --output-file``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+# Two shapes, so speed is not tuned to one: the issue's Llama, and a deeper,
+# narrower Qwen2 (qkv bias, 8 query heads per KV head).
+MODELS = {
+    "llama": dict(arch="llama", hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8,
+                  intermediate_size=2816, vocab_size=4096, max_position_embeddings=2048),
+    "qwen2": dict(arch="qwen2", hidden_size=512, num_layers=24, num_heads=16, num_kv_heads=2,
+                  intermediate_size=1408, vocab_size=4096, max_position_embeddings=2048),
+}
+
+
+def build_models(out: Path) -> None:
+    from radixserve.testing.tiny_models import build_tiny_model
+
+    for name, recipe in MODELS.items():
+        if (out / name / "config.json").is_file():
+            print(f"model {name}: reusing {out / name}")
+            continue
+        build_tiny_model(out / name, **recipe)
+        print(f"model {name}: built {out / name}")
+
+
+def _load_memory_module():
+    """radixserve's /proc sampler, loaded by path: vLLM's venv does not install radixserve."""
+    path = Path(__file__).resolve().parents[1] / "core" / "radixserve" / "bench" / "memory.py"
+    spec = importlib.util.spec_from_file_location("radixserve_bench_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def vllm_offline(ns: argparse.Namespace) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    memory = _load_memory_module()
+    requests = [json.loads(line) for line in Path(ns.requests).read_text().splitlines() if line.strip()]
+    llm = LLM(model=ns.model, dtype=ns.dtype, enable_prefix_caching=ns.prefix_caching, seed=0,
+              max_model_len=ns.max_model_len)
+    prompts = [TokensPrompt(prompt_token_ids=r["input_ids"]) for r in requests]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["output_len"]) for r in requests]
+    llm.generate([TokensPrompt(prompt_token_ids=[11, 12, 13, 14])], SamplingParams(max_tokens=4), use_tqdm=False)
+    with memory.PeakRSS(memory.engine_pids()) as peak:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        duration = time.perf_counter() - start
+    input_tokens = sum(len(r["input_ids"]) for r in requests)
+    output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    cached = [o.num_cached_tokens for o in outputs]
+    line = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "mode": "offline",
+        "engine": "vllm",
+        "config": {"label": ns.label, "model_path": ns.model, "dtype": ns.dtype, "dataset_path": ns.requests,
+                   "prefix_caching": ns.prefix_caching},
+        "completed": len(outputs),
+        "duration_s": duration,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(outputs) / duration,
+        "output_throughput": output_tokens / duration,
+        "total_throughput": (input_tokens + output_tokens) / duration,
+        "cache_hit_rate": sum(cached) / input_tokens if None not in cached else None,
+        "peak_rss_mib": peak.bytes / 2**20 if peak.bytes else None,
+    }
+    print(f"vllm {ns.label}: {output_tokens} output tokens in {duration:.2f} s, "
+          f"{line['output_throughput']:.1f} tok/s")
+    with open(ns.output_file, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def table(path: str) -> None:
+    """One line per label (model, dtype, workload): radixserve against the other
+    engine run under the same label; then radixserve's radix cache on against off."""
+    rows: dict[tuple[str, str], dict] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            side = "ours" if row["engine"] == "radixserve" else "theirs"
+            rows[row["config"]["label"], side] = row  # the latest run of each wins
+    labels = list(dict.fromkeys(label for label, _ in rows))
+    cell = lambda row: f"{row['output_throughput']:.1f} ({row['duration_s']:.1f} s)" if row else "n/a"  # noqa: E731
+    ratio = lambda a, b: f"{a['output_throughput'] / b['output_throughput']:.2f}x" if a and b else "n/a"  # noqa: E731
+    print(f"{'output tok/s (duration)':<34}{'radixserve':>20}{'vLLM-CPU':>20}{'ratio':>8}")
+    for label in labels:
+        if label.endswith(" radix-off"):
+            continue
+        ours, theirs = rows.get((label, "ours")), rows.get((label, "theirs"))
+        print(f"{label:<34}{cell(ours):>20}{cell(theirs):>20}{ratio(ours, theirs):>8}")
+        for name, row in (("radixserve", ours), ("vLLM", theirs)):
+            if row and row["mode"] == "serving":
+                print(f"    {name}: TTFT median {row['ttft_ms']['median']:.0f} ms, "
+                      f"ITL median {row['itl_ms']['median']:.1f} ms, failed {row['failed']}")
+    off_labels = [label for label in labels if label.endswith(" radix-off")]
+    if off_labels:
+        print(f"\n{'radixserve radix cache':<34}{'on':>20}{'off':>20}{'ratio':>8}")
+    for label in off_labels:
+        on, off = rows.get((label[: -len(" radix-off")], "ours")), rows.get((label, "ours"))
+        print(f"{label[: -len(' radix-off')]:<34}{cell(on):>20}{cell(off):>20}{ratio(on, off):>8}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    models = sub.add_parser("models")
+    models.add_argument("out", type=Path)
+    vllm = sub.add_parser("vllm-offline")
+    vllm.add_argument("--model", required=True)
+    vllm.add_argument("--requests", required=True, help="JSONL written by radixserve bench --save-requests")
+    vllm.add_argument("--dtype", required=True)
+    vllm.add_argument("--label", required=True, help="the label of the radixserve run to compare with")
+    vllm.add_argument("--output-file", required=True)
+    vllm.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    vllm.add_argument("--max-model-len", type=int, default=2048)
+    tab = sub.add_parser("table")
+    tab.add_argument("results")
+    ns = parser.parse_args()
+    if ns.command == "models":
+        build_models(ns.out)
+    elif ns.command == "vllm-offline":
+        vllm_offline(ns)
+    else:
+        table(ns.results)
+
+
+if __name__ == "__main__":
+    main()

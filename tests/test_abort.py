@@ -1,0 +1,290 @@
+"""Abort for every request shape, through a real server: n>1 streamed and not,
+a client gone mid-request, a refusal (503) of part of an n>1 request or of a
+batch, a request still in the queue. Each time generation must stop well short
+of what the request asked for, and its KV must be freed with the pool
+invariant holding (checked through /get_server_info). Also the access log.
+
+Then the TokenizerManager alone over real ZMQ sockets, the test playing the
+scheduler and the detokenizer: every choice is aborted exactly once, and a bad
+reply fails only its own request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import zmq.asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers_server import ServerProcess, wait_until
+from radixserve.config import ServerArgs
+from radixserve.ipc import Endpoints, pull_socket, push_socket
+from radixserve.messages import AbortRequest, TextBatch, TextOutput, TokenOutput
+from radixserve.server.tokenizer_manager import GenerateInput, RequestFailedError, TokenizerManager
+
+# Long enough that no request can finish in the second or so before its client leaves.
+N, MAX_TOKENS = 4, 6000
+LONG = {"prompt": "keep going", "max_tokens": MAX_TOKENS, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_factory):
+    """N running slots and one queue place: an n=N request runs whole, one more waits, the next is refused.
+    At info level with ``--log-requests``, for the access log test."""
+    model = tiny_model_factory(arch="llama", max_position_embeddings=8192)
+    with ServerProcess("--model", str(model), "--served-model-name", "tiny", "--max-total-tokens", "65536",
+                       "--max-running-requests", str(N), "--max-queued-requests", "1",
+                       "--log-level", "info", "--log-requests") as srv:
+        srv.wait_ready()
+        yield srv
+
+
+def stats(url: str) -> dict:
+    info = httpx.get(url + "/get_server_info", timeout=30).json()
+    return {**info["stats"], "num_in_flight": info["num_in_flight"]}
+
+
+def idle(url: str) -> bool:
+    s = stats(url)
+    return (s["num_running_reqs"], s["num_queue_reqs"], s["private_tokens"], s["num_in_flight"]) == (0, 0, 0, 0) \
+        and s["memory_invariant_ok"]
+
+
+def assert_stopped(url: str, generated_before: int, limit: int) -> int:
+    """Everything is idle and freed, generation stopped short of ``limit``; the
+    tokens generated since ``generated_before``."""
+    assert wait_until(lambda: idle(url), timeout=20), stats(url)
+    generated = stats(url)["generation_tokens_total"]
+    time.sleep(0.5)
+    assert stats(url)["generation_tokens_total"] == generated, "generation went on after the abort"
+    assert generated - generated_before < limit, f"{generated - generated_before} tokens: the request was not aborted"
+    return generated - generated_before
+
+
+def test_n4_streaming_client_gone(server):
+    before = stats(server.url)["generation_tokens_total"]
+    body = {"model": "tiny", **LONG, "n": N, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        got = [next(lines) for _ in range(3 * N)]
+        assert sum(line.startswith("data: {") for line in got) >= N
+        assert wait_until(lambda: stats(server.url)["num_running_reqs"] == N, timeout=10)  # every choice runs
+    assert_stopped(server.url, before, N * MAX_TOKENS // 4)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"model": "tiny", **LONG, "n": N}),
+    ("/generate", {"text": "keep going", "sampling_params": {"max_new_tokens": MAX_TOKENS, "ignore_eos": True,
+                                                              "n": N}}),
+])
+def test_n4_non_streaming_client_gone(server, path, body):
+    before = stats(server.url)["generation_tokens_total"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + path, json=body, timeout=httpx.Timeout(60, read=1.0))
+    assert_stopped(server.url, before, N * MAX_TOKENS // 4)
+
+
+def test_the_server_serves_after_the_aborts(server):
+    response = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 5,
+                                                                "n": 2}, timeout=60)
+    assert response.status_code == 200 and len(response.json()["choices"]) == 2
+    assert idle(server.url)
+
+
+def _metric(url: str, name: str, **labels: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == name and labels.items() <= s.labels.items())
+
+
+def test_a_refused_part_aborts_the_rest(server):
+    """n=N+2 with N running slots and one queue place: the warm-up prefill
+    runs, then N choices are admitted, one queued and the last refused. The
+    request is a 503 and the admitted and queued choices are aborted; likewise
+    for a batch of N+2 prompts, and streamed."""
+    url = server.url
+    prompts = [f"prompt {i}" for i in range(N + 2)]
+    cases = [
+        ("/v1/completions", {"model": "tiny", **LONG, "n": N + 2}),
+        ("/v1/completions", {"model": "tiny", **LONG, "n": N + 2, "stream": True}),
+        ("/v1/completions", {"model": "tiny", **LONG, "prompt": prompts}),
+        ("/generate", {"text": prompts, "sampling_params": {"max_new_tokens": MAX_TOKENS, "ignore_eos": True}}),
+    ]
+    for path, body in cases:
+        errors_before = _metric(url, "radixserve:num_request_errors_total", code="503")
+        before = stats(url)["generation_tokens_total"]
+        response = httpx.post(url + path, json=body, timeout=60)
+        if response.status_code == 200 and body.get("stream"):
+            # The admitted choice's first token beat the refusal: an in-band error ends the stream.
+            events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "queue_full", events
+        else:
+            assert response.status_code == 503, (path, body, response.text)
+            assert response.json()["error"]["code"] == "queue_full"
+            assert _metric(url, "radixserve:num_request_errors_total", code="503") == errors_before + 1
+        assert_stopped(url, before, (N + 1) * MAX_TOKENS // 4)
+
+
+def test_a_queued_request_whose_client_leaves(server):
+    url = server.url
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            running = asyncio.create_task(c.post("/v1/completions", json={"model": "tiny", **LONG, "n": N}))
+            assert await _until(lambda: stats(url)["num_running_reqs"] == N)
+            # A streamed request's headers wait for its first token, so it waits in the queue unanswered.
+            queued = asyncio.create_task(c.post("/v1/completions", json={"model": "tiny", **LONG, "stream": True}))
+            assert await _until(lambda: stats(url)["num_queue_reqs"] == 1)
+            assert stats(url)["num_running_reqs"] == N
+            queued.cancel()  # the client leaves
+            assert await _until(lambda: stats(url)["num_queue_reqs"] == 0)
+            assert stats(url)["num_running_reqs"] == N  # the running ones go on
+            running.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await running
+
+    before = stats(url)["generation_tokens_total"]
+    asyncio.run(scenario())
+    assert_stopped(url, before, N * MAX_TOKENS // 4)  # the running ones did not finish either
+
+
+async def _until(predicate, timeout: float = 20) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(0.1)
+    return predicate()
+
+
+def _access_lines(server, marker: str) -> list[str]:
+    return [line for line in server.lines if "radixserve.access" in line and marker in line]
+
+
+def test_access_log_lines(server):
+    body = {"model": "tiny", "prompt": "access log probe", "max_tokens": 5, "n": 2, "ignore_eos": True}
+    answer = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    assert wait_until(lambda: _access_lines(server, answer["id"]), timeout=10)
+    (line,) = _access_lines(server, answer["id"])
+    usage = answer["usage"]
+    assert f"POST /v1/completions 200 prompt={usage['prompt_tokens']} completion=10 " in line
+    assert "latency=" in line and "client=127.0.0.1:" in line
+    assert "finish=length,length" in line and "access log probe" in line  # --log-requests
+    # An error is logged and counted too, with its status.
+    refused = httpx.post(server.url + "/v1/completions", json={**body, "model": "nope"}, timeout=60)
+    assert refused.status_code == 404
+    assert wait_until(lambda: _access_lines(server, "POST /v1/completions 404"), timeout=10)
+    assert _metric(server.url, "radixserve:num_request_errors_total", code="404") >= 1
+    # A body over 2 KB is cut.
+    httpx.post(server.url + "/v1/completions", json={**body, "prompt": "x" * 5000, "max_tokens": 1}, timeout=60)
+    assert wait_until(lambda: _access_lines(server, "x" * 100), timeout=10)
+    assert all(len(line) < 3000 for line in _access_lines(server, "x" * 100))
+
+
+# ---- the TokenizerManager over real sockets, the test playing the scheduler and detokenizer -------------
+SUMMARY = {"context_length": 1024, "vocab_size": 100, "max_total_tokens": 4096, "page_size": 1}
+LENGTH = {"type": "length", "matched": None}
+
+
+class _Runtime:
+    """The sockets the scheduler and the detokenizer would hold."""
+
+    def __init__(self):
+        self.endpoints = Endpoints.fresh()
+        self.ctx = zmq.asyncio.Context()
+        self.scheduler = pull_socket(self.ctx, self.endpoints.scheduler)
+        self.tm = TokenizerManager(ServerArgs(), None, self.endpoints, SUMMARY)
+        self.detokenizer = push_socket(self.ctx, self.endpoints.tokenizer_manager)
+        self.tm.start()
+
+    async def reply(self, *outputs: tuple[str, list[int], dict | None], error: str | None = None) -> None:
+        await self.detokenizer.send_pyobj(TextBatch([
+            TextOutput(TokenOutput(rid, ids, finish, queue_time=0.0), "t" * len(ids), error=error)
+            for rid, ids, finish in outputs]))
+
+    async def received(self, count: int) -> list:
+        return [await asyncio.wait_for(self.scheduler.recv_pyobj(), 10) for _ in range(count)]
+
+    async def nothing_more(self) -> bool:
+        return await self.scheduler.poll(300) == 0
+
+    async def close(self) -> None:
+        await self.tm.close()
+        self.scheduler.close()
+        self.detokenizer.close()
+        self.ctx.term()
+        self.endpoints.remove()
+
+
+def _generate(tm: TokenizerManager, rid: str, n: int = 1, stream: bool = False):
+    params = {"max_new_tokens": 50, "n": n}
+    return tm.generate(GenerateInput(input_ids=[1, 2, 3], sampling_params=params, rid=rid, stream=stream))
+
+
+def test_bad_replies_fail_only_their_request():
+    async def scenario() -> None:
+        rt = _Runtime()
+        try:
+            a = asyncio.create_task(_collect(_generate(rt.tm, "a")))
+            b = asyncio.create_task(_collect(_generate(rt.tm, "b")))
+            ids = {r.rid.split("#")[0]: r.rid for r in await rt.received(2)}
+            await rt.detokenizer.send(b"not a pickle")
+            await rt.detokenizer.send_pyobj("not a reply")
+            await rt.detokenizer.send_pyobj(TextBatch([object()]))
+            await rt.reply((ids["a"], [5], None), error="detokenization failed: boom")
+            await rt.reply((ids["b"], [5], None))
+            with pytest.raises(RequestFailedError, match="boom"):
+                await a
+            assert await rt.received(1) == [AbortRequest(ids["a"])]
+            assert rt.tm.num_in_flight == 2  # a until the scheduler's final output comes
+            await rt.reply((ids["a"], [6], {"type": "abort", "matched": None}), (ids["b"], [6], LENGTH))
+            assert [out["text"] for out in await b] == ["tt"]
+            assert rt.tm.num_in_flight == 0 and await rt.nothing_more()
+            # The scheduler failing a request (500) is an error for that request, with nothing left to abort.
+            c = asyncio.create_task(_collect(_generate(rt.tm, "c")))
+            (req,) = await rt.received(1)
+            await rt.reply((req.rid, [], {"type": "abort", "matched": None, "status_code": 500,
+                                          "message": "internal error: RuntimeError: x"}))
+            with pytest.raises(RequestFailedError, match="internal error"):
+                await c
+            assert rt.tm.num_in_flight == 0 and await rt.nothing_more()
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n2_cancelled_aborts_each_choice_once(stream):
+    async def scenario() -> None:
+        rt = _Runtime()
+        try:
+            consumer = asyncio.create_task(_collect(_generate(rt.tm, "r", n=2, stream=stream)))
+            (warm,) = await rt.received(1)
+            assert warm.sampling_params.max_new_tokens == 0
+            await rt.reply((warm.rid, [], LENGTH))
+            children = [r.rid for r in await rt.received(2)]
+            await rt.reply(*((rid, [7], None) for rid in children))
+            await asyncio.sleep(0.1)
+            consumer.cancel()  # the client is gone
+            with pytest.raises(asyncio.CancelledError):
+                await consumer
+            aborts = await rt.received(2)
+            assert sorted(a.rid for a in aborts) == sorted(children)
+            assert await rt.nothing_more()  # exactly once each, and none for the finished warm-up
+            assert rt.tm.num_in_flight == 2  # until the scheduler confirms
+            await rt.reply(*((rid, [8], {"type": "abort", "matched": None}) for rid in children))
+            await asyncio.sleep(0.1)
+            assert rt.tm.num_in_flight == 0 and await rt.nothing_more()
+        finally:
+            await rt.close()
+
+    asyncio.run(scenario())
+
+
+async def _collect(results) -> list[dict]:
+    return [out async for out in results]
