@@ -5,6 +5,7 @@ truth every other backend is tested against. Registered through the
 from radixserve.hooks import Register, hookimpl
 
 from radixserve_torch.attention import TorchNativeAttention
+from radixserve_torch.attention_varlen import TorchVarlenAttention
 from radixserve_torch.gemm import TorchGemm
 from radixserve_torch.moe import TorchNativeMoE
 from radixserve_torch.platform import CpuPlatform
@@ -19,6 +20,7 @@ def register_platforms(register: Register) -> None:
 @hookimpl
 def register_attention_backends(register: Register) -> None:
     register(TorchNativeAttention)
+    register(TorchVarlenAttention)
 
 
 @hookimpl

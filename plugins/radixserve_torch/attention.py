@@ -15,10 +15,7 @@ class TorchNativeAttention(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        reasons = []
-        if query.num_heads is not None and query.num_kv_heads and query.num_heads % query.num_kv_heads:
-            reasons.append(f"num_heads {query.num_heads} is not a multiple of num_kv_heads {query.num_kv_heads}")
-        return reasons
+        return grouped_heads_reasons(query)
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
@@ -45,6 +42,13 @@ class TorchNativeAttention(AttentionBackend):
         k = k_buf.index_select(0, slots.flatten()).view(shape).to(q.dtype)
         v = v_buf.index_select(0, slots.flatten()).view(shape).to(q.dtype)
         return _sdpa_batched(q, k, v, mask, layer)
+
+
+def grouped_heads_reasons(query: KernelQuery) -> list[str]:
+    """Why a query's heads cannot be grouped over its KV heads (empty: they can)."""
+    if query.num_heads is not None and query.num_kv_heads and query.num_heads % query.num_kv_heads:
+        return [f"num_heads {query.num_heads} is not a multiple of num_kv_heads {query.num_kv_heads}"]
+    return []
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, layer: AttentionLayerSpec) -> torch.Tensor:

@@ -164,12 +164,7 @@ class Scheduler(PrefillPlanning):
         for req in targets:
             if req.finished:
                 continue
-            if req in self.waiting:
-                self.waiting.remove(req)
-            if req is self.chunked_req:
-                self.chunked_req = None
-            if req in self.running:
-                self.running.remove(req)
+            self._dequeue(req)
             if id(req) in computing:
                 self._discard(req)  # its KV of the step still computing is not worth caching
             else:
@@ -491,14 +486,18 @@ class Scheduler(PrefillPlanning):
         for req in reqs:
             if req.finished:
                 continue
-            if req in self.waiting:
-                self.waiting.remove(req)
-            if req in self.running:
-                self.running.remove(req)
-            if req is self.chunked_req:
-                self.chunked_req = None
+            self._dequeue(req)
             self._discard(req)
             self._finish(req, reason)
+
+    def _dequeue(self, req: Req) -> None:
+        """Take a request out of whichever queue holds it."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
 
     def _discard(self, req: Req) -> None:
         """Free a request's own slots (including any allocated this step) without
