@@ -37,11 +37,11 @@ CONFIGS = {
     "page-16-chunked-16-lpm": dict(page_size=16, chunked_prefill_size=16, schedule_policy="lpm"),
     "no-cache-chunked-16": dict(disable_radix_cache=True, chunked_prefill_size=16),
     "max-running-2": dict(max_running_requests=2),
-    # The reference overlaps scheduling with the forward (the default); these do not.
-    "no-overlap": dict(disable_overlap_schedule=True),
-    "no-overlap-page-16-chunked-16-lpm": dict(disable_overlap_schedule=True, page_size=16, chunked_prefill_size=16,
-                                              schedule_policy="lpm"),
-    "no-overlap-max-running-2": dict(disable_overlap_schedule=True, max_running_requests=2),
+    # The reference runs without overlap (the cpu platform's default); these overlap.
+    "overlap": dict(disable_overlap_schedule=False),
+    "overlap-page-16-chunked-16-lpm": dict(disable_overlap_schedule=False, page_size=16, chunked_prefill_size=16,
+                                           schedule_policy="lpm"),
+    "overlap-max-running-2": dict(disable_overlap_schedule=False, max_running_requests=2),
 }
 
 

@@ -129,9 +129,11 @@ def test_a_failing_stop_check_ends_only_its_request(tiny_llama_dir, prompts, alo
     assert [results[r].output_ids for r in good] == alone
 
 
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("failing_step", [0, 3], ids=["extend", "decode"])
-def test_a_failed_step_ends_its_batch_and_the_scheduler_goes_on(tiny_llama_dir, prompts, alone, failing_step):
-    scheduler = make_scheduler(tiny_llama_dir, page_size=4)
+def test_a_failed_step_ends_its_batch_and_the_scheduler_goes_on(tiny_llama_dir, prompts, alone, failing_step,
+                                                                overlap):
+    scheduler = make_scheduler(tiny_llama_dir, page_size=4, disable_overlap_schedule=not overlap)
     forward = scheduler.runner.forward
     calls = {"n": 0}
 

@@ -59,9 +59,9 @@ class ServerArgs:
     min_new_token_ratio: float = _flag("floor that the reserved fraction decays to", default=0.1)
     new_token_ratio_decay: float = _flag("decrease of the reserved fraction per decode step", default=0.001)
     stream_interval: int = _flag("send streamed output every N tokens", default=1)
-    disable_overlap_schedule: bool = _flag(
-        "run each step's scheduling and result handling after its forward instead of alongside the next one",
-        default=False)
+    disable_overlap_schedule: Optional[bool] = _flag(
+        "run each step's scheduling and result handling after its forward instead of alongside the next one "
+        "(unset: the platform decides; on by default on GPUs, off on the cpu platform)", default=None)
     decode_log_interval: int = _flag("log a scheduler stats line every N decode steps", default=40)
     # server
     host: str = _flag("HTTP host", default="127.0.0.1")
@@ -156,7 +156,7 @@ class ServerArgs:
             metavar = "MODEL" if f.name == "model_path" else None
             meta = dict(f.metadata)
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            if f.type in ("bool", bool):
+            if f.type in ("bool", bool, "Optional[bool]"):  # None: the default decides later
                 parser.add_argument(*flags, action="store_true", default=default, help=meta["help"])
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)

@@ -24,6 +24,10 @@ class Platform:
     default_dtype: ClassVar[torch.dtype] = torch.bfloat16
     # Share of device memory for weights + KV pool when --mem-fraction-static is not given.
     default_mem_fraction: ClassVar[float] = 0.85
+    # Overlap scheduling unless --disable-overlap-schedule says otherwise: it pays
+    # where the device computes asynchronously from the host, so the host's work
+    # for one step hides behind the device's work for the previous one.
+    overlap_schedule: ClassVar[bool] = True
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:

@@ -14,6 +14,9 @@ class CpuPlatform(Platform):
     dist_backend = "gloo"
     default_dtype = torch.float32
     default_mem_fraction = 0.3  # host memory is shared with everything else
+    # The same cores run the model and the scheduler: overlapping them only makes
+    # them compete (measured 6% slower on 2 cores), so it is off unless asked for.
+    overlap_schedule = False
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")

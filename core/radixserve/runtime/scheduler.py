@@ -100,9 +100,10 @@ class Scheduler(PrefillPlanning):
         self.chunked_req: Optional[Req] = None
         self.new_token_ratio = args.init_new_token_ratio
         self._touched: dict[str, Req] = {}
-        self.worker = ModelWorker(self.runner, self.sampler, self.req_to_token_pool,
-                                  overlap=not args.disable_overlap_schedule)
-        self.worker_overlaps = not args.disable_overlap_schedule
+        overlap = self.runner.platform.overlap_schedule if args.disable_overlap_schedule is None \
+            else not args.disable_overlap_schedule
+        self.worker = ModelWorker(self.runner, self.sampler, self.req_to_token_pool, overlap=overlap)
+        self.worker_overlaps = overlap
         self._launching: Optional[list[Req]] = None  # the requests of the step being launched
         self._in_flight: Optional[_Launched] = None  # launched, not awaited yet (overlap)
         self._unprocessed: Optional[_Launched] = None  # awaited, tokens not digested yet
