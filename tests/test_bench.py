@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from radixserve.bench import datasets
 from radixserve.bench.datasets import TokenSource
 from radixserve.cli import main
-from tests.helpers_server import ServerProcess
+from helpers_server import ServerProcess
 
 
 @pytest.fixture(scope="module")
