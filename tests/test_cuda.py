@@ -6,7 +6,6 @@ Run them with scripts/gpu_check.sh on a machine with an NVIDIA GPU."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from generation_utils import mixed_prompts
 from radixserve import Engine

@@ -3,12 +3,10 @@ streaming, sampling controls, bad input, n>1, and int8 quantization."""
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from generation_utils import generate, hf_greedy, make_scheduler, mixed_prompts, run, submit

@@ -10,7 +10,6 @@ from typing import Optional
 
 import pytest
 import torch
-from safetensors import safe_open
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from radixserve.hooks import hookimpl
-from radixserve.kernels import AttentionBackend, KernelQuery
+from radixserve.kernels import KernelQuery
 from radixserve.registry import PluginError, PluginRegistry
 from radixserve_torch.attention import TorchNativeAttention
 

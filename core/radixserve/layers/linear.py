@@ -16,7 +16,7 @@ in their ``weight_loader``. All sizes stored on a layer are this rank's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn

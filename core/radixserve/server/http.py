@@ -238,25 +238,33 @@ class _EnvelopeH11Protocol(H11Protocol):
 
 class _Server(uvicorn.Server):
     """uvicorn, with the first SIGTERM/SIGINT draining the server before uvicorn
-    stops accepting and closes connections; a second signal ends at once."""
+    stops accepting and closes connections; a second signal ends the requests in
+    flight at once (each still gets its error), a third stops without cleanup."""
 
     def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float):
         super().__init__(config)
         self.state, self.shutdown_timeout = state, shutdown_timeout
         self.draining = False
+        self.cut_short = False
         self._drain_task: Optional[asyncio.Task] = None
 
     def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
         # Not recorded in _captured_signals: uvicorn would re-raise it at exit,
         # and the process would end by the signal instead of with exit code 0.
         loop = self.state.loop
-        if self.draining or loop is None:
-            self.force_exit = self.draining  # a second signal: stop waiting for anything
+        if loop is None:  # still booting: nothing to drain
             self.should_exit = True
             return
+        if self.draining:
+            # A second signal ends the requests in flight now (they still get their
+            # error event or envelope), then shuts down as usual; a third stops at once.
+            self.force_exit = self.force_exit or self.cut_short
+            self.cut_short = True
+            loop.call_soon_threadsafe(self.state.cut_drain_short)
+            return
         self.draining = True
-        logger.info("%s: draining (up to %g s, --shutdown-timeout), then shutting down; send it again to stop at "
-                    "once", signal.Signals(sig).name, self.shutdown_timeout)
+        logger.info("%s: draining (up to %g s, --shutdown-timeout), then shutting down; send it again to end "
+                    "the requests in flight now", signal.Signals(sig).name, self.shutdown_timeout)
         loop.call_soon_threadsafe(self._start_drain, loop)
 
     def _start_drain(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -77,6 +77,7 @@ class ServerState:
         self.tm: Optional[TokenizerManager] = None
         self.openai: Optional[OpenAIServing] = None
         self.on_ready: Callable[[], None] = lambda: None
+        self._drain_cut_short = False
 
     # ---- boot and shutdown -----------------------------------------------------------
     async def start(self) -> None:
@@ -170,7 +171,7 @@ class ServerState:
         tm = self.tm
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while tm.num_in_flight and loop.time() < deadline:
+        while tm.num_in_flight and loop.time() < deadline and not self._drain_cut_short:
             await asyncio.sleep(DRAIN_POLL_S)
         left = tm.num_in_flight
         if left:
@@ -182,6 +183,10 @@ class ServerState:
         deadline = loop.time() + FAIL_GRACE_S
         while tm.num_in_flight and loop.time() < deadline:
             await asyncio.sleep(DRAIN_POLL_S)
+
+    def cut_drain_short(self) -> None:
+        """End the requests in flight now instead of at the shutdown timeout."""
+        self._drain_cut_short = True
 
     async def stop(self) -> None:
         if self.runtime is not None:
