@@ -175,7 +175,8 @@ class ServerState:
             await asyncio.sleep(DRAIN_POLL_S)
         left = tm.num_in_flight
         if left:
-            logger.warning("shutdown timeout (%.0f s) reached: ending %d request(s) still running", timeout, left)
+            why = "a second signal" if self._drain_cut_short else f"shutdown timeout ({timeout:.0f} s) reached"
+            logger.warning("%s: ending %d request(s) still running", why, left)
         else:
             logger.info("no request in flight; shutting down")
         # Also refuses any request that got past the door just before draining began.
