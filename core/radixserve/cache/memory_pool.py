@@ -113,15 +113,22 @@ class PagedAllocator:
 
     def pages_needed(self, prefix_lens: list[int], extend_lens: list[int]) -> int:
         ps = self.page_size
+        if ps == 1:  # the common case, on every decode step: a page per token
+            return sum(extend_lens)
         return sum(-(-(p + n) // ps) - (-(-p // ps)) for p, n in zip(prefix_lens, extend_lens))
 
     def alloc_extend(self, prefix_lens: list[int], last_locs: list[int], extend_lens: list[int]) -> Optional[torch.Tensor]:
         """Slots for ``extend_lens[i]`` new tokens after ``prefix_lens[i]`` tokens whose
         last slot is ``last_locs[i]`` (ignored when the prefix is empty or page aligned).
         Returns None, allocating nothing, when there are not enough free pages."""
-        if self.pages_needed(prefix_lens, extend_lens) > len(self._free_pages):
+        need = self.pages_needed(prefix_lens, extend_lens)
+        if need > len(self._free_pages):
             return None
         ps = self.page_size
+        if ps == 1:  # one page per token, taken from the end of the free list as below
+            out = self._free_pages[len(self._free_pages) - need :][::-1]
+            del self._free_pages[len(self._free_pages) - need :]
+            return torch.tensor(out, dtype=torch.int64, device=self.device)
         out: list[int] = []
         for prefix, last, n in zip(prefix_lens, last_locs, extend_lens):
             in_page = prefix % ps
