@@ -33,6 +33,13 @@ class SamplingLimits(Protocol):
     max_stop_chars: int
 
 
+def token_ids_error(ids: list, vocab_size: int, field: str = "input_ids") -> Optional[str]:
+    """A message naming ``field`` unless every id is an integer (not a bool) in the vocabulary."""
+    if any(type(t) is not int or not 0 <= t < vocab_size for t in ids):
+        return f"{field}: every id must be an integer in [0, {vocab_size})"
+    return None
+
+
 def request_fit_error(prompt_len: int, max_new_tokens: int, context_length: int, kv_pool_tokens: int,
                       page_size: int, prompt_field: str = "input_ids") -> Optional[str]:
     """A message naming the field at fault, or None when the request fits."""

@@ -60,6 +60,10 @@ class ModelWorker:
         self.runner, self.sampler, self.pool = runner, sampler, pool
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-worker") if overlap else None
 
+    @property
+    def overlaps(self) -> bool:
+        return self._thread is not None
+
     def launch(self, work: StepWork) -> Future:
         """Start the step; its ``StepResult`` (or exception) arrives through the future."""
         if self._thread is not None:
@@ -70,10 +74,6 @@ class ModelWorker:
         except Exception as exc:
             future.set_exception(exc)
         return future
-
-    def shutdown(self) -> None:
-        if self._thread is not None:
-            self._thread.shutdown(wait=True)
 
     def _run(self, work: StepWork) -> StepResult:
         logits = self.runner.forward(work.batch)

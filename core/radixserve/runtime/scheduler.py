@@ -34,7 +34,7 @@ from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardMode
 from radixserve.messages import GenerateRequest, TokenOutput
 from radixserve.registry import PluginRegistry, get_registry
-from radixserve.request_limits import request_fit_error
+from radixserve.request_limits import request_fit_error, token_ids_error
 from radixserve.runtime.batch import build_forward_batch
 from radixserve.runtime.model_runner import ModelRunner
 from radixserve.runtime.model_worker import ModelWorker, PromptLogprobRows, StepResult, StepWork
@@ -103,7 +103,6 @@ class Scheduler(PrefillPlanning):
         overlap = self.runner.platform.overlap_schedule if args.disable_overlap_schedule is None \
             else not args.disable_overlap_schedule
         self.worker = ModelWorker(self.runner, self.sampler, self.req_to_token_pool, overlap=overlap)
-        self.worker_overlaps = overlap
         self._launching: Optional[list[Req]] = None  # the requests of the step being launched
         self._in_flight: Optional[_Launched] = None  # launched, not awaited yet (overlap)
         self._unprocessed: Optional[_Launched] = None  # awaited, tokens not digested yet
@@ -147,11 +146,10 @@ class Scheduler(PrefillPlanning):
 
     def _admission_error(self, req: Req) -> Optional[str]:
         ids = req.origin_input_ids
-        if not all(type(t) is int and 0 <= t < self.runner.vocab_size for t in ids):
-            return f"input_ids: every id must be an integer in [0, {self.runner.vocab_size})"
-        req.sampling_params.validate(self.runner.vocab_size, self.args)
-        for s in req.sampling_params.stop:
-            s.encode()  # a lone surrogate cannot be matched against decoded text
+        error = token_ids_error(ids, self.runner.vocab_size)
+        if error is not None:
+            return error
+        req.sampling_params.validate(self.runner.vocab_size, self.args)  # stop strings included
         return request_fit_error(len(ids), req.sampling_params.max_new_tokens,
                                  self.context_length, self.allocator.size, self.page_size)
 
@@ -198,7 +196,7 @@ class Scheduler(PrefillPlanning):
             logger.exception("launching a step failed; ending its requests with an error")
             self._fail(self._launching if self._launching is not None else self._holding_memory(), exc)
             launched = None
-        if launched is not None and self.worker_overlaps:
+        if launched is not None and self.worker.overlaps:
             self._in_flight = launched
             launched = None
         self._drain()

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from radixserve.config import ServerArgs
 from radixserve.ipc import Endpoints, pull_socket, push_socket
-from radixserve.request_limits import has_lone_surrogate, request_fit_error
+from radixserve.request_limits import has_lone_surrogate, request_fit_error, token_ids_error
 from radixserve.messages import (
     AbortRequest,
     ControlReply,
@@ -198,8 +198,9 @@ class TokenizerManager:
             raise ValueError("text: give either text or input_ids, not both")
         if obj.input_ids is not None:
             ids = list(obj.input_ids)
-            if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size for t in ids):
-                raise ValueError(f"input_ids: every id must be an integer in [0, {self.vocab_size})")
+            error = token_ids_error(ids, self.vocab_size)
+            if error is not None:
+                raise ValueError(error)
             field_name = "input_ids"
         elif obj.text is not None:
             if not isinstance(obj.text, str):
