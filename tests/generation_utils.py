@@ -103,3 +103,19 @@ def mixed_prompts(vocab_size: int, lengths: list[int], seed: int = 0, shared_pre
     gen = torch.Generator().manual_seed(seed)
     prefix = torch.randint(16, vocab_size, (shared_prefix,), generator=gen).tolist()
     return [prefix + torch.randint(16, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+class FailingDecode:
+    """A real tokenizer whose ``decode`` fails on any text containing ``bad_id``, as
+    a tokenizer bug would: only requests that decode that token hit it."""
+
+    def __init__(self, tokenizer, bad_id: int):
+        self._tokenizer, self.bad_id = tokenizer, bad_id
+
+    def decode(self, ids, **kwargs):
+        if self.bad_id in ids:
+            raise RuntimeError(f"tokenizer failure on token {self.bad_id}")
+        return self._tokenizer.decode(ids, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)

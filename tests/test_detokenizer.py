@@ -15,6 +15,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from generation_utils import FailingDecode
+
 from radixserve.messages import DetokenizeSettings, TokenBatch, TokenOutput
 from radixserve.runtime.stop import StopHoldback
 from radixserve.server.detokenizer import DetokenizerState
@@ -171,25 +173,10 @@ def test_settings_travel_once_and_stop_strings_are_held_back_and_trimmed(tokeniz
     assert state.requests == {}
 
 
-class _FailsOn:
-    """The tokenizer, except that decoding ``bad_id`` raises."""
-
-    def __init__(self, tokenizer, bad_id: int):
-        self._tokenizer, self.bad_id = tokenizer, bad_id
-
-    def decode(self, ids, **kw):
-        if self.bad_id in ids:
-            raise RuntimeError(f"cannot decode {self.bad_id}")
-        return self._tokenizer.decode(ids, **kw)
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
-
-
 def test_a_failing_request_ends_with_an_error_and_the_rest_are_served(tokenizer):
     ids = tokenizer.encode("good text here", add_special_tokens=False)
     bad = next(i for i in tokenizer.encode("龍", add_special_tokens=False) if i not in ids)
-    state = DetokenizerState(_FailsOn(tokenizer, bad))
+    state = DetokenizerState(FailingDecode(tokenizer, bad))
     batch = TokenBatch([_out("a", ids[:2], skip_special_tokens=True), _out("bad", [bad], skip_special_tokens=True),
                         _out("c", ids[:1], skip_special_tokens=True)])
     a, failed, c = state.handle_batch(batch).outputs

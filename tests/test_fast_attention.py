@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from generation_utils import generate, make_scheduler, mixed_prompts
+from radixserve.forward_batch import ForwardMode
 from radixserve.kernels import KernelQuery
 from radixserve.registry import get_registry
 from radixserve.testing import check_attention_backend
@@ -52,7 +53,12 @@ def test_bucketed_cases_really_use_several_buckets(case):
     TorchVarlenAttention(case.query("cpu", torch.float32)).init_forward_metadata(inputs.batch)
     buckets = inputs.batch.attn_metadata.buckets
     assert len(buckets) > 1
-    assert sorted(i for b in buckets for i in range(b.start, b.end)) == list(range(len(case.prefix_lens)))
+    # Each bucket is padded to its own longest request, not the batch's.
+    batch = inputs.batch
+    seq_lens = batch.seq_lens_cpu
+    work = seq_lens if batch.mode is ForwardMode.DECODE else [n * s for n, s in zip(batch.extend_lens_cpu, seq_lens)]
+    order = sorted(range(len(seq_lens)), key=lambda i: -work[i])  # the backend's order: most work first
+    assert [b.seq_len for b in buckets] == [max(seq_lens[i] for i in order[b.start:b.end]) for b in buckets]
 
 
 def test_auto_selects_it_on_cpu():

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from generation_utils import generate, make_scheduler, mixed_prompts, run
+from generation_utils import FailingDecode, generate, make_scheduler, mixed_prompts, run
 
 from radixserve.messages import GenerateRequest
 from radixserve.sampling.params import SamplingParams
@@ -58,7 +58,8 @@ HOSTILE = {
     "logit_bias huge": Hostile(params={"logit_bias": {5: 1e39}}),
     "stop_token_ids out of range": Hostile(params={"stop_token_ids": [10**9]}),
     "repetition_penalty zero": Hostile(params={"repetition_penalty": 0.0}),
-    "sampling_params None": Hostile(sampling_params="not params"),
+    "sampling_params not a SamplingParams": Hostile(sampling_params="not params"),
+    "temperature None": Hostile(params={"temperature": None}),
 }
 
 
@@ -100,26 +101,10 @@ def test_hostile_messages_are_refused_alone(tiny_llama_dir, prompts, alone):
     assert stats.num_running_reqs == 0 and stats.num_queue_reqs == 0 and stats.private_tokens == 0
 
 
-class _FailingDecode:
-    """A real tokenizer whose ``decode`` fails on text containing one token, as a
-    tokenizer bug would: only requests that decode it (for stop strings) hit it."""
-
-    def __init__(self, tokenizer, poison: int):
-        self._tokenizer, self._poison = tokenizer, poison
-
-    def decode(self, ids, **kwargs):
-        if self._poison in ids:
-            raise RuntimeError("tokenizer failure")
-        return self._tokenizer.decode(ids, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
-
-
 def test_a_failing_stop_check_ends_only_its_request(tiny_llama_dir, prompts, alone):
     scheduler = make_scheduler(tiny_llama_dir)
     poison = alone[0][0]  # the first token the first prompt produces
-    scheduler.stop_checker.tokenizer = _FailingDecode(scheduler.stop_checker.tokenizer, poison)
+    scheduler.stop_checker.tokenizer = FailingDecode(scheduler.stop_checker.tokenizer, poison)
     scheduler.add_request(GenerateRequest(rid="victim", input_ids=prompts[0], sampling_params=SamplingParams(
         max_new_tokens=GOOD_TOKENS, temperature=0.0, ignore_eos=True, stop=["never in the text"])))
     good = _submit_good(scheduler, prompts)

@@ -76,12 +76,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if ns.command == "plugins":
         return _print_plugins(ns.json)
     if ns.command == "bench":
-        from radixserve.bench.cli import run_bench
+        from radixserve.bench.cli import check_args, run_bench
 
         try:
-            return run_bench(ns)
+            check_args(ns)
         except ValueError as exc:
             parser.error(str(exc))
+        return run_bench(ns)
     if ns.command == "serve":
         try:
             args = ServerArgs.from_cli_args(ns)

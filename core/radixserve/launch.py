@@ -34,11 +34,11 @@ MODEL_HINT = ("--model takes a local HuggingFace model directory (with config.js
 
 class StartupError(RuntimeError):
     """The server cannot start. ``str()`` is the one line to show; ``hint`` says
-    what to try; ``detail`` (a traceback, if any) is for ``--log-level debug``."""
+    what to try; a traceback, if any, is logged at debug level where it is caught."""
 
-    def __init__(self, message: str, hint: Optional[str] = None, detail: Optional[str] = None):
+    def __init__(self, message: str, hint: Optional[str] = None):
         super().__init__(message)
-        self.hint, self.detail = hint, detail
+        self.hint = hint
 
 
 def check_startup(args: ServerArgs) -> None:
@@ -49,7 +49,7 @@ def check_startup(args: ServerArgs) -> None:
     for it."""
     from radixserve.model_loader import load_config, model_query_for_args, safetensors_files
     from radixserve.model_source import check_model_source, check_tokenizer_source, is_hub_id
-    from radixserve.registry import PluginError, PluginRegistry
+    from radixserve.registry import PluginError, get_registry
 
     if args.model_path is not None:
         try:
@@ -57,7 +57,7 @@ def check_startup(args: ServerArgs) -> None:
             check_tokenizer_source(args.tokenizer_path or args.model_path)
         except ValueError as exc:
             raise StartupError(str(exc), MODEL_HINT) from exc
-    registry = PluginRegistry()
+    registry = get_registry()
     try:
         platform = registry.resolve_platform(args.device)
     except PluginError as exc:
@@ -207,7 +207,6 @@ def wait_until_ready(runtime: RuntimeProcesses, ready_recv: Connection) -> None:
         runtime.shutdown()
         if status:
             logger.debug("the scheduler's traceback:\n%s", status["error"])
-            raise StartupError(f"the scheduler failed to start: {exception_summary(status['error'])}",
-                               detail=status["error"])
+            raise StartupError(f"the scheduler failed to start: {exception_summary(status['error'])}")
         raise StartupError(f"the scheduler exited with code {runtime.processes[0].exitcode} while starting")
     runtime.summary = status["summary"]

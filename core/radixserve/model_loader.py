@@ -11,7 +11,6 @@ Typical use (what the model runner does)::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import sys
@@ -139,8 +138,9 @@ def safetensors_files(model_path: Union[str, Path]) -> list[Path]:
 
 
 def iterate_weights(model_path: Union[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every tensor of the checkpoint, on the CPU, with a
-    progress bar over the tensors on stderr when it is a terminal."""
+    """``(name, tensor)`` for every tensor of the checkpoint, on the CPU, one
+    file open at a time, with a progress bar over the files on stderr when it is
+    a terminal."""
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -148,16 +148,11 @@ def iterate_weights(model_path: Union[str, Path]) -> Iterator[tuple[str, torch.T
         # tqdm's default lock includes a multiprocessing semaphore, which the
         # resource tracker reports as leaked when the scheduler is stopped.
         tqdm.set_lock(threading.RLock())
-    with contextlib.ExitStack() as stack:  # opening reads only the headers (the data is mapped)
-        handles = [stack.enter_context(safe_open(str(path), framework="pt", device="cpu"))
-                   for path in safetensors_files(model_path)]
-        total = sum(len(f.keys()) for f in handles)
-        with tqdm(total=total, desc="Loading weights", unit="tensor", file=sys.stderr,
-                  disable=not sys.stderr.isatty()) as bar:
-            for f in handles:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
-                    bar.update()
+    files = safetensors_files(model_path)
+    for path in tqdm(files, desc="Loading weights", unit="file", file=sys.stderr, disable=not sys.stderr.isatty()):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
 
 
 def load_model(

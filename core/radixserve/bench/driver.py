@@ -30,10 +30,12 @@ class Arrivals:
             raise ValueError(f"max_concurrency: must be >= 1, got {self.max_concurrency}")
 
     def delays(self, count: int) -> list[float]:
-        """Gaps between successive sends: exponential with mean 1/rate, so arrivals are Poisson."""
-        if math.isinf(self.request_rate):
+        """The wait before each send: none before the first (the run starts with it),
+        then exponential gaps with mean 1/rate, so arrivals are Poisson."""
+        if math.isinf(self.request_rate) or count == 0:
             return [0.0] * count
-        return np.random.default_rng([self.seed, 2]).exponential(1.0 / self.request_rate, size=count).tolist()
+        gaps = np.random.default_rng([self.seed, 2]).exponential(1.0 / self.request_rate, size=count - 1)
+        return [0.0, *gaps.tolist()]
 
 
 async def run_requests(requests: list[BenchRequest], send: Send, arrivals: Arrivals,

@@ -120,9 +120,10 @@ class _Request(BaseModel):
         for name, why in cls.refused_extras.items():
             if data.get(name) is not None:
                 raise unsupported(name, why)
-        unknown = sorted(k for k in data if k not in cls.model_fields)
-        if unknown:
-            logger.debug("%s: ignoring fields the API does not define: %s", cls.__name__, unknown)
+        if logger.isEnabledFor(logging.DEBUG):
+            unknown = sorted(k for k in data if k not in cls.model_fields)
+            if unknown:
+                logger.debug("%s: ignoring fields the API does not define: %s", cls.__name__, unknown)
         if cls.null_means_unset:
             data = {k: v for k, v in data.items() if v is not None}
         return data
