@@ -16,7 +16,14 @@ import torch
 from torch.utils import benchmark
 
 from radixserve.registry import get_registry
-from radixserve.testing.conformance import AttentionCase, MoECase, make_attention_inputs, make_moe_inputs
+from radixserve.testing.conformance import (
+    AttentionCase,
+    ElementwiseCase,
+    MoECase,
+    make_attention_inputs,
+    make_elementwise_inputs,
+    make_moe_inputs,
+)
 
 ATTENTION_SHAPES = [
     AttentionCase("decode B64 ctx1024", "decode", 16, 32, 8, 128, (1023,) * 64, (1,) * 64),
@@ -28,8 +35,22 @@ MOE_SHAPES = [
     MoECase("moe T64 E64 k8", 64, 2048, 768, 64, 8, True),
     MoECase("moe T1024 E64 k8", 1024, 2048, 768, 64, 8, True),
 ]
+# Llama-3.1-8B's shapes: hidden 4096, 32 heads / 8 KV heads of 128, intermediate 14336
+ELEMENTWISE_SHAPES = [
+    ElementwiseCase("rmsnorm+res T64 H4096", "rms_norm", 64, hidden=4096, residual=True),
+    ElementwiseCase("rmsnorm+res T4096 H4096", "rms_norm", 4096, hidden=4096, residual=True),
+    ElementwiseCase("rotary T64 32+8 heads", "rotary", 64, heads=32, kv_heads=8, head_dim=128, strided=True),
+    ElementwiseCase("rotary T4096 32+8 heads", "rotary", 4096, heads=32, kv_heads=8, head_dim=128, strided=True),
+    ElementwiseCase("silu_and_mul T64 I14336", "silu_and_mul", 64, hidden=14336),
+    ElementwiseCase("silu_and_mul T4096 I14336", "silu_and_mul", 4096, hidden=14336),
+]
 QUICK_ATTENTION = [AttentionCase("decode B4 ctx64", "decode", 16, 8, 2, 64, (63,) * 4, (1,) * 4)]
 QUICK_MOE = [MoECase("moe T8 E8 k2", 8, 64, 96, 8, 2, True)]
+QUICK_ELEMENTWISE = [
+    ElementwiseCase("rmsnorm+res T4 H256", "rms_norm", 4, hidden=256, residual=True),
+    ElementwiseCase("rotary T4 4+2 heads", "rotary", 4, heads=4, kv_heads=2, head_dim=64, strided=True),
+    ElementwiseCase("silu_and_mul T4 I256", "silu_and_mul", 4, hidden=256),
+]
 
 
 def time_call(fn, min_run_time: float) -> float:
@@ -75,6 +96,23 @@ def main() -> None:
             backend = registry.select("moe", case.query(args.device, dtype), name)(case.query(args.device, dtype))
             times.append(time_call(lambda backend=backend: backend.forward(hidden, logits, w13, w2, routing), min_time))
         report(case.name, times)
+
+    for case in QUICK_ELEMENTWISE if args.quick else ELEMENTWISE_SHAPES:
+        inputs = make_elementwise_inputs(case, dtype, device)  # in-place ops just keep working on their outputs
+        times = []
+        for name in names:
+            backend = registry.select("elementwise", case.query(args.device, dtype), name)(case.query(args.device, dtype))
+            times.append(time_call(lambda backend=backend: elementwise_call(backend, case, inputs), min_time))
+        report(case.name, times)
+
+
+def elementwise_call(backend, case: ElementwiseCase, inputs: dict) -> None:
+    if case.op == "rms_norm":
+        backend.rms_norm(inputs["x"], inputs["weight"], case.eps, inputs["residual"])
+    elif case.op == "rotary":
+        backend.apply_rotary(inputs["q"], inputs["k"], inputs["positions"], inputs["cos_sin_cache"], case.neox_style)
+    else:
+        backend.silu_and_mul(inputs["x"])
 
 
 def report(name: str, times: list[float]) -> None:

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One command for a machine with an NVIDIA GPU: install the CUDA platform plugin,
-# run the GPU-marked tests (conformance kit + end-to-end generation on cuda) and
-# time the Triton kernels against the torch reference.
+# run every GPU-marked test (conformance kits, end-to-end generation on cuda, and
+# the FlashInfer backend when flashinfer is installed: pip install
+# 'radixserve-plugin-cuda[flashinfer]'), time the Triton kernels against the torch
+# reference, then the whole-engine GPU benchmark (docs/benchmarks.md, P6).
 #   bash scripts/gpu_check.sh            (from the repository root)
 set -euo pipefail
 python -m pip install -q -e ".[dev]" -e hardware/cuda
-python -m pytest -q -m cuda -rs tests/test_cuda.py
+python -m pytest -q -m cuda -rs tests/
 python benchmarks/bench_kernels.py --device cuda
+python benchmarks/bench_gpu.py --json

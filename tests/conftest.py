@@ -29,3 +29,16 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 def tiny_llama_dir(tiny_model_factory: Callable[..., Path]) -> Path:
     """The default tiny Llama with its tokenizer."""
     return tiny_model_factory(arch="llama")
+
+
+# -- cpu_paged attention (plugins/radixserve_torch/attention_cpu_paged.py) ----
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_paged_kernel_built() -> None:
+    """Build (first run on a machine) or load the cpu_paged kernel once, before any
+    test starts a server or scheduler that would pick it (it is the cpu default)."""
+    from radixserve_torch.attention_cpu_paged import load_kernel, missing_tools
+
+    if not missing_tools():
+        load_kernel()

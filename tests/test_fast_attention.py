@@ -2,7 +2,8 @@
 
 The conformance kit against torch_native (every dtype, page sizes 1 and 16,
 prefixes, GQA 1-8, head dims 64/128, plus batches large and ragged enough to be
-split into several buckets); ``auto`` picks it on cpu; whole generations give
+split into several buckets); ``auto`` picks it on cpu when cpu_paged cannot
+build (no C++ compiler); whole generations give
 the same greedy tokens as torch_native."""
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def test_bucketed_cases_really_use_several_buckets(case):
     assert [b.seq_len for b in buckets] == [max(seq_lens[i] for i in order[b.start:b.end]) for b in buckets]
 
 
-def test_auto_selects_it_on_cpu():
+def test_auto_selects_it_on_cpu_without_a_cpp_compiler(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-c++-compiler")  # cpu_paged (priority 7) needs one
     registry = get_registry()
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         query = KernelQuery(device="cpu", dtype=dtype, head_dim=64, num_heads=16, num_kv_heads=8)

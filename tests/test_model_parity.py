@@ -59,11 +59,12 @@ SPECS: dict[str, dict] = {
 }
 
 
-def load(path: Path, dtype: torch.dtype = torch.float32, quantization: Optional[str] = None) -> tuple[nn.Module, ModelContext]:
+def load(path: Path, dtype: torch.dtype = torch.float32, quantization: Optional[str] = None,
+         gemm: str = "auto") -> tuple[nn.Module, ModelContext]:
     registry = get_registry()
     config = load_config(path)
     query = model_kernel_query(config, "cpu", dtype, page_size=PAGE_SIZE, quantization=quantization)
-    ctx = ModelContext.create(registry, query, CPU, quantization=quantization)
+    ctx = ModelContext.create(registry, query, CPU, gemm=gemm, quantization=quantization)
     model, _ = load_model(path, ctx, registry, config=config)
     return model, ctx
 
@@ -242,7 +243,7 @@ def test_sharded_checkpoint_has_several_files(tiny_model_factory):
 
 def test_missing_and_unexpected_weights_fail_loudly(tiny_model_factory):
     path = tiny_model_factory(with_tokenizer=False, **SPECS["llama"])
-    model, _ = load(path)
+    model, _ = load(path, gemm="torch")  # loads again into dense weights (onednn packs them after loading)
     weights = [(n, t) for n, t in iterate_weights(path) if n != "model.layers.1.self_attn.k_proj.weight"]
     with pytest.raises(CheckpointMismatchError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.weight shards \['k'\]"):
         model.load_weights(weights)
@@ -273,8 +274,10 @@ def test_bf16_load(tiny_model_factory):
 
 def test_int8_equals_dequantized_reference(tiny_model_factory):
     path = tiny_model_factory(with_tokenizer=False, **SPECS["qwen3-moe"])
-    quantized, qctx = load(path, quantization="int8")
-    reference, rctx = load(path)
+    # One GEMM for both; the reference's dense weights are overwritten below, so
+    # not packed by onednn.
+    quantized, qctx = load(path, quantization="int8", gemm="torch")
+    reference, rctx = load(path, gemm="torch")
     assert type(qctx.quant).name == "int8"
     for q_layer, r_layer in zip(linear_layers(quantized), linear_layers(reference)):
         assert q_layer.qweight.dtype == torch.int8 and "weight" not in dict(q_layer.named_parameters())
@@ -312,10 +315,14 @@ def test_rotary_matches_hf(rope):
 
     config = tiny_config("llama", rope_scaling=rope, max_position_embeddings=256)
     positions = torch.tensor([0, 1, 7, 63, 64, 200, 255])
-    cos, sin = RotaryEmbedding(config, 16)(positions, torch.float32)
+    ctx = ModelContext.create(get_registry(), KernelQuery(device="cpu", dtype=torch.float32), CPU)
+    table = RotaryEmbedding(config, 16, ctx).cos_sin_cache
+    assert table.shape == (256, 16)
+    cos, sin = table[positions].chunk(2, dim=-1)
     ref_cos, ref_sin = LlamaRotaryEmbedding(config)(torch.zeros(1), positions[None])
-    torch.testing.assert_close(cos[:, 0], ref_cos[0], rtol=0, atol=0)
-    torch.testing.assert_close(sin[:, 0], ref_sin[0], rtol=0, atol=0)
+    # HF repeats the 8 frequencies over the two halves of the head
+    torch.testing.assert_close(torch.cat((cos, cos), -1), ref_cos[0], rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat((sin, sin), -1), ref_sin[0], rtol=0, atol=0)
 
 
 def _rank_ctx(tp_rank: int, tp_size: int) -> ModelContext:

@@ -63,7 +63,7 @@ def test_torch_plugin_found_through_entry_point():
     report = PluginRegistry().report()
     torch_plugin = next(p for p in report["plugins"] if p["name"] == "torch")
     assert torch_plugin["distribution"] == "radixserve"
-    assert torch_plugin["registered"]["attention"] == ["torch_native", "torch_varlen"]
+    assert torch_plugin["registered"]["attention"] == ["torch_native", "torch_varlen", "cpu_paged"]
     assert {"none", "int8"} <= set(torch_plugin["registered"]["quantization"])
     cpu = next(row for row in report["backends"]["platform"] if row["name"] == "cpu")
     assert cpu == {"name": "cpu", "plugin": "torch", "priority": 0, "usable": True, "reasons": []}
@@ -78,7 +78,7 @@ def test_registered_plugin_backend_selected_by_name_and_by_priority():
     fp16 = KernelQuery(device="cpu", dtype=torch.float16, head_dim=64, num_heads=4, num_kv_heads=2)
     assert registry.select("attention", fp16) is Fp16OnlyAttention
     registry.unregister_plugin("test-attention")
-    assert registry.select("attention", QUERY).name == "torch_varlen"  # the torch plugin's fast path (priority 5)
+    assert registry.select("attention", QUERY).name == "cpu_paged"  # the torch plugin's fast path (priority 7)
 
 
 def test_forcing_an_unsupported_backend_names_the_reason():
@@ -158,8 +158,8 @@ def test_device_resolution_is_loud(monkeypatch):
     monkeypatch.setenv("RADIXSERVE_PLUGINS", "torch")
     assert PluginRegistry().resolve_platform("auto").name == "cpu"
     monkeypatch.delenv("RADIXSERVE_PLUGINS")
-    with pytest.raises(PluginError, match=r"--device 'npu' is not a registered platform; available: .*cpu"):
-        registry.resolve_platform("npu")
+    with pytest.raises(PluginError, match=r"--device 'tpu' is not a registered platform; available: .*cpu"):
+        registry.resolve_platform("tpu")
 
 
 def test_device_auto_refuses_to_guess_when_a_plugin_failed():

@@ -94,11 +94,11 @@ def test_registered_through_entry_point_and_selection(no_interpreter, monkeypatc
     assert registry.candidates["attention"]["triton"].cls is TritonAttention
     info = registry.plugins["triton"]
     assert info.error is None and info.distribution == "radixserve"
-    assert info.registered == {"attention": ["triton"], "moe": ["triton"]}
+    assert info.registered == {"attention": ["triton"], "moe": ["triton"], "elementwise": ["triton"]}
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
-    # cpu without the opt-in: auto takes torch_varlen (torch's fast path), forcing triton says why not
-    assert registry.select("attention", ATTN_QUERY).name == "torch_varlen"
+    # cpu without the opt-in: auto takes cpu_paged (torch's fast path), forcing triton says why not
+    assert registry.select("attention", ATTN_QUERY).name == "cpu_paged"
     assert registry.select("moe", MOE_QUERY).name == "torch_native"
     with pytest.raises(PluginError, match="TRITON_INTERPRET=1"):
         registry.select("attention", ATTN_QUERY, "triton")
@@ -264,6 +264,7 @@ def _compile(fn, types: dict, constexprs: dict, target) -> dict:
 
 def _kernel_specs(dt: str):
     from radixserve_triton.ops import attention as A
+    from radixserve_triton.ops import elementwise as E
     from radixserve_triton.ops import moe as M
 
     p, i64, f32 = f"*{dt}", "*i64", "*fp32"
@@ -285,6 +286,17 @@ def _kernel_specs(dt: str):
         (M._moe_down_kernel,
          dict(Act=p, W2=p, Out=f32, TopkWeights=f32, SortedIds=i64, BlockExpert=i64, NumPadded=i64),
          dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, UPCAST=up)),
+        (E._rms_norm_kernel, dict(X=p, R=p, W=p, Out=p, eps="fp32"),
+         dict(HAS_RESIDUAL=True, BLOCK_ROWS=1, BLOCK=4096, ONE_BLOCK=True, RNE_BF16=False)),
+        (E._rms_norm_kernel, dict(X=p, R=p, W=p, Out=p, eps="fp32"),
+         dict(HAS_RESIDUAL=False, BLOCK_ROWS=32, BLOCK=128, ONE_BLOCK=True, RNE_BF16=False)),
+        (E._rms_norm_kernel, dict(X=p, R=p, W=p, Out=p, eps="fp32"),
+         dict(HAS_RESIDUAL=True, BLOCK_ROWS=1, BLOCK=8192, ONE_BLOCK=False, RNE_BF16=False)),
+        (E._rotary_kernel, dict(Q=p, K=p, Positions=i64, CosSin=p),
+         dict(HALF=64, BLOCK_ROWS=32, BLOCK_HALF=64, NEOX=True, RNE_BF16=False)),
+        (E._rotary_kernel, dict(Q=p, K=p, Positions=i64, CosSin=p),
+         dict(HALF=16, BLOCK_ROWS=64, BLOCK_HALF=16, NEOX=False, RNE_BF16=False)),
+        (E._silu_and_mul_kernel, dict(X=p, Out=p), dict(BLOCK=1024, RNE_BF16=False)),
     ]
 
 

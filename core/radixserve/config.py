@@ -41,7 +41,11 @@ class ServerArgs:
     attention_backend: str = _flag("attention backend name or auto (`radixserve plugins` lists them)", default="auto")
     gemm_backend: str = _flag("GEMM backend name or auto", default="auto")
     moe_backend: str = _flag("MoE backend name or auto (used by MoE models only)", default="auto")
+    elementwise_backend: str = _flag("elementwise kernels (RMSNorm + residual, rotary, SiLU-and-mul) backend name "
+                                     "or auto", default="auto")
     tp_size: int = _flag("tensor parallel size", default=1)
+    base_gpu_id: int = _flag("device index of the first rank: tensor-parallel rank i runs on device base_gpu_id + i, "
+                             "counted among the visible devices (after CUDA_VISIBLE_DEVICES and the like)", default=0)
     # memory and cache
     page_size: int = _flag("KV cache page size in tokens", default=1)
     max_total_tokens: Optional[int] = _flag("KV pool size in tokens (overrides mem_fraction_static)", default=None)
@@ -63,6 +67,13 @@ class ServerArgs:
         "run each step's scheduling and result handling after its forward instead of alongside the next one "
         "(unset: the platform decides; on by default on GPUs, off on the cpu platform)", default=None)
     decode_log_interval: int = _flag("log a scheduler stats line every N decode steps", default=40)
+    disable_graph: Optional[bool] = _flag(
+        "run decode steps eagerly instead of replaying device graphs captured at start-up (unset: graphs "
+        "wherever the platform and the attention backend can capture them)", default=None,
+        aliases=("--disable-cuda-graph",))
+    graph_max_bs: Optional[int] = _flag(
+        "largest decode batch replayed from a graph; larger ones run eagerly (unset: --max-running-requests)",
+        default=None, aliases=("--cuda-graph-max-bs",))
     # server
     host: str = _flag("HTTP host", default="127.0.0.1")
     port: int = _flag("HTTP port", default=30000)
@@ -112,6 +123,8 @@ class ServerArgs:
         if self.quantization == "auto":
             bad("quantization", "is never chosen automatically: leave it unset for none, or name a method "
                                 "(e.g. int8)")
+        if self.base_gpu_id < 0:
+            bad("base_gpu_id", f"must be >= 0, got {self.base_gpu_id}")
         if self.tp_size != 1:
             # The layers shard weights by rank already; running TP ranks as
             # processes (one scheduler per rank, torch.distributed) is not built yet.
@@ -119,6 +132,8 @@ class ServerArgs:
         for name in ("max_n", "max_stop_strings", "max_stop_chars"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.graph_max_bs is not None and self.graph_max_bs < 1:
+            bad("graph_max_bs", f"must be >= 1, got {self.graph_max_bs}")
         if self.decode_log_interval < 1:
             bad("decode_log_interval", f"must be >= 1, got {self.decode_log_interval}")
         if self.stream_interval < 1:
@@ -153,6 +168,7 @@ class ServerArgs:
         for f in dataclasses.fields(cls):
             # --model is the documented spelling; --model-path stays as an alias.
             flags = ["--model", "--model-path"] if f.name == "model_path" else ["--" + f.name.replace("_", "-")]
+            flags += f.metadata.get("aliases", ())  # e.g. SGLang's spelling of the same flag
             metavar = "MODEL" if f.name == "model_path" else None
             meta = dict(f.metadata)
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()

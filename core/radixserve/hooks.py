@@ -42,6 +42,12 @@ def register_moe_backends(register: Register) -> None:
 
 
 @hookspec
+def register_elementwise_backends(register: Register) -> None:
+    """Register :class:`radixserve.kernels.elementwise.ElementwiseBackend` subclasses
+    (RMSNorm with fused residual, rotary in place, SiLU-and-mul)."""
+
+
+@hookspec
 def register_quantization_methods(register: Register) -> None:
     """Register :class:`radixserve.kernels.quantization.QuantizationMethod` subclasses."""
 

@@ -90,6 +90,7 @@ def check_startup(args: ServerArgs) -> None:
 
 def _forced_backends(args: ServerArgs) -> dict[str, str]:
     return {"attention": args.attention_backend, "gemm": args.gemm_backend, "moe": args.moe_backend,
+            "elementwise": args.elementwise_backend,
             "quantization": args.quantization or "none"}
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import abc
 import contextlib
-from typing import ClassVar, Iterator
+from typing import Callable, ClassVar, Iterator, Optional
 
 import torch
 
@@ -49,3 +50,33 @@ class Platform:
     def forward_context(self) -> Iterator[None]:
         """Wraps every model step (autocast, stream or graph capture hooks)."""
         yield
+
+    def graph_backend(self, device: torch.device) -> Optional["GraphBackend"]:
+        """How this device records and replays a forward (CUDA graphs, HIP graphs
+        through the same torch API, ...); None: it cannot, and every step runs eagerly."""
+        return None
+
+
+# -- graph capture and replay (the platform's side; runtime/graph_runner.py drives it) --
+
+
+class DeviceGraph(abc.ABC):
+    """A recorded forward: replaying it reruns the same device work on the same
+    buffers, so new inputs go in by copying into the buffers it was captured on."""
+
+    @abc.abstractmethod
+    def replay(self) -> None:
+        """Launch the recorded work (asynchronously, like any device call)."""
+
+
+class GraphBackend(abc.ABC):
+    """Captures device graphs for one device; the graphs it makes may share a
+    memory pool, so capture the largest first and replay one at a time."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[DeviceGraph, torch.Tensor]:
+        """Record ``fn`` (warm-up runs first, where the device needs them) and return
+        the graph with ``fn``'s output tensor, which every replay rewrites in place.
+        ``fn`` must not synchronise with the host."""

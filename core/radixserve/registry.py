@@ -28,10 +28,11 @@ KIND_HOOKS: dict[str, str] = {
     "attention": "register_attention_backends",
     "gemm": "register_gemm_backends",
     "moe": "register_moe_backends",
+    "elementwise": "register_elementwise_backends",
     "quantization": "register_quantization_methods",
     "model": "register_models",
 }
-SELECTABLE_KINDS = ("attention", "gemm", "moe", "quantization")
+SELECTABLE_KINDS = ("attention", "gemm", "moe", "elementwise", "quantization")
 ALLOW_LIST_ENV = "RADIXSERVE_PLUGINS"
 TRACE_ENV = "RADIXSERVE_TRACE_PLUGINS"
 BUILTIN_MODELS_PLUGIN = "radixserve-models"

@@ -5,8 +5,10 @@ truth every other backend is tested against. Registered through the
 from radixserve.hooks import Register, hookimpl
 
 from radixserve_torch.attention import TorchNativeAttention
+from radixserve_torch.attention_cpu_paged import CpuPagedAttention
 from radixserve_torch.attention_varlen import TorchVarlenAttention
-from radixserve_torch.gemm import TorchGemm
+from radixserve_torch.elementwise import TorchNativeElementwise
+from radixserve_torch.gemm import OneDnnGemm, TorchGemm
 from radixserve_torch.moe import TorchNativeMoE
 from radixserve_torch.platform import CpuPlatform
 from radixserve_torch.quantization import Int8WeightOnly, NoQuantization
@@ -21,16 +23,23 @@ def register_platforms(register: Register) -> None:
 def register_attention_backends(register: Register) -> None:
     register(TorchNativeAttention)
     register(TorchVarlenAttention)
+    register(CpuPagedAttention)
 
 
 @hookimpl
 def register_gemm_backends(register: Register) -> None:
     register(TorchGemm)
+    register(OneDnnGemm)
 
 
 @hookimpl
 def register_moe_backends(register: Register) -> None:
     register(TorchNativeMoE)
+
+
+@hookimpl
+def register_elementwise_backends(register: Register) -> None:
+    register(TorchNativeElementwise)
 
 
 @hookimpl

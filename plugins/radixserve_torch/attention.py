@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from radixserve.forward_batch import ForwardBatch
 from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
+
+# Under graphs, decode reads each request's whole slot table row (it cannot know
+# the batch's longest context), so graphs are offered only while the captured
+# batch x context stays this small: this backend is the reference, for tests and
+# short contexts.
+_MAX_GRAPH_KEYS = 1 << 20
+
+
+@dataclass
+class _GraphDecodeMetadata:
+    """Static decode metadata of one captured batch size (views of the shared buffers)."""
+
+    slots: torch.Tensor  # [bs, max_context] each request's slot table row
+    mask: torch.Tensor  # [bs, max_context] position < seq_len
 
 
 class TorchNativeAttention(AttentionBackend):
@@ -33,15 +49,43 @@ class TorchNativeAttention(AttentionBackend):
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
-        max_len = max(batch.seq_lens_cpu)
-        slots = batch.req_to_token[batch.req_pool_indices, :max_len]  # [B, S]; padding points anywhere
-        positions = torch.arange(max_len, device=q.device)
-        mask = positions[None, :] < batch.seq_lens[:, None]  # [B, S]
+        meta = batch.attn_metadata
+        if isinstance(meta, _GraphDecodeMetadata):  # captured: whole rows, shapes fixed by the batch size
+            slots, mask = meta.slots, meta.mask
+        else:
+            max_len = max(batch.seq_lens_cpu)
+            slots = batch.req_to_token[batch.req_pool_indices, :max_len]  # [B, S]; padding points anywhere
+            positions = torch.arange(max_len, device=q.device)
+            mask = positions[None, :] < batch.seq_lens[:, None]  # [B, S]
         # index_select on the flat slot list is much faster than 2-D indexing.
         shape = (*slots.shape, *k_buf.shape[1:])  # [B, S, KVH, D]
         k = k_buf.index_select(0, slots.flatten()).view(shape).to(q.dtype)
         v = v_buf.index_select(0, slots.flatten()).view(shape).to(q.dtype)
         return _sdpa_batched(q, k, v, mask, layer)
+
+    # -- graph capture -------------------------------------------------------------
+
+    def graph_unsupported_reasons(self, max_bs: int, max_context: int) -> list[str]:
+        if max_bs * max_context > _MAX_GRAPH_KEYS:
+            return [f"torch_native reads every request's whole slot table row under graphs, and "
+                    f"{max_bs} requests x {max_context} tokens is above {_MAX_GRAPH_KEYS} "
+                    f"(lower --graph-max-bs or --context-length)"]
+        return []
+
+    def init_graph_state(self, max_bs: int, max_context: int, device: torch.device) -> None:
+        self._graph_slots = torch.zeros((max_bs, max_context), dtype=torch.int64, device=device)
+        self._graph_mask = torch.zeros((max_bs, max_context), dtype=torch.bool, device=device)
+        self._graph_positions = torch.arange(max_context, device=device)
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        bs = batch.batch_size
+        batch.attn_metadata = _GraphDecodeMetadata(self._graph_slots[:bs], self._graph_mask[:bs])
+        self.init_forward_metadata_replay(batch)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        meta: _GraphDecodeMetadata = batch.attn_metadata
+        torch.index_select(batch.req_to_token, 0, batch.req_pool_indices, out=meta.slots)
+        torch.lt(self._graph_positions[None, :], batch.seq_lens[:, None], out=meta.mask)
 
 
 def grouped_heads_reasons(query: KernelQuery) -> list[str]:

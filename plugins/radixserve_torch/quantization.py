@@ -17,6 +17,14 @@ class NoQuantization(QuantizationMethod):
         weight.weight_loader = weight_loader
         layer.register_parameter("weight", weight)
 
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        # The GEMM backend may repack the weight for its kernels (onednn does); it
+        # replaces the dense one, so the model holds one copy.
+        dense = layer.weight.data
+        prepared = self.gemm.prepare_weight(dense)
+        if prepared is not dense:
+            layer.weight = nn.Parameter(prepared, requires_grad=False)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return self.gemm.linear(x, layer.weight, bias)
 

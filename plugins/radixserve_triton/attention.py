@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -10,6 +11,7 @@ from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
 
 from radixserve_triton._env import device_reasons, dtype_reasons, interpreter_requested
+from radixserve_triton.config import DEFAULT_ATTENTION_CONFIG, AttentionKernelConfig
 
 MAX_HEAD_DIM = 256
 
@@ -37,6 +39,8 @@ class TritonAttention(AttentionBackend):
 
     name = "triton"
     priority = 10
+    # Block sizes and num_warps of every launch; hardware plugins subclass with their own.
+    kernel_config: ClassVar[AttentionKernelConfig] = DEFAULT_ATTENTION_CONFIG
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
@@ -75,7 +79,7 @@ class TritonAttention(AttentionBackend):
         splits = 1
         if batch.mode is ForwardMode.DECODE:
             num_kv_heads = batch.kv_pool.k_buffers[0].shape[1]
-            splits = self._kernels.choose_num_kv_splits(len(seq_lens), num_kv_heads, max_seq)
+            splits = self._kernels.choose_num_kv_splits(len(seq_lens), num_kv_heads, max_seq, self.kernel_config)
         return TritonAttentionMetadata(
             mode=batch.mode,
             max_seq_len=max_seq,
@@ -90,9 +94,37 @@ class TritonAttention(AttentionBackend):
             meta = batch.attn_metadata = self._metadata(batch)
         return meta
 
+    # -- graph capture ----------------------------------------------------------------
+    # Decode reads seq_lens, req_pool_indices and req_to_token from the device, so
+    # the only per-batch choice is the number of KV splits: fixed per captured
+    # size for the longest possible context (each request then cuts its own keys
+    # into that many ranges in the kernel; short ones leave some empty).
+
+    def graph_unsupported_reasons(self, max_bs: int, max_context: int) -> list[str]:
+        return []
+
+    def init_graph_state(self, max_bs: int, max_context: int, device: torch.device) -> None:
+        self._graph_context = max_context
+        self._graph_token_index = torch.arange(max_bs, device=device)  # decode: request i's token is token i
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        bs = batch.batch_size
+        num_kv_heads = batch.kv_pool.k_buffers[0].shape[1]
+        batch.attn_metadata = TritonAttentionMetadata(
+            mode=ForwardMode.DECODE,
+            max_seq_len=self._graph_context,
+            max_extend_len=1,
+            extend_start=self._graph_token_index[:bs],
+            num_kv_splits=self._kernels.choose_num_kv_splits(bs, num_kv_heads, self._graph_context,
+                                                             self.kernel_config),
+        )
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        """Nothing to refresh: the captured metadata holds for every batch of its size."""
+
     def forward(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         k_cache, v_cache = batch.kv_pool.get_kv(layer.layer_id)
-        self._kernels.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc)
+        self._kernels.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc, self.kernel_config)
         if batch.mode is ForwardMode.DECODE:
             return self.forward_decode(q, layer, batch)
         return self.forward_extend(q, layer, batch)
@@ -103,6 +135,7 @@ class TritonAttention(AttentionBackend):
         return self._kernels.extend_attention(
             q, k_cache, v_cache, batch.req_to_token, batch.req_pool_indices,
             batch.prefix_lens, batch.extend_lens, meta.extend_start, meta.max_extend_len, layer.scaling,
+            config=self.kernel_config,
         )
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
@@ -110,5 +143,5 @@ class TritonAttention(AttentionBackend):
         k_cache, v_cache = batch.kv_pool.get_kv(layer.layer_id)
         return self._kernels.decode_attention(
             q, k_cache, v_cache, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-            layer.scaling, num_kv_splits=meta.num_kv_splits,
+            layer.scaling, num_kv_splits=meta.num_kv_splits, config=self.kernel_config,
         )

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from radixserve.kernels import KernelQuery, MoEBackend, MoERouting, route
 
 from radixserve_triton._env import device_reasons, dtype_reasons, interpreter_requested
+from radixserve_triton.config import DEFAULT_MOE_CONFIG, MoEKernelConfig
 
 
 class TritonMoE(MoEBackend):
@@ -17,6 +20,8 @@ class TritonMoE(MoEBackend):
 
     name = "triton"
     priority = 10
+    # Block sizes and num_warps of every launch; hardware plugins subclass with their own.
+    kernel_config: ClassVar[MoEKernelConfig] = DEFAULT_MOE_CONFIG
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
@@ -43,4 +48,4 @@ class TritonMoE(MoEBackend):
 
     def forward(self, hidden, router_logits, w13, w2, routing: MoERouting) -> torch.Tensor:
         weights, ids = route(router_logits, routing)
-        return self._kernels.fused_moe(hidden, w13, w2, weights, ids)
+        return self._kernels.fused_moe(hidden, w13, w2, weights, ids, self.kernel_config)

@@ -7,6 +7,7 @@ running request, or the radix cache.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -45,8 +46,28 @@ class ReqToTokenPool:
         self.token_ids.index_put_((rows, positions), token_ids)
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """How the KV pool lays out each layer's K and V buffer in memory. The attention
+    backend declares the one it reads (``AttentionBackend.kv_layout``) and the
+    runner builds the pool with it.
+
+    Token-major (``head_major=False``, the default): ``[slots, kv_heads, head_dim]``
+    with ``slot = page * page_size + offset``, the same memory as
+    ``[num_pages + 1, page_size, kv_heads, head_dim]`` (FlashInfer's NHD pages,
+    torch_npu's ``(blocknum, blocksize, H)``). Head-major (``head_major=True``):
+    ``[num_pages + 1, kv_heads, page_size, head_dim]``, each page holding one
+    head's tokens contiguously (torch_npu's ``(blocknum, KV_N, blocksize, D)``,
+    FlashInfer's HND). Slots and pages mean the same in both: only the order of
+    the bytes inside a page differs, so the allocator and caches never see it.
+    """
+
+    head_major: bool = False
+
+
 class KVPool:
-    """Per-layer K and V buffers of ``num_pages * page_size`` slots (page 0 reserved)."""
+    """Per-layer K and V buffers of ``num_pages * page_size`` slots (page 0 reserved),
+    laid out as ``layout`` says."""
 
     def __init__(
         self,
@@ -57,15 +78,20 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        layout: KVLayout = KVLayout(),
     ):
         self.page_size = page_size
         self.num_pages = num_pages
         self.num_layers = num_layers
         self.dtype = dtype
         self.device = device
-        slots = (num_pages + 1) * page_size
-        self.k_buffers = [torch.zeros((slots, num_kv_heads, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros((slots, num_kv_heads, head_dim), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.layout = layout
+        if layout.head_major:
+            shape = (num_pages + 1, num_kv_heads, page_size, head_dim)
+        else:
+            shape = ((num_pages + 1) * page_size, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @property
     def size(self) -> int:
@@ -73,9 +99,30 @@ class KVPool:
         return self.num_pages * self.page_size
 
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's K and V as ``[slots, kv_heads, head_dim]`` (token-major pools only)."""
+        if self.layout.head_major:
+            raise ValueError("get_kv: this KV pool is head-major (KVLayout(head_major=True)); "
+                             "read it with get_kv_pages")
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
+    def get_kv_pages(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's K and V page by page, views of the buffers: token-major
+        ``[num_pages + 1, page_size, kv_heads, head_dim]``, head-major
+        ``[num_pages + 1, kv_heads, page_size, head_dim]``."""
+        k, v = self.k_buffers[layer_id], self.v_buffers[layer_id]
+        if self.layout.head_major:
+            return k, v
+        shape = (self.num_pages + 1, self.page_size, *k.shape[1:])
+        return k.view(shape), v.view(shape)
+
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` ``[n, kv_heads, head_dim]`` at slots ``loc`` ``[n]``."""
+        if self.layout.head_major:
+            page, offset = loc // self.page_size, loc % self.page_size
+            # [pages, kv_heads, page_size, d] indexed (page, :, offset) -> [n, kv_heads, d]
+            self.k_buffers[layer_id][page, :, offset] = k.to(self.dtype)
+            self.v_buffers[layer_id][page, :, offset] = v.to(self.dtype)
+            return
         # index_copy_ is a plain scatter; ``buf[loc] = x`` goes through index_put
         # and costs milliseconds per call on CPU.
         self.k_buffers[layer_id].index_copy_(0, loc, k.to(self.dtype))

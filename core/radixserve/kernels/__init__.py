@@ -2,6 +2,7 @@
 
 from radixserve.kernels.attention import AttentionBackend, AttentionLayerSpec
 from radixserve.kernels.base import Backend
+from radixserve.kernels.elementwise import ElementwiseBackend
 from radixserve.kernels.gemm import GemmBackend
 from radixserve.kernels.moe import MoEBackend, MoERouting, route
 from radixserve.kernels.quantization import QuantizationMethod
@@ -11,6 +12,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionLayerSpec",
     "Backend",
+    "ElementwiseBackend",
     "GemmBackend",
     "KernelQuery",
     "MoEBackend",

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
+from radixserve.cache.memory_pool import KVLayout
 from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.kernels.base import Backend
 from radixserve.kernels.query import KernelQuery
@@ -31,13 +33,49 @@ class AttentionBackend(Backend):
     Shapes: q ``[num_tokens, num_heads, head_dim]``, k/v
     ``[num_tokens, num_kv_heads, head_dim]``; returns
     ``[num_tokens, num_heads, head_dim]``.
+
+    Graph capture (decode only, see runtime/graph_runner.py): a backend that can
+    run a decode step with shapes fixed by the batch size alone and without
+    reading anything on the host answers ``graph_unsupported_reasons`` with no
+    reason and implements the three other ``*graph*`` hooks. The other backends
+    still serve; graphs are then off.
     """
+    # The KV pool layout this backend reads; the runner builds the pool with it
+    # (token-major by default, which every backend in the core reads).
+    kv_layout: ClassVar[KVLayout] = KVLayout()
 
     def __init__(self, query: KernelQuery):
         self.query = query
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Called once per step before the layers run; fill ``batch.attn_metadata``."""
+
+    def graph_unsupported_reasons(self, max_bs: int, max_context: int) -> list[str]:
+        """Why decode steps of up to ``max_bs`` requests of up to ``max_context``
+        tokens cannot be captured with this backend (empty: they can)."""
+        return [f"attention backend {self.name!r} has no graph capture hooks"]
+
+    def init_graph_state(self, max_bs: int, max_context: int, device: torch.device) -> None:
+        """Allocate the static metadata buffers that every captured batch size
+        shares, once, before the first capture. ``max_context`` is the width of
+        ``req_to_token``: no request is longer."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not support graph capture")
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        """``init_forward_metadata`` for the decode batch about to be captured at
+        size ``batch.batch_size``. Its tensors are views of the graph runner's
+        static buffers and its host lists (``seq_lens_cpu``, ...) are empty: set
+        ``batch.attn_metadata`` from static buffers only, so that what the graph
+        records stays valid for every batch of this size replayed later."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not support graph capture")
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        """Before each replay of the graph captured for ``batch.batch_size``: the
+        static buffers now hold the new batch, then padding rows (``seq_len`` 1,
+        request row 0, their K/V written to the reserved KV page 0; their outputs
+        are dropped). Refresh the static metadata in place from the device
+        tensors, with no host lists and no host sync."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not support graph capture")
 
     def forward(
         self,

@@ -14,6 +14,19 @@ class GemmBackend(Backend):
     def __init__(self, query: KernelQuery):
         self.query = query
 
+    def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """A weight in the form ``linear`` reads fastest, made once after loading.
+
+        Called by quantization methods that keep a dense ``[out, in]`` weight
+        (``none``) with the loaded weight; what it returns replaces that weight
+        in the layer, so the dense copy is freed. A backend that repacks (for
+        example into its library's blocked layout, so no call reorders it again)
+        returns the packed tensor; the default returns ``weight`` itself.
+        """
+        return weight
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x``: ``[..., in]``; ``weight``: ``[out, in]``; returns ``[..., out]``."""
+        """``x``: ``[..., in]``; ``weight``: ``[out, in]``, dense or as ``prepare_weight``
+        returned it (quantization methods that dequantize per call pass dense
+        weights); returns ``[..., out]``."""
         raise NotImplementedError

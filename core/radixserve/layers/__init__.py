@@ -15,7 +15,7 @@ from radixserve.layers.linear import (
 )
 from radixserve.layers.moe import FusedMoE, MoERouter
 from radixserve.layers.norm import RMSNorm
-from radixserve.layers.rotary import RotaryEmbedding, apply_rotary
+from radixserve.layers.rotary import RotaryEmbedding
 
 __all__ = [
     "ColumnParallelLinear",
@@ -31,6 +31,5 @@ __all__ = [
     "RotaryEmbedding",
     "RowParallelLinear",
     "VocabParallelEmbedding",
-    "apply_rotary",
     "linear_layers",
 ]

@@ -7,7 +7,14 @@ from typing import Any, Optional
 
 import torch
 
-from radixserve.kernels import AttentionBackend, GemmBackend, KernelQuery, MoEBackend, QuantizationMethod
+from radixserve.kernels import (
+    AttentionBackend,
+    ElementwiseBackend,
+    GemmBackend,
+    KernelQuery,
+    MoEBackend,
+    QuantizationMethod,
+)
 
 
 @dataclass
@@ -16,6 +23,7 @@ class ModelContext:
     gemm: GemmBackend
     quant: QuantizationMethod
     moe: Optional[MoEBackend]
+    elementwise: ElementwiseBackend  # norms, rotary, the MLP activation
     dtype: torch.dtype
     device: torch.device
     tp_rank: int = 0
@@ -33,6 +41,7 @@ class ModelContext:
         attention: str = "auto",
         gemm: str = "auto",
         moe: str = "auto",
+        elementwise: str = "auto",
         quantization: Optional[str] = None,
         tp_rank: int = 0,
         tp_size: int = 1,
@@ -49,6 +58,7 @@ class ModelContext:
             gemm=gemm_backend,
             quant=quant_cls(query, gemm_backend),
             moe=moe_backend,
+            elementwise=registry.select("elementwise", query, elementwise)(query),
             dtype=query.dtype,
             device=device,
             tp_rank=tp_rank,

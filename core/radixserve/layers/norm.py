@@ -1,27 +1,34 @@
-"""RMSNorm with HuggingFace's numerics: normalise in float32, cast back, then scale."""
+"""RMSNorm through ``ctx.elementwise``, with HuggingFace's numerics (see
+:class:`radixserve.kernels.ElementwiseBackend`): the residual add fused in,
+normalise in float32, cast back, then scale."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
 
+from radixserve.kernels.elementwise import NormResult
 from radixserve.layers.context import ModelContext
 
 
 class RMSNorm(nn.Module):
     """Normalises over the last dimension, so it serves both whole hidden states
-    ``[T, H]`` and per-head q/k norms ``[T, heads, head_dim]``."""
+    ``[T, H]`` and per-head q/k norms ``[T, heads, head_dim]``.
+
+    ``norm(x)`` returns the normalised tensor; ``norm(x, residual)`` first adds
+    ``x`` to the residual stream and returns ``(normed, new_residual)``, reusing
+    the storage of both inputs where the backend can (use only the results)."""
 
     def __init__(self, hidden_size: int, eps: float, ctx: ModelContext):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=ctx.dtype), requires_grad=False)
+        self.backend = ctx.elementwise
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> NormResult:
+        return self.backend.rms_norm(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

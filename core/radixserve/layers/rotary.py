@@ -1,8 +1,10 @@
 """Rotary position embedding (NeoX "rotate half" layout, as in HF Llama).
 
 Inverse frequencies come from transformers' own ``ROPE_INIT_FUNCTIONS`` so every
-scaling variant matches HuggingFace bit for bit; cos/sin are computed per step
-from the token positions exactly as HF computes them, with no length-limited cache.
+scaling variant matches HuggingFace bit for bit; the cos/sin table holds, for
+every position up to ``max_position_embeddings`` (the longest context a model
+serves), exactly the values HF computes per step. The rotation itself is the
+elementwise backend's ``apply_rotary`` (in place on q and k).
 
 Supported ``rope_type``: default, linear, llama3, yarn and dynamic. Dynamic NTK
 in HF rescales once a *batch* grows past ``max_position_embeddings``; within that
@@ -18,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+from radixserve.layers.context import ModelContext
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -46,28 +50,33 @@ def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor
     return inv_freq.float(), float(scaling)
 
 
+def rope_cos_sin_cache(inv_freq: torch.Tensor, attention_scaling: float, max_positions: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """``[max_positions, 2 * len(inv_freq)]``: per position, the cosines then the
+    sines of ``position * inv_freq``, scaled, in ``dtype``: the layout
+    :meth:`ElementwiseBackend.apply_rotary` reads. Every value is computed as HF
+    computes it per step (float32 angles, cos/sin, scale, cast), so the table
+    holds exactly HF's numbers."""
+    positions = torch.arange(max_positions, device=inv_freq.device, dtype=torch.int64)
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    return torch.cat(((freqs.cos() * attention_scaling).to(dtype), (freqs.sin() * attention_scaling).to(dtype)), dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int):
+    """Rotates q and k in place through ``ctx.elementwise`` with a cos/sin table
+    of every position the model serves (``max_position_embeddings``). One
+    instance is shared by all layers of a model."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, ctx: ModelContext):
         super().__init__()
-        inv_freq, self.attention_scaling = rope_inv_freq(config, head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        inv_freq, attention_scaling = rope_inv_freq(config, head_dim)
+        cache = rope_cos_sin_cache(inv_freq, attention_scaling, config.max_position_embeddings, ctx.dtype)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.backend = ctx.elementwise
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, head_dim]`` in ``dtype`` for positions ``[T]``."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(dtype)
-        sin = (emb.sin() * self.attention_scaling).to(dtype)
-        return cos[:, None, :], sin[:, None, :]
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotate q ``[T, heads, D]`` and k ``[T, kv_heads, D]`` for ``positions`` ``[T]``, in place."""
+        self.backend.apply_rotary(q, k, positions, self.cos_sin_cache, neox_style=True)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q ``[T, heads, D]`` and k ``[T, kv_heads, D]`` by cos/sin ``[T, 1, D]``."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def extra_repr(self) -> str:
+        return f"max_positions={self.cos_sin_cache.shape[0]}, rotary_dim={self.cos_sin_cache.shape[1]}"

@@ -3,7 +3,9 @@ Qwen3-MoE are small subclasses that change the attention options or the MLP.
 
 Numerics follow HuggingFace's modeling code step by step (residual adds in the
 model dtype, RMSNorm in float32, rotary cos/sin cast to the model dtype), so the
-logits match HF on the same weights.
+logits match HF on the same weights. The norms, the residual adds (fused into
+the norm that follows them), rotary and the MLP activation run through the
+elementwise backend (``ctx.elementwise``), so a plugin's kernels serve them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from radixserve.forward_batch import ForwardBatch
@@ -26,7 +27,6 @@ from radixserve.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    apply_rotary,
 )
 from radixserve.layers.context import ModelContext
 from radixserve.layers.weights import load_named_weights
@@ -65,7 +65,14 @@ class AttentionOptions:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: "PretrainedConfig", layer_id: int, ctx: ModelContext, options: AttentionOptions):
+    def __init__(
+        self,
+        config: "PretrainedConfig",
+        layer_id: int,
+        ctx: ModelContext,
+        options: AttentionOptions,
+        rotary_emb: RotaryEmbedding,
+    ):
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
@@ -76,16 +83,17 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, ctx)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, ctx)
         self.qk_norm = options.qk_norm
+        self.rotary_emb = rotary_emb  # shared by every layer
         self.attn = PagedAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, ctx)
 
-    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         p = self.qkv_proj
         q, k, v = p(hidden).split([p.q_size, p.kv_size, p.kv_size], dim=-1)
         q = q.reshape(-1, p.num_heads, p.head_dim)
         k = k.reshape(-1, p.num_kv_heads, p.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+        self.rotary_emb(batch.positions, q, k)  # in place
         return self.o_proj(self.attn(q, k, v, batch))
 
 
@@ -96,10 +104,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], ctx, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, ctx, bias=bias)
+        self.act = ctx.elementwise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -110,16 +118,27 @@ class LlamaDecoderLayer(nn.Module):
         ctx: ModelContext,
         options: AttentionOptions,
         mlp: nn.Module,
+        rotary_emb: RotaryEmbedding,
     ):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, ctx, options)
+        self.self_attn = LlamaAttention(config, layer_id, ctx, options, rotary_emb)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
 
-    def forward(self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, batch)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, hidden: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual stream)``: the residual add of each block is
+        fused into the norm that follows it (the next layer's input norm, or the
+        final norm). ``residual`` is None for the first layer."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, batch)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -128,14 +147,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
-        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.embed_tokens(batch.input_ids)
-        rope = self.rotary_emb(batch.positions, hidden.dtype)
+        hidden, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
-            hidden = layer(hidden, rope, batch)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, batch)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -164,8 +183,9 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         options = self.attention_options(config)
+        rotary_emb = RotaryEmbedding(config, head_dim_of(config), ctx)
         layers = (
-            LlamaDecoderLayer(config, i, ctx, options, self.make_mlp(config, i, ctx))
+            LlamaDecoderLayer(config, i, ctx, options, self.make_mlp(config, i, ctx), rotary_emb)
             for i in range(config.num_hidden_layers)
         )
         self.model = LlamaModel(config, ctx, layers)

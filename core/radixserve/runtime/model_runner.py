@@ -4,6 +4,8 @@ and runs one forward per step."""
 from __future__ import annotations
 
 import logging
+from typing import Optional
+
 import torch
 
 from radixserve.cache.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
@@ -12,17 +14,29 @@ from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.context import ModelContext
 from radixserve.model_loader import load_config, load_model, model_query_for_args
 from radixserve.registry import PluginRegistry
+from radixserve.runtime.graph_runner import GraphRunner
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_RUNNING_REQUESTS = 128
 
 
+def kv_pool_tokens(total_bytes: int, free_bytes: int, weight_bytes: int, fraction: float,
+                   bytes_per_token: int, max_tokens: int) -> int:
+    """KV pool size in tokens from the memory the platform reports, measured after
+    the weights are loaded: ``fraction`` of the device's total memory less the
+    weights, but at most 90% of what is free now (other processes may hold some),
+    and no more than ``max_tokens`` (every running request at full context)."""
+    budget = min(total_bytes * fraction - weight_bytes, free_bytes * 0.9)
+    return int(max(0, min(budget // bytes_per_token, max_tokens)))
+
+
 class ModelRunner:
     def __init__(self, args: ServerArgs, model_path: str, registry: PluginRegistry, tp_rank: int = 0):
         self.args = args
         self.platform = registry.resolve_platform(args.device)()
-        self.device = self.platform.device(tp_rank)
+        self.gpu_id = args.base_gpu_id + tp_rank  # the platform's device index of this rank
+        self.device = self.platform.device(self.gpu_id)
         hf_config = load_config(model_path)
         self.num_layers = hf_config.num_hidden_layers
         self.vocab_size = hf_config.vocab_size
@@ -30,9 +44,11 @@ class ModelRunner:
         self.dtype, self.kv_dtype = self.query.dtype, self.query.kv_dtype or self.query.dtype
         ctx = ModelContext.create(
             registry, self.query, self.device, attention=args.attention_backend, gemm=args.gemm_backend,
-            moe=args.moe_backend, quantization=args.quantization, tp_rank=tp_rank, tp_size=args.tp_size,
+            moe=args.moe_backend, elementwise=args.elementwise_backend, quantization=args.quantization,
+            tp_rank=tp_rank, tp_size=args.tp_size,
         )
-        self.backends = {"attention": ctx.attention.name, "gemm": ctx.gemm.name, "quantization": ctx.quant.name}
+        self.backends = {"attention": ctx.attention.name, "gemm": ctx.gemm.name,
+                         "elementwise": ctx.elementwise.name, "quantization": ctx.quant.name}
         if ctx.moe is not None:
             self.backends["moe"] = ctx.moe.name
         self.attention = ctx.attention
@@ -44,6 +60,7 @@ class ModelRunner:
             raise ValueError(f"context_length: {self.context_length} exceeds what the model supports "
                              f"({model_context})")
         self._init_memory()
+        self.graph_runner, self.graphs = self._init_graphs()
 
     def _init_memory(self) -> None:
         args, q = self.args, self.query
@@ -55,33 +72,62 @@ class ModelRunner:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
             weights += sum(b.numel() * b.element_size() for b in self.model.buffers())
             fraction = args.mem_fraction_static or self.platform.default_mem_fraction
-            # Weights are loaded already, so what is free now excludes them.
-            budget = min(self.platform.total_memory_bytes() * fraction - weights,
-                         self.platform.available_memory_bytes() * 0.9)
-            # No point in more slots than every running request at full context.
-            tokens = int(min(budget // per_token, max_running * self.context_length))
+            tokens = kv_pool_tokens(self.platform.total_memory_bytes(self.gpu_id),
+                                    self.platform.available_memory_bytes(self.gpu_id),
+                                    weights, fraction, per_token, max_running * self.context_length)
         num_pages = tokens // args.page_size
         if num_pages < 1:
             raise ValueError(f"max_total_tokens: the KV pool would hold no page of {args.page_size} tokens")
         self.max_running_requests = max_running
         self.req_to_token_pool = ReqToTokenPool(max_running + 1, self.context_length + args.page_size, self.device)
         self.kv_pool = KVPool(num_pages, args.page_size, self.num_layers, q.num_kv_heads, q.head_dim,
-                              self.kv_dtype, self.device)
+                              self.kv_dtype, self.device, layout=self.attention.kv_layout)
         self.allocator = PagedAllocator(num_pages, args.page_size, self.device)
         self.max_total_tokens = self.allocator.size
         logger.info("KV pool: %d tokens (%d pages of %d), %.1f MiB", self.max_total_tokens, num_pages,
                     args.page_size, self.max_total_tokens * per_token / 2**20)
 
+    # -- graphs (runtime/graph_runner.py) ---------------------------------------
+
+    def _init_graphs(self) -> tuple[Optional[GraphRunner], dict]:
+        """Capture the decode graphs, or say why not: ``disable_graph`` None means
+        wherever possible, False insists (an error if impossible), True is off."""
+        args = self.args
+        max_bs = min(args.graph_max_bs or self.max_running_requests, self.max_running_requests)
+        backend = None if args.disable_graph else self.platform.graph_backend(self.device)
+        if args.disable_graph:
+            reasons = ["--disable-graph"]
+        elif backend is None:
+            reasons = [f"platform {self.platform.name!r} has no graph capture"]
+        else:
+            reasons = self.attention.graph_unsupported_reasons(max_bs, self.req_to_token_pool.max_context_len)
+        if reasons:
+            if args.disable_graph is False:
+                raise ValueError(f"disable_graph: graphs were asked for, but {'; '.join(reasons)}")
+            logger.info("graphs: off (%s); decode steps run eagerly", "; ".join(reasons))
+            return None, {"backend": None, "reason": "; ".join(reasons)}
+        runner = GraphRunner(self.model, self.attention, backend, max_bs, self.req_to_token_pool.req_to_token,
+                             self.kv_pool, self.device)
+        with torch.inference_mode(), self.platform.forward_context():
+            runner.capture()
+        logger.info("graphs: %s captured for decode batch sizes %s in %.1f s", backend.name,
+                    ",".join(map(str, runner.batch_sizes)), runner.capture_seconds)
+        return runner, runner.summary()
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Float32 logits for ``batch.logits_indices``."""
+        """Float32 logits for ``batch.logits_indices``. A decode batch that the
+        graphs cover is replayed; its logits are then a view that the next
+        forward overwrites."""
         with self.platform.forward_context():
+            if self.graph_runner is not None and self.graph_runner.can_run(batch):
+                return self.graph_runner.replay(batch)
             self.attention.init_forward_metadata(batch)
             return self.model(batch)
 
     def summary(self) -> dict:
         return {
-            "device": self.platform.describe(),
+            "device": self.platform.describe(self.gpu_id),
             "platform": self.platform.name,
             "dtype": str(self.dtype).replace("torch.", ""),
             "kv_cache_dtype": str(self.kv_dtype).replace("torch.", ""),
@@ -89,6 +135,7 @@ class ModelRunner:
             "max_total_tokens": self.max_total_tokens,
             "context_length": self.context_length,
             "max_running_requests": self.max_running_requests,
+            "graphs": dict(self.graphs),
             "page_size": self.args.page_size,
             "vocab_size": self.vocab_size,
             "architecture": (self.hf_config.architectures or ["?"])[0],

@@ -147,6 +147,12 @@ class ServerState:
         logger.info("dtype %s, KV cache dtype %s; KV pool %d tokens (page size %d); context length %d; "
                     "max running requests %d", s["dtype"], s["kv_cache_dtype"], s["max_total_tokens"], s["page_size"],
                     s["context_length"], s["max_running_requests"])
+        graphs = s["graphs"]
+        if graphs["backend"]:
+            logger.info("decode graphs: %s for batch sizes %s, captured in %.1f s", graphs["backend"],
+                        graphs["batch_sizes"], graphs["capture_seconds"])
+        else:
+            logger.info("decode graphs: off (%s)", graphs["reason"])
         logger.info("chat template: %s", template.origin)
 
     def _on_runtime_death(self, reason: str) -> None:

@@ -1,45 +1,43 @@
-"""The CUDA platform. Imports only radixserve's public API and torch."""
+"""radixserve-plugin-cuda: NVIDIA GPUs. Imports only radixserve's public API and torch.
+
+What it registers (hookimpls below; the classes live in their own modules):
+
+* platform ``cuda`` (``platform.py``): NVML-based probing (no CUDA context in the
+  probing process), ``--base-gpu-id``, memory from ``torch.cuda.mem_get_info``,
+  ``nccl``; CUDA graphs (``graphs.py``);
+* quantization ``fp8`` and ``fp8_per_tensor`` (``fp8.py``): w8a8 through
+  ``torch._scaled_mm`` on compute capability >= 8.9;
+* attention ``flashinfer`` (``flashinfer_attention.py``, with the ``flashinfer`` extra).
+
+Attention and MoE otherwise come from radixserve's Triton plugin (``triton``,
+when triton is installed) or its torch plugin; GEMM from torch (cuBLAS). The
+platform is usable without triton.
+"""
 
 from __future__ import annotations
 
-import importlib.util
-
-import torch
-
 from radixserve.hooks import Register, hookimpl
-from radixserve.platform import Platform
 
+from radixserve_cuda.fp8 import Fp8W8A8, Fp8W8A8PerTensor
+from radixserve_cuda.platform import CudaPlatform
 
-class CudaPlatform(Platform):
-    name = "cuda"
-    priority = 100
-    torch_device_type = "cuda"
-    dist_backend = "nccl"
-    default_dtype = torch.bfloat16
-
-    @classmethod
-    def unavailable_reasons(cls) -> list[str]:
-        if getattr(torch.version, "cuda", None) is None:
-            return [f"torch {torch.__version__} is not a CUDA build"]
-        if importlib.util.find_spec("triton") is None:
-            return ["triton is not installed (pip install triton)"]
-        # Counts devices through the driver without creating a context.
-        if torch.cuda.device_count() == 0:
-            return ["no CUDA device is visible (check the driver and CUDA_VISIBLE_DEVICES)"]
-        return []
-
-    def total_memory_bytes(self, index: int = 0) -> int:
-        return torch.cuda.get_device_properties(index).total_memory
-
-    def available_memory_bytes(self, index: int = 0) -> int:
-        free, _ = torch.cuda.mem_get_info(index)
-        return free
-
-    def describe(self, index: int = 0) -> str:
-        props = torch.cuda.get_device_properties(index)
-        return f"cuda:{index} {props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor})"
+__all__ = ["CudaPlatform", "Fp8W8A8", "Fp8W8A8PerTensor"]
 
 
 @hookimpl
 def register_platforms(register: Register) -> None:
     register(CudaPlatform)
+
+
+@hookimpl
+def register_quantization_methods(register: Register) -> None:
+    register(Fp8W8A8)
+    register(Fp8W8A8PerTensor)
+
+
+@hookimpl
+def register_attention_backends(register: Register) -> None:
+    # The module imports flashinfer only when the backend is built.
+    from radixserve_cuda.flashinfer_attention import FlashInferAttention
+
+    register(FlashInferAttention)

@@ -28,10 +28,10 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve_triton.config import DEFAULT_ATTENTION_CONFIG, AttentionKernelConfig
 from radixserve_triton.ops.common import INTERPRETED, cast_to, mma, next_pow2, rne_bf16, upcast_dots
 
 LOG2E = 1.4426950408889634
-_NUM_WARPS = 4
 
 
 # --------------------------------------------------------------------------
@@ -64,7 +64,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor) -> None:
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    loc: torch.Tensor,
+    config: AttentionKernelConfig = DEFAULT_ATTENTION_CONFIG,
+) -> None:
     """``k_cache[loc] = k; v_cache[loc] = v`` (k/v ``[T, KVH, D]``, caches ``[S, KVH, D]``)."""
     num_tokens = k.shape[0]
     if num_tokens == 0:
@@ -72,7 +79,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     k, v = _rows(k), _rows(v)
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     head_dim = k.shape[2]
-    block_t = 16
+    block_t = config.store_block_t
     grid = (triton.cdiv(num_tokens, block_t), k.shape[1])
     _store_kv_kernel[grid](
         k, v, k_cache, v_cache, loc,
@@ -81,7 +88,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_D=next_pow2(head_dim, 1),
         RNE_BF16=rne_bf16(k_cache.dtype) and k.dtype != k_cache.dtype,
-        num_warps=_NUM_WARPS,
+        **config.launch_options(),
     )
 
 
@@ -181,11 +188,12 @@ def _decode_merge_kernel(
     tl.store(Out + b.to(tl.int64) * stride_ot + head * stride_oh + d, cast_to(out, Out.dtype.element_ty, RNE_BF16), mask=d_mask)
 
 
-def choose_num_kv_splits(batch_size: int, num_kv_heads: int, max_seq_len: int) -> int:
+def choose_num_kv_splits(
+    batch_size: int, num_kv_heads: int, max_seq_len: int, config: AttentionKernelConfig = DEFAULT_ATTENTION_CONFIG
+) -> int:
     """Split long sequences across programs when the batch alone cannot fill the
-    device; each split keeps at least 128 keys."""
-    programs = max(1, batch_size * num_kv_heads)
-    return max(1, min(16, triton.cdiv(256, programs), triton.cdiv(max_seq_len, 128)))
+    device; each split keeps at least ``config.min_keys_per_split`` keys."""
+    return config.num_kv_splits(batch_size, num_kv_heads, max_seq_len)
 
 
 def decode_attention(
@@ -198,6 +206,7 @@ def decode_attention(
     scaling: float,
     num_kv_splits: int = 1,
     out: torch.Tensor | None = None,
+    config: AttentionKernelConfig = DEFAULT_ATTENTION_CONFIG,
 ) -> torch.Tensor:
     """``q`` ``[B, H, D]`` (one token per request) -> ``[B, H, D]``."""
     q = _rows(q)
@@ -213,7 +222,7 @@ def decode_attention(
     splits = max(1, int(num_kv_splits))
     partial_o = torch.empty((batch, num_heads, splits, block_d), dtype=torch.float32, device=q.device)
     partial_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
-    block_n = 64 if head_dim <= 128 else 32
+    block_n = config.decode_block_n_for(head_dim)
     _decode_partial_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
         partial_o, partial_lse,
@@ -226,7 +235,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_H=next_pow2(group), BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=splits, UPCAST=upcast_dots(q.dtype), RNE_BF16=rne_bf16(q.dtype),
-        num_warps=_NUM_WARPS,
+        **config.launch_options(decode=True),
     )
     _decode_merge_kernel[(batch, num_heads)](
         partial_o, partial_lse, out,
@@ -235,7 +244,7 @@ def decode_attention(
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d,
         NUM_SPLITS=splits, BLOCK_S=next_pow2(splits, 1), RNE_BF16=rne_bf16(out.dtype),
-        num_warps=_NUM_WARPS,
+        **config.launch_options(decode=True),
     )
     return out
 
@@ -311,6 +320,7 @@ def extend_attention(
     max_extend_len: int,
     scaling: float,
     out: torch.Tensor | None = None,
+    config: AttentionKernelConfig = DEFAULT_ATTENTION_CONFIG,
 ) -> torch.Tensor:
     """``q`` ``[T, H, D]`` (the new tokens of all requests, in request order) -> ``[T, H, D]``.
 
@@ -324,10 +334,8 @@ def extend_attention(
     if num_tokens == 0 or batch == 0:
         return out
     assert req_to_token.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
-    block_m = 32
-    block_n = 64 if head_dim <= 128 else 32
-    if q.dtype == torch.float32 and head_dim > 128:
-        block_n = 16  # keeps shared memory under ~100 KB (sm_86/89 limit) for fp32 at head_dim 256
+    block_m = config.extend_block_m
+    block_n = config.extend_block_n_for(head_dim, q.dtype)
     grid = (batch, num_heads, triton.cdiv(max(1, max_extend_len), block_m))
     _extend_kernel[grid](
         q, k_cache, v_cache, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start,
@@ -339,7 +347,7 @@ def extend_attention(
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim),
         UPCAST=upcast_dots(q.dtype), RNE_BF16=rne_bf16(out.dtype),
-        num_warps=_NUM_WARPS,
+        **config.launch_options(),
     )
     return out
 

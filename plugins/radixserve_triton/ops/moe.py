@@ -22,9 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve_triton.config import DEFAULT_MOE_CONFIG, MoEKernelConfig
 from radixserve_triton.ops.common import cast_to, mma, rne_bf16, upcast_dots
-
-_NUM_WARPS = 4
 
 
 def align_assignments(ids: torch.Tensor, num_experts: int, block_m: int):
@@ -121,19 +120,13 @@ def _moe_down_kernel(
     tl.store(Out + rows[:, None] * stride_ot + n[None, :], acc, mask=row_mask[:, None] & n_mask[None, :])
 
 
-def _blocks(num_assignments: int, num_experts: int) -> tuple[int, int, int]:
-    # Few rows per expert (decode) -> small M blocks; large batches -> bigger.
-    per_expert = num_assignments / max(1, num_experts)
-    block_m = 16 if per_expert <= 16 else (32 if per_expert <= 64 else 64)
-    return block_m, 64, 32
-
-
 def fused_moe(
     hidden: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    config: MoEKernelConfig = DEFAULT_MOE_CONFIG,
 ) -> torch.Tensor:
     """``hidden`` ``[T, H]``, ``w13`` ``[E, 2I, H]``, ``w2`` ``[E, H, I]``,
     ``topk_weights`` float32 ``[T, k]``, ``topk_ids`` ``[T, k]`` -> ``[T, H]``."""
@@ -147,7 +140,8 @@ def fused_moe(
     w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     num_assignments = num_tokens * top_k
-    block_m, block_n, block_k = _blocks(num_assignments, num_experts)
+    # Few rows per expert (decode) -> small M blocks; large batches -> bigger.
+    block_m, block_n, block_k = config.blocks(num_assignments, num_experts, hidden.dtype)
     sorted_ids, block_expert, num_padded = align_assignments(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty((num_assignments, inter), dtype=hidden.dtype, device=hidden.device)
@@ -160,14 +154,14 @@ def fused_moe(
         num_assignments, top_k, hidden_size, inter,
         hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, RNE_BF16=rne_bf16(act.dtype),
-        num_warps=_NUM_WARPS,
+        **config.launch_options(),
     )
     _moe_down_kernel[(m_blocks, triton.cdiv(hidden_size, block_n))](
         act, w2, out, weights, sorted_ids, block_expert, num_padded,
         num_assignments, hidden_size, inter,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast,
-        num_warps=_NUM_WARPS,
+        **config.launch_options(),
     )
     return out.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
 

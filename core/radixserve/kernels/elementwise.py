@@ -1,0 +1,81 @@
+"""Fused elementwise ops of a decoder layer: RMSNorm (with the residual add fused
+in), rotary embedding applied in place, and SiLU-and-mul.
+
+One backend object serves every layer of a model. The semantics are
+HuggingFace's, so that a model built from these ops generates what transformers
+does:
+
+- ``rms_norm``: with ``residual``, first ``residual = x + residual`` in the model
+  dtype; then normalise in float32 (``x * rsqrt(mean(x^2) + eps)``), cast back
+  to the model dtype, and multiply by ``weight``.
+- ``apply_rotary``: ``cos_sin_cache[p]`` holds ``cos(p * f_i)`` for the
+  ``rotary_dim / 2`` frequencies ``f_i``, then ``sin(p * f_i)`` (already scaled
+  and rounded to the model dtype; :func:`radixserve.layers.rotary.rope_cos_sin_cache`
+  builds it). Pair ``i`` of a head, ``(x1, x2)``, becomes
+  ``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``. NeoX style pairs ``x[i]`` with
+  ``x[i + rotary_dim / 2]`` (HF Llama's "rotate half"); otherwise (GPT-J style)
+  ``x[2i]`` with ``x[2i + 1]``. Only the first ``rotary_dim`` dims of each head
+  turn (partial rotary); the rest are left alone.
+- ``silu_and_mul``: ``silu(x[..., :I]) * x[..., I:]``, as ``act(gate) * up``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from radixserve.kernels.base import Backend
+from radixserve.kernels.query import KernelQuery
+
+NormResult = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
+class ElementwiseBackend(Backend):
+    """The ``elementwise`` kernel kind (``--elementwise-backend``).
+
+    Selection looks at ``query.device`` and ``query.dtype`` (and may look at
+    ``query.head_dim`` for rotary). Implementations must not synchronise with
+    the host (they run inside captured graphs).
+    """
+
+    def __init__(self, query: KernelQuery):
+        self.query = query
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: Optional[torch.Tensor] = None,
+    ) -> NormResult:
+        """RMSNorm over the last dimension of ``x`` ``[..., H]`` (``weight`` ``[H]``).
+
+        Without ``residual``: returns a new tensor and leaves ``x`` alone (it may
+        be a strided view, e.g. the q heads of a fused QKV output). With
+        ``residual`` (same shape as ``x``): returns ``(normed, x + residual)``;
+        the backend may reuse the storage of ``x`` and ``residual`` for them, so
+        the caller must use only the returned tensors afterwards.
+        """
+        raise NotImplementedError
+
+    def apply_rotary(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        neox_style: bool = True,
+    ) -> None:
+        """Rotate ``q`` ``[T, heads, D]`` and ``k`` ``[T, kv_heads, D]`` in place.
+
+        ``positions`` ``[T]`` (int64) index ``cos_sin_cache``
+        ``[max_positions, rotary_dim]`` (``rotary_dim <= D``, even). ``q`` and
+        ``k`` may be strided views (of a fused QKV output); the last dimension
+        is contiguous.
+        """
+        raise NotImplementedError
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., 2 * I] -> [..., I]``: ``silu(gate) * up`` with gate the first half."""
+        raise NotImplementedError

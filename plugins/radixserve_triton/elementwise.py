@@ -1,0 +1,58 @@
+"""``triton``: RMSNorm with the residual add fused in, rotary in place on q and
+k in one launch, and SiLU-and-mul, each one Triton kernel (ops/elementwise.py)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from radixserve.kernels import ElementwiseBackend, KernelQuery
+from radixserve.kernels.elementwise import NormResult
+
+from radixserve_triton._env import device_reasons, dtype_reasons, interpreter_requested
+
+
+class TritonElementwise(ElementwiseBackend):
+    """Usable where the Triton attention backend is: cuda and rocm, and cpu
+    only under ``TRITON_INTERPRET=1`` (where its priority makes ``auto`` pick it
+    over ``torch_native``, as for attention)."""
+
+    name = "triton"
+    priority = 10
+
+    @classmethod
+    def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
+        return device_reasons(query) + dtype_reasons(query)
+
+    def __init__(self, query: KernelQuery):
+        super().__init__(query)
+        if query.device == "cpu" and not interpreter_requested():
+            raise RuntimeError("the triton elementwise backend runs on cpu only with TRITON_INTERPRET=1")
+        from radixserve_triton import ops
+        from radixserve_triton.ops import elementwise as kernels
+
+        if query.device == "cpu" and not ops.INTERPRETED:
+            raise RuntimeError(
+                "radixserve_triton's kernels were imported before TRITON_INTERPRET=1 was set, so they were "
+                "built for a GPU; set the variable before the process imports radixserve_triton.ops"
+            )
+        self._kernels = kernels
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
+    ) -> NormResult:
+        return self._kernels.rms_norm(x, weight, eps, residual)
+
+    def apply_rotary(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        neox_style: bool = True,
+    ) -> None:
+        self._kernels.apply_rotary(q, k, positions, cos_sin_cache, neox_style)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernels.silu_and_mul(x)
