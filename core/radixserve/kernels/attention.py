@@ -74,7 +74,9 @@ class AttentionBackend(Backend):
         static buffers now hold the new batch, then padding rows (``seq_len`` 1,
         request row 0, their K/V written to the reserved KV page 0; their outputs
         are dropped). Refresh the static metadata in place from the device
-        tensors, with no host lists and no host sync."""
+        tensors, with no host sync; ``batch.seq_lens_cpu`` holds the same
+        lengths on the host (padding rows included) for planners that run
+        there, and is empty again when the graph replays."""
         raise NotImplementedError(f"attention backend {self.name!r} does not support graph capture")
 
     def forward(

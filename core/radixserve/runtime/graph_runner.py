@@ -21,10 +21,12 @@ handful of copies and one launch instead of hundreds.
 - **Padding**: rows past the real batch read request row 0 with ``seq_len`` 1
   at position 0 and write their K/V to slot 0, in the reserved KV page 0, so
   they touch nothing a request owns; their logits are sliced off.
-- **No host lists**: the captured batches have empty ``seq_lens_cpu`` /
-  ``prefix_lens_cpu`` / ``extend_lens_cpu``, since a graph cannot depend on
-  values the host reads per step; the backend's capture and replay hooks work
-  from device tensors alone.
+- **No host lists in the graph**: the captured batches have empty
+  ``seq_lens_cpu`` / ``prefix_lens_cpu`` / ``extend_lens_cpu``, since a graph
+  cannot depend on values the host reads per step. Only while the backend's
+  replay hook runs does the batch carry ``seq_lens_cpu`` (the real lengths, then
+  1 per padding row), which the host knows without a sync: backends that plan
+  on the host (FlashInfer) read it there; the recorded work never sees it.
 - Graphs are captured largest first, so the smaller ones reuse the memory the
   largest one took from the backend's shared pool.
 
@@ -154,7 +156,11 @@ class GraphRunner:
             if bs > n:
                 static[n:bs].fill_(pad)
         captured = self._graphs[bs]
-        self.attention.init_forward_metadata_replay(captured.batch)
+        captured.batch.seq_lens_cpu = list(batch.seq_lens_cpu) + [1] * (bs - n)
+        try:
+            self.attention.init_forward_metadata_replay(captured.batch)
+        finally:
+            captured.batch.seq_lens_cpu = []
         captured.graph.replay()
         return captured.logits[:n]
 

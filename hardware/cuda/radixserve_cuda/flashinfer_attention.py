@@ -187,7 +187,6 @@ class FlashInferAttention(AttentionBackend):
         group = (query.num_heads or 1) // (query.num_kv_heads or 1)
         self._decode_tensor_cores = group not in CUDA_CORE_DECODE_GROUPS
         self._graph: Optional[_GraphBuffers] = None
-        self._warned_host_read = False
 
     # -- wrappers -----------------------------------------------------------
 
@@ -287,15 +286,7 @@ class FlashInferAttention(AttentionBackend):
         wrapper = self._graph.wrappers[bs] if self._graph is not None else None
         if wrapper is None:
             raise RuntimeError(f"no graph was captured for batch size {bs}")
-        seq = list(batch.seq_lens_cpu)
-        if not seq:
-            # FlashInfer plans on the host: without host lengths, read them (a sync).
-            if not self._warned_host_read:
-                logger.warning("FlashInfer graph replay: the batch carries no host copy of seq_lens, so each "
-                               "replay reads them from the device (a sync per step)")
-                self._warned_host_read = True
-            seq = batch.seq_lens.tolist()
-        seq += [1] * (bs - len(seq))  # padding rows: one token each
+        seq = list(batch.seq_lens_cpu)  # the graph runner's host copy, padding rows included
         index = build_paged_kv_index(batch.req_to_token, batch.req_pool_indices, batch.seq_lens, seq,
                                      batch.kv_pool.page_size)
         self._plan_graph(wrapper, index, batch)
