@@ -8,21 +8,12 @@ from __future__ import annotations
 import pytest
 
 from generation_utils import mixed_prompts
+from helpers_platform import needs_platform
 from radixserve import Engine
-from radixserve.registry import PluginError, get_registry
 from radixserve.testing import check_attention_backend, check_moe_backend
 
 
-def _cuda_unavailable() -> str | None:
-    try:
-        get_registry().resolve_platform("cuda")
-    except PluginError as exc:
-        return str(exc).splitlines()[0]
-    return None
-
-
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(_cuda_unavailable() is not None,
-                                                   reason=_cuda_unavailable() or "")]
+pytestmark = [pytest.mark.cuda, needs_platform("cuda")]
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch_native"])

@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from helpers_platform import needs_platform
 from radixserve.cache.memory_pool import KVPool
 from radixserve.registry import PluginError, PluginRegistry, get_registry
 from radixserve.runtime.model_runner import kv_pool_tokens
@@ -266,16 +267,7 @@ def test_cuda_platform_does_not_need_triton():
 # On an NVIDIA GPU
 
 
-def _cuda_unavailable() -> str | None:
-    try:
-        get_registry().resolve_platform("cuda")
-    except PluginError as exc:
-        return str(exc).splitlines()[0]
-    return None
-
-
-CUDA_REASON = _cuda_unavailable()
-needs_cuda = pytest.mark.skipif(CUDA_REASON is not None, reason=CUDA_REASON or "")
+needs_cuda = needs_platform("cuda")
 
 
 @pytest.mark.cuda

@@ -17,6 +17,7 @@ import textwrap
 import pytest
 import torch
 
+from helpers_platform import needs_platform
 from radixserve.config import ServerArgs
 from radixserve.kernels import KernelQuery
 from radixserve.launch import StartupError, check_startup
@@ -203,18 +204,10 @@ def test_flag_and_unknown_backend_at_startup():
         check_startup(ServerArgs(device="cpu", elementwise_backend="nope"))
 
 
-def _cuda_unavailable() -> str | None:
-    from radixserve.registry import get_registry
-
-    try:
-        get_registry().resolve_platform("cuda")
-    except PluginError as exc:
-        return str(exc).splitlines()[0]
-    return None
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(_cuda_unavailable() is not None, reason=_cuda_unavailable() or "")
+@needs_platform("cuda")
 @pytest.mark.parametrize("backend", ["triton", "torch_native"])
 def test_elementwise_kit_on_cuda(backend):
     """On an NVIDIA GPU (scripts/gpu_check.sh): the full case set, up to 4096 tokens."""

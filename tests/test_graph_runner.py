@@ -20,11 +20,12 @@ import pytest
 import torch
 
 from generation_utils import make_scheduler, mixed_prompts, run, submit
+from helpers_platform import needs_platform
 from radixserve import Engine
 from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardBatch
 from radixserve.hooks import hookimpl
-from radixserve.registry import PluginError, PluginRegistry, get_registry
+from radixserve.registry import PluginRegistry
 from radixserve.runtime.graph_runner import capture_batch_sizes, padded_batch_size
 from radixserve.runtime.model_runner import ModelRunner
 from radixserve.testing.graphs import EagerReplayGraphBackend
@@ -262,16 +263,10 @@ def test_interp_triton_graph_tokens_equal_eager(tiny_llama_dir, monkeypatch):
 # Real CUDA graphs (skipped without an NVIDIA GPU)
 
 
-def _cuda_unavailable() -> str | None:
-    try:
-        get_registry().resolve_platform("cuda")
-    except PluginError as exc:
-        return str(exc).splitlines()[0]
-    return None
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(_cuda_unavailable() is not None, reason=_cuda_unavailable() or "")
+@needs_platform("cuda")
 @pytest.mark.parametrize("attention", ["triton", "torch_native"])
 def test_cuda_graph_tokens_equal_eager(tiny_llama_dir, attention):
     prompts = mixed_prompts(512, PROMPT_LENS + [40, 7, 25], seed=72)

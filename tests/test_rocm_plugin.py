@@ -18,8 +18,9 @@ import textwrap
 import pytest
 import torch
 
+from helpers_platform import needs_platform
 from radixserve.kernels import KernelQuery
-from radixserve.registry import PluginError, PluginRegistry, get_registry
+from radixserve.registry import PluginError, PluginRegistry
 from radixserve_rocm import CDNA_ATTENTION_CONFIG, CDNA_MOE_CONFIG, RocmPlatform, RocmTritonAttention, RocmTritonMoE
 from radixserve_rocm.platform import build_reasons, reusable_free_bytes, visible_device_reasons
 from radixserve_rocm.visibility import compose, parse_device_list, rocm_visible_devices
@@ -320,16 +321,7 @@ def test_cdna_kernels_pass_the_kit_in_the_interpreter():
 # On an AMD GPU
 
 
-def _rocm_unavailable() -> str | None:
-    try:
-        get_registry().resolve_platform("rocm")
-    except PluginError as exc:
-        return str(exc).splitlines()[0]
-    return None
-
-
-ROCM_REASON = _rocm_unavailable()
-needs_rocm = pytest.mark.skipif(ROCM_REASON is not None, reason=ROCM_REASON or "")
+needs_rocm = needs_platform("rocm")
 
 
 @pytest.mark.rocm
