@@ -54,11 +54,11 @@ class KVLayout:
 
     Token-major (``head_major=False``, the default): ``[slots, kv_heads, head_dim]``
     with ``slot = page * page_size + offset``, the same memory as
-    ``[num_pages + 1, page_size, kv_heads, head_dim]`` (FlashInfer's NHD pages,
-    torch_npu's ``(blocknum, blocksize, H)``). Head-major (``head_major=True``):
+    ``[num_pages + 1, page_size, kv_heads, head_dim]`` (pages of token rows, the
+    "NHD" layout of paged-attention libraries). Head-major (``head_major=True``):
     ``[num_pages + 1, kv_heads, page_size, head_dim]``, each page holding one
-    head's tokens contiguously (torch_npu's ``(blocknum, KV_N, blocksize, D)``,
-    FlashInfer's HND). Slots and pages mean the same in both: only the order of
+    head's tokens contiguously ("HND", what some vendors' fused attention
+    operators read). Slots and pages mean the same in both: only the order of
     the bytes inside a page differs, so the allocator and caches never see it.
     """
 
