@@ -3,8 +3,10 @@
     python benchmarks/bench_cpu_attention.py                      # bf16 and fp32, all shapes
     python benchmarks/bench_cpu_attention.py --dtypes bfloat16 --repeats 9 --only decode
     python benchmarks/bench_cpu_attention.py --backends torch_varlen,cpu_paged --timer cpu --threads 1
+    python benchmarks/bench_cpu_attention.py --heads 16/2/32 --only decode   # qwen2's shape (GQA 8)
 
-Model shape of the W1 workload (16 heads, 8 KV heads, head_dim 64), page size 1,
+Model shape of the W1 workload (16 heads, 8 KV heads, head_dim 64; ``--heads``
+picks another, e.g. 16/2/32 for qwen2's), page size 1,
 slots scattered over the pool as the conformance kit lays them out. Decode
 contexts are uniform in [100, 1500] (plus one W1- and one W2-like batch); extend covers ragged fresh prompts of
 128-512 tokens, chunked prefills over a cached 1024-token prefix, and single
@@ -28,30 +30,30 @@ import torch
 from radixserve.registry import get_registry
 from radixserve.testing.conformance import AttentionCase, make_attention_inputs
 
-HEADS, KV_HEADS, HEAD_DIM = 16, 8, 64
 
-
-def shapes(seed: int) -> list[AttentionCase]:
+def shapes(seed: int, heads: str) -> list[AttentionCase]:
+    """The cases at ``heads`` = "num_heads/num_kv_heads/head_dim"."""
+    h, kvh, d = (int(x) for x in heads.split("/"))
     rng = random.Random(seed)
     out = []
     for b in (1, 8, 32, 64, 128):
         seq = [rng.randint(100, 1500) for _ in range(b)]
-        out.append(AttentionCase(f"decode B{b} ctx100-1500", "decode", 1, HEADS, KV_HEADS, HEAD_DIM,
+        out.append(AttentionCase(f"decode B{b} ctx100-1500", "decode", 1, h, kvh, d,
                                  tuple(s - 1 for s in seq), (1,) * b))
     # W1's decode (prompts 128-512 plus up to 256 generated) and W2's (1024 shared + 64 + up to 32).
     w1 = [rng.randint(128, 768) for _ in range(32)]
-    out.append(AttentionCase("decode B32 ctx128-768 (W1)", "decode", 1, HEADS, KV_HEADS, HEAD_DIM,
+    out.append(AttentionCase("decode B32 ctx128-768 (W1)", "decode", 1, h, kvh, d,
                              tuple(s - 1 for s in w1), (1,) * 32))
     w2 = [rng.randint(1088, 1120) for _ in range(128)]
-    out.append(AttentionCase("decode B128 ctx~1100 (W2)", "decode", 1, HEADS, KV_HEADS, HEAD_DIM,
+    out.append(AttentionCase("decode B128 ctx~1100 (W2)", "decode", 1, h, kvh, d,
                              tuple(s - 1 for s in w2), (1,) * 128))
     prompts = [rng.randint(128, 512) for _ in range(8)]
     out += [
-        AttentionCase("extend 8 x 128-512", "extend", 1, HEADS, KV_HEADS, HEAD_DIM, (0,) * 8, tuple(prompts)),
-        AttentionCase("extend 16 x (1024 + 64)", "extend", 1, HEADS, KV_HEADS, HEAD_DIM, (1024,) * 16, (64,) * 16),
-        AttentionCase("extend 1 x (1024 + 512)", "extend", 1, HEADS, KV_HEADS, HEAD_DIM, (1024,), (512,)),
-        AttentionCase("extend 1 x 512", "extend", 1, HEADS, KV_HEADS, HEAD_DIM, (0,), (512,)),
-        AttentionCase("extend 1 x 2048", "extend", 1, HEADS, KV_HEADS, HEAD_DIM, (0,), (2048,)),
+        AttentionCase("extend 8 x 128-512", "extend", 1, h, kvh, d, (0,) * 8, tuple(prompts)),
+        AttentionCase("extend 16 x (1024 + 64)", "extend", 1, h, kvh, d, (1024,) * 16, (64,) * 16),
+        AttentionCase("extend 1 x (1024 + 512)", "extend", 1, h, kvh, d, (1024,), (512,)),
+        AttentionCase("extend 1 x 512", "extend", 1, h, kvh, d, (0,), (512,)),
+        AttentionCase("extend 1 x 2048", "extend", 1, h, kvh, d, (0,), (2048,)),
     ]
     return out
 
@@ -73,6 +75,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", choices=["decode", "extend"], help="run only one mode")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--heads", default="16/8/64", help="num_heads/num_kv_heads/head_dim (qwen2: 16/2/32)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--timer", choices=["wall", "cpu"], default="wall",
                         help="wall clock, or the process's CPU time (less disturbed by other load)")
@@ -84,11 +87,11 @@ def main() -> None:
     registry = get_registry()
     names = args.backends.split(",")
     print(f"date {date.today()}  torch {torch.__version__}  threads {torch.get_num_threads()}  "
-          f"heads {HEADS}/{KV_HEADS} head_dim {HEAD_DIM}  min of {args.repeats}  {args.timer} time")
+          f"heads/kv_heads/head_dim {args.heads}  min of {args.repeats}  {args.timer} time")
     print(f"{'shape':<28}{'dtype':<10}" + "".join(f"{n:>16}" for n in names) + f"   plan (ms){'':<12}speedup")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        for case in shapes(args.seed):
+        for case in shapes(args.seed, args.heads):
             if args.only and case.mode != args.only:
                 continue
             inputs = make_attention_inputs(case, dtype)

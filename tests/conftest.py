@@ -31,14 +31,14 @@ def tiny_llama_dir(tiny_model_factory: Callable[..., Path]) -> Path:
     return tiny_model_factory(arch="llama")
 
 
-# -- cpu_paged attention (plugins/radixserve_torch/attention_cpu_paged.py) ----
+# -- the CPU kernels (plugins/radixserve_torch/cpu_kernels.py) ----------------
 
 
 @pytest.fixture(scope="session", autouse=True)
-def cpu_paged_kernel_built() -> None:
-    """Build (first run on a machine) or load the cpu_paged kernel once, before any
-    test starts a server or scheduler that would pick it (it is the cpu default)."""
-    from radixserve_torch.attention_cpu_paged import load_kernel, missing_tools
+def cpu_kernels_built() -> None:
+    """Build (first run on a machine) or load the CPU kernels once, before any test
+    starts a server or scheduler that would pick them (they are the cpu defaults)."""
+    from radixserve_torch import cpu_kernels
 
-    if not missing_tools():
-        load_kernel()
+    if not cpu_kernels.missing_tools():
+        cpu_kernels.load()

@@ -17,8 +17,10 @@ from radixserve.kernels import KernelQuery
 from radixserve.registry import PluginError, get_registry
 from radixserve.testing import check_attention_backend
 from radixserve.testing.conformance import AttentionCase, make_attention_inputs
-from radixserve_torch import attention_cpu_paged
-from radixserve_torch.attention_cpu_paged import CpuPagedAttention, KernelBuildError
+from radixserve_torch import attention_cpu_paged, cpu_kernels
+from radixserve_torch.attention_cpu_paged import CpuPagedAttention, plan_cascade
+from radixserve_torch.cpu_kernels import KernelBuildError
+from radixserve_torch.elementwise_cpu import CpuFusedElementwise
 
 _lens = [(37 * i) % 1200 + 20 for i in range(40)]
 EXTRA_CASES = (
@@ -28,9 +30,13 @@ EXTRA_CASES = (
     AttentionCase("decode/ragged40/p1/gqa2/d64", "decode", 1, 8, 4, 64, tuple(s - 1 for s in _lens), (1,) * 40),
     AttentionCase("decode/ragged24/p16/gqa8/d128", "decode", 16, 8, 1, 128,
                   tuple(s - 1 for s in _lens[:24]), (1,) * 24),
-    # Head dims off the 32-wide fast path of the dot product.
+    # Every layout of the score loops: groups of 8 heads (qwen2's decode shape, a context past
+    # 1000 keys), 4, 2 and 1 heads; and head dims off the vector loops (40: the portable loops).
+    AttentionCase("decode/qwen2/p1/gqa8/d32", "decode", 1, 16, 2, 32, (1100, 4, 346, 33, 699), (1,) * 5),
+    AttentionCase("decode/gqa4/p16/d64", "decode", 16, 8, 2, 64, (300, 30), (1, 1)),
     AttentionCase("decode/d32/p1/gqa2", "decode", 1, 4, 2, 32, (70, 5), (1, 1)),
     AttentionCase("decode/d80/p16/gqa1", "decode", 16, 2, 2, 80, (33, 200), (1, 1)),
+    AttentionCase("decode/d40/p1/gqa2", "decode", 1, 4, 2, 40, (90, 16), (1, 1)),
     # Extend goes through torch_varlen's path, with and without cached prefixes.
     AttentionCase("extend/ragged/p16/gqa2/d64", "extend", 16, 4, 2, 64, (0, 300, 0, 17), (260, 90, 7, 150)),
 )
@@ -85,16 +91,17 @@ def test_a_build_failure_is_loud_and_names_the_compiler_error(tmp_path, monkeypa
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++;\n")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(attention_cpu_paged, "SOURCE", broken)
-    monkeypatch.setattr(attention_cpu_paged, "extension_name", lambda: "radixserve_cpu_paged_broken_test")
-    monkeypatch.setattr(attention_cpu_paged, "_kernel", None)
-    monkeypatch.setattr(attention_cpu_paged, "_build_error", None)
+    monkeypatch.setattr(cpu_kernels, "SOURCES", [broken])
+    monkeypatch.setattr(cpu_kernels, "extension_name", lambda: "radixserve_cpu_kernels_broken_test")
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+    monkeypatch.setattr(cpu_kernels, "_build_error", None)
     query = KernelQuery(device="cpu", dtype=torch.float32, head_dim=64, num_heads=4, num_kv_heads=2)
-    with pytest.raises(KernelBuildError, match=r"building the cpu_paged kernel failed: .*error.*this"):
+    with pytest.raises(KernelBuildError, match=r"building the CPU kernels failed: .*error.*this"):
         CpuPagedAttention(query)
     # Once failed in a process, the backend says so (and auto moves on) without building again.
     reasons = CpuPagedAttention.unsupported_reasons(query)
-    assert len(reasons) == 1 and reasons[0].startswith("building the cpu_paged kernel failed:")
+    assert len(reasons) == 1 and reasons[0].startswith("building the CPU kernels failed:")
+    assert CpuFusedElementwise.unsupported_reasons(query) == reasons  # the elementwise ops share the library
     assert get_registry().select("attention", query).name == "torch_varlen"
 
 
@@ -111,3 +118,118 @@ def test_generation_matches_torch_native(tiny_llama_dir, page_size):
         outputs[name] = [r.output_ids for r in generate(scheduler, prompts, max_new_tokens=24, ignore_eos=True)]
     assert outputs["cpu_paged"] == outputs["torch_native"]
     assert all(len(o) == 24 for o in outputs["cpu_paged"])
+
+
+# Extend shapes of both benchmark models: fresh prompts, a chunk over a long cached
+# prefix, a single new token (a tile with one query), GQA 8 at head_dim 32 (qwen2).
+EXTEND_CASES = (
+    AttentionCase("extend/fresh/p1/gqa2/d64", "extend", 1, 16, 8, 64, (0, 0, 0), (200, 37, 129)),
+    AttentionCase("extend/prefix/p1/gqa8/d32", "extend", 1, 16, 2, 32, (1024, 300, 0), (64, 1, 70)),
+    AttentionCase("extend/prefix/p16/gqa2/d128", "extend", 16, 8, 4, 128, (513, 16), (40, 33)),
+    AttentionCase("extend/prefix/p1/mha/d80", "extend", 1, 3, 3, 80, (7, 0), (21, 5)),
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_conformance_kit_passes_for_extend_tiles(dtype):
+    report = check_attention_backend("cpu_paged", device="cpu", dtypes=[dtype], cases=EXTEND_CASES)
+    print(report)
+    report.raise_for_failures()
+    assert len(report.results) == len(EXTEND_CASES)
+
+
+def test_float32_model_over_a_bfloat16_pool_matches_torch_native(tiny_llama_dir):
+    prompts = mixed_prompts(512, [5, 60, 17], seed=5, shared_prefix=30)
+    outputs = {}
+    for backend in ("torch_native", "cpu_paged"):
+        scheduler = make_scheduler(tiny_llama_dir, attention_backend=backend, dtype="float32",
+                                   kv_cache_dtype="bfloat16", chunked_prefill_size=32)
+        outputs[backend] = [r.output_ids for r in generate(scheduler, prompts, max_new_tokens=16, ignore_eos=True)]
+    assert outputs["cpu_paged"] == outputs["torch_native"]
+    query = KernelQuery(device="cpu", dtype=torch.float32, head_dim=64, num_heads=4, num_kv_heads=2,
+                        kv_dtype=torch.bfloat16)
+    assert CpuPagedAttention.unsupported_reasons(query) == []
+    reverse = KernelQuery(device="cpu", dtype=torch.bfloat16, head_dim=64, num_heads=4, num_kv_heads=2,
+                          kv_dtype=torch.float32)
+    assert CpuPagedAttention.unsupported_reasons(reverse) == [
+        "a KV pool in torch.float32 under torch.bfloat16 compute is not supported "
+        "(the pool holds the compute dtype, or bfloat16/float16 under float32)"]
+
+
+def _decode_reference(q, batch, layer) -> torch.Tensor:
+    """Float32 attention of each request's query over its keys read through req_to_token."""
+    k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+    out = []
+    for i, (row, n) in enumerate(zip(batch.req_pool_indices.tolist(), batch.seq_lens.tolist())):
+        slots = batch.req_to_token[row, :n]
+        k = k_buf[slots].float().repeat_interleave(layer.num_heads // layer.num_kv_heads, 1)  # [n, H, D]
+        v = v_buf[slots].float().repeat_interleave(layer.num_heads // layer.num_kv_heads, 1)
+        scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * layer.scaling
+        out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 64), (16, 2, 32), (8, 4, 80)])
+def test_decode_over_shared_prefixes_takes_the_cascade_path(dtype, heads, kv_heads, head_dim):
+    # Requests 0-5 share request 0's first 200 slots (5 of them also share to 260), 7-10 share
+    # request 7's first 96 (10 only 50: the group's common prefix is then 50, below the
+    # threshold, and the group is dropped), 6 shares nothing; as the radix cache lays
+    # out requests with a common cached prefix.
+    lens = [300, 310, 290, 305, 270, 280, 40, 500, 280, 120, 200]
+    case = AttentionCase("decode/shared", "decode", 1, heads, kv_heads, head_dim, tuple(n - 1 for n in lens),
+                         (1,) * len(lens))
+    inputs = make_attention_inputs(case, dtype, seed=7)
+    batch, table, rows = inputs.batch, inputs.batch.req_to_token, inputs.batch.req_pool_indices.tolist()
+    for i in (1, 2, 3, 4, 5):
+        table[rows[i], :200] = table[rows[0], :200]
+    table[rows[5], 200:260] = table[rows[4], 200:260]
+    for i, n in ((8, 96), (9, 96), (10, 50)):
+        table[rows[i], :n] = table[rows[7], :n]
+    backend = CpuPagedAttention(case.query("cpu", dtype))
+    backend.init_forward_metadata(batch)
+    plan = batch.attn_metadata.cascade
+    assert plan is not None
+    assert plan.grouped.tolist() == [0, 1, 2, 3, 4, 5] and plan.shared_lens.tolist() == [200]
+    assert plan.solo.tolist() == [6, 7, 8, 9, 10]
+    out = backend.forward(inputs.q, inputs.k, inputs.v, inputs.layer, batch)
+    expected = _decode_reference(inputs.q, batch, inputs.layer)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+    # Without the plan (every request through the plain decode kernel) the result agrees too.
+    batch.attn_metadata.cascade = None
+    torch.testing.assert_close(backend.forward_decode(inputs.q, inputs.layer, batch).float(), expected,
+                               atol=tol, rtol=tol)
+
+
+def test_cascade_plan_needs_a_long_enough_prefix_and_group():
+    table = torch.arange(4 * 300, dtype=torch.int64).view(4, 300) + 1
+    table[1, :100] = table[0, :100]
+    rows = torch.arange(4)
+    assert plan_cascade(table, rows, [300, 300, 300, 300], group_size=2) is None  # 2 requests x 2 heads < 8 rows
+    plan = plan_cascade(table, rows, [300, 300, 300, 300], group_size=4)
+    assert plan.grouped.tolist() == [0, 1] and plan.shared_lens.tolist() == [100] and plan.solo.tolist() == [2, 3]
+    table[1, 50] = 0
+    assert plan_cascade(table, rows, [300, 300, 300, 300], group_size=4) is None  # 50 shared keys < 64
+    table[1, :100] = table[0, :100]
+    # A member whose context ends inside the common run keeps at least its last key to itself.
+    plan = plan_cascade(table, rows, [300, 90, 300, 300], group_size=4)
+    assert plan.shared_lens.tolist() == [89]
+
+
+def test_generation_with_a_long_shared_prefix_matches_torch_native(tiny_llama_dir, monkeypatch):
+    plans = []
+
+    def recording_plan_cascade(*args, **kwargs):
+        plans.append(plan_cascade(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(attention_cpu_paged, "plan_cascade", recording_plan_cascade)
+    prompts = mixed_prompts(512, [9, 30, 4, 17, 25], seed=6, shared_prefix=150)
+    outputs = {}
+    for backend in ("torch_native", "cpu_paged"):
+        scheduler = make_scheduler(tiny_llama_dir, attention_backend=backend, chunked_prefill_size=256)
+        outputs[backend] = [r.output_ids for r in generate(scheduler, prompts, max_new_tokens=20, ignore_eos=True)]
+    assert outputs["cpu_paged"] == outputs["torch_native"]
+    # The five requests decoded together over their cached 150-token prefix.
+    assert any(p is not None and p.grouped.numel() == 5 and p.shared_lens.tolist() == [150] for p in plans)

@@ -181,9 +181,10 @@ def test_triton_passes_the_kit_in_the_interpreter():
 def test_selection_and_report(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     registry = PluginRegistry()
-    assert registry.select("elementwise", QUERY).name == "torch_native"
+    assert registry.select("elementwise", QUERY).name == "cpu_fused"  # the C++ ops (conftest built them)
     rows = {row["name"]: row for row in registry.report()["backends"]["elementwise"]}
     assert rows["torch_native"]["usable"] and rows["torch_native"]["plugin"] == "torch"
+    assert rows["cpu_fused"]["usable"] and rows["cpu_fused"]["plugin"] == "torch"
     if importlib.util.find_spec("triton") is not None:
         assert not rows["triton"]["usable"] and "TRITON_INTERPRET=1" in rows["triton"]["reasons"][0]
         with pytest.raises(PluginError, match="TRITON_INTERPRET=1"):

@@ -109,7 +109,7 @@ def test_generation_through_it_equals_reference(installed: Path, tiny_llama_dir:
     with Engine(model_path=str(tiny_llama_dir), attention_backend="example_sdpa", gemm_backend="example_gemm",
                 max_total_tokens=2048, log_level="warning") as engine:
         assert engine.server_info()["backends"] == {"attention": "example_sdpa", "gemm": "example_gemm",
-                                                    "elementwise": "torch_native", "quantization": "none"}
+                                                    "elementwise": "cpu_fused", "quantization": "none"}
         results = engine.generate(input_ids=prompts, sampling_params=params)
     assert [r["output_ids"] for r in results] == [r.output_ids for r in reference]
 

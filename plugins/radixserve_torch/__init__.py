@@ -8,6 +8,7 @@ from radixserve_torch.attention import TorchNativeAttention
 from radixserve_torch.attention_cpu_paged import CpuPagedAttention
 from radixserve_torch.attention_varlen import TorchVarlenAttention
 from radixserve_torch.elementwise import TorchNativeElementwise
+from radixserve_torch.elementwise_cpu import CpuFusedElementwise
 from radixserve_torch.gemm import OneDnnGemm, TorchGemm
 from radixserve_torch.moe import TorchNativeMoE
 from radixserve_torch.platform import CpuPlatform
@@ -40,6 +41,7 @@ def register_moe_backends(register: Register) -> None:
 @hookimpl
 def register_elementwise_backends(register: Register) -> None:
     register(TorchNativeElementwise)
+    register(CpuFusedElementwise)
 
 
 @hookimpl

@@ -1,38 +1,32 @@
-"""Decode attention on the CPU that reads K/V in place from the paged pool.
+"""Attention on the CPU that reads K/V in place from the paged pool.
 
 ``torch_varlen`` gathers every request's K/V out of the pool into a workspace
-each layer and reads it again in ``bmm``: at W1's decode shape the gather costs
-about as much as the attention. Decode attention is memory-bound, and the floor
-is reading each K/V row once. This backend does that with a small C++ kernel
-(csrc/cpu_paged_attention.cpp): per request it walks ``req_to_token`` and
-reads each key's pool rows (K and V of all KV heads of the slot, contiguous)
-straight from the pool once, for all query heads, with an online softmax in
-float32 (flash-decoding style; long contexts are split across threads when the
-batch is too small to occupy them).
+each layer and reads it again: at W1's decode shape the gather costs about as
+much as the attention, and its extend runs torch's SDPA, whose CPU kernel spends
+most of its time in the softmax (33 GFLOP/s on a 2-core EPYC at head_dim 32,
+whatever the head size). This backend runs both modes in a small C++ kernel
+(csrc/: cpu_paged_decode.cpp, cpu_paged_extend.cpp) that walks ``req_to_token`` and reads each key's
+pool row once, with an online softmax in float32 (flash-attention style):
 
-Extend (prefill) is delegated to ``torch_varlen``: its bucketed SDPA is
-compute-bound matrix work that the kernel, one query row at a time, does not
-beat (measurements: docs/plugins.md).
+- decode: one work item per request (or per slice of a long context when the
+  batch is too small to occupy every thread), all heads of a KV group per key;
+- extend: tiles of 16 (query, head) rows of one request and KV head, with the
+  queries transposed so that both products and the softmax run as vectors
+  across the tile's rows; causal masking only on the diagonal blocks, cached
+  prefixes read from the pool like the new keys.
 
-The kernel is compiled on the first construction of the backend in a process,
-with ``torch.utils.cpp_extension.load`` (g++ ``-O3 -march=native -fopenmp``),
-into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions/<python>_cpu/radixserve_cpu_paged_<capability>``),
-so later processes only load it. A build failure raises, with the compiler's
-first error line; ``unsupported_reasons`` only checks that a compiler and ninja
-are on PATH (and names an earlier build failure in this process), so ``auto``
-picks ``torch_varlen`` on a machine without them.
+The pool may hold the compute dtype, or bfloat16/float16 under a float32 model.
+
+The kernels are built on the first construction of the backend in a process
+(radixserve_torch/cpu_kernels.py: compiled once per machine, then loaded from
+torch's extension cache); ``unsupported_reasons`` names a missing compiler or
+ninja, or an earlier build failure, so ``auto`` picks ``torch_varlen`` on a
+machine that cannot build them.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import shutil
-import threading
-import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -40,87 +34,113 @@ import torch
 from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
 
+from radixserve_torch import cpu_kernels
 from radixserve_torch.attention import grouped_heads_reasons
-from radixserve_torch.attention_varlen import TorchVarlenAttention
 
-logger = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "cpu_paged_attention.cpp"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-_lock = threading.Lock()
-_kernel: Optional[Callable[..., None]] = None
-_build_error: Optional[str] = None
+# A pool in another dtype than the compute dtype: only low precision under float32.
+_KV_DTYPES = {torch.float32: (torch.bfloat16, torch.float16)}
 
 
-class KernelBuildError(RuntimeError):
-    """The C++ kernel failed to compile or load."""
+@dataclass(frozen=True)
+class CpuPagedKernels:
+    """The compiled ops (argument order as csrc/cpu_paged_ops.cpp documents them)."""
+
+    decode: Callable[..., None]  # (q, k_buf, v_buf, req_to_token, rows, lens, scaling, out)
+    decode_with_lse: Callable[..., None]  # (..., scaling, out, lse)
+    extend: Callable[..., None]  # (q, k_buf, v_buf, req_to_token, rows, q_starts, kv_lens, scaling, out)
+    cascade: Callable[..., None]  # (q, k_buf, v_buf, req_to_token, rows, group_starts, shared_lens,
+    #                                suffix_out, suffix_lse, scaling, out)
 
 
-def missing_tools() -> list[str]:
-    """What the first build needs and PATH lacks: a C++ compiler ($CXX, else c++,
-    as torch's extension builder uses) and ninja. Cheap: nothing is run."""
-    missing = []
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        missing.append(f"no C++ compiler found (looked for {os.environ.get('CXX', 'c++')!r} on PATH)")
-    if shutil.which("ninja") is None:
-        missing.append("ninja not found on PATH (torch's extension builder needs it: pip install ninja)")
-    return missing
+def load_kernel() -> CpuPagedKernels:
+    """The ``torch.ops.radixserve_cpu_paged`` ops (building the CPU kernels on first use)."""
+    cpu_kernels.load()
+    ops = torch.ops.radixserve_cpu_paged
+    return CpuPagedKernels(decode=ops.paged_attention, decode_with_lse=ops.paged_attention_with_lse,
+                           extend=ops.extend_attention, cascade=ops.cascade_decode_attention)
 
 
-def extension_name() -> str:
-    """One build per instruction set: the kernel is compiled with ``-march=native``."""
-    return f"radixserve_cpu_paged_{torch.backends.cpu.get_cpu_capability().lower()}"
-
-
-def load_kernel() -> Callable[..., None]:
-    """``torch.ops.radixserve_cpu_paged.paged_attention``, compiling the kernel the
-    first time on this machine (about 10-20 s of CPU) and loading it from the cache
-    afterwards; once per process."""
-    global _kernel, _build_error
-    with _lock:
-        if _kernel is not None:
-            return _kernel
-        if _build_error is not None:
-            raise KernelBuildError(_build_error)
-        from torch.utils import cpp_extension
-
-        logger.info("loading the cpu_paged attention kernel (compiled on first use on this machine)")
-        start = time.perf_counter()
-        try:
-            library = cpp_extension.load(
-                name=extension_name(),
-                sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
-        except Exception as exc:  # the compiler's output is in the exception text
-            _build_error = f"building the cpu_paged kernel failed: {_first_error_line(str(exc))}"
-            raise KernelBuildError(_build_error) from exc
-        _kernel = torch.ops.radixserve_cpu_paged.paged_attention
-        logger.info("cpu_paged attention kernel ready in %.1f s (%s)", time.perf_counter() - start, library)
-        return _kernel
-
-
-def _first_error_line(text: str) -> str:
-    """The compiler's first ``file:line:col: error: ...`` line, else the first line
-    mentioning an error, else the last line."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    for pattern in (": error:", "error"):
-        for line in lines:
-            if pattern in line.lower():
-                return line
-    return lines[-1] if lines else "no compiler output"
+# A decode group shares a prefix through the cascade kernel only when it is this
+# long (keys) and has at least two members with this many (request, head) rows
+# for each KV head in all: shorter or narrower groups gain less than the extra
+# pass costs.
+MIN_SHARED_PREFIX = 64
+MIN_GROUP_ROWS = 8
 
 
 @dataclass
-class PagedDecodeMetadata:
-    """Decode needs no plan beyond the batch's own tensors, made contiguous once per step."""
+class CascadePlan:
+    """Decode requests that share a cached prefix (the same leading pool slots), in
+    groups, and the others; positions index the batch."""
+
+    grouped: torch.Tensor  # [M] batch positions of the grouped requests, group after group
+    grouped_rows: torch.Tensor  # [M] their rows in req_to_token
+    group_starts: torch.Tensor  # [G + 1]: group g is grouped[group_starts[g]:group_starts[g + 1]]
+    shared_lens: torch.Tensor  # [G] keys every member of the group shares
+    suffix_table: torch.Tensor  # [M, W] each grouped request's slots after its group's prefix
+    suffix_lens: torch.Tensor  # [M] how many
+    solo: torch.Tensor  # [S] batch positions of the other requests
+    solo_rows: torch.Tensor  # [S] their rows in req_to_token
+    solo_lens: torch.Tensor  # [S] their key counts
+
+
+@dataclass
+class PagedMetadata:
+    """The batch's own tensors, contiguous once per step."""
 
     rows: torch.Tensor  # [B] int64: each request's row in req_to_token
-    lens: torch.Tensor  # [B] int64: its context length
+    kv_lens: torch.Tensor  # [B] int64: its keys after this step (cached + new)
+    q_starts: Optional[torch.Tensor] = None  # extend: [B + 1] int64, request b's queries are rows q_starts[b]:q_starts[b+1]
+    cascade: Optional[CascadePlan] = None  # decode: shared-prefix groups, when there are any
+
+
+def plan_cascade(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[int], group_size: int
+                 ) -> Optional[CascadePlan]:
+    """Group decode requests by their first pool slot (the radix cache hands
+    requests with a common cached prefix the very same slots), and measure each
+    group's common prefix: the leading slots all members' rows agree on, short of
+    each member's last key. Groups below MIN_SHARED_PREFIX keys, of one request, or
+    below MIN_GROUP_ROWS rows are left to the plain decode kernel."""
+    candidates = [i for i, n in enumerate(seq_lens) if n > MIN_SHARED_PREFIX]
+    if len(candidates) < 2 or len(candidates) * group_size < MIN_GROUP_ROWS:
+        return None
+    device = rows.device
+    index = torch.tensor(candidates, dtype=torch.int64, device=device)
+    table_rows = rows.index_select(0, index)
+    by_first: dict[int, list[int]] = {}
+    for k, first in enumerate(req_to_token[table_rows, 0].tolist()):
+        by_first.setdefault(first, []).append(k)
+    grouped, starts, shared, member_shared = [], [0], [], []
+    for members in by_first.values():  # positions in `candidates`
+        if len(members) < 2 or len(members) * group_size < MIN_GROUP_ROWS:
+            continue
+        width = min(seq_lens[candidates[k]] for k in members) - 1
+        table = req_to_token[table_rows[members], :width]
+        differs = (table != table[0]).any(0).nonzero()
+        common = int(differs[0]) if differs.numel() else width
+        if common >= MIN_SHARED_PREFIX:
+            grouped += [candidates[k] for k in members]
+            starts.append(len(grouped))
+            shared.append(common)
+            member_shared += [common] * len(members)
+    if not shared:
+        return None
+    in_group = set(grouped)
+    solo = [i for i in range(len(seq_lens)) if i not in in_group]
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    grouped_t, solo_t = tensor(grouped), tensor(solo)
+    grouped_rows = rows.index_select(0, grouped_t)
+    suffix_lens = [seq_lens[i] - s for i, s in zip(grouped, member_shared)]
+    columns = tensor(member_shared)[:, None] + torch.arange(max(suffix_lens), device=device)[None, :]
+    columns.clamp_(max=req_to_token.shape[1] - 1)  # past a request's own keys: never read
+    return CascadePlan(
+        grouped=grouped_t, grouped_rows=grouped_rows, group_starts=tensor(starts), shared_lens=tensor(shared),
+        suffix_table=req_to_token[grouped_rows[:, None], columns].contiguous(), suffix_lens=tensor(suffix_lens),
+        solo=solo_t, solo_rows=rows.index_select(0, solo_t), solo_lens=tensor([seq_lens[i] for i in solo]))
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -129,8 +149,7 @@ class CpuPagedAttention(AttentionBackend):
 
     def __init__(self, query: KernelQuery):
         super().__init__(query)
-        self._kernel = load_kernel()
-        self._extend = TorchVarlenAttention(query)
+        self._kernels = load_kernel()
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
@@ -139,27 +158,63 @@ class CpuPagedAttention(AttentionBackend):
             reasons.append(f"a CPU kernel; device is {query.device}")
         if query.dtype not in _DTYPES:
             reasons.append(f"dtype {query.dtype} is not float32, bfloat16 or float16")
-        if query.kv_dtype is not None and query.kv_dtype != query.dtype:
-            reasons.append(f"the KV pool dtype {query.kv_dtype} must equal the compute dtype {query.dtype}")
-        reasons += missing_tools()
-        if _build_error is not None:
-            reasons.append(_build_error)
-        return reasons
+        kv_dtype = query.kv_dtype
+        if kv_dtype is not None and kv_dtype != query.dtype and kv_dtype not in _KV_DTYPES.get(query.dtype, ()):
+            reasons.append(f"a KV pool in {kv_dtype} under {query.dtype} compute is not supported "
+                           "(the pool holds the compute dtype, or bfloat16/float16 under float32)")
+        return reasons + cpu_kernels.unavailable_reasons()
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        meta = PagedMetadata(batch.req_pool_indices.contiguous(), batch.seq_lens.contiguous())
         if batch.mode is ForwardMode.DECODE:
-            batch.attn_metadata = PagedDecodeMetadata(batch.req_pool_indices.contiguous(), batch.seq_lens.contiguous())
+            meta.cascade = plan_cascade(batch.req_to_token, meta.rows, batch.seq_lens_cpu,
+                                        self.query.num_heads // self.query.num_kv_heads)
         else:
-            self._extend.init_forward_metadata(batch)
+            starts = [0]
+            for n in batch.extend_lens_cpu:
+                starts.append(starts[-1] + n)
+            meta.q_starts = torch.tensor(starts, dtype=torch.int64, device=batch.seq_lens.device)
+        batch.attn_metadata = meta
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
-        meta: PagedDecodeMetadata = batch.attn_metadata
+        meta: PagedMetadata = batch.attn_metadata
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
-        if q.stride(-1) != 1:
-            q = q.contiguous()
+        plan = meta.cascade
+        if plan is None:
+            q, out = _query_and_out(q)
+            self._kernels.decode(q, k_buf, v_buf, batch.req_to_token, meta.rows, meta.kv_lens, layer.scaling, out)
+            return out
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        self._kernel(q, k_buf, v_buf, batch.req_to_token, meta.rows, meta.lens, layer.scaling, out)
+        if plan.solo.numel():
+            q_solo, out_solo = _query_and_out(q.index_select(0, plan.solo))
+            self._kernels.decode(q_solo, k_buf, v_buf, batch.req_to_token, plan.solo_rows, plan.solo_lens,
+                                 layer.scaling, out_solo)
+            out.index_copy_(0, plan.solo, out_solo)
+        # Each grouped request's own keys through the decode kernel (with their
+        # log-sum-exp), then the shared prefixes in tiles, merged with them.
+        q_grouped, own = _query_and_out(q.index_select(0, plan.grouped))
+        own_lse = torch.empty(q_grouped.shape[:2], dtype=torch.float32, device=q.device)
+        self._kernels.decode_with_lse(q_grouped, k_buf, v_buf, plan.suffix_table,
+                                      torch.arange(len(plan.grouped), device=q.device), plan.suffix_lens,
+                                      layer.scaling, own, own_lse)
+        out_grouped = torch.empty_like(own)
+        self._kernels.cascade(q_grouped, k_buf, v_buf, batch.req_to_token, plan.grouped_rows, plan.group_starts,
+                              plan.shared_lens, own, own_lse, layer.scaling, out_grouped)
+        out.index_copy_(0, plan.grouped, out_grouped)
         return out
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
-        return self._extend.forward_extend(q, layer, batch)
+        meta: PagedMetadata = batch.attn_metadata
+        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        q, out = _query_and_out(q)
+        self._kernels.extend(q, k_buf, v_buf, batch.req_to_token, meta.rows, meta.q_starts, meta.kv_lens,
+                             layer.scaling, out)
+        return out
+
+
+def _query_and_out(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel reads strided rows and heads (a view of a fused QKV projection)
+    but needs each head's values contiguous; it writes a fresh contiguous output."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    return q, torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -1,0 +1,111 @@
+// Shared pieces of the cpu_paged attention kernels (decode: cpu_paged_decode.cpp;
+// extend and cascade decode over shared prefixes: cpu_paged_extend.cpp; argument
+// checks and op registration: cpu_paged_ops.cpp).
+#pragma once
+
+// Only ATen and the op registry: including <torch/extension.h> (pybind and the
+// whole C++ API) made the first build four times slower.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace radixserve_cpu_paged {
+
+inline float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+// exp(x) for x <= 0 in plain arithmetic (vectorisable): 2^n * e^r with
+// r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial (relative
+// error < 2e-7). Inputs below -87 (including -inf) give about 1e-38, which
+// is 0 for every weight it multiplies.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float t = x * 1.44269504088896341f;
+  const float big = t + 12582912.0f;  // 1.5 * 2^23: rounds t to the nearest integer
+  const float n = big - 12582912.0f;
+  const int32_t ni = static_cast<int32_t>(float_to_bits(big)) - 0x4B400000;
+  const float r = x - n * 0.693147180559945309f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return p * bits_to_float(static_cast<uint32_t>(ni + 127) << 23);
+}
+
+// One row of head_dim values as float32: bfloat16 by a shift, half by its
+// conversion, float32 without a copy.
+
+// Convert n values to float32 into dst.
+template <typename T>
+inline void as_float_into(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+template <>
+inline void as_float_into<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = bits_to_float(static_cast<uint32_t>(s[i]) << 16);
+}
+
+// Shapes a kernel needs: H query heads in groups of G per KV head, head dim D,
+// a pool row (one slot, all KV heads) of row_len = KVH * D elements.
+struct Dims {
+  int64_t heads, group, d, row_len;
+};
+
+// The (query, KV pool) dtype pairs served: the pool in the compute dtype, or a
+// float32 model over a bfloat16/float16 pool (--kv-cache-dtype).
+template <typename F>
+void dispatch_dtypes(at::ScalarType q_dtype, at::ScalarType kv_dtype, F&& f) {
+  using BF = c10::BFloat16;
+  using HF = c10::Half;
+  if (q_dtype == at::kFloat && kv_dtype == at::kFloat) return f(float{}, float{});
+  if (q_dtype == at::kBFloat16 && kv_dtype == at::kBFloat16) return f(BF{}, BF{});
+  if (q_dtype == at::kHalf && kv_dtype == at::kHalf) return f(HF{}, HF{});
+  if (q_dtype == at::kFloat && kv_dtype == at::kBFloat16) return f(float{}, BF{});
+  if (q_dtype == at::kFloat && kv_dtype == at::kHalf) return f(float{}, HF{});
+  TORCH_CHECK(false, "cpu_paged: queries in ", q_dtype, " over a ", kv_dtype, " KV pool are not supported");
+}
+
+// Decode: one query per request (q [N, H, D]; rows/lens [N]); with lse (not null) also
+// each (query, head)'s log-sum-exp of its scaled scores, lse[n * H + h].
+void decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                      const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& lens, double scaling,
+                      at::Tensor& out, float* lse = nullptr);
+
+// Extend: request b's queries are q[q_starts[b] : q_starts[b + 1]], with kv_lens[b] keys in all.
+void extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                      const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& q_starts,
+                      const at::Tensor& kv_lens, double scaling, at::Tensor& out);
+
+// Decode over shared prefixes: queries group_starts[g] .. group_starts[g + 1] - 1 share
+// their first shared_lens[g] keys (the same pool slots, those of row rows[group_starts[g]]);
+// suffix_out/suffix_lse hold each query's attention over its own keys after the prefix
+// (from decode_attention); out gets the attention over all of them.
+void cascade_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                              const at::Tensor& req_to_token, const at::Tensor& rows,
+                              const at::Tensor& group_starts, const at::Tensor& shared_lens,
+                              const at::Tensor& suffix_out, const at::Tensor& suffix_lse, double scaling,
+                              at::Tensor& out);
+
+}  // namespace radixserve_cpu_paged

@@ -1,0 +1,443 @@
+// Attention in tiles of query rows that share their keys: extend, and decode over
+// shared prefixes (cascade).
+//
+// A tile is up to kLanes rows (a row: one query of one head) that attend to the
+// same key list of one KV head, each row up to its own last key. It keeps its
+// queries transposed, Qt[i] = component i of all its rows, so both products are
+// broadcast FMAs vectorised across the rows: scores S[t] = sum_i Qt[i] * k_t[i] and
+// Ot[i] += P[t] * v_t[i]. No horizontal sums and no transposed K/V copies; the
+// online softmax (max, exp, sum) runs on whole vectors too. Each block of keys is
+// read from the pool and converted to float32 once per tile.
+//
+// Extend (prefill, chunked prefill, prefix hits): request b's n new queries sit at
+// positions kv_len - n .. kv_len - 1 and query j sees keys [0, kv_len - n + j]. Its
+// rows for one KV head are ordered query-major (row f is query f / G, head
+// kv_head * G + f % G) and cut into tiles; causal masking happens only in the key
+// blocks on a tile's diagonal. A request's K/V (tens of KB per head) stays in L2
+// across its tiles.
+//
+// Cascade decode: decode requests whose req_to_token rows start with the same
+// slots (a prefix the radix cache shares, e.g. a system prompt) attend to that
+// shared prefix together: the rows of all members of a group for one KV head form
+// the tiles, so the prefix's K/V is read and converted once per 16 rows instead of
+// once per request, and the products become small matrix products. Each member's
+// own keys (after the prefix) go through the decode kernel, which also returns their
+// log-sum-exp; the two parts are merged here.
+
+#include "cpu_paged_common.h"
+
+#include <type_traits>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace radixserve_cpu_paged {
+namespace {
+
+constexpr int kLanes = 16;          // rows per tile: one vector of float32 lanes
+constexpr int64_t kKeyBlock = 32;   // keys per online-softmax block
+typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
+
+template <typename T>
+inline void prefetch_values(const T* p, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off, 0, 2);
+}
+
+inline Lanes lanes_max(Lanes a, Lanes b) {
+  Lanes r;
+#pragma omp simd
+  for (int i = 0; i < kLanes; ++i) r[i] = a[i] > b[i] ? a[i] : b[i];
+  return r;
+}
+
+inline Lanes lanes_exp(Lanes x) {
+  Lanes r;
+#pragma omp simd
+  for (int i = 0; i < kLanes; ++i) r[i] = exp_nonpositive(x[i]);
+  return r;
+}
+
+// bfloat16 queries over a bfloat16 pool, on a CPU with AVX512_BF16: the scores come
+// from vdpbf16ps on the raw pool rows (two exact bf16 products per lane and
+// instruction, float32 sums): half the instructions of converting K and using
+// float32 FMAs, and no K conversion at all.
+template <typename QT, typename KVT>
+constexpr bool kPairedScores =
+#if defined(__AVX512BF16__)
+    std::is_same_v<QT, c10::BFloat16> && std::is_same_v<KVT, c10::BFloat16>;
+#else
+    false;
+#endif
+
+// Tiles of one key list done together: each block of keys is read and converted
+// once for all of them (a key list that only one or two tiles read ran at 2/3 of
+// the rate of one that eight tiles read).
+constexpr int kTilesPerItem = 4;
+constexpr int kMaxRows = kTilesPerItem * kLanes;
+
+// The rows of one work item: row r (tile r / kLanes, lane r % kLanes) has query q[r]
+// and sees keys [begin, end[r]).
+template <typename QT>
+struct TileRows {
+  int count = 0;
+  const QT* q[kMaxRows];
+  int64_t end[kMaxRows];
+};
+
+// Scratch of one thread.
+struct Scratch {
+  std::vector<Lanes> qt, ot, scores;
+  std::vector<float> kf, vf;
+  explicit Scratch(int64_t d)
+      : qt(kTilesPerItem * d), ot(kTilesPerItem * d), scores(kKeyBlock), kf(kKeyBlock * d), vf(kKeyBlock * d) {}
+};
+
+#if defined(__AVX512BF16__)
+// Scores of nb keys (rows k_rows[t] of the bf16 pool) for one tile whose qt holds bf16
+// pairs: four keys at a time, four independent vdpbf16ps chains per query load.
+template <typename KVT>
+void paired_scores(const Lanes* qt, const KVT* const* k_rows, int64_t nb, int64_t d, float scale, Lanes* scores) {
+  const int64_t pairs = d / 2;
+  int64_t t = 0;
+  for (; t + 4 <= nb; t += 4) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(), s3 = _mm512_setzero_ps();
+    const int32_t* k0 = reinterpret_cast<const int32_t*>(k_rows[t]);
+    const int32_t* k1 = reinterpret_cast<const int32_t*>(k_rows[t + 1]);
+    const int32_t* k2 = reinterpret_cast<const int32_t*>(k_rows[t + 2]);
+    const int32_t* k3 = reinterpret_cast<const int32_t*>(k_rows[t + 3]);
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512bh qv = (__m512bh)_mm512_castps_si512((__m512)qt[p]);
+      s0 = _mm512_dpbf16_ps(s0, qv, (__m512bh)_mm512_set1_epi32(k0[p]));
+      s1 = _mm512_dpbf16_ps(s1, qv, (__m512bh)_mm512_set1_epi32(k1[p]));
+      s2 = _mm512_dpbf16_ps(s2, qv, (__m512bh)_mm512_set1_epi32(k2[p]));
+      s3 = _mm512_dpbf16_ps(s3, qv, (__m512bh)_mm512_set1_epi32(k3[p]));
+    }
+    scores[t] = (Lanes)s0 * scale;
+    scores[t + 1] = (Lanes)s1 * scale;
+    scores[t + 2] = (Lanes)s2 * scale;
+    scores[t + 3] = (Lanes)s3 * scale;
+  }
+  for (; t < nb; ++t) {
+    __m512 s = _mm512_setzero_ps();
+    const int32_t* k = reinterpret_cast<const int32_t*>(k_rows[t]);
+    for (int64_t p = 0; p < pairs; ++p)
+      s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_castps_si512((__m512)qt[p]), (__m512bh)_mm512_set1_epi32(k[p]));
+    scores[t] = (Lanes)s * scale;
+  }
+}
+#else
+template <typename KVT>
+void paired_scores(const Lanes*, const KVT* const*, int64_t, int64_t, float, Lanes*) {}
+#endif
+
+// Online softmax of up to kMaxRows rows over keys [begin, their ends) of the key
+// list `slots` (KV head at kv_offset in each pool row). Leaves tile k's
+// unnormalised output in sc.ot[k * d .. k * d + d) and its running max and sum in
+// m[k], l[k]. Every real row must see at least key `begin`; padding lanes see only
+// that key and are to be dropped.
+template <typename QT, typename KVT>
+void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool, const int64_t* slots,
+                  int64_t begin, int64_t kv_offset, const Dims& dm, float scale, Scratch& sc, Lanes* m, Lanes* l) {
+  const int64_t d = dm.d, row_len = dm.row_len;
+  const int n_tiles = (rows.count + kLanes - 1) / kLanes;
+  Lanes* scores = sc.scores.data();  // [kKeyBlock]: one key's score in every row of a tile
+  float* kf = sc.kf.data();
+  float* vf = sc.vf.data();
+  const Lanes zero = {};
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const bool paired = kPairedScores<QT, KVT> && d % 2 == 0;
+  const KVT* k_rows[kKeyBlock];  // paired: the block's K rows in the pool
+
+  Lanes end[kTilesPerItem];
+  int64_t min_end[kTilesPerItem], max_end[kTilesPerItem], last = begin + 1;
+  for (int k = 0; k < n_tiles; ++k) {
+    Lanes* qt = sc.qt.data() + k * d;  // [d]: component i of every row of tile k
+    min_end[k] = std::numeric_limits<int64_t>::max();
+    max_end[k] = begin + 1;
+    for (int lane = 0; lane < kLanes; ++lane) {
+      const int r = k * kLanes + lane;
+      int64_t e = begin + 1;
+      if (r < rows.count && paired) {  // qt[p] holds the bf16 pair (q[2p], q[2p + 1]) of each row, unscaled
+        e = rows.end[r];
+        const uint32_t* pairs = reinterpret_cast<const uint32_t*>(rows.q[r]);
+        for (int64_t p = 0; p < d / 2; ++p) qt[p][lane] = bits_to_float(pairs[p]);
+      } else if (r < rows.count) {
+        e = rows.end[r];
+        for (int64_t i = 0; i < d; ++i) qt[i][lane] = static_cast<float>(rows.q[r][i]) * scale;
+      } else {
+        for (int64_t i = 0; i < d; ++i) qt[i][lane] = 0.0f;
+      }
+      min_end[k] = std::min(min_end[k], e);
+      max_end[k] = std::max(max_end[k], e);
+      end[k][lane] = static_cast<float>(e);
+    }
+    last = std::max(last, max_end[k]);
+    m[k] = zero + neg_inf;
+    l[k] = zero;
+    Lanes* ot = sc.ot.data() + k * d;
+    for (int64_t i = 0; i < d; ++i) ot[i] = zero;
+  }
+
+  for (int64_t k0 = begin; k0 < last; k0 += kKeyBlock) {
+    const int64_t block = std::min(kKeyBlock, last - k0);
+    for (int64_t t = 0; t < block; ++t) {
+      const int64_t slot = slots[k0 + t];
+      k_rows[t] = k_pool + slot * row_len + kv_offset;
+      if (!paired) as_float_into(k_rows[t], kf + t * d, d);
+      as_float_into(v_pool + slot * row_len + kv_offset, vf + t * d, d);
+      if (k0 + kKeyBlock + t < last) {  // the next block's rows, scattered over the pool, while this one computes
+        const int64_t ahead = slots[k0 + kKeyBlock + t] * row_len + kv_offset;
+        prefetch_values(k_pool + ahead, d);
+        prefetch_values(v_pool + ahead, d);
+      }
+    }
+    for (int k = 0; k < n_tiles; ++k) {
+      if (max_end[k] <= k0) continue;  // a causal tile that ends before this block
+      const int64_t nb = std::min(block, max_end[k] - k0);
+      const Lanes* qt = sc.qt.data() + k * d;
+      Lanes* ot = sc.ot.data() + k * d;
+      int64_t t = 0;
+      if constexpr (kPairedScores<QT, KVT>) {
+        if (paired) {
+          paired_scores(qt, k_rows, nb, d, scale, scores);
+          t = nb;
+        }
+      }
+      // Scores, four keys at a time (four independent FMA chains share each query load).
+      for (; t + 4 <= nb; t += 4) {
+        Lanes s0 = zero, s1 = zero, s2 = zero, s3 = zero;
+        const float* kp = kf + t * d;
+        for (int64_t i = 0; i < d; ++i) {
+          const Lanes qv = qt[i];
+          s0 += qv * kp[i];
+          s1 += qv * kp[d + i];
+          s2 += qv * kp[2 * d + i];
+          s3 += qv * kp[3 * d + i];
+        }
+        scores[t] = s0;
+        scores[t + 1] = s1;
+        scores[t + 2] = s2;
+        scores[t + 3] = s3;
+      }
+      for (; t < nb; ++t) {
+        Lanes s = zero;
+        const float* kp = kf + t * d;
+        for (int64_t i = 0; i < d; ++i) s += qt[i] * kp[i];
+        scores[t] = s;
+      }
+      const bool masked = k0 + nb > min_end[k];  // only blocks past some row's last key
+      if (masked) {
+        for (t = 0; t < nb; ++t) {
+          const float key = static_cast<float>(k0 + t);
+#pragma omp simd
+          for (int lane = 0; lane < kLanes; ++lane)
+            if (key >= end[k][lane]) scores[t][lane] = neg_inf;
+        }
+      }
+      Lanes block_max = scores[0];
+      for (t = 1; t < nb; ++t) block_max = lanes_max(block_max, scores[t]);
+      const Lanes m_new = lanes_max(m[k], block_max);
+      const Lanes alpha = lanes_exp(m[k] - m_new);
+      Lanes sum = zero;
+      for (t = 0; t < nb; ++t) {
+        Lanes p = lanes_exp(scores[t] - m_new);
+        if (masked) {
+#pragma omp simd
+          for (int lane = 0; lane < kLanes; ++lane)
+            if (scores[t][lane] == neg_inf) p[lane] = 0.0f;
+        }
+        scores[t] = p;
+        sum += p;
+      }
+      l[k] = l[k] * alpha + sum;
+      m[k] = m_new;
+      // Ot = alpha * Ot + sum_t P[t] v_t, four components of the head at a time.
+      int64_t i = 0;
+      for (; i + 4 <= d; i += 4) {
+        Lanes o0 = ot[i] * alpha, o1 = ot[i + 1] * alpha, o2 = ot[i + 2] * alpha, o3 = ot[i + 3] * alpha;
+        for (t = 0; t < nb; ++t) {
+          const Lanes p = scores[t];
+          const float* vp = vf + t * d + i;
+          o0 += p * vp[0];
+          o1 += p * vp[1];
+          o2 += p * vp[2];
+          o3 += p * vp[3];
+        }
+        ot[i] = o0;
+        ot[i + 1] = o1;
+        ot[i + 2] = o2;
+        ot[i + 3] = o3;
+      }
+      for (; i < d; ++i) {
+        Lanes o = ot[i] * alpha;
+        for (t = 0; t < nb; ++t) o += scores[t] * vf[t * d + i];
+        ot[i] = o;
+      }
+    }
+  }
+}
+
+// Row r's unnormalised output component x and its max and sum, after attend_tiles.
+inline float row_out(const Scratch& sc, int r, int64_t x, int64_t d) { return sc.ot[(r / kLanes) * d + x][r % kLanes]; }
+
+// A tile of work: `rows` rows starting at row `first_row` of unit `unit` (a request
+// in extend, a group or a member in cascade) for one KV head; cost ~ rows x keys.
+struct TileItem {
+  int64_t unit, kv_head, first_row, rows, cost;
+};
+
+// Run `fn(item, scratch)` over the items on all threads, largest first.
+template <typename F>
+void run_tiles(std::vector<TileItem>& items, int64_t d, F&& fn) {
+  std::stable_sort(items.begin(), items.end(), [](const TileItem& a, const TileItem& b) { return a.cost > b.cost; });
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch scratch(d);
+    for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) fn(items[i], scratch);
+  });
+}
+
+// Cut `total_rows` rows of a unit into items of up to kMaxRows rows, for every KV head.
+void add_tiles(std::vector<TileItem>& items, int64_t unit, int64_t total_rows, int64_t kv_heads, int64_t keys) {
+  for (int64_t kh = 0; kh < kv_heads; ++kh)
+    for (int64_t f = 0; f < total_rows; f += kMaxRows) {
+      const int64_t rows = std::min<int64_t>(kMaxRows, total_rows - f);
+      items.push_back({unit, kh, f, rows, rows * keys});
+    }
+}
+
+// Normalise an item's rows and write them: row r goes to dst[r] (head_dim values).
+template <typename QT>
+void write_rows(const Scratch& sc, const Lanes* l, int count, QT* const* dst, int64_t d) {
+  for (int r = 0; r < count; ++r) {
+    const float inv = 1.0f / l[r / kLanes][r % kLanes];
+    for (int64_t x = 0; x < d; ++x) dst[r][x] = static_cast<QT>(row_out(sc, r, x, d) * inv);
+  }
+}
+
+template <typename QT, typename KVT>
+void extend_impl(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                 const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& q_starts,
+                 const at::Tensor& kv_lens, double scaling, at::Tensor& out) {
+  const int64_t n_reqs = rows.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_buf.size(1);
+  const Dims dm{heads, heads / kv_heads, d, kv_heads * d};
+  const int64_t* row_ptr = rows.data_ptr<int64_t>();
+  const int64_t* start_ptr = q_starts.data_ptr<int64_t>();
+  const int64_t* len_ptr = kv_lens.data_ptr<int64_t>();
+  const int64_t* table = req_to_token.data_ptr<int64_t>();
+  const int64_t table_stride = req_to_token.stride(0), q_s0 = q.stride(0), q_s1 = q.stride(1);
+
+  std::vector<TileItem> items;
+  for (int64_t b = 0; b < n_reqs; ++b) {
+    const int64_t n = start_ptr[b + 1] - start_ptr[b], kv_len = len_ptr[b];
+    TORCH_CHECK(n >= 0 && n <= kv_len && kv_len <= req_to_token.size(1), "cpu_paged: request ", b, " has ", n,
+                " new tokens and ", kv_len, " keys");
+    // (Two vectors per tile, for more FMAs per load, measured slower on fresh prompts and no faster over prefixes.)
+    add_tiles(items, b, n * dm.group, kv_heads, kv_len);
+  }
+  const QT* q_ptr = q.data_ptr<QT>();
+  QT* out_ptr = out.data_ptr<QT>();
+  const KVT* k_ptr = k_buf.data_ptr<KVT>();
+  const KVT* v_ptr = v_buf.data_ptr<KVT>();
+  const float scale = static_cast<float>(scaling);
+  run_tiles(items, d, [&](const TileItem& it, Scratch& sc) {
+    const int64_t b = it.unit, n = start_ptr[b + 1] - start_ptr[b], prefix = len_ptr[b] - n;
+    TileRows<QT> tile;
+    QT* dst[kMaxRows];
+    tile.count = static_cast<int>(it.rows);
+    for (int r = 0; r < tile.count; ++r) {
+      const int64_t f = it.first_row + r, token = start_ptr[b] + f / dm.group;
+      const int64_t h = it.kv_head * dm.group + f % dm.group;
+      tile.q[r] = q_ptr + token * q_s0 + h * q_s1;
+      tile.end[r] = prefix + f / dm.group + 1;
+      dst[r] = out_ptr + (token * heads + h) * d;
+    }
+    Lanes m[kTilesPerItem], l[kTilesPerItem];
+    attend_tiles(tile, k_ptr, v_ptr, table + row_ptr[b] * table_stride, 0, it.kv_head * d, dm, scale, sc, m, l);
+    write_rows(sc, l, tile.count, dst, d);
+  });
+}
+
+template <typename QT, typename KVT>
+void cascade_impl(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                  const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& group_starts,
+                  const at::Tensor& shared_lens, const at::Tensor& suffix_out, const at::Tensor& suffix_lse,
+                  double scaling, at::Tensor& out) {
+  const int64_t n_queries = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_buf.size(1);
+  const int64_t n_groups = shared_lens.size(0);
+  const Dims dm{heads, heads / kv_heads, d, kv_heads * d};
+  const int64_t* row_ptr = rows.data_ptr<int64_t>();
+  const int64_t* group_ptr = group_starts.data_ptr<int64_t>();
+  const int64_t* shared_ptr = shared_lens.data_ptr<int64_t>();
+  const int64_t* table = req_to_token.data_ptr<int64_t>();
+  const int64_t table_stride = req_to_token.stride(0), q_s0 = q.stride(0), q_s1 = q.stride(1);
+  const QT* q_ptr = q.data_ptr<QT>();
+  const QT* suffix_ptr = suffix_out.data_ptr<QT>();
+  const float* suffix_lse_ptr = suffix_lse.data_ptr<float>();
+  QT* out_ptr = out.data_ptr<QT>();
+  const KVT* k_ptr = k_buf.data_ptr<KVT>();
+  const KVT* v_ptr = v_buf.data_ptr<KVT>();
+  const float scale = static_cast<float>(scaling);
+  TORCH_CHECK(group_ptr[0] == 0 && group_ptr[n_groups] == n_queries, "cpu_paged: groups must cover every query");
+
+  // Each group's rows against its shared prefix, merged with each row's own part:
+  // out = (acc + e^(lse - m) * suffix) / (l + e^(lse - m)) at the common max.
+  std::vector<TileItem> items;
+  for (int64_t g = 0; g < n_groups; ++g) {
+    TORCH_CHECK(group_ptr[g] < group_ptr[g + 1] && shared_ptr[g] >= 1 && shared_ptr[g] <= req_to_token.size(1),
+                "cpu_paged: group ", g, " is empty or its shared length is out of range");
+    add_tiles(items, g, (group_ptr[g + 1] - group_ptr[g]) * dm.group, kv_heads, shared_ptr[g]);
+  }
+  run_tiles(items, d, [&](const TileItem& it, Scratch& sc) {
+    const int64_t g = it.unit;
+    TileRows<QT> tile;
+    int64_t state[kMaxRows];  // each row's (query, head) index
+    tile.count = static_cast<int>(it.rows);
+    for (int r = 0; r < tile.count; ++r) {
+      const int64_t f = it.first_row + r, n = group_ptr[g] + f / dm.group, h = it.kv_head * dm.group + f % dm.group;
+      tile.q[r] = q_ptr + n * q_s0 + h * q_s1;
+      tile.end[r] = shared_ptr[g];
+      state[r] = n * heads + h;
+    }
+    Lanes m[kTilesPerItem], l[kTilesPerItem];
+    attend_tiles(tile, k_ptr, v_ptr, table + row_ptr[group_ptr[g]] * table_stride, 0, it.kv_head * d, dm, scale, sc,
+                 m, l);
+    for (int r = 0; r < tile.count; ++r) {
+      const int64_t s = state[r];
+      const float m1 = m[r / kLanes][r % kLanes], l1 = l[r / kLanes][r % kLanes], lse2 = suffix_lse_ptr[s];
+      const float m_all = std::max(m1, lse2);
+      const float w1 = exp_nonpositive(m1 - m_all), w2 = exp_nonpositive(lse2 - m_all);
+      const float inv = 1.0f / (l1 * w1 + w2);
+      const QT* own = suffix_ptr + s * d;
+      QT* dst = out_ptr + s * d;
+      for (int64_t x = 0; x < d; ++x)
+        dst[x] = static_cast<QT>((row_out(sc, r, x, d) * w1 + static_cast<float>(own[x]) * w2) * inv);
+    }
+  });
+}
+
+}  // namespace
+
+void extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                      const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& q_starts,
+                      const at::Tensor& kv_lens, double scaling, at::Tensor& out) {
+  dispatch_dtypes(q.scalar_type(), k_buf.scalar_type(), [&](auto qt, auto kvt) {
+    extend_impl<decltype(qt), decltype(kvt)>(q, k_buf, v_buf, req_to_token, rows, q_starts, kv_lens, scaling, out);
+  });
+}
+
+void cascade_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                              const at::Tensor& req_to_token, const at::Tensor& rows,
+                              const at::Tensor& group_starts, const at::Tensor& shared_lens,
+                              const at::Tensor& suffix_out, const at::Tensor& suffix_lse, double scaling,
+                              at::Tensor& out) {
+  dispatch_dtypes(q.scalar_type(), k_buf.scalar_type(), [&](auto qt, auto kvt) {
+    cascade_impl<decltype(qt), decltype(kvt)>(q, k_buf, v_buf, req_to_token, rows, group_starts, shared_lens,
+                                              suffix_out, suffix_lse, scaling, out);
+  });
+}
+
+}  // namespace radixserve_cpu_paged
