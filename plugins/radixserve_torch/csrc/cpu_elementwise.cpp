@@ -6,8 +6,8 @@
 // elementwise.py): the residual sum in the model dtype, the normalised value in the
 // model dtype before the weight multiplies it, silu(gate) in the model dtype before
 // it multiplies up; everything in between is float32. The mean of squares is summed
-// in a different order than torch's reduction, and exp is a polynomial (relative
-// error < 2e-7), so results may differ from the reference in the last bit of
+// in a different order than torch's reduction, and exp is a polynomial (fast_exp,
+// relative error < 2e-7), so results may differ from the reference in the last bit of
 // float32 or, rarely, by one unit of the model dtype.
 // Registered as torch.ops.radixserve_cpu_elementwise.
 
@@ -25,6 +25,7 @@
 namespace {
 
 using radixserve_cpu_paged::bits_to_float;
+using radixserve_cpu_paged::fast_exp;
 using radixserve_cpu_paged::float_to_bits;
 
 // Model-dtype values as float32 and back, rounding to nearest even like torch.
@@ -61,25 +62,6 @@ inline c10::Half store<c10::Half>(float f) {
 template <typename T>
 inline float round_to(float f) {
   return load(store<T>(f));
-}
-
-// e^x for any float x (saturating beyond +-87): the 2^n * poly(r) scheme of
-// exp_nonpositive, without its sign restriction.
-inline float exp_any(float x) {
-  x = std::min(std::max(x, -87.0f), 87.0f);
-  const float t = x * 1.44269504088896341f;
-  const float big = t + 12582912.0f;
-  const float n = big - 12582912.0f;
-  const int32_t ni = static_cast<int32_t>(float_to_bits(big)) - 0x4B400000;
-  const float r = x - n * 0.693147180559945309f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  return p * bits_to_float(static_cast<uint32_t>(ni + 127) << 23);
 }
 
 // Rows per parallel task: small inputs (decode) stay on one thread.
@@ -141,7 +123,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i) {
         const float g = load(gate[i]);
-        o[i] = store<T>(round_to<T>(g / (1.0f + exp_any(-g))) * load(up[i]));
+        o[i] = store<T>(round_to<T>(g / (1.0f + fast_exp(-g))) * load(up[i]));
       }
     }
   });

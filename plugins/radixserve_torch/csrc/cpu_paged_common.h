@@ -29,12 +29,12 @@ inline uint32_t float_to_bits(float f) {
   return u;
 }
 
-// exp(x) for x <= 0 in plain arithmetic (vectorisable): 2^n * e^r with
-// r = x - n ln2 in [-ln2/2, ln2/2] and a degree-6 Taylor polynomial (relative
-// error < 2e-7). Inputs below -87 (including -inf) give about 1e-38, which
-// is 0 for every weight it multiplies.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
+// exp(x) in plain arithmetic (vectorisable): 2^n * e^r with r = x - n ln2 in
+// [-ln2/2, ln2/2] and a degree-6 Taylor polynomial (relative error < 2e-7).
+// Inputs are clamped to [-87, 87]: below, (including -inf) about 1e-38, which is
+// 0 for every weight it multiplies; above, about 6e37.
+inline float fast_exp(float x) {
+  x = x < -87.0f ? -87.0f : (x > 87.0f ? 87.0f : x);
   const float t = x * 1.44269504088896341f;
   const float big = t + 12582912.0f;  // 1.5 * 2^23: rounds t to the nearest integer
   const float n = big - 12582912.0f;

@@ -121,11 +121,11 @@ inline void online_softmax(float* scores, int64_t nb, const Dims& dm, float* m, 
     float block_max = sh[0];
     for (int64_t t = 1; t < nb; ++t) block_max = std::max(block_max, sh[t]);
     const float m_new = std::max(m[h], block_max);
-    const float alpha = exp_nonpositive(m[h] - m_new);
+    const float alpha = fast_exp(m[h] - m_new);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < nb; ++t) {
-      sh[t] = exp_nonpositive(sh[t] - m_new);
+      sh[t] = fast_exp(sh[t] - m_new);
       sum += sh[t];
     }
     if (m_new != m[h]) {
@@ -275,7 +275,7 @@ inline void scores_block8(const float* ql, const float* const* kr, int64_t d, fl
   store_scores<S>(acc, scale, out);
 }
 
-// exp_nonpositive on 16 lanes.
+// fast_exp on 16 lanes.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 big = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f));
@@ -312,7 +312,7 @@ inline void online_softmax16(float* scores, int64_t nb, const Dims& dm, float* m
       mx = _mm512_max_ps(mx, s[i]);
     }
     const float m_new = std::max(m[h], _mm512_reduce_max_ps(mx));
-    const float alpha = exp_nonpositive(m[h] - m_new);
+    const float alpha = fast_exp(m[h] - m_new);
     __m512 sum = _mm512_setzero_ps();
     for (int i = 0; i < kVecs; ++i) {
       const __m512 e = _mm512_maskz_mov_ps(valid[i], exp16(_mm512_sub_ps(s[i], _mm512_set1_ps(m_new))));
@@ -600,7 +600,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const at
         float l_all = 0.0f;
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t s = first_split[n]; s < first_split[n + 1]; ++s) {
-          const float w = exp_nonpositive(part_ml[s * heads * 2 + h] - m_all);
+          const float w = fast_exp(part_ml[s * heads * 2 + h] - m_all);
           l_all += w * part_ml[s * heads * 2 + heads + h];
           const float* src = part_acc.data() + (s * heads + h) * d;
           for (int64_t x = 0; x < d; ++x) acc[x] += w * src[x];

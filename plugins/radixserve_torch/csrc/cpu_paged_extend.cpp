@@ -55,7 +55,7 @@ inline Lanes lanes_max(Lanes a, Lanes b) {
 inline Lanes lanes_exp(Lanes x) {
   Lanes r;
 #pragma omp simd
-  for (int i = 0; i < kLanes; ++i) r[i] = exp_nonpositive(x[i]);
+  for (int i = 0; i < kLanes; ++i) r[i] = fast_exp(x[i]);
   return r;
 }
 
@@ -409,7 +409,7 @@ void cascade_impl(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor
       const int64_t s = state[r];
       const float m1 = m[r / kLanes][r % kLanes], l1 = l[r / kLanes][r % kLanes], lse2 = suffix_lse_ptr[s];
       const float m_all = std::max(m1, lse2);
-      const float w1 = exp_nonpositive(m1 - m_all), w2 = exp_nonpositive(lse2 - m_all);
+      const float w1 = fast_exp(m1 - m_all), w2 = fast_exp(lse2 - m_all);
       const float inv = 1.0f / (l1 * w1 + w2);
       const QT* own = suffix_ptr + s * d;
       QT* dst = out_ptr + s * d;
