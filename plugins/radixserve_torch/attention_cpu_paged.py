@@ -2,14 +2,16 @@
 
 ``torch_varlen`` gathers every request's K/V out of the pool into a workspace
 each layer and reads it again: at W1's decode shape the gather costs about as
-much as the attention, and its extend runs torch's SDPA, whose CPU kernel spends
-most of its time in the softmax (33 GFLOP/s on a 2-core EPYC at head_dim 32,
-whatever the head size). This backend runs both modes in a small C++ kernel
-(csrc/: cpu_paged_decode.cpp, cpu_paged_extend.cpp) that walks ``req_to_token`` and reads each key's
-pool row once, with an online softmax in float32 (flash-attention style):
+much as the attention, and its extend runs torch's SDPA, whose CPU kernel
+spends most of its time in the softmax. This backend runs both modes in small
+C++ kernels (csrc/: cpu_paged_decode.cpp, cpu_paged_extend.cpp) that walk
+``req_to_token`` and read each key's pool row once, with an online softmax in
+float32 (flash-attention style):
 
 - decode: one work item per request (or per slice of a long context when the
   batch is too small to occupy every thread), all heads of a KV group per key;
+  requests that share a cached prefix (the same leading slots) attend to it
+  together in extend tiles, and the rest of their keys here (cascade);
 - extend: tiles of 16 (query, head) rows of one request and KV head, with the
   queries transposed so that both products and the softmax run as vectors
   across the tile's rows; causal masking only on the diagonal blocks, cached
@@ -79,6 +81,7 @@ class CascadePlan:
     group_starts: torch.Tensor  # [G + 1]: group g is grouped[group_starts[g]:group_starts[g + 1]]
     shared_lens: torch.Tensor  # [G] keys every member of the group shares
     suffix_table: torch.Tensor  # [M, W] each grouped request's slots after its group's prefix
+    suffix_rows: torch.Tensor  # [M] 0..M-1: request m's row in suffix_table
     suffix_lens: torch.Tensor  # [M] how many
     solo: torch.Tensor  # [S] batch positions of the other requests
     solo_rows: torch.Tensor  # [S] their rows in req_to_token
@@ -139,7 +142,8 @@ def plan_cascade(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[
     columns.clamp_(max=req_to_token.shape[1] - 1)  # past a request's own keys: never read
     return CascadePlan(
         grouped=grouped_t, grouped_rows=grouped_rows, group_starts=tensor(starts), shared_lens=tensor(shared),
-        suffix_table=req_to_token[grouped_rows[:, None], columns].contiguous(), suffix_lens=tensor(suffix_lens),
+        suffix_table=req_to_token[grouped_rows[:, None], columns].contiguous(),
+        suffix_rows=torch.arange(len(grouped), device=device), suffix_lens=tensor(suffix_lens),
         solo=solo_t, solo_rows=rows.index_select(0, solo_t), solo_lens=tensor([seq_lens[i] for i in solo]))
 
 
@@ -194,9 +198,8 @@ class CpuPagedAttention(AttentionBackend):
         # log-sum-exp), then the shared prefixes in tiles, merged with them.
         q_grouped, own = _query_and_out(q.index_select(0, plan.grouped))
         own_lse = torch.empty(q_grouped.shape[:2], dtype=torch.float32, device=q.device)
-        self._kernels.decode_with_lse(q_grouped, k_buf, v_buf, plan.suffix_table,
-                                      torch.arange(len(plan.grouped), device=q.device), plan.suffix_lens,
-                                      layer.scaling, own, own_lse)
+        self._kernels.decode_with_lse(q_grouped, k_buf, v_buf, plan.suffix_table, plan.suffix_rows,
+                                      plan.suffix_lens, layer.scaling, own, own_lse)
         out_grouped = torch.empty_like(own)
         self._kernels.cascade(q_grouped, k_buf, v_buf, batch.req_to_token, plan.grouped_rows, plan.group_starts,
                               plan.shared_lens, own, own_lse, layer.scaling, out_grouped)
