@@ -279,11 +279,11 @@ void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool
   }
 }
 
-// Row r's unnormalised output component x and its max and sum, after attend_tiles.
+// Row r's unnormalised output component x, after attend_tiles.
 inline float row_out(const Scratch& sc, int r, int64_t x, int64_t d) { return sc.ot[(r / kLanes) * d + x][r % kLanes]; }
 
 // A tile of work: `rows` rows starting at row `first_row` of unit `unit` (a request
-// in extend, a group or a member in cascade) for one KV head; cost ~ rows x keys.
+// in extend, a group in cascade) for one KV head; cost ~ rows x keys.
 struct TileItem {
   int64_t unit, kv_head, first_row, rows, cost;
 };
