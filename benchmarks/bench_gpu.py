@@ -254,15 +254,18 @@ def measure_engine(model_dir: Path, device: str, dtype: str, workload: Workload,
     def latency_and_throughput(column: str, runs: EngineRuns) -> None:
         progress(f"engine ({column}): batch-1 latency")
         setattr(latency, column, runs.latency_ms_per_token())
+        progress(f"engine ({column}): batch-1 latency {getattr(latency, column):.2f} ms/token")
         for row, b in zip(batches, w.batches):
             progress(f"engine ({column}): throughput at batch {b}")
             setattr(row, column, runs.throughput(b))
+            progress(f"engine ({column}): batch {b}: {getattr(row, column):,.0f} output tok/s")
 
     runs = engine("graphs")
     try:
         latency_and_throughput("graphs", runs)
         progress("engine (graphs): shared prefix, radix on")
         radix_on.graphs, hit = runs.shared_prefix()
+        progress(f"engine (graphs): shared prefix, radix on: {radix_on.graphs:,.0f} output tok/s")
         radix_on.note = f"cache hit rate {hit:.0%}" if hit is not None else ""
     finally:
         infos["graphs"] = runs.close()
@@ -278,6 +281,7 @@ def measure_engine(model_dir: Path, device: str, dtype: str, workload: Workload,
     try:
         progress("engine (graphs, radix off): shared prefix")
         radix_off.graphs, _ = runs.shared_prefix()
+        progress(f"engine (graphs, radix off): shared prefix: {radix_off.graphs:,.0f} output tok/s")
     finally:
         infos["radix_off"] = runs.close()
     ratio = Result("radix on / off", "x", graphs=radix_on.graphs / radix_off.graphs)

@@ -163,6 +163,19 @@ def test_graphs_off_with_a_reason_or_an_error_when_forced(tiny_llama_dir, regist
     assert len(reasons) == 1 and "lower --graph-max-bs or --context-length" in reasons[0]
 
 
+def test_graphs_off_for_a_moe_backend_that_routes_on_the_host(tiny_model_factory, registry):
+    """torch_native MoE picks its experts with ``.tolist()``: capturing it failed on
+    an H100 ("operation failed due to a previous error during capture")."""
+    moe_dir = tiny_model_factory(arch="qwen3_moe")
+    runner = _runner(moe_dir, registry, device="cpu_graphs", attention_backend="torch_native",
+                     moe_backend="torch_native")
+    assert runner.graph_runner is None
+    assert runner.graphs["reason"] == "moe backend 'torch_native' loops on the host over the experts that received tokens"
+    with pytest.raises(ValueError, match="moe backend 'torch_native' loops on the host"):
+        _runner(moe_dir, registry, device="cpu_graphs", attention_backend="torch_native",
+                moe_backend="torch_native", disable_graph=False)
+
+
 def test_capture_at_startup_every_size_largest_first(tiny_llama_dir, registry):
     runner = _runner(tiny_llama_dir, registry, device="cpu_graphs", attention_backend="torch_native",
                      max_running_requests=12, graph_max_bs=64)

@@ -16,6 +16,9 @@ class TorchNativeMoE(MoEBackend):
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
         return []
 
+    def graph_unsupported_reasons(self) -> list[str]:
+        return [f"moe backend {self.name!r} loops on the host over the experts that received tokens"]
+
     def forward(self, hidden, router_logits, w13, w2, routing: MoERouting) -> torch.Tensor:
         weights, ids = route(router_logits, routing)
         out = torch.zeros_like(hidden, dtype=torch.float32)

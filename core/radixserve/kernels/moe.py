@@ -38,6 +38,13 @@ class MoEBackend(Backend):
     ) -> torch.Tensor:
         raise NotImplementedError
 
+    def graph_unsupported_reasons(self) -> list[str]:
+        """Why a decode step through this backend cannot be captured in a device
+        graph (empty: it can). A backend whose ``forward`` reads device values on
+        the host (a loop over the experts that received tokens, say) must answer
+        with a reason: capture would fail, or freeze one batch's routing."""
+        return []
+
 
 def route(router_logits: torch.Tensor, routing: MoERouting) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k expert weights ``[T, k]`` (float32) and ids ``[T, k]``; shared by backends."""

@@ -51,7 +51,7 @@ class ModelRunner:
                          "elementwise": ctx.elementwise.name, "quantization": ctx.quant.name}
         if ctx.moe is not None:
             self.backends["moe"] = ctx.moe.name
-        self.attention = ctx.attention
+        self.attention, self.moe = ctx.attention, ctx.moe
         self.model, self.hf_config = load_model(model_path, ctx, registry, config=hf_config)
         # The model's own limit (position embeddings, or a sliding window it cannot apply).
         model_context = self.model.max_context_len
@@ -101,6 +101,8 @@ class ModelRunner:
             reasons = [f"platform {self.platform.name!r} has no graph capture"]
         else:
             reasons = self.attention.graph_unsupported_reasons(max_bs, self.req_to_token_pool.max_context_len)
+            if self.moe is not None:
+                reasons += self.moe.graph_unsupported_reasons()
         if reasons:
             if args.disable_graph is False:
                 raise ValueError(f"disable_graph: graphs were asked for, but {'; '.join(reasons)}")

@@ -1060,14 +1060,20 @@ def _fp8_semantics(per_channel_weight: bool):
     (nearest even), product of the dequantized values. An all-zero token or matrix
     gets ``max|t| = 1e-12``."""
 
-    def e4m3(t: torch.Tensor) -> torch.Tensor:
-        return t.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
+    def e4m3(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``e4m3(clamp(t / scale))`` as float32. The quotient is taken in float64
+        and rounded once to float32, which is the correctly rounded float32
+        division: some CPU builds divide by a one-element tensor as a multiply by
+        its reciprocal, one unit off, enough to tip an e4m3 rounding (seen with
+        torch 2.11's CPU kernels against its CUDA ones)."""
+        quotient = (t.double() / scale.double()).float()
+        return quotient.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
 
     def semantics(weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         w_max = weight.abs().amax(dim=1, keepdim=True) if per_channel_weight else weight.abs().amax()
         w_scale = w_max.clamp(min=1e-12) / 448.0
         x_scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448.0
-        return F.linear(e4m3(x / x_scale) * x_scale, e4m3(weight / w_scale) * w_scale, bias)
+        return F.linear(e4m3(x, x_scale) * x_scale, e4m3(weight, w_scale) * w_scale, bias)
 
     return semantics
 

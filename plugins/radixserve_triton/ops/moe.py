@@ -35,7 +35,9 @@ def align_assignments(ids: torch.Tensor, num_experts: int, block_m: int):
     flat = ids.reshape(-1).to(torch.int64)
     n = flat.numel()
     device = flat.device
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Not torch.bincount: on cuda it reads the largest id back to the host, which
+    # a graph capture forbids (seen on an H100); a scatter-add stays on the device.
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     padded_start = padded_end - padded
