@@ -19,6 +19,12 @@ through the Engine (offline, page size 16, greedy, fixed output lengths):
 - HF ``generate`` batch-1 latency with a static KV cache (on cuda it compiles
   the forward), the same prompt and output lengths.
 
+``--profile`` then profiles the first throughput batch (64 on the 8B shape) on
+one more engine (graphs on): warmed with one run of it, the second run goes
+under ``Engine.start_profile`` for ``Workload.profile_steps`` scheduler steps,
+and radixserve.bench.profile reads from the trace the median wall time of a
+decode step at that batch size and the fraction of it the device is busy.
+
 Request sets, metrics and the offline driver are radixserve.bench's.
 """
 
@@ -43,6 +49,7 @@ from radixserve.bench.datasets import BenchRequest, TokenSource
 from radixserve.bench.driver import Arrivals
 from radixserve.bench.metrics import summarize
 from radixserve.bench.offline import run_offline
+from radixserve.bench.profile import DecodeProfile, decode_profile
 from radixserve.testing.tiny_models import (
     BOS_TOKEN,
     EOS_TOKEN,
@@ -82,6 +89,8 @@ class Workload:
     gsp_question: int = 64
     gsp_output: int = 32
     context_length: int = 2048
+    # --profile: scheduler steps profiled (the prefills of the first batch, then its decode steps).
+    profile_steps: int = 96
 
     @property
     def max_running(self) -> int:
@@ -288,6 +297,33 @@ def measure_engine(model_dir: Path, device: str, dtype: str, workload: Workload,
     return [latency, *batches, radix_on, radix_off, ratio], infos
 
 
+def profile_decode(model_dir: Path, device: str, dtype: str, workload: Workload, attention_backend: str,
+                   progress: Callable[[str], None]) -> tuple[Optional[DecodeProfile], str]:
+    """Profile the first throughput batch on a warm engine: its decode steps at
+    that batch size (None if the trace has fewer than two), and the trace's path."""
+    batch = workload.batches[0]
+    progress(f"engine (profile): starting; warm-up run at batch {batch}")
+    runs = EngineRuns(model_dir, device, dtype, workload, attention_backend)
+    try:
+        runs.throughput(batch)
+        progress(f"engine (profile): profiling {workload.profile_steps} steps at batch {batch}")
+        runs.engine.start_profile(num_steps=workload.profile_steps)
+        runs.throughput(batch)
+        path = runs.engine.stop_profile()  # the trace, written when the steps ran out or now
+    finally:
+        runs.close()
+    return decode_profile(json.loads(Path(path).read_text()), batch), path
+
+
+def format_profile(batch: int, prof: Optional[DecodeProfile], path: str) -> str:
+    if prof is None:
+        return f"profile: fewer than two decode steps at batch {batch} in {path}"
+    busy = "n/a (no device activity in the trace)" if prof.device_busy_fraction is None \
+        else f"{prof.device_busy_fraction:.1%}"
+    return (f"profile, decode at batch {batch} ({prof.steps} steps): {prof.step_ms_median:.2f} ms per step "
+            f"(host launch {prof.host_ms_median:.2f} ms), device busy {busy}; trace {path}")
+
+
 def captured_graphs(info: dict) -> list[int]:
     """The decode batch sizes an engine replays from graphs (none: it ran eagerly)."""
     return (info.get("graphs") or {}).get("batch_sizes") or []
@@ -359,6 +395,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--attention-backend", default="auto", help="e.g. flashinfer or triton (default: auto)")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the HF generate baseline")
     parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the decode steps of the first throughput batch: step time and device-busy "
+                             "fraction (the trace goes to $RADIXSERVE_PROFILE_DIR, else a new temporary directory)")
     args = parser.parse_args(argv)
 
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -377,6 +416,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             torch.cuda.empty_cache()  # the Engine's scheduler process sizes its KV pool from free memory
         progress("model written")
         rows, infos = measure_engine(model_dir, args.device, dtype_name, workload, args.attention_backend, progress)
+        if args.profile:  # before HF, whose memory this process's allocator may keep
+            prof, trace_path = profile_decode(model_dir, args.device, dtype_name, workload, args.attention_backend,
+                                              progress)
+            progress(format_profile(workload.batches[0], prof, trace_path))
         if not args.skip_hf:
             progress("HF generate (static cache) batch-1 latency")
             hf = hf_latency_ms_per_token(model_dir, device, dtype, workload)
@@ -391,14 +434,20 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{time.perf_counter() - started:.0f} s")
     print(header)
     print(format_table(rows))
+    batch = workload.batches[0]
+    if args.profile:
+        print(format_profile(batch, prof, trace_path))
     if args.json:
-        print(json.dumps({
+        report = {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "shape": args.shape,
             "shape_config": asdict(shape), "workload": asdict(workload), "dtype": dtype_name,
             "device": info.get("device"), "backends": info.get("backends"), "graphs": info.get("graphs"),
             "machine": {"platform": platform.platform(), "torch": torch.__version__},
             "rows": [asdict(r) for r in rows],
-        }))
+        }
+        if args.profile:
+            report[f"decode_bs{batch}"] = None if prof is None else {**asdict(prof), "trace": trace_path}
+        print(json.dumps(report))
     return 0
 
 

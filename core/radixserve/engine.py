@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from radixserve.config import ServerArgs
 from radixserve.launch import launch_runtime
+from radixserve.messages import ProfileOptions
 from radixserve.model_source import resolve_model_path
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
 
@@ -57,6 +58,20 @@ class Engine:
 
     def flush_cache(self) -> bool:
         return self._call(self.tokenizer_manager.control("flush_cache"))
+
+    def start_profile(self, output_dir: Optional[str] = None, record_shapes: bool = False,
+                      num_steps: Optional[int] = None) -> str:
+        """Profile the scheduler process (torch.profiler, the platform's activities)
+        from its next step on; returns the path the Chrome trace will be written to:
+        ``output_dir`` (default ``$RADIXSERVE_PROFILE_DIR``, else a new temporary
+        directory). With ``num_steps`` it stops by itself after that many steps.
+        ValueError: already profiling, or a bad argument (named)."""
+        return self._call(self.tokenizer_manager.start_profile(ProfileOptions(output_dir, record_shapes, num_steps)))
+
+    def stop_profile(self) -> str:
+        """Stop the profile (if it has not stopped by itself) and return its trace
+        path. ValueError when no profile was started since the last stop."""
+        return self._call(self.tokenizer_manager.stop_profile())
 
     def generate(
         self,

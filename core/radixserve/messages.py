@@ -49,10 +49,34 @@ class AbortRequest:
 @dataclass
 class ControlRequest:
     """A request/response call to the scheduler: ``kind`` is one of
-    ``server_info``, ``flush_cache``, ``health``."""
+    ``server_info``, ``flush_cache``, ``health``, ``start_profile`` (``args``:
+    a ``ProfileOptions``), ``stop_profile``."""
 
     kind: str
     call_id: int = 0
+    args: Any = None
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """``start_profile``'s arguments, checked on construction (a ValueError names the field).
+
+    ``output_dir``: where the trace goes (default ``$RADIXSERVE_PROFILE_DIR``, else a
+    new temporary directory); ``num_steps``: stop by itself after that many
+    scheduler steps (default: at ``stop_profile``)."""
+
+    output_dir: Optional[str] = None
+    record_shapes: bool = False
+    num_steps: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.output_dir is not None and (not isinstance(self.output_dir, str) or not self.output_dir):
+            raise ValueError(f"output_dir: must be a non-empty string, got {self.output_dir!r}")
+        if not isinstance(self.record_shapes, bool):
+            raise ValueError(f"record_shapes: must be a boolean, got {self.record_shapes!r}")
+        if self.num_steps is not None and (isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int)
+                                           or self.num_steps < 1):
+            raise ValueError(f"num_steps: must be a positive integer, got {self.num_steps!r}")
 
 
 @dataclass

@@ -7,6 +7,7 @@ import contextlib
 from typing import Callable, ClassVar, Iterator, Optional
 
 import torch
+from torch.profiler import ProfilerActivity
 
 
 class Platform:
@@ -55,6 +56,12 @@ class Platform:
         """How this device records and replays a forward (CUDA graphs, HIP graphs
         through the same torch API, ...); None: it cannot, and every step runs eagerly."""
         return None
+
+    def profiler_activities(self) -> list[ProfilerActivity]:
+        """What ``start_profile`` records with torch.profiler: host ops by default; a
+        device platform adds its own activity (``CUDA`` on cuda and rocm) so that
+        the trace holds the device kernels and copies."""
+        return [ProfilerActivity.CPU]
 
 
 # -- graph capture and replay (the platform's side; runtime/graph_runner.py drives it) --

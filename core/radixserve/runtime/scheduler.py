@@ -40,6 +40,7 @@ from radixserve.runtime.model_runner import ModelRunner
 from radixserve.runtime.model_worker import ModelWorker, PromptLogprobRows, StepResult, StepWork
 from radixserve.runtime.output_assembly import add_input_logprobs, error_output, make_output
 from radixserve.runtime.prefill_planning import PrefillPlanning
+from radixserve.runtime.profiler import StepProfiler
 from radixserve.runtime.req import Req
 from radixserve.runtime.sampler import Sampler
 from radixserve.runtime.stop import FinishReason, StopChecker
@@ -103,6 +104,8 @@ class Scheduler(PrefillPlanning):
         overlap = self.runner.platform.overlap_schedule if args.disable_overlap_schedule is None \
             else not args.disable_overlap_schedule
         self.worker = ModelWorker(self.runner, self.sampler, self.req_to_token_pool, overlap=overlap)
+        # One rank per scheduler process (tp_size is 1 so far).
+        self.profiler = StepProfiler(self.runner.platform.profiler_activities(), rank=0)
         self._launching: Optional[list[Req]] = None  # the requests of the step being launched
         self._in_flight: Optional[_Launched] = None  # launched, not awaited yet (overlap)
         self._unprocessed: Optional[_Launched] = None  # awaited, tokens not digested yet
@@ -209,9 +212,11 @@ class Scheduler(PrefillPlanning):
         extend = self._schedule_extend()
         if extend:
             self._launching = list(extend)
-            return self._launch_extend(extend)
+            with self.profiler.step_scope(lambda: f"extend[tokens={sum(r.extend_len for r in extend)}]"):
+                return self._launch_extend(extend)
         if self.running:
-            return self._launch_decode()
+            with self.profiler.step_scope(lambda: f"decode[bs={len(self.running)}]"):
+                return self._launch_decode()
         return None
 
     def _settle(self, launched: _Launched) -> None:

@@ -53,6 +53,7 @@ def run_scheduler_process(args: ServerArgs, model_path: str, endpoints: Endpoint
             except Exception:  # one bad message must not stop the server
                 logger.exception("failed to handle a %s message", type(msg).__name__)
         outputs = scheduler.step() if scheduler.has_work() else scheduler.step_outputs()
+        scheduler.profiler.after_step()
         if outputs:
             to_detok.send_pyobj(TokenBatch(outputs))
         if not scheduler.has_work() and not checked_idle:
@@ -67,16 +68,22 @@ def _dispatch(scheduler, msg, to_tm) -> None:
     elif isinstance(msg, AbortRequest):
         scheduler.abort(msg.rid)
     elif isinstance(msg, ControlRequest):
-        to_tm.send_pyobj(ControlReply(msg.kind, msg.call_id, _control(scheduler, msg.kind)))
+        to_tm.send_pyobj(ControlReply(msg.kind, msg.call_id, _control(scheduler, msg.kind, msg.args)))
     else:
         logger.error("unknown message %r", type(msg).__name__)
 
 
-def _control(scheduler, kind: str):
+def _control(scheduler, kind: str, args):
     if kind == "server_info":
         return {"stats": scheduler.stats().__dict__, **scheduler.runner.summary()}
     if kind == "flush_cache":
         return scheduler.flush_cache()
     if kind == "health":
         return True
+    if kind in ("start_profile", "stop_profile"):
+        try:
+            path = scheduler.profiler.start(args) if kind == "start_profile" else scheduler.profiler.stop()
+        except ValueError as exc:  # the profiler's refusals (ProfileError)
+            return {"error": str(exc)}
+        return {"trace_path": path}
     return {"error": f"unknown control request {kind!r}"}

@@ -1,7 +1,7 @@
 """The HTTP server: FastAPI on uvicorn, hosting the TokenizerManager.
 
     OpenAI:  POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}]
-    native:  POST /generate, /tokenize, /detokenize, /flush_cache, /abort_request
+    native:  POST /generate, /tokenize, /detokenize, /flush_cache, /abort_request, /start_profile, /stop_profile
              GET /health, /health_generate, /get_server_info, /get_model_info, /metrics
 
 ``run_server`` binds the socket itself (``--port 0`` picks a free port), prints
@@ -38,9 +38,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from radixserve import __version__
 from radixserve.config import ServerArgs
 from radixserve.launch import StartupError
+from radixserve.messages import ProfileOptions
 from radixserve.server import native_serving
 from radixserve.server.access_log import AccessLog
-from radixserve.server.errors import APIError, error_body, error_response, install_error_handlers
+from radixserve.server.errors import APIError, bad_request, error_body, error_response, install_error_handlers
 from radixserve.server.middleware import RequestGuard
 from radixserve.server.protocol import (
     AbortRequestBody,
@@ -50,6 +51,7 @@ from radixserve.server.protocol import (
     GenerateRequestBody,
     ModelCard,
     ModelList,
+    StartProfileBody,
     TokenizeRequest,
 )
 from radixserve.server.state import HEALTH_GENERATE_TIMEOUT_S, ServerState
@@ -172,6 +174,25 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
         if not await state.ready_tm().control("flush_cache"):
             raise APIError(400, "the cache cannot be flushed while requests are running")
         return {"success": True}
+
+    @app.post("/start_profile")
+    async def start_profile(body: Optional[StartProfileBody] = None) -> dict:
+        body = body or StartProfileBody()
+        tm = state.ready_tm()
+        try:
+            path = await tm.start_profile(ProfileOptions(body.output_dir, body.record_shapes, body.num_steps))
+        except ValueError as exc:
+            raise bad_request(exc) from None
+        return {"success": True, "trace_path": path}
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> dict:
+        tm = state.ready_tm()
+        try:
+            path = await tm.stop_profile()
+        except ValueError as exc:
+            raise bad_request(exc) from None
+        return {"success": True, "trace_path": path}
 
     @app.post("/abort_request")
     async def abort_request(body: AbortRequestBody) -> dict:

@@ -368,6 +368,14 @@ class AbortRequestBody(_Request):
     rid: str
 
 
+class StartProfileBody(_Request):
+    """POST /start_profile (the body is optional): ``ProfileOptions``' fields."""
+
+    output_dir: Optional[str] = None
+    record_shapes: StrictBool = False
+    num_steps: Optional[Int] = None
+
+
 # ---------------------------------------------------------------------------
 # Responses
 

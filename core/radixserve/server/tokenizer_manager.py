@@ -25,6 +25,7 @@ from radixserve.messages import (
     ControlReply,
     ControlRequest,
     GenerateRequest,
+    ProfileOptions,
     RequestOptions,
     TextBatch,
     TextOutput,
@@ -33,6 +34,9 @@ from radixserve.sampling.params import SamplingParams
 from radixserve.server.access_log import current_request
 
 logger = logging.getLogger(__name__)
+
+# Writing a long trace with device events takes a while.
+STOP_PROFILE_TIMEOUT_S = 300.0
 
 
 class QueueFullError(RuntimeError):
@@ -347,17 +351,33 @@ class TokenizerManager:
                 self._abort_once(internal, pending)
 
     # ---- control -------------------------------------------------------------------
-    async def control(self, kind: str, timeout: float = 30.0) -> Any:
+    async def control(self, kind: str, timeout: float = 30.0, args: Any = None) -> Any:
         if self.dead_reason:
             raise RuntimeDeadError(self.dead_reason)
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        self._send.send_pyobj(ControlRequest(kind, call_id))
+        self._send.send_pyobj(ControlRequest(kind, call_id, args))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self._calls.pop(call_id, None)
+
+    async def start_profile(self, options: ProfileOptions) -> str:
+        """Start torch.profiler in the scheduler; the path its trace will have.
+        A refusal (already profiling, an output_dir it cannot write) is a ValueError."""
+        return _trace_path(await self.control("start_profile", args=options))
+
+    async def stop_profile(self) -> str:
+        """Stop the profile (unless it stopped by itself after ``num_steps``) and
+        return its trace path; a ValueError when none was started."""
+        return _trace_path(await self.control("stop_profile", timeout=STOP_PROFILE_TIMEOUT_S))
+
+
+def _trace_path(reply: dict) -> str:
+    if "error" in reply:
+        raise ValueError(reply["error"])
+    return reply["trace_path"]
 
 
 def _raise_if_rejected(finish: dict) -> None:

@@ -12,6 +12,7 @@ Everything that needs the device (memory, properties) runs in the scheduler.
 from __future__ import annotations
 
 import torch
+from torch.profiler import ProfilerActivity
 
 from radixserve.platform import Platform
 
@@ -80,3 +81,6 @@ class CudaPlatform(Platform):
         from radixserve_cuda.graphs import CudaGraphBackend  # CUDA graphs: radixserve_cuda/graphs.py
 
         return CudaGraphBackend(device)
+
+    def profiler_activities(self) -> list[ProfilerActivity]:
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA]  # CUDA: kernels and copies through CUPTI

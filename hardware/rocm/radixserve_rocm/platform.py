@@ -11,6 +11,7 @@ scheduler process.
 from __future__ import annotations
 
 import torch
+from torch.profiler import ProfilerActivity
 
 from radixserve.platform import Platform
 
@@ -89,3 +90,7 @@ class RocmPlatform(Platform):
         from radixserve_rocm.graphs import HipGraphBackend  # torch.cuda.CUDAGraph records HIP graphs on ROCm
 
         return HipGraphBackend(device)
+
+    def profiler_activities(self) -> list[ProfilerActivity]:
+        # A ROCm build of torch reports HIP kernels and copies under the CUDA activity.
+        return [ProfilerActivity.CPU, ProfilerActivity.CUDA]

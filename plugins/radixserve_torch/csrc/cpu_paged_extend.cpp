@@ -71,6 +71,18 @@ constexpr bool kPairedScores =
     false;
 #endif
 
+// The same pair of types, for P.V: each vdpbf16ps adds two keys' products, the
+// probabilities of two keys (rounded to bf16, as torch's bf16 flash attention rounds
+// them before its P.V product) against the two keys' values, paired per component
+// from the raw pool rows. Half the instructions of float32 FMAs, and no V conversion.
+template <typename QT, typename KVT>
+constexpr bool kPairedValues =
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+    kPairedScores<QT, KVT>;
+#else
+    false;
+#endif
+
 // Tiles of one key list done together: each block of keys is read and converted
 // once for all of them (a key list that only one or two tiles read ran at 2/3 of
 // the rate of one that eight tiles read).
@@ -88,10 +100,12 @@ struct TileRows {
 
 // Scratch of one thread.
 struct Scratch {
-  std::vector<Lanes> qt, ot, scores;
+  std::vector<Lanes> qt, ot, scores, p_pairs;
   std::vector<float> kf, vf;
+  std::vector<uint32_t> v_pairs;
   explicit Scratch(int64_t d)
-      : qt(kTilesPerItem * d), ot(kTilesPerItem * d), scores(kKeyBlock), kf(kKeyBlock * d), vf(kKeyBlock * d) {}
+      : qt(kTilesPerItem * d), ot(kTilesPerItem * d), scores(kKeyBlock), p_pairs(kKeyBlock / 2),
+        kf(kKeyBlock * d), vf(kKeyBlock * d), v_pairs(kKeyBlock / 2 * d) {}
 };
 
 #if defined(__AVX512BF16__)
@@ -132,6 +146,65 @@ template <typename KVT>
 void paired_scores(const Lanes*, const KVT* const*, int64_t, int64_t, float, Lanes*) {}
 #endif
 
+// v_pairs[j * d + i] = component i of the values of keys 2j and 2j + 1 of a block of
+// nb keys, as one bf16 pair (key 2j in the low half; zero past the block's end).
+template <typename KVT>
+void pair_value_rows(const KVT* const* v_rows, int64_t nb, int64_t d, uint32_t* v_pairs) {
+  for (int64_t j = 0; 2 * j < nb; ++j) {
+    const uint16_t* lo = reinterpret_cast<const uint16_t*>(v_rows[2 * j]);
+    uint32_t* dst = v_pairs + j * d;
+    if (2 * j + 1 < nb) {
+      const uint16_t* hi = reinterpret_cast<const uint16_t*>(v_rows[2 * j + 1]);
+      for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<uint32_t>(lo[i]) | (static_cast<uint32_t>(hi[i]) << 16);
+    } else {
+      for (int64_t i = 0; i < d; ++i) dst[i] = lo[i];
+    }
+  }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// Ot = alpha * Ot + sum_t P[t] v_t over a block of nb keys, two keys per vdpbf16ps:
+// p_pairs[j] holds, in each lane, the bf16 pair (P[2j], P[2j + 1]) of that row.
+void paired_values(const Lanes* p, int64_t nb, const uint32_t* v_pairs, int64_t d, Lanes alpha, Lanes* ot,
+                   Lanes* p_pairs) {
+  static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_loadu_si512(kInterleave);
+  const int64_t n_pairs = (nb + 1) / 2;
+  for (int64_t j = 0; j < n_pairs; ++j) {
+    const __m512 lo = (__m512)p[2 * j], hi = 2 * j + 1 < nb ? (__m512)p[2 * j + 1] : _mm512_setzero_ps();
+    const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0-15: lo, 16-31: hi
+    p_pairs[j] = (Lanes)_mm512_castsi512_ps(_mm512_permutexvar_epi16(interleave, halves));
+  }
+  int64_t i = 0;
+  for (; i + 4 <= d; i += 4) {
+    __m512 o0 = (__m512)(ot[i] * alpha), o1 = (__m512)(ot[i + 1] * alpha);
+    __m512 o2 = (__m512)(ot[i + 2] * alpha), o3 = (__m512)(ot[i + 3] * alpha);
+    for (int64_t j = 0; j < n_pairs; ++j) {
+      const __m512bh pp = (__m512bh)_mm512_castps_si512((__m512)p_pairs[j]);
+      const uint32_t* v = v_pairs + j * d + i;
+      o0 = _mm512_dpbf16_ps(o0, pp, (__m512bh)_mm512_set1_epi32(v[0]));
+      o1 = _mm512_dpbf16_ps(o1, pp, (__m512bh)_mm512_set1_epi32(v[1]));
+      o2 = _mm512_dpbf16_ps(o2, pp, (__m512bh)_mm512_set1_epi32(v[2]));
+      o3 = _mm512_dpbf16_ps(o3, pp, (__m512bh)_mm512_set1_epi32(v[3]));
+    }
+    ot[i] = (Lanes)o0;
+    ot[i + 1] = (Lanes)o1;
+    ot[i + 2] = (Lanes)o2;
+    ot[i + 3] = (Lanes)o3;
+  }
+  for (; i < d; ++i) {
+    __m512 o = (__m512)(ot[i] * alpha);
+    for (int64_t j = 0; j < n_pairs; ++j)
+      o = _mm512_dpbf16_ps(o, (__m512bh)_mm512_castps_si512((__m512)p_pairs[j]),
+                           (__m512bh)_mm512_set1_epi32(v_pairs[j * d + i]));
+    ot[i] = (Lanes)o;
+  }
+}
+#else
+inline void paired_values(const Lanes*, int64_t, const uint32_t*, int64_t, Lanes, Lanes*, Lanes*) {}
+#endif
+
 // Online softmax of up to kMaxRows rows over keys [begin, their ends) of the key
 // list `slots` (KV head at kv_offset in each pool row). Leaves tile k's
 // unnormalised output in sc.ot[k * d .. k * d + d) and its running max and sum in
@@ -149,6 +222,7 @@ void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const bool paired = kPairedScores<QT, KVT> && d % 2 == 0;
   const KVT* k_rows[kKeyBlock];  // paired: the block's K rows in the pool
+  const KVT* v_rows[kKeyBlock];
 
   Lanes end[kTilesPerItem];
   int64_t min_end[kTilesPerItem], max_end[kTilesPerItem], last = begin + 1;
@@ -185,14 +259,16 @@ void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool
     for (int64_t t = 0; t < block; ++t) {
       const int64_t slot = slots[k0 + t];
       k_rows[t] = k_pool + slot * row_len + kv_offset;
+      v_rows[t] = v_pool + slot * row_len + kv_offset;
       if (!paired) as_float_into(k_rows[t], kf + t * d, d);
-      as_float_into(v_pool + slot * row_len + kv_offset, vf + t * d, d);
+      if constexpr (!kPairedValues<QT, KVT>) as_float_into(v_rows[t], vf + t * d, d);
       if (k0 + kKeyBlock + t < last) {  // the next block's rows, scattered over the pool, while this one computes
         const int64_t ahead = slots[k0 + kKeyBlock + t] * row_len + kv_offset;
         prefetch_values(k_pool + ahead, d);
         prefetch_values(v_pool + ahead, d);
       }
     }
+    if constexpr (kPairedValues<QT, KVT>) pair_value_rows(v_rows, block, d, sc.v_pairs.data());
     for (int k = 0; k < n_tiles; ++k) {
       if (max_end[k] <= k0) continue;  // a causal tile that ends before this block
       const int64_t nb = std::min(block, max_end[k] - k0);
@@ -253,6 +329,10 @@ void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool
       }
       l[k] = l[k] * alpha + sum;
       m[k] = m_new;
+      if constexpr (kPairedValues<QT, KVT>) {
+        paired_values(scores, nb, sc.v_pairs.data(), d, alpha, ot, sc.p_pairs.data());
+        continue;
+      }
       // Ot = alpha * Ot + sum_t P[t] v_t, four components of the head at a time.
       int64_t i = 0;
       for (; i + 4 <= d; i += 4) {

@@ -1,0 +1,191 @@
+"""Profiling the scheduler process: Engine.start_profile/stop_profile, the
+/start_profile and /stop_profile endpoints, and the trace arithmetic of
+radixserve.bench.profile (what bench_gpu.py --profile reports)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from helpers_server import ServerProcess
+from radixserve import Engine
+from radixserve.bench.profile import busy_time, decode_profile
+from radixserve.runtime.profiler import PROFILE_DIR_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+
+def step_names(path: str) -> list[str]:
+    trace = json.loads(Path(path).read_text())
+    return [e["name"] for e in trace["traceEvents"]
+            if e.get("cat") == "user_annotation" and e["name"].startswith("radixserve.")]
+
+
+# ---- trace arithmetic (hand-made traces) -------------------------------------------------
+
+
+def annotation(name: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "cat": "user_annotation", "name": name, "ts": ts, "dur": dur}
+
+
+def kernel(ts: float, dur: float, cat: str = "kernel") -> dict:
+    return {"ph": "X", "cat": cat, "name": "k", "ts": ts, "dur": dur}
+
+
+def test_busy_time_is_the_union_clipped_to_the_window():
+    window = (100.0, 200.0)
+    assert busy_time([], window) == 0
+    assert busy_time([(110, 130), (120, 140), (125, 135)], window) == 30  # nested and overlapping
+    assert busy_time([(110, 120), (150, 160)], window) == 20  # a gap
+    assert busy_time([(50, 90), (210, 230), (90, 105), (195, 260)], window) == 10  # outside, or half in
+    assert busy_time([(0, 500)], window) == 100
+
+
+def test_decode_profile_of_a_hand_made_trace():
+    # Steps start every 10 us: extend, then decode bs=4 at 10, 20, 30, then a decode bs=3 at 40.
+    events = [annotation("radixserve.extend[tokens=64]", 0, 6),
+              *[annotation("radixserve.decode[bs=4]", t, 2) for t in (10, 20, 30)],
+              annotation("radixserve.decode[bs=3]", 40, 2),
+              # The GPU's own copy of an annotation is not a host step.
+              {"ph": "X", "cat": "gpu_user_annotation", "name": "radixserve.decode[bs=4]", "ts": 11, "dur": 5},
+              # Window [10, 30]: 12-18 and 16-20 overlap (8 us), 22-24 memcpy and 23-25 memset (3 us);
+              # 5-11 is half in (1 us); 29-35 is partly in (1 us); 40-45 is outside.
+              kernel(12, 6), kernel(16, 4), kernel(22, 2, "gpu_memcpy"), kernel(23, 2, "gpu_memset"),
+              kernel(5, 6), kernel(29, 6), kernel(40, 5),
+              {"ph": "i", "cat": "kernel", "name": "instant", "ts": 15}]
+    prof = decode_profile({"traceEvents": events}, 4)
+    assert prof.steps == 3
+    assert prof.step_ms_median == pytest.approx(0.010)
+    assert prof.host_ms_median == pytest.approx(0.002)
+    assert prof.window_ms == pytest.approx(0.020)
+    assert prof.device_busy_fraction == pytest.approx(13 / 20)
+    assert decode_profile({"traceEvents": events}, 3) is None  # one step has no window
+    assert decode_profile({"traceEvents": events}, 64) is None
+    host_only = [e for e in events if e["cat"] == "user_annotation"]
+    assert decode_profile({"traceEvents": host_only}, 4).device_busy_fraction is None
+
+
+def test_platforms_choose_what_is_recorded():
+    from torch.profiler import ProfilerActivity
+
+    from radixserve.platform import Platform
+    from radixserve_cuda.platform import CudaPlatform
+    from radixserve_npu.platform import NpuPlatform
+    from radixserve_rocm.platform import RocmPlatform
+
+    assert Platform().profiler_activities() == [ProfilerActivity.CPU]
+    assert NpuPlatform().profiler_activities() == [ProfilerActivity.CPU]  # the default: host ops only
+    for platform in (CudaPlatform(), RocmPlatform()):  # HIP kernels come through the CUDA activity
+        assert platform.profiler_activities() == [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+
+
+# ---- the Engine ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    with Engine(model_path=str(tiny_llama_dir), max_total_tokens=4096, log_level="warning") as eng:
+        yield eng
+
+
+def test_engine_profile_records_named_steps(engine, tmp_path):
+    planned = engine.start_profile(output_dir=str(tmp_path / "traces"), record_shapes=True)
+    assert Path(planned).parent == tmp_path / "traces" and "rank0" in Path(planned).name
+    engine.generate(input_ids=[[5, 6, 7, 8], [9, 10, 11]], sampling_params=GREEDY)
+    path = engine.stop_profile()
+    assert path == planned and Path(path).is_file()
+    names = step_names(path)
+    assert "radixserve.extend[tokens=7]" in names
+    assert any(n.startswith("radixserve.decode[bs=") for n in names)
+    assert not list((tmp_path / "traces").glob("*.tmp"))
+
+
+def test_engine_profile_stops_by_itself_after_num_steps(engine, tmp_path):
+    path = engine.start_profile(output_dir=str(tmp_path), num_steps=3)
+    engine.generate(input_ids=[1, 2, 3], sampling_params=GREEDY)  # 1 extend + 5 decode steps
+    assert Path(path).is_file()  # written after the third step, before the request ended
+    assert step_names(path) == ["radixserve.extend[tokens=3]"] + ["radixserve.decode[bs=1]"] * 2
+    assert engine.stop_profile() == path  # hands out the finished trace once
+    with pytest.raises(ValueError, match="no profile is running"):
+        engine.stop_profile()
+
+
+def test_engine_profile_errors(engine, tmp_path):
+    with pytest.raises(ValueError, match="no profile is running"):
+        engine.stop_profile()
+    with pytest.raises(ValueError, match="^num_steps: must be a positive integer, got 0"):
+        engine.start_profile(num_steps=0)
+    with pytest.raises(ValueError, match="^record_shapes: must be a boolean"):
+        engine.start_profile(record_shapes="yes")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="^output_dir: cannot create"):
+        engine.start_profile(output_dir=str(blocker / "sub"))
+    path = engine.start_profile(output_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="already running"):
+        engine.start_profile(output_dir=str(tmp_path))
+    assert engine.generate(input_ids=[4, 5], sampling_params=GREEDY)["meta_info"]["completion_tokens"] == 6
+    assert engine.stop_profile() == path and Path(path).is_file()
+
+
+# ---- the server ---------------------------------------------------------------------------------
+
+
+def test_server_profile_endpoints(tiny_llama_dir, tmp_path):
+    env = {PROFILE_DIR_ENV: str(tmp_path / "default")}
+    with ServerProcess("--model", str(tiny_llama_dir), "--max-total-tokens", "4096", "--log-level", "warning",
+                       env=env) as srv:
+        srv.wait_ready()
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            r = http.post("/stop_profile")
+            assert r.status_code == 400 and "no profile is running" in r.json()["error"]["message"]
+            r = http.post("/start_profile", json={"num_steps": 0})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "num_steps"
+            r = http.post("/start_profile", json={"record_shapes": "yes"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "record_shapes"
+
+            r = http.post("/start_profile")  # no body: the defaults, $RADIXSERVE_PROFILE_DIR
+            assert r.status_code == 200, r.text
+            planned = r.json()["trace_path"]
+            assert Path(planned).parent == tmp_path / "default"
+            r = http.post("/start_profile", json={})
+            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+            assert "already running" in r.json()["error"]["message"]
+            r = http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": GREEDY})
+            assert r.status_code == 200 and len(r.json()["output_ids"]) == 6
+            r = http.post("/stop_profile")
+            assert r.status_code == 200 and r.json() == {"success": True, "trace_path": planned}
+            names = step_names(planned)
+            assert "radixserve.extend[tokens=3]" in names and "radixserve.decode[bs=1]" in names
+
+            r = http.post("/start_profile", json={"output_dir": str(tmp_path / "given"), "num_steps": 2})
+            assert r.status_code == 200 and Path(r.json()["trace_path"]).parent == tmp_path / "given"
+            assert http.get("/health").status_code == 200
+
+
+# ---- bench_gpu.py --profile (on the CPU: no device activity) --------------------------------------
+
+
+def test_bench_gpu_profile_on_cpu(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "benchmarks" / "bench_gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_gpu", bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    monkeypatch.setenv(PROFILE_DIR_ENV, str(tmp_path / "traces"))  # the scheduler process inherits it
+    import torch
+
+    model_dir = bench.build_model(tmp_path / "m", bench.SHAPES["tiny"], torch.device("cpu"), torch.float32)
+    workload = bench.WORKLOADS["tiny"]  # batch 4, 8 output tokens: fewer steps than profile_steps
+    prof, path = bench.profile_decode(model_dir, "cpu", "float32", workload, "auto", lambda message: None)
+    assert Path(path).parent == tmp_path / "traces" and Path(path).is_file()
+    assert 2 <= prof.steps <= workload.ragged_output - 1  # the first token comes from the prefill
+    assert prof.step_ms_median > 0 and prof.host_ms_median > 0 and prof.window_ms > 0
+    assert prof.device_busy_fraction is None
+    line = bench.format_profile(4, prof, path)
+    assert line.startswith(f"profile, decode at batch 4 ({prof.steps} steps): ") and "n/a" in line
