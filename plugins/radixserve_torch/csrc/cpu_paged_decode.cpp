@@ -25,7 +25,9 @@
 //   pools are converted to float32 once per block and KV head;
 // - softmax: per head, the block's scores as 16-key vectors;
 // - P.V: tiles of (heads x 16-column vectors), at most 16 accumulator
-//   registers, held across the block's keys; V converted on the fly.
+//   registers, held across the block's keys; V converted on the fly, or with
+//   vdpbf16ps (bfloat16 pool and query, AVX512_BF16) two keys per instruction,
+//   the probabilities rounded to bfloat16 and the two keys' values interleaved.
 // Without AVX-512 (or at another head_dim) plain loops that the compiler
 // vectorises (-O3 -march=native, `omp simd`) do the same per key (attend_plain).
 
@@ -95,9 +97,10 @@ struct Item {
 struct Scratch {
   std::vector<float> q, scores, row, ml, acc;
   std::vector<uint32_t> q_lanes;  // float32 bits or bfloat16 pairs
+  std::vector<uint32_t> p_pairs;  // bf16 P.V: each head's block of probabilities as bfloat16 pairs
   explicit Scratch(const Dims& dm)
       : q(dm.heads * dm.d), scores(dm.heads * kBlock), row(std::max(dm.row_len, kBlock * dm.d)), ml(2 * dm.heads),
-        acc(dm.heads * dm.d), q_lanes(dm.heads * dm.d) {}
+        acc(dm.heads * dm.d), q_lanes(dm.heads * dm.d), p_pairs(dm.heads * kBlock / 2) {}
 };
 
 // Reset an item's running max, sum and accumulators; request its first `ahead` K rows.
@@ -329,19 +332,67 @@ inline void online_softmax16(float* scores, int64_t nb, const Dims& dm, float* m
   }
 }
 
+// The probabilities a P.V tile reads: float32 p[h * kBlock + t], or with kPaired
+// (a bfloat16 pool, AVX512_BF16) bfloat16 pairs pairs[h * kBlock / 2 + j] = (P[2j],
+// P[2j + 1]) of each head, made by paired_probabilities.
+struct BlockProbs {
+  const float* p;
+  const uint32_t* pairs;
+  BlockProbs heads_from(int64_t h) const { return {p + h * kBlock, pairs + h * kBlock / 2}; }
+};
+
+#if defined(__AVX512BF16__)
+// Each head's block of probabilities (zero past the block's keys, as
+// online_softmax16 leaves them) rounded to bfloat16, in key order: 32-bit value j
+// holds keys 2j (low half) and 2j + 1. torch's bf16 flash attention rounds them
+// likewise before its P.V product.
+inline void paired_probabilities(const float* scores, int64_t heads, uint32_t* pairs) {
+  static_assert(kBlock == 32, "two vectors of 16 probabilities per head");
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* sh = scores + h * kBlock;
+    const __m512bh bf = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sh + 16), _mm512_loadu_ps(sh));
+    _mm512_storeu_si512(pairs + h * kBlock / 2, (__m512i)bf);
+  }
+}
+#endif
+
 // acc[h][col : col + 16 DC] += sum_t p[h][t] * V_t for HG heads of one KV
-// head: the accumulators stay in registers across the block's keys.
-template <int DC, int HG, typename T>
-inline void pv_tile(const T* const* vr, int64_t col, int64_t nb, const float* p, float* acc, int64_t d) {
+// head: the accumulators stay in registers across the block's keys. kPaired:
+// two keys per vdpbf16ps, their values interleaved per column from the raw
+// bfloat16 rows (word 2i: key 2j's column i, word 2i + 1: key 2j + 1's).
+template <int DC, int HG, bool kPaired, typename T>
+inline void pv_tile(const T* const* vr, int64_t col, int64_t nb, BlockProbs probs, float* acc, int64_t d) {
   __m512 a[HG][DC];
   for (int h = 0; h < HG; ++h)
     for (int c = 0; c < DC; ++c) a[h][c] = _mm512_loadu_ps(acc + h * d + col + c * 16);
-  for (int64_t t = 0; t < nb; ++t) {
-    __m512 v[DC];
-    for (int c = 0; c < DC; ++c) v[c] = load16(vr[t] + col + c * 16);
-    for (int h = 0; h < HG; ++h) {
-      const __m512 w = _mm512_set1_ps(p[h * kBlock + t]);
-      for (int c = 0; c < DC; ++c) a[h][c] = _mm512_fmadd_ps(w, v[c], a[h][c]);
+#if defined(__AVX512BF16__)
+  if constexpr (kPaired) {
+    static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    const __m512i interleave = _mm512_loadu_si512(kInterleave);
+    for (int64_t t = 0; t < nb; t += 2) {
+      __m512bh v[DC];
+      for (int c = 0; c < DC; ++c) {
+        const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr[t] + col + c * 16));
+        const __m256i hi = t + 1 < nb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr[t + 1] + col + c * 16))
+                                      : _mm256_setzero_si256();
+        v[c] = (__m512bh)_mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+      }
+      for (int h = 0; h < HG; ++h) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(probs.pairs[h * kBlock / 2 + t / 2]));
+        for (int c = 0; c < DC; ++c) a[h][c] = _mm512_dpbf16_ps(a[h][c], w, v[c]);
+      }
+    }
+  } else
+#endif
+  {
+    for (int64_t t = 0; t < nb; ++t) {
+      __m512 v[DC];
+      for (int c = 0; c < DC; ++c) v[c] = load16(vr[t] + col + c * 16);
+      for (int h = 0; h < HG; ++h) {
+        const __m512 w = _mm512_set1_ps(probs.p[h * kBlock + t]);
+        for (int c = 0; c < DC; ++c) a[h][c] = _mm512_fmadd_ps(w, v[c], a[h][c]);
+      }
     }
   }
   for (int h = 0; h < HG; ++h)
@@ -350,22 +401,22 @@ inline void pv_tile(const T* const* vr, int64_t col, int64_t nb, const float* p,
 
 // The group's heads over 16 DC columns in tiles of at most 16 accumulator
 // registers: HG heads at a time, then one by one.
-template <int DC, int HG, typename T>
-inline void pv_group(const T* const* vr, int64_t col, int64_t nb, const float* p, float* acc, int64_t d,
+template <int DC, int HG, bool kPaired, typename T>
+inline void pv_group(const T* const* vr, int64_t col, int64_t nb, BlockProbs probs, float* acc, int64_t d,
                      int64_t group) {
   int64_t h = 0;
-  for (; h + HG <= group; h += HG) pv_tile<DC, HG>(vr, col, nb, p + h * kBlock, acc + h * d, d);
-  for (; h < group; ++h) pv_tile<DC, 1>(vr, col, nb, p + h * kBlock, acc + h * d, d);
+  for (; h + HG <= group; h += HG) pv_tile<DC, HG, kPaired>(vr, col, nb, probs.heads_from(h), acc + h * d, d);
+  for (; h < group; ++h) pv_tile<DC, 1, kPaired>(vr, col, nb, probs.heads_from(h), acc + h * d, d);
 }
 
-template <int DC, typename T>
-inline void pv_columns(const T* const* vr, int64_t col, int64_t nb, const float* p, float* acc, int64_t d,
+template <int DC, bool kPaired, typename T>
+inline void pv_columns(const T* const* vr, int64_t col, int64_t nb, BlockProbs probs, float* acc, int64_t d,
                        int64_t group) {
   constexpr int kMaxHeads = 16 / DC;
-  if (group >= kMaxHeads) pv_group<DC, kMaxHeads>(vr, col, nb, p, acc, d, group);
-  else if (group >= 4) pv_group<DC, (kMaxHeads < 4 ? kMaxHeads : 4)>(vr, col, nb, p, acc, d, group);
-  else if (group >= 2) pv_group<DC, 2>(vr, col, nb, p, acc, d, group);
-  else pv_group<DC, 1>(vr, col, nb, p, acc, d, group);
+  if (group >= kMaxHeads) pv_group<DC, kMaxHeads, kPaired>(vr, col, nb, probs, acc, d, group);
+  else if (group >= 4) pv_group<DC, (kMaxHeads < 4 ? kMaxHeads : 4), kPaired>(vr, col, nb, probs, acc, d, group);
+  else if (group >= 2) pv_group<DC, 2, kPaired>(vr, col, nb, probs, acc, d, group);
+  else pv_group<DC, 1, kPaired>(vr, col, nb, probs, acc, d, group);
 }
 
 // The AVX-512 loops (head_dim a multiple of 16). Per block of kBlock keys: per
@@ -406,6 +457,9 @@ void attend_avx512(const T* k_pool, const T* v_pool, const int64_t* slots, int64
           scores_block8<S, kBf16>(q_lanes + g * ql_head, kr + t0, d, scale, scores + g * kBlock + t0);
     }
     online_softmax16(scores, nb, dm, m, l, acc);
+#if defined(__AVX512BF16__)
+    if constexpr (kBf16) paired_probabilities(scores, dm.heads, sc.p_pairs.data());
+#endif
     const int64_t next = b0 + nb;
     const int64_t n_next = std::min(end, next + kBlock) - next;
     for (int64_t kh = 0; kh < kv_heads; ++kh) {
@@ -413,12 +467,12 @@ void attend_avx512(const T* k_pool, const T* v_pool, const int64_t* slots, int64
       for (int64_t t = kh * n_next / kv_heads; t < (kh + 1) * n_next / kv_heads; ++t)
         prefetch_row(k_pool + slots[next + t] * row_len, row_len);
       for (int64_t t = 0; t < nb; ++t) raw[t] = v_pool + slots[b0 + t] * row_len + kh * d;
-      const float* p = scores + kh * group * kBlock;
+      const BlockProbs probs = BlockProbs{scores, sc.p_pairs.data()}.heads_from(kh * group);
       float* a = acc + kh * group * d;
       int64_t c = 0;
-      for (; c + 64 <= d; c += 64) pv_columns<4>(raw, c, nb, p, a, d, group);
-      for (; c + 32 <= d; c += 32) pv_columns<2>(raw, c, nb, p, a, d, group);
-      for (; c < d; c += 16) pv_columns<1>(raw, c, nb, p, a, d, group);
+      for (; c + 64 <= d; c += 64) pv_columns<4, kBf16>(raw, c, nb, probs, a, d, group);
+      for (; c + 32 <= d; c += 32) pv_columns<2, kBf16>(raw, c, nb, probs, a, d, group);
+      for (; c < d; c += 16) pv_columns<1, kBf16>(raw, c, nb, probs, a, d, group);
     }
   }
 }
