@@ -15,7 +15,22 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
+
 namespace radixserve_cpu_paged {
+
+#if defined(__AVX512BW__)
+// The 32 16-bit words of x, halves interleaved: word 2j of the result is word j
+// of x, word 2j + 1 is word 16 + j. Pairs two keys' bfloat16 values (or
+// probabilities) lane by lane for vdpbf16ps.
+inline __m512i interleave_halves(__m512i x) {
+  static const uint16_t kOrder[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return _mm512_permutexvar_epi16(_mm512_loadu_si512(kOrder), x);
+}
+#endif
 
 inline float bits_to_float(uint32_t u) {
   float f;

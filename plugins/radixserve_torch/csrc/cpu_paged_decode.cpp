@@ -365,18 +365,15 @@ inline void pv_tile(const T* const* vr, int64_t col, int64_t nb, BlockProbs prob
   __m512 a[HG][DC];
   for (int h = 0; h < HG; ++h)
     for (int c = 0; c < DC; ++c) a[h][c] = _mm512_loadu_ps(acc + h * d + col + c * 16);
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)  // (every CPU with the first has the second)
   if constexpr (kPaired) {
-    static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                             8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i interleave = _mm512_loadu_si512(kInterleave);
     for (int64_t t = 0; t < nb; t += 2) {
       __m512bh v[DC];
       for (int c = 0; c < DC; ++c) {
         const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr[t] + col + c * 16));
         const __m256i hi = t + 1 < nb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(vr[t + 1] + col + c * 16))
                                       : _mm256_setzero_si256();
-        v[c] = (__m512bh)_mm512_permutexvar_epi16(interleave, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+        v[c] = (__m512bh)interleave_halves(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
       }
       for (int h = 0; h < HG; ++h) {
         const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(probs.pairs[h * kBlock / 2 + t / 2]));

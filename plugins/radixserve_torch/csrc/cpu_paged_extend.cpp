@@ -167,14 +167,11 @@ void pair_value_rows(const KVT* const* v_rows, int64_t nb, int64_t d, uint32_t* 
 // p_pairs[j] holds, in each lane, the bf16 pair (P[2j], P[2j + 1]) of that row.
 void paired_values(const Lanes* p, int64_t nb, const uint32_t* v_pairs, int64_t d, Lanes alpha, Lanes* ot,
                    Lanes* p_pairs) {
-  static const uint16_t kInterleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                           8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i interleave = _mm512_loadu_si512(kInterleave);
   const int64_t n_pairs = (nb + 1) / 2;
   for (int64_t j = 0; j < n_pairs; ++j) {
     const __m512 lo = (__m512)p[2 * j], hi = 2 * j + 1 < nb ? (__m512)p[2 * j + 1] : _mm512_setzero_ps();
     const __m512i halves = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  // words 0-15: lo, 16-31: hi
-    p_pairs[j] = (Lanes)_mm512_castsi512_ps(_mm512_permutexvar_epi16(interleave, halves));
+    p_pairs[j] = (Lanes)_mm512_castsi512_ps(interleave_halves(halves));
   }
   int64_t i = 0;
   for (; i + 4 <= d; i += 4) {
