@@ -1,13 +1,13 @@
 """The C++ kernels of the CPU backends (csrc/), built once per machine.
 
-``cpu_paged`` attention and ``cpu_fused`` elementwise ops live in one extension
-library, compiled on first use with ``torch.utils.cpp_extension.load`` (g++
+``cpu_paged`` attention, ``cpu_fused`` elementwise ops and the ``cpu_bf16`` GEMM
+live in one extension library, compiled on first use with ``torch.utils.cpp_extension.load`` (g++
 ``-O3 -march=native -fopenmp``; only ATen and the op registry are included, and
 ninja compiles the sources in parallel: 10-20 s of CPU) into torch's extension
 cache (``$TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions/<python>_cpu/radixserve_cpu_kernels_<capability>``),
-so later processes only load it. It registers ``torch.ops.radixserve_cpu_paged``
-and ``torch.ops.radixserve_cpu_elementwise``.
+so later processes only load it. It registers ``torch.ops.radixserve_cpu_paged``,
+``torch.ops.radixserve_cpu_elementwise`` and ``torch.ops.radixserve_cpu_gemm``.
 
 A build failure raises :class:`KernelBuildError` with the compiler's first error
 line and is remembered for the process; :func:`unavailable_reasons` names it,
@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in (
-    "cpu_paged_ops.cpp", "cpu_paged_decode.cpp", "cpu_paged_extend.cpp", "cpu_elementwise.cpp")]
+    "cpu_paged_ops.cpp", "cpu_paged_decode.cpp", "cpu_paged_extend.cpp", "cpu_elementwise.cpp", "cpu_gemm.cpp")]
 
 _lock = threading.Lock()
 _loaded = False
