@@ -1,10 +1,11 @@
-"""cpu_fused: RMSNorm (with the fused residual add) and SiLU-and-mul as C++ ops
-(csrc/cpu_elementwise.cpp); the cpu default elementwise backend.
+"""cpu_fused: RMSNorm (with the fused residual add), SiLU-and-mul and rotary as
+C++ ops (csrc/cpu_elementwise.cpp); the cpu default elementwise backend.
 
 The conformance kit against torch_native for every dtype and case set; the ops
 round where HuggingFace rounds, so they agree with the reference to float32's
-last bit or, rarely, one unit of bfloat16; the layouts the C++ ops do not take
-run the reference's code; whole greedy generations equal torch_native's."""
+last bit or, rarely, one unit of bfloat16 (rotary: exactly, but for float32's
+last bit); the layouts the C++ ops do not take run the reference's code; whole
+greedy generations equal torch_native's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from generation_utils import generate, make_scheduler, mixed_prompts
 from radixserve.kernels import KernelQuery
+from radixserve.layers.rotary import rope_cos_sin_cache
 from radixserve.testing import check_elementwise_backend
 from radixserve_torch.elementwise import TorchNativeElementwise
 from radixserve_torch.elementwise_cpu import CpuFusedElementwise
@@ -46,6 +48,30 @@ def test_agrees_with_the_reference_on_model_shapes(dtype):
     got, want = fused.silu_and_mul(gate_up), ref.silu_and_mul(gate_up)
     assert ((got.float() - want.float()).abs() <= 2 * ulp * want.float().abs() + 1e-30).all()
     assert (got != want).float().mean() < (1e-3 if dtype == torch.bfloat16 else 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("neox_style", [True, False])
+@pytest.mark.parametrize("rotary_dim", [128, 64])
+def test_rotary_rounds_as_the_reference(dtype, neox_style, rotary_dim):
+    query = KernelQuery(device="cpu", dtype=dtype)
+    fused, ref = CpuFusedElementwise(query), TorchNativeElementwise(query)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    cache = rope_cos_sin_cache(inv_freq, 1.0, 4096, dtype)
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn((37, 12 * 128), generator=gen).to(dtype)  # 8 q heads, 2 k heads, 2 v heads
+    positions = torch.randint(0, 4096, (37,), generator=gen)
+    turned = []
+    for backend in (fused, ref):
+        x = qkv.clone()
+        backend.apply_rotary(x[:, :1024].view(37, 8, 128), x[:, 1024:1280].view(37, 2, 128), positions, cache,
+                             neox_style)
+        turned.append(x)
+    assert torch.equal(turned[0][:, 1280:], qkv[:, 1280:])  # v untouched
+    if dtype == torch.float32:  # the compiler may fuse a product into the sum
+        torch.testing.assert_close(turned[0], turned[1], rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(turned[0], turned[1])
 
 
 def test_views_the_ops_do_not_take_run_the_reference():

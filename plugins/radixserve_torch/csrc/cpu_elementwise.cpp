@@ -1,11 +1,13 @@
 // Fused elementwise ops of a decoder layer on the CPU: RMSNorm with the residual
-// add fused in, and SiLU-and-mul, one pass over memory each instead of the five to
-// seven torch calls (and as many temporaries) of the reference.
+// add fused in, SiLU-and-mul, and rotary embeddings of q and k, one pass over memory
+// each instead of the five to ten torch calls (and as many temporaries) of the
+// reference.
 //
 // They round where the HuggingFace reference rounds (plugins/radixserve_torch/
 // elementwise.py): the residual sum in the model dtype, the normalised value in the
 // model dtype before the weight multiplies it, silu(gate) in the model dtype before
-// it multiplies up; everything in between is float32. The mean of squares is summed
+// it multiplies up, each rotary product and sum in the model dtype; everything in
+// between is float32. The mean of squares is summed
 // in a different order than torch's reduction, and exp is a polynomial (fast_exp,
 // relative error < 2e-7), so results may differ from the reference in the last bit of
 // float32 or, rarely, by one unit of the model dtype.
@@ -19,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu_paged_common.h"
 
@@ -129,6 +132,71 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
+// Pair (x1, x2) of one head turns to (x1 cos - x2 sin, x2 cos + x1 sin), each
+// product rounded to the model dtype and then the sum, as the reference's in-place
+// torch ops round. NeoX pairs x[i] with x[i + rot/2]; GPT-J x[2i] with x[2i + 1].
+template <typename T>
+inline void rotate_head(T* x, const T* cos, const T* sin, int64_t half, bool neox) {
+  const int64_t step = neox ? 1 : 2, other = neox ? half : 1;
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    T* a = x + i * step;
+    const float x1 = load(a[0]), x2 = load(a[other]), c = load(cos[i]), s = load(sin[i]);
+    a[0] = store<T>(round_to<T>(x1 * c) - round_to<T>(x2 * s));
+    a[other] = store<T>(round_to<T>(x2 * c) + round_to<T>(x1 * s));
+  }
+}
+
+#if defined(__AVX512BF16__)
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }  // round to nearest even
+inline __m512 rounded(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
+}
+
+// rotate_head for bfloat16 NeoX pairs, 16 at a time (half a multiple of 16): the
+// same roundings, on vectors.
+inline void rotate_head_neox16(c10::BFloat16* x, const c10::BFloat16* cos, const c10::BFloat16* sin, int64_t half) {
+  for (int64_t i = 0; i < half; i += 16) {
+    const __m512 x1 = load16(x + i), x2 = load16(x + half + i), c = load16(cos + i), s = load16(sin + i);
+    const __m512 out1 = _mm512_sub_ps(rounded(_mm512_mul_ps(x1, c)), rounded(_mm512_mul_ps(x2, s)));
+    const __m512 out2 = _mm512_add_ps(rounded(_mm512_mul_ps(x2, c)), rounded(_mm512_mul_ps(x1, s)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + i), to_bf16(out1));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(x + half + i), to_bf16(out2));
+  }
+}
+#endif
+
+template <typename T>
+inline void rotate_token_head(T* x, const T* cos, const T* sin, int64_t half, bool neox) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (neox && half % 16 == 0) return rotate_head_neox16(x, cos, sin, half);
+  }
+#endif
+  rotate_head(x, cos, sin, half, neox);
+}
+
+template <typename T>
+void rotary_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, const at::Tensor& cache, bool neox) {
+  const int64_t tokens = q.size(0), heads = q.size(1), kv_heads = k.size(1), rot = cache.size(1), half = rot / 2;
+  const int64_t sq0 = q.stride(0), sq1 = q.stride(1), sk0 = k.stride(0), sk1 = k.stride(1);
+  T* qp = q.data_ptr<T>();
+  T* kp = k.data_ptr<T>();
+  const T* table = cache.data_ptr<T>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  at::parallel_for(0, tokens, grain_rows((heads + kv_heads) * rot), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* cos = table + pos[t] * rot;
+      for (int64_t h = 0; h < heads; ++h) rotate_token_head(qp + t * sq0 + h * sq1, cos, cos + half, half, neox);
+      for (int64_t h = 0; h < kv_heads; ++h) rotate_token_head(kp + t * sk0 + h * sk1, cos, cos + half, half, neox);
+    }
+  });
+}
+
 template <typename F>
 void dispatch(at::ScalarType dtype, F&& f) {
   switch (dtype) {
@@ -176,16 +244,33 @@ void silu_and_mul(const at::Tensor& x, at::Tensor out) {
   dispatch(x.scalar_type(), [&](auto t) { silu_and_mul_impl<decltype(t)>(x, out); });
 }
 
+// q [T, H, D], k [T, KH, D] (strided, the last dim contiguous), rotated in place
+// over their first rot dims; positions [T] int64 index cache [P, rot] (cos then sin).
+void rotary(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::Tensor& cache, bool neox) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && q.size(0) == k.size(0) &&
+                  q.size(2) == k.size(2) && q.scalar_type() == k.scalar_type(),
+              "cpu_fused: q and k must be [T, heads, D] of one dtype with a contiguous last dim");
+  TORCH_CHECK(cache.dim() == 2 && cache.is_contiguous() && cache.scalar_type() == q.scalar_type() &&
+                  cache.size(1) % 2 == 0 && cache.size(1) <= q.size(2),
+              "cpu_fused: cos_sin_cache must be contiguous [P, rot] in q's dtype, rot even and <= head_dim");
+  TORCH_CHECK(positions.dim() == 1 && positions.is_contiguous() && positions.scalar_type() == at::kLong &&
+                  positions.size(0) == q.size(0),
+              "cpu_fused: positions must be contiguous int64 [T]");
+  dispatch(q.scalar_type(), [&](auto t) { rotary_impl<decltype(t)>(q, k, positions, cache, neox); });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(radixserve_cpu_elementwise, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!) out) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
+  m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin_cache, bool neox) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu_elementwise, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("rotary", &rotary);
 }
