@@ -66,6 +66,7 @@ def test_model_on_onednn_holds_packed_weights_and_generates_as_torch(tiny_llama_
     assert onednn.runner.backends["gemm"] == "onednn"
     layers = linear_layers(onednn.runner.model)
     assert layers and all(layer.weight.is_mkldnn for layer in layers)  # one packed copy, no dense one
+    assert onednn.runner.model.lm_head.weight.is_mkldnn  # the untied LM head is packed too
     reference = make_scheduler(tiny_llama_dir, gemm_backend="torch")
     ours = generate(onednn, prompts, max_new_tokens=24, ignore_eos=True)
     ref = generate(reference, prompts, max_new_tokens=24, ignore_eos=True)
@@ -123,9 +124,22 @@ def test_bf16_model_on_cpu_bf16_is_as_close_to_float32_as_on_onednn(tiny_model_f
     assert scheduler.runner.backends["gemm"] == "cpu_bf16"
     layers = linear_layers(scheduler.runner.model)
     assert layers and all(layer.weight.dim() == 4 for layer in layers)  # packed, one copy
+    assert scheduler.runner.model.lm_head.weight.dim() == 4
     _, onednn = prompt_logprobs(dtype="bfloat16", gemm_backend="onednn")
     _, reference = prompt_logprobs(dtype="float32", gemm_backend="torch")
     ours_error, onednn_error = (ours - reference).abs().mean(), (onednn - reference).abs().mean()
     print(f"mean |logprob error| vs float32: cpu_bf16 {ours_error:.4f}, onednn {onednn_error:.4f}")
     assert not torch.equal(ours, onednn)
     assert ours_error <= 1.5 * onednn_error + 1e-3, (ours_error, onednn_error)
+
+
+@needs_avx512_bf16
+def test_a_tied_lm_head_keeps_the_embedding_table_dense(tiny_model_factory):
+    model_dir = tiny_model_factory(tie_word_embeddings=True)
+    scheduler = make_scheduler(model_dir, dtype="bfloat16")
+    model = scheduler.runner.model
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dim() == 2
+    reference = make_scheduler(model_dir, dtype="bfloat16", gemm_backend="torch")
+    prompts = mixed_prompts(512, [12, 30], seed=2)
+    ours, want = (generate(s, prompts, max_new_tokens=8, ignore_eos=True) for s in (scheduler, reference))
+    assert [r.output_ids for r in ours] == [r.output_ids for r in want]

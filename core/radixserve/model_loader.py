@@ -24,6 +24,7 @@ from torch import nn
 
 from radixserve.kernels import KernelQuery
 from radixserve.layers.context import ModelContext
+from radixserve.layers.embedding import ParallelLMHead
 from radixserve.layers.linear import linear_layers
 
 if TYPE_CHECKING:
@@ -164,7 +165,8 @@ def load_model(
 ) -> tuple[nn.Module, "PretrainedConfig"]:
     """Build the registered class for ``config.architectures[0]`` on ``ctx.device``
     in ``ctx.dtype``, load the safetensors weights (cast to ``ctx.dtype``), let the
-    quantization method post-process every linear layer, and return it in eval mode."""
+    quantization method post-process every linear layer (and the GEMM backend
+    prepare an untied LM head's weight), and return it in eval mode."""
     config = config if config is not None else load_config(model_path)
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
@@ -176,6 +178,8 @@ def load_model(
     model.load_weights(iterate_weights(model_path))
     for layer in linear_layers(model):
         layer.quant.process_weights_after_loading(layer)
+    for head in (m for m in model.modules() if isinstance(m, ParallelLMHead)):
+        head.process_weights_after_loading()
     logger.info("loaded %s (%s) from %s in %s on %s in %.2f s", architectures[0], cls.__name__, model_path, ctx.dtype,
                 ctx.device, time.perf_counter() - start)
     return model.eval(), config

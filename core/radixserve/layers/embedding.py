@@ -57,6 +57,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     (same shape and sharding), and the checkpoint then needs no ``lm_head.weight``.
     """
 
+    tied = False
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.ctx.gemm.linear(hidden, self.weight)
         logits = all_gather_last_dim(logits, self.ctx)
@@ -64,3 +66,14 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self.tied = True
+
+    def process_weights_after_loading(self) -> None:
+        """An untied head's weight goes through the GEMM backend's ``prepare_weight``
+        once, as a linear layer's does (the CPU backends pack it: it is read on
+        every decode step); a tied one stays the embedding's dense table."""
+        if self.tied:
+            return
+        prepared = self.ctx.gemm.prepare_weight(self.weight.data)
+        if prepared is not self.weight.data:
+            self.weight = nn.Parameter(prepared, requires_grad=False)
