@@ -1,9 +1,9 @@
 """Linear-layer throughput of the CPU GEMM backends (``torch``: ``F.linear``;
-``onednn`` and ``cpu_bf16``: weights packed once by ``prepare_weight``) on the
+``onednn`` and ``cpu_packed``: weights packed once by ``prepare_weight``) on the
 projections of the W1 model.
 
     python benchmarks/bench_cpu_gemm.py                                  # warm weights, bf16 and fp32
-    python benchmarks/bench_cpu_gemm.py --cold --dtypes bfloat16 --backends onednn,cpu_bf16
+    python benchmarks/bench_cpu_gemm.py --cold --dtypes bfloat16 --backends onednn,cpu_packed
     python benchmarks/bench_cpu_gemm.py --dtypes bfloat16 --rows 1,32,2048 --repeats 25
     python benchmarks/bench_cpu_gemm.py --threads 1     # steadier on a busy machine
 
@@ -49,7 +49,7 @@ def best_times(fns, repeats: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="bfloat16,float32")
-    parser.add_argument("--backends", default="torch,onednn,cpu_bf16",
+    parser.add_argument("--backends", default="torch,onednn,cpu_packed",
                         help="GEMM backends, the first is the baseline of the ratios; those that do not "
                              "apply to a dtype are left out with their reason")
     parser.add_argument("--rows", default="1,8,32,64,128,512,2048")

@@ -9,7 +9,7 @@ from radixserve_torch.attention_cpu_paged import CpuPagedAttention
 from radixserve_torch.attention_varlen import TorchVarlenAttention
 from radixserve_torch.elementwise import TorchNativeElementwise
 from radixserve_torch.elementwise_cpu import CpuFusedElementwise
-from radixserve_torch.gemm import CpuBf16Gemm, OneDnnGemm, TorchGemm
+from radixserve_torch.gemm import CpuPackedGemm, OneDnnGemm, TorchGemm
 from radixserve_torch.moe import TorchNativeMoE
 from radixserve_torch.platform import CpuPlatform
 from radixserve_torch.quantization import Int8WeightOnly, NoQuantization
@@ -31,7 +31,7 @@ def register_attention_backends(register: Register) -> None:
 def register_gemm_backends(register: Register) -> None:
     register(TorchGemm)
     register(OneDnnGemm)
-    register(CpuBf16Gemm)
+    register(CpuPackedGemm)
 
 
 @hookimpl

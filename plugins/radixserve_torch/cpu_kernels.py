@@ -1,6 +1,6 @@
 """The C++ kernels of the CPU backends (csrc/), built once per machine.
 
-``cpu_paged`` attention, ``cpu_fused`` elementwise ops and the ``cpu_bf16`` GEMM
+``cpu_paged`` attention, ``cpu_fused`` elementwise ops and the ``cpu_packed`` GEMM
 live in one extension library, compiled on first use with ``torch.utils.cpp_extension.load`` (g++
 ``-O3 -march=native -fopenmp``; only ATen and the op registry are included, and
 ninja compiles the sources in parallel: 10-20 s of CPU) into torch's extension

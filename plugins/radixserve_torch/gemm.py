@@ -1,7 +1,7 @@
 """GEMM backends for the CPU plugin: ``torch`` (``F.linear``, any device, the
 reference), ``onednn`` (CPU: weights packed once at load time into oneDNN's
-blocked layout, so no call reorders them again) and ``cpu_bf16`` (bfloat16 on
-AVX512-BF16 CPUs: our own kernel on weights packed at load time).
+blocked layout, so no call reorders them again) and ``cpu_packed`` (bfloat16 and
+float32 on AVX-512 CPUs: our own kernels on weights packed at load time).
 
 ``F.linear`` on a bf16 CPU tensor already runs oneDNN, but it reorders the
 weight on every call; at decode sizes that reorder costs as much as the
@@ -78,55 +78,66 @@ def cpu_flags() -> Optional[set[str]]:
     return set()
 
 
-class CpuBf16Gemm(GemmBackend):
-    """bfloat16 products in our own C++ kernel (``csrc/cpu_gemm.cpp``) for CPUs
-    with AVX512-BF16, on weights packed at load time into 16-column strips of
-    ``vdpbf16ps`` pairs.
+class CpuPackedGemm(GemmBackend):
+    """Our own C++ kernels (``csrc/cpu_gemm.cpp``) for AVX-512 CPUs, bfloat16 (with
+    AVX512-BF16) and float32, on weights packed at load time into strips of 16
+    output columns.
 
-    It serves the decode batches of a serving step better than ``onednn``: each
-    weight arrives cold from memory once per step, and this kernel streams it once
-    at up to twice oneDNN's bandwidth (1-16 rows) and reuses each weight vector for
-    six rows (32-128 rows); at prefill sizes the two are level (docs/benchmarks.md,
-    P5). Weights it does not pack (out features not a multiple of 16, odd in
-    features) and dense weights handed in per call (a quantization method's
-    dequantized ones) take ``F.linear``.
+    They serve the decode batches of a serving step better than ``onednn``: each
+    weight arrives cold from memory once per step, and these kernels stream it
+    once at up to twice oneDNN's bandwidth (1-16 rows) and reuse each weight
+    vector for six rows (32-128 rows); at prefill sizes they are level with it or
+    ahead (docs/benchmarks.md, P5). Weights they do not pack (out features not a
+    multiple of 16, odd in features in bfloat16) and dense weights handed in per
+    call (a quantization method's dequantized ones) take ``F.linear``.
     """
 
-    name = "cpu_bf16"
+    name = "cpu_packed"
     priority = 20  # ahead of ``onednn`` where it applies
 
     def __init__(self, query: KernelQuery):
         super().__init__(query)
         cpu_kernels.load()
-        if not torch.ops.radixserve_cpu_gemm.supported():
-            raise cpu_kernels.KernelBuildError("the CPU kernels were compiled without AVX512-BF16 (-march=native)")
         self._ops = torch.ops.radixserve_cpu_gemm
+        built = self._ops.dtypes()
+        if _DTYPE_NAMES[query.dtype] not in built:
+            raise cpu_kernels.KernelBuildError(
+                f"the CPU kernels were compiled (-march=native) with GEMM kernels for {built}, not {query.dtype}")
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
         reasons = []
         if query.device != "cpu":
             reasons.append(f"runs on cpu only, not {query.device!r}")
-        if query.dtype != torch.bfloat16:
-            reasons.append(f"dtype {query.dtype} is not bfloat16")
-        flags = cpu_flags()
-        if flags is None:
-            reasons.append("cannot tell whether this CPU has AVX512-BF16 (no /proc/cpuinfo)")
-        elif "avx512_bf16" not in flags:
-            reasons.append("this CPU lacks AVX512-BF16 (no avx512_bf16 in /proc/cpuinfo)")
+        needed = _NEEDED_FLAG.get(query.dtype)
+        if needed is None:
+            reasons.append(f"dtype {query.dtype} is not float32 or bfloat16")
+        else:
+            flags = cpu_flags()
+            if flags is None:
+                reasons.append(f"cannot tell whether this CPU has {needed} (no /proc/cpuinfo)")
+            elif needed not in flags:
+                reasons.append(f"this CPU lacks {needed} (not in /proc/cpuinfo's flags), which {query.dtype} needs")
         return reasons + cpu_kernels.unavailable_reasons()
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
         out_features, in_features = weight.shape
-        if weight.dtype != torch.bfloat16 or out_features % 16 or in_features % 2:
+        group = _GROUP[weight.dtype] if weight.dtype in _GROUP else 0
+        if not group or out_features % 16 or in_features % group:
             return weight
         return self._ops.pack_weight(weight)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         if weight.dim() == 2:  # dense: not packable, or handed in per call
             return F.linear(x, weight, bias)
-        strips, pairs = weight.shape[:2]
-        rows = x.reshape(-1, 2 * pairs)
+        strips, steps, _, group = weight.shape
+        rows = x.reshape(-1, steps * group)
         out = torch.empty(rows.shape[0], strips * 16, dtype=x.dtype, device=x.device)
         self._ops.linear(rows, weight, None if bias is None else bias.contiguous(), out)
         return out.view(*x.shape[:-1], strips * 16)
+
+
+# Packed layout [N/16, K/G, 16, G]: G in features per 64-byte weight load.
+_GROUP = {torch.bfloat16: 2, torch.float32: 1}
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_NEEDED_FLAG = {torch.bfloat16: "avx512_bf16", torch.float32: "avx512f"}
