@@ -104,13 +104,17 @@ def test_cpu_packed_packs_what_its_kernels_take_and_runs_the_rest_dense(dtype):
     assert packed.shape == (3, 64 // group, 16, group)  # strips of 16 columns
     x = torch.randn(2, 5, 64).to(dtype)
     assert gemm.linear(x, packed).shape == (2, 5, 48)
+    # A dense weight of a shape the kernels take is packed per call: the same result.
+    dense = torch.randn(32, 64).to(dtype)
+    assert torch.equal(gemm.linear(x, dense), gemm.linear(x, gemm.prepare_weight(dense)))
     dense_shapes = [(40, 64)] + ([(48, 63)] if dtype == torch.bfloat16 else [])  # not a multiple of 16; odd K
     for shape in dense_shapes:
         weight = torch.randn(*shape).to(dtype)
         assert gemm.prepare_weight(weight) is weight
         x = torch.randn(3, shape[1]).to(dtype)
         assert torch.equal(gemm.linear(x, weight), torch.nn.functional.linear(x, weight))
-    # The int8 method hands a dense dequantized weight to linear on every call.
+    # The int8 method hands a dense dequantized weight to linear on every call (tests/test_engine.py
+    # checks that an int8 model generates exactly what its dequantized checkpoint does).
     report = check_quantization_method("int8", gemm="cpu_packed", dtypes=[dtype])
     report.raise_for_failures()
 

@@ -88,8 +88,9 @@ class CpuPackedGemm(GemmBackend):
     once at up to twice oneDNN's bandwidth (1-16 rows) and reuse each weight
     vector for six rows (32-128 rows); at prefill sizes they are level with it or
     ahead (docs/benchmarks.md, P5). Weights they do not pack (out features not a
-    multiple of 16, odd in features in bfloat16) and dense weights handed in per
-    call (a quantization method's dequantized ones) take ``F.linear``.
+    multiple of 16, odd in features in bfloat16) take ``F.linear``. Dense weights
+    handed in per call (a quantization method's dequantized ones) are packed per
+    call, so that a quantized model and its dequantized reference agree exactly.
     """
 
     name = "cpu_packed"
@@ -122,14 +123,16 @@ class CpuPackedGemm(GemmBackend):
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
         out_features, in_features = weight.shape
-        group = _GROUP[weight.dtype] if weight.dtype in _GROUP else 0
+        group = _GROUP.get(weight.dtype, 0)
         if not group or out_features % 16 or in_features % group:
             return weight
         return self._ops.pack_weight(weight)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if weight.dim() == 2:  # dense: not packable, or handed in per call
-            return F.linear(x, weight, bias)
+        if weight.dim() == 2:
+            weight = self.prepare_weight(weight)
+            if weight.dim() == 2:  # a shape the kernels do not take
+                return F.linear(x, weight, bias)
         strips, steps, _, group = weight.shape
         rows = x.reshape(-1, steps * group)
         out = torch.empty(rows.shape[0], strips * 16, dtype=x.dtype, device=x.device)
