@@ -101,7 +101,7 @@ class CpuPackedGemm(GemmBackend):
         cpu_kernels.load()
         self._ops = torch.ops.radixserve_cpu_gemm
         built = self._ops.dtypes()
-        if _DTYPE_NAMES[query.dtype] not in built:
+        if str(query.dtype).removeprefix("torch.") not in built:
             raise cpu_kernels.KernelBuildError(
                 f"the CPU kernels were compiled (-march=native) with GEMM kernels for {built}, not {query.dtype}")
 
@@ -142,5 +142,4 @@ class CpuPackedGemm(GemmBackend):
 
 # Packed layout [N/16, K/G, 16, G]: G in features per 64-byte weight load.
 _GROUP = {torch.bfloat16: 2, torch.float32: 1}
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
 _NEEDED_FLAG = {torch.bfloat16: "avx512_bf16", torch.float32: "avx512f"}
