@@ -30,6 +30,10 @@ class Platform:
     # where the device computes asynchronously from the host, so the host's work
     # for one step hides behind the device's work for the previous one.
     overlap_schedule: ClassVar[bool] = True
+    # A step's small host <-> device copies go through page-locked host memory,
+    # asynchronously (radixserve/transfer.py): true where the device runs work
+    # queued by the host asynchronously and torch pins host memory for it.
+    pinned_host_staging: ClassVar[bool] = False
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from radixserve.transfer import HostCopy, HostTransfer
+
 
 class ReqToTokenPool:
     """Per request row, position by position: the KV slot of each token
@@ -19,8 +21,10 @@ class ReqToTokenPool:
     device, so a step's inputs are gathered there by index, and a sampled token
     is written back there before the host ever looks at it."""
 
-    def __init__(self, size: int, max_context_len: int, device: torch.device):
+    def __init__(self, size: int, max_context_len: int, device: torch.device,
+                 transfer: Optional[HostTransfer] = None):
         self.size = size
+        self.transfer = transfer or HostTransfer(device)
         self.max_context_len = max_context_len
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
         self.token_ids = torch.zeros((size, max_context_len), dtype=torch.int64, device=device)
@@ -39,7 +43,7 @@ class ReqToTokenPool:
         self.req_to_token[index, start : start + slots.numel()] = slots
 
     def write_tokens(self, index: int, start: int, token_ids: list[int]) -> None:
-        self.token_ids[index, start : start + len(token_ids)] = torch.tensor(token_ids, dtype=torch.int64)
+        self.token_ids[index, start : start + len(token_ids)] = self.transfer.to_device(token_ids)
 
     def append_tokens(self, rows: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> None:
         """``token_ids[i]`` goes to row ``rows[i]`` at ``positions[i]``: one step's samples."""
@@ -141,21 +145,27 @@ class PagedAllocator:
     page-aligned prefix of it can be shared through the radix cache.
     """
 
-    def __init__(self, num_pages: int, page_size: int, device: torch.device):
+    def __init__(self, num_pages: int, page_size: int, device: torch.device,
+                 transfer: Optional[HostTransfer] = None):
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = device
+        self.transfer = transfer or HostTransfer(device)
         self.clear()
 
     def clear(self) -> None:
         self._free_pages: list[int] = list(range(self.num_pages, 0, -1))
+        self._pending: list[HostCopy] = []  # freed slots still on their way to the host
 
     @property
     def size(self) -> int:
         return self.num_pages * self.page_size
 
-    def available_size(self) -> int:
-        """Free token slots (whole free pages only)."""
+    def available_size(self, wait: bool = False) -> int:
+        """Free token slots (whole free pages only). Pages freed while the device
+        still computes count once their slot ids reach the host; ``wait`` waits
+        for them (only an exact count needs that)."""
+        self._collect(wait)
         return len(self._free_pages) * self.page_size
 
     def pages_needed(self, prefix_lens: list[int], extend_lens: list[int]) -> int:
@@ -164,18 +174,21 @@ class PagedAllocator:
             return sum(extend_lens)
         return sum(-(-(p + n) // ps) - (-(-p // ps)) for p, n in zip(prefix_lens, extend_lens))
 
-    def alloc_extend(self, prefix_lens: list[int], last_locs: list[int], extend_lens: list[int]) -> Optional[torch.Tensor]:
+    def alloc_slots(self, prefix_lens: list[int], last_locs: list[int], extend_lens: list[int]) -> Optional[list[int]]:
         """Slots for ``extend_lens[i]`` new tokens after ``prefix_lens[i]`` tokens whose
-        last slot is ``last_locs[i]`` (ignored when the prefix is empty or page aligned).
-        Returns None, allocating nothing, when there are not enough free pages."""
+        last slot is ``last_locs[i]`` (ignored when the prefix is empty or page aligned),
+        in request order, as host ints. Returns None, allocating nothing, when there
+        are not enough free pages."""
         need = self.pages_needed(prefix_lens, extend_lens)
+        if need > len(self._free_pages) and self._pending:
+            self._collect(wait=True)
         if need > len(self._free_pages):
             return None
         ps = self.page_size
         if ps == 1:  # one page per token, taken from the end of the free list as below
             out = self._free_pages[len(self._free_pages) - need :][::-1]
             del self._free_pages[len(self._free_pages) - need :]
-            return torch.tensor(out, dtype=torch.int64, device=self.device)
+            return out
         out: list[int] = []
         for prefix, last, n in zip(prefix_lens, last_locs, extend_lens):
             in_page = prefix % ps
@@ -188,7 +201,12 @@ class PagedAllocator:
                 take = min(n, ps)
                 out.extend(range(page * ps, page * ps + take))
                 n -= take
-        return torch.tensor(out, dtype=torch.int64, device=self.device)
+        return out
+
+    def alloc_extend(self, prefix_lens: list[int], last_locs: list[int], extend_lens: list[int]) -> Optional[torch.Tensor]:
+        """``alloc_slots`` as a device tensor."""
+        out = self.alloc_slots(prefix_lens, last_locs, extend_lens)
+        return None if out is None else self.transfer.to_device(out)
 
     def alloc(self, num_tokens: int) -> Optional[torch.Tensor]:
         """Slots for ``num_tokens`` tokens starting on a fresh page."""
@@ -196,8 +214,20 @@ class PagedAllocator:
 
     def free(self, slots: torch.Tensor) -> None:
         """Return the pages that ``slots`` lie on. Callers pass whole ownership: every
-        slot of a request's page that is not shared with the cache."""
+        slot of a request's page that is not shared with the cache. The slot ids
+        come to the host without waiting for the device (radixserve/transfer.py)."""
         if slots.numel() == 0:
             return
-        pages = torch.unique(slots // self.page_size).tolist()
-        self._free_pages.extend(pages)
+        self._pending.append(self.transfer.to_host(slots))
+        self._collect(wait=False)
+
+    def _collect(self, wait: bool) -> None:
+        """Move the pages of the frees whose slot ids have landed to the free list."""
+        waiting = []
+        for copy in self._pending:
+            if wait or copy.ready():
+                (slots,) = copy.wait()
+                self._free_pages.extend(torch.unique(slots // self.page_size).tolist())
+            else:
+                waiting.append(copy)
+        self._pending = waiting

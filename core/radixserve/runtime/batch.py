@@ -1,66 +1,89 @@
-"""Turns the scheduler's chosen requests into a ForwardBatch.
+"""Turns the scheduler's chosen requests into a ForwardBatch, in two halves.
 
-Token ids come from the device-resident token table (``ReqToTokenPool.token_ids``)
-by index, not from the requests' Python lists: a step costs a few small host
--> device copies (rows, lengths) whatever the requests' lengths, and a token
-sampled in the previous step is read where the sampler wrote it.
+At launch the scheduler fixes the step's batch (``BatchPlan.launch``): the
+lists go to the device and the new tokens' KV slots into the request rows of
+``req_to_token``, so the scheduler can read a request's slots back from there
+whenever it caches or frees them. The model worker then builds the
+``ForwardBatch`` (``BatchPlan.build``) just before running it, gathering the
+token ids from the token table (``ReqToTokenPool.token_ids``): with overlap
+scheduling the step before may still be computing at launch, and only the
+worker, which runs steps in launch order, reads the token that step sampled
+where its sampler wrote it.
+
+Token ids are read by index, not from the requests' Python lists: a step costs
+a few small host -> device copies (rows, lengths, slots) whatever the requests'
+lengths, none of which waits for the device (radixserve/transfer.py). The
+slot writes of a launch touch positions the step still computing never reads
+(the ones after its tokens, or rows no running step holds).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from radixserve.cache.memory_pool import KVPool, ReqToTokenPool
 from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.runtime.req import Req
+from radixserve.transfer import HostTransfer
 
 
-def build_forward_batch(
-    mode: ForwardMode,
-    reqs: list[Req],
-    out_cache_loc: torch.Tensor,
-    logits_indices: list[int],
-    req_to_token_pool: ReqToTokenPool,
-    kv_pool: KVPool,
-    device: torch.device,
-) -> ForwardBatch:
-    """Each request extends ``req.extend_len`` tokens after its ``req.kv_len`` cached ones,
-    into the KV slots ``out_cache_loc`` (laid out in request order), which this
-    records in the requests' rows of ``req_to_token``."""
-    prefix_lens = [r.kv_len for r in reqs]
-    extend_lens = [r.extend_len for r in reqs]
-    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
+@dataclass
+class BatchPlan:
+    """One step's batch: each request (row ``rows[i]`` of the token table) extends
+    ``extend_lens[i]`` tokens after its ``prefix_lens[i]`` cached ones, into the
+    KV slots ``out_cache_loc`` (laid out in request order)."""
 
-    def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
+    mode: ForwardMode
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    rows: torch.Tensor
+    prefix_t: torch.Tensor
+    extend_t: torch.Tensor
+    token_rows: torch.Tensor  # per new token: its request's row
+    positions: torch.Tensor  # per new token: its position in the request
+    out_cache_loc: torch.Tensor
+    logits_indices: torch.Tensor
 
-    rows = tensor([r.req_pool_idx for r in reqs])
-    prefix_t = tensor(prefix_lens)
-    extend_t = tensor(extend_lens)
-    if mode is ForwardMode.DECODE:
-        token_rows, positions = rows, prefix_t
-    else:
-        num_tokens = sum(extend_lens)
-        token_rows = rows.repeat_interleave(extend_t, output_size=num_tokens)
-        # Position of each new token: its request's prefix length plus its index among the new ones.
-        first = extend_t.cumsum(0) - extend_t
-        within = torch.arange(num_tokens, device=device) - first.repeat_interleave(extend_t, output_size=num_tokens)
-        positions = prefix_t.repeat_interleave(extend_t, output_size=num_tokens) + within
-    # The new tokens' KV slots go into their rows in one scatter.
-    req_to_token_pool.req_to_token.index_put_((token_rows, positions), out_cache_loc)
-    return ForwardBatch(
-        mode=mode,
-        input_ids=req_to_token_pool.token_ids[token_rows, positions],
-        positions=positions,
-        out_cache_loc=out_cache_loc,
-        req_pool_indices=rows,
-        seq_lens=prefix_t + extend_t,
-        prefix_lens=prefix_t,
-        extend_lens=extend_t,
-        req_to_token=req_to_token_pool.req_to_token,
-        kv_pool=kv_pool,
-        seq_lens_cpu=seq_lens,
-        prefix_lens_cpu=prefix_lens,
-        extend_lens_cpu=extend_lens,
-        logits_indices=tensor(logits_indices),
-    )
+    @classmethod
+    def launch(cls, mode: ForwardMode, reqs: list[Req], out_cache_loc: list[int], logits_indices: list[int],
+               req_to_token_pool: ReqToTokenPool, transfer: HostTransfer) -> "BatchPlan":
+        """The plan of ``reqs`` as they stand (``kv_len`` cached, ``extend_len`` new);
+        records the new tokens' slots in their rows."""
+        tensor, device = transfer.to_device, transfer.device
+        prefix_lens, extend_lens = [r.kv_len for r in reqs], [r.extend_len for r in reqs]
+        rows, prefix_t, extend_t = tensor([r.req_pool_idx for r in reqs]), tensor(prefix_lens), tensor(extend_lens)
+        slots = tensor(out_cache_loc)
+        if mode is ForwardMode.DECODE:
+            token_rows, positions = rows, prefix_t
+        else:
+            num_tokens = len(out_cache_loc)
+            token_rows = rows.repeat_interleave(extend_t, output_size=num_tokens)
+            # Position of each new token: its request's prefix length plus its index among the new ones.
+            first = extend_t.cumsum(0) - extend_t
+            within = torch.arange(num_tokens, device=device) - first.repeat_interleave(extend_t, output_size=num_tokens)
+            positions = prefix_t.repeat_interleave(extend_t, output_size=num_tokens) + within
+        # The new tokens' KV slots go into their rows in one scatter.
+        req_to_token_pool.req_to_token.index_put_((token_rows, positions), slots)
+        return cls(mode, prefix_lens, extend_lens, rows, prefix_t, extend_t, token_rows, positions, slots,
+                   tensor(logits_indices))
+
+    def build(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool) -> ForwardBatch:
+        """The ForwardBatch, its token ids read from the token table now."""
+        return ForwardBatch(
+            mode=self.mode,
+            input_ids=req_to_token_pool.token_ids[self.token_rows, self.positions],
+            positions=self.positions,
+            out_cache_loc=self.out_cache_loc,
+            req_pool_indices=self.rows,
+            seq_lens=self.prefix_t + self.extend_t,
+            prefix_lens=self.prefix_t,
+            extend_lens=self.extend_t,
+            req_to_token=req_to_token_pool.req_to_token,
+            kv_pool=kv_pool,
+            seq_lens_cpu=[p + n for p, n in zip(self.prefix_lens, self.extend_lens)],
+            prefix_lens_cpu=list(self.prefix_lens),
+            extend_lens_cpu=list(self.extend_lens),
+            logits_indices=self.logits_indices,
+        )

@@ -15,6 +15,7 @@ from radixserve.layers.context import ModelContext
 from radixserve.model_loader import load_config, load_model, model_query_for_args
 from radixserve.registry import PluginRegistry
 from radixserve.runtime.graph_runner import GraphRunner
+from radixserve.transfer import HostTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ class ModelRunner:
         self.platform = registry.resolve_platform(args.device)()
         self.gpu_id = args.base_gpu_id + tp_rank  # the platform's device index of this rank
         self.device = self.platform.device(self.gpu_id)
+        self.transfer = HostTransfer(self.device, self.platform.pinned_host_staging)
         hf_config = load_config(model_path)
         self.num_layers = hf_config.num_hidden_layers
         self.vocab_size = hf_config.vocab_size
@@ -79,10 +81,11 @@ class ModelRunner:
         if num_pages < 1:
             raise ValueError(f"max_total_tokens: the KV pool would hold no page of {args.page_size} tokens")
         self.max_running_requests = max_running
-        self.req_to_token_pool = ReqToTokenPool(max_running + 1, self.context_length + args.page_size, self.device)
+        self.req_to_token_pool = ReqToTokenPool(max_running + 1, self.context_length + args.page_size, self.device,
+                                                self.transfer)
         self.kv_pool = KVPool(num_pages, args.page_size, self.num_layers, q.num_kv_heads, q.head_dim,
                               self.kv_dtype, self.device, layout=self.attention.kv_layout)
-        self.allocator = PagedAllocator(num_pages, args.page_size, self.device)
+        self.allocator = PagedAllocator(num_pages, args.page_size, self.device, self.transfer)
         self.max_total_tokens = self.allocator.size
         logger.info("KV pool: %d tokens (%d pages of %d), %.1f MiB", self.max_total_tokens, num_pages,
                     args.page_size, self.max_total_tokens * per_token / 2**20)

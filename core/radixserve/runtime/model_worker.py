@@ -6,6 +6,12 @@ Steps run strictly in launch order, so a step may read what the one before it
 wrote on the device: the KV it stored and the tokens it sampled into the
 token table. The scheduler touches neither the sampler nor a launched step's
 inputs until the step is done.
+
+Running a step only queues its work: the sampled tokens come back through
+asynchronous host copies (radixserve/transfer.py), so the worker thread goes
+on to queue the next step while the device still computes this one, and the
+scheduler waits for a step's tokens only when it digests them
+(``PendingStep.wait``).
 """
 
 from __future__ import annotations
@@ -14,13 +20,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
-
 from radixserve.cache.memory_pool import ReqToTokenPool
-from radixserve.forward_batch import ForwardBatch
+from radixserve.runtime.batch import BatchPlan
 from radixserve.runtime.model_runner import ModelRunner
 from radixserve.runtime.req import Req
 from radixserve.runtime.sampler import Sampler
+from radixserve.transfer import HostCopy, HostTransfer
 
 
 @dataclass
@@ -36,7 +41,7 @@ class PromptLogprobRows:
 class StepWork:
     """Everything a step needs, fixed when it is launched."""
 
-    batch: ForwardBatch
+    batch: BatchPlan  # built into a ForwardBatch on the worker, in launch order
     sample_reqs: list[Req]  # requests that get a token this step, in logits-row order
     sample_rows: list[int]  # their rows in the logits
     pool_rows: list[int]  # their rows in the token table (a request may be released meanwhile)
@@ -55,9 +60,36 @@ class StepResult:
     prompt_logprobs: list[tuple[list[float], list]]  # per PromptLogprobRows: values, tops
 
 
+@dataclass
+class PendingStep:
+    """A queued step's outcome: its sampled tokens (and logprobs) on their way to the host."""
+
+    sample_reqs: list[Req]
+    prompt_logprobs: list[tuple[list[float], list]]
+    copies: Optional[HostCopy] = None  # next ids[, chosen logprobs][, top values, top ids]
+    has_chosen: bool = False
+    has_top: bool = False
+
+    def wait(self) -> StepResult:
+        if self.copies is None:
+            return StepResult([], None, [], self.prompt_logprobs)
+        host = iter(self.copies.wait())
+        next_ids = next(host).tolist()
+        chosen = next(host).tolist() if self.has_chosen else None
+        tops: list[list[tuple[float, int]]] = [[] for _ in self.sample_reqs]
+        if self.has_top:
+            values, ids = next(host).tolist(), next(host).tolist()
+            for i, req in enumerate(self.sample_reqs):
+                if req.return_logprob:
+                    k = req.top_logprobs_num
+                    tops[i] = list(zip(values[i][:k], ids[i][:k]))
+        return StepResult(next_ids, chosen, tops, self.prompt_logprobs)
+
+
 class ModelWorker:
-    def __init__(self, runner: ModelRunner, sampler: Sampler, pool: ReqToTokenPool, overlap: bool):
-        self.runner, self.sampler, self.pool = runner, sampler, pool
+    def __init__(self, runner: ModelRunner, sampler: Sampler, pool: ReqToTokenPool, transfer: HostTransfer,
+                 overlap: bool):
+        self.runner, self.sampler, self.pool, self.transfer = runner, sampler, pool, transfer
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-worker") if overlap else None
 
     @property
@@ -65,7 +97,7 @@ class ModelWorker:
         return self._thread is not None
 
     def launch(self, work: StepWork) -> Future:
-        """Start the step; its ``StepResult`` (or exception) arrives through the future."""
+        """Queue the step; its ``PendingStep`` (or exception) arrives through the future."""
         if self._thread is not None:
             return self._thread.submit(self._run, work)
         future: Future = Future()
@@ -75,26 +107,28 @@ class ModelWorker:
             future.set_exception(exc)
         return future
 
-    def _run(self, work: StepWork) -> StepResult:
-        logits = self.runner.forward(work.batch)
+    def _run(self, work: StepWork) -> PendingStep:
+        batch = work.batch.build(self.pool, self.runner.kv_pool)
+        logits = self.runner.forward(batch)
         prompt = [
             self.sampler.prompt_logprobs(logits[p.row : p.row + len(p.targets)], p.targets, p.req.top_logprobs_num)
             for p in work.prompt_rows
         ]
+        pending = PendingStep(work.sample_reqs, prompt)
         if not work.sample_reqs:
-            return StepResult([], None, [], prompt)
-        device = logits.device
-        rows = torch.tensor(work.sample_rows, dtype=torch.int64, device=device)
-        out = self.sampler.sample(work.sample_reqs, logits[rows], work.output_lens)
+            return pending
+        to_device = self.transfer.to_device
+        if work.sample_rows != list(range(logits.shape[0])):
+            logits = logits[to_device(work.sample_rows)]
+        out = self.sampler.sample(work.sample_reqs, logits, work.output_lens)
         # The token table gets the new tokens on the device first: the next step reads them there.
-        self.pool.append_tokens(
-            torch.tensor(work.pool_rows, dtype=torch.int64, device=device),
-            torch.tensor(work.positions, dtype=torch.int64, device=device),
-            out.next_token_ids)
-        chosen = out.chosen_logprobs.tolist() if out.chosen_logprobs is not None else None
-        tops: list[list[tuple[float, int]]] = [[] for _ in work.sample_reqs]
+        self.pool.append_tokens(to_device(work.pool_rows), to_device(work.positions), out.next_token_ids)
+        results = [out.next_token_ids]
+        if out.chosen_logprobs is not None:
+            results.append(out.chosen_logprobs)
+            pending.has_chosen = True
         if out.top_logprobs is not None:  # one host copy for the batch
-            for i, row in enumerate(out.top_logprobs.tolist()):
-                req = work.sample_reqs[i]
-                tops[i] = row[: req.top_logprobs_num] if req.return_logprob else []
-        return StepResult(out.next_token_ids.tolist(), chosen, tops, prompt)
+            results += [out.top_logprobs.values, out.top_logprobs.ids]
+            pending.has_top = True
+        pending.copies = self.transfer.to_host(*results)
+        return pending

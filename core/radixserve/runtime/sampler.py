@@ -35,6 +35,7 @@ from typing import Iterable, Optional, Protocol, Sequence
 import torch
 
 from radixserve.sampling.params import SamplingParams
+from radixserve.transfer import HostTransfer
 
 
 @dataclass
@@ -145,13 +146,16 @@ def sample(
     generator: Optional[torch.Generator] = None,
     return_logprob: bool = False,
     top_logprobs_num: int = 0,
+    transfer: Optional[HostTransfer] = None,
 ) -> SampleOutput:
     """One token per row of ``logits`` ([B, V], on any device). ``generator``
     drives the unseeded rows (None: torch's default one for that device).
     Logprobs are computed only when asked for; ``top_logprobs_num`` implies
-    ``return_logprob``. ``logits`` itself is never modified."""
+    ``return_logprob``. ``logits`` itself is never modified. ``transfer`` moves
+    the per-row parameters to the device (default: plain synchronous copies)."""
+    transfer = transfer or HostTransfer(logits.device)
     raw = logits.float()
-    x = _adjusted_logits(raw, batch)
+    x = _adjusted_logits(raw, batch, transfer)
     if x is not raw:
         # Extreme penalties may overflow; never let one request's row turn into NaN.
         x = x.nan_to_num(nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
@@ -161,12 +165,13 @@ def sample(
     else:
         next_ids = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     if sampled:
-        rows = torch.tensor(sampled, device=x.device)
+        rows = transfer.to_device(sampled)
         next_ids[rows] = _draw(
             x[rows],
             [batch.params[i] for i in sampled],
             [batch.output_lens[i] for i in sampled],
             generator,
+            transfer,
         )
     out = SampleOutput(next_ids)
     if return_logprob or top_logprobs_num > 0:
@@ -174,9 +179,9 @@ def sample(
     return out
 
 
-def _adjusted_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def _adjusted_logits(raw: torch.Tensor, batch: SamplingBatch, transfer: HostTransfer) -> torch.Tensor:
     """Steps 1-4 of the module docstring; returns ``raw`` itself when all are no-ops."""
-    device = raw.device
+    to_device = transfer.to_device
     bias = [(i, t, b) for i, p in enumerate(batch.params) if p.logit_bias for t, b in p.logit_bias.items()]
     penalized = [i for i, s in enumerate(batch.token_stats) if s is not None]
     blocked = [
@@ -190,47 +195,49 @@ def _adjusted_logits(raw: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     x = raw.clone()
     if bias:
         rows, cols, values = zip(*bias)
-        index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-        x.index_put_(index, torch.tensor(values, dtype=x.dtype, device=device), accumulate=True)
+        index = (to_device(rows), to_device(cols))
+        x.index_put_(index, to_device(values, x.dtype), accumulate=True)
     if penalized:
-        rows_t = torch.tensor(penalized, device=device)
+        rows_t = to_device(penalized)
         x[rows_t] = _penalize(
-            x[rows_t], [batch.params[i] for i in penalized], [batch.token_stats[i] for i in penalized]
+            x[rows_t], [batch.params[i] for i in penalized], [batch.token_stats[i] for i in penalized], transfer
         )
     if blocked:
         rows, cols = zip(*blocked)
-        x[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
+        x[to_device(rows), to_device(cols)] = float("-inf")
     return x
 
 
-def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+def _column(values: list[float], transfer: HostTransfer) -> torch.Tensor:
+    return transfer.to_device(values, torch.float32).unsqueeze(1)
 
 
-def _penalize(x: torch.Tensor, params: list[SamplingParams], stats: list[TokenStats]) -> torch.Tensor:
+def _penalize(x: torch.Tensor, params: list[SamplingParams], stats: list[TokenStats],
+              transfer: HostTransfer) -> torch.Tensor:
     counts = torch.stack([s.output_counts for s in stats])
     in_output = counts > 0
     if any(p.repetition_penalty != 1.0 for p in params):
         seen = torch.stack([s.in_prompt for s in stats]) | in_output
-        factor = torch.where(seen, _column([p.repetition_penalty for p in params], x.device), 1.0)
+        factor = torch.where(seen, _column([p.repetition_penalty for p in params], transfer), 1.0)
         x = torch.where(x > 0, x / factor, x * factor)
     if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
-        x = x - counts * _column([p.frequency_penalty for p in params], x.device)
-        x = x - in_output * _column([p.presence_penalty for p in params], x.device)
+        x = x - counts * _column([p.frequency_penalty for p in params], transfer)
+        x = x - in_output * _column([p.presence_penalty for p in params], transfer)
     return x
 
 
 def _draw(
-    x: torch.Tensor, params: list[SamplingParams], steps: list[int], generator: Optional[torch.Generator]
+    x: torch.Tensor, params: list[SamplingParams], steps: list[int], generator: Optional[torch.Generator],
+    transfer: HostTransfer,
 ) -> torch.Tensor:
     """Temperature, top_k, top_p, min_p, then one draw per row."""
     device = x.device
-    x = x / _column([p.temperature for p in params], device)
+    x = x / _column([p.temperature for p in params], transfer)
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        x = _top_k_top_p(x, [p.top_k for p in params], [p.top_p for p in params])
+        x = _top_k_top_p(x, [p.top_k for p in params], [p.top_p for p in params], transfer)
     if any(p.min_p > 0.0 for p in params):
         probs = x.softmax(dim=-1)
-        floor = _column([p.min_p for p in params], device) * probs.amax(dim=-1, keepdim=True)
+        floor = _column([p.min_p for p in params], transfer) * probs.amax(dim=-1, keepdim=True)
         x = x.masked_fill(probs < floor, float("-inf"))
     probs = x.softmax(dim=-1)
 
@@ -240,7 +247,7 @@ def _draw(
     out = torch.empty(len(params), dtype=torch.int64, device=device)
     unseeded = [j for j, p in enumerate(params) if p.seed is None]
     if unseeded:
-        rows = torch.tensor(unseeded, device=device)
+        rows = transfer.to_device(unseeded)
         out[rows] = torch.multinomial(probs[rows], 1, generator=generator).squeeze(1)
     for j, seed in seeded:
         g = torch.Generator(device=device)
@@ -249,18 +256,18 @@ def _draw(
     return out
 
 
-def _top_k_top_p(x: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+def _top_k_top_p(x: torch.Tensor, top_ks: list[int], top_ps: list[float], transfer: HostTransfer) -> torch.Tensor:
     vocab = x.shape[-1]
     sorted_x, order = x.sort(dim=-1, descending=True)
     if any(k > 0 for k in top_ks):
-        k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=x.device).unsqueeze(1)
+        k = transfer.to_device([k if k > 0 else vocab for k in top_ks]).unsqueeze(1)
         rank = torch.arange(vocab, device=x.device).unsqueeze(0)
         sorted_x = sorted_x.masked_fill(rank >= k, float("-inf"))
     if any(p < 1.0 for p in top_ps):
         probs = sorted_x.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # of the strictly better tokens
         # top_p == 1 keeps everything, whatever the rounding in the cumsum.
-        limit = _column([p if p < 1.0 else float("inf") for p in top_ps], x.device)
+        limit = _column([p if p < 1.0 else float("inf") for p in top_ps], transfer)
         sorted_x = sorted_x.masked_fill(mass_before >= limit, float("-inf"))
     return torch.empty_like(x).scatter_(1, order, sorted_x)
 
@@ -302,9 +309,11 @@ class Sampler:
         device: torch.device | str,
         random_seed: int = 0,
         eos_token_ids: Iterable[int] = (),
+        transfer: Optional[HostTransfer] = None,
     ):
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.transfer = transfer or HostTransfer(self.device)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(random_seed)
@@ -331,6 +340,7 @@ class Sampler:
             generator=self.generator,
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_num=top,
+            transfer=self.transfer,
         )
         for i, s in enumerate(stats):
             if s is not None:

@@ -25,7 +25,6 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
 from transformers import GenerationConfig
 
 from radixserve.cache.chunk_cache import ChunkCache
@@ -35,7 +34,7 @@ from radixserve.forward_batch import ForwardMode
 from radixserve.messages import GenerateRequest, TokenOutput
 from radixserve.registry import PluginRegistry, get_registry
 from radixserve.request_limits import request_fit_error, token_ids_error
-from radixserve.runtime.batch import build_forward_batch
+from radixserve.runtime.batch import BatchPlan
 from radixserve.runtime.model_runner import ModelRunner
 from radixserve.runtime.model_worker import ModelWorker, PromptLogprobRows, StepResult, StepWork
 from radixserve.runtime.output_assembly import add_input_logprobs, error_output, make_output
@@ -87,13 +86,15 @@ class Scheduler(PrefillPlanning):
         self.tokenizer = tokenizer
         self.page_size = args.page_size
         self.allocator = self.runner.allocator
+        self.transfer = self.runner.transfer
         self.req_to_token_pool = self.runner.req_to_token_pool
         self.tree = (ChunkCache if args.disable_radix_cache else RadixCache)(self.allocator, self.page_size)
         self.caches_prefixes = not args.disable_radix_cache
         self.max_running = self.runner.max_running_requests
         self.context_length = self.runner.context_length
         eos_ids = _eos_ids(self.runner.hf_config, _generation_config(model_path), tokenizer)
-        self.sampler = Sampler(self.runner.vocab_size, self.runner.device, args.random_seed, eos_ids)
+        self.sampler = Sampler(self.runner.vocab_size, self.runner.device, args.random_seed, eos_ids,
+                               transfer=self.transfer)
         self.stop_checker = StopChecker(tokenizer, eos_ids)
 
         self.waiting: list[Req] = []
@@ -103,12 +104,16 @@ class Scheduler(PrefillPlanning):
         self._touched: dict[str, Req] = {}
         overlap = self.runner.platform.overlap_schedule if args.disable_overlap_schedule is None \
             else not args.disable_overlap_schedule
-        self.worker = ModelWorker(self.runner, self.sampler, self.req_to_token_pool, overlap=overlap)
+        self.worker = ModelWorker(self.runner, self.sampler, self.req_to_token_pool, self.transfer, overlap=overlap)
         # One rank per scheduler process (tp_size is 1 so far).
         self.profiler = StepProfiler(self.runner.platform.profiler_activities(), rank=0)
         self._launching: Optional[list[Req]] = None  # the requests of the step being launched
         self._in_flight: Optional[_Launched] = None  # launched, not awaited yet (overlap)
         self._unprocessed: Optional[_Launched] = None  # awaited, tokens not digested yet
+        # Token-table rows of ended requests that a launched step may still read and
+        # write (overlap: a request that finished in one step runs in the next); they
+        # are reused once the steps launched before their release have finished.
+        self._released_rows: list[int] = []
         self._by_rid: dict[str, Req] = {}
         self.num_retracted_total = 0
         self.prompt_tokens_total = 0
@@ -182,23 +187,27 @@ class Scheduler(PrefillPlanning):
         decode batch) and return the outputs to stream.
 
         Without overlap a step is launched, awaited and digested in one call.
-        With overlap, the step launched in the previous call is awaited first,
-        this call's step is launched, and only then are the previous step's
-        tokens digested, while the new one computes: a request that finished
-        there has run one step too many, whose token is dropped.
+        With overlap, this call's step is launched while the one launched in
+        the previous call may still be computing, so the device finds the next
+        step queued behind it; then the previous step is awaited and its tokens
+        digested while the new one computes. A request that finished in the
+        previous step has therefore run one step too many, whose token is dropped.
 
         A failure inside a step (a bug, a kernel error) ends the requests of
         that batch with an error and frees their memory; the scheduler goes on."""
-        if self._in_flight is not None:
-            self._settle(self._in_flight)
-            self._in_flight = None
         self._launching = None
+        held, self._released_rows = self._released_rows, []
+        if self._in_flight is None:
+            self._reuse_rows(held)
+            held = []
         try:
             launched = self._launch_next()
         except Exception as exc:
             logger.exception("launching a step failed; ending its requests with an error")
             self._fail(self._launching if self._launching is not None else self._holding_memory(), exc)
             launched = None
+        self._settle_in_flight()
+        self._reuse_rows(held)
         if launched is not None and self.worker.overlaps:
             self._in_flight = launched
             launched = None
@@ -219,11 +228,20 @@ class Scheduler(PrefillPlanning):
                 return self._launch_decode()
         return None
 
+    def _reuse_rows(self, rows: list[int]) -> None:
+        for row in rows:
+            self.req_to_token_pool.free(row)
+
+    def _settle_in_flight(self) -> None:
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._settle(previous)
+
     def _settle(self, launched: _Launched) -> None:
         """Wait for a launched step; it becomes the one to digest, or, if it
         failed, its requests end with the error."""
         try:
-            launched.result = launched.future.result()
+            launched.result = launched.future.result().wait()
         except Exception as exc:
             logger.exception("a model step failed; ending its requests with an error")
             self._fail(launched.reqs, exc)
@@ -281,22 +299,21 @@ class Scheduler(PrefillPlanning):
             self.prompt_tokens_total += len(req.origin_input_ids)
             self.cached_tokens_total += prefix
 
-    def _alloc(self, reqs: list[Req]) -> torch.Tensor:
+    def _alloc(self, reqs: list[Req]) -> list[int]:
         """KV slots for each request's ``extend_len`` new tokens (in request order),
-        evicting the cache as needed. ``build_forward_batch`` records them in the
+        evicting the cache as needed. ``BatchPlan.launch`` records them in the
         request rows."""
         prefix_lens = [r.kv_len for r in reqs]
         extend_lens = [r.extend_len for r in reqs]
         need = self.allocator.pages_needed(prefix_lens, extend_lens) * self.page_size
-        if need > self.allocator.available_size():
+        # Before evicting the cache, wait for the frees still on their way to the host.
+        if need > self.allocator.available_size() and need > self.allocator.available_size(wait=True):
             self.tree.evict(need - self.allocator.available_size())
-        slots = self.allocator.alloc_extend(prefix_lens, [r.last_slot for r in reqs], extend_lens)
+        slots = self.allocator.alloc_slots(prefix_lens, [r.last_slot for r in reqs], extend_lens)
         if slots is None:
             raise RuntimeError("KV pool exhausted after admission; the admission budget is wrong")
-        if self.page_size > 1:  # one host copy for the batch, none per request
-            ends = list(itertools.accumulate(r.extend_len for r in reqs))
-            for r, last in zip(reqs, slots[[e - 1 for e in ends]].tolist()):
-                r.last_slot = last
+        for r, end in zip(reqs, itertools.accumulate(r.extend_len for r in reqs)):
+            r.last_slot = slots[end - 1]
         return slots
 
     def _launch_extend(self, reqs: list[Req]) -> _Launched:
@@ -323,8 +340,8 @@ class Scheduler(PrefillPlanning):
                 sample_rows.append(len(logits_indices))
                 logits_indices.append(offset + n - 1)
             offset += n
-        batch = build_forward_batch(ForwardMode.EXTEND, reqs, slots, logits_indices, self.req_to_token_pool,
-                                    self.runner.kv_pool, self.runner.device)
+        batch = BatchPlan.launch(ForwardMode.EXTEND, reqs, slots, logits_indices, self.req_to_token_pool,
+                                 self.transfer)
         prompt_done = [r for r in reqs if r.kv_len + r.extend_len == r.seq_len]
         launched = self._launch(ForwardMode.EXTEND, reqs, batch, sample_reqs, sample_rows, prompt_rows)
         launched.prompt_done = prompt_done
@@ -333,7 +350,7 @@ class Scheduler(PrefillPlanning):
         self.running.extend(sample_reqs)  # they decode from the next step on
         return launched
 
-    def _launch(self, mode: ForwardMode, reqs: list[Req], batch, sample_reqs: list[Req], sample_rows: list[int],
+    def _launch(self, mode: ForwardMode, reqs: list[Req], batch: BatchPlan, sample_reqs: list[Req], sample_rows: list[int],
                 prompt_rows: Optional[list[PromptLogprobRows]] = None) -> _Launched:
         """Hand the step to the worker; each request's ``kv_len`` then counts the
         tokens whose KV the step computes. A sampled token goes to position
@@ -399,8 +416,7 @@ class Scheduler(PrefillPlanning):
             req.extend_len = 1
         slots = self._alloc(reqs)
         rows = list(range(len(reqs)))
-        batch = build_forward_batch(ForwardMode.DECODE, reqs, slots, rows, self.req_to_token_pool,
-                                    self.runner.kv_pool, self.runner.device)
+        batch = BatchPlan.launch(ForwardMode.DECODE, reqs, slots, rows, self.req_to_token_pool, self.transfer)
         launched = self._launch(ForwardMode.DECODE, reqs, batch, reqs, rows)
         self.new_token_ratio = max(self.new_token_ratio - self.args.new_token_ratio_decay, self.args.min_new_token_ratio)
         self.num_decode_steps += 1
@@ -416,9 +432,11 @@ class Scheduler(PrefillPlanning):
             free_pages = (self.allocator.available_size() + self.tree.evictable_size()) // self.page_size
             if need <= free_pages:
                 return
-            if self._unprocessed is not None:
+            if self._in_flight is not None or self._unprocessed is not None:
                 # Digest the last step first: its finished requests free memory, and
                 # a retracted request must not have a token still on its way.
+                self._drain()
+                self._settle_in_flight()
                 self._drain()
                 continue
             if self.chunked_req is not None:
@@ -511,7 +529,7 @@ class Scheduler(PrefillPlanning):
         end = req.kv_len + req.extend_len
         self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.num_cached:end].clone())
         self._unlock(req.last_node)
-        self.req_to_token_pool.free(req.req_pool_idx)
+        self._released_rows.append(req.req_pool_idx)
         req.req_pool_idx, req.kv_len, req.extend_len, req.num_cached, req.last_node = None, 0, 0, 0, None
 
     def _release(self, req: Req) -> None:
@@ -521,7 +539,7 @@ class Scheduler(PrefillPlanning):
             return
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len].clone()
         self.tree.cache_finished_req(req.fill_ids[: req.kv_len], row, req.last_node, req.num_cached)
-        self.req_to_token_pool.free(req.req_pool_idx)
+        self._released_rows.append(req.req_pool_idx)
         req.req_pool_idx, req.kv_len, req.num_cached, req.last_node = None, 0, 0, None
 
     def _collect_outputs(self) -> list[TokenOutput]:
@@ -551,7 +569,7 @@ class Scheduler(PrefillPlanning):
             return
         new_tokens = sum(r.extend_len for r in reqs)
         cached = sum(r.kv_len for r in reqs)
-        stats = self.stats()
+        stats = self.stats(exact=False)
         logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
                     "#running-req: %d, #queue-req: %d", len(reqs), new_tokens, cached, stats.token_usage,
                     len(self.running), len(self.waiting))
@@ -560,7 +578,7 @@ class Scheduler(PrefillPlanning):
         now, tokens = time.perf_counter(), self.generation_tokens_total
         then, before = self._last_decode_log
         self._last_decode_log = (now, tokens)
-        stats = self.stats()
+        stats = self.stats(exact=False)
         used = stats.max_total_tokens - stats.free_tokens - self.tree.evictable_size()
         logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
                     "#queue-req: %d", len(self.running), used, stats.token_usage,
@@ -577,8 +595,10 @@ class Scheduler(PrefillPlanning):
         """The pool invariant: free + held privately by requests + cached == total."""
         return self.stats().memory_invariant_ok
 
-    def stats(self) -> SchedulerStats:
-        free = self.allocator.available_size()
+    def stats(self, exact: bool = True) -> SchedulerStats:
+        """``exact``: count the pages whose frees are still on their way to the host
+        (waits for the device); the step logs pass False and never wait."""
+        free = self.allocator.available_size(wait=exact)
         cached = self.tree.evictable_size() + self.tree.protected_size()
         private = self.private_tokens()
         total = self.allocator.size

@@ -80,9 +80,12 @@ def build_paged_kv_index(
     copy; the page ids are gathered on the device in one pass.
     """
     device = req_to_token.device
+    # FlashInfer's plan copies the host lists to the device; from page-locked memory
+    # that copy does not wait for the device to finish the step before.
+    pin = device.type == "cuda"
     seq_host = torch.tensor(seq_lens_cpu, dtype=torch.int64)
     pages_host = (seq_host + page_size - 1) // page_size
-    kv_indptr = torch.zeros(len(seq_lens_cpu) + 1, dtype=torch.int32)
+    kv_indptr = torch.zeros(len(seq_lens_cpu) + 1, dtype=torch.int32, pin_memory=pin)
     kv_indptr[1:] = torch.cumsum(pages_host, 0)
     total = int(kv_indptr[-1])
 
@@ -93,14 +96,15 @@ def build_paged_kv_index(
     slots = req_to_token[req_pool_indices[owner], page_no * page_size]
     kv_indices = (slots // page_size).to(torch.int32)
 
+    last_page_len = ((seq_host - 1) % page_size + 1).to(torch.int32)
     qo_indptr = None
     if extend_lens_cpu is not None:
-        qo_indptr = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32)
+        qo_indptr = torch.zeros(len(extend_lens_cpu) + 1, dtype=torch.int32, pin_memory=pin)
         qo_indptr[1:] = torch.cumsum(torch.tensor(extend_lens_cpu, dtype=torch.int64), 0)
     return PagedKVIndex(
         kv_indptr=kv_indptr,
         kv_indices=kv_indices,
-        kv_last_page_len=((seq_host - 1) % page_size + 1).to(torch.int32),
+        kv_last_page_len=last_page_len.pin_memory() if pin else last_page_len,
         qo_indptr=qo_indptr,
     )
 
@@ -187,6 +191,7 @@ class FlashInferAttention(AttentionBackend):
         group = (query.num_heads or 1) // (query.num_kv_heads or 1)
         self._decode_tensor_cores = group not in CUDA_CORE_DECODE_GROUPS
         self._graph: Optional[_GraphBuffers] = None
+        self._planned: Optional[torch.cuda.Event] = None  # after the last plan's copies to the device
 
     # -- wrappers -----------------------------------------------------------
 
@@ -208,16 +213,32 @@ class FlashInferAttention(AttentionBackend):
         if mode is ForwardMode.DECODE:
             self._plan_decode(decode, index, page_size, num_heads, num_kv_heads, head_dim, dtype, kv_dtype)
             return decode
+        self._before_plan()
         prefill.plan(index.qo_indptr, index.kv_indptr, index.kv_indices, index.kv_last_page_len, num_heads,
                      num_kv_heads, head_dim, page_size, causal=True, q_data_type=dtype, kv_data_type=kv_dtype,
                      sm_scale=1.0)
+        self._after_plan()
         return prefill
 
-    @staticmethod
-    def _plan_decode(wrapper, index: PagedKVIndex, page_size: int, num_heads: int, num_kv_heads: int,
+    def _plan_decode(self, wrapper, index: PagedKVIndex, page_size: int, num_heads: int, num_kv_heads: int,
                      head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+        self._before_plan()
         wrapper.plan(index.kv_indptr, index.kv_indices, index.kv_last_page_len, num_heads, num_kv_heads,
                      head_dim, page_size, q_data_type=dtype, kv_data_type=kv_dtype, sm_scale=1.0)
+        self._after_plan()
+
+    # A plan writes its scheduling arrays into the wrapper's page-locked host buffer
+    # and queues their copy to the device. With overlap scheduling the host plans
+    # the next step while the device may not have reached this one's copy yet, so a
+    # plan first waits for the previous plan's copy (it has almost always run).
+
+    def _before_plan(self) -> None:
+        if self._planned is not None:
+            self._planned.synchronize()
+
+    def _after_plan(self) -> None:
+        self._planned = torch.cuda.Event()
+        self._planned.record()
 
     # -- the backend interface -----------------------------------------------
 

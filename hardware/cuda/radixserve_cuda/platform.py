@@ -44,6 +44,7 @@ class CudaPlatform(Platform):
     torch_device_type = "cuda"
     dist_backend = "nccl"
     default_dtype = torch.bfloat16
+    pinned_host_staging = True
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:

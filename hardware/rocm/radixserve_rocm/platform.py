@@ -54,6 +54,7 @@ class RocmPlatform(Platform):
     torch_device_type = "cuda"
     dist_backend = "nccl"  # RCCL on ROCm builds
     default_dtype = torch.bfloat16
+    pinned_host_staging = True
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
