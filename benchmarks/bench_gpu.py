@@ -19,11 +19,12 @@ through the Engine (offline, page size 16, greedy, fixed output lengths):
 - HF ``generate`` batch-1 latency with a static KV cache (on cuda it compiles
   the forward), the same prompt and output lengths.
 
-``--profile`` then profiles the first throughput batch (64 on the 8B shape) on
-one more engine (graphs on): warmed with one run of it, the second run goes
-under ``Engine.start_profile`` for ``Workload.profile_steps`` scheduler steps,
-and radixserve.bench.profile reads from the trace the median wall time of a
-decode step at that batch size and the fraction of it the device is busy.
+``--profile`` then profiles the batch-1 latency run and the first throughput
+batch (64 on the 8B shape) on one more engine (graphs on): warmed with one run
+of each, the next runs go under ``Engine.start_profile`` (for
+``Workload.latency_profile_steps`` and ``Workload.profile_steps`` scheduler
+steps), and radixserve.bench.profile reads from each trace the median wall time
+of a decode step at that batch size and the fraction of it the device is busy.
 
 Request sets, metrics and the offline driver are radixserve.bench's.
 """
@@ -89,8 +90,10 @@ class Workload:
     gsp_question: int = 64
     gsp_output: int = 32
     context_length: int = 2048
-    # --profile: scheduler steps profiled (the prefills of the first batch, then its decode steps).
+    # --profile: scheduler steps profiled (the prefills of the first batch, then its decode steps),
+    # and of the latency run (its first request's prefill and decode steps).
     profile_steps: int = 96
+    latency_profile_steps: int = 60
 
     @property
     def max_running(self) -> int:
@@ -298,21 +301,27 @@ def measure_engine(model_dir: Path, device: str, dtype: str, workload: Workload,
 
 
 def profile_decode(model_dir: Path, device: str, dtype: str, workload: Workload, attention_backend: str,
-                   progress: Callable[[str], None]) -> tuple[Optional[DecodeProfile], str]:
-    """Profile the first throughput batch on a warm engine: its decode steps at
-    that batch size (None if the trace has fewer than two), and the trace's path."""
+                   progress: Callable[[str], None]) -> list[tuple[int, Optional[DecodeProfile], str]]:
+    """Profile, on one warm engine, the batch-1 latency run and the first
+    throughput batch: for each, the decode steps at that batch size (None if the
+    trace has fewer than two) and the trace's path."""
     batch = workload.batches[0]
-    progress(f"engine (profile): starting; warm-up run at batch {batch}")
+    progress(f"engine (profile): starting; warm-up runs at batch 1 and {batch}")
     runs = EngineRuns(model_dir, device, dtype, workload, attention_backend)
+    profiles = []
     try:
+        runs.latency_ms_per_token()
         runs.throughput(batch)
-        progress(f"engine (profile): profiling {workload.profile_steps} steps at batch {batch}")
-        runs.engine.start_profile(num_steps=workload.profile_steps)
-        runs.throughput(batch)
-        path = runs.engine.stop_profile()  # the trace, written when the steps ran out or now
+        for size, run, steps in ((1, runs.latency_ms_per_token, workload.latency_profile_steps),
+                                 (batch, lambda: runs.throughput(batch), workload.profile_steps)):
+            progress(f"engine (profile): profiling {steps} steps at batch {size}")
+            runs.engine.start_profile(num_steps=steps)
+            run()
+            path = runs.engine.stop_profile()  # the trace, written when the steps ran out or now
+            profiles.append((size, decode_profile(json.loads(Path(path).read_text()), size), path))
     finally:
         runs.close()
-    return decode_profile(json.loads(Path(path).read_text()), batch), path
+    return profiles
 
 
 def format_profile(batch: int, prof: Optional[DecodeProfile], path: str) -> str:
@@ -396,8 +405,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--skip-hf", action="store_true", help="leave out the HF generate baseline")
     parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
     parser.add_argument("--profile", action="store_true",
-                        help="also profile the decode steps of the first throughput batch: step time and device-busy "
-                             "fraction (the trace goes to $RADIXSERVE_PROFILE_DIR, else a new temporary directory)")
+                        help="also profile the decode steps of the batch-1 latency run and of the first throughput "
+                             "batch: step time and device-busy fraction (the traces go to $RADIXSERVE_PROFILE_DIR, "
+                             "else new temporary directories)")
     args = parser.parse_args(argv)
 
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -416,10 +426,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             torch.cuda.empty_cache()  # the Engine's scheduler process sizes its KV pool from free memory
         progress("model written")
         rows, infos = measure_engine(model_dir, args.device, dtype_name, workload, args.attention_backend, progress)
+        profiles = []
         if args.profile:  # before HF, whose memory this process's allocator may keep
-            prof, trace_path = profile_decode(model_dir, args.device, dtype_name, workload, args.attention_backend,
-                                              progress)
-            progress(format_profile(workload.batches[0], prof, trace_path))
+            profiles = profile_decode(model_dir, args.device, dtype_name, workload, args.attention_backend, progress)
+            for size, prof, trace_path in profiles:
+                progress(format_profile(size, prof, trace_path))
         if not args.skip_hf:
             progress("HF generate (static cache) batch-1 latency")
             hf = hf_latency_ms_per_token(model_dir, device, dtype, workload)
@@ -434,9 +445,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{time.perf_counter() - started:.0f} s")
     print(header)
     print(format_table(rows))
-    batch = workload.batches[0]
-    if args.profile:
-        print(format_profile(batch, prof, trace_path))
+    for size, prof, trace_path in profiles:
+        print(format_profile(size, prof, trace_path))
     if args.json:
         report = {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "shape": args.shape,
@@ -445,8 +455,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             "machine": {"platform": platform.platform(), "torch": torch.__version__},
             "rows": [asdict(r) for r in rows],
         }
-        if args.profile:
-            report[f"decode_bs{batch}"] = None if prof is None else {**asdict(prof), "trace": trace_path}
+        for size, prof, trace_path in profiles:
+            report[f"decode_bs{size}"] = None if prof is None else {**asdict(prof), "trace": trace_path}
         print(json.dumps(report))
     return 0
 

@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_bench_gpu_runs_end_to_end_on_cpu():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--shape", "tiny",
-                          "--device", "cpu", "--json"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                          "--device", "cpu", "--json", "--profile"], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     report = json.loads(lines[-1])
@@ -38,6 +39,13 @@ def test_bench_gpu_runs_end_to_end_on_cpu():
     assert "cache hit rate" in rows["shared prefix 2x4 (64 + 8 -> 4), radix on"]["note"]
     assert report["device"].startswith("cpu") and report["backends"]["attention"]
     assert report["shape_config"]["vocab_size"] == 512
+    # --profile: the batch-1 latency run and the first throughput batch, each on its own trace; the
+    # cpu platform records host ops only, so there is no device-busy fraction.
+    for size in (1, 4):
+        prof = report[f"decode_bs{size}"]
+        assert prof["steps"] >= 2 and prof["step_ms_median"] > 0 and prof["device_busy_fraction"] is None
+        assert Path(prof["trace"]).is_file()
+        assert f"profile, decode at batch {size} (" in table
 
 
 def test_model_build_writes_a_loadable_sharded_checkpoint(tmp_path, monkeypatch):
