@@ -183,11 +183,17 @@ def test_bench_gpu_profile_on_cpu(tmp_path, monkeypatch):
     import torch
 
     model_dir = bench.build_model(tmp_path / "m", bench.SHAPES["tiny"], torch.device("cpu"), torch.float32)
-    workload = bench.WORKLOADS["tiny"]  # batch 4, 8 output tokens: fewer steps than profile_steps
-    prof, path = bench.profile_decode(model_dir, "cpu", "float32", workload, "auto", lambda message: None)
-    assert Path(path).parent == tmp_path / "traces" and Path(path).is_file()
-    assert 2 <= prof.steps <= workload.ragged_output - 1  # the first token comes from the prefill
-    assert prof.step_ms_median > 0 and prof.host_ms_median > 0 and prof.window_ms > 0
-    assert prof.device_busy_fraction is None
-    line = bench.format_profile(4, prof, path)
-    assert line.startswith(f"profile, decode at batch 4 ({prof.steps} steps): ") and "n/a" in line
+    workload = bench.WORKLOADS["tiny"]  # batch 1 and 4, 8 output tokens: fewer steps than either profile's
+    profiles = bench.profile_decode(model_dir, "cpu", "float32", workload, "auto", lambda message: None)
+    assert [size for size, _, _ in profiles] == [1, 4]
+    paths = [path for _, _, path in profiles]
+    assert len(set(paths)) == 2  # a trace each
+    for size, prof, path in profiles:
+        assert Path(path).parent == tmp_path / "traces" and Path(path).is_file()
+        # Each request's first token comes from its prefill; the latency run's requests run one at a time.
+        most = workload.latency_runs * (workload.latency_output - 1) if size == 1 else workload.ragged_output - 1
+        assert 2 <= prof.steps <= most
+        assert prof.step_ms_median > 0 and prof.host_ms_median > 0 and prof.window_ms > 0
+        assert prof.device_busy_fraction is None
+        line = bench.format_profile(size, prof, path)
+        assert line.startswith(f"profile, decode at batch {size} ({prof.steps} steps): ") and "n/a" in line
