@@ -30,8 +30,5 @@ def test_cpu_peak_reports_both_loops_on_the_threads_asked_for():
     bf16 = [line for line in lines if line.startswith("bfloat16 (vdpbf16ps)")]
     if "avx512_bf16" in FLAGS:
         assert len(bf16) == 1 and re.search(r": \d+ GFLOP/s on 2 threads", bf16[0]), out.stdout
-        # Two bfloat16 products per lane and instruction: twice float32's rate, give or take the clock.
-        rate = lambda line: float(re.search(r": (\d+) GFLOP/s", line).group(1))  # noqa: E731
-        assert 1.3 < rate(bf16[0]) / rate(fp32[0]) < 2.7, out.stdout
     else:
         assert bf16 == ["bfloat16 (vdpbf16ps): not compiled for this CPU (no AVX512_BF16)"], out.stdout
