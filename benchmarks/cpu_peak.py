@@ -18,7 +18,8 @@ import os
 from torch.utils.cpp_extension import load_inline
 
 # Twelve accumulators, each with its own multiplicand, so the compiler can neither
-# merge the chains nor stall on one; the sum at the end keeps them alive.
+# merge the chains nor stall on one (a multiply-add's latency is a few cycles);
+# the sum at the end keeps them alive.
 SOURCE = r"""
 #include <immintrin.h>
 #include <chrono>
@@ -26,21 +27,30 @@ SOURCE = r"""
 #include <thread>
 #include <vector>
 
-#define ACC12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+// acc[i] = step(acc[i], x[i]) for twelve accumulators, fully unrolled so they stay in registers.
+template <typename In, typename Input, typename Step>
+double loop(int64_t iters, Input input, Step step) {
+  __m512 acc[12];
+  In x[12];
+  for (int i = 0; i < 12; ++i) {
+    acc[i] = _mm512_setzero_ps();
+    x[i] = input(i);
+  }
+  for (int64_t it = 0; it < iters; ++it) {
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) acc[i] = step(acc[i], x[i]);
+  }
+  double s = 0;
+  for (int i = 0; i < 12; ++i) s += _mm512_reduce_add_ps(acc[i]);
+  return s;
+}
 
 double bf16_loop(int64_t iters) {
 #if defined(__AVX512BF16__)
   const __m512bh y = (__m512bh)_mm512_set1_epi32(0x3f803f80);
-#define DECL(i) __m512 a##i = _mm512_setzero_ps(); const __m512bh x##i = (__m512bh)_mm512_set1_epi32(0x3c003c00 + i);
-  ACC12(DECL)
-  for (int64_t it = 0; it < iters; ++it) {
-#define STEP(i) a##i = _mm512_dpbf16_ps(a##i, x##i, y);
-    ACC12(STEP)
-  }
-  double s = 0;
-#define SUM(i) s += _mm512_reduce_add_ps(a##i);
-  ACC12(SUM)
-  return s;
+  return loop<__m512bh>(
+      iters, [](int i) { return (__m512bh)_mm512_set1_epi32(0x3c003c00 + i); },
+      [y](__m512 a, __m512bh x) { return _mm512_dpbf16_ps(a, x, y); });
 #else
   return -1;
 #endif
@@ -48,16 +58,9 @@ double bf16_loop(int64_t iters) {
 
 double fp32_loop(int64_t iters) {
   const __m512 y = _mm512_set1_ps(1.0f);
-#define DECLF(i) __m512 f##i = _mm512_setzero_ps(); const __m512 g##i = _mm512_set1_ps(1e-9f * (i + 1));
-  ACC12(DECLF)
-  for (int64_t it = 0; it < iters; ++it) {
-#define STEPF(i) f##i = _mm512_fmadd_ps(g##i, y, f##i);
-    ACC12(STEPF)
-  }
-  double s = 0;
-#define SUMF(i) s += _mm512_reduce_add_ps(f##i);
-  ACC12(SUMF)
-  return s;
+  return loop<__m512>(
+      iters, [](int i) { return _mm512_set1_ps(1e-9f * (i + 1)); },
+      [y](__m512 a, __m512 x) { return _mm512_fmadd_ps(x, y, a); });
 }
 
 // Seconds for `threads` threads to run `iters` iterations each of loop `kind`
