@@ -410,16 +410,19 @@ inline void online_softmax_key_major(float* scores, int64_t nb, float scale, con
 
 // The probabilities a P.V tile reads: float32 p[h * kBlock + t], or with kPaired
 // (a bfloat16 pool, AVX512_BF16) bfloat16 pairs pairs[h * kBlock / 2 + j] = (P[2j],
-// P[2j + 1]) of each head, made by paired_probabilities.
+// P[2j + 1]) of each head, made by paired_probabilities; or the same key-major,
+// as online_softmax_key_major leaves them.
 struct BlockProbs {
   const float* p;
   const uint32_t* pairs;
-  bool key_major = false;  // p[t * heads + h] and pairs[j * heads + h] (scores_block8_key_major's layout)
-  int64_t heads = 0;       // heads per key when key_major
-  float prob(int64_t h, int64_t t) const { return key_major ? p[t * heads + h] : p[h * kBlock + t]; }
-  uint32_t pair(int64_t h, int64_t j) const { return key_major ? pairs[j * heads + h] : pairs[h * kBlock / 2 + j]; }
+  int64_t p_head_stride, pair_head_stride, key_stride;  // key_stride: per key in p, per key pair in pairs
+  static BlockProbs head_major(const float* p, const uint32_t* pairs) { return {p, pairs, kBlock, kBlock / 2, 1}; }
+  // scores_block8_key_major's layout: p[t * heads + h], pairs[j * heads + h].
+  static BlockProbs key_major(const float* p, const uint32_t* pairs, int64_t heads) { return {p, pairs, 1, 1, heads}; }
+  float prob(int64_t h, int64_t t) const { return p[h * p_head_stride + t * key_stride]; }
+  uint32_t pair(int64_t h, int64_t j) const { return pairs[h * pair_head_stride + j * key_stride]; }
   BlockProbs heads_from(int64_t h) const {
-    return key_major ? BlockProbs{p + h, pairs + h, true, heads} : BlockProbs{p + h * kBlock, pairs + h * kBlock / 2};
+    return {p + h * p_head_stride, pairs + h * pair_head_stride, p_head_stride, pair_head_stride, key_stride};
   }
 };
 
@@ -555,7 +558,9 @@ void attend_avx512(const T* k_pool, const T* v_pool, const int64_t* slots, int64
       for (int64_t t = kh * n_next / kv_heads; t < (kh + 1) * n_next / kv_heads; ++t)
         prefetch_row(k_pool + slots[next + t] * row_len, row_len);
       for (int64_t t = 0; t < nb; ++t) raw[t] = v_pool + slots[b0 + t] * row_len + kh * d;
-      const BlockProbs probs = BlockProbs{scores, sc.p_pairs.data(), kKeyMajor, dm.heads}.heads_from(kh * group);
+      const BlockProbs block = kKeyMajor ? BlockProbs::key_major(scores, sc.p_pairs.data(), dm.heads)
+                                         : BlockProbs::head_major(scores, sc.p_pairs.data());
+      const BlockProbs probs = block.heads_from(kh * group);
       float* a = acc + kh * group * d;
       int64_t c = 0;
       for (; c + 64 <= d; c += 64) pv_columns<4, kBf16>(raw, c, nb, probs, a, d, group);
