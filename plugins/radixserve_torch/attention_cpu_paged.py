@@ -48,6 +48,7 @@ _KV_DTYPES = {torch.float32: (torch.bfloat16, torch.float16)}
 class CpuPagedKernels:
     """The compiled ops (argument order as csrc/cpu_paged_ops.cpp documents them)."""
 
+    store_kv: Callable[..., None]  # (k, v, loc, k_buf, v_buf)
     decode: Callable[..., None]  # (q, k_buf, v_buf, req_to_token, rows, lens, scaling, out)
     decode_with_lse: Callable[..., None]  # (..., scaling, out, lse)
     extend: Callable[..., None]  # (q, k_buf, v_buf, req_to_token, rows, q_starts, kv_lens, scaling, out)
@@ -59,7 +60,7 @@ def load_kernel() -> CpuPagedKernels:
     """The ``torch.ops.radixserve_cpu_paged`` ops (building the CPU kernels on first use)."""
     cpu_kernels.load()
     ops = torch.ops.radixserve_cpu_paged
-    return CpuPagedKernels(decode=ops.paged_attention, decode_with_lse=ops.paged_attention_with_lse,
+    return CpuPagedKernels(store_kv=ops.store_kv.default, decode=ops.paged_attention, decode_with_lse=ops.paged_attention_with_lse,
                            extend=ops.extend_attention, cascade=ops.cascade_decode_attention)
 
 
@@ -179,6 +180,16 @@ class CpuPagedAttention(AttentionBackend):
                 starts.append(starts[-1] + n)
             meta.q_starts = torch.tensor(starts, dtype=torch.int64, device=batch.seq_lens.device)
         batch.attn_metadata = meta
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
+                batch: ForwardBatch) -> torch.Tensor:
+        """The base class's store and attend, with the store one call of the
+        kernels' own (``KVPool.set_kv`` is four torch calls per layer and step)."""
+        k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        self._kernels.store_kv(k, v, batch.out_cache_loc, k_buf, v_buf)
+        if batch.mode is ForwardMode.DECODE:
+            return self.forward_decode(q, layer, batch)
+        return self.forward_extend(q, layer, batch)
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         meta: PagedMetadata = batch.attn_metadata

@@ -5,6 +5,7 @@ sharding and checkpoint loading."""
 from radixserve.layers.attention import PagedAttention
 from radixserve.layers.context import ModelContext
 from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from radixserve.layers.layer import Layer
 from radixserve.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -20,6 +21,7 @@ from radixserve.layers.rotary import RotaryEmbedding
 __all__ = [
     "ColumnParallelLinear",
     "FusedMoE",
+    "Layer",
     "LinearBase",
     "MergedColumnParallelLinear",
     "ModelContext",

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from radixserve.forward_batch import ForwardBatch
 from radixserve.kernels import AttentionLayerSpec
 from radixserve.layers.context import ModelContext
+from radixserve.layers.layer import Layer
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(Layer):
     """Writes the new tokens' K/V into the KV pool and attends over each request's
     cached and new tokens; the backend does both (see ``AttentionBackend``).
 

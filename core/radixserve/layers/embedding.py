@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixserve.layers.context import ModelContext
+from radixserve.layers.layer import Layer
 from radixserve.layers.parallel import all_gather_last_dim, all_reduce
 from radixserve.layers.weights import copy_into
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(Layer):
     def __init__(self, vocab_size: int, hidden_size: int, ctx: ModelContext):
         super().__init__()
         self.ctx = ctx

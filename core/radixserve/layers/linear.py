@@ -22,11 +22,12 @@ import torch
 from torch import nn
 
 from radixserve.layers.context import ModelContext
+from radixserve.layers.layer import Layer
 from radixserve.layers.parallel import all_reduce, divide
 from radixserve.layers.weights import copy_into
 
 
-class LinearBase(nn.Module):
+class LinearBase(Layer):
     """``y = x @ W.T + b`` with W created and applied by the quantization method.
 
     After the checkpoint is loaded, the model loader calls

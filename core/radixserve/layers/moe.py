@@ -15,11 +15,12 @@ from torch import nn
 
 from radixserve.kernels import MoERouting
 from radixserve.layers.context import ModelContext
+from radixserve.layers.layer import Layer
 from radixserve.layers.parallel import all_reduce, divide
 from radixserve.layers.weights import copy_into
 
 
-class MoERouter(nn.Module):
+class MoERouter(Layer):
     """Router logits ``[T, E]`` from hidden ``[T, H]``; weight ``[E, H]``, never quantized."""
 
     def __init__(self, hidden_size: int, num_experts: int, ctx: ModelContext):
@@ -31,7 +32,7 @@ class MoERouter(nn.Module):
         return self.gemm.linear(hidden, self.weight)
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(Layer):
     """Experts as two stacked parameters: ``w13_weight`` ``[E, 2*I, H]`` (each
     expert's gate rows, then its up rows) and ``w2_weight`` ``[E, H, I]``, with I
     this rank's intermediate size.

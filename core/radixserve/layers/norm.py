@@ -11,9 +11,10 @@ from torch import nn
 
 from radixserve.kernels.elementwise import NormResult
 from radixserve.layers.context import ModelContext
+from radixserve.layers.layer import Layer
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Layer):
     """Normalises over the last dimension, so it serves both whole hidden states
     ``[T, H]`` and per-head q/k norms ``[T, heads, head_dim]``.
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from radixserve.layers.context import ModelContext
+from radixserve.layers.layer import Layer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -62,7 +62,7 @@ def rope_cos_sin_cache(inv_freq: torch.Tensor, attention_scaling: float, max_pos
     return torch.cat(((freqs.cos() * attention_scaling).to(dtype), (freqs.sin() * attention_scaling).to(dtype)), dim=-1)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(Layer):
     """Rotates q and k in place through ``ctx.elementwise`` with a cos/sin table
     of every position the model serves (``max_position_embeddings``). One
     instance is shared by all layers of a model."""

@@ -29,6 +29,7 @@ from radixserve.layers import (
     VocabParallelEmbedding,
 )
 from radixserve.layers.context import ModelContext
+from radixserve.layers.layer import Layer
 from radixserve.layers.weights import load_named_weights
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class AttentionOptions:
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before rotary (Qwen3)
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(Layer):
     def __init__(
         self,
         config: "PretrainedConfig",
@@ -97,7 +98,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, batch))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(Layer):
     """SiLU-gated MLP with gate and up fused into one projection."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, ctx: ModelContext, bias: bool = False):
@@ -110,7 +111,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act.silu_and_mul(self.gate_up_proj(x)))
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(Layer):
     def __init__(
         self,
         config: "PretrainedConfig",
@@ -141,7 +142,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(Layer):
     def __init__(self, config: "PretrainedConfig", ctx: ModelContext, layers: Iterable[nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
@@ -157,7 +158,7 @@ class LlamaModel(nn.Module):
         return self.norm(hidden, residual)[0]
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(Layer):
     """Llama 2/3/3.1 (any supported rope scaling) and Mistral.
 
     Subclasses customise :meth:`attention_options` and :meth:`make_mlp`, and

@@ -17,6 +17,7 @@ from torch import nn
 
 from radixserve.layers import FusedMoE, MoERouter
 from radixserve.layers.context import ModelContext
+from radixserve.layers.layer import Layer
 from radixserve.models.llama import LlamaMLP
 from radixserve.models.qwen3 import Qwen3ForCausalLM
 
@@ -32,7 +33,7 @@ def num_experts_of(config: "PretrainedConfig") -> int:
     return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
 
 
-class Qwen3MoeSparseBlock(nn.Module):
+class Qwen3MoeSparseBlock(Layer):
     def __init__(self, config: "PretrainedConfig", ctx: ModelContext):
         super().__init__()
         num_experts = num_experts_of(config)

@@ -1,7 +1,10 @@
 // The cpu_paged attention ops: argument checks and registration as
-// torch.ops.radixserve_cpu_paged.{paged_attention, paged_attention_with_lse, extend_attention,
-// cascade_decode_attention}.
+// torch.ops.radixserve_cpu_paged.{store_kv, paged_attention, paged_attention_with_lse,
+// extend_attention, cascade_decode_attention}.
 #include <torch/library.h>
+
+#include <cstring>
+#include <type_traits>
 
 #include "cpu_paged_common.h"
 
@@ -24,7 +27,57 @@ void check_index(const at::Tensor& t, int64_t numel, const char* name) {
   TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kLong && t.numel() == numel, "cpu_paged: ", name,
               " must be a contiguous int64 tensor of ", numel, " elements");
 }
+
+// Row i of src [n, KVH, D] into pool row loc[i] of dst, converted to dst's dtype.
+template <typename Src, typename Dst>
+void store_rows(const at::Tensor& src, const int64_t* loc, at::Tensor& dst) {
+  const int64_t n = src.size(0), heads = src.size(1), d = src.size(2), s0 = src.stride(0), s1 = src.stride(1);
+  const int64_t row_len = heads * d;
+  const Src* from = src.data_ptr<Src>();
+  Dst* to = dst.data_ptr<Dst>();
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      Dst* row = to + loc[i] * row_len;
+      for (int64_t h = 0; h < heads; ++h) {
+        const Src* x = from + i * s0 + h * s1;
+        if constexpr (std::is_same_v<Src, Dst>) {
+          std::memcpy(row + h * d, x, d * sizeof(Src));
+        } else {
+          for (int64_t j = 0; j < d; ++j) row[h * d + j] = static_cast<Dst>(static_cast<float>(x[j]));  // nearest even
+        }
+      }
+    }
+  });
+}
+
+void store_one(const at::Tensor& src, const at::Tensor& loc, at::Tensor& buf, const char* name) {
+  TORCH_CHECK(src.dim() == 3 && src.stride(2) == 1 && src.size(0) == loc.numel() && src.size(1) == buf.size(1) &&
+                  src.size(2) == buf.size(2),
+              "cpu_paged: ", name, " must be [n, KVH, D] with a contiguous last dim, one row per slot in loc");
+  const at::ScalarType from = src.scalar_type(), to = buf.scalar_type();
+  TORCH_CHECK(from == to || (from == at::kFloat && (to == at::kBFloat16 || to == at::kHalf)), "cpu_paged: ", name,
+              " in ", from, " cannot be stored in a ", to, " pool");
+  radixserve_cpu_paged::dispatch_dtypes(from, to, [&](auto s, auto d) {
+    store_rows<decltype(s), decltype(d)>(src, loc.data_ptr<int64_t>(), buf);
+  });
+}
 }  // namespace
+
+// The new tokens' K and V [n, KVH, D] (rows and heads may be strided, head_dim
+// contiguous) into pool slots loc [n] (int64) of k_buf/v_buf [slots, KVH, D]: a copy
+// in the pool's dtype, or float32 rounded to a bfloat16/float16 pool as torch's .to() rounds.
+void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& loc, at::Tensor k_buf, at::Tensor v_buf) {
+  TORCH_CHECK(k_buf.is_contiguous() && v_buf.is_contiguous() && k_buf.dim() == 3 && k_buf.sizes() == v_buf.sizes() &&
+                  k_buf.scalar_type() == v_buf.scalar_type(),
+              "cpu_paged: the K/V buffers must be contiguous [slots, KVH, D] of one dtype");
+  check_index(loc, loc.numel(), "loc");
+  if (loc.numel() == 0) return;
+  const int64_t* slots = loc.data_ptr<int64_t>();
+  const auto [lo, hi] = std::minmax_element(slots, slots + loc.numel());
+  TORCH_CHECK(*lo >= 0 && *hi < k_buf.size(0), "cpu_paged: a slot in loc is outside the pool of ", k_buf.size(0));
+  store_one(k, loc, k_buf, "k");
+  store_one(v, loc, v_buf, "v");
+}
 
 // Decode, one query per request. q [N, H, D] (rows and heads may be strided, head_dim
 // contiguous); k_buf/v_buf [slots, KVH, D] contiguous; req_to_token [R, C] int64;
@@ -92,6 +145,7 @@ void cascade_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, cons
 }
 
 TORCH_LIBRARY(radixserve_cpu_paged, m) {
+  m.def("store_kv(Tensor k, Tensor v, Tensor loc, Tensor(a!) k_buf, Tensor(b!) v_buf) -> ()");
   m.def("paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, Tensor rows, Tensor lens, "
         "float scaling, Tensor(a!) out) -> ()");
   m.def("extend_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, Tensor rows, "
@@ -104,6 +158,7 @@ TORCH_LIBRARY(radixserve_cpu_paged, m) {
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu_paged, CPU, m) {
+  m.impl("store_kv", &store_kv);
   m.impl("paged_attention", &paged_attention);
   m.impl("extend_attention", &extend_attention);
   m.impl("paged_attention_with_lse", &paged_attention_with_lse);
