@@ -297,23 +297,6 @@ inline void scores_block8_key_major(const float* ql, const float* const* kr, int
   for (int u = 0; u < 8; ++u) _mm256_storeu_ps(out + u * heads, acc[u]);
 }
 
-// fast_exp on 16 lanes.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 big = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(12582912.0f));
-  const __m512 n = _mm512_sub_ps(big, _mm512_set1_ps(12582912.0f));
-  const __m512i ni = _mm512_sub_epi32(_mm512_castps_si512(big), _mm512_set1_epi32(0x4B400000 - 127));
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945309f), x);
-  __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32(ni, 23)));
-}
-
 // online_softmax with each head's block of scores as vectors of 16 keys (keys
 // past nb masked out).
 inline void online_softmax16(float* scores, int64_t nb, const Dims& dm, float* m, float* l, float* acc) {

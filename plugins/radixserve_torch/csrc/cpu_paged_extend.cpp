@@ -28,9 +28,6 @@
 
 #include <type_traits>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
 
 namespace radixserve_cpu_paged {
 namespace {
@@ -52,11 +49,17 @@ inline Lanes lanes_max(Lanes a, Lanes b) {
   return r;
 }
 
+// fast_exp on every lane (the compiled omp simd loop kept its clamps as masked
+// operations and ran a third slower than exp16).
 inline Lanes lanes_exp(Lanes x) {
+#if defined(__AVX512F__)
+  return (Lanes)exp16((__m512)x);
+#else
   Lanes r;
 #pragma omp simd
   for (int i = 0; i < kLanes; ++i) r[i] = fast_exp(x[i]);
   return r;
+#endif
 }
 
 // bfloat16 queries over a bfloat16 pool, on a CPU with AVX512_BF16: the scores come
@@ -109,37 +112,32 @@ struct Scratch {
 };
 
 #if defined(__AVX512BF16__)
-// Scores of nb keys (rows k_rows[t] of the bf16 pool) for one tile whose qt holds bf16
-// pairs: four keys at a time, four independent vdpbf16ps chains per query load.
+// Scores of N keys (rows k_rows[0..N)) for one tile whose qt holds bf16 pairs: N
+// independent vdpbf16ps chains per query load (eight keep the unit busy through the
+// instruction's latency; four left it idle a third of the time).
+template <int N, typename KVT>
+inline void paired_scores_n(const Lanes* qt, const KVT* const* k_rows, int64_t pairs, float scale, Lanes* scores) {
+  __m512 s[N];
+  const int32_t* k[N];
+  for (int u = 0; u < N; ++u) {
+    s[u] = _mm512_setzero_ps();
+    k[u] = reinterpret_cast<const int32_t*>(k_rows[u]);
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const __m512bh qv = (__m512bh)_mm512_castps_si512((__m512)qt[p]);
+    for (int u = 0; u < N; ++u) s[u] = _mm512_dpbf16_ps(s[u], qv, (__m512bh)_mm512_set1_epi32(k[u][p]));
+  }
+  for (int u = 0; u < N; ++u) scores[u] = (Lanes)s[u] * scale;
+}
+
+// Scores of nb keys (rows k_rows[t] of the bf16 pool): eight keys at a time, then four, then one by one.
 template <typename KVT>
 void paired_scores(const Lanes* qt, const KVT* const* k_rows, int64_t nb, int64_t d, float scale, Lanes* scores) {
   const int64_t pairs = d / 2;
   int64_t t = 0;
-  for (; t + 4 <= nb; t += 4) {
-    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps(), s2 = _mm512_setzero_ps(), s3 = _mm512_setzero_ps();
-    const int32_t* k0 = reinterpret_cast<const int32_t*>(k_rows[t]);
-    const int32_t* k1 = reinterpret_cast<const int32_t*>(k_rows[t + 1]);
-    const int32_t* k2 = reinterpret_cast<const int32_t*>(k_rows[t + 2]);
-    const int32_t* k3 = reinterpret_cast<const int32_t*>(k_rows[t + 3]);
-    for (int64_t p = 0; p < pairs; ++p) {
-      const __m512bh qv = (__m512bh)_mm512_castps_si512((__m512)qt[p]);
-      s0 = _mm512_dpbf16_ps(s0, qv, (__m512bh)_mm512_set1_epi32(k0[p]));
-      s1 = _mm512_dpbf16_ps(s1, qv, (__m512bh)_mm512_set1_epi32(k1[p]));
-      s2 = _mm512_dpbf16_ps(s2, qv, (__m512bh)_mm512_set1_epi32(k2[p]));
-      s3 = _mm512_dpbf16_ps(s3, qv, (__m512bh)_mm512_set1_epi32(k3[p]));
-    }
-    scores[t] = (Lanes)s0 * scale;
-    scores[t + 1] = (Lanes)s1 * scale;
-    scores[t + 2] = (Lanes)s2 * scale;
-    scores[t + 3] = (Lanes)s3 * scale;
-  }
-  for (; t < nb; ++t) {
-    __m512 s = _mm512_setzero_ps();
-    const int32_t* k = reinterpret_cast<const int32_t*>(k_rows[t]);
-    for (int64_t p = 0; p < pairs; ++p)
-      s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_castps_si512((__m512)qt[p]), (__m512bh)_mm512_set1_epi32(k[p]));
-    scores[t] = (Lanes)s * scale;
-  }
+  for (; t + 8 <= nb; t += 8) paired_scores_n<8>(qt, k_rows + t, pairs, scale, scores + t);
+  for (; t + 4 <= nb; t += 4) paired_scores_n<4>(qt, k_rows + t, pairs, scale, scores + t);
+  for (; t < nb; ++t) paired_scores_n<1>(qt, k_rows + t, pairs, scale, scores + t);
 }
 #else
 template <typename KVT>
@@ -163,6 +161,21 @@ void pair_value_rows(const KVT* const* v_rows, int64_t nb, int64_t d, uint32_t* 
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// N components of Ot: Ot = alpha * Ot + sum over key pairs j of p_pairs[j] * (v pair j), one
+// independent vdpbf16ps chain per component.
+template <int N>
+inline void paired_value_columns(const Lanes* p_pairs, int64_t n_pairs, const uint32_t* v_pairs, int64_t d,
+                                 Lanes alpha, Lanes* ot) {
+  __m512 o[N];
+  for (int c = 0; c < N; ++c) o[c] = (__m512)(ot[c] * alpha);
+  for (int64_t j = 0; j < n_pairs; ++j) {
+    const __m512bh pp = (__m512bh)_mm512_castps_si512((__m512)p_pairs[j]);
+    const uint32_t* v = v_pairs + j * d;
+    for (int c = 0; c < N; ++c) o[c] = _mm512_dpbf16_ps(o[c], pp, (__m512bh)_mm512_set1_epi32(static_cast<int>(v[c])));
+  }
+  for (int c = 0; c < N; ++c) ot[c] = (Lanes)o[c];
+}
+
 // Ot = alpha * Ot + sum_t P[t] v_t over a block of nb keys, two keys per vdpbf16ps:
 // p_pairs[j] holds, in each lane, the bf16 pair (P[2j], P[2j + 1]) of that row.
 void paired_values(const Lanes* p, int64_t nb, const uint32_t* v_pairs, int64_t d, Lanes alpha, Lanes* ot,
@@ -174,29 +187,9 @@ void paired_values(const Lanes* p, int64_t nb, const uint32_t* v_pairs, int64_t 
     p_pairs[j] = (Lanes)_mm512_castsi512_ps(interleave_halves(halves));
   }
   int64_t i = 0;
-  for (; i + 4 <= d; i += 4) {
-    __m512 o0 = (__m512)(ot[i] * alpha), o1 = (__m512)(ot[i + 1] * alpha);
-    __m512 o2 = (__m512)(ot[i + 2] * alpha), o3 = (__m512)(ot[i + 3] * alpha);
-    for (int64_t j = 0; j < n_pairs; ++j) {
-      const __m512bh pp = (__m512bh)_mm512_castps_si512((__m512)p_pairs[j]);
-      const uint32_t* v = v_pairs + j * d + i;
-      o0 = _mm512_dpbf16_ps(o0, pp, (__m512bh)_mm512_set1_epi32(v[0]));
-      o1 = _mm512_dpbf16_ps(o1, pp, (__m512bh)_mm512_set1_epi32(v[1]));
-      o2 = _mm512_dpbf16_ps(o2, pp, (__m512bh)_mm512_set1_epi32(v[2]));
-      o3 = _mm512_dpbf16_ps(o3, pp, (__m512bh)_mm512_set1_epi32(v[3]));
-    }
-    ot[i] = (Lanes)o0;
-    ot[i + 1] = (Lanes)o1;
-    ot[i + 2] = (Lanes)o2;
-    ot[i + 3] = (Lanes)o3;
-  }
-  for (; i < d; ++i) {
-    __m512 o = (__m512)(ot[i] * alpha);
-    for (int64_t j = 0; j < n_pairs; ++j)
-      o = _mm512_dpbf16_ps(o, (__m512bh)_mm512_castps_si512((__m512)p_pairs[j]),
-                           (__m512bh)_mm512_set1_epi32(v_pairs[j * d + i]));
-    ot[i] = (Lanes)o;
-  }
+  for (; i + 8 <= d; i += 8) paired_value_columns<8>(p_pairs, n_pairs, v_pairs + i, d, alpha, ot + i);
+  for (; i + 4 <= d; i += 4) paired_value_columns<4>(p_pairs, n_pairs, v_pairs + i, d, alpha, ot + i);
+  for (; i < d; ++i) paired_value_columns<1>(p_pairs, n_pairs, v_pairs + i, d, alpha, ot + i);
 }
 #else
 inline void paired_values(const Lanes*, int64_t, const uint32_t*, int64_t, Lanes, Lanes*, Lanes*) {}
