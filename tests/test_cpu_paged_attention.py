@@ -233,3 +233,31 @@ def test_generation_with_a_long_shared_prefix_matches_torch_native(tiny_llama_di
     assert outputs["cpu_paged"] == outputs["torch_native"]
     # The five requests decoded together over their cached 150-token prefix.
     assert any(p is not None and p.grouped.numel() == 5 and p.shared_lens.tolist() == [150] for p in plans)
+
+
+@pytest.mark.parametrize("src,pool", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                      (torch.float32, torch.bfloat16), (torch.float32, torch.float16)], ids=str)
+def test_store_kv_writes_strided_rows_like_index_copy(src, pool):
+    """K and V as the model hands them over (views of one fused projection), into
+    scattered slots; a float32 model over a low-precision pool rounds as ``.to()``."""
+    kernels = attention_cpu_paged.load_kernel()
+    qkv = torch.randn(300, 3, 4, 32).to(src)
+    k, v = qkv[:, 1], qkv[:, 2]
+    loc = torch.randperm(511)[:300] + 1
+    k_buf, v_buf = torch.zeros(512, 4, 32, dtype=pool), torch.zeros(512, 4, 32, dtype=pool)
+    kernels.store_kv(k, v, loc, k_buf, v_buf)
+    expected_k = torch.zeros_like(k_buf).index_copy_(0, loc, k.to(pool))
+    expected_v = torch.zeros_like(v_buf).index_copy_(0, loc, v.to(pool))
+    assert torch.equal(k_buf, expected_k) and torch.equal(v_buf, expected_v)
+
+
+def test_store_kv_rejects_slots_outside_the_pool_and_unsupported_dtypes():
+    kernels = attention_cpu_paged.load_kernel()
+    k = v = torch.randn(2, 4, 32)
+    k_buf, v_buf = torch.zeros(16, 4, 32), torch.zeros(16, 4, 32)
+    with pytest.raises(RuntimeError, match="outside the pool of 16"):
+        kernels.store_kv(k, v, torch.tensor([3, 16]), k_buf, v_buf)
+    low = torch.zeros(16, 4, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="torch.float16|Half"):
+        kernels.store_kv(k.half(), v.half(), torch.tensor([1, 2]), low, low.clone())
+    assert not k_buf.any()
