@@ -60,8 +60,9 @@ def load_kernel() -> CpuPagedKernels:
     """The ``torch.ops.radixserve_cpu_paged`` ops (building the CPU kernels on first use)."""
     cpu_kernels.load()
     ops = torch.ops.radixserve_cpu_paged
-    return CpuPagedKernels(store_kv=ops.store_kv.default, decode=ops.paged_attention, decode_with_lse=ops.paged_attention_with_lse,
-                           extend=ops.extend_attention, cascade=ops.cascade_decode_attention)
+    return CpuPagedKernels(store_kv=ops.store_kv.default, decode=ops.paged_attention,
+                           decode_with_lse=ops.paged_attention_with_lse, extend=ops.extend_attention,
+                           cascade=ops.cascade_decode_attention)
 
 
 # A decode group shares a prefix through the cascade kernel only when it is this
@@ -181,15 +182,10 @@ class CpuPagedAttention(AttentionBackend):
             meta.q_starts = torch.tensor(starts, dtype=torch.int64, device=batch.seq_lens.device)
         batch.attn_metadata = meta
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec,
-                batch: ForwardBatch) -> torch.Tensor:
-        """The base class's store and attend, with the store one call of the
-        kernels' own (``KVPool.set_kv`` is four torch calls per layer and step)."""
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> None:
+        """One call of the kernels' own (``KVPool.set_kv`` is four torch calls per layer and step)."""
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
         self._kernels.store_kv(k, v, batch.out_cache_loc, k_buf, v_buf)
-        if batch.mode is ForwardMode.DECODE:
-            return self.forward_decode(q, layer, batch)
-        return self.forward_extend(q, layer, batch)
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         meta: PagedMetadata = batch.attn_metadata

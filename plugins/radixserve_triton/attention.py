@@ -122,12 +122,9 @@ class TritonAttention(AttentionBackend):
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         """Nothing to refresh: the captured metadata holds for every batch of its size."""
 
-    def forward(self, q, k, v, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> None:
         k_cache, v_cache = batch.kv_pool.get_kv(layer.layer_id)
         self._kernels.store_kv(k, v, k_cache, v_cache, batch.out_cache_loc, self.kernel_config)
-        if batch.mode is ForwardMode.DECODE:
-            return self.forward_decode(q, layer, batch)
-        return self.forward_extend(q, layer, batch)
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         meta = self._meta(batch)

@@ -87,10 +87,16 @@ class AttentionBackend(Backend):
         layer: AttentionLayerSpec,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
+        self.store_kv(k, v, layer, batch)
         if batch.mode is ForwardMode.DECODE:
             return self.forward_decode(q, layer, batch)
         return self.forward_extend(q, layer, batch)
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> None:
+        """Write the new tokens' K/V into the pool at ``batch.out_cache_loc``
+        (converted to the pool's dtype); a backend with a store kernel of its own
+        overrides this."""
+        batch.kv_pool.set_kv(layer.layer_id, batch.out_cache_loc, k, v)
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         raise NotImplementedError
