@@ -139,7 +139,7 @@ class CpuPackedGemm(GemmBackend):
         # The kernel checks the shapes, strides and dtypes; this is every decode
         # step's most frequent call, so nothing else is done here.
         out = x.new_empty((x.shape[0], weight.shape[0] * 16))
-        self._linear(x, weight, bias, out)
+        self._linear(x, weight, None if bias is None else bias.contiguous(), out)
         return out
 
 
