@@ -39,6 +39,11 @@ EXTRA_CASES = (
     AttentionCase("decode/d40/p1/gqa2", "decode", 1, 4, 2, 40, (90, 16), (1, 1)),
     # Extend goes through torch_varlen's path, with and without cached prefixes.
     AttentionCase("extend/ragged/p16/gqa2/d64", "extend", 16, 4, 2, 64, (0, 300, 0, 17), (260, 90, 7, 150)),
+    # Work items of four tiles over a long cached prefix, and a 7-key prefix, where an item's
+    # first tile ends a whole key block before its last one.
+    AttentionCase("extend/prefix1024/p1/gqa2/d64", "extend", 1, 16, 8, 64, (1024, 7, 0), (64, 40, 200)),
+    # An odd head_dim: bfloat16 scores without vdpbf16ps pairs (its P.V still pairs keys).
+    AttentionCase("extend/d33/p1/gqa2", "extend", 1, 4, 2, 33, (0, 40, 7), (70, 20, 5)),
 )
 
 

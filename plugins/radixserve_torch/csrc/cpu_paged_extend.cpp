@@ -6,8 +6,12 @@
 // queries transposed, Qt[i] = component i of all its rows, so both products are
 // broadcast FMAs vectorised across the rows: scores S[t] = sum_i Qt[i] * k_t[i] and
 // Ot[i] += P[t] * v_t[i]. No horizontal sums and no transposed K/V copies; the
-// online softmax (max, exp, sum) runs on whole vectors too. Each block of keys is
-// read from the pool and converted to float32 once per tile.
+// online softmax (max, exp, sum) runs on whole vectors too. A work item holds up to
+// four tiles of one key list, and each block of keys is read from the pool once per
+// item (converted to float32 unless the pool holds float32, which is read in place).
+// The float32 products run over all of an item's tiles at once: every key component
+// is broadcast once for them all, with up to 16 independent FMA chains (one tile at
+// a time issued a load per FMA, and W2's extend ran 5-8% slower, its cascade 10%).
 //
 // Extend (prefill, chunked prefill, prefix hits): request b's n new queries sit at
 // positions kv_len - n .. kv_len - 1 and query j sees keys [0, kv_len - n + j]. Its
@@ -107,7 +111,7 @@ struct Scratch {
   std::vector<float> kf, vf;
   std::vector<uint32_t> v_pairs;
   explicit Scratch(int64_t d)
-      : qt(kTilesPerItem * d), ot(kTilesPerItem * d), scores(kKeyBlock), p_pairs(kKeyBlock / 2),
+      : qt(kTilesPerItem * d), ot(kTilesPerItem * d), scores(kTilesPerItem * kKeyBlock), p_pairs(kKeyBlock / 2),
         kf(kKeyBlock * d), vf(kKeyBlock * d), v_pairs(kKeyBlock / 2 * d) {}
 };
 
@@ -195,6 +199,131 @@ void paired_values(const Lanes* p, int64_t nb, const uint32_t* v_pairs, int64_t 
 inline void paired_values(const Lanes*, int64_t, const uint32_t*, int64_t, Lanes, Lanes*, Lanes*) {}
 #endif
 
+// v, in a register: GCC otherwise folds a vector load that several FMAs share into
+// each of them, one load per FMA.
+inline Lanes in_register(Lanes v) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(v));
+#endif
+  return v;
+}
+
+// Scores of keys kp[0..nb) (float32 rows) for the first NT tiles of an item (tile k's
+// transposed, pre-scaled queries at qt + k * d) into scores[k * kKeyBlock + t]. Each
+// key component is loaded once for all NT tiles and KEYS keys run side by side:
+// NT x KEYS independent FMA chains share NT query loads and KEYS broadcasts, where
+// one tile at a time issued a load per FMA.
+template <int NT, int KEYS>
+__attribute__((always_inline)) inline void tiles_scores_n(const Lanes* qt, int64_t d, const float* const* kp,
+                                                          Lanes* scores) {
+  Lanes s[NT][KEYS];
+  for (int k = 0; k < NT; ++k)
+    for (int u = 0; u < KEYS; ++u) s[k][u] = Lanes{};
+  for (int64_t i = 0; i < d; ++i) {
+    float kv[KEYS];
+    for (int u = 0; u < KEYS; ++u) kv[u] = kp[u][i];
+    for (int k = 0; k < NT; ++k) {
+      const Lanes qv = in_register(qt[k * d + i]);
+      for (int u = 0; u < KEYS; ++u) s[k][u] += qv * kv[u];
+    }
+  }
+  for (int k = 0; k < NT; ++k)
+    for (int u = 0; u < KEYS; ++u) scores[k * kKeyBlock + u] = s[k][u];
+}
+
+template <int NT>
+void tiles_scores_nt(const Lanes* qt, int64_t d, const float* const* kp, int64_t nb, Lanes* scores) {
+  constexpr int kKeys = NT <= 2 ? 8 : 4;  // up to 16 accumulators
+  int64_t t = 0;
+  for (; t + kKeys <= nb; t += kKeys) tiles_scores_n<NT, kKeys>(qt, d, kp + t, scores + t);
+  for (; t < nb; ++t) tiles_scores_n<NT, 1>(qt, d, kp + t, scores + t);
+}
+
+inline void tiles_scores(int n_tiles, const Lanes* qt, int64_t d, const float* const* kp, int64_t nb,
+                         Lanes* scores) {
+  switch (n_tiles) {
+    case 1: return tiles_scores_nt<1>(qt, d, kp, nb, scores);
+    case 2: return tiles_scores_nt<2>(qt, d, kp, nb, scores);
+    case 3: return tiles_scores_nt<3>(qt, d, kp, nb, scores);
+    default: return tiles_scores_nt<4>(qt, d, kp, nb, scores);
+  }
+}
+
+// Ot = alpha * Ot + sum_t P[t] v_t over nb keys (float32 rows vp[t]) for the first NT
+// tiles (tile k's probabilities at p + k * kKeyBlock, its output at ot + k * d), COLS
+// components of the head at a time: each value is broadcast once for all NT tiles.
+template <int NT, int COLS>
+__attribute__((always_inline)) inline void tiles_values_n(const Lanes* p, int64_t nb, const float* const* vp, int64_t d,
+                                                          int64_t i, const Lanes* alpha, Lanes* ot) {
+  Lanes o[NT][COLS];
+  for (int k = 0; k < NT; ++k)
+    for (int c = 0; c < COLS; ++c) o[k][c] = ot[k * d + i + c] * alpha[k];
+  for (int64_t t = 0; t < nb; ++t) {
+    float vv[COLS];
+    for (int c = 0; c < COLS; ++c) vv[c] = vp[t][i + c];
+    for (int k = 0; k < NT; ++k) {
+      const Lanes pk = in_register(p[k * kKeyBlock + t]);
+      for (int c = 0; c < COLS; ++c) o[k][c] += pk * vv[c];
+    }
+  }
+  for (int k = 0; k < NT; ++k)
+    for (int c = 0; c < COLS; ++c) ot[k * d + i + c] = o[k][c];
+}
+
+template <int NT>
+void tiles_values_nt(const Lanes* p, int64_t nb, const float* const* vp, int64_t d, const Lanes* alpha, Lanes* ot) {
+  constexpr int kCols = NT <= 2 ? 8 : 4;  // up to 16 accumulators
+  int64_t i = 0;
+  for (; i + kCols <= d; i += kCols) tiles_values_n<NT, kCols>(p, nb, vp, d, i, alpha, ot);
+  for (; i < d; ++i) tiles_values_n<NT, 1>(p, nb, vp, d, i, alpha, ot);
+}
+
+inline void tiles_values(int n_tiles, const Lanes* p, int64_t nb, const float* const* vp, int64_t d,
+                         const Lanes* alpha, Lanes* ot) {
+  switch (n_tiles) {
+    case 1: return tiles_values_nt<1>(p, nb, vp, d, alpha, ot);
+    case 2: return tiles_values_nt<2>(p, nb, vp, d, alpha, ot);
+    case 3: return tiles_values_nt<3>(p, nb, vp, d, alpha, ot);
+    default: return tiles_values_nt<4>(p, nb, vp, d, alpha, ot);
+  }
+}
+
+// One online-softmax step of a tile over a block of nb keys starting at key k0:
+// scores become probabilities (0 past each row's last key, end), the running max m
+// and sum l move on, and the returned factor rescales the tile's earlier output.
+__attribute__((always_inline)) inline Lanes softmax_block(Lanes* scores, int64_t nb, int64_t k0, int64_t min_end,
+                                                         Lanes end, Lanes& m, Lanes& l) {
+  const Lanes zero = {};
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const bool masked = k0 + nb > min_end;  // only blocks past some row's last key
+  if (masked) {
+    for (int64_t t = 0; t < nb; ++t) {
+      const float key = static_cast<float>(k0 + t);
+#pragma omp simd
+      for (int lane = 0; lane < kLanes; ++lane)
+        if (key >= end[lane]) scores[t][lane] = neg_inf;
+    }
+  }
+  Lanes block_max = scores[0];
+  for (int64_t t = 1; t < nb; ++t) block_max = lanes_max(block_max, scores[t]);
+  const Lanes m_new = lanes_max(m, block_max);
+  const Lanes alpha = lanes_exp(m - m_new);
+  Lanes sum = zero;
+  for (int64_t t = 0; t < nb; ++t) {
+    Lanes p = lanes_exp(scores[t] - m_new);
+    if (masked) {
+#pragma omp simd
+      for (int lane = 0; lane < kLanes; ++lane)
+        if (scores[t][lane] == neg_inf) p[lane] = 0.0f;
+    }
+    scores[t] = p;
+    sum += p;
+  }
+  l = l * alpha + sum;
+  m = m_new;
+  return alpha;
+}
+
 // Online softmax of up to kMaxRows rows over keys [begin, their ends) of the key
 // list `slots` (KV head at kv_offset in each pool row). Leaves tile k's
 // unnormalised output in sc.ot[k * d .. k * d + d) and its running max and sum in
@@ -205,14 +334,22 @@ void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool
                   int64_t begin, int64_t kv_offset, const Dims& dm, float scale, Scratch& sc, Lanes* m, Lanes* l) {
   const int64_t d = dm.d, row_len = dm.row_len;
   const int n_tiles = (rows.count + kLanes - 1) / kLanes;
-  Lanes* scores = sc.scores.data();  // [kKeyBlock]: one key's score in every row of a tile
+  Lanes* scores = sc.scores.data();  // [kTilesPerItem][kKeyBlock]: one key's score in every row of a tile
   float* kf = sc.kf.data();
   float* vf = sc.vf.data();
   const Lanes zero = {};
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const bool paired = kPairedScores<QT, KVT> && d % 2 == 0;
-  const KVT* k_rows[kKeyBlock];  // paired: the block's K rows in the pool
+  const KVT* k_rows[kKeyBlock];  // the block's K and V rows in the pool
   const KVT* v_rows[kKeyBlock];
+  const float* k_float[kKeyBlock];  // the same rows in float32: the pool's own, or converted into kf and vf
+  const float* v_float[kKeyBlock];
+  if constexpr (!std::is_same_v<KVT, float>) {
+    for (int64_t t = 0; t < kKeyBlock; ++t) {
+      k_float[t] = kf + t * d;
+      v_float[t] = vf + t * d;
+    }
+  }
 
   Lanes end[kTilesPerItem];
   int64_t min_end[kTilesPerItem], max_end[kTilesPerItem], last = begin + 1;
@@ -250,100 +387,52 @@ void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool
       const int64_t slot = slots[k0 + t];
       k_rows[t] = k_pool + slot * row_len + kv_offset;
       v_rows[t] = v_pool + slot * row_len + kv_offset;
-      if (!paired) as_float_into(k_rows[t], kf + t * d, d);
-      if constexpr (!kPairedValues<QT, KVT>) as_float_into(v_rows[t], vf + t * d, d);
+      if constexpr (std::is_same_v<KVT, float>) {  // a float32 pool is read in place
+        k_float[t] = k_rows[t];
+        v_float[t] = v_rows[t];
+      } else {
+        if (!paired) as_float_into(k_rows[t], kf + t * d, d);
+        if constexpr (!kPairedValues<QT, KVT>) as_float_into(v_rows[t], vf + t * d, d);
+      }
       if (k0 + kKeyBlock + t < last) {  // the next block's rows, scattered over the pool, while this one computes
         const int64_t ahead = slots[k0 + kKeyBlock + t] * row_len + kv_offset;
         prefetch_values(k_pool + ahead, d);
         prefetch_values(v_pool + ahead, d);
       }
     }
+    if (!paired) {  // every tile at once: scores, each tile's softmax, P.V
+      tiles_scores(n_tiles, sc.qt.data(), d, k_float, block, scores);
+      Lanes alpha[kTilesPerItem];
+      for (int k = 0; k < n_tiles; ++k) {
+        Lanes* tile_scores = scores + k * kKeyBlock;
+        if (max_end[k] <= k0) {  // a causal tile that ends before this block: it adds nothing
+          alpha[k] = zero + 1.0f;
+          for (int64_t t = 0; t < block; ++t) tile_scores[t] = zero;
+          continue;
+        }
+        alpha[k] = softmax_block(tile_scores, block, k0, min_end[k], end[k], m[k], l[k]);
+      }
+      if constexpr (kPairedValues<QT, KVT>) {  // bfloat16 at an odd head_dim: the scores were not paired
+        pair_value_rows(v_rows, block, d, sc.v_pairs.data());
+        for (int k = 0; k < n_tiles; ++k)
+          paired_values(scores + k * kKeyBlock, block, sc.v_pairs.data(), d, alpha[k], sc.ot.data() + k * d,
+                        sc.p_pairs.data());
+      } else {
+        tiles_values(n_tiles, scores, block, v_float, d, alpha, sc.ot.data());
+      }
+      continue;
+    }
     if constexpr (kPairedValues<QT, KVT>) pair_value_rows(v_rows, block, d, sc.v_pairs.data());
     for (int k = 0; k < n_tiles; ++k) {
       if (max_end[k] <= k0) continue;  // a causal tile that ends before this block
       const int64_t nb = std::min(block, max_end[k] - k0);
-      const Lanes* qt = sc.qt.data() + k * d;
-      Lanes* ot = sc.ot.data() + k * d;
-      int64_t t = 0;
-      if constexpr (kPairedScores<QT, KVT>) {
-        if (paired) {
-          paired_scores(qt, k_rows, nb, d, scale, scores);
-          t = nb;
-        }
-      }
-      // Scores, four keys at a time (four independent FMA chains share each query load).
-      for (; t + 4 <= nb; t += 4) {
-        Lanes s0 = zero, s1 = zero, s2 = zero, s3 = zero;
-        const float* kp = kf + t * d;
-        for (int64_t i = 0; i < d; ++i) {
-          const Lanes qv = qt[i];
-          s0 += qv * kp[i];
-          s1 += qv * kp[d + i];
-          s2 += qv * kp[2 * d + i];
-          s3 += qv * kp[3 * d + i];
-        }
-        scores[t] = s0;
-        scores[t + 1] = s1;
-        scores[t + 2] = s2;
-        scores[t + 3] = s3;
-      }
-      for (; t < nb; ++t) {
-        Lanes s = zero;
-        const float* kp = kf + t * d;
-        for (int64_t i = 0; i < d; ++i) s += qt[i] * kp[i];
-        scores[t] = s;
-      }
-      const bool masked = k0 + nb > min_end[k];  // only blocks past some row's last key
-      if (masked) {
-        for (t = 0; t < nb; ++t) {
-          const float key = static_cast<float>(k0 + t);
-#pragma omp simd
-          for (int lane = 0; lane < kLanes; ++lane)
-            if (key >= end[k][lane]) scores[t][lane] = neg_inf;
-        }
-      }
-      Lanes block_max = scores[0];
-      for (t = 1; t < nb; ++t) block_max = lanes_max(block_max, scores[t]);
-      const Lanes m_new = lanes_max(m[k], block_max);
-      const Lanes alpha = lanes_exp(m[k] - m_new);
-      Lanes sum = zero;
-      for (t = 0; t < nb; ++t) {
-        Lanes p = lanes_exp(scores[t] - m_new);
-        if (masked) {
-#pragma omp simd
-          for (int lane = 0; lane < kLanes; ++lane)
-            if (scores[t][lane] == neg_inf) p[lane] = 0.0f;
-        }
-        scores[t] = p;
-        sum += p;
-      }
-      l[k] = l[k] * alpha + sum;
-      m[k] = m_new;
+      paired_scores(sc.qt.data() + k * d, k_rows, nb, d, scale, scores);
+      const Lanes alpha = softmax_block(scores, nb, k0, min_end[k], end[k], m[k], l[k]);
       if constexpr (kPairedValues<QT, KVT>) {
-        paired_values(scores, nb, sc.v_pairs.data(), d, alpha, ot, sc.p_pairs.data());
-        continue;
-      }
-      // Ot = alpha * Ot + sum_t P[t] v_t, four components of the head at a time.
-      int64_t i = 0;
-      for (; i + 4 <= d; i += 4) {
-        Lanes o0 = ot[i] * alpha, o1 = ot[i + 1] * alpha, o2 = ot[i + 2] * alpha, o3 = ot[i + 3] * alpha;
-        for (t = 0; t < nb; ++t) {
-          const Lanes p = scores[t];
-          const float* vp = vf + t * d + i;
-          o0 += p * vp[0];
-          o1 += p * vp[1];
-          o2 += p * vp[2];
-          o3 += p * vp[3];
-        }
-        ot[i] = o0;
-        ot[i + 1] = o1;
-        ot[i + 2] = o2;
-        ot[i + 3] = o3;
-      }
-      for (; i < d; ++i) {
-        Lanes o = ot[i] * alpha;
-        for (t = 0; t < nb; ++t) o += scores[t] * vf[t * d + i];
-        ot[i] = o;
+        paired_values(scores, nb, sc.v_pairs.data(), d, alpha, sc.ot.data() + k * d, sc.p_pairs.data());
+      } else {
+        Lanes* ot = sc.ot.data() + k * d;
+        tiles_values(1, scores, nb, v_float, d, &alpha, ot);
       }
     }
   }
