@@ -16,6 +16,7 @@ from radixserve.kernels import KernelQuery
 from radixserve.layers.linear import linear_layers
 from radixserve.registry import get_registry
 from radixserve.testing.conformance import GEMM_CASES, GemmCase, check_gemm_backend, check_quantization_method
+from radixserve_torch.elementwise_cpu import CpuFusedElementwise
 from radixserve_torch.gemm import CpuPackedGemm, OneDnnGemm
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -85,6 +86,11 @@ PACKED_DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(bool(_reasons(dtyp
 EDGE_CASES = [GemmCase(f"M{m}/K{k}/N{n}{'/bias' if bias else ''}", (m,), k, n, bias)
               for m, k, n, bias in ((1, 2, 16, False), (6, 64, 64, True), (7, 128, 80, True),
                                     (13, 96, 112, False), (64, 1024, 1040, True), (130, 2816, 48, False))]
+# The fused gate/up + SiLU: one gate strip (a tile of two strips), three (a full
+# tile and a short one), and row counts off the 6-row tile.
+EDGE_CASES += [GemmCase(f"M{m}/K{k}/N{n}{'/bias' if bias else ''}/silu_and_mul", (m,), k, n, bias, silu_and_mul=True)
+               for m, k, n, bias in ((1, 2, 32, False), (7, 128, 96, True), (13, 96, 160, False),
+                                     (130, 2816, 64, True))]
 
 
 @pytest.mark.parametrize("dtype", PACKED_DTYPES, ids=str)
@@ -117,6 +123,21 @@ def test_cpu_packed_packs_what_its_kernels_take_and_runs_the_rest_dense(dtype):
     # checks that an int8 model generates exactly what its dequantized checkpoint does).
     report = check_quantization_method("int8", gemm="cpu_packed", dtypes=[dtype])
     report.raise_for_failures()
+
+
+@pytest.mark.parametrize("dtype", PACKED_DTYPES, ids=str)
+def test_fused_silu_and_mul_gives_the_bits_of_linear_then_silu_and_mul(dtype):
+    gemm = CpuPackedGemm(KernelQuery(device="cpu", dtype=dtype))
+    act = CpuFusedElementwise(KernelQuery(device="cpu", dtype=dtype))
+    x, weight, bias = torch.randn(2, 9, 96).to(dtype), torch.randn(96, 96).to(dtype), torch.randn(96).to(dtype)
+    packed = gemm.prepare_weight(weight)
+    fused = gemm.linear_silu_and_mul(x, packed, bias)
+    assert fused.shape == (2, 9, 48)
+    assert torch.equal(fused, act.silu_and_mul(gemm.linear(x, packed, bias)))
+    # Gate and up not whole 16-column strips (3 strips), or a weight the kernels do not pack:
+    # no fused kernel, and the layer runs linear and then the elementwise op.
+    assert gemm.linear_silu_and_mul(x[..., :64], gemm.prepare_weight(weight[:48, :64])) is None
+    assert gemm.linear_silu_and_mul(x, weight[:40]) is None
 
 
 @pytest.mark.parametrize("dtype", PACKED_DTYPES[:1], ids=str)

@@ -28,6 +28,10 @@ class NoQuantization(QuantizationMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return self.gemm.linear(x, layer.weight, bias)
 
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor,
+                           bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return self.gemm.linear_silu_and_mul(x, layer.weight, bias)
+
 
 def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel int8: returns (int8 weight, float32 scale [out])."""

@@ -30,3 +30,14 @@ class GemmBackend(Backend):
         returned it (quantization methods that dequantize per call pass dense
         weights); returns ``[..., out]``."""
         raise NotImplementedError
+
+    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor,
+                            bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """``silu(gate) * up`` of ``linear(x, weight, bias)``, whose first half of
+        out features is ``gate`` and second half ``up`` (an MLP's fused gate/up
+        projection), in one kernel that never writes the projection itself
+        (``[..., out / 2]``); rounded as ``linear`` and then the elementwise
+        ``silu_and_mul`` round. A backend without such a kernel for these operands
+        returns None (the default), and the layer runs ``linear`` and then the
+        elementwise backend's ``silu_and_mul``."""
+        return None

@@ -127,6 +127,13 @@ class MergedColumnParallelLinear(_FusedColumnLinear):
             offset += size
         super().__init__(in_features, shards, ctx, bias)
 
+    def silu_and_mul(self, x: torch.Tensor, elementwise) -> torch.Tensor:
+        """``silu(gate) * up`` of a (gate, up) projection: one fused kernel where the
+        quantization method and GEMM backend have one, else this projection and then
+        ``elementwise.silu_and_mul``."""
+        out = self.quant.apply_silu_and_mul(self, x, self.bias)
+        return out if out is not None else elementwise.silu_and_mul(self.quant.apply(self, x, self.bias))
+
 
 class QKVParallelLinear(_FusedColumnLinear):
     """Fused q/k/v projection (shard ids ``"q"``, ``"k"``, ``"v"``).

@@ -108,7 +108,7 @@ class LlamaMLP(Layer):
         self.act = ctx.elementwise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x, self.act))
 
 
 class LlamaDecoderLayer(Layer):

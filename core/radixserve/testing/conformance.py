@@ -773,6 +773,9 @@ class GemmCase:
     in_features: int
     out_features: int
     bias: bool
+    # ``linear_silu_and_mul``: silu(gate) * up of the output's halves, fused; a backend
+    # that returns None for it (no such kernel) has the case skipped.
+    silu_and_mul: bool = False
 
     def query(self, device: str, dtype: torch.dtype) -> KernelQuery:
         return KernelQuery(device=device, dtype=dtype)
@@ -786,10 +789,13 @@ _GEMM_QUICK = (
 _GEMM_STANDARD = _GEMM_QUICK + (
     GemmCase("M64/K256/N256/bias", (64,), 256, 256, True),
     GemmCase("M5/K40/N24", (5,), 40, 24, False),
+    GemmCase("M7/K96/N96/bias/silu_and_mul", (7,), 96, 96, True, silu_and_mul=True),
+    GemmCase("3d/M2x9/K64/N128/silu_and_mul", (2, 9), 64, 128, False, silu_and_mul=True),
 )
 _GEMM_FULL = _GEMM_STANDARD + (
     GemmCase("M512/K1024/N768/bias", (512,), 1024, 768, True),
     GemmCase("3d/M3x7/K4096/N64", (3, 7), 4096, 64, False),
+    GemmCase("M300/K512/N1408/bias/silu_and_mul", (300,), 512, 1408, True, silu_and_mul=True),
 )
 GEMM_CASES: dict[str, tuple[GemmCase, ...]] = {"quick": _GEMM_QUICK, "standard": _GEMM_STANDARD, "full": _GEMM_FULL}
 
@@ -814,7 +820,8 @@ def check_gemm_backend(
     seed: int = 0,
 ) -> ConformanceReport:
     """Run ``linear`` on several shapes (1-3D inputs, with and without bias), with
-    the weight as the backend's ``prepare_weight`` leaves it."""
+    the weight as the backend's ``prepare_weight`` leaves it, and
+    ``linear_silu_and_mul`` where the backend has it."""
     run = _Run.resolve("gemm", backend, device, dtypes, registry, reference)
     case_list = _cases("gemm", cases, GEMM_CASES)
 
@@ -824,8 +831,17 @@ def check_gemm_backend(
         expected = ref.linear(_f32(x), _f32(w), _f32(b))
         dev = run.torch_device
         impl = run.cls(query)
-        out = impl.linear(x.to(dev), impl.prepare_weight(w.to(dev)), None if b is None else b.to(dev))
-        result.passed = _score(result, out, expected, dtype, tol)
+        args = (x.to(dev), impl.prepare_weight(w.to(dev)), None if b is None else b.to(dev))
+        if not case.silu_and_mul:
+            result.passed = _score(result, impl.linear(*args), expected, dtype, tol)
+            return
+        out = impl.linear_silu_and_mul(*args)
+        if out is None:
+            run.report.results.remove(result)
+            run.report.skipped.append(SkippedCase(case.name, _dtype_name(dtype), ["no fused linear_silu_and_mul"]))
+            return
+        gate, up = expected.chunk(2, dim=-1)
+        result.passed = _score(result, out, F.silu(gate) * up, dtype, tol)
 
     return run.check_each(case_list, tolerances, seed, check_one)
 

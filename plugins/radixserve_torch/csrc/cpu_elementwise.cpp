@@ -27,45 +27,10 @@
 
 namespace {
 
-using radixserve_cpu_paged::bits_to_float;
-using radixserve_cpu_paged::fast_exp;
-using radixserve_cpu_paged::float_to_bits;
-
-// Model-dtype values as float32 and back, rounding to nearest even like torch.
-inline float load(float v) { return v; }
-inline float load(c10::BFloat16 v) { return bits_to_float(static_cast<uint32_t>(v.x) << 16); }
-inline float load(c10::Half v) { return static_cast<float>(v); }
-
-template <typename T>
-inline T store(float f);
-
-template <>
-inline float store<float>(float f) {
-  return f;
-}
-
-template <>
-inline c10::BFloat16 store<c10::BFloat16>(float f) {
-  const uint32_t u = float_to_bits(f);
-  c10::BFloat16 out;
-  if (std::isnan(f)) {
-    out.x = 0x7FC0;
-  } else {
-    out.x = static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-  }
-  return out;
-}
-
-template <>
-inline c10::Half store<c10::Half>(float f) {
-  return c10::Half(f);
-}
-
-// Round a float32 value to the model dtype and back (float32: unchanged).
-template <typename T>
-inline float round_to(float f) {
-  return load(store<T>(f));
-}
+using radixserve_cpu_paged::load;
+using radixserve_cpu_paged::round_to;
+using radixserve_cpu_paged::silu_mul;
+using radixserve_cpu_paged::store;
 
 // Rows per parallel task: small inputs (decode) stay on one thread.
 int64_t grain_rows(int64_t row_len) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(row_len, 1)); }
@@ -125,8 +90,7 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
       T* o = dst + r * width;
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i) {
-        const float g = load(gate[i]);
-        o[i] = store<T>(round_to<T>(g / (1.0f + fast_exp(-g))) * load(up[i]));
+        o[i] = silu_mul<T>(load(gate[i]), load(up[i]));
       }
     }
   });

@@ -21,6 +21,8 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "cpu_paged_common.h"
+
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -31,6 +33,9 @@
 #endif
 
 namespace {
+
+using radixserve_cpu_paged::round_to;
+using radixserve_cpu_paged::silu_mul;
 
 constexpr int64_t kStripCols = 16;
 constexpr int kTileRows = 6;
@@ -65,6 +70,7 @@ at::Tensor pack_weight(const at::Tensor& weight) {
 
 struct Float32 {
   using T = float;
+  using Model = float;
   using Vec = __m512;
   static constexpr int64_t kGroup = 1;
   static Vec load_w(const T* p) { return _mm512_loadu_ps(p); }
@@ -77,6 +83,7 @@ struct Float32 {
 #if defined(__AVX512BF16__)
 struct BFloat16 {
   using T = uint16_t;
+  using Model = c10::BFloat16;
   using Vec = __m512bh;
   static constexpr int64_t kGroup = 2;
   static Vec load_w(const T* p) { return (__m512bh)_mm512_loadu_si512(p); }
@@ -96,11 +103,15 @@ struct BFloat16 {
 };
 #endif
 
-// Rows [0, ROWS) of x (row stride lda) times strips [0, STRIPS) of the packed
-// weight (strip stride `strip_stride` elements), over all `steps` groups of K.
-template <typename E, int ROWS, int STRIPS>
-void tile(const typename E::T* x, int64_t lda, const typename E::T* w, int64_t strip_stride, int64_t steps,
-          const typename E::T* bias, typename E::T* out, int64_t ldc, const typename E::T* prefetch) {
+// Rows [0, ROWS) of x (row stride lda) times the STRIPS packed strips at w[0..STRIPS),
+// over all `steps` groups of K; bias[s] is strip s's bias (16 values) or null.
+// Plain: strip s goes to out columns [16 s, 16 s + 16). GATED: the first half of the
+// strips are gate columns and the second half the matching up columns, and gate
+// strip s gets silu(gate) * up in out columns [16 s, 16 s + 16), each rounded as the
+// separate linear and silu_and_mul would round it.
+template <typename E, int ROWS, int STRIPS, bool GATED>
+void tile(const typename E::T* x, int64_t lda, const typename E::T* const* w, int64_t steps,
+          const typename E::T* const* bias, typename E::T* out, int64_t ldc, const typename E::T* prefetch) {
   constexpr int64_t step_len = E::kGroup * kStripCols;  // elements of one strip per step: 64 bytes
   __m512 acc[ROWS][STRIPS];
   for (int r = 0; r < ROWS; ++r)
@@ -108,41 +119,72 @@ void tile(const typename E::T* x, int64_t lda, const typename E::T* w, int64_t s
   for (int64_t p = 0; p < steps; ++p) {
     _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * step_len), _MM_HINT_T1);
     typename E::Vec b[STRIPS];
-    for (int s = 0; s < STRIPS; ++s) b[s] = E::load_w(w + s * strip_stride + p * step_len);
+    for (int s = 0; s < STRIPS; ++s) b[s] = E::load_w(w[s] + p * step_len);
     for (int r = 0; r < ROWS; ++r) {
       const typename E::Vec a = E::broadcast_x(x + r * lda + E::kGroup * p);
       for (int s = 0; s < STRIPS; ++s) acc[r][s] = E::fma(acc[r][s], a, b[s]);
     }
   }
-  for (int s = 0; s < STRIPS; ++s) {
-    const __m512 bv = bias != nullptr ? E::load16(bias + s * kStripCols) : _mm512_setzero_ps();
-    for (int r = 0; r < ROWS; ++r) E::store16(out + r * ldc + s * kStripCols, _mm512_add_ps(acc[r][s], bv));
+  __m512 bv[STRIPS];
+  for (int s = 0; s < STRIPS; ++s) bv[s] = bias[s] != nullptr ? E::load16(bias[s]) : _mm512_setzero_ps();
+  if constexpr (GATED) {
+    constexpr int kGates = STRIPS / 2;
+    using M = typename E::Model;
+    for (int r = 0; r < ROWS; ++r)
+      for (int s = 0; s < kGates; ++s) {
+        alignas(64) float gate[kStripCols], up[kStripCols];
+        _mm512_store_ps(gate, _mm512_add_ps(acc[r][s], bv[s]));
+        _mm512_store_ps(up, _mm512_add_ps(acc[r][kGates + s], bv[kGates + s]));
+        M* o = reinterpret_cast<M*>(out + r * ldc + s * kStripCols);
+#pragma omp simd
+        for (int c = 0; c < kStripCols; ++c) o[c] = silu_mul<M>(round_to<M>(gate[c]), round_to<M>(up[c]));
+      }
+  } else {
+    for (int s = 0; s < STRIPS; ++s)
+      for (int r = 0; r < ROWS; ++r) E::store16(out + r * ldc + s * kStripCols, _mm512_add_ps(acc[r][s], bv[s]));
   }
 }
 
 template <typename E>
-using TileFn = void (*)(const typename E::T*, int64_t, const typename E::T*, int64_t, int64_t, const typename E::T*,
-                        typename E::T*, int64_t, const typename E::T*);
+using TileFn = void (*)(const typename E::T*, int64_t, const typename E::T* const*, int64_t,
+                        const typename E::T* const*, typename E::T*, int64_t, const typename E::T*);
 
-template <typename E, int ROWS>
+template <typename E, int ROWS, bool GATED>
 TileFn<E> tile_for_strips(int strips) {
-  return strips == 1 ? tile<E, ROWS, 1> : strips == 2 ? tile<E, ROWS, 2> : strips == 3 ? tile<E, ROWS, 3>
-                                                                                        : tile<E, ROWS, 4>;
+  if constexpr (GATED) return strips == 2 ? tile<E, ROWS, 2, true> : tile<E, ROWS, 4, true>;
+  return strips == 1 ? tile<E, ROWS, 1, false> : strips == 2 ? tile<E, ROWS, 2, false>
+                     : strips == 3 ? tile<E, ROWS, 3, false> : tile<E, ROWS, 4, false>;
 }
 
-template <typename E>
+template <typename E, bool GATED>
 TileFn<E> tile_for(int rows, int strips) {
   switch (rows) {
-    case 1: return tile_for_strips<E, 1>(strips);
-    case 2: return tile_for_strips<E, 2>(strips);
-    case 3: return tile_for_strips<E, 3>(strips);
-    case 4: return tile_for_strips<E, 4>(strips);
-    case 5: return tile_for_strips<E, 5>(strips);
-    default: return tile_for_strips<E, 6>(strips);
+    case 1: return tile_for_strips<E, 1, GATED>(strips);
+    case 2: return tile_for_strips<E, 2, GATED>(strips);
+    case 3: return tile_for_strips<E, 3, GATED>(strips);
+    case 4: return tile_for_strips<E, 4, GATED>(strips);
+    case 5: return tile_for_strips<E, 5, GATED>(strips);
+    default: return tile_for_strips<E, 6, GATED>(strips);
   }
 }
 
-template <typename E>
+// A tile's strips: up to kTileStrips, or in GATED half as many gate strips, each
+// with the up strip `cols` strips further on.
+template <typename T, bool GATED>
+int strips_of_group(const T* wp, const T* bias, int64_t first, int64_t cols, int64_t strip_stride,
+                    const T** w, const T** b) {
+  constexpr int64_t per_group = GATED ? kTileStrips / 2 : kTileStrips;
+  const int n = static_cast<int>(std::min<int64_t>(per_group, cols - first));
+  for (int i = 0; i < n; ++i)
+    for (int half = 0; half < (GATED ? 2 : 1); ++half) {
+      const int64_t strip = first + i + half * cols;
+      w[i + half * n] = wp + strip * strip_stride;
+      b[i + half * n] = bias != nullptr ? bias + strip * kStripCols : nullptr;
+    }
+  return GATED ? 2 * n : n;
+}
+
+template <typename E, bool GATED>
 void linear_impl(const at::Tensor& x, const at::Tensor& packed, const typename E::T* bias, at::Tensor& out) {
   using T = typename E::T;
   const int64_t m = x.size(0), strips = packed.size(0), steps = packed.size(1);
@@ -150,20 +192,25 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const typename E
   const auto* wp = reinterpret_cast<const T*>(packed.data_ptr());
   auto* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t lda = x.stride(0), ldc = out.stride(0), strip_stride = steps * E::kGroup * kStripCols;
-  const int64_t groups = (strips + kTileStrips - 1) / kTileStrips;
+  const int64_t cols = GATED ? strips / 2 : strips;  // strips that give output columns
+  const int64_t per_group = GATED ? kTileStrips / 2 : kTileStrips;
+  const int64_t groups = (cols + per_group - 1) / per_group;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      const int64_t s0 = g * kTileStrips;
-      const int ns = static_cast<int>(std::min<int64_t>(kTileStrips, strips - s0));
-      const int64_t next_strips = g + 1 < g1 ? std::min<int64_t>(kTileStrips, strips - s0 - kTileStrips) : 0;
-      const T* w = wp + s0 * strip_stride;
-      const T* b = bias != nullptr ? bias + s0 * kStripCols : nullptr;
+      const T* w[kTileStrips];
+      const T* b[kTileStrips];
+      const T* next[kTileStrips];
+      const T* unused[kTileStrips];
+      const int ns = strips_of_group<T, GATED>(wp, bias, g * per_group, cols, strip_stride, w, b);
+      const int next_strips =
+          g + 1 < g1 ? strips_of_group<T, GATED>(wp, nullptr, (g + 1) * per_group, cols, strip_stride, next, unused)
+                     : 0;
       for (int64_t r0 = 0, t = 0; r0 < m; r0 += kTileRows, ++t) {
         const int nr = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
         // While this group's weight is reused from L2, tile t pulls strip t of the next group there.
-        const T* prefetch = t < next_strips ? w + (kTileStrips + t) * strip_stride : w;
-        tile_for<E>(nr, ns)(xp + r0 * lda, lda, w, strip_stride, steps, b, op + r0 * ldc + s0 * kStripCols, ldc,
-                            prefetch);
+        const T* prefetch = t < next_strips ? next[t] : w[0];
+        tile_for<E, GATED>(nr, ns)(xp + r0 * lda, lda, w, steps, b, op + r0 * ldc + g * per_group * kStripCols, ldc,
+                                   prefetch);
       }
     }
   });
@@ -171,35 +218,52 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const typename E
 
 #endif  // __AVX512F__
 
-// x [M, K] (unit stride along K), packed [N/16, K/G, 16, G], bias [N] or none,
-// out [M, N] contiguous; all of one dtype.
-void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+// x [M, K] (unit stride along K), packed [N/16, K/G, 16, G], bias [N] or none, all of
+// one dtype; out [M, N] contiguous, or [M, N/2] when gated (N/16 even: the first half
+// of the weight's rows are gate and the second half up).
+template <bool GATED>
+void checked_linear(const char* op, const at::Tensor& x, const at::Tensor& packed,
+                    const c10::optional<at::Tensor>& bias, at::Tensor& out) {
   const at::ScalarType dtype = x.scalar_type();
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "linear: x must be 2-D with unit stride along in features");
-  TORCH_CHECK(packed.scalar_type() == dtype && out.scalar_type() == dtype, "linear: x, weight and out of one dtype");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be 2-D with unit stride along in features");
+  TORCH_CHECK(packed.scalar_type() == dtype && out.scalar_type() == dtype, op, ": x, weight and out of one dtype");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kStripCols &&
                   packed.size(3) == group_size(dtype),
-              "linear: the weight must come from pack_weight");
-  const int64_t m = x.size(0), n = packed.size(0) * kStripCols;
-  TORCH_CHECK(packed.size(1) * packed.size(3) == x.size(1), "linear: x has ", x.size(1), " in features, the weight ",
+              op, ": the weight must come from pack_weight");
+  TORCH_CHECK(!GATED || packed.size(0) % 2 == 0, op, ": gate and up need 16-column strips each, ",
+              packed.size(0), " strips in all");
+  const int64_t m = x.size(0), n = packed.size(0) * kStripCols, out_n = GATED ? n / 2 : n;
+  TORCH_CHECK(packed.size(1) * packed.size(3) == x.size(1), op, ": x has ", x.size(1), " in features, the weight ",
               packed.size(1) * packed.size(3));
-  TORCH_CHECK(out.is_contiguous() && out.size(0) == m && out.size(1) == n, "linear: out must be contiguous [M, N]");
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == m && out.size(1) == out_n, op, ": out must be contiguous [",
+              m, ", ", out_n, "]");
   const void* bias_ptr = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n,
-                "linear: bias must be contiguous [out features] in x's dtype");
+                op, ": bias must be contiguous [out features] in x's dtype");
     bias_ptr = bias->data_ptr();
   }
   if (m == 0) return;
 #if defined(__AVX512BF16__)
   if (dtype == at::kBFloat16)
-    return linear_impl<BFloat16>(x, packed, static_cast<const uint16_t*>(bias_ptr), out);
+    return linear_impl<BFloat16, GATED>(x, packed, static_cast<const uint16_t*>(bias_ptr), out);
 #endif
 #if defined(__AVX512F__)
-  if (dtype == at::kFloat) return linear_impl<Float32>(x, packed, static_cast<const float*>(bias_ptr), out);
+  if (dtype == at::kFloat) return linear_impl<Float32, GATED>(x, packed, static_cast<const float*>(bias_ptr), out);
 #endif
-  TORCH_CHECK(false, "radixserve_cpu_gemm.linear: no kernel for ", dtype, " in this build (",
+  TORCH_CHECK(false, "radixserve_cpu_gemm.", op, ": no kernel for ", dtype, " in this build (",
               "needs AVX-512, and AVX512-BF16 for bfloat16)");
+}
+
+void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& out) {
+  checked_linear<false>("linear", x, packed, bias, out);
+}
+
+// silu(gate) * up of the MLP's fused gate/up projection, without writing the
+// projection itself (twice the width of the result).
+void linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                         at::Tensor& out) {
+  checked_linear<true>("linear_silu_and_mul", x, packed, bias, out);
 }
 
 }  // namespace
@@ -208,9 +272,11 @@ TORCH_LIBRARY(radixserve_cpu_gemm, m) {
   m.def("dtypes() -> str[]", &dtypes);
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("linear_silu_and_mul(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu_gemm, CPU, m) {
   m.impl("pack_weight", &pack_weight);
   m.impl("linear", &linear);
+  m.impl("linear_silu_and_mul", &linear_silu_and_mul);
 }

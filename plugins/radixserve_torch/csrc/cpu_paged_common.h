@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -88,6 +89,50 @@ inline __m512 exp16(__m512 x) {
 // conversion, float32 without a copy.
 
 // Convert n values to float32 into dst.
+// Model-dtype values as float32 and back, rounding to nearest even like torch.
+inline float load(float v) { return v; }
+inline float load(c10::BFloat16 v) { return bits_to_float(static_cast<uint32_t>(v.x) << 16); }
+inline float load(c10::Half v) { return static_cast<float>(v); }
+
+template <typename T>
+inline T store(float f);
+
+template <>
+inline float store<float>(float f) {
+  return f;
+}
+
+template <>
+inline c10::BFloat16 store<c10::BFloat16>(float f) {
+  const uint32_t u = float_to_bits(f);
+  c10::BFloat16 out;
+  if (std::isnan(f)) {
+    out.x = 0x7FC0;
+  } else {
+    out.x = static_cast<uint16_t>((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  }
+  return out;
+}
+
+template <>
+inline c10::Half store<c10::Half>(float f) {
+  return c10::Half(f);
+}
+
+// Round a float32 value to the model dtype and back (float32: unchanged).
+template <typename T>
+inline float round_to(float f) {
+  return load(store<T>(f));
+}
+
+// silu(gate) * up of two model-dtype values (as float32), rounded where the
+// reference rounds: silu(gate) to the model dtype, then the product. Shared by the
+// elementwise op and the GEMM's fused gate/up epilogue, so both give the same bits.
+template <typename T>
+inline T silu_mul(float gate, float up) {
+  return store<T>(round_to<T>(gate / (1.0f + fast_exp(-gate))) * up);
+}
+
 template <typename T>
 inline void as_float_into(const T* src, float* dst, int64_t n) {
 #pragma omp simd
