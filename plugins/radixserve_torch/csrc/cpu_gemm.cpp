@@ -15,6 +15,11 @@
 // column sums; float32: G = 1 and an FMA. A register tile is up to 6 rows x 4 strips
 // (24 accumulators); threads split the strips; while a tile reuses its strips from
 // L2, it prefetches the next tile's strips there.
+//
+// linear_silu_and_mul serves an MLP's fused gate/up projection (gate rows, then up
+// rows): a tile takes up to two gate strips and their up strips, and its epilogue
+// writes silu(gate) * up, so the projection (twice the result's width, tens of MB
+// at prefill sizes) is never written and read back by a separate op.
 // Registered as torch.ops.radixserve_cpu_gemm.
 
 #include <ATen/Parallel.h>
