@@ -100,7 +100,9 @@ class CpuPackedGemm(GemmBackend):
         super().__init__(query)
         cpu_kernels.load()
         self._ops = torch.ops.radixserve_cpu_gemm
-        self._linear = self._ops.linear.default  # the overload itself: skips the packet's lookup per call
+        # The overloads themselves: they skip the packet's lookup on every call.
+        self._linear = self._ops.linear.default
+        self._linear_silu_and_mul = self._ops.linear_silu_and_mul.default
         built = self._ops.dtypes()
         if str(query.dtype).removeprefix("torch.") not in built:
             raise cpu_kernels.KernelBuildError(
@@ -146,14 +148,15 @@ class CpuPackedGemm(GemmBackend):
                             bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """The packed kernel with silu(gate) * up in its epilogue: each register tile
         holds matching gate and up columns, so the projection (twice the width) is
-        never written and read back; W2's float32 gate/up and SiLU ran 15% faster."""
+        never written and read back (W2's float32 gate/up and SiLU: 12-20% faster
+        in a kernel A/B, docs/benchmarks.md)."""
         if weight.dim() == 2:
             weight = self.prepare_weight(weight)
         if weight.dim() != 4 or weight.shape[0] % 2:  # unpacked, or gate and up not whole strips
             return None
         rows = x.reshape(-1, x.shape[-1])
         out = rows.new_empty((rows.shape[0], weight.shape[0] * 8))
-        self._ops.linear_silu_and_mul(rows, weight, None if bias is None else bias.contiguous(), out)
+        self._linear_silu_and_mul(rows, weight, None if bias is None else bias.contiguous(), out)
         return out.view(*x.shape[:-1], -1)
 
 

@@ -173,8 +173,8 @@ TileFn<E> tile_for(int rows, int strips) {
   }
 }
 
-// A tile's strips: up to kTileStrips, or in GATED half as many gate strips, each
-// with the up strip `cols` strips further on.
+// A tile's strips (w) and their biases (b, unless null): up to kTileStrips, or in
+// GATED half as many gate strips, each with the up strip `cols` strips further on.
 template <typename T, bool GATED>
 int strips_of_group(const T* wp, const T* bias, int64_t first, int64_t cols, int64_t strip_stride,
                     const T** w, const T** b) {
@@ -184,7 +184,7 @@ int strips_of_group(const T* wp, const T* bias, int64_t first, int64_t cols, int
     for (int half = 0; half < (GATED ? 2 : 1); ++half) {
       const int64_t strip = first + i + half * cols;
       w[i + half * n] = wp + strip * strip_stride;
-      b[i + half * n] = bias != nullptr ? bias + strip * kStripCols : nullptr;
+      if (b != nullptr) b[i + half * n] = bias != nullptr ? bias + strip * kStripCols : nullptr;
     }
   return GATED ? 2 * n : n;
 }
@@ -205,10 +205,9 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const typename E
       const T* w[kTileStrips];
       const T* b[kTileStrips];
       const T* next[kTileStrips];
-      const T* unused[kTileStrips];
       const int ns = strips_of_group<T, GATED>(wp, bias, g * per_group, cols, strip_stride, w, b);
       const int next_strips =
-          g + 1 < g1 ? strips_of_group<T, GATED>(wp, nullptr, (g + 1) * per_group, cols, strip_stride, next, unused)
+          g + 1 < g1 ? strips_of_group<T, GATED>(wp, nullptr, (g + 1) * per_group, cols, strip_stride, next, nullptr)
                      : 0;
       for (int64_t r0 = 0, t = 0; r0 < m; r0 += kTileRows, ++t) {
         const int nr = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));

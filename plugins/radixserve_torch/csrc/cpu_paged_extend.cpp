@@ -400,6 +400,7 @@ void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool
         prefetch_values(v_pool + ahead, d);
       }
     }
+    if constexpr (kPairedValues<QT, KVT>) pair_value_rows(v_rows, block, d, sc.v_pairs.data());
     if (!paired) {  // every tile at once: scores, each tile's softmax, P.V
       tiles_scores(n_tiles, sc.qt.data(), d, k_float, block, scores);
       Lanes alpha[kTilesPerItem];
@@ -413,7 +414,6 @@ void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool
         alpha[k] = softmax_block(tile_scores, block, k0, min_end[k], end[k], m[k], l[k]);
       }
       if constexpr (kPairedValues<QT, KVT>) {  // bfloat16 at an odd head_dim: the scores were not paired
-        pair_value_rows(v_rows, block, d, sc.v_pairs.data());
         for (int k = 0; k < n_tiles; ++k)
           paired_values(scores + k * kKeyBlock, block, sc.v_pairs.data(), d, alpha[k], sc.ot.data() + k * d,
                         sc.p_pairs.data());
@@ -422,7 +422,6 @@ void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool
       }
       continue;
     }
-    if constexpr (kPairedValues<QT, KVT>) pair_value_rows(v_rows, block, d, sc.v_pairs.data());
     for (int k = 0; k < n_tiles; ++k) {
       if (max_end[k] <= k0) continue;  // a causal tile that ends before this block
       const int64_t nb = std::min(block, max_end[k] - k0);
