@@ -143,7 +143,7 @@ def test_fused_silu_and_mul_gives_the_bits_of_linear_then_silu_and_mul(dtype):
 @pytest.mark.parametrize("dtype", PACKED_DTYPES[:1], ids=str)
 def test_float32_model_on_cpu_packed_generates_as_torch(tiny_llama_dir, dtype):
     prompts = mixed_prompts(512, [7, 29, 64], seed=3)
-    ours = make_scheduler(tiny_llama_dir, dtype=str(dtype).removeprefix("torch."))
+    ours = make_scheduler(tiny_llama_dir, dtype=str(dtype).removeprefix("torch."), gemm_backend="cpu_packed")
     assert ours.runner.backends["gemm"] == "cpu_packed"
     model = ours.runner.model
     assert all(layer.weight.dim() == 4 for layer in linear_layers(model)) and model.lm_head.weight.dim() == 4
@@ -163,7 +163,7 @@ def test_bf16_model_on_cpu_packed_is_as_close_to_float32_as_on_onednn(tiny_model
         results = generate(scheduler, prompts, max_new_tokens=1, return_logprob=True, logprob_start_len=0)
         return scheduler, torch.tensor([lp for r in results for lp, _ in r.input_logprobs[1:]])
 
-    scheduler, ours = prompt_logprobs(dtype=str(dtype).removeprefix("torch."))
+    scheduler, ours = prompt_logprobs(dtype=str(dtype).removeprefix("torch."), gemm_backend="cpu_packed")
     assert scheduler.runner.backends["gemm"] == "cpu_packed"
     model = scheduler.runner.model
     assert all(layer.weight.dim() == 4 for layer in linear_layers(model)) and model.lm_head.weight.dim() == 4
@@ -178,7 +178,7 @@ def test_bf16_model_on_cpu_packed_is_as_close_to_float32_as_on_onednn(tiny_model
 @pytest.mark.parametrize("dtype", PACKED_DTYPES[1:], ids=str)
 def test_a_tied_lm_head_keeps_the_embedding_table_dense(tiny_model_factory, dtype):
     model_dir = tiny_model_factory(tie_word_embeddings=True)
-    scheduler = make_scheduler(model_dir, dtype=str(dtype).removeprefix("torch."))
+    scheduler = make_scheduler(model_dir, dtype=str(dtype).removeprefix("torch."), gemm_backend="cpu_packed")
     model = scheduler.runner.model
     assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dim() == 2
     reference = make_scheduler(model_dir, dtype="bfloat16", gemm_backend="torch")

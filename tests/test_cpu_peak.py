@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from radixserve_torch import cpu_kernels
-from radixserve_torch.gemm import cpu_flags
+from radixserve_torch.cpu_isa import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = cpu_flags() or set()

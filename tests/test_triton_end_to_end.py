@@ -25,11 +25,12 @@ def test_triton_engine_matches_torch_reference(tiny_model_factory, monkeypatch, 
     reference = generate(make_scheduler(model_dir, page_size=page_size), prompts, max_new_tokens=NEW_TOKENS,
                          ignore_eos=True)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    backends = dict(attention_backend="triton", moe_backend="triton" if kind == "moe" else "auto")
+    backends = dict(attention_backend="triton", elementwise_backend="triton",
+                    moe_backend="triton" if kind == "moe" else "auto")
     with Engine(model_path=str(model_dir), max_total_tokens=2048, page_size=page_size, log_level="warning",
                 **backends) as engine:
         chosen = engine.server_info()["backends"]
-        assert chosen["attention"] == "triton" and chosen["elementwise"] == "triton"  # auto under the interpreter
+        assert chosen["attention"] == "triton" and chosen["elementwise"] == "triton"
         if kind == "moe":
             assert chosen["moe"] == "triton"
         # A cached prefix: the second prompt shares 20 tokens with the first.

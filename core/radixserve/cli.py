@@ -13,9 +13,13 @@ from radixserve.config import ServerArgs
 
 
 def _print_plugins(as_json: bool) -> int:
+    from radixserve.backend_timing import cache_dir, report_cached
     from radixserve.registry import PluginRegistry
 
-    report = PluginRegistry().report()
+    registry = PluginRegistry()
+    report = registry.report()
+    device = report["device_checked"]
+    report["timings"] = report_cached(registry.resolve_platform(device)()) if device else []
     if as_json:
         print(json.dumps(report, indent=2, default=str))
         return 0
@@ -29,8 +33,8 @@ def _print_plugins(as_json: bool) -> int:
         if plugin["error"]:
             for line in plugin["error"].splitlines():
                 print(f"      ! {line}")
-    print(f"\nBackends (usability checked for device {report['device_checked']!r}; auto picks the "
-          f"highest-priority usable one):")
+    print(f"\nBackends (usability checked for device {device!r}; auto times the usable ones on the model's "
+          f"shapes and picks the fastest, priority breaking ties):")
     for kind, rows in report["backends"].items():
         print(f"  {kind}:")
         for row in rows:
@@ -38,20 +42,25 @@ def _print_plugins(as_json: bool) -> int:
             mark = "" if usable is None else ("usable" if usable else "not usable: " + "; ".join(row["reasons"]))
             priority = f"priority {row['priority']:<4}" if "priority" in row else ""
             print(f"      {row['name']:<20} {priority:<13} [{row['plugin']}] {mark}")
+    print(f"\nBackend timings measured on this machine (cached in {cache_dir()}):")
+    for row in report["timings"]:
+        print(f"  {row['kind']}: {row['chosen']} for {row['query']} ({row['measured_at']})\n      {row['figures']}")
+    if not report["timings"]:
+        print("  none yet: the first start of a model measures them")
     return 0
 
 
 def _serve(args: ServerArgs) -> int:
     """Check what can be checked here, then serve; a start-up error is a line
     and a hint on stderr (the traceback too with ``--log-level debug``)."""
-    from radixserve.launch import StartupError, check_startup
+    from radixserve.launch import StartupError, build_backends, check_startup
     from radixserve.logging_utils import configure_logging
     from radixserve.server.http import run_server
 
     configure_logging(args.log_level, prefix="server")
     try:
-        check_startup(args)
-        return run_server(args)
+        query = check_startup(args)
+        return run_server(args, before_listening=lambda: build_backends(query))
     except StartupError as exc:
         logging.getLogger("radixserve.cli").debug("start-up error", exc_info=True)
         print(f"radixserve: error: {exc}", file=sys.stderr)

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+BACKEND_SELECTIONS = ("measure", "priority")
 
 
 def _flag(help: str, **kw: Any) -> Any:
@@ -43,6 +44,10 @@ class ServerArgs:
     moe_backend: str = _flag("MoE backend name or auto (used by MoE models only)", default="auto")
     elementwise_backend: str = _flag("elementwise kernels (RMSNorm + residual, rotary, SiLU-and-mul) backend name "
                                      "or auto", default="auto")
+    backend_selection: str = _flag(
+        "how auto picks among the usable backends of a kind: measure (time them on the model's shapes, once per "
+        "machine and model shape; the result is cached) or priority (the highest-priority one, no timing)",
+        default="measure", choices=BACKEND_SELECTIONS)
     tp_size: int = _flag("tensor parallel size", default=1)
     base_gpu_id: int = _flag("device index of the first rank: tensor-parallel rank i runs on device base_gpu_id + i, "
                              "counted among the visible devices (after CUDA_VISIBLE_DEVICES and the like)", default=0)
@@ -106,6 +111,8 @@ class ServerArgs:
             bad("max_total_tokens", f"must be >= page_size, got {self.max_total_tokens}")
         if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static <= 1:
             bad("mem_fraction_static", f"must be in (0, 1], got {self.mem_fraction_static}")
+        if self.backend_selection not in BACKEND_SELECTIONS:
+            bad("backend_selection", f"must be one of {BACKEND_SELECTIONS}, got {self.backend_selection!r}")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.dtype not in DTYPES:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 
 from radixserve.config import ServerArgs
 from radixserve.ipc import Endpoints
+from radixserve.kernels import KernelQuery
 from radixserve.runtime.scheduler_process import run_scheduler_process
 from radixserve.server.detokenizer import run_detokenizer_process
 
@@ -41,12 +42,13 @@ class StartupError(RuntimeError):
         self.hint = hint
 
 
-def check_startup(args: ServerArgs) -> None:
+def check_startup(args: ServerArgs) -> KernelQuery:
     """Raise StartupError for what is wrong with ``args`` that can be seen
     without starting a child process or initialising any accelerator: the model
     and tokenizer directories, ``--device``, the backend names, and (for a local model) the
     model's architecture, dtype, weight files and each forced backend's support
-    for it."""
+    for it. Returns the query the backends were checked for (the device and
+    dtype alone where the model's shapes are not known yet), for ``build_backends``."""
     from radixserve.model_loader import load_config, model_query_for_args, safetensors_files
     from radixserve.model_source import check_model_source, check_tokenizer_source, is_hub_id
     from radixserve.registry import PluginError, get_registry
@@ -70,7 +72,8 @@ def check_startup(args: ServerArgs) -> None:
             raise StartupError(f"{flag} {name!r} is not a registered {what}; registered: "
                                f"{', '.join(sorted(registry.candidates[kind])) or 'none'}", PLUGINS_HINT)
     if args.model_path is None or is_hub_id(args.model_path):
-        return  # the model's shapes are known once it is built or downloaded; the scheduler checks then
+        # The model's shapes are known once it is built or downloaded; the scheduler checks them then.
+        return KernelQuery(device=platform.name, dtype=platform.default_dtype)
     try:
         config = load_config(args.model_path)
         architectures = getattr(config, "architectures", None) or []
@@ -81,11 +84,22 @@ def check_startup(args: ServerArgs) -> None:
         query = model_query_for_args(args, config, platform)
         for kind, name in forced.items():
             if kind != "moe" or query.num_experts:
-                registry.select(kind, query, name)
+                registry.forced(kind, query, name)
     except PluginError as exc:
         raise StartupError(str(exc), PLUGINS_HINT) from exc
     except (ValueError, OSError, KeyError) as exc:
         raise StartupError(f"{type(exc).__name__}: {exc}", MODEL_HINT) from exc
+    return query
+
+
+def build_backends(query: KernelQuery) -> None:
+    """Build every backend usable for ``query`` (compiled kernels: seconds on a
+    machine's first start), so that nothing compiles after the server says it is
+    listening. A backend whose build fails is logged and ``auto`` passes over it;
+    the scheduler fails a forced one with the same reason."""
+    from radixserve.registry import get_registry
+
+    get_registry().build_usable(query)
 
 
 def _forced_backends(args: ServerArgs) -> dict[str, str]:

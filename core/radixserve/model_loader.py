@@ -26,9 +26,12 @@ from radixserve.kernels import KernelQuery
 from radixserve.layers.context import ModelContext
 from radixserve.layers.embedding import ParallelLMHead
 from radixserve.layers.linear import linear_layers
+from radixserve.platform import DtypeChoice
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
+
+    from radixserve.backend_timing import ModelShapes
 
 logger = logging.getLogger(__name__)
 
@@ -63,24 +66,25 @@ def checkpoint_dtype(config: "PretrainedConfig") -> Optional[torch.dtype]:
     return _as_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
 
 
-def resolve_dtype(requested: Union[str, torch.dtype], config: "PretrainedConfig", platform: Any) -> torch.dtype:
-    """The compute dtype for ``--dtype requested`` on ``platform`` (a Platform
-    class or instance: ``default_dtype``, ``supported_dtypes``).
-
-    ``auto`` keeps a 16-bit checkpoint's dtype where the platform supports it and
-    otherwise (float32 or unstated) takes the platform's default, the same rule
-    as HF-serving engines: fp32 checkpoints run in bf16 on accelerators, in fp32
-    on the CPU platform.
+def choose_dtype(requested: Union[str, torch.dtype], config: "PretrainedConfig", platform: Any) -> DtypeChoice:
+    """The compute dtype for ``--dtype requested`` on ``platform`` (a Platform class
+    or instance), and why. ``auto`` asks the platform (``Platform.auto_dtype``) for
+    the checkpoint's dtype: by default a 16-bit checkpoint keeps its dtype where the
+    platform supports it and anything else (float32 or unstated) takes the
+    platform's default, the same rule as HF-serving engines (fp32 checkpoints run
+    in bf16 on accelerators); the CPU platform decides by the CPU's bfloat16 support.
     """
     if requested == "auto":
-        saved = checkpoint_dtype(config)
-        if saved in (torch.bfloat16, torch.float16) and saved in platform.supported_dtypes:
-            return saved
-        return platform.default_dtype
+        return platform.auto_dtype(checkpoint_dtype(config))
     dtype = _as_dtype(requested)
     if dtype not in platform.supported_dtypes:
         raise ValueError(f"dtype {dtype} is not supported by platform {platform.name!r}: {platform.supported_dtypes}")
-    return dtype
+    return DtypeChoice(dtype, f"--dtype {str(dtype).removeprefix('torch.')}")
+
+
+def resolve_dtype(requested: Union[str, torch.dtype], config: "PretrainedConfig", platform: Any) -> torch.dtype:
+    """The dtype of :func:`choose_dtype`."""
+    return choose_dtype(requested, config, platform).dtype
 
 
 def model_kernel_query(
@@ -120,6 +124,30 @@ def model_query_for_args(args: Any, config: "PretrainedConfig", platform: Any) -
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else DTYPE_NAMES[args.kv_cache_dtype]
     return model_kernel_query(config, platform.name, dtype, tp_size=args.tp_size, page_size=args.page_size,
                               kv_dtype=kv_dtype, quantization=args.quantization)
+
+
+def model_timing_shapes(config: "PretrainedConfig", query: KernelQuery, *, tp_size: int, decode_rows: int,
+                        prefill_rows: int, context_length: int) -> "ModelShapes":
+    """One rank's shapes of the model in ``config``, for timing backends on them
+    (radixserve/backend_timing.py): ``decode_rows`` requests of ``context_length``
+    tokens (capped at 1024) per decode step, ``prefill_rows`` tokens per prefill chunk."""
+    from radixserve.backend_timing import ModelShapes
+
+    moe_intermediate = getattr(config, "moe_intermediate_size", 0) or 0
+    return ModelShapes(
+        hidden_size=config.hidden_size,
+        intermediate_size=(getattr(config, "intermediate_size", 0) or 0) // tp_size,
+        num_heads=query.num_heads,
+        num_kv_heads=query.num_kv_heads,
+        head_dim=query.head_dim,
+        vocab_size=config.vocab_size,
+        decode_rows=decode_rows,
+        prefill_rows=prefill_rows,
+        decode_context=min(context_length, 1024),
+        num_experts=query.num_experts or 0,
+        top_k=query.top_k or 0,
+        moe_intermediate_size=moe_intermediate // tp_size,
+    )
 
 
 def safetensors_files(model_path: Union[str, Path]) -> list[Path]:

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from dataclasses import dataclass
 from typing import Callable, ClassVar, Iterator, Optional
 
 import torch
 from torch.profiler import ProfilerActivity
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The compute dtype chosen for a model, and why (the log and the startup summary say both)."""
+
+    dtype: torch.dtype
+    reason: str
 
 
 class Platform:
@@ -39,6 +48,18 @@ class Platform:
     def unavailable_reasons(cls) -> list[str]:
         return []
 
+    @classmethod
+    def auto_dtype(cls, saved: Optional[torch.dtype]) -> DtypeChoice:
+        """What ``--dtype auto`` serves a checkpoint saved in ``saved`` (None: its config
+        does not say) in: a 16-bit checkpoint in its own dtype where the platform
+        supports it, anything else in ``default_dtype``. A platform whose fast dtype
+        depends on the hardware overrides it. A classmethod: the start-up checks ask
+        it before any device is initialised."""
+        if saved in (torch.bfloat16, torch.float16) and saved in cls.supported_dtypes:
+            return DtypeChoice(saved, "the checkpoint's dtype")
+        what = f"a {str(saved).removeprefix('torch.')} checkpoint" if saved is not None else "no dtype in the config"
+        return DtypeChoice(cls.default_dtype, f"{what}: the {cls.name} platform's default")
+
     def device(self, index: int = 0) -> torch.device:
         return torch.device(self.torch_device_type, index)
 
@@ -50,6 +71,18 @@ class Platform:
 
     def describe(self, index: int = 0) -> str:
         return self.name
+
+    def synchronize(self, device: torch.device) -> None:
+        """Wait until the work queued on ``device`` is done, so that a host timer
+        measures it (selection by measurement). A device that runs work
+        asynchronously from the host overrides this; the default returns at once."""
+
+    def timing_fingerprint(self, index: int = 0) -> dict[str, str]:
+        """What backend timings measured here depend on, as the key of their cache
+        (radixserve/backend_timing.py): by default the platform, ``describe()`` and
+        the torch version. A platform adds what else changes which kernel is
+        fastest (the CPU's model and ISA flags, a GPU's name and capability)."""
+        return {"platform": self.name, "device": self.describe(index), "torch": torch.__version__}
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:

@@ -237,38 +237,69 @@ class PluginRegistry:
         return ", ".join(parts) or "none"
 
     def select(self, kind: str, query: KernelQuery, requested: str = "auto") -> type:
-        """Pick a backend class of ``kind`` for ``query``: a forced name must
-        support the query; ``auto`` takes the highest priority candidate with no
-        unsupported reasons. Every rejected candidate is logged."""
+        """Pick a backend class of ``kind`` for ``query`` by priority: a forced name
+        must support the query and build; ``auto`` takes the highest priority
+        usable candidate (``usable``). Selection by measurement
+        (radixserve/backend_timing.py) starts from the same candidates."""
+        if requested != "auto":
+            return self.forced(kind, query, requested)
+        return self.usable(kind, query)[0].cls
+
+    def forced(self, kind: str, query: KernelQuery, name: str) -> type:
+        """The backend named by ``--<kind>-backend NAME``, or a PluginError saying why it cannot serve."""
+        table = self._table(kind)
+        cand = table.get(name)
+        if cand is None:
+            raise PluginError(
+                f"unknown {kind} backend {name!r}; registered: {sorted(table) or 'none'}" + self._load_error_note()
+            )
+        reasons = cand.cls.unsupported_reasons(query) or _build_reasons(cand)
+        if reasons:
+            raise PluginError(
+                f"{kind} backend {name!r} (plugin {cand.plugin!r}) cannot serve {query.describe()}: "
+                + "; ".join(reasons)
+            )
+        return cand.cls
+
+    def usable(self, kind: str, query: KernelQuery) -> list[Candidate]:
+        """Every candidate of ``kind`` that supports ``query`` and builds here, highest
+        priority first; each rejected one is logged with its reasons, and none
+        left is a PluginError listing them."""
+        rejected = []
+        usable = []
+        for cand in sorted(self._table(kind).values(), key=lambda c: (-c.priority, c.name)):
+            reasons = cand.cls.unsupported_reasons(query) or _build_reasons(cand)
+            if reasons:
+                rejected.append(f"{cand.name}: {'; '.join(reasons)}")
+                logger.info("rejected %s backend %s: %s", kind, cand.name, "; ".join(reasons))
+            else:
+                usable.append(cand)
+        if not usable:
+            raise PluginError(
+                f"no {kind} backend supports {query.describe()}; rejected: {rejected or 'none registered'}"
+                + self._load_error_note()
+            )
+        return usable
+
+    def build_usable(self, query: KernelQuery) -> dict[str, list[str]]:
+        """Build every backend that supports ``query`` (a device and dtype), before
+        the server says it is listening, so that no kernel compiles at the first
+        request. Returns, per kind, the backends whose build failed and why (those
+        are logged and ``auto`` passes over them)."""
+        failed: dict[str, list[str]] = {}
+        for kind in SELECTABLE_KINDS:
+            for cand in sorted(self._table(kind).values(), key=lambda c: (-c.priority, c.name)):
+                if cand.cls.unsupported_reasons(query):
+                    continue
+                for reason in _build_reasons(cand):
+                    logger.warning("%s backend %s is passed over: %s", kind, cand.name, reason)
+                    failed.setdefault(kind, []).append(f"{cand.name}: {reason}")
+        return failed
+
+    def _table(self, kind: str) -> dict[str, Candidate]:
         if kind not in SELECTABLE_KINDS:
             raise ValueError(f"unknown backend kind {kind!r}")
-        table = self.candidates[kind]
-        if requested != "auto":
-            cand = table.get(requested)
-            if cand is None:
-                raise PluginError(
-                    f"unknown {kind} backend {requested!r}; registered: {sorted(table) or 'none'}"
-                    + self._load_error_note()
-                )
-            reasons = cand.cls.unsupported_reasons(query)
-            if reasons:
-                raise PluginError(
-                    f"{kind} backend {requested!r} (plugin {cand.plugin!r}) cannot serve {query.describe()}: "
-                    + "; ".join(reasons)
-                )
-            return cand.cls
-        rejected = []
-        for cand in sorted(table.values(), key=lambda c: (-c.priority, c.name)):
-            reasons = cand.cls.unsupported_reasons(query)
-            if not reasons:
-                logger.info("selected %s backend %s (plugin %s)", kind, cand.name, cand.plugin)
-                return cand.cls
-            rejected.append(f"{cand.name}: {'; '.join(reasons)}")
-            logger.info("rejected %s backend %s: %s", kind, cand.name, "; ".join(reasons))
-        raise PluginError(
-            f"no {kind} backend supports {query.describe()}; rejected: {rejected or 'none registered'}"
-            + self._load_error_note()
-        )
+        return self.candidates[kind]
 
     def model_class(self, architecture: str) -> type:
         cand = self.candidates["model"].get(architecture)
@@ -307,6 +338,16 @@ class PluginRegistry:
             for i in self.plugins.values()
         ]
         return {"device_checked": query.device if query else None, "plugins": plugins, "backends": backends}
+
+
+def _build_reasons(cand: Candidate) -> list[str]:
+    """Why ``cand`` cannot be built here (its ``build()`` raised), else nothing."""
+    try:
+        cand.cls.build()
+    except Exception as exc:  # a compiler error, a missing library: the backend is unusable, and says why
+        logger.debug("building %s backend %s failed", cand.kind, cand.name, exc_info=True)
+        return [f"build failed: {type(exc).__name__}: {exc}"]
+    return []
 
 
 def _log_plugin_error(what: str, error: str) -> None:

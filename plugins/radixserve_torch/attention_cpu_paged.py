@@ -158,6 +158,10 @@ class CpuPagedAttention(AttentionBackend):
         self._kernels = load_kernel()
 
     @classmethod
+    def build(cls) -> None:
+        cpu_kernels.load()
+
+    @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
         reasons = grouped_heads_reasons(query)
         if query.device != "cpu":

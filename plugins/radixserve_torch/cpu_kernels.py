@@ -1,18 +1,22 @@
-"""The C++ kernels of the CPU backends (csrc/), built once per machine.
+"""The C++ kernels of the CPU backends (csrc/), built once per machine and build target.
 
 ``cpu_paged`` attention, ``cpu_fused`` elementwise ops and the ``cpu_packed`` GEMM
 live in one extension library, compiled on first use with ``torch.utils.cpp_extension.load`` (g++
-``-O3 -march=native -fopenmp``; only ATen and the op registry are included, and
+``-O3 -fopenmp`` and the target's instruction-set flags; only ATen and the op registry are included, and
 ninja compiles the sources in parallel: 10-20 s of CPU) into torch's extension
 cache (``$TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions/<python>_cpu/radixserve_cpu_kernels_<capability>``),
-so later processes only load it. It registers ``torch.ops.radixserve_cpu_paged``,
+``~/.cache/torch_extensions/<python>_cpu/radixserve_cpu_kernels_<target>``),
+so later processes only load it. The target follows ATen's CPU capability
+(cpu_isa.py: ``-march=native`` at the CPU's own level, ``-march=x86-64-v3`` under
+``ATEN_CPU_CAPABILITY=avx2``, ...), and its name is in the library's, so builds for
+different targets coexist in the cache. It registers ``torch.ops.radixserve_cpu_paged``,
 ``torch.ops.radixserve_cpu_elementwise`` and ``torch.ops.radixserve_cpu_gemm``.
 
 A build failure raises :class:`KernelBuildError` with the compiler's first error
-line and is remembered for the process; :func:`unavailable_reasons` names it,
-and a missing compiler or ninja, without running anything, so that ``auto``
-passes over the backends on a machine that cannot build them.
+line and is remembered for the process (``load()`` raises it again at once); the
+backends' ``build()`` calls ``load()``, so ``auto`` passes over each of them with
+that line. :func:`unavailable_reasons` names a missing compiler or ninja without
+running anything.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch
+from radixserve_torch import cpu_isa
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +58,18 @@ def missing_tools() -> list[str]:
 
 
 def unavailable_reasons() -> list[str]:
-    """Why the kernels cannot be used in this process: missing tools, or an earlier build failure."""
-    return missing_tools() + ([_build_error] if _build_error is not None else [])
+    """Why the kernels cannot be built here, known without running anything: no
+    build target for this machine, or missing tools. A failed build is
+    ``load()``'s error (the backends' ``build()``), so that each backend that
+    needs the kernels is passed over with it."""
+    reasons = [] if cpu_isa.build_target() is not None else [cpu_isa.no_target_reason()]
+    return reasons + missing_tools()
 
 
 def extension_name() -> str:
-    """One build per instruction set: the kernels are compiled with ``-march=native``."""
-    return f"radixserve_cpu_kernels_{torch.backends.cpu.get_cpu_capability().lower()}"
+    """One build per target (cpu_isa.build_target)."""
+    target = cpu_isa.build_target()
+    return f"radixserve_cpu_kernels_{target.name if target is not None else 'no_target'}"
 
 
 def load() -> None:
@@ -71,15 +80,18 @@ def load() -> None:
             return
         if _build_error is not None:
             raise KernelBuildError(_build_error)
+        target = cpu_isa.build_target()
+        if target is None:
+            raise KernelBuildError(cpu_isa.no_target_reason())
         from torch.utils import cpp_extension
 
-        logger.info("loading the CPU kernels (compiled on first use on this machine)")
+        logger.info("loading the CPU kernels for %s (compiled on first use on this machine)", target.origin)
         start = time.perf_counter()
         try:
             library = cpp_extension.load(
                 name=extension_name(),
                 sources=[str(s) for s in SOURCES],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_cflags=["-O3", *target.cflags, "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 is_python_module=False,
                 verbose=False,

@@ -41,6 +41,10 @@ class CpuFusedElementwise(TorchNativeElementwise):
         self._ops = torch.ops.radixserve_cpu_elementwise
 
     @classmethod
+    def build(cls) -> None:
+        cpu_kernels.load()
+
+    @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
         reasons = []
         if query.device != "cpu":

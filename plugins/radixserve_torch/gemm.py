@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from radixserve.kernels import GemmBackend, KernelQuery
 
-from radixserve_torch import cpu_kernels
+from radixserve_torch import cpu_isa, cpu_kernels
 
 
 class TorchGemm(GemmBackend):
@@ -54,7 +54,13 @@ class OneDnnGemm(GemmBackend):
         if not torch.backends.mkldnn.is_available():
             reasons.append("this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)")
         elif query.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            reasons.append("this CPU lacks the AVX-512 oneDNN needs for bfloat16")
+            # The check honours ONEDNN_MAX_CPU_ISA: under AVX2, oneDNN refuses to pack a bfloat16 weight.
+            flags = cpu_isa.cpu_flags() or frozenset()
+            cpu_can = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
+            cap = cpu_isa.onednn_isa_cap()
+            reasons.append(f"ONEDNN_MAX_CPU_ISA={cap} keeps oneDNN from the AVX-512 (or AVX-NE-CONVERT) "
+                           "its bfloat16 needs" if cap and cpu_can else
+                           "this CPU lacks the AVX-512 (or AVX-NE-CONVERT) oneDNN needs for bfloat16")
         return reasons
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
@@ -64,18 +70,6 @@ class OneDnnGemm(GemmBackend):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-def cpu_flags() -> Optional[set[str]]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (Linux), or None where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        return None
-    return set()
 
 
 class CpuPackedGemm(GemmBackend):
@@ -106,7 +100,11 @@ class CpuPackedGemm(GemmBackend):
         built = self._ops.dtypes()
         if str(query.dtype).removeprefix("torch.") not in built:
             raise cpu_kernels.KernelBuildError(
-                f"the CPU kernels were compiled (-march=native) with GEMM kernels for {built}, not {query.dtype}")
+                f"the CPU kernels ({cpu_kernels.extension_name()}) hold GEMM kernels for {built}, not {query.dtype}")
+
+    @classmethod
+    def build(cls) -> None:
+        cpu_kernels.load()
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
@@ -117,11 +115,12 @@ class CpuPackedGemm(GemmBackend):
         if needed is None:
             reasons.append(f"dtype {query.dtype} is not float32 or bfloat16")
         else:
-            flags = cpu_flags()
-            if flags is None:
-                reasons.append(f"cannot tell whether this CPU has {needed} (no /proc/cpuinfo)")
-            elif needed not in flags:
-                reasons.append(f"this CPU lacks {needed} (not in /proc/cpuinfo's flags), which {query.dtype} needs")
+            # What the kernels are compiled for, not only what the CPU has: under
+            # ATEN_CPU_CAPABILITY=avx2 they are built without AVX-512 (cpu_isa.py).
+            target = cpu_isa.build_target()
+            if target is not None and needed not in target.features:
+                reasons.append(f"its {query.dtype} kernels need {needed}, and the CPU kernels are built for "
+                               f"{target.origin}, which lacks it")
         return reasons + cpu_kernels.unavailable_reasons()
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:

@@ -2,12 +2,15 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import sys
+from typing import Optional
 
 import torch
 
-from radixserve.platform import Platform
+from radixserve.platform import DtypeChoice, Platform
+
+from radixserve_torch import cpu_isa
+from radixserve_torch.cpu_topology import HostMemory, host_memory, place_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -59,17 +62,57 @@ class CpuPlatform(Platform):
 
     def __init__(self) -> None:
         # The model runner makes the platform once, in the process that runs the
-        # model, so that is the process whose allocator keep_freed_memory tunes.
+        # model, so that is the process whose allocator keep_freed_memory tunes
+        # and whose CPUs and threads are placed.
         keep_freed_memory()
+        self.placement = place_this_process()
+        logger.info("model process: %s", self.placement.describe())
+
+    @classmethod
+    def auto_dtype(cls, saved: Optional[torch.dtype]) -> DtypeChoice:
+        """A 16-bit checkpoint in bfloat16 where bfloat16 matmuls are native here
+        (float16 too: the fast CPU GEMMs, ``cpu_packed`` and ``onednn``, take bfloat16
+        and float32 only), else in float32: emulated bfloat16 widens every product
+        to float32 and measured 2-4x slower than float32 from 16 rows up, a whole
+        model 2.8x (docs/architecture.md). A float32 checkpoint stays float32."""
+        if saved not in (torch.bfloat16, torch.float16):
+            return super().auto_dtype(saved)
+        bf16 = cpu_isa.bf16_matmul()
+        what = f"a {str(saved).removeprefix('torch.')} checkpoint"
+        if bf16.native:
+            return DtypeChoice(torch.bfloat16, f"{what}, served in bfloat16: {bf16.reason}")
+        return DtypeChoice(torch.float32, f"{what}, served in float32: {bf16.reason}; emulated bfloat16 "
+                                          "matmuls are slower than float32 ones")
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")
 
+    def memory(self) -> HostMemory:
+        """The memory of this process's NUMA node (the machine's where it has one), within its cgroup's limit."""
+        return host_memory(self.placement.node, self.placement.num_nodes)
+
     def total_memory_bytes(self, index: int = 0) -> int:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return self.memory().total_bytes
 
     def available_memory_bytes(self, index: int = 0) -> int:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        return self.memory().available_bytes
 
     def describe(self, index: int = 0) -> str:
-        return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+        memory = self.memory()
+        return f"cpu ({self.placement.describe()}; memory {memory.total_bytes / 2**30:.1f} GiB ({memory.scope}))"
+
+    def timing_fingerprint(self, index: int = 0) -> dict[str, str]:
+        """What decides which CPU kernel is fastest: the CPU model and its ISA flags,
+        what ATen, our kernels and oneDNN may use (``ATEN_CPU_CAPABILITY``,
+        ``ONEDNN_MAX_CPU_ISA``), the torch threads and the torch version."""
+        target = cpu_isa.build_target()
+        return {
+            "platform": self.name,
+            "cpu": cpu_isa.cpu_model_name(),
+            "flags": " ".join(sorted(cpu_isa.cpu_flags() or ())),
+            "aten_capability": torch.backends.cpu.get_cpu_capability(),
+            "kernel_target": target.name if target is not None else "none",
+            "onednn_max_cpu_isa": cpu_isa.onednn_isa_cap() or "",
+            "threads": str(torch.get_num_threads()),
+            "torch": torch.__version__,
+        }

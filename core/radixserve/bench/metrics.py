@@ -12,8 +12,10 @@ prefix cache over all prompt tokens; ``None`` where the engine does not report i
 from __future__ import annotations
 
 import math
+import statistics
+import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -125,3 +127,15 @@ def format_report(title: str, summary: dict) -> str:
     lines += [f"{name:<{width}}{_fmt(value):>14}" for name, value in rows]
     lines += [f"error: {e}" for e in summary["errors"]]
     return "\n".join(lines)
+
+
+def median_call_ms(call: Callable[[], object], n: int) -> float:
+    """The median milliseconds of ``n`` calls of ``call``, after one unmeasured call
+    (a client's warm-up: its connection is opened there and reused after)."""
+    call()
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000

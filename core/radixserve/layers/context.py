@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -15,6 +15,12 @@ from radixserve.kernels import (
     MoEBackend,
     QuantizationMethod,
 )
+
+
+class BackendSelector(Protocol):
+    def select(self, kind: str, query: KernelQuery, requested: str = "auto") -> type:
+        """The backend class of ``kind`` for ``query``: ``requested`` names one, or is ``auto``."""
+        ...
 
 
 @dataclass
@@ -34,7 +40,7 @@ class ModelContext:
     @classmethod
     def create(
         cls,
-        registry: Any,
+        selector: BackendSelector,
         query: KernelQuery,
         device: torch.device,
         *,
@@ -47,18 +53,19 @@ class ModelContext:
         tp_size: int = 1,
         tp_group: Any = None,
     ) -> "ModelContext":
-        """Select and instantiate every backend for ``query`` through ``registry``
-        (a :class:`radixserve.registry.PluginRegistry`). The MoE backend is only
-        selected when the query names experts; ``quantization=None`` means ``none``."""
-        gemm_backend = registry.select("gemm", query, gemm)(query)
-        quant_cls = registry.select("quantization", query, quantization or "none")
-        moe_backend = registry.select("moe", query, moe)(query) if query.num_experts else None
+        """Select and instantiate every backend for ``query`` through ``selector``
+        (a :class:`radixserve.registry.PluginRegistry`, which selects by priority,
+        or a :class:`radixserve.backend_timing.MeasuredSelection`). The MoE backend
+        is only selected when the query names experts; ``quantization=None`` means ``none``."""
+        gemm_backend = selector.select("gemm", query, gemm)(query)
+        quant_cls = selector.select("quantization", query, quantization or "none")
+        moe_backend = selector.select("moe", query, moe)(query) if query.num_experts else None
         return cls(
-            attention=registry.select("attention", query, attention)(query),
+            attention=selector.select("attention", query, attention)(query),
             gemm=gemm_backend,
             quant=quant_cls(query, gemm_backend),
             moe=moe_backend,
-            elementwise=registry.select("elementwise", query, elementwise)(query),
+            elementwise=selector.select("elementwise", query, elementwise)(query),
             dtype=query.dtype,
             device=device,
             tp_rank=tp_rank,

@@ -4,7 +4,7 @@ and runs one forward per step."""
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -12,7 +12,8 @@ from radixserve.cache.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
 from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.context import ModelContext
-from radixserve.model_loader import load_config, load_model, model_query_for_args
+from radixserve.backend_timing import MeasuredSelection, ModelShapes
+from radixserve.model_loader import choose_dtype, load_config, load_model, model_query_for_args, model_timing_shapes
 from radixserve.registry import PluginRegistry
 from radixserve.runtime.graph_runner import GraphRunner
 from radixserve.transfer import HostTransfer
@@ -44,8 +45,13 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.query = model_query_for_args(args, hf_config, self.platform)
         self.dtype, self.kv_dtype = self.query.dtype, self.query.kv_dtype or self.query.dtype
+        self.dtype_reason = choose_dtype(args.dtype, hf_config, self.platform).reason
+        logger.info("dtype %s: %s", str(self.dtype).removeprefix("torch."), self.dtype_reason)
+        self.selection = MeasuredSelection(registry, self.platform, self.gpu_id,
+                                           self._timing_shapes(hf_config),
+                                           measure_backends=args.backend_selection == "measure")
         ctx = ModelContext.create(
-            registry, self.query, self.device, attention=args.attention_backend, gemm=args.gemm_backend,
+            self.selection, self.query, self.device, attention=args.attention_backend, gemm=args.gemm_backend,
             moe=args.moe_backend, elementwise=args.elementwise_backend, quantization=args.quantization,
             tp_rank=tp_rank, tp_size=args.tp_size,
         )
@@ -64,19 +70,31 @@ class ModelRunner:
         self._init_memory()
         self.graph_runner, self.graphs = self._init_graphs()
 
+    def _timing_shapes(self, hf_config: Any) -> ModelShapes:
+        """The shapes backends are timed on: a decode step of up to 32 requests and a
+        prefill chunk of up to 1024 tokens (larger ones rank the kernels alike and
+        cost more start-up time)."""
+        args = self.args
+        chunk = args.chunked_prefill_size if args.chunked_prefill_size not in (None, -1) else 2048
+        return model_timing_shapes(
+            hf_config, self.query, tp_size=args.tp_size,
+            decode_rows=min(args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS, 32),
+            prefill_rows=min(chunk, 1024),
+            context_length=args.context_length or getattr(hf_config, "max_position_embeddings", 2048))
+
     def _init_memory(self) -> None:
         args, q = self.args, self.query
         per_token = KVPool.bytes_per_token(self.num_layers, q.num_kv_heads, q.head_dim, self.kv_dtype)
         max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+        total = self.platform.total_memory_bytes(self.gpu_id)
+        available = self.platform.available_memory_bytes(self.gpu_id)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights += sum(b.numel() * b.element_size() for b in self.model.buffers())
         if args.max_total_tokens is not None:
             tokens = args.max_total_tokens
         else:
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            weights += sum(b.numel() * b.element_size() for b in self.model.buffers())
             fraction = args.mem_fraction_static or self.platform.default_mem_fraction
-            tokens = kv_pool_tokens(self.platform.total_memory_bytes(self.gpu_id),
-                                    self.platform.available_memory_bytes(self.gpu_id),
-                                    weights, fraction, per_token, max_running * self.context_length)
+            tokens = kv_pool_tokens(total, available, weights, fraction, per_token, max_running * self.context_length)
         num_pages = tokens // args.page_size
         if num_pages < 1:
             raise ValueError(f"max_total_tokens: the KV pool would hold no page of {args.page_size} tokens")
@@ -87,8 +105,12 @@ class ModelRunner:
                               self.kv_dtype, self.device, layout=self.attention.kv_layout)
         self.allocator = PagedAllocator(num_pages, args.page_size, self.device, self.transfer)
         self.max_total_tokens = self.allocator.size
-        logger.info("KV pool: %d tokens (%d pages of %d), %.1f MiB", self.max_total_tokens, num_pages,
-                    args.page_size, self.max_total_tokens * per_token / 2**20)
+        # The figures the pool was sized from (measured after the weights loaded, before the pool).
+        self.memory = {"total_bytes": total, "available_bytes": available, "weights_bytes": weights,
+                       "kv_pool_bytes": self.max_total_tokens * per_token}
+        logger.info("KV pool: %d tokens (%d pages of %d), %.1f MiB; memory %.1f GiB total, %.1f GiB available, "
+                    "weights %.1f GiB", self.max_total_tokens, num_pages, args.page_size,
+                    self.max_total_tokens * per_token / 2**20, total / 2**30, available / 2**30, weights / 2**30)
 
     # -- graphs (runtime/graph_runner.py) ---------------------------------------
 
@@ -135,9 +157,13 @@ class ModelRunner:
             "device": self.platform.describe(self.gpu_id),
             "platform": self.platform.name,
             "dtype": str(self.dtype).replace("torch.", ""),
+            "dtype_reason": self.dtype_reason,
             "kv_cache_dtype": str(self.kv_dtype).replace("torch.", ""),
             "backends": dict(self.backends),
+            # How each kind's backend was chosen, with the figures where they were timed.
+            "backend_choices": {kind: choice.describe() for kind, choice in self.selection.choices.items()},
             "max_total_tokens": self.max_total_tokens,
+            "memory": dict(self.memory),
             "context_length": self.context_length,
             "max_running_requests": self.max_running_requests,
             "graphs": dict(self.graphs),

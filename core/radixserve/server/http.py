@@ -299,9 +299,14 @@ class _Server(uvicorn.Server):
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    """The listening socket; StartupError naming host:port when it cannot be had."""
+    """The listening socket; StartupError naming host:port when it cannot be had.
+
+    Made with ``proto=IPPROTO_TCP`` (which accepted sockets inherit): asyncio sets
+    TCP_NODELAY only on sockets that say so, and with Nagle on, the body write that
+    follows a response's header write waits for the client's delayed ACK (~40 ms on
+    every keep-alive request)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
@@ -323,9 +328,11 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def run_server(args: ServerArgs) -> int:
+def run_server(args: ServerArgs, before_listening: Callable[[], None] = lambda: None) -> int:
     """Serve until stopped; the process exit code. Raises StartupError when the
-    socket cannot be bound (before anything is printed)."""
+    socket cannot be bound (before anything is printed). ``before_listening``
+    runs once the socket is bound, before the server says it is listening (the
+    CLI builds the kernels there)."""
     exit_code = 0
     server: _Server
 
@@ -343,6 +350,7 @@ def run_server(args: ServerArgs) -> int:
                             access_log=args.log_level == "debug", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                             http=_EnvelopeH11Protocol, h11_max_incomplete_event_size=args.max_header_size)
     server = _Server(config, state, args.shutdown_timeout)
+    before_listening()
     print(f"radixserve listening at {url} (starting up; /health answers 503 until ready)", flush=True)
     server.run(sockets=[sock])
     return exit_code

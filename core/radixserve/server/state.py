@@ -135,18 +135,14 @@ class ServerState:
                     s["architecture"])
         logger.info("device: %s (platform %s, --device %s)", s["device"], s["platform"], args.device)
         for kind, name in s["backends"].items():
-            flag = "quantization" if kind == "quantization" else f"{kind}_backend"
-            requested = getattr(args, flag, None)
-            if requested is None:
-                why = f"no --{flag.replace('_', '-')}"
-            elif requested == "auto":
-                why = "auto: the highest-priority usable candidate; the scheduler logs the rejected ones"
-            else:
-                why = f"forced by --{flag.replace('_', '-')}"
-            logger.info("%s backend: %s (%s)", kind, name, why)
-        logger.info("dtype %s, KV cache dtype %s; KV pool %d tokens (page size %d); context length %d; "
-                    "max running requests %d", s["dtype"], s["kv_cache_dtype"], s["max_total_tokens"], s["page_size"],
-                    s["context_length"], s["max_running_requests"])
+            logger.info("%s backend: %s (%s)", kind, name, s["backend_choices"].get(kind, "?"))
+        logger.info("dtype %s (%s), KV cache dtype %s", s["dtype"], s["dtype_reason"], s["kv_cache_dtype"])
+        memory = s["memory"]
+        logger.info("KV pool %d tokens, %.1f GiB (page size %d); memory %.1f GiB total, %.1f GiB available, "
+                    "weights %.1f GiB; context length %d; max running requests %d", s["max_total_tokens"],
+                    memory["kv_pool_bytes"] / 2**30, s["page_size"], memory["total_bytes"] / 2**30,
+                    memory["available_bytes"] / 2**30, memory["weights_bytes"] / 2**30, s["context_length"],
+                    s["max_running_requests"])
         graphs = s["graphs"]
         if graphs["backend"]:
             logger.info("decode graphs: %s for batch sizes %s, captured in %.1f s", graphs["backend"],

@@ -628,7 +628,7 @@ def _check_kv_store(inputs: AttentionInputs, before_k, before_v) -> str:
     return "ok" if not problems else "; ".join(problems)
 
 
-def _with_layout(pool: KVPool, layout: KVLayout) -> KVPool:
+def with_kv_layout(pool: KVPool, layout: KVLayout) -> KVPool:
     """``pool``'s contents laid out as ``layout``: the pool itself when it already
     is, else a copy (token-major ``[slots, kv_heads, d]`` <-> head-major
     ``[pages, kv_heads, page_size, d]``)."""
@@ -676,10 +676,10 @@ def check_attention_backend(
         expected = ref.forward(ref_inputs.q, ref_inputs.k, ref_inputs.v, ref_inputs.layer, ref_inputs.batch)
 
         impl = run.cls(query)
-        inputs.batch.kv_pool = _with_layout(inputs.batch.kv_pool, run.cls.kv_layout)  # the one it declares
+        inputs.batch.kv_pool = with_kv_layout(inputs.batch.kv_pool, run.cls.kv_layout)  # the one it declares
         impl.init_forward_metadata(inputs.batch)
         out = impl.forward(inputs.q, inputs.k, inputs.v, inputs.layer, inputs.batch)
-        inputs.batch.kv_pool = _with_layout(inputs.batch.kv_pool, KVLayout())  # token-major, for the store check
+        inputs.batch.kv_pool = with_kv_layout(inputs.batch.kv_pool, KVLayout())  # token-major, for the store check
         close = _score(result, out, expected, dtype, tol)
         result.kv_store = _check_kv_store(inputs, before_k, before_v)
         result.passed = close and result.kv_store == "ok"
@@ -992,7 +992,7 @@ def make_elementwise_inputs(
     return {"x": randn(*case.lead, t, 2 * case.hidden, scale=2.0)}
 
 
-def _run_elementwise(backend: Any, case: ElementwiseCase, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+def run_elementwise_case(backend: Any, case: ElementwiseCase, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Call the op; return what it produced, by name. A broken contract raises."""
     if case.op == "rms_norm":
         if case.residual:
@@ -1036,9 +1036,9 @@ def check_elementwise_backend(
 
     def check_one(case, dtype, query, tol, result, case_seed):
         ref_inputs = make_elementwise_inputs(case, dtype, "cpu", case_seed, as_dtype=torch.float32)
-        expected = _run_elementwise(run.ref_cls(run.reference_query(query)), case, ref_inputs)
+        expected = run_elementwise_case(run.ref_cls(run.reference_query(query)), case, ref_inputs)
         inputs = make_elementwise_inputs(case, dtype, run.torch_device, case_seed)
-        outputs = _run_elementwise(run.cls(query), case, inputs)
+        outputs = run_elementwise_case(run.cls(query), case, inputs)
         parts = []
         for name, want in expected.items():  # every output; the case reports the worst
             part = CaseResult(case.name, result.dtype, False)
@@ -1240,4 +1240,6 @@ __all__ = [
     "make_elementwise_inputs",
     "make_moe_inputs",
     "resolve_backend",
+    "run_elementwise_case",
+    "with_kv_layout",
 ]

@@ -71,6 +71,9 @@ class CudaPlatform(Platform):
         free, _ = torch.cuda.mem_get_info(index)
         return reusable_free_bytes(free, torch.cuda.memory_reserved(index), torch.cuda.memory_allocated(index))
 
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
     def describe(self, index: int = 0) -> str:
         props = torch.cuda.get_device_properties(index)
         visible = cuda_visible_devices()

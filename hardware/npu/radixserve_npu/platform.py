@@ -70,6 +70,9 @@ class NpuPlatform(Platform):
     def available_memory_bytes(self, index: int = 0) -> int:
         return ops.load_torch_npu().npu.mem_get_info(index)[0]
 
+    def synchronize(self, device: torch.device) -> None:
+        ops.load_torch_npu().npu.synchronize(device)
+
     def describe(self, index: int = 0) -> str:
         npu = ops.load_torch_npu().npu
         total = npu.mem_get_info(index)[1]

@@ -1,0 +1,428 @@
+"""Selection by measurement: when more than one backend of a kind can serve the
+model, ``auto`` times each on the model's own shapes and takes the fastest.
+
+A backend's priority is its author's guess, made on one machine. Which kernel
+is fastest depends on the machine at hand: on an Intel Xeon with AMX, oneDNN's
+GEMM runs ten times faster than our packed AVX-512 kernels, while on an AMD
+EPYC without AMX the packed kernels lead at decode sizes. So the candidates that
+remain after ``unsupported_reasons`` and ``build`` (registry.usable) are timed:
+each GEMM projection at a decode batch and at a prefill chunk, attention on a
+decode and an extend step in the pool's layout, the elementwise ops and the MoE
+layer at both row counts. A candidate's score is the geometric mean, over those
+cases, of its time relative to the fastest candidate's; candidates within
+``TIE_MARGIN`` of the best score are tied and priority breaks the tie.
+
+Results are kept in the user's cache directory, keyed by the platform's
+fingerprint (CPU model and ISA flags or device name, threads, library
+versions), the candidates and their versions, the shapes and the dtype, so a
+second start with the same model on the same machine times nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from radixserve import __version__
+from radixserve.kernels import KernelQuery
+from radixserve.registry import Candidate, PluginRegistry
+
+logger = logging.getLogger(__name__)
+
+TIE_MARGIN = 0.03  # scores within 3% of the best are a tie: priority decides
+# Per case: at least 3 samples of at least 0.5 ms each, more while under 50 ms in all.
+MIN_SAMPLES, MAX_SAMPLES, SAMPLE_SECONDS, MIN_SECONDS = 3, 25, 5e-4, 0.05
+# A candidate whose single call takes 20x the best's, and over 50 ms, is not timed further.
+GIVE_UP_FACTOR, GIVE_UP_FLOOR_SECONDS = 20.0, 0.05
+TIMED_KINDS = ("gemm", "attention", "elementwise", "moe")  # quantization is never chosen automatically
+CACHE_SUBDIR = "backend-timings"
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """One rank's shapes of the model, and the row counts its steps run at."""
+
+    hidden_size: int
+    intermediate_size: int  # the dense MLP's (0: none)
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    decode_rows: int  # requests in a decode step
+    prefill_rows: int  # tokens in a prefill chunk
+    decode_context: int  # tokens each decoding request attends to
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+
+    def gemm_shapes(self) -> list[tuple[str, int, int, bool]]:
+        """``(name, out_features, in_features, decode_only)`` of each projection."""
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        shapes = [("qkv_proj", qkv, self.hidden_size, False), ("o_proj", self.hidden_size,
+                                                              self.num_heads * self.head_dim, False)]
+        if self.intermediate_size:
+            shapes += [("gate_up_proj", 2 * self.intermediate_size, self.hidden_size, False),
+                       ("down_proj", self.hidden_size, self.intermediate_size, False)]
+        # Logits are computed for each request's last token only.
+        return shapes + [("lm_head", self.vocab_size, self.hidden_size, True)]
+
+
+@dataclass
+class TimingCase:
+    """One timed call: ``setup(backend)`` makes the inputs and returns the call."""
+
+    label: str
+    setup: Callable[[Any], Callable[[], Any]]
+
+
+@dataclass
+class KindChoice:
+    """How one kind's backend was chosen, for the startup summary and ``/get_server_info``.
+    ``describe()`` gives each timed candidate's score (its time relative to the fastest
+    on each case, geometric mean) and its time as the sum over the cases of one call each."""
+
+    kind: str
+    chosen: str
+    how: str  # "named", "only candidate", "measured", "cached", "priority"
+    # Per candidate: per case, the median seconds (absent where it was not timed further).
+    seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    scores: dict[str, float] = field(default_factory=dict)  # relative to the fastest (1.0)
+    notes: dict[str, str] = field(default_factory=dict)  # why a candidate was not timed to the end
+
+    def describe(self) -> str:
+        if not self.scores:
+            return self.how
+        figures = ", ".join(
+            f"{name} ({self.notes[name]})" if name in self.notes
+            else f"{name} {self.scores[name]:.2f}x ({sum(self.seconds[name].values()) * 1e3:.3g} ms)"
+            for name in sorted(self.scores, key=self.scores.__getitem__))
+        return f"{self.how}: {figures}"
+
+
+# -- the cases -----------------------------------------------------------------
+
+
+def timing_cases(kind: str, query: KernelQuery, shapes: ModelShapes, device: torch.device) -> list[TimingCase]:
+    """What ``kind``'s candidates are timed on: the model's shapes at a decode step and a prefill chunk."""
+    builders = {"gemm": _gemm_cases, "attention": _attention_cases, "elementwise": _elementwise_cases,
+                "moe": _moe_cases}
+    return builders[kind](query, shapes, device)
+
+
+def _rows(shapes: ModelShapes) -> list[tuple[str, int]]:
+    return [("decode", shapes.decode_rows), ("prefill", shapes.prefill_rows)]
+
+
+def _gemm_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -> list[TimingCase]:
+    cases = []
+    for name, out_features, in_features, decode_only in shapes.gemm_shapes():
+        for phase, rows in _rows(shapes)[:1] if decode_only else _rows(shapes):
+            def setup(backend: Any, rows=rows, out_features=out_features, in_features=in_features):
+                gen = torch.Generator().manual_seed(rows + out_features)
+                x = torch.randn((rows, in_features), generator=gen).to(device, query.dtype)
+                w = (torch.randn((out_features, in_features), generator=gen) / math.sqrt(in_features))
+                weight = backend.prepare_weight(w.to(device, query.dtype))
+                return lambda: backend.linear(x, weight)
+
+            cases.append(TimingCase(f"{name}/{phase}/m{rows}", setup))
+    return cases
+
+
+def _attention_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -> list[TimingCase]:
+    from radixserve.testing.conformance import AttentionCase, make_attention_inputs, with_kv_layout
+
+    context = shapes.decode_context
+    steps = [
+        AttentionCase(f"decode/bs{shapes.decode_rows}/ctx{context}", "decode", query.page_size, shapes.num_heads,
+                      shapes.num_kv_heads, shapes.head_dim, (context - 1,) * shapes.decode_rows,
+                      (1,) * shapes.decode_rows),
+        AttentionCase(f"extend/t{shapes.prefill_rows}", "extend", query.page_size, shapes.num_heads,
+                      shapes.num_kv_heads, shapes.head_dim, (0,), (shapes.prefill_rows,)),
+    ]
+    cases = []
+    for step in steps:
+        def setup(backend: Any, step=step):
+            # The pool in the KV cache dtype and the layout the backend reads; q, k, v in the model's dtype.
+            inputs = make_attention_inputs(step, query.kv_dtype or query.dtype, device, layout="contiguous")
+            inputs.batch.kv_pool = with_kv_layout(inputs.batch.kv_pool, backend.kv_layout)
+            q, k, v = (t.to(query.dtype) for t in (inputs.q, inputs.k, inputs.v))
+
+            def call():
+                backend.init_forward_metadata(inputs.batch)
+                return backend.forward(q, k, v, inputs.layer, inputs.batch)
+
+            return call
+
+        cases.append(TimingCase(step.name, setup))
+    return cases
+
+
+def _elementwise_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -> list[TimingCase]:
+    from radixserve.testing.conformance import ElementwiseCase, make_elementwise_inputs, run_elementwise_case
+
+    cases = []
+    for phase, rows in _rows(shapes):
+        ops = [ElementwiseCase(f"rms_norm/{phase}/m{rows}", "rms_norm", rows, hidden=shapes.hidden_size,
+                               residual=True),
+               ElementwiseCase(f"rotary/{phase}/m{rows}", "rotary", rows, heads=shapes.num_heads,
+                               kv_heads=shapes.num_kv_heads, head_dim=shapes.head_dim, strided=True)]
+        if shapes.intermediate_size:
+            ops.append(ElementwiseCase(f"silu_and_mul/{phase}/m{rows}", "silu_and_mul", rows,
+                                       hidden=shapes.intermediate_size))
+        for op in ops:
+            def setup(backend: Any, op=op):
+                inputs = make_elementwise_inputs(op, query.dtype, device)
+                return lambda: run_elementwise_case(backend, op, inputs)
+
+            cases.append(TimingCase(op.name, setup))
+    return cases
+
+
+def _moe_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -> list[TimingCase]:
+    from radixserve.testing.conformance import MoECase, make_moe_inputs
+
+    cases = []
+    for phase, rows in _rows(shapes):
+        case = MoECase(f"moe/{phase}/m{rows}", rows, shapes.hidden_size, shapes.moe_intermediate_size,
+                       shapes.num_experts, shapes.top_k, True)
+
+        def setup(backend: Any, case=case):
+            hidden, logits, w13, w2, routing = (
+                t.to(device) if isinstance(t, torch.Tensor) else t for t in make_moe_inputs(case, query.dtype))
+            return lambda: backend.forward(hidden, logits, w13, w2, routing)
+
+        cases.append(TimingCase(case.name, setup))
+    return cases
+
+
+# -- timing --------------------------------------------------------------------
+
+
+def time_call(call: Callable[[], Any], synchronize: Callable[[], None], give_up_after: float) -> tuple[float, bool]:
+    """Seconds per call of ``call``: after one warm-up call (first-call work:
+    compilation, caches), samples of enough back-to-back calls to last
+    ``SAMPLE_SECONDS`` each, and the fastest sample's time per call (a timer on a
+    shared machine only ever reads too slow: a preempted thread stalls a whole
+    parallel region). ``(seconds, False)`` when one call already took longer
+    than ``give_up_after``."""
+    call()
+    synchronize()
+    calls_per_sample, samples, spent = 1, [], 0.0
+    while len(samples) < MIN_SAMPLES or (spent < MIN_SECONDS and len(samples) < MAX_SAMPLES):
+        start = time.perf_counter()
+        for _ in range(calls_per_sample):
+            call()
+        synchronize()
+        elapsed = time.perf_counter() - start
+        spent += elapsed
+        if calls_per_sample == 1 and elapsed > give_up_after:
+            return elapsed, False
+        if elapsed < SAMPLE_SECONDS and not samples:  # too short to time well: batch more calls per sample
+            calls_per_sample = min(1000, calls_per_sample * max(2, math.ceil(SAMPLE_SECONDS / max(elapsed, 1e-7))))
+            continue
+        samples.append(elapsed / calls_per_sample)
+    return min(samples), True
+
+
+def measure(kind: str, candidates: list[Candidate], query: KernelQuery, cases: list[TimingCase],
+            synchronize: Callable[[], None]) -> KindChoice:
+    """Time every candidate on every case and choose (see the module docstring)."""
+    choice = KindChoice(kind, chosen="", how="measured")
+    best: dict[str, float] = {}
+    for cand in candidates:
+        seconds: dict[str, float] = {}
+        choice.seconds[cand.name] = seconds
+        try:
+            backend = cand.cls(query)
+        except Exception as exc:  # it said it supports the query, then could not be made: not a candidate
+            choice.notes[cand.name] = f"failed to construct: {type(exc).__name__}: {exc}"
+            logger.warning("%s backend %s failed to construct: %s", kind, cand.name, exc)
+            continue
+        for case in cases:
+            limit = max(GIVE_UP_FACTOR * best.get(case.label, math.inf), GIVE_UP_FLOOR_SECONDS)
+            try:
+                elapsed, finished = time_call(case.setup(backend), synchronize, limit)
+            except Exception as exc:  # it supports the query but fails on these shapes: not a candidate
+                choice.notes[cand.name] = f"failed on {case.label}: {type(exc).__name__}: {exc}"
+                logger.warning("%s backend %s failed while timed on %s: %s", kind, cand.name, case.label, exc)
+                break
+            if not finished:
+                choice.notes[cand.name] = f"over {GIVE_UP_FACTOR:g}x the fastest on {case.label}; not timed further"
+                break
+            seconds[case.label] = elapsed
+            best[case.label] = min(elapsed, best.get(case.label, math.inf))
+    for cand in candidates:
+        seconds = choice.seconds[cand.name]
+        if cand.name in choice.notes:
+            choice.scores[cand.name] = math.inf
+        else:
+            choice.scores[cand.name] = math.exp(statistics.fmean(
+                math.log(seconds[label] / best[label]) for label in seconds)) if seconds else math.inf
+    choice.chosen = _winner(candidates, choice.scores)
+    return choice
+
+
+def _winner(candidates: list[Candidate], scores: dict[str, float]) -> str:
+    """The highest-priority candidate (``candidates`` are in priority order)
+    whose score is within TIE_MARGIN of the best."""
+    best = min(scores.values())
+    if math.isinf(best):
+        raise RuntimeError("every candidate failed while being timed: " + ", ".join(scores))
+    return next(c.name for c in candidates if scores[c.name] <= best * (1 + TIE_MARGIN))
+
+
+# -- the cache -----------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """``$RADIXSERVE_CACHE_DIR/backend-timings``, else the user cache directory's."""
+    override = os.environ.get("RADIXSERVE_CACHE_DIR")
+    if override:
+        return Path(override) / CACHE_SUBDIR
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("radixserve")) / CACHE_SUBDIR
+
+
+class TimingCache:
+    """One JSON file per key (its SHA-256) under ``cache_dir()``; a file that cannot
+    be read or written is a miss, logged, never an error."""
+
+    def __init__(self, directory: Optional[Path] = None):
+        self.directory = Path(directory) if directory is not None else cache_dir()
+
+    def path(self, key: dict[str, Any]) -> Path:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+        return self.directory / f"{digest}.json"
+
+    def get(self, key: dict[str, Any]) -> Optional[dict[str, Any]]:
+        path = self.path(key)
+        try:
+            entry = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            logger.warning("ignoring the unreadable backend timing cache %s: %s", path, exc)
+            return None
+        return entry if entry.get("key") == key else None
+
+    def put(self, key: dict[str, Any], choice: KindChoice) -> None:
+        path = self.path(key)
+        entry = {"key": key, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "choice": _choice_json(choice)}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(entry, indent=1))
+            tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+        except OSError as exc:
+            logger.warning("could not write the backend timing cache %s: %s", path, exc)
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Every readable entry, newest first (for ``radixserve plugins``)."""
+        found = []
+        for path in sorted(self.directory.glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True):
+            try:
+                found.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        return found
+
+
+def _choice_json(choice: KindChoice) -> dict[str, Any]:
+    data = asdict(choice)
+    data["scores"] = {k: (None if math.isinf(v) else v) for k, v in choice.scores.items()}
+    return data
+
+
+def _choice_from_json(data: dict[str, Any]) -> KindChoice:
+    data = dict(data)
+    data["scores"] = {k: (math.inf if v is None else v) for k, v in data["scores"].items()}
+    return KindChoice(**data)
+
+
+# -- selection -------------------------------------------------------------------
+
+
+class MeasuredSelection:
+    """Chooses each kind's backend for ModelContext.create, as ``registry.select``
+    does, except that ``auto`` with more than one usable candidate times them.
+    ``choices`` keeps how each kind was chosen."""
+
+    def __init__(self, registry: PluginRegistry, platform: Any, device_index: int, shapes: ModelShapes,
+                 cache: Optional[TimingCache] = None, measure_backends: bool = True):
+        self.registry = registry
+        self.platform = platform
+        self.device_index = device_index
+        self.device = platform.device(device_index)
+        self.shapes = shapes
+        self.cache = cache if cache is not None else TimingCache()
+        self.measure_backends = measure_backends
+        self.choices: dict[str, KindChoice] = {}
+
+    def select(self, kind: str, query: KernelQuery, requested: str = "auto") -> type:
+        if requested != "auto":
+            cls = self.registry.forced(kind, query, requested)
+            self.choices[kind] = KindChoice(kind, cls.name, "named")
+            return cls
+        usable = self.registry.usable(kind, query)
+        # A negative priority keeps a backend out of the race: it is chosen by name, or when nothing else serves.
+        contenders = [c for c in usable if c.priority >= 0] or usable[:1]
+        if len(contenders) == 1 or kind not in TIMED_KINDS or not self.measure_backends:
+            how = "only candidate" if len(contenders) == 1 else "priority"
+            self.choices[kind] = KindChoice(kind, contenders[0].name, how)
+            return contenders[0].cls
+        choice = self._cached_or_measured(kind, query, contenders)
+        self.choices[kind] = choice
+        logger.info("%s backend %s (%s)", kind, choice.chosen, choice.describe())
+        return next(c.cls for c in contenders if c.name == choice.chosen)
+
+    def _cached_or_measured(self, kind: str, query: KernelQuery, usable: list[Candidate]) -> KindChoice:
+        key = self._key(kind, query, usable)
+        entry = self.cache.get(key)
+        if entry is not None:
+            choice = _choice_from_json(entry["choice"])
+            choice.how = f"cached, measured {entry['measured_at']}"
+            return choice
+        start = time.perf_counter()
+        cases = timing_cases(kind, query, self.shapes, self.device)
+        with torch.inference_mode(), self.platform.forward_context():
+            choice = measure(kind, usable, query, cases, lambda: self.platform.synchronize(self.device))
+        choice.how = f"measured in {time.perf_counter() - start:.1f} s"
+        self.cache.put(key, choice)
+        return choice
+
+    def _key(self, kind: str, query: KernelQuery, usable: list[Candidate]) -> dict[str, Any]:
+        plugins = self.registry.plugins
+        return {
+            "kind": kind,
+            "machine": self.platform.timing_fingerprint(self.device_index),
+            "query": query.describe(),
+            "shapes": asdict(self.shapes),
+            "candidates": {c.name: f"{c.plugin} {plugins[c.plugin].version or __version__}" for c in usable},
+            "versions": {"radixserve": __version__, "torch": torch.__version__},
+        }
+
+
+def report_cached(platform: Any, device_index: int = 0, cache: Optional[TimingCache] = None) -> list[dict[str, Any]]:
+    """The cached choices measured on this machine (same fingerprint), newest first:
+    ``{"kind", "query", "chosen", "measured_at", "figures"}`` for ``radixserve plugins``."""
+    fingerprint = platform.timing_fingerprint(device_index)
+    rows = []
+    for entry in (cache or TimingCache()).entries():
+        key = entry.get("key", {})
+        if key.get("machine") != fingerprint:
+            continue
+        choice = _choice_from_json(entry["choice"])
+        rows.append({"kind": choice.kind, "query": key.get("query"), "chosen": choice.chosen,
+                     "measured_at": entry.get("measured_at"), "figures": choice.describe().split(": ", 1)[-1]})
+    return rows

@@ -1,0 +1,206 @@
+"""Selection by measurement (radixserve/backend_timing.py): ``auto`` times the
+usable backends of a kind on the model's shapes and takes the fastest; the result
+is cached per machine and shapes; a named backend wins over the measurement; a
+backend whose build fails is passed over, saying why."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from generation_utils import generate, make_scheduler, mixed_prompts
+from radixserve.backend_timing import MeasuredSelection, ModelShapes, TimingCache, report_cached
+from radixserve.hooks import hookimpl
+from radixserve.kernels import GemmBackend, KernelQuery
+from radixserve.registry import PluginError, PluginRegistry
+from radixserve_torch.platform import CpuPlatform
+
+QUERY = KernelQuery(device="cpu", dtype=torch.float32, head_dim=16, num_heads=4, num_kv_heads=2)
+SHAPES = ModelShapes(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
+                     vocab_size=256, decode_rows=4, prefill_rows=32, decode_context=64)
+SLOW_SECONDS = 0.02  # far above what a preempted thread costs a tiny F.linear on a loaded machine
+
+
+class CountingGemm(GemmBackend):
+    calls = 0
+
+    def linear(self, x, weight, bias=None):
+        type(self).calls += 1
+        return F.linear(x, weight, bias)
+
+
+class SlowGemm(CountingGemm):
+    """Slower by construction (a 20 ms wait per call), and first by priority."""
+
+    name = "slow_gemm"
+    priority = 100
+
+    def linear(self, x, weight, bias=None):
+        time.sleep(SLOW_SECONDS)
+        return super().linear(x, weight, bias)
+
+
+class FastGemm(CountingGemm):
+    name = "fast_gemm"
+    priority = 50
+
+
+class BrokenBuildGemm(CountingGemm):
+    """Would win on priority, but its kernels do not build here."""
+
+    name = "broken_gemm"
+    priority = 200
+
+    @classmethod
+    def build(cls) -> None:
+        raise RuntimeError("c++: error: no such compiler")
+
+
+class HiddenGemm(CountingGemm):
+    """Negative priority: only chosen by name."""
+
+    name = "hidden_gemm"
+    priority = -1
+
+
+class FakeGemmPlugin:
+    @hookimpl
+    def register_gemm_backends(self, register):
+        for cls in (SlowGemm, FastGemm, BrokenBuildGemm, HiddenGemm):
+            register(cls)
+
+
+@pytest.fixture
+def registry() -> PluginRegistry:
+    registry = PluginRegistry(load_entry_points=False)
+    registry.register_plugin(FakeGemmPlugin(), "fake-gemm")
+    return registry
+
+
+def selection(registry: PluginRegistry, cache_dir, **kw) -> MeasuredSelection:
+    return MeasuredSelection(registry, CpuPlatform(), 0, SHAPES, cache=TimingCache(cache_dir), **kw)
+
+
+def test_auto_picks_the_faster_backend_over_the_higher_priority(registry, tmp_path):
+    assert registry.select("gemm", QUERY) is SlowGemm  # by priority alone
+    chooser = selection(registry, tmp_path)
+    assert chooser.select("gemm", QUERY) is FastGemm
+    choice = chooser.choices["gemm"]
+    assert choice.chosen == "fast_gemm" and choice.how.startswith("measured")
+    assert set(choice.scores) == {"slow_gemm", "fast_gemm"}  # hidden_gemm is not raced, broken_gemm not built
+    assert choice.scores["fast_gemm"] == 1.0 and choice.scores["slow_gemm"] > 2
+    # Every case was timed on both; each call of the slow one took at least its wait.
+    assert set(choice.seconds["slow_gemm"]) == set(choice.seconds["fast_gemm"])
+    assert len(choice.seconds["fast_gemm"]) == 2 * 4 + 1  # four projections x two row counts, the LM head at decode
+    assert min(choice.seconds["slow_gemm"].values()) >= SLOW_SECONDS
+    assert "fast_gemm" in choice.describe() and "slow_gemm" in choice.describe()
+
+
+def test_the_second_start_reuses_the_cached_measurement(registry, tmp_path):
+    first = selection(registry, tmp_path)
+    first.select("gemm", QUERY)
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1
+    calls = CountingGemm.calls, SlowGemm.calls, FastGemm.calls
+
+    second = selection(registry, tmp_path)
+    assert second.select("gemm", QUERY) is FastGemm
+    assert second.choices["gemm"].how.startswith("cached")
+    assert (CountingGemm.calls, SlowGemm.calls, FastGemm.calls) == calls  # nothing was timed again
+    assert second.choices["gemm"].seconds == first.choices["gemm"].seconds
+
+    # Another shape is another key: measured afresh.
+    other = MeasuredSelection(registry, CpuPlatform(), 0, ModelShapes(**{**SHAPES.__dict__, "hidden_size": 96}),
+                              cache=TimingCache(tmp_path))
+    assert other.select("gemm", QUERY) is FastGemm and other.choices["gemm"].how.startswith("measured")
+    assert len(list(tmp_path.glob("*.json"))) == 2
+    rows = report_cached(CpuPlatform(), cache=TimingCache(tmp_path))
+    assert [row["chosen"] for row in rows] == ["fast_gemm", "fast_gemm"] and rows[0]["kind"] == "gemm"
+
+
+def test_a_corrupt_cache_entry_is_measured_again(registry, tmp_path):
+    selection(registry, tmp_path).select("gemm", QUERY)
+    (path,) = tmp_path.glob("*.json")
+    path.write_text("{not json")
+    again = selection(registry, tmp_path)
+    assert again.select("gemm", QUERY) is FastGemm and again.choices["gemm"].how.startswith("measured")
+
+
+def test_a_named_backend_wins_over_the_measurement(registry, tmp_path):
+    chooser = selection(registry, tmp_path)
+    assert chooser.select("gemm", QUERY, "slow_gemm") is SlowGemm
+    assert chooser.choices["gemm"].how == "named" and not chooser.choices["gemm"].scores
+    assert chooser.select("gemm", QUERY, "hidden_gemm") is HiddenGemm
+    assert not list(tmp_path.glob("*.json"))  # nothing was timed
+
+
+def test_priority_selection_times_nothing(registry, tmp_path):
+    chooser = selection(registry, tmp_path, measure_backends=False)
+    assert chooser.select("gemm", QUERY) is SlowGemm
+    assert chooser.choices["gemm"].how == "priority"
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_a_backend_whose_build_fails_is_passed_over_with_the_reason(registry, tmp_path, caplog):
+    with caplog.at_level("INFO", logger="radixserve.registry"):
+        names = [c.name for c in registry.usable("gemm", QUERY)]
+    assert "broken_gemm" not in names
+    assert "rejected gemm backend broken_gemm: build failed: RuntimeError: c++: error: no such compiler" in caplog.text
+    with pytest.raises(PluginError, match=r"broken_gemm.*build failed: RuntimeError: c\+\+: error"):
+        selection(registry, tmp_path).select("gemm", QUERY, "broken_gemm")
+    assert registry.build_usable(QUERY) == {"gemm": ["broken_gemm: build failed: RuntimeError: c++: error: "
+                                                     "no such compiler"]}
+
+
+def test_a_scheduler_measures_once_then_reads_the_cache(tiny_llama_dir, tmp_path, monkeypatch):
+    """The real CPU backends on a real model: the first start times them and says
+    so in its summary; the second start reads the figures back; both generate the
+    same greedy tokens."""
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    prompts = mixed_prompts(512, [7, 30], seed=11)
+    outputs, choices = [], []
+    for _ in range(2):
+        scheduler = make_scheduler(tiny_llama_dir)
+        summary = scheduler.runner.summary()
+        choices.append(summary["backend_choices"])
+        outputs.append([r.output_ids for r in generate(scheduler, prompts, max_new_tokens=8, ignore_eos=True)])
+    for kind in ("gemm", "attention", "elementwise"):
+        assert choices[0][kind].startswith("measured"), choices[0]
+        assert choices[1][kind].startswith("cached"), choices[1]
+        assert choices[0][kind].split(": ", 1)[1] == choices[1][kind].split(": ", 1)[1]
+    assert choices[0]["quantization"] == "named"
+    assert outputs[0] == outputs[1]
+    assert len(list((tmp_path / "backend-timings").glob("*.json"))) == 3
+
+
+class PrefillFailsGemm(CountingGemm):
+    """Claims the query, then raises on the prefill chunk's rows."""
+
+    name = "prefill_fails_gemm"
+    priority = 150
+
+    def linear(self, x, weight, bias=None):
+        if x.shape[0] == SHAPES.prefill_rows:
+            raise RuntimeError("no kernel for 32 rows")
+        return super().linear(x, weight, bias)
+
+
+def test_a_backend_that_fails_on_the_shapes_is_dropped_with_the_reason(tmp_path, caplog):
+    class Plugin:
+        @hookimpl
+        def register_gemm_backends(self, register):
+            register(PrefillFailsGemm)
+            register(FastGemm)
+
+    registry = PluginRegistry(load_entry_points=False)
+    registry.register_plugin(Plugin(), "failing-gemm")
+    chooser = selection(registry, tmp_path)
+    with caplog.at_level("WARNING", logger="radixserve.backend_timing"):
+        assert chooser.select("gemm", QUERY) is FastGemm
+    choice = chooser.choices["gemm"]
+    assert choice.notes["prefill_fails_gemm"] == "failed on qkv_proj/prefill/m32: RuntimeError: no kernel for 32 rows"
+    assert "prefill_fails_gemm failed while timed on qkv_proj/prefill/m32" in caplog.text
+    assert "prefill_fails_gemm (failed on qkv_proj/prefill/m32" in choice.describe()

@@ -1,0 +1,160 @@
+"""The CPU kernels' build target follows ATen's CPU capability (cpu_isa.py).
+
+At the CPU's own level they are built ``-march=native``; under
+``ATEN_CPU_CAPABILITY=avx2`` (with ``ONEDNN_MAX_CPU_ISA=AVX2``: what an AVX2-only
+Xeon runs) for x86-64-v3, into a library of their own name, so both builds stay
+in torch's extension cache and later runs load them. Under that cap ``auto``
+passes over ``cpu_packed`` (its kernels are AVX-512) and, in bfloat16, ``onednn``,
+each saying why; the backends it picks pass the conformance kit; a bfloat16
+checkpoint is served in float32; and a model generates the same greedy tokens
+as on the native build."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from generation_utils import generate, make_scheduler, mixed_prompts
+from radixserve.kernels import KernelQuery
+from radixserve.registry import get_registry
+from radixserve_torch import cpu_isa, cpu_kernels
+from radixserve_torch.gemm import CpuPackedGemm
+
+TESTS = Path(__file__).resolve().parent
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+FORCED = dict(attention_backend="cpu_paged", elementwise_backend="cpu_fused", gemm_backend="onednn")
+QUERY = dict(device="cpu", head_dim=64, num_heads=4, num_kv_heads=2)
+
+
+def test_target_table():
+    flags = frozenset({"avx2", "avx512f", "avx512_bf16"})
+    native = cpu_isa.select_target("x86_64", "AVX512", False, flags)
+    assert native.cflags == ("-march=native",) and native.features == flags
+    avx2 = cpu_isa.select_target("x86_64", "AVX2", True, flags)
+    assert avx2.cflags == ("-march=x86-64-v3",) and "avx2" in avx2.features and "avx512f" not in avx2.features
+    capped512 = cpu_isa.select_target("x86_64", "AVX512", True, flags)
+    assert capped512.cflags == ("-march=x86-64-v4",) and "avx512_bf16" not in capped512.features
+    baseline = cpu_isa.select_target("x86_64", "DEFAULT", True, flags)
+    assert baseline.cflags == ("-march=x86-64",) and "avx" not in baseline.features
+    assert len({t.name for t in (native, avx2, capped512, baseline)}) == 4  # each builds its own library
+    # No entry for another architecture yet: no kernels, and the backends say so.
+    assert cpu_isa.select_target("aarch64", "DEFAULT", False, frozenset()) is None
+
+
+def test_this_process_builds_for_its_aten_capability():
+    target = cpu_isa.build_target()
+    if target is None:
+        pytest.skip(cpu_isa.no_target_reason())
+    capability = torch.backends.cpu.get_cpu_capability().lower()
+    if platform.machine() == "x86_64" and not os.environ.get("ATEN_CPU_CAPABILITY"):
+        assert target.name == f"x86_64_{capability}_native" and target.cflags == ("-march=native",)
+    assert cpu_kernels.extension_name() == f"radixserve_cpu_kernels_{target.name}"
+
+
+def test_cpu_packed_passes_over_an_avx2_build(monkeypatch):
+    avx2 = cpu_isa.select_target("x86_64", "AVX2", True, frozenset({"avx512f", "avx512_bf16"}))
+    monkeypatch.setattr(cpu_isa, "build_target", lambda: avx2)
+    for dtype, needed in ((torch.float32, "avx512f"), (torch.bfloat16, "avx512_bf16")):
+        reasons = CpuPackedGemm.unsupported_reasons(KernelQuery(dtype=dtype, **QUERY))
+        assert reasons == [f"its {dtype} kernels need {needed}, and the CPU kernels are built for AVX2 "
+                           "(-march=x86-64-v3; ATEN_CPU_CAPABILITY caps ATen at AVX2), which lacks it"]
+
+
+def test_no_target_means_no_kernels(monkeypatch):
+    monkeypatch.setattr(cpu_isa, "build_target", lambda: None)
+    query = KernelQuery(dtype=torch.float32, **QUERY)
+    reason = cpu_isa.no_target_reason()
+    assert "no build target for" in reason and reason in cpu_kernels.unavailable_reasons()
+    assert get_registry().select("attention", query).name == "torch_varlen"
+    assert get_registry().select("elementwise", query).name == "torch_native"
+
+
+# What the capped subprocess runs: selection, reasons, the kits on what auto picks,
+# the dtype auto gives a bfloat16 checkpoint, and a generation; one JSON line out.
+CAPPED_RUN = textwrap.dedent("""
+    import json, sys
+    import torch
+    from generation_utils import generate, make_scheduler, mixed_prompts
+    from radixserve.kernels import KernelQuery
+    from radixserve.registry import get_registry
+    from radixserve.testing import check_attention_backend, check_elementwise_backend, check_gemm_backend
+    from radixserve_torch import cpu_kernels
+    from radixserve_torch.gemm import CpuPackedGemm, OneDnnGemm
+    from radixserve_torch.platform import CpuPlatform
+
+    kits = {"attention": check_attention_backend, "gemm": check_gemm_backend,
+            "elementwise": check_elementwise_backend}
+    out = {"capability": torch.backends.cpu.get_cpu_capability(), "extension": cpu_kernels.extension_name(),
+           "selected": {}, "reasons": {}, "cases": {}}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        query = KernelQuery(dtype=dtype, **json.loads(sys.argv[2]))
+        out["selected"][name] = {kind: get_registry().select(kind, query).name for kind in kits}
+        out["reasons"][name] = {"cpu_packed": CpuPackedGemm.unsupported_reasons(query),
+                                "onednn": OneDnnGemm.unsupported_reasons(query)}
+        for kind, backend in out["selected"][name].items():
+            report = kits[kind](backend, dtypes=[dtype]).raise_for_failures()
+            out["cases"][f"{kind} {backend} {name}"] = len(report.results)
+    choice = CpuPlatform.auto_dtype(torch.bfloat16)
+    out["auto_dtype"] = [str(choice.dtype), choice.reason]
+    scheduler = make_scheduler(sys.argv[1], **json.loads(sys.argv[3]))
+    out["dtype"] = scheduler.runner.summary()["dtype"]
+    out["tokens"] = [r.output_ids for r in generate(scheduler, mixed_prompts(512, [7, 40, 19], seed=5),
+                                                    max_new_tokens=12, ignore_eos=True)]
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or "avx2" not in (cpu_isa.cpu_flags() or ()),
+                    reason="needs an x86-64 CPU with AVX2")
+@pytest.mark.skipif(bool(cpu_kernels.missing_tools()), reason="needs a C++ compiler and ninja")
+def test_avx2_caps_pick_working_backends_and_generate_as_the_native_build(tiny_model_factory):
+    model_dir = tiny_model_factory(dtype="bfloat16", seed=3)
+    env = {**os.environ, **AVX2_CAPS, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    # dtype auto: the bfloat16 checkpoint runs in float32 under the caps (no native bfloat16 left).
+    proc = subprocess.run([sys.executable, "-c", CAPPED_RUN, str(model_dir), json.dumps(QUERY),
+                           json.dumps({**FORCED, "dtype": "auto"})],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+
+    assert out["capability"] == "AVX2" and out["extension"] == "radixserve_cpu_kernels_x86_64_avx2"
+    assert out["selected"] == {
+        "float32": {"attention": "cpu_paged", "gemm": "onednn", "elementwise": "cpu_fused"},
+        "bfloat16": {"attention": "cpu_paged", "gemm": "torch", "elementwise": "cpu_fused"},
+    }
+    cpu_packed_f32 = out["reasons"]["float32"]["cpu_packed"]
+    assert len(cpu_packed_f32) == 1 and "need avx512f" in cpu_packed_f32[0] and "x86-64-v3" in cpu_packed_f32[0]
+    assert out["reasons"]["bfloat16"]["onednn"] == [
+        "ONEDNN_MAX_CPU_ISA=AVX2 keeps oneDNN from the AVX-512 (or AVX-NE-CONVERT) its bfloat16 needs"]
+    print(json.dumps(out["cases"], indent=1))
+    assert len(out["cases"]) == 6 and all(n > 0 for n in out["cases"].values())
+    assert out["cases"]["attention cpu_paged float32"] >= 7 and out["cases"]["elementwise cpu_fused float32"] >= 20
+    if "avx512_bf16" in (cpu_isa.cpu_flags() or ()):
+        assert out["auto_dtype"][0] == "torch.float32" and "ONEDNN_MAX_CPU_ISA=AVX2" in out["auto_dtype"][1]
+    assert out["dtype"] == "float32"
+
+    # Both builds stay in the extension cache (the next run loads them, builds nothing).
+    from torch.utils.cpp_extension import _get_build_directory
+
+    for name in (out["extension"], cpu_kernels.extension_name()):
+        assert (Path(_get_build_directory(name, False)) / f"{name}.so").is_file(), name
+    if shutil.which("objdump"):
+        library = Path(_get_build_directory(out["extension"], False)) / f"{out['extension']}.so"
+        listing = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True).stdout
+        assert "%ymm" in listing and "%zmm" not in listing  # AVX2 vectors, no AVX-512 instruction
+
+    # The native build, float32 as well: the same greedy tokens.
+    native = make_scheduler(model_dir, dtype="float32", **FORCED)
+    want = [r.output_ids for r in generate(native, mixed_prompts(512, [7, 40, 19], seed=5),
+                                           max_new_tokens=12, ignore_eos=True)]
+    assert out["tokens"] == want
