@@ -21,6 +21,7 @@ second start with the same model on the same machine times nothing.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -44,6 +45,9 @@ TIE_MARGIN = 0.03  # scores within 3% of the best are a tie: priority decides
 MIN_SAMPLES, MAX_SAMPLES, SAMPLE_SECONDS, MIN_SECONDS = 3, 25, 5e-4, 0.05
 # A candidate whose single call takes 20x the best's, and over 50 ms, is not timed further.
 GIVE_UP_FACTOR, GIVE_UP_FLOOR_SECONDS = 20.0, 0.05
+# A GEMM case cycles through copies of its weight totalling this much (at most 64
+# copies), more than a CPU's last-level cache, as the layers of a model step do.
+COLD_BYTES, MAX_WEIGHT_COPIES = 256 * 2**20, 64
 TIMED_KINDS = ("gemm", "attention", "elementwise", "moe")  # quantization is never chosen automatically
 CACHE_SUBDIR = "backend-timings"
 
@@ -131,8 +135,12 @@ def _gemm_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -
                 gen = torch.Generator().manual_seed(rows + out_features)
                 x = torch.randn((rows, in_features), generator=gen).to(device, query.dtype)
                 w = (torch.randn((out_features, in_features), generator=gen) / math.sqrt(in_features))
-                weight = backend.prepare_weight(w.to(device, query.dtype))
-                return lambda: backend.linear(x, weight)
+                w = w.to(device, query.dtype)
+                # In a model step each layer's weight arrives cold from memory (the weights
+                # outgrow the caches); calls cycle through copies that outgrow them too.
+                copies = max(1, min(MAX_WEIGHT_COPIES, math.ceil(COLD_BYTES / (w.numel() * w.element_size()))))
+                weights = itertools.cycle([backend.prepare_weight(w.clone()) for _ in range(copies)])
+                return lambda: backend.linear(x, next(weights))
 
             cases.append(TimingCase(f"{name}/{phase}/m{rows}", setup))
     return cases
