@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from radixserve.config import ServerArgs
-from radixserve.messages import GenerateRequest, TokenOutput
+from radixserve.messages import FinishReason, GenerateRequest, TokenOutput
 from radixserve.runtime.scheduler import Scheduler
 from radixserve.sampling.params import SamplingParams
 
@@ -22,7 +22,7 @@ _rids = itertools.count()
 @dataclass
 class Result:
     output_ids: list[int]
-    finish_reason: dict
+    finish_reason: FinishReason
     cached_tokens: int
     logprobs: list[float]
     input_logprobs: Optional[list]

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers_server import ServerProcess, wait_until
 from radixserve.config import ServerArgs
 from radixserve.ipc import Endpoints, pull_socket, push_socket
-from radixserve.messages import AbortRequest, TextBatch, TextOutput, TokenOutput
+from radixserve.messages import AbortRequest, FinishReason, TextBatch, TextOutput, TokenOutput
 from radixserve.server.tokenizer_manager import GenerateInput, RequestFailedError, TokenizerManager
 
 # Long enough that no request can finish in the second or so before its client leaves.
@@ -187,7 +187,7 @@ def test_access_log_lines(server):
 
 # ---- the TokenizerManager over real sockets, the test playing the scheduler and detokenizer -------------
 SUMMARY = {"context_length": 1024, "vocab_size": 100, "max_total_tokens": 4096, "page_size": 1}
-LENGTH = {"type": "length", "matched": None}
+LENGTH = FinishReason("length")
 
 
 class _Runtime:
@@ -201,7 +201,7 @@ class _Runtime:
         self.detokenizer = push_socket(self.ctx, self.endpoints.tokenizer_manager)
         self.tm.start()
 
-    async def reply(self, *outputs: tuple[str, list[int], dict | None], error: str | None = None) -> None:
+    async def reply(self, *outputs: tuple[str, list[int], FinishReason | None], error: str | None = None) -> None:
         await self.detokenizer.send_pyobj(TextBatch([
             TextOutput(TokenOutput(rid, ids, finish, queue_time=0.0), "t" * len(ids), error=error)
             for rid, ids, finish in outputs]))
@@ -241,14 +241,14 @@ def test_bad_replies_fail_only_their_request():
                 await a
             assert await rt.received(1) == [AbortRequest(ids["a"])]
             assert rt.tm.num_in_flight == 2  # a until the scheduler's final output comes
-            await rt.reply((ids["a"], [6], {"type": "abort", "matched": None}), (ids["b"], [6], LENGTH))
+            await rt.reply((ids["a"], [6], FinishReason("abort")), (ids["b"], [6], LENGTH))
             assert [out["text"] for out in await b] == ["tt"]
             assert rt.tm.num_in_flight == 0 and await rt.nothing_more()
             # The scheduler failing a request (500) is an error for that request, with nothing left to abort.
             c = asyncio.create_task(_collect(_generate(rt.tm, "c")))
             (req,) = await rt.received(1)
-            await rt.reply((req.rid, [], {"type": "abort", "matched": None, "status_code": 500,
-                                          "message": "internal error: RuntimeError: x"}))
+            await rt.reply((req.rid, [], FinishReason("abort", status_code=500,
+                                                      message="internal error: RuntimeError: x")))
             with pytest.raises(RequestFailedError, match="internal error"):
                 await c
             assert rt.tm.num_in_flight == 0 and await rt.nothing_more()
@@ -277,7 +277,7 @@ def test_n2_cancelled_aborts_each_choice_once(stream):
             assert sorted(a.rid for a in aborts) == sorted(children)
             assert await rt.nothing_more()  # exactly once each, and none for the finished warm-up
             assert rt.tm.num_in_flight == 2  # until the scheduler confirms
-            await rt.reply(*((rid, [8], {"type": "abort", "matched": None}) for rid in children))
+            await rt.reply(*((rid, [8], FinishReason("abort")) for rid in children))
             await asyncio.sleep(0.1)
             assert rt.tm.num_in_flight == 0 and await rt.nothing_more()
         finally:

@@ -17,10 +17,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from generation_utils import FailingDecode
 
-from radixserve.messages import DetokenizeSettings, TokenBatch, TokenOutput
+from radixserve.messages import DetokenizeSettings, FinishReason, TokenBatch, TokenOutput
+from radixserve.runtime.detokenizer import DetokenizerState
+from radixserve.runtime.incremental_detokenizer import IncrementalDetokenizer
 from radixserve.runtime.stop import StopHoldback
-from radixserve.server.detokenizer import DetokenizerState
-from radixserve.server.incremental_detokenizer import IncrementalDetokenizer
 from radixserve.testing.tiny_models import build_tokenizer
 
 CORPUS = [
@@ -157,7 +157,7 @@ def test_stop_holdback_agrees_with_the_plain_definition():
     assert StopHoldback(())("anything") == 0
 
 
-def _out(rid: str, ids: list[int], finish: dict | None = None, **settings) -> TokenOutput:
+def _out(rid: str, ids: list[int], finish: FinishReason | None = None, **settings) -> TokenOutput:
     return TokenOutput(rid=rid, new_token_ids=ids, finish_reason=finish,
                        detokenize=DetokenizeSettings(**settings) if settings else None)
 
@@ -167,7 +167,7 @@ def test_settings_travel_once_and_stop_strings_are_held_back_and_trimmed(tokeniz
     hello, world = (tokenizer.encode(t, add_special_tokens=False) for t in ("Hello", " world###"))
     first = state.handle(_out("r", hello, stop_strings=("###",), no_stop_trim=False))
     later = [state.handle(_out("r", [i])) for i in world[:-1]]  # no settings: the state has them
-    final = state.handle(_out("r", world[-1:], {"type": "stop", "matched": "###"}))  # the token completing it
+    final = state.handle(_out("r", world[-1:], FinishReason("stop", "###")))  # the token completing it
     assert first.new_text + "".join(o.new_text for o in later) + final.new_text == "Hello world"
     assert not any("#" in o.new_text for o in later)
     assert state.requests == {}
@@ -186,15 +186,15 @@ def test_a_failing_request_ends_with_an_error_and_the_rest_are_served(tokenizer)
     # its final one still goes through (the TokenizerManager tracks it until then).
     later = state.handle_batch(TokenBatch([_out("bad", ids[:1]), _out("a", ids[2:])])).outputs
     assert [o.token.rid for o in later] == ["a"] and later[0].error is None
-    end = state.handle_batch(TokenBatch([_out("bad", [], {"type": "abort", "matched": None}),
-                                         _out("a", [], {"type": "length", "matched": None}),
-                                         _out("c", [], {"type": "length", "matched": None})])).outputs
+    end = state.handle_batch(TokenBatch([_out("bad", [], FinishReason("abort")),
+                                         _out("a", [], FinishReason("length")),
+                                         _out("c", [], FinishReason("length"))])).outputs
     assert [(o.token.rid, o.error, o.new_text) for o in end][0] == ("bad", None, "")
     assert a.new_text + later[0].new_text + end[1].new_text == tokenizer.decode(ids)
     assert state.requests == {} and state.failed == set()
     # A failure on a final output ends the request there: nothing is kept.
     state.handle_batch(TokenBatch([_out("d", ids[:1], skip_special_tokens=True)]))
-    (last,) = state.handle_batch(TokenBatch([_out("d", [bad], {"type": "length", "matched": None})])).outputs
+    (last,) = state.handle_batch(TokenBatch([_out("d", [bad], FinishReason("length"))])).outputs
     assert last.error and state.requests == {} and state.failed == set()
 
 

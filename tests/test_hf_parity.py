@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from generation_utils import generate, hf_greedy, make_scheduler, mixed_prompts
+from radixserve.messages import FinishReason
 from radixserve.testing.tiny_models import llama3_rope_scaling
 
 NEW_TOKENS = 64
@@ -33,6 +34,6 @@ def test_greedy_matches_hf(tiny_model_factory, name):
     for prompt, result in zip(prompts, batch):
         ref_ids, ref_logprobs = hf_greedy(model_dir, prompt, NEW_TOKENS)
         assert result.output_ids == ref_ids
-        assert result.finish_reason == {"type": "length", "matched": None}
+        assert result.finish_reason == FinishReason("length")
         worst = max(abs(a - b) for a, b in zip(result.logprobs, ref_logprobs))
         assert worst < 1e-3, f"{name}: chosen-token logprob differs from HF by {worst}"

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from helpers_cache import alloc_extend
 from radixserve.cache.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
 from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.kernels import KernelQuery
@@ -100,7 +101,7 @@ class PagedRunner:
         prefix = [self.lens[s] for s in slots]
         ext = [len(t) for t in new_tokens]
         last = [int(self.req_pool.req_to_token[s, p - 1]) if p else -1 for s, p in zip(slots, prefix)]
-        loc = self.alloc.alloc_extend(prefix, last, ext)
+        loc = alloc_extend(self.alloc, prefix, last, ext)
         start = 0
         for s, p, n in zip(slots, prefix, ext):
             self.req_pool.write(s, p, loc[start : start + n])

@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import pytest
 import torch
 
+from helpers_cache import alloc_extend, alloc_tokens
 from radixserve.cache.base import PrefixCache
 from radixserve.cache.chunk_cache import ChunkCache
 from radixserve.cache.memory_pool import PagedAllocator
@@ -44,12 +45,12 @@ class Pool:
         self.kv = torch.full(((num_pages + 1) * page_size,), -1, dtype=torch.int64)
 
     def alloc_for(self, req_len: int, last: int, n: int) -> Optional[torch.Tensor]:
-        """alloc_extend, evicting from the cache when the pool is short."""
-        slots = self.alloc.alloc_extend([req_len], [last], [n])
+        """Slots for ``n`` more tokens, evicting from the cache when the pool is short."""
+        slots = alloc_extend(self.alloc, [req_len], [last], [n])
         if slots is None:
             short = self.alloc.pages_needed([req_len], [n]) * self.ps - self.alloc.available_size()
             self.cache.evict(short)
-            slots = self.alloc.alloc_extend([req_len], [last], [n])
+            slots = alloc_extend(self.alloc, [req_len], [last], [n])
         return slots
 
     def start(self, tokens: list[int]) -> Optional[Req]:
@@ -114,7 +115,7 @@ def tree_pages(cache: PrefixCache) -> list[int]:
 
 def insert_fresh(pool: Pool, tokens: list[int]) -> torch.Tensor:
     """Allocate slots for ``tokens`` and insert them, freeing the ones the tree had."""
-    slots = pool.alloc.alloc(len(tokens))
+    slots = alloc_tokens(pool.alloc, len(tokens))
     pool.kv[slots] = torch.tensor(tokens, dtype=torch.int64)
     pool.alloc.free(slots[: pool.cache.insert(tokens, slots)])
     return slots
@@ -148,7 +149,7 @@ def test_insert_returns_present_prefix_and_branches():
     pool = Pool(page_size=1)
     cache = pool.cache
     insert_fresh(pool, [1, 2, 3])
-    dup = pool.alloc.alloc(5)
+    dup = alloc_tokens(pool.alloc, 5)
     assert cache.insert([1, 2, 3, 7, 8], dup) == 3
     pool.alloc.free(dup[:3])  # the caller frees the duplicates it learned about
     assert cache.total_size() == 5
@@ -160,7 +161,7 @@ def test_insert_returns_present_prefix_and_branches():
 def test_insert_copies_a_row_view():
     pool = Pool(page_size=1)
     row = torch.zeros(8, dtype=torch.int64)  # as in ReqToTokenPool.req_to_token
-    row[:3] = pool.alloc.alloc(3)
+    row[:3] = alloc_tokens(pool.alloc, 3)
     kept = row[:3].tolist()
     pool.cache.insert([1, 2, 3], row[:3])
     row[:3] = 0  # the request slot is reused
@@ -264,7 +265,7 @@ def test_page_aligned_insert_and_match():
     pool = Pool(page_size=ps)
     cache = pool.cache
     tokens = list(range(100, 140))  # 2 pages + 8 tokens
-    slots = pool.alloc.alloc(len(tokens))
+    slots = alloc_tokens(pool.alloc, len(tokens))
     assert cache.insert(tokens, slots) == 0
     assert cache.total_size() == 32  # the partial page is not cached
     pool.alloc.free(slots[32:])

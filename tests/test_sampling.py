@@ -10,8 +10,8 @@ import torch
 
 from radixserve.runtime.sampler import SamplingBatch, Sampler, _adjusted_logits, compute_logprobs, sample
 from radixserve.transfer import HostTransfer
+from radixserve.messages import FinishReason
 from radixserve.runtime.stop import (
-    FinishReason,
     StopChecker,
     drop_stop_token,
     StopHoldback,

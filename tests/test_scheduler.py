@@ -8,6 +8,7 @@ import pytest
 
 from generation_utils import generate, make_scheduler, mixed_prompts, run, submit
 from radixserve.hooks import hookimpl
+from radixserve.messages import FinishReason
 from radixserve.registry import PluginRegistry
 from radixserve_torch.attention import TorchNativeAttention
 
@@ -90,7 +91,7 @@ def test_retraction_when_kv_runs_out_keeps_outputs(tiny_llama_dir, prompts, refe
     results = generate(scheduler, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert scheduler.num_retracted_total > 0, "the pool was meant to be too small"
     assert [r.output_ids for r in results] == reference
-    assert all(r.finish_reason["type"] == "length" for r in results)
+    assert all(r.finish_reason.type == "length" for r in results)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -125,9 +126,9 @@ def test_abort_waiting_and_running_requests_frees_memory(tiny_llama_dir):
     scheduler.abort(rids[2])  # waiting
     assert scheduler.check_memory()
     results = run(scheduler, earlier=earlier)
-    assert results[rids[0]].finish_reason["type"] == "abort"
-    assert results[rids[2]].finish_reason["type"] == "abort" and results[rids[2]].output_ids == []
-    assert results[rids[1]].finish_reason["type"] == "length" and len(results[rids[1]].output_ids) == 50
+    assert results[rids[0]].finish_reason.type == "abort"
+    assert results[rids[2]].finish_reason.type == "abort" and results[rids[2]].output_ids == []
+    assert results[rids[1]].finish_reason.type == "length" and len(results[rids[1]].output_ids) == 50
     # Everything not cached is free again, and the cache can be flushed to empty.
     assert scheduler.flush_cache()
     assert scheduler.allocator.available_size() == scheduler.allocator.size
@@ -164,7 +165,7 @@ def test_prefill_only_request_caches_prompt(tiny_llama_dir):
     scheduler = make_scheduler(tiny_llama_dir)
     prompt = mixed_prompts(512, [25], seed=4)[0]
     warm = generate(scheduler, [prompt], max_new_tokens=0)[0]
-    assert warm.output_ids == [] and warm.finish_reason == {"type": "length", "matched": None}
+    assert warm.output_ids == [] and warm.finish_reason == FinishReason("length")
     assert generate(scheduler, [prompt], max_new_tokens=2)[0].cached_tokens == len(prompt) - 1
 
 
@@ -172,8 +173,8 @@ def test_oversized_prompt_is_rejected_not_hung(tiny_llama_dir):
     scheduler = make_scheduler(tiny_llama_dir, max_total_tokens=32)
     rid = submit(scheduler, list(range(20, 60)), max_new_tokens=2)
     result = run(scheduler)[rid]
-    assert result.finish_reason["type"] == "abort" and result.finish_reason["status_code"] == 400
-    assert result.finish_reason["message"].startswith("input_ids:") and "the pool holds 32" in result.finish_reason["message"]
+    assert result.finish_reason.type == "abort" and result.finish_reason.status_code == 400
+    assert result.finish_reason.message.startswith("input_ids:") and "the pool holds 32" in result.finish_reason.message
 
 
 class CountingAttention(TorchNativeAttention):
@@ -214,7 +215,7 @@ def test_chunked_prefill_yields_memory_to_decoding_requests(tiny_llama_dir):
             submit(scheduler, long, max_new_tokens=3, temperature=0.0, ignore_eos=True, return_logprob=True,
                    logprob_start_len=0)]
     results = run(scheduler)
-    assert [results[r].finish_reason["type"] for r in rids] == ["length", "length"]
+    assert [results[r].finish_reason.type for r in rids] == ["length", "length"]
     assert [results[r].output_ids for r in rids] == [reference[0].output_ids, reference[1].output_ids]
     assert scheduler.num_retracted_total > 0
     # Prompt logprobs survive the retraction: one per prompt token, no duplicates.
@@ -237,7 +238,7 @@ def test_abort_while_a_step_computes_frees_memory(tiny_llama_dir, overlap):
     scheduler.abort(warm)
     assert scheduler.check_memory(), scheduler.stats()
     results = run(scheduler, earlier=earlier)
-    assert results[victim].finish_reason["type"] == "abort"
+    assert results[victim].finish_reason.type == "abort"
     assert results[keep].output_ids == generate(make_scheduler(tiny_llama_dir), [long_prompt], max_new_tokens=20,
                                                 ignore_eos=True)[0].output_ids
     stats = scheduler.stats()

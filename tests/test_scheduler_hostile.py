@@ -93,8 +93,8 @@ def test_hostile_messages_are_refused_alone(tiny_llama_dir, prompts, alone):
     results = run(scheduler)
     for name in HOSTILE:
         finish = results[name].finish_reason
-        assert finish["type"] == "abort" and finish["status_code"] == 400, (name, finish)
-        assert finish["message"], name
+        assert finish.type == "abort" and finish.status_code == 400, (name, finish)
+        assert finish.message, name
         assert results[name].output_ids == [], name
     assert [results[r].output_ids for r in good] == alone
     stats = scheduler.stats()
@@ -110,7 +110,7 @@ def test_a_failing_stop_check_ends_only_its_request(tiny_llama_dir, prompts, alo
     good = _submit_good(scheduler, prompts)
     results = run(scheduler)
     finish = results["victim"].finish_reason
-    assert finish["type"] == "abort" and finish["status_code"] == 500 and "tokenizer failure" in finish["message"]
+    assert finish.type == "abort" and finish.status_code == 500 and "tokenizer failure" in finish.message
     assert [results[r].output_ids for r in good] == alone
 
 
@@ -131,10 +131,10 @@ def test_a_failed_step_ends_its_batch_and_the_scheduler_goes_on(tiny_llama_dir, 
     scheduler.runner.forward = fails_once
     first = _submit_good(scheduler, prompts)
     results = run(scheduler)
-    failed = [r for r in first if results[r].finish_reason["type"] == "abort"]
+    failed = [r for r in first if results[r].finish_reason.type == "abort"]
     assert failed == first, "every request of the failed batch ends with the error"
-    assert all("kernel failure" in results[r].finish_reason["message"] for r in failed)
-    assert all(results[r].finish_reason["status_code"] == 500 for r in failed)
+    assert all("kernel failure" in results[r].finish_reason.message for r in failed)
+    assert all(results[r].finish_reason.status_code == 500 for r in failed)
     stats = scheduler.stats()
     assert stats.memory_invariant_ok and stats.private_tokens == 0
     # Nothing half-written was cached: the same prompts now give the tokens they give alone.

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 
 from radixserve import demo_model
 from radixserve.config import ServerArgs
+from radixserve.messages import FinishReason
 from radixserve.model_source import resolve_model_path
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError, _loc_to_param, bad_request, validation_summary
@@ -156,7 +157,7 @@ def test_demo_model_concurrent_first_runs_share_one_build(tmp_path, monkeypatch)
         Path(out_dir, "config.json").write_text("{}")
         return Path(out_dir)
 
-    monkeypatch.setattr("radixserve.testing.tiny_models.build_tiny_model", fake_build)
+    monkeypatch.setattr("radixserve.model_builder.build_tiny_model", fake_build)
     results: list[Path] = []
     threads = [threading.Thread(target=lambda: results.append(demo_model.demo_model_path())) for _ in range(2)]
     for t in threads:
@@ -193,7 +194,7 @@ class FakeTokenizerManager:
         self.inputs.append(inp)
         out_ids = self.tokenizer.encode(" done", add_special_tokens=False)
         meta = {"id": inp.rid, "prompt_tokens": len(ids), "completion_tokens": len(out_ids), "cached_tokens": 0,
-                "finish_reason": {"type": "length", "matched": None},
+                "finish_reason": FinishReason("length"),
                 "output_token_logprobs": [(-0.5, t) for t in out_ids], "output_top_logprobs": [[] for _ in out_ids]}
         if inp.return_logprob and inp.logprob_start_len == 0:
             meta["input_token_logprobs"] = [(None, ids[0])] + [(-1.0, t) for t in ids[1:]]

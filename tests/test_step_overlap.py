@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from generation_utils import generate, make_scheduler, mixed_prompts, run, submit
+from helpers_cache import alloc_tokens
 from radixserve.cache.memory_pool import PagedAllocator
 from radixserve.transfer import HostCopy, HostTransfer
 
@@ -58,25 +59,25 @@ def test_copies_on_the_cpu_are_plain_and_ready():
 def test_pages_freed_in_flight_are_not_handed_out_until_their_ids_land():
     transfer = DelayedTransfer()
     alloc = PagedAllocator(num_pages=4, page_size=4, device=torch.device("cpu"), transfer=transfer)
-    first = alloc.alloc(8)  # pages 1-2
+    first = alloc_tokens(alloc, 8)  # pages 1-2
     assert alloc.available_size() == 8
     alloc.free(first)
     # The slot ids are still on their way: the pages are not free yet.
     assert alloc.available_size() == 8
-    other = alloc.alloc(8)  # pages 3-4, not the freed ones
+    other = alloc_tokens(alloc, 8)  # pages 3-4, not the freed ones
     assert set((other // 4).tolist()) == {3, 4}
     transfer.land()
     assert alloc.available_size() == 8
-    assert set((alloc.alloc(8) // 4).tolist()) == {1, 2}
+    assert set((alloc_tokens(alloc, 8) // 4).tolist()) == {1, 2}
 
 
 def test_allocation_waits_for_frees_in_flight_when_short():
     transfer = DelayedTransfer()
     alloc = PagedAllocator(num_pages=2, page_size=4, device=torch.device("cpu"), transfer=transfer)
-    alloc.free(alloc.alloc(8))
+    alloc.free(alloc_tokens(alloc, 8))
     assert alloc.available_size() == 0
     assert alloc.available_size(wait=True) == 8  # an exact count waits
-    alloc.free(alloc.alloc(8))
+    alloc.free(alloc_tokens(alloc, 8))
     # Short of pages with a free in flight: waits for it rather than failing.
     assert alloc.alloc_slots([0], [-1], [8]) is not None
 

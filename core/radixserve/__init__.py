@@ -1,6 +1,6 @@
 """radixserve: a fast LLM inference server with a hardware-agnostic core."""
 
-__version__ = "0.1.0"
+from radixserve.version import __version__
 
 
 def __getattr__(name: str):

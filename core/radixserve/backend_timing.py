@@ -34,9 +34,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from radixserve import __version__
 from radixserve.kernels import KernelQuery
 from radixserve.registry import Candidate, PluginRegistry
+from radixserve.version import __version__
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import logging
 import sys
 from typing import Optional
 
-from radixserve import __version__
 from radixserve.config import ServerArgs
+from radixserve.version import __version__
 
 
 def _print_plugins(as_json: bool) -> int:
@@ -53,9 +53,10 @@ def _print_plugins(as_json: bool) -> int:
 def _serve(args: ServerArgs) -> int:
     """Check what can be checked here, then serve; a start-up error is a line
     and a hint on stderr (the traceback too with ``--log-level debug``)."""
-    from radixserve.launch import StartupError, build_backends, check_startup
+    from radixserve.launch import build_backends, check_startup
     from radixserve.logging_utils import configure_logging
     from radixserve.server.http import run_server
+    from radixserve.startup_error import StartupError
 
     configure_logging(args.log_level, prefix="server")
     try:

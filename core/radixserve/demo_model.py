@@ -48,7 +48,7 @@ def demo_model_path() -> Path:
     final = cache_dir() / f"demo-model-{_VERSION}"
     if final.is_dir():
         return final
-    from radixserve.testing.tiny_models import build_tiny_model
+    from radixserve.model_builder import build_tiny_model
 
     final.parent.mkdir(parents=True, exist_ok=True)
     logger.info("building the demo model (random weights) into %s", final)

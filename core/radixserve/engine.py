@@ -11,9 +11,9 @@ from typing import Any, Iterator, Optional, Union
 from transformers import AutoTokenizer
 
 from radixserve.config import ServerArgs
-from radixserve.launch import launch_runtime
 from radixserve.messages import ProfileOptions
 from radixserve.model_source import resolve_model_path
+from radixserve.runtime.processes import launch_runtime
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ class Engine:
         return results if is_batch else results[0]
 
     async def _collect(self, inp: GenerateInput) -> Union[dict, list[dict]]:
-        outs = [out async for out in self.tokenizer_manager.generate(inp)]
+        outs = [_as_sglang(out) async for out in self.tokenizer_manager.generate(inp)]
         outs.sort(key=lambda o: o["index"])
         return outs[0] if len(outs) == 1 else outs
 
@@ -135,7 +135,7 @@ class Engine:
         try:
             while True:
                 try:
-                    yield self._call(agen.__anext__())
+                    yield _as_sglang(self._call(agen.__anext__()))
                 except StopAsyncIteration:
                     return
         finally:
@@ -172,3 +172,10 @@ class Engine:
             self.shutdown()
         except Exception:
             pass
+
+
+def _as_sglang(out: dict) -> dict:
+    """A result as ``sglang.Engine`` gives it: ``meta_info["finish_reason"]`` a dict."""
+    reason = out["meta_info"]["finish_reason"]
+    out["meta_info"]["finish_reason"] = None if reason is None else reason.to_dict()
+    return out

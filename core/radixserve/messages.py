@@ -4,13 +4,14 @@
     Scheduler --TokenBatch--> Detokenizer --TextBatch--> TokenizerManager
     Scheduler --ControlReply--> TokenizerManager
 
-server/ and runtime/ both import this; neither imports the other.
+server/ and runtime/ both import this; runtime/ never imports server/, and server/
+imports runtime/ only to start its processes (runtime/processes.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 from radixserve.sampling.params import SamplingParams
 
@@ -97,13 +98,36 @@ class DetokenizeSettings:
     no_stop_trim: bool = False
 
 
+FinishType = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a request ended. The one form from the scheduler to the API layers,
+    which turn it into their JSON (``to_dict`` is SGLang's ``meta_info.finish_reason``)."""
+
+    type: FinishType
+    matched: Union[int, str, None] = None  # the stop token id or stop string
+    message: Optional[str] = None  # why, for aborts
+    # For a request refused at the door: 400 (it can never be served) or 503 (queue full).
+    status_code: Optional[int] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"type": self.type, "matched": self.matched}
+        if self.message is not None:
+            d["message"] = self.message
+        if self.status_code is not None:
+            d["status_code"] = self.status_code
+        return d
+
+
 @dataclass
 class TokenOutput:
     """New output of one request since the last message about it."""
 
     rid: str
     new_token_ids: list[int]
-    finish_reason: Optional[dict] = None  # {"type": stop|length|abort, "matched": ..., "message": ...}
+    finish_reason: Optional[FinishReason] = None  # set in the request's last message
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

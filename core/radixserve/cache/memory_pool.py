@@ -140,7 +140,7 @@ class KVPool:
 class PagedAllocator:
     """Hands out KV slots a page at a time; a request's pages are its own.
 
-    ``alloc_extend`` continues each request in the unused tail of its last page
+    ``alloc_slots`` continues each request in the unused tail of its last page
     before taking new pages, so a request's slots are page-contiguous and any
     page-aligned prefix of it can be shared through the radix cache.
     """
@@ -202,15 +202,6 @@ class PagedAllocator:
                 out.extend(range(page * ps, page * ps + take))
                 n -= take
         return out
-
-    def alloc_extend(self, prefix_lens: list[int], last_locs: list[int], extend_lens: list[int]) -> Optional[torch.Tensor]:
-        """``alloc_slots`` as a device tensor."""
-        out = self.alloc_slots(prefix_lens, last_locs, extend_lens)
-        return None if out is None else self.transfer.to_device(out)
-
-    def alloc(self, num_tokens: int) -> Optional[torch.Tensor]:
-        """Slots for ``num_tokens`` tokens starting on a fresh page."""
-        return self.alloc_extend([0], [-1], [num_tokens])
 
     def free(self, slots: torch.Tensor) -> None:
         """Return the pages that ``slots`` lie on. Callers pass whole ownership: every

@@ -245,17 +245,6 @@ class RadixCache(PrefixCache):
             f"tracked evictable/protected {self._evictable}/{self._protected}, tree has {evictable}/{protected}"
         )
 
-    # ------------------------------------------------------------------- debug
-
-    def pretty_print(self) -> None:
-        print(self)
-        stack = [(child, 1) for child in self.root.children.values()]
-        while stack:
-            node, depth = stack.pop()
-            head = " ".join(map(str, node.key[:8])) + (" ..." if len(node.key) > 8 else "")
-            print(f"{'  ' * depth}[{len(node.key)}] {head}  lock={node.lock_ref} t={node.last_access}")
-            stack.extend((child, depth + 1) for child in node.children.values())
-
     def __repr__(self) -> str:
         return (
             f"RadixCache(page_size={self.page_size}, nodes={sum(1 for _ in self._nodes())}, "

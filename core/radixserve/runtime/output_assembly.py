@@ -15,7 +15,7 @@ def make_output(req: Req) -> TokenOutput:
     out = TokenOutput(
         rid=req.rid,
         new_token_ids=req.output_ids[start:],
-        finish_reason=req.finish_reason.to_dict() if req.finished else None,
+        finish_reason=req.finish_reason,
         prompt_tokens=len(req.origin_input_ids),
         completion_tokens=len(req.output_ids),
         cached_tokens=max(req.cached_tokens, 0),
@@ -43,7 +43,7 @@ def make_output(req: Req) -> TokenOutput:
 def error_output(req: Req) -> TokenOutput:
     """The last message of a request (``finish_reason`` set) whose output could
     not be assembled: no tokens or logprobs, just the finish."""
-    out = TokenOutput(rid=req.rid, new_token_ids=[], finish_reason=req.finish_reason.to_dict(),
+    out = TokenOutput(rid=req.rid, new_token_ids=[], finish_reason=req.finish_reason,
                       prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids))
     if not req.detokenize_sent:
         out.detokenize = DetokenizeSettings()

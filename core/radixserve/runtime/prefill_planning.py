@@ -5,9 +5,9 @@ queues, cache and budgets, and admits through ``Scheduler._start``."""
 
 from __future__ import annotations
 
+from radixserve.messages import FinishReason
 from radixserve.runtime.policy import order_waiting
 from radixserve.runtime.req import Req
-from radixserve.runtime.stop import FinishReason
 
 # Cap on the decode tokens reserved per request when admitting new ones, so a
 # huge max_new_tokens does not block admission (SGLang uses the same idea).

@@ -7,8 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from radixserve.messages import GenerateRequest, RequestOptions
-from radixserve.runtime.stop import FinishReason
+from radixserve.messages import FinishReason, GenerateRequest, RequestOptions
 from radixserve.sampling.params import SamplingParams
 
 _arrival = itertools.count()

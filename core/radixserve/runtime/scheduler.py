@@ -31,7 +31,7 @@ from radixserve.cache.chunk_cache import ChunkCache
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardMode
-from radixserve.messages import GenerateRequest, TokenOutput
+from radixserve.messages import FinishReason, GenerateRequest, TokenOutput
 from radixserve.registry import PluginRegistry, get_registry
 from radixserve.request_limits import request_fit_error, token_ids_error
 from radixserve.runtime.batch import BatchPlan
@@ -42,7 +42,7 @@ from radixserve.runtime.prefill_planning import PrefillPlanning
 from radixserve.runtime.profiler import StepProfiler
 from radixserve.runtime.req import Req
 from radixserve.runtime.sampler import Sampler
-from radixserve.runtime.stop import FinishReason, StopChecker
+from radixserve.runtime.stop import StopChecker
 from radixserve.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -262,12 +262,6 @@ class Scheduler(PrefillPlanning):
     def step_outputs(self) -> list[TokenOutput]:
         """Outputs pending without a model step (aborted or rejected requests)."""
         return self._collect_outputs()
-
-    def run_until_idle(self) -> list[TokenOutput]:
-        outputs = self.step_outputs()
-        while self.has_work():
-            outputs.extend(self.step())
-        return outputs
 
     # ---- extend ----------------------------------------------------------------
     def _uncached_prefills(self) -> list[Req]:

@@ -10,27 +10,10 @@ from __future__ import annotations
 
 import bisect
 import os
-from dataclasses import dataclass
-from typing import Any, Iterable, Literal, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
+from radixserve.messages import FinishReason
 from radixserve.sampling.params import SamplingParams
-
-
-@dataclass(frozen=True)
-class FinishReason:
-    type: Literal["stop", "length", "abort"]
-    matched: Union[int, str, None] = None  # the stop token id or stop string
-    message: Optional[str] = None  # why, for aborts
-    # For a request refused at the door: 400 (it can never be served) or 503 (queue full).
-    status_code: Optional[int] = None
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"type": self.type, "matched": self.matched}
-        if self.message is not None:
-            d["message"] = self.message
-        if self.status_code is not None:
-            d["status_code"] = self.status_code
-        return d
 
 
 class StopChecker:

@@ -48,7 +48,7 @@ class RequestRecord:
         self.prompt_tokens[rid] = out.prompt_tokens
         self.completion_tokens[internal] = out.completion_tokens
         if out.finish_reason is not None:
-            self.finish_reasons[internal] = out.finish_reason["type"]
+            self.finish_reasons[internal] = out.finish_reason.type
 
 
 current_request: contextvars.ContextVar[Optional[RequestRecord]] = contextvars.ContextVar(

@@ -35,9 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from radixserve import __version__
 from radixserve.config import ServerArgs
-from radixserve.launch import StartupError
 from radixserve.messages import ProfileOptions
 from radixserve.server import native_serving
 from radixserve.server.access_log import AccessLog
@@ -55,6 +53,8 @@ from radixserve.server.protocol import (
     TokenizeRequest,
 )
 from radixserve.server.state import HEALTH_GENERATE_TIMEOUT_S, ServerState
+from radixserve.startup_error import StartupError
+from radixserve.version import __version__
 
 logger = logging.getLogger(__name__)
 

@@ -82,6 +82,8 @@ def _as_list(value: Any, batch: bool) -> list:
 
 def _output(out: dict, return_logprob: bool, started: float) -> dict:
     meta = dict(out["meta_info"])
+    reason = meta["finish_reason"]
+    meta["finish_reason"] = None if reason is None else reason.to_dict()
     if not return_logprob:
         for key in _LOGPROB_KEYS:
             meta.pop(key, None)

@@ -17,6 +17,7 @@ from typing import AsyncIterator, Optional, Union
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from radixserve.messages import FinishReason
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError
 from radixserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
@@ -67,11 +68,11 @@ class Echo:
 
 
 def finish_fields(meta: dict) -> tuple[Optional[str], MatchedStop]:
-    """The runtime's ``{"type", "matched"}`` as OpenAI's ``finish_reason`` and our ``matched_stop``."""
-    reason = meta["finish_reason"]
+    """The runtime's ``FinishReason`` as OpenAI's ``finish_reason`` and our ``matched_stop``."""
+    reason: Optional[FinishReason] = meta["finish_reason"]
     if reason is None:
         return None, None
-    return reason["type"], reason.get("matched") if reason["type"] == "stop" else None
+    return reason.type, reason.matched if reason.type == "stop" else None
 
 
 class UsageCounter:

@@ -34,6 +34,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from radixserve.messages import FinishType
 from radixserve.request_limits import has_lone_surrogate
 from radixserve.sampling.params import INT64_MAX, INT64_MIN
 
@@ -414,7 +415,6 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-FinishReason = Optional[Literal["stop", "length", "abort"]]
 MatchedStop = Union[int, str, None]
 
 
@@ -422,7 +422,7 @@ class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: Optional[ChatLogprobs] = None
-    finish_reason: FinishReason
+    finish_reason: Optional[FinishType]
     matched_stop: MatchedStop = None
 
 
@@ -449,7 +449,7 @@ class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChatLogprobs] = None
-    finish_reason: FinishReason = None
+    finish_reason: Optional[FinishType] = None
     matched_stop: MatchedStop = None
 
 
@@ -473,7 +473,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: FinishReason = None
+    finish_reason: Optional[FinishType] = None
     matched_stop: MatchedStop = None
 
 

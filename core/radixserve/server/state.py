@@ -21,13 +21,14 @@ from typing import Any, Callable, Optional, TypeVar
 
 from radixserve.config import ServerArgs
 from radixserve.demo_model import DEMO_MODEL_NAME
-from radixserve.launch import RuntimeProcesses, StartupError, spawn_runtime, wait_until_ready
 from radixserve.model_source import resolve_model_path
+from radixserve.runtime.processes import RuntimeProcesses, spawn_runtime, wait_until_ready
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.openai_serving import OpenAIServing
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
+from radixserve.startup_error import StartupError
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +242,6 @@ class ServerState:
 
 
 def _version() -> str:
-    from radixserve import __version__
+    from radixserve.version import __version__
 
     return __version__

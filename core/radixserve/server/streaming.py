@@ -96,8 +96,8 @@ def raise_if_rejected(out: dict, renames: Optional[dict[str, str]] = None) -> No
     pool) by aborting it at once with a message that names the field: a 400."""
     meta = out["meta_info"]
     reason = meta["finish_reason"]
-    if reason and reason["type"] == "abort" and meta["completion_tokens"] == 0 and reason.get("message"):
-        error = bad_request(ValueError(reason["message"]), renames)
+    if reason and reason.type == "abort" and meta["completion_tokens"] == 0 and reason.message:
+        error = bad_request(ValueError(reason.message), renames)
         if error.param is not None:
             raise error
 

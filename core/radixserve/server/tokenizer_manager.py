@@ -24,6 +24,7 @@ from radixserve.messages import (
     AbortRequest,
     ControlReply,
     ControlRequest,
+    FinishReason,
     GenerateRequest,
     ProfileOptions,
     RequestOptions,
@@ -237,7 +238,9 @@ class TokenizerManager:
         A cancelled consumer (client gone) aborts the request and frees its KV.
 
         The scheduler sees unique internal request ids; the client's ``rid`` (or
-        a fresh one) names them all, for ``abort`` and in ``meta_info["id"]``."""
+        a fresh one) names them all, for ``abort`` and in ``meta_info["id"]``.
+        ``meta_info["finish_reason"]`` is the runtime's ``FinishReason`` (None
+        until the choice ends): each API renders it in its own JSON."""
         if self.dead_reason:
             raise RuntimeDeadError(self.dead_reason)
         prepared = obj if isinstance(obj, PreparedInput) else self.prepare(obj)
@@ -341,7 +344,7 @@ class TokenizerManager:
             pending.last_token_at = now
             self.metrics.record_generated(n_new)
         if t.finish_reason is not None:
-            self.metrics.record_finish(now - pending.created, t.finish_reason["type"])
+            self.metrics.record_finish(now - pending.created, t.finish_reason.type)
 
     async def abort(self, rid: str) -> None:
         """Abort every scheduler request of the client's ``rid`` (all n choices)."""
@@ -380,18 +383,18 @@ def _trace_path(reply: dict) -> str:
     return reply["trace_path"]
 
 
-def _raise_if_rejected(finish: dict) -> None:
+def _raise_if_rejected(finish: FinishReason) -> None:
     """The scheduler refused the request (a full queue, 503; input it cannot
     serve, 400) or failed on it (500), raised as the exceptions the API layers
     map to those statuses."""
-    if finish["type"] != "abort":
+    if finish.type != "abort":
         return
-    if finish.get("status_code") == 503:
-        raise QueueFullError(finish["message"])
-    if finish.get("status_code") == 400:
-        raise ValueError(finish["message"])
-    if finish.get("status_code") == 500:
-        raise RequestFailedError(finish["message"])
+    if finish.status_code == 503:
+        raise QueueFullError(finish.message)
+    if finish.status_code == 400:
+        raise ValueError(finish.message)
+    if finish.status_code == 500:
+        raise RequestFailedError(finish.message)
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -24,8 +24,8 @@ import zmq
 from radixserve.ipc import Endpoints, die_with_parent, pull_socket, push_socket
 from radixserve.logging_utils import configure_logging
 from radixserve.messages import DetokenizeSettings, TextBatch, TextOutput, TokenBatch, TokenOutput
+from radixserve.runtime.incremental_detokenizer import IncrementalDetokenizer
 from radixserve.runtime.stop import StopHoldback, drop_stop_token, trim_stop_string
-from radixserve.server.incremental_detokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class DetokenizerState:
             state.text += state.decoder.push(out.new_token_ids)
             end = max(len(state.text) - state.holdback(state.text), state.sent)
         else:
-            matched = finish.get("matched")
+            matched = finish.matched
             state.text += state.decoder.push(drop_stop_token(out.new_token_ids, matched, settings.no_stop_trim))
             state.text += state.decoder.finish()
             state.text = trim_stop_string(state.text, matched, settings.no_stop_trim, start=state.sent)
