@@ -1,0 +1,106 @@
+"""The conformance kit: check any backend against the torch reference in one call.
+
+    from radixserve.testing import check_attention_backend
+    check_attention_backend("mybackend", device="cuda").raise_for_failures()
+
+Each ``check_*`` function builds the contract's cases (random paged KV layouts
+with permuted slots, page sizes 1 and 16, ragged batches, cached prefixes,
+decode, GQA, head dims 64 and 128; several MoE expert counts, top-k and
+renormalization settings; GEMM shapes with and without bias; the quantization
+lifecycle; RMSNorm with and without the fused residual, rotary NeoX/GPT-J/partial
+on views of a fused QKV buffer, SiLU-and-mul), runs the backend on ``device`` for every dtype it claims (asked
+through ``unsupported_reasons``) and compares it with the reference backend run
+on CPU in float32 on the same (dtype-rounded) inputs. The reference is the
+``torch`` plugin's: ``torch_native`` attention, MoE and elementwise, ``torch`` GEMM, resolved
+by name through the registry like any backend.
+
+A case passes when every element satisfies ``|out - ref| <= atol + rtol * |ref|``
+with the dtype's tolerance (``DEFAULT_TOLERANCES``, overridable). The report
+shows ``max_abs = max |out - ref|`` and ``max_rel = max_abs / max |ref|`` per case.
+Attention cases also check the KV store: after ``forward`` the pool must hold
+exactly the new K/V (in the pool dtype) at ``out_cache_loc`` and be unchanged
+everywhere else, in every layer.
+
+Case sets: ``"quick"`` (a few cases, for slow backends such as the Triton
+interpreter), ``"standard"`` (the default), ``"full"`` (more shapes, for real
+devices), or an explicit sequence of case objects.
+
+Layout (as radixserve.kernels): ``base`` holds the tolerances, results, report,
+``compare`` and the shared driver; ``attention``, ``moe``, ``gemm``,
+``elementwise`` and ``quantization`` hold each kind's cases, input builders and
+``check_*`` function. Import from this package; the names below are its API.
+"""
+
+from radixserve.testing.conformance.attention import (
+    ATTENTION_CASES,
+    AttentionCase,
+    AttentionInputs,
+    check_attention_backend,
+    dense_attention,
+    make_attention_inputs,
+    with_kv_layout,
+)
+from radixserve.testing.conformance.base import (
+    DEFAULT_DTYPES,
+    DEFAULT_TOLERANCES,
+    BackendSpec,  # noqa: F401  (public names outside __all__, importable from here as before)
+    CaseBody,  # noqa: F401
+    CaseResult,
+    ConformanceReport,
+    SkippedCase,
+    Tolerance,
+    Tolerances,  # noqa: F401
+    compare,
+    resolve_backend,
+)
+from radixserve.testing.conformance.elementwise import (
+    ELEMENTWISE_CASES,
+    ELEMENTWISE_OPS,  # noqa: F401
+    ElementwiseCase,
+    check_elementwise_backend,
+    make_elementwise_inputs,
+    run_elementwise_case,
+)
+from radixserve.testing.conformance.gemm import GEMM_CASES, GemmCase, check_gemm_backend
+from radixserve.testing.conformance.moe import MOE_CASES, MoECase, check_moe_backend, make_moe_inputs
+from radixserve.testing.conformance.quantization import (
+    QUANT_CASES,
+    QUANT_REFERENCES,
+    QuantCase,
+    QuantReference,  # noqa: F401
+    check_quantization_method,
+)
+
+__all__ = [
+    "ATTENTION_CASES",
+    "AttentionCase",
+    "AttentionInputs",
+    "CaseResult",
+    "ConformanceReport",
+    "DEFAULT_DTYPES",
+    "DEFAULT_TOLERANCES",
+    "ELEMENTWISE_CASES",
+    "ElementwiseCase",
+    "GEMM_CASES",
+    "GemmCase",
+    "MOE_CASES",
+    "MoECase",
+    "QUANT_CASES",
+    "QUANT_REFERENCES",
+    "QuantCase",
+    "SkippedCase",
+    "Tolerance",
+    "check_attention_backend",
+    "check_elementwise_backend",
+    "check_gemm_backend",
+    "check_moe_backend",
+    "check_quantization_method",
+    "compare",
+    "dense_attention",
+    "make_attention_inputs",
+    "make_elementwise_inputs",
+    "make_moe_inputs",
+    "resolve_backend",
+    "run_elementwise_case",
+    "with_kv_layout",
+]

@@ -1,0 +1,84 @@
+"""The MoE kit: ``MoECase`` and its case sets, ``make_moe_inputs`` (tie-free
+router logits) and ``check_moe_backend``."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+
+from radixserve.kernels import KernelQuery, MoERouting
+from radixserve.testing.conformance.base import BackendSpec, ConformanceReport, Tolerances, _cases, _f32, _Run, _score
+
+
+@dataclass(frozen=True)
+class MoECase:
+    name: str
+    num_tokens: int
+    hidden: int
+    intermediate: int
+    num_experts: int
+    top_k: int
+    renormalize: bool
+
+    def query(self, device: str, dtype: torch.dtype) -> KernelQuery:
+        return KernelQuery(device=device, dtype=dtype, num_experts=self.num_experts, top_k=self.top_k)
+
+
+_MOE_QUICK = (
+    MoECase("E8/k2/renorm/T13", 13, 64, 96, 8, 2, True),
+    MoECase("E8/k2/plain/T7", 7, 64, 96, 8, 2, False),
+    MoECase("E4/k1/plain/T1", 1, 48, 80, 4, 1, False),
+)
+_MOE_STANDARD = _MOE_QUICK + (
+    MoECase("E16/k4/renorm/T32", 32, 128, 64, 16, 4, True),
+    MoECase("E4/k4/all-experts/T5", 5, 80, 56, 4, 4, False),
+    MoECase("E8/k1/renorm/T9", 9, 64, 128, 8, 1, True),
+)
+_MOE_FULL = _MOE_STANDARD + (
+    MoECase("E64/k6/renorm/T200", 200, 256, 192, 64, 6, True),
+    MoECase("E32/k8/plain/T77", 77, 512, 320, 32, 8, False),
+)
+MOE_CASES: dict[str, tuple[MoECase, ...]] = {"quick": _MOE_QUICK, "standard": _MOE_STANDARD, "full": _MOE_FULL}
+
+
+def make_moe_inputs(case: MoECase, dtype: torch.dtype, seed: int = 0):
+    """``(hidden, router_logits, w13, w2, routing)`` on CPU. Router logits are
+    distinct multiples of 0.5 per token, exact in every dtype, so top-k has no ties."""
+    gen = torch.Generator().manual_seed(seed)
+    t, h, i, e = case.num_tokens, case.hidden, case.intermediate, case.num_experts
+    hidden = torch.randn((t, h), generator=gen).to(dtype)
+    logits = torch.stack([torch.randperm(e, generator=gen) for _ in range(t)]).float() * 0.5
+    logits = (logits - logits.mean(dim=1, keepdim=True).round()).to(dtype)
+    w13 = (torch.randn((e, 2 * i, h), generator=gen) / math.sqrt(h)).to(dtype)
+    w2 = (torch.randn((e, h, i), generator=gen) / math.sqrt(i)).to(dtype)
+    return hidden, logits, w13, w2, MoERouting(top_k=case.top_k, renormalize=case.renormalize)
+
+
+def check_moe_backend(
+    backend: BackendSpec,
+    device: str = "cpu",
+    dtypes: Optional[Iterable[torch.dtype]] = None,
+    registry=None,
+    *,
+    cases: Union[str, Sequence[MoECase]] = "standard",
+    reference: BackendSpec = "torch_native",
+    tolerances: Tolerances = None,
+    seed: int = 0,
+) -> ConformanceReport:
+    """Run the MoE cases (expert counts, top-k, renormalization) on ``backend``."""
+    run = _Run.resolve("moe", backend, device, dtypes, registry, reference)
+    case_list = _cases("moe", cases, MOE_CASES)
+
+    def check_one(case, dtype, query, tol, result, case_seed):
+        hidden, logits, w13, w2, routing = make_moe_inputs(case, dtype, seed=case_seed)
+        ref = run.ref_cls(run.reference_query(query))
+        expected = ref.forward(_f32(hidden), _f32(logits), _f32(w13), _f32(w2), routing)
+        dev = run.torch_device
+        impl = run.cls(query)
+        out = impl.forward(hidden.to(dev), logits.to(dev), w13.to(dev), w2.to(dev), routing)
+        result.passed = _score(result, out, expected, dtype, tol)
+
+    return run.check_each(case_list, tolerances, seed, check_one)
