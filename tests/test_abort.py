@@ -25,8 +25,10 @@ from radixserve.ipc import Endpoints, pull_socket, push_socket
 from radixserve.messages import AbortRequest, FinishReason, TextBatch, TextOutput, TokenOutput
 from radixserve.server.tokenizer_manager import GenerateInput, RequestFailedError, TokenizerManager
 
-# Long enough that no request can finish in the second or so before its client leaves.
-N, MAX_TOKENS = 4, 6000
+# Long enough that no request can finish in the second or so before its client leaves, and that a
+# quarter of it (the bound on what an aborted request may generate) outlasts that second with room to
+# spare on a fast machine (the tiny model decodes 4 choices at about 1 ms a step here).
+N, MAX_TOKENS = 4, 16000
 LONG = {"prompt": "keep going", "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
@@ -34,8 +36,8 @@ LONG = {"prompt": "keep going", "max_tokens": MAX_TOKENS, "ignore_eos": True}
 def server(tiny_model_factory):
     """N running slots and one queue place: an n=N request runs whole, one more waits, the next is refused.
     At info level with ``--log-requests``, for the access log test."""
-    model = tiny_model_factory(arch="llama", max_position_embeddings=8192)
-    with ServerProcess("--model", str(model), "--served-model-name", "tiny", "--max-total-tokens", "65536",
+    model = tiny_model_factory(arch="llama", max_position_embeddings=32768)
+    with ServerProcess("--model", str(model), "--served-model-name", "tiny", "--max-total-tokens", "131072",
                        "--max-running-requests", str(N), "--max-queued-requests", "1",
                        "--log-level", "info", "--log-requests") as srv:
         srv.wait_ready()
