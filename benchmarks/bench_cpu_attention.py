@@ -38,15 +38,14 @@ def shapes(seed: int, heads: str) -> list[AttentionCase]:
     out = []
     for b in (1, 8, 32, 64, 128):
         seq = [rng.randint(100, 1500) for _ in range(b)]
-        out.append(AttentionCase(f"decode B{b} ctx100-1500", "decode", 1, h, kvh, d,
-                                 tuple(s - 1 for s in seq), (1,) * b))
+        out.append(
+            AttentionCase(f"decode B{b} ctx100-1500", "decode", 1, h, kvh, d, tuple(s - 1 for s in seq), (1,) * b)
+        )
     # W1's decode (prompts 128-512 plus up to 256 generated) and W2's (1024 shared + 64 + up to 32).
     w1 = [rng.randint(128, 768) for _ in range(32)]
-    out.append(AttentionCase("decode B32 ctx128-768 (W1)", "decode", 1, h, kvh, d,
-                             tuple(s - 1 for s in w1), (1,) * 32))
+    out.append(AttentionCase("decode B32 ctx128-768 (W1)", "decode", 1, h, kvh, d, tuple(s - 1 for s in w1), (1,) * 32))
     w2 = [rng.randint(1088, 1120) for _ in range(128)]
-    out.append(AttentionCase("decode B128 ctx~1100 (W2)", "decode", 1, h, kvh, d,
-                             tuple(s - 1 for s in w2), (1,) * 128))
+    out.append(AttentionCase("decode B128 ctx~1100 (W2)", "decode", 1, h, kvh, d, tuple(s - 1 for s in w2), (1,) * 128))
     prompts = [rng.randint(128, 512) for _ in range(8)]
     out += [
         AttentionCase("extend 8 x 128-512", "extend", 1, h, kvh, d, (0,) * 8, tuple(prompts)),
@@ -77,8 +76,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--heads", default="16/8/64", help="num_heads/num_kv_heads/head_dim (qwen2: 16/2/32)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    parser.add_argument("--timer", choices=["wall", "cpu"], default="wall",
-                        help="wall clock, or the process's CPU time (less disturbed by other load)")
+    parser.add_argument(
+        "--timer",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall clock, or the process's CPU time (less disturbed by other load)",
+    )
     args = parser.parse_args()
     clock = time.perf_counter if args.timer == "wall" else time.process_time
     if args.threads:
@@ -86,8 +89,10 @@ def main() -> None:
 
     registry = get_registry()
     names = args.backends.split(",")
-    print(f"date {date.today()}  torch {torch.__version__}  threads {torch.get_num_threads()}  "
-          f"heads/kv_heads/head_dim {args.heads}  min of {args.repeats}  {args.timer} time")
+    print(
+        f"date {date.today()}  torch {torch.__version__}  threads {torch.get_num_threads()}  "
+        f"heads/kv_heads/head_dim {args.heads}  min of {args.repeats}  {args.timer} time"
+    )
     print(f"{'shape':<28}{'dtype':<10}" + "".join(f"{n:>16}" for n in names) + f"   plan (ms){'':<12}speedup")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
@@ -100,8 +105,9 @@ def main() -> None:
             for name in names:
                 backend = registry.select("attention", query, name)(query)
                 backend.init_forward_metadata(batch)
-                layer_time = best_of(lambda: backend.forward(inputs.q, inputs.k, inputs.v, inputs.layer, batch),
-                                     args.repeats, clock)
+                layer_time = best_of(
+                    lambda: backend.forward(inputs.q, inputs.k, inputs.v, inputs.layer, batch), args.repeats, clock
+                )
                 times.append(layer_time)
                 plans.append(best_of(lambda: backend.init_forward_metadata(batch), args.repeats, clock))
             cells = "".join(f"{t:>13.2f} ms" for t in times)

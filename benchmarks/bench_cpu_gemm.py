@@ -29,8 +29,13 @@ import torch
 from radixserve.kernels import KernelQuery
 from radixserve.registry import PluginError, get_registry
 
-PROJECTIONS = {"qkv": (2048, 1024), "o": (1024, 1024), "gate_up": (5632, 1024), "down": (1024, 2816),
-               "lm_head": (4096, 1024)}
+PROJECTIONS = {
+    "qkv": (2048, 1024),
+    "o": (1024, 1024),
+    "gate_up": (5632, 1024),
+    "down": (1024, 2816),
+    "lm_head": (4096, 1024),
+}
 COLD_BYTES = 256 << 20
 
 
@@ -49,9 +54,12 @@ def best_times(fns, repeats: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="bfloat16,float32")
-    parser.add_argument("--backends", default="torch,onednn,cpu_packed",
-                        help="GEMM backends, the first is the baseline of the ratios; those that do not "
-                             "apply to a dtype are left out with their reason")
+    parser.add_argument(
+        "--backends",
+        default="torch,onednn,cpu_packed",
+        help="GEMM backends, the first is the baseline of the ratios; those that do not "
+        "apply to a dtype are left out with their reason",
+    )
     parser.add_argument("--rows", default="1,8,32,64,128,512,2048")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--cold", action="store_true", help="cycle through 256 MB of weight copies")
@@ -60,8 +68,10 @@ def main() -> None:
     if ns.threads:
         torch.set_num_threads(ns.threads)
     registry = get_registry()
-    print(f"{date.today()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{'cold' if ns.cold else 'warm'} weights; GFLOP/s, min of {ns.repeats}")
+    print(
+        f"{date.today()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{'cold' if ns.cold else 'warm'} weights; GFLOP/s, min of {ns.repeats}"
+    )
     for dtype in (getattr(torch, d) for d in ns.dtypes.split(",")):
         query = KernelQuery(device="cpu", dtype=dtype)
         backends = []
@@ -73,8 +83,12 @@ def main() -> None:
         a, b = torch.randn(4096, 4096).to(dtype), torch.randn(4096, 4096).to(dtype)
         (big,) = best_times([lambda: a @ b], max(3, ns.repeats // 5))
         print(f"\n{dtype}: 4096^3 matmul {2 * 4096**3 / big / 1e9:.0f} GFLOP/s")
-        print(f"{'projection':10s} {'rows':>5s} " + " ".join(f"{g.name:>9s}" for g in backends)
-              + " " + " ".join(f"{g.name + '/' + backends[0].name:>16s}" for g in backends[1:]))
+        print(
+            f"{'projection':10s} {'rows':>5s} "
+            + " ".join(f"{g.name:>9s}" for g in backends)
+            + " "
+            + " ".join(f"{g.name + '/' + backends[0].name:>16s}" for g in backends[1:])
+        )
         for name, (out_f, in_f) in PROJECTIONS.items():
             copies = max(1, COLD_BYTES // (out_f * in_f * dtype.itemsize)) if ns.cold else 1
             dense = [torch.randn(out_f, in_f).to(dtype) for _ in range(copies)]
@@ -85,8 +99,12 @@ def main() -> None:
                 calls = [lambda g=g, ws=ws: [g.linear(x, w) for w in ws] for g, ws in zip(backends, weights)]
                 times = [t / copies for t in best_times(calls, ns.repeats if not ns.cold or rows < 512 else 2)]
                 flop = 2 * rows * in_f * out_f
-                print(f"{name:10s} {rows:5d} " + " ".join(f"{flop / t / 1e9:9.0f}" for t in times) + " "
-                      + " ".join(f"{times[0] / t:15.2f}x" for t in times[1:]))
+                print(
+                    f"{name:10s} {rows:5d} "
+                    + " ".join(f"{flop / t / 1e9:9.0f}" for t in times)
+                    + " "
+                    + " ".join(f"{times[0] / t:15.2f}x" for t in times[1:])
+                )
 
 
 if __name__ == "__main__":

@@ -106,9 +106,21 @@ SHAPES = {
 }
 WORKLOADS = {
     "8b": Workload(),
-    "tiny": Workload(latency_prompt=16, latency_output=8, latency_runs=2, batches=(4, 8), ragged_min=8,
-                     ragged_max=32, ragged_output=8, gsp_groups=2, gsp_per_group=4, gsp_system=64, gsp_question=8,
-                     gsp_output=4, context_length=256),
+    "tiny": Workload(
+        latency_prompt=16,
+        latency_output=8,
+        latency_runs=2,
+        batches=(4, 8),
+        ragged_min=8,
+        ragged_max=32,
+        ragged_output=8,
+        gsp_groups=2,
+        gsp_per_group=4,
+        gsp_system=64,
+        gsp_question=8,
+        gsp_output=4,
+        context_length=256,
+    ),
 }
 WEIGHT_STD = 0.02  # transformers' initializer_range: activations stay finite through 32 bf16 layers
 SHARD_BYTES = 2 * 2**30
@@ -123,18 +135,26 @@ def build_model(out_dir: Path, shape: Shape, device: torch.device, dtype: torch.
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    config = tiny_config("llama", hidden_size=shape.hidden_size, num_layers=shape.num_layers,
-                         num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads,
-                         intermediate_size=shape.intermediate_size, vocab_size=shape.vocab_size,
-                         max_position_embeddings=shape.max_position_embeddings,
-                         rope_scaling=llama3_rope_scaling(original_max_position_embeddings=shape.rope_original_context))
+    config = tiny_config(
+        "llama",
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        intermediate_size=shape.intermediate_size,
+        vocab_size=shape.vocab_size,
+        max_position_embeddings=shape.max_position_embeddings,
+        rope_scaling=llama3_rope_scaling(original_max_position_embeddings=shape.rope_original_context),
+    )
     config.architectures = ["LlamaForCausalLM"]
     out_dir.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(str(out_dir))
     with torch.device("meta"):  # names and shapes only, no memory
         skeleton = AutoModelForCausalLM.from_config(config)
-    shards = _plan_shards(sorted((name, tuple(p.shape)) for name, p in skeleton.named_parameters()),
-                          torch.empty((), dtype=dtype).element_size())
+    shards = _plan_shards(
+        sorted((name, tuple(p.shape)) for name, p in skeleton.named_parameters()),
+        torch.empty((), dtype=dtype).element_size(),
+    )
 
     gen = torch.Generator(device=device).manual_seed(seed)
     weight_map = {}
@@ -178,9 +198,14 @@ def build_word_tokenizer(out_dir: Path, vocab_size: int) -> None:
     vocab.update({f"w{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token=PAD_TOKEN))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN,
-                                   pad_token=PAD_TOKEN, extra_special_tokens=[IM_START, IM_END],
-                                   model_max_length=1 << 20)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        extra_special_tokens=[IM_START, IM_END],
+        model_max_length=1 << 20,
+    )
     fast.save_pretrained(str(out_dir))
 
 
@@ -202,12 +227,21 @@ class Result:
 class EngineRuns:
     """One Engine configuration and the workloads run on it."""
 
-    def __init__(self, model_dir: Path, device: str, dtype: str, workload: Workload, attention_backend: str,
-                 **engine_args: Any):
+    def __init__(
+        self, model_dir: Path, device: str, dtype: str, workload: Workload, attention_backend: str, **engine_args: Any
+    ):
         self.workload = workload
-        self.engine = Engine(model_path=str(model_dir), device=device, dtype=dtype, page_size=16,
-                             context_length=workload.context_length, max_running_requests=workload.max_running,
-                             attention_backend=attention_backend, log_level="warning", **engine_args)
+        self.engine = Engine(
+            model_path=str(model_dir),
+            device=device,
+            dtype=dtype,
+            page_size=16,
+            context_length=workload.context_length,
+            max_running_requests=workload.max_running,
+            attention_backend=attention_backend,
+            log_level="warning",
+            **engine_args,
+        )
         self.source = TokenSource(self.engine.tokenizer)
         self._warmup = datasets.warmup_requests(self.source, 2, seed=0)
 
@@ -221,22 +255,25 @@ class EngineRuns:
 
     def latency_ms_per_token(self) -> float:
         w = self.workload
-        requests = datasets.random_requests(self.source, w.latency_runs, w.latency_prompt, w.latency_output, 1.0,
-                                            seed=1)
+        requests = datasets.random_requests(
+            self.source, w.latency_runs, w.latency_prompt, w.latency_output, 1.0, seed=1
+        )
         summary = self.run(requests, Arrivals(max_concurrency=1))
         return summary["e2e_latency_ms"]["median"] / w.latency_output
 
     def throughput(self, batch: int) -> float:
         w = self.workload
-        requests = datasets.random_requests(self.source, batch, w.ragged_max, w.ragged_output,
-                                            w.ragged_min / w.ragged_max, seed=2)
+        requests = datasets.random_requests(
+            self.source, batch, w.ragged_max, w.ragged_output, w.ragged_min / w.ragged_max, seed=2
+        )
         requests = [replace(r, output_len=w.ragged_output) for r in requests]  # ragged prompts, fixed outputs
         return self.run(requests)["output_throughput"]
 
     def shared_prefix(self) -> tuple[float, Optional[float]]:
         w = self.workload
-        requests = datasets.shared_prefix_requests(self.source, w.gsp_groups, w.gsp_per_group, w.gsp_system,
-                                                   w.gsp_question, w.gsp_output, seed=3)
+        requests = datasets.shared_prefix_requests(
+            self.source, w.gsp_groups, w.gsp_per_group, w.gsp_system, w.gsp_question, w.gsp_output, seed=3
+        )
         summary = self.run(requests)
         return summary["output_throughput"], summary["cache_hit_rate"]
 
@@ -248,13 +285,21 @@ class EngineRuns:
             self.engine.shutdown()
 
 
-def measure_engine(model_dir: Path, device: str, dtype: str, workload: Workload, attention_backend: str,
-                   progress: Callable[[str], None]) -> tuple[list[Result], dict]:
+def measure_engine(
+    model_dir: Path,
+    device: str,
+    dtype: str,
+    workload: Workload,
+    attention_backend: str,
+    progress: Callable[[str], None],
+) -> tuple[list[Result], dict]:
     """The Engine rows of the table, and each engine's server info by column."""
     w = workload
     latency = Result(f"batch 1, {w.latency_prompt}-token prompt -> {w.latency_output}", "ms/token")
-    batches = [Result(f"batch {b}, prompts {w.ragged_min}-{w.ragged_max} -> {w.ragged_output}", "output tok/s")
-               for b in w.batches]
+    batches = [
+        Result(f"batch {b}, prompts {w.ragged_min}-{w.ragged_max} -> {w.ragged_output}", "output tok/s")
+        for b in w.batches
+    ]
     shared = f"shared prefix {w.gsp_groups}x{w.gsp_per_group} ({w.gsp_system} + {w.gsp_question} -> {w.gsp_output})"
     radix_on, radix_off = Result(f"{shared}, radix on", "output tok/s"), Result(f"{shared}, radix off", "output tok/s")
     infos: dict[str, dict] = {}
@@ -300,8 +345,14 @@ def measure_engine(model_dir: Path, device: str, dtype: str, workload: Workload,
     return [latency, *batches, radix_on, radix_off, ratio], infos
 
 
-def profile_decode(model_dir: Path, device: str, dtype: str, workload: Workload, attention_backend: str,
-                   progress: Callable[[str], None]) -> list[tuple[int, Optional[DecodeProfile], str]]:
+def profile_decode(
+    model_dir: Path,
+    device: str,
+    dtype: str,
+    workload: Workload,
+    attention_backend: str,
+    progress: Callable[[str], None],
+) -> list[tuple[int, Optional[DecodeProfile], str]]:
     """Profile, on one warm engine, the batch-1 latency run and the first
     throughput batch: for each, the decode steps at that batch size (None if the
     trace has fewer than two) and the trace's path."""
@@ -312,8 +363,10 @@ def profile_decode(model_dir: Path, device: str, dtype: str, workload: Workload,
     try:
         runs.latency_ms_per_token()
         runs.throughput(batch)
-        for size, run, steps in ((1, runs.latency_ms_per_token, workload.latency_profile_steps),
-                                 (batch, lambda: runs.throughput(batch), workload.profile_steps)):
+        for size, run, steps in (
+            (1, runs.latency_ms_per_token, workload.latency_profile_steps),
+            (batch, lambda: runs.throughput(batch), workload.profile_steps),
+        ):
             progress(f"engine (profile): profiling {steps} steps at batch {size}")
             runs.engine.start_profile(num_steps=steps)
             run()
@@ -327,10 +380,15 @@ def profile_decode(model_dir: Path, device: str, dtype: str, workload: Workload,
 def format_profile(batch: int, prof: Optional[DecodeProfile], path: str) -> str:
     if prof is None:
         return f"profile: fewer than two decode steps at batch {batch} in {path}"
-    busy = "n/a (no device activity in the trace)" if prof.device_busy_fraction is None \
+    busy = (
+        "n/a (no device activity in the trace)"
+        if prof.device_busy_fraction is None
         else f"{prof.device_busy_fraction:.1%}"
-    return (f"profile, decode at batch {batch} ({prof.steps} steps): {prof.step_ms_median:.2f} ms per step "
-            f"(host launch {prof.host_ms_median:.2f} ms), device busy {busy}; trace {path}")
+    )
+    return (
+        f"profile, decode at batch {batch} ({prof.steps} steps): {prof.step_ms_median:.2f} ms per step "
+        f"(host launch {prof.host_ms_median:.2f} ms), device busy {busy}; trace {path}"
+    )
 
 
 def captured_graphs(info: dict) -> list[int]:
@@ -349,11 +407,17 @@ def hf_latency_ms_per_token(model_dir: Path, device: torch.device, dtype: torch.
 
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
     vocab = model.config.vocab_size
-    prompt = torch.randint(len(SPECIAL_TOKENS), vocab, (1, workload.latency_prompt),
-                           generator=torch.Generator().manual_seed(4)).to(device)
+    prompt = torch.randint(
+        len(SPECIAL_TOKENS), vocab, (1, workload.latency_prompt), generator=torch.Generator().manual_seed(4)
+    ).to(device)
     n = workload.latency_output
-    kwargs = dict(max_new_tokens=n, min_new_tokens=n, do_sample=False, cache_implementation="static",
-                  pad_token_id=model.config.pad_token_id)
+    kwargs = dict(
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        cache_implementation="static",
+        pad_token_id=model.config.pad_token_id,
+    )
     best = float("inf")
     with torch.inference_mode():
         for attempt in range(3):
@@ -404,10 +468,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--attention-backend", default="auto", help="e.g. flashinfer or triton (default: auto)")
     parser.add_argument("--skip-hf", action="store_true", help="leave out the HF generate baseline")
     parser.add_argument("--json", action="store_true", help="also print the results as one JSON line")
-    parser.add_argument("--profile", action="store_true",
-                        help="also profile the decode steps of the batch-1 latency run and of the first throughput "
-                             "batch: step time and device-busy fraction (the traces go to $RADIXSERVE_PROFILE_DIR, "
-                             "else new temporary directories)")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile the decode steps of the batch-1 latency run and of the first throughput "
+        "batch: step time and device-busy fraction (the traces go to $RADIXSERVE_PROFILE_DIR, "
+        "else new temporary directories)",
+    )
     args = parser.parse_args(argv)
 
     dtype_name = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
@@ -434,24 +501,36 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not args.skip_hf:
             progress("HF generate (static cache) batch-1 latency")
             hf = hf_latency_ms_per_token(model_dir, device, dtype, workload)
-            rows.append(Result(f"HF generate, batch 1, {workload.latency_prompt} -> {workload.latency_output}, "
-                               "static cache", "ms/token", graphs=hf,
-                               note="transformers compiles the forward on cuda" if device.type == "cuda" else ""))
+            rows.append(
+                Result(
+                    f"HF generate, batch 1, {workload.latency_prompt} -> {workload.latency_output}, static cache",
+                    "ms/token",
+                    graphs=hf,
+                    note="transformers compiles the forward on cuda" if device.type == "cuda" else "",
+                )
+            )
     info = infos["graphs"]
     sizes = captured_graphs(info)
     graphs = f"graphs for {len(sizes)} batch sizes up to {max(sizes)}" if sizes else "no graphs"
-    header = (f"bench_gpu {args.shape} ({dtype_name}) on {info.get('device', args.device)}: "
-              f"backends {info.get('backends')}, {graphs}, torch {torch.__version__}, "
-              f"{time.perf_counter() - started:.0f} s")
+    header = (
+        f"bench_gpu {args.shape} ({dtype_name}) on {info.get('device', args.device)}: "
+        f"backends {info.get('backends')}, {graphs}, torch {torch.__version__}, "
+        f"{time.perf_counter() - started:.0f} s"
+    )
     print(header)
     print(format_table(rows))
     for size, prof, trace_path in profiles:
         print(format_profile(size, prof, trace_path))
     if args.json:
         report = {
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "shape": args.shape,
-            "shape_config": asdict(shape), "workload": asdict(workload), "dtype": dtype_name,
-            "device": info.get("device"), "backends": info.get("backends"), "graphs": info.get("graphs"),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "shape": args.shape,
+            "shape_config": asdict(shape),
+            "workload": asdict(workload),
+            "dtype": dtype_name,
+            "device": info.get("device"),
+            "backends": info.get("backends"),
+            "graphs": info.get("graphs"),
             "machine": {"platform": platform.platform(), "torch": torch.__version__},
             "rows": [asdict(r) for r in rows],
         }

@@ -20,7 +20,6 @@ import openai
 
 from radixserve.bench.metrics import median_call_ms
 
-
 # Every request opens its own connection (httpx closes it after the response).
 NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
 
@@ -43,8 +42,10 @@ def main() -> None:
             health = median_call_ms(lambda: http.get("/health").raise_for_status(), args.health)
             client = openai.OpenAI(base_url=args.url + "/v1", api_key=args.api_key, max_retries=0, http_client=http)
             chat = median_call_ms(lambda: one_token_chat(client, args.model), args.chat)
-        print(f"{label:16}  GET /health {health:6.2f} ms (median of {args.health})   "
-              f"1-token chat via openai {chat:6.2f} ms (median of {args.chat})")
+        print(
+            f"{label:16}  GET /health {health:6.2f} ms (median of {args.health})   "
+            f"1-token chat via openai {chat:6.2f} ms (median of {args.chat})"
+        )
 
 
 if __name__ == "__main__":

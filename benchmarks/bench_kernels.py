@@ -89,8 +89,9 @@ def main() -> None:
         report(case.name, times)
 
     for case in QUICK_MOE if args.quick else MOE_SHAPES:
-        hidden, logits, w13, w2, routing = (x.to(device) if torch.is_tensor(x) else x
-                                            for x in make_moe_inputs(case, dtype))
+        hidden, logits, w13, w2, routing = (
+            x.to(device) if torch.is_tensor(x) else x for x in make_moe_inputs(case, dtype)
+        )
         times = []
         for name in names:
             backend = registry.select("moe", case.query(args.device, dtype), name)(case.query(args.device, dtype))
@@ -101,7 +102,9 @@ def main() -> None:
         inputs = make_elementwise_inputs(case, dtype, device)  # in-place ops just keep working on their outputs
         times = []
         for name in names:
-            backend = registry.select("elementwise", case.query(args.device, dtype), name)(case.query(args.device, dtype))
+            backend = registry.select("elementwise", case.query(args.device, dtype), name)(
+                case.query(args.device, dtype)
+            )
             times.append(time_call(lambda backend=backend: elementwise_call(backend, case, inputs), min_time))
         report(case.name, times)
 

@@ -23,8 +23,15 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from radixserve import Engine
 from radixserve.testing.tiny_models import build_tiny_model
 
-MODEL = dict(hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8, intermediate_size=2816,
-             vocab_size=4096, max_position_embeddings=2048)
+MODEL = dict(
+    hidden_size=1024,
+    num_layers=8,
+    num_heads=16,
+    num_kv_heads=8,
+    intermediate_size=2816,
+    vocab_size=4096,
+    max_position_embeddings=2048,
+)
 
 
 def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
@@ -34,8 +41,13 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 
 def bench_engine(model_dir: Path, batch: list[list[int]], output_len: int, dtype: str) -> tuple[float, list]:
     params = {"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}
-    with Engine(model_path=str(model_dir), dtype=dtype, max_total_tokens=len(batch) * (len(batch[0]) + output_len)
-                + 1024, max_running_requests=len(batch), log_level="warning") as engine:
+    with Engine(
+        model_path=str(model_dir),
+        dtype=dtype,
+        max_total_tokens=len(batch) * (len(batch[0]) + output_len) + 1024,
+        max_running_requests=len(batch),
+        log_level="warning",
+    ) as engine:
         engine.generate(input_ids=batch[0][:8], sampling_params={"max_new_tokens": 4})  # warm up
         start = time.perf_counter()
         results = engine.generate(input_ids=batch, sampling_params=params)
@@ -46,16 +58,18 @@ def bench_engine(model_dir: Path, batch: list[list[int]], output_len: int, dtype
 
 def bench_hf(model_dir: Path, batch: list[list[int]], output_len: int, dtype: str) -> tuple[float, list]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=model.config.vocab_size + 1,
-                              pad_token_id=0)
+    config = GenerationConfig(
+        max_new_tokens=output_len, do_sample=False, eos_token_id=model.config.vocab_size + 1, pad_token_id=0
+    )
     inputs = torch.tensor(batch)
     with torch.inference_mode():
-        model.generate(inputs[:1, :8], generation_config=GenerationConfig(max_new_tokens=4, do_sample=False,
-                                                                             pad_token_id=0))
+        model.generate(
+            inputs[:1, :8], generation_config=GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=0)
+        )
         start = time.perf_counter()
         out = model.generate(inputs, generation_config=config)
         elapsed = time.perf_counter() - start
-    return elapsed, out[:, inputs.shape[1]:].tolist()
+    return elapsed, out[:, inputs.shape[1] :].tolist()
 
 
 def main() -> None:
@@ -74,7 +88,10 @@ def main() -> None:
 
     tokens = args.num_prompts * args.output_len
     agree = sum(a == b for x, y in zip(our_ids, hf_ids) for a, b in zip(x, y)) / tokens
-    print(f"date {date.today()}  machine {platform.machine()} {torch.get_num_threads()} threads  torch {torch.__version__}")
+    print(
+        f"date {date.today()}  machine {platform.machine()} {torch.get_num_threads()} threads  "
+        f"torch {torch.__version__}"
+    )
     print(f"model {MODEL}  dtype {args.dtype}")
     print(f"{args.num_prompts} prompts x {args.input_len} tokens -> {args.output_len} new tokens, greedy")
     print(f"radixserve Engine : {ours:7.2f} s  {tokens / ours:8.1f} output tok/s")

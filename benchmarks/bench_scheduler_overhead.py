@@ -34,14 +34,23 @@ from radixserve.testing.tiny_models import build_tiny_model
 
 
 def one_run(model_dir: str, batch: int, steps: int, seed: int, profile: bool) -> float:
-    args = ServerArgs(model_path=model_dir, max_total_tokens=batch * (512 + steps + 16),
-                      max_running_requests=batch, disable_overlap_schedule=True)
+    args = ServerArgs(
+        model_path=model_dir,
+        max_total_tokens=batch * (512 + steps + 16),
+        max_running_requests=batch,
+        disable_overlap_schedule=True,
+    )
     scheduler = Scheduler(args, model_dir, AutoTokenizer.from_pretrained(model_dir))
     rng = random.Random(seed)
     for i in range(batch):
         prompt = [rng.randrange(3, scheduler.runner.vocab_size) for _ in range(rng.randint(128, 512))]
-        scheduler.add_request(GenerateRequest(rid=f"r{i}", input_ids=prompt, sampling_params=SamplingParams(
-            temperature=0, max_new_tokens=steps + 8, ignore_eos=True)))
+        scheduler.add_request(
+            GenerateRequest(
+                rid=f"r{i}",
+                input_ids=prompt,
+                sampling_params=SamplingParams(temperature=0, max_new_tokens=steps + 8, ignore_eos=True),
+            )
+        )
     while scheduler.waiting or scheduler.chunked_req:  # prefill everything first
         scheduler.step()
     assert len(scheduler.running) == batch, f"only {len(scheduler.running)} of {batch} requests are decoding"
@@ -85,15 +94,26 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = str(build_tiny_model(tmp, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                                         intermediate_size=128, max_position_embeddings=1024))
+        model_dir = str(
+            build_tiny_model(
+                tmp,
+                hidden_size=64,
+                num_layers=2,
+                num_heads=4,
+                num_kv_heads=2,
+                intermediate_size=128,
+                max_position_embeddings=1024,
+            )
+        )
         per_step = [one_run(model_dir, args.batch, args.steps, seed, False) for seed in range(args.runs)]
         if args.profile:
             one_run(model_dir, args.batch, args.steps, args.runs, True)
     ms = sorted(x * 1000 for x in per_step)
-    print(f"scheduler time per decode step outside the forward and sampling, batch {args.batch}, "
-          f"{args.steps} steps x {args.runs} runs: median {statistics.median(ms):.3f} ms "
-          f"(range {ms[0]:.3f}-{ms[-1]:.3f})")
+    print(
+        f"scheduler time per decode step outside the forward and sampling, batch {args.batch}, "
+        f"{args.steps} steps x {args.runs} runs: median {statistics.median(ms):.3f} ms "
+        f"(range {ms[0]:.3f}-{ms[-1]:.3f})"
+    )
 
 
 if __name__ == "__main__":

@@ -24,10 +24,26 @@ from pathlib import Path
 # Two shapes, so speed is not tuned to one: the Llama, and a deeper,
 # narrower Qwen2 (qkv bias, 8 query heads per KV head).
 MODELS = {
-    "llama": dict(arch="llama", hidden_size=1024, num_layers=8, num_heads=16, num_kv_heads=8,
-                  intermediate_size=2816, vocab_size=4096, max_position_embeddings=2048),
-    "qwen2": dict(arch="qwen2", hidden_size=512, num_layers=24, num_heads=16, num_kv_heads=2,
-                  intermediate_size=1408, vocab_size=4096, max_position_embeddings=2048),
+    "llama": dict(
+        arch="llama",
+        hidden_size=1024,
+        num_layers=8,
+        num_heads=16,
+        num_kv_heads=8,
+        intermediate_size=2816,
+        vocab_size=4096,
+        max_position_embeddings=2048,
+    ),
+    "qwen2": dict(
+        arch="qwen2",
+        hidden_size=512,
+        num_layers=24,
+        num_heads=16,
+        num_kv_heads=2,
+        intermediate_size=1408,
+        vocab_size=4096,
+        max_position_embeddings=2048,
+    ),
 }
 
 
@@ -57,8 +73,9 @@ def vllm_offline(ns: argparse.Namespace) -> None:
 
     memory = _load_memory_module()
     requests = [json.loads(line) for line in Path(ns.requests).read_text().splitlines() if line.strip()]
-    llm = LLM(model=ns.model, dtype=ns.dtype, enable_prefix_caching=ns.prefix_caching, seed=0,
-              max_model_len=ns.max_model_len)
+    llm = LLM(
+        model=ns.model, dtype=ns.dtype, enable_prefix_caching=ns.prefix_caching, seed=0, max_model_len=ns.max_model_len
+    )
     prompts = [TokensPrompt(prompt_token_ids=r["input_ids"]) for r in requests]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=r["output_len"]) for r in requests]
     llm.generate([TokensPrompt(prompt_token_ids=[11, 12, 13, 14])], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -73,8 +90,13 @@ def vllm_offline(ns: argparse.Namespace) -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "mode": "offline",
         "engine": "vllm",
-        "config": {"label": ns.label, "model_path": ns.model, "dtype": ns.dtype, "dataset_path": ns.requests,
-                   "prefix_caching": ns.prefix_caching},
+        "config": {
+            "label": ns.label,
+            "model_path": ns.model,
+            "dtype": ns.dtype,
+            "dataset_path": ns.requests,
+            "prefix_caching": ns.prefix_caching,
+        },
         "completed": len(outputs),
         "duration_s": duration,
         "total_input_tokens": input_tokens,
@@ -85,8 +107,7 @@ def vllm_offline(ns: argparse.Namespace) -> None:
         "cache_hit_rate": sum(cached) / input_tokens if None not in cached else None,
         "peak_rss_mib": peak.bytes / 2**20 if peak.bytes else None,
     }
-    print(f"vllm {ns.label}: {output_tokens} output tokens in {duration:.2f} s, "
-          f"{line['output_throughput']:.1f} tok/s")
+    print(f"vllm {ns.label}: {output_tokens} output tokens in {duration:.2f} s, {line['output_throughput']:.1f} tok/s")
     with open(ns.output_file, "a") as f:
         f.write(json.dumps(line) + "\n")
 
@@ -115,12 +136,16 @@ def table(path: str) -> None:
             a = ours[n] if n < len(ours) else None
             b = theirs[n] if n < len(theirs) else None
             ratios += [speedup(a, b)] if a and b else []
-            print(f"{label if n == 0 else '':<34}{cell(a):>20}{cell(b):>20}"
-                  f"{f'{speedup(a, b):.2f}x' if a and b else 'n/a':>8}")
+            print(
+                f"{label if n == 0 else '':<34}{cell(a):>20}{cell(b):>20}"
+                f"{f'{speedup(a, b):.2f}x' if a and b else 'n/a':>8}"
+            )
             for name, row in (("radixserve", a), ("vLLM", b)):
                 if row and row["mode"] == "serving":
-                    print(f"    {name}: TTFT median {row['ttft_ms']['median']:.0f} ms, "
-                          f"ITL median {row['itl_ms']['median']:.1f} ms, failed {row['failed']}")
+                    print(
+                        f"    {name}: TTFT median {row['ttft_ms']['median']:.0f} ms, "
+                        f"ITL median {row['itl_ms']['median']:.1f} ms, failed {row['failed']}"
+                    )
         if len(ratios) > 1:
             print(f"{f'  median of {len(ratios)} rounds':<74}{statistics.median(ratios):>7.2f}x")
     off_labels = [label for label in labels if label.endswith(" radix-off")]

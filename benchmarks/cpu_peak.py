@@ -86,8 +86,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--iterations", type=int, default=100_000_000)
     args = parser.parse_args()
-    module = load_inline("radixserve_cpu_peak", cpp_sources=SOURCE, functions=["run"],
-                         extra_cflags=["-O3", "-march=native"])
+    module = load_inline(
+        "radixserve_cpu_peak", cpp_sources=SOURCE, functions=["run"], extra_cflags=["-O3", "-march=native"]
+    )
     for name, (kind, flop_per_instruction) in LOOPS.items():
         module.run(kind, args.threads, args.iterations // 10)  # wake the cores up to speed first
         seconds = module.run(kind, args.threads, args.iterations)
@@ -95,8 +96,10 @@ def main() -> None:
             print(f"{name}: not compiled for this CPU (no AVX512_BF16)")
             continue
         instructions = args.threads * args.iterations * INSTRUCTIONS_PER_ITERATION
-        print(f"{name}: {instructions * flop_per_instruction / seconds / 1e9:.0f} GFLOP/s on {args.threads} threads "
-              f"({instructions / args.threads / seconds / 1e9:.2f} G instructions/s per thread)")
+        print(
+            f"{name}: {instructions * flop_per_instruction / seconds / 1e9:.0f} GFLOP/s on {args.threads} threads "
+            f"({instructions / args.threads / seconds / 1e9:.2f} G instructions/s per thread)"
+        )
 
 
 if __name__ == "__main__":

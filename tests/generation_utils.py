@@ -35,17 +35,33 @@ def make_scheduler(model_dir: Path, registry=None, **server_args: Any) -> Schedu
     return Scheduler(args, str(model_dir), AutoTokenizer.from_pretrained(model_dir), registry=registry)
 
 
-def submit(scheduler: Scheduler, prompt: list[int], return_logprob: bool = False, logprob_start_len: int = -1,
-           top_logprobs_num: int = 0, priority: int = 0, **params: Any) -> str:
+def submit(
+    scheduler: Scheduler,
+    prompt: list[int],
+    return_logprob: bool = False,
+    logprob_start_len: int = -1,
+    top_logprobs_num: int = 0,
+    priority: int = 0,
+    **params: Any,
+) -> str:
     rid = f"r{next(_rids)}"
-    scheduler.add_request(GenerateRequest(rid=rid, input_ids=prompt, sampling_params=SamplingParams(**params),
-                                          return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                                          top_logprobs_num=top_logprobs_num, priority=priority))
+    scheduler.add_request(
+        GenerateRequest(
+            rid=rid,
+            input_ids=prompt,
+            sampling_params=SamplingParams(**params),
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num,
+            priority=priority,
+        )
+    )
     return rid
 
 
-def run(scheduler: Scheduler, check_every_step: bool = True, earlier: Optional[list[TokenOutput]] = None
-        ) -> dict[str, Result]:
+def run(
+    scheduler: Scheduler, check_every_step: bool = True, earlier: Optional[list[TokenOutput]] = None
+) -> dict[str, Result]:
     """Step until idle, asserting the memory invariant at every step boundary;
     ``earlier``: outputs of steps the caller ran itself."""
     outputs: list[TokenOutput] = list(earlier or []) + scheduler.step_outputs()
@@ -79,11 +95,16 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> tuple[
     # Like ignore_eos: an EOS id that can never be generated (min_new_tokens
     # would instead mask the real EOS out of the distribution).
     never = model.config.vocab_size + 1
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=never,
-                              pad_token_id=model.generation_config.pad_token_id)
-    out = model.generate(torch.tensor([prompt]), generation_config=config, output_logits=True,
-                         return_dict_in_generate=True)
-    ids = out.sequences[0, len(prompt):].tolist()
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=never,
+        pad_token_id=model.generation_config.pad_token_id,
+    )
+    out = model.generate(
+        torch.tensor([prompt]), generation_config=config, output_logits=True, return_dict_in_generate=True
+    )
+    ids = out.sequences[0, len(prompt) :].tolist()
     logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, ids)]
     return ids, logprobs
 

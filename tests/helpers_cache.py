@@ -10,8 +10,9 @@ import torch
 from radixserve.cache.memory_pool import PagedAllocator
 
 
-def alloc_extend(alloc: PagedAllocator, prefix_lens: list[int], last_locs: list[int],
-                 extend_lens: list[int]) -> Optional[torch.Tensor]:
+def alloc_extend(
+    alloc: PagedAllocator, prefix_lens: list[int], last_locs: list[int], extend_lens: list[int]
+) -> Optional[torch.Tensor]:
     """``alloc_slots`` as a device tensor."""
     out = alloc.alloc_slots(prefix_lens, last_locs, extend_lens)
     return None if out is None else alloc.transfer.to_device(out)

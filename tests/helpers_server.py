@@ -23,8 +23,14 @@ _ANNOUNCE = re.compile(r"radixserve (listening|ready) at (\S+)")
 class ServerProcess:
     def __init__(self, *cli_args: str, env: Optional[dict[str, str]] = None):
         cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", "0", *cli_args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})}, bufsize=1)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+            bufsize=1,
+        )
         self.lines: list[str] = []
         self.url: Optional[str] = None
         self._listening = threading.Event()

@@ -75,23 +75,46 @@ class StandInTorchNpu:
     # -- attention ---------------------------------------------------------
 
     def npu_fused_infer_attention_score(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
-        block_table: Optional[torch.Tensor] = None, block_size: int = 0,
-        actual_seq_lengths: Optional[list[int]] = None, actual_seq_lengths_kv: Optional[list[int]] = None,
-        num_heads: int = 1, num_key_value_heads: int = 0, input_layout: str = "BSH", scale: float = 1.0,
-        sparse_mode: int = 0, atten_mask: Optional[torch.Tensor] = None, **others: Any,
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        *,
+        block_table: Optional[torch.Tensor] = None,
+        block_size: int = 0,
+        actual_seq_lengths: Optional[list[int]] = None,
+        actual_seq_lengths_kv: Optional[list[int]] = None,
+        num_heads: int = 1,
+        num_key_value_heads: int = 0,
+        input_layout: str = "BSH",
+        scale: float = 1.0,
+        sparse_mode: int = 0,
+        atten_mask: Optional[torch.Tensor] = None,
+        **others: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.calls.append(("npu_fused_infer_attention_score", dict(
-            q_shape=tuple(query.shape), key_shape=tuple(key.shape), block_size=block_size,
-            sparse_mode=sparse_mode, actual_seq_lengths=actual_seq_lengths,
-            actual_seq_lengths_kv=actual_seq_lengths_kv, block_table=block_table.clone())))
+        self.calls.append(
+            (
+                "npu_fused_infer_attention_score",
+                dict(
+                    q_shape=tuple(query.shape),
+                    key_shape=tuple(key.shape),
+                    block_size=block_size,
+                    sparse_mode=sparse_mode,
+                    actual_seq_lengths=actual_seq_lengths,
+                    actual_seq_lengths_kv=actual_seq_lengths_kv,
+                    block_table=block_table.clone(),
+                ),
+            )
+        )
         _require(not others, f"the stand-in does not emulate {sorted(others)}")
         _require(input_layout == "BNSD", f"the stand-in emulates input_layout BNSD, got {input_layout!r}")
         _require(query.dim() == 4 and query.is_contiguous(), "query must be a contiguous BNSD tensor")
         _require(query.dtype in HALF_DTYPES, f"query dtype {query.dtype}: float16 or bfloat16 only")
         _require(key.dtype == value.dtype == query.dtype, "key/value dtype must match the query's")
-        _require(key.shape == value.shape and key.is_contiguous() and value.is_contiguous(),
-                 "key and value must be contiguous and of one shape")
+        _require(
+            key.shape == value.shape and key.is_contiguous() and value.is_contiguous(),
+            "key and value must be contiguous and of one shape",
+        )
         batch, heads, q_len, dim = query.shape
         kv_heads = num_key_value_heads or num_heads
         _require(heads == num_heads, f"num_heads {num_heads} != the query's N {heads}")
@@ -99,11 +122,17 @@ class StandInTorchNpu:
         _require(dim % 16 == 0, f"D {dim} must be 16-aligned for float16/bfloat16")
 
         # PageAttention
-        _require(block_table is not None and block_table.dtype == torch.int32 and block_table.dim() == 2,
-                 "block_table must be a 2-D int32 tensor")
+        _require(
+            block_table is not None and block_table.dtype == torch.int32 and block_table.dim() == 2,
+            "block_table must be a 2-D int32 tensor",
+        )
         _require(block_table.shape[0] == batch, "block_table's first dim must be B")
-        _require(isinstance(actual_seq_lengths_kv, list) and all(isinstance(n, int) for n in actual_seq_lengths_kv)
-                 and len(actual_seq_lengths_kv) >= batch, "actual_seq_lengths_kv: a host list of B ints")
+        _require(
+            isinstance(actual_seq_lengths_kv, list)
+            and all(isinstance(n, int) for n in actual_seq_lengths_kv)
+            and len(actual_seq_lengths_kv) >= batch,
+            "actual_seq_lengths_kv: a host list of B ints",
+        )
         kv_lens = actual_seq_lengths_kv[:batch]
         if q_len == 1:
             _require(block_size > 0 and block_size % 16 == 0, f"block_size {block_size}: 16-aligned for Q_S 1")
@@ -116,19 +145,29 @@ class StandInTorchNpu:
             _require(kv_heads * dim <= 65535, "KV_N * D above 65535 with the (blocknum, blocksize, H) cache")
             pages = lambda cache: cache.view(cache.shape[0], block_size, kv_heads, dim)  # noqa: E731
         else:  # (blocknum, KV_N, blocksize, D)
-            _require(key.dim() == 4 and tuple(key.shape[1:]) == (kv_heads, block_size, dim),
-                     "key (blocknum, KV_N, blocksize, D)")
+            _require(
+                key.dim() == 4 and tuple(key.shape[1:]) == (kv_heads, block_size, dim),
+                "key (blocknum, KV_N, blocksize, D)",
+            )
             pages = lambda cache: cache.transpose(1, 2)  # noqa: E731
         num_blocks = key.shape[0]
         _require(sum(blocks_needed) <= num_blocks, "blocknum below the blocks the batch needs")
 
         if q_len > 1:
-            _require(isinstance(actual_seq_lengths, list) and len(actual_seq_lengths) >= batch
-                     and all(0 < n <= q_len for n in actual_seq_lengths[:batch]), "actual_seq_lengths")
+            _require(
+                isinstance(actual_seq_lengths, list)
+                and len(actual_seq_lengths) >= batch
+                and all(0 < n <= q_len for n in actual_seq_lengths[:batch]),
+                "actual_seq_lengths",
+            )
             _require(sparse_mode == 3, "the stand-in emulates causal prefill as sparse_mode 3")
             expected_mask = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
-            _require(atten_mask is not None and atten_mask.dtype == torch.bool
-                     and torch.equal(atten_mask.cpu(), expected_mask), "sparse_mode 3 needs the 2048 x 2048 mask")
+            _require(
+                atten_mask is not None
+                and atten_mask.dtype == torch.bool
+                and torch.equal(atten_mask.cpu(), expected_mask),
+                "sparse_mode 3 needs the 2048 x 2048 mask",
+            )
             q_lens = actual_seq_lengths[:batch]
         else:
             q_lens = [1] * batch
@@ -151,23 +190,39 @@ class StandInTorchNpu:
 
     # -- MoE ---------------------------------------------------------------
 
-    def _grouped_matmul(self, x: list[torch.Tensor], weight: list[torch.Tensor], *,
-                        group_list: Optional[torch.Tensor] = None, split_item: int = 0,
-                        group_type: Optional[int] = None, group_list_type: int = 0,
-                        **others: Any) -> list[torch.Tensor]:
+    def _grouped_matmul(
+        self,
+        x: list[torch.Tensor],
+        weight: list[torch.Tensor],
+        *,
+        group_list: Optional[torch.Tensor] = None,
+        split_item: int = 0,
+        group_type: Optional[int] = None,
+        group_list_type: int = 0,
+        **others: Any,
+    ) -> list[torch.Tensor]:
         self.calls.append(("npu_grouped_matmul", dict(group_list=group_list.clone())))
         _require(not others, f"the stand-in does not emulate {sorted(others)}")
         _require(len(x) == 1 and len(weight) == 1, "the stand-in emulates one x and one weight tensor")
-        _require(split_item in (2, 3) and group_type == 0 and group_list_type == 0,
-                 "single x/weight/y needs split_item 2|3, group_type 0; group_list_type 0 is a cumsum")
+        _require(
+            split_item in (2, 3) and group_type == 0 and group_list_type == 0,
+            "single x/weight/y needs split_item 2|3, group_type 0; group_list_type 0 is a cumsum",
+        )
         a, w = x[0], weight[0]
         _require(a.dim() == 2 and w.dim() == 3 and a.shape[1] == w.shape[1], "x [M, K], weight [E, K, N]")
         _require(a.dtype == w.dtype, "x and weight dtypes differ")
-        _require(isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64 and group_list.dim() == 1
-                 and group_list.numel() == w.shape[0] <= 1024, "group_list: int64 [E], E <= 1024")
+        _require(
+            isinstance(group_list, torch.Tensor)
+            and group_list.dtype == torch.int64
+            and group_list.dim() == 1
+            and group_list.numel() == w.shape[0] <= 1024,
+            "group_list: int64 [E], E <= 1024",
+        )
         bounds = [0, *group_list.tolist()]
-        _require(all(lo <= hi for lo, hi in zip(bounds, bounds[1:])) and bounds[-1] == a.shape[0],
-                 "group_list must be non-decreasing and end at M")
+        _require(
+            all(lo <= hi for lo, hi in zip(bounds, bounds[1:])) and bounds[-1] == a.shape[0],
+            "group_list must be non-decreasing and end at M",
+        )
         y = torch.empty(a.shape[0], w.shape[2], dtype=torch.float32)
         for e in range(w.shape[0]):
             y[bounds[e] : bounds[e + 1]] = a[bounds[e] : bounds[e + 1]].float() @ w[e].float()

@@ -17,9 +17,9 @@ import time
 import httpx
 import pytest
 import zmq.asyncio
+from helpers_server import ServerProcess, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers_server import ServerProcess, wait_until
 from radixserve.config import ServerArgs
 from radixserve.ipc import Endpoints, pull_socket, push_socket
 from radixserve.messages import AbortRequest, FinishReason, TextBatch, TextOutput, TokenOutput
@@ -37,9 +37,21 @@ def server(tiny_model_factory):
     """N running slots and one queue place: an n=N request runs whole, one more waits, the next is refused.
     At info level with ``--log-requests``, for the access log test."""
     model = tiny_model_factory(arch="llama", max_position_embeddings=32768)
-    with ServerProcess("--model", str(model), "--served-model-name", "tiny", "--max-total-tokens", "131072",
-                       "--max-running-requests", str(N), "--max-queued-requests", "1",
-                       "--log-level", "info", "--log-requests") as srv:
+    with ServerProcess(
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--max-total-tokens",
+        "131072",
+        "--max-running-requests",
+        str(N),
+        "--max-queued-requests",
+        "1",
+        "--log-level",
+        "info",
+        "--log-requests",
+    ) as srv:
         srv.wait_ready()
         yield srv
 
@@ -51,8 +63,9 @@ def stats(url: str) -> dict:
 
 def idle(url: str) -> bool:
     s = stats(url)
-    return (s["num_running_reqs"], s["num_queue_reqs"], s["private_tokens"], s["num_in_flight"]) == (0, 0, 0, 0) \
-        and s["memory_invariant_ok"]
+    return (s["num_running_reqs"], s["num_queue_reqs"], s["private_tokens"], s["num_in_flight"]) == (0, 0, 0, 0) and s[
+        "memory_invariant_ok"
+    ]
 
 
 def assert_stopped(url: str, generated_before: int, limit: int) -> int:
@@ -78,11 +91,16 @@ def test_n4_streaming_client_gone(server):
     assert_stopped(server.url, before, N * MAX_TOKENS // 4)
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"model": "tiny", **LONG, "n": N}),
-    ("/generate", {"text": "keep going", "sampling_params": {"max_new_tokens": MAX_TOKENS, "ignore_eos": True,
-                                                              "n": N}}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"model": "tiny", **LONG, "n": N}),
+        (
+            "/generate",
+            {"text": "keep going", "sampling_params": {"max_new_tokens": MAX_TOKENS, "ignore_eos": True, "n": N}},
+        ),
+    ],
+)
 def test_n4_non_streaming_client_gone(server, path, body):
     before = stats(server.url)["generation_tokens_total"]
     with pytest.raises(httpx.ReadTimeout):
@@ -91,16 +109,21 @@ def test_n4_non_streaming_client_gone(server, path, body):
 
 
 def test_the_server_serves_after_the_aborts(server):
-    response = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 5,
-                                                                "n": 2}, timeout=60)
+    response = httpx.post(
+        server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 5, "n": 2}, timeout=60
+    )
     assert response.status_code == 200 and len(response.json()["choices"]) == 2
     assert idle(server.url)
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
     text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and labels.items() <= s.labels.items())
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )
 
 
 def test_a_refused_part_aborts_the_rest(server):
@@ -204,9 +227,14 @@ class _Runtime:
         self.tm.start()
 
     async def reply(self, *outputs: tuple[str, list[int], FinishReason | None], error: str | None = None) -> None:
-        await self.detokenizer.send_pyobj(TextBatch([
-            TextOutput(TokenOutput(rid, ids, finish, queue_time=0.0), "t" * len(ids), error=error)
-            for rid, ids, finish in outputs]))
+        await self.detokenizer.send_pyobj(
+            TextBatch(
+                [
+                    TextOutput(TokenOutput(rid, ids, finish, queue_time=0.0), "t" * len(ids), error=error)
+                    for rid, ids, finish in outputs
+                ]
+            )
+        )
 
     async def received(self, count: int) -> list:
         return [await asyncio.wait_for(self.scheduler.recv_pyobj(), 10) for _ in range(count)]
@@ -249,8 +277,9 @@ def test_bad_replies_fail_only_their_request():
             # The scheduler failing a request (500) is an error for that request, with nothing left to abort.
             c = asyncio.create_task(_collect(_generate(rt.tm, "c")))
             (req,) = await rt.received(1)
-            await rt.reply((req.rid, [], FinishReason("abort", status_code=500,
-                                                      message="internal error: RuntimeError: x")))
+            await rt.reply(
+                (req.rid, [], FinishReason("abort", status_code=500, message="internal error: RuntimeError: x"))
+            )
             with pytest.raises(RequestFailedError, match="internal error"):
                 await c
             assert rt.tm.num_in_flight == 0 and await rt.nothing_more()

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-
 from generation_utils import generate, make_scheduler, mixed_prompts
+
 from radixserve.backend_timing import MeasuredSelection, ModelShapes, TimingCache, report_cached
 from radixserve.hooks import hookimpl
 from radixserve.kernels import GemmBackend, KernelQuery
@@ -19,8 +19,17 @@ from radixserve.registry import PluginError, PluginRegistry
 from radixserve_torch.platform import CpuPlatform
 
 QUERY = KernelQuery(device="cpu", dtype=torch.float32, head_dim=16, num_heads=4, num_kv_heads=2)
-SHAPES = ModelShapes(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
-                     vocab_size=256, decode_rows=4, prefill_rows=32, decode_context=64)
+SHAPES = ModelShapes(
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    decode_rows=4,
+    prefill_rows=32,
+    decode_context=64,
+)
 SLOW_SECONDS = 0.02  # far above what a preempted thread costs a tiny F.linear on a loaded machine
 
 
@@ -113,8 +122,9 @@ def test_the_second_start_reuses_the_cached_measurement(registry, tmp_path):
     assert second.choices["gemm"].seconds == first.choices["gemm"].seconds
 
     # Another shape is another key: measured afresh.
-    other = MeasuredSelection(registry, CpuPlatform(), 0, ModelShapes(**{**SHAPES.__dict__, "hidden_size": 96}),
-                              cache=TimingCache(tmp_path))
+    other = MeasuredSelection(
+        registry, CpuPlatform(), 0, ModelShapes(**{**SHAPES.__dict__, "hidden_size": 96}), cache=TimingCache(tmp_path)
+    )
     assert other.select("gemm", QUERY) is FastGemm and other.choices["gemm"].how.startswith("measured")
     assert len(list(tmp_path.glob("*.json"))) == 2
     rows = report_cached(CpuPlatform(), cache=TimingCache(tmp_path))
@@ -151,8 +161,9 @@ def test_a_backend_whose_build_fails_is_passed_over_with_the_reason(registry, tm
     assert "rejected gemm backend broken_gemm: build failed: RuntimeError: c++: error: no such compiler" in caplog.text
     with pytest.raises(PluginError, match=r"broken_gemm.*build failed: RuntimeError: c\+\+: error"):
         selection(registry, tmp_path).select("gemm", QUERY, "broken_gemm")
-    assert registry.build_usable(QUERY) == {"gemm": ["broken_gemm: build failed: RuntimeError: c++: error: "
-                                                     "no such compiler"]}
+    assert registry.build_usable(QUERY) == {
+        "gemm": ["broken_gemm: build failed: RuntimeError: c++: error: no such compiler"]
+    }
 
 
 def test_a_scheduler_measures_once_then_reads_the_cache(tiny_llama_dir, tmp_path, monkeypatch):

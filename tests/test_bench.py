@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers_server import ServerProcess
 from transformers import AutoTokenizer
 
 from radixserve.bench import datasets
 from radixserve.bench.datasets import TokenSource
 from radixserve.cli import main
-from helpers_server import ServerProcess
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +29,12 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def test_shared_prefix_set_shares_exactly_its_prefix_and_follows_the_seed(tokenizer):
     source = TokenSource(tokenizer)
-    make = lambda seed: datasets.shared_prefix_requests(source, num_groups=3, prompts_per_group=4,  # noqa: E731
-                                                        system_prompt_len=20, question_len=5, output_len=7,
-                                                        seed=seed)
+
+    def make(seed: int) -> list:
+        return datasets.shared_prefix_requests(
+            source, num_groups=3, prompts_per_group=4, system_prompt_len=20, question_len=5, output_len=7, seed=seed
+        )
+
     requests = make(seed=0)
     assert len(requests) == 12
     assert all(len(r.input_ids) == r.prompt_len == 25 and r.output_len == 7 for r in requests)
@@ -52,12 +55,14 @@ def test_shared_prefix_set_shares_exactly_its_prefix_and_follows_the_seed(tokeni
 
 
 def test_random_set_lengths_and_text_prompts(tokenizer):
-    requests = datasets.random_requests(TokenSource(tokenizer), num_prompts=50, input_len=40, output_len=20,
-                                        range_ratio=0.5, seed=3)
+    requests = datasets.random_requests(
+        TokenSource(tokenizer), num_prompts=50, input_len=40, output_len=20, range_ratio=0.5, seed=3
+    )
     assert all(20 <= len(r.input_ids) <= 40 and 10 <= r.output_len <= 20 for r in requests)
     assert len({len(r.input_ids) for r in requests}) > 1
-    texts = datasets.random_requests(TokenSource(tokenizer, "text"), num_prompts=3, input_len=30, output_len=5,
-                                     range_ratio=1.0, seed=3)
+    texts = datasets.random_requests(
+        TokenSource(tokenizer, "text"), num_prompts=3, input_len=30, output_len=5, range_ratio=1.0, seed=3
+    )
     assert all(isinstance(r.prompt, str) and r.input_ids is None and r.prompt_len > 0 for r in texts)
     with pytest.raises(ValueError, match="random_range_ratio"):
         datasets.random_requests(TokenSource(tokenizer), 1, 4, 4, range_ratio=1.5, seed=0)
@@ -67,14 +72,17 @@ def test_jsonl_set_parses_round_trips_and_names_bad_lines(tmp_path, tokenizer):
     path = tmp_path / "set.jsonl"
     path.write_text('{"input_ids": [5, 6, 7], "output_len": 3}\n\n{"prompt": "hello world"}\n')
     requests = datasets.load_jsonl(str(path), default_output_len=9, tokenizer=tokenizer)
-    assert [(r.input_ids, r.prompt, r.output_len) for r in requests] == [([5, 6, 7], None, 3),
-                                                                          (None, "hello world", 9)]
+    assert [(r.input_ids, r.prompt, r.output_len) for r in requests] == [([5, 6, 7], None, 3), (None, "hello world", 9)]
     assert requests[1].prompt_len == len(tokenizer.encode("hello world", add_special_tokens=False))
     copy = tmp_path / "copy.jsonl"
     datasets.save_jsonl(requests, str(copy))
     assert [r.to_json() for r in datasets.load_jsonl(str(copy), 1)] == [r.to_json() for r in requests]
-    for bad, message in [('{"output_len": 3}', "exactly one of"), ('{"input_ids": []}', "non-empty"),
-                         ('{"prompt": "x", "output_len": 0}', "output_len"), ("not json", "not JSON")]:
+    for bad, message in [
+        ('{"output_len": 3}', "exactly one of"),
+        ('{"input_ids": []}', "non-empty"),
+        ('{"prompt": "x", "output_len": 0}', "output_len"),
+        ("not json", "not JSON"),
+    ]:
         path.write_text('{"prompt": "fine"}\n' + bad + "\n")
         with pytest.raises(ValueError, match=rf"set.jsonl:2: .*{message}"):
             datasets.load_jsonl(str(path), 4)
@@ -104,11 +112,37 @@ def _check_latencies(run: dict) -> None:
 
 def test_offline_shared_prefix_run(tmp_path, tiny_llama_dir):
     out, saved = tmp_path / "runs.jsonl", tmp_path / "requests.jsonl"
-    code = main(["bench", "offline", "--model", str(tiny_llama_dir), "--dataset", "generated-shared-prefix",
-                 "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "32",
-                 "--gsp-question-len", "4", "--gsp-output-len", "5", "--max-concurrency", "1",
-                 "--warmup-requests", "1", "--disable-tqdm", "--save-requests", str(saved),
-                 "--output-file", str(out), "--label", "unit"])
+    code = main(
+        [
+            "bench",
+            "offline",
+            "--model",
+            str(tiny_llama_dir),
+            "--dataset",
+            "generated-shared-prefix",
+            "--gsp-num-groups",
+            "2",
+            "--gsp-prompts-per-group",
+            "3",
+            "--gsp-system-prompt-len",
+            "32",
+            "--gsp-question-len",
+            "4",
+            "--gsp-output-len",
+            "5",
+            "--max-concurrency",
+            "1",
+            "--warmup-requests",
+            "1",
+            "--disable-tqdm",
+            "--save-requests",
+            str(saved),
+            "--output-file",
+            str(out),
+            "--label",
+            "unit",
+        ]
+    )
     assert code == 0
     run = _last_line(out)
     assert run["mode"] == "offline" and run["config"]["label"] == "unit"
@@ -142,16 +176,37 @@ def test_serving_run_against_a_real_server(tmp_path, tiny_llama_dir):
     out = tmp_path / "runs.jsonl"
     with ServerProcess("--model", str(tiny_llama_dir), "--served-model-name", "tiny") as server:
         url = server.wait_ready()
-        code = main(["bench", "serving", "--base-url", url, "--dataset", "random", "--num-prompts", "6",
-                     "--random-input-len", "24", "--random-output-len", "6", "--random-range-ratio", "0.5",
-                     "--request-rate", "50", "--disable-tqdm", "--output-file", str(out)])
+        code = main(
+            [
+                "bench",
+                "serving",
+                "--base-url",
+                url,
+                "--dataset",
+                "random",
+                "--num-prompts",
+                "6",
+                "--random-input-len",
+                "24",
+                "--random-output-len",
+                "6",
+                "--random-range-ratio",
+                "0.5",
+                "--request-rate",
+                "50",
+                "--disable-tqdm",
+                "--output-file",
+                str(out),
+            ]
+        )
         assert code == 0, server.log
     run = _last_line(out)
     assert run["mode"] == "serving" and run["model"] == "tiny" and run["engine"] == "radixserve"
     assert run["config"]["base_url"] == url
     assert run["completed"] == 6 and run["failed"] == 0
-    expected = datasets.random_requests(TokenSource(AutoTokenizer.from_pretrained(tiny_llama_dir)), 6, 24, 6,
-                                        0.5, seed=0)
+    expected = datasets.random_requests(
+        TokenSource(AutoTokenizer.from_pretrained(tiny_llama_dir)), 6, 24, 6, 0.5, seed=0
+    )
     assert run["total_input_tokens"] == sum(r.prompt_len for r in expected)
     assert run["total_output_tokens"] == sum(r.output_len for r in expected)
     _check_latencies(run)

@@ -12,9 +12,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_gpu_runs_end_to_end_on_cpu():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_gpu.py"), "--shape", "tiny",
-                          "--device", "cpu", "--json", "--profile"], capture_output=True, text=True, timeout=300,
-                         cwd=ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_gpu.py"),
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--json",
+            "--profile",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     report = json.loads(lines[-1])

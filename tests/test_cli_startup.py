@@ -12,17 +12,22 @@ import sys
 
 import pytest
 import torch
+from test_plugins import make_dist
 
 from radixserve import __version__
-from test_plugins import make_dist
 
 MAX_LINES = 5  # "at most a few lines"
 
 
 def run_cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> tuple[int, str]:
     environ = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RADIXSERVE_PLUGINS")}
-    out = subprocess.run([sys.executable, "-m", "radixserve.cli", *argv], env={**environ, **(env or {})},
-                         capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", *argv],
+        env={**environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     return out.returncode, out.stdout + out.stderr
 
 
@@ -82,8 +87,9 @@ def test_model_directory_without_tokenizer(tiny_llama_dir, tmp_path):
 
 def test_unknown_backend_names():
     code, output = run_cli("serve", "--attention-backend", "nope")
-    assert_short_failure(code, output, "--attention-backend 'nope' is not a registered attention backend",
-                         "torch_native")
+    assert_short_failure(
+        code, output, "--attention-backend 'nope' is not a registered attention backend", "torch_native"
+    )
     code, output = run_cli("serve", "--gemm-backend", "nope")
     assert_short_failure(code, output, "--gemm-backend 'nope'")
 
@@ -96,12 +102,18 @@ def test_backend_that_cannot_serve_the_model(tiny_llama_dir):
 
 
 def test_broken_plugin(tmp_path):
-    make_dist(tmp_path, "radixserve-broken", "broken", "broken_plugin",
-              "raise ImportError('libfancy.so.3: cannot open shared object file')\n")
+    make_dist(
+        tmp_path,
+        "radixserve-broken",
+        "broken",
+        "broken_plugin",
+        "raise ImportError('libfancy.so.3: cannot open shared object file')\n",
+    )
     env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     code, output = run_cli("serve", env=env)
-    assert_short_failure(code, output, "plugin broken failed to load", "libfancy.so.3",
-                         "--device auto refuses to guess")
+    assert_short_failure(
+        code, output, "plugin broken failed to load", "libfancy.so.3", "--device auto refuses to guess"
+    )
 
 
 def test_port_in_use_names_it_and_hints_port_0():
@@ -113,11 +125,14 @@ def test_port_in_use_names_it_and_hints_port_0():
     assert_short_failure(code, output, f"127.0.0.1:{port}", "already in use", "--port 0")
 
 
-@pytest.mark.parametrize("argv,expected", [
-    (["--port", "70000"], "port: must be in [0, 65535]"),
-    (["--page-size", "0"], "page_size: must be >= 1"),
-    (["--shutdown-timeout", "-1"], "shutdown_timeout: must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--port", "70000"], "port: must be in [0, 65535]"),
+        (["--page-size", "0"], "page_size: must be >= 1"),
+        (["--shutdown-timeout", "-1"], "shutdown_timeout: must be >= 0"),
+    ],
+)
 def test_bad_flag_values_are_argument_errors(argv, expected):
     code, output = run_cli("serve", *argv)
     assert code == 2

@@ -20,17 +20,27 @@ def _compare_module():
 
 
 def _run(engine: str, label: str, tok_s: float) -> dict:
-    return {"engine": engine, "mode": "offline", "config": {"label": label}, "output_throughput": tok_s,
-            "duration_s": 1000.0 / tok_s}
+    return {
+        "engine": engine,
+        "mode": "offline",
+        "config": {"label": label},
+        "output_throughput": tok_s,
+        "duration_s": 1000.0 / tok_s,
+    }
 
 
 def test_rounds_pair_in_order_and_report_the_median_ratio(tmp_path, capsys):
     runs = [
-        _run("radixserve", "qwen2 bfloat16 W1", 600.0), _run("vllm", "qwen2 bfloat16 W1", 500.0),  # 1.20x
-        _run("radixserve", "qwen2 bfloat16 W2", 300.0), _run("vllm", "qwen2 bfloat16 W2", 200.0),  # 1.50x
-        _run("radixserve", "qwen2 bfloat16 W1", 550.0), _run("vllm", "qwen2 bfloat16 W1", 500.0),  # 1.10x
-        _run("radixserve", "qwen2 bfloat16 W2", 330.0), _run("vllm", "qwen2 bfloat16 W2", 300.0),  # 1.10x
-        _run("radixserve", "qwen2 bfloat16 W1", 700.0), _run("vllm", "qwen2 bfloat16 W1", 500.0),  # 1.40x
+        _run("radixserve", "qwen2 bfloat16 W1", 600.0),
+        _run("vllm", "qwen2 bfloat16 W1", 500.0),  # 1.20x
+        _run("radixserve", "qwen2 bfloat16 W2", 300.0),
+        _run("vllm", "qwen2 bfloat16 W2", 200.0),  # 1.50x
+        _run("radixserve", "qwen2 bfloat16 W1", 550.0),
+        _run("vllm", "qwen2 bfloat16 W1", 500.0),  # 1.10x
+        _run("radixserve", "qwen2 bfloat16 W2", 330.0),
+        _run("vllm", "qwen2 bfloat16 W2", 300.0),  # 1.10x
+        _run("radixserve", "qwen2 bfloat16 W1", 700.0),
+        _run("vllm", "qwen2 bfloat16 W1", 500.0),  # 1.40x
         _run("radixserve", "qwen2 bfloat16 W2 radix-off", 30.0),
     ]
     results = tmp_path / "results.jsonl"

@@ -155,7 +155,11 @@ class StoresIntoLayerZero(TorchNativeAttention):
 
     def forward(self, q, k, v, layer, batch):
         batch.kv_pool.set_kv(0, batch.out_cache_loc, k, v)
-        return self.forward_decode(q, layer, batch) if batch.mode.value == "decode" else self.forward_extend(q, layer, batch)
+        return (
+            self.forward_decode(q, layer, batch)
+            if batch.mode.value == "decode"
+            else self.forward_extend(q, layer, batch)
+        )
 
 
 class AlwaysRenormalizes(TorchNativeMoE):
@@ -316,8 +320,9 @@ def test_quantization_lifecycle_problems_are_reported():
     report = check_quantization_method(NoLoader, reference=lambda w, x, b: torch.nn.functional.linear(x, w, b))
     assert not report.ok and "has no weight_loader" in report.results[0].error
     # int8 checked against dense semantics: the quantization error is caught
-    lossy = check_quantization_method(Int8WeightOnly, dtypes=[torch.float32],
-                                      reference=lambda w, x, b: torch.nn.functional.linear(x, w, b))
+    lossy = check_quantization_method(
+        Int8WeightOnly, dtypes=[torch.float32], reference=lambda w, x, b: torch.nn.functional.linear(x, w, b)
+    )
     assert not lossy.ok
     unknown = check_quantization_method(type("Mystery", (NoQuantization,), {"name": "mystery"}))
     assert not unknown.ok and "no reference semantics" in unknown.problems[0]

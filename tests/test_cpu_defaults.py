@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from generation_utils import make_scheduler
+
 from radixserve.model_loader import choose_dtype
 from radixserve.platform import DtypeChoice, Platform
 from radixserve.testing.tiny_models import tiny_config
 from radixserve_torch import cpu_isa, cpu_topology
 from radixserve_torch.cpu_topology import (
     CpuPlacement,
-    choose_node,
     cgroup_memory_limit,
+    choose_node,
     format_cpulist,
     host_memory,
     numa_nodes,
@@ -37,8 +37,7 @@ GIB = 2**30
 def fake_cpu(monkeypatch, flags: set[str], aten: str, onednn: str | None = None) -> None:
     """This process as on a CPU with ``flags``, ATen capped at ``aten`` (or at its own
     level: "native") and oneDNN at ``onednn``."""
-    target = cpu_isa.select_target("x86_64", "AVX512" if aten == "native" else aten, aten != "native",
-                                    frozenset(flags))
+    target = cpu_isa.select_target("x86_64", "AVX512" if aten == "native" else aten, aten != "native", frozenset(flags))
     monkeypatch.setattr(cpu_isa, "cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(cpu_isa, "build_target", lambda: target)
     monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
@@ -53,20 +52,23 @@ SKYLAKE_X = {"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
 SAPPHIRE_RAPIDS = ZEN4 | {"amx_bf16", "amx_tile", "avx512_fp16"}
 
 
-@pytest.mark.parametrize("flags, aten, onednn, saved, expected, why", [
-    (ZEN4, "native", None, BF16, BF16, "this CPU has avx512_bf16"),
-    (ZEN4, "native", None, FP16, BF16, "a float16 checkpoint, served in bfloat16"),
-    (SAPPHIRE_RAPIDS, "native", None, FP16, BF16, "this CPU has amx_bf16 and avx512_bf16"),
-    (ZEN4, "native", None, FP32, FP32, "a float32 checkpoint: the cpu platform's default"),
-    (ZEN4, "native", None, None, FP32, "no dtype in the config"),
-    (SKYLAKE_X, "native", None, BF16, FP32, "no bfloat16 matmul instructions"),
-    ({"avx2"}, "native", None, FP16, FP32, "served in float32"),
-    # Capped: both our kernels and oneDNN below AVX512-BF16 -> float32; either one left -> bfloat16.
-    (ZEN4, "AVX2", "AVX2", BF16, FP32, "ONEDNN_MAX_CPU_ISA=AVX2 caps oneDNN"),
-    (ZEN4, "AVX512", "avx512_core", BF16, FP32, "x86-64-v4"),
-    (ZEN4, "AVX2", None, BF16, BF16, "this CPU has avx512_bf16"),
-    (ZEN4, "native", "AVX2", BF16, BF16, "this CPU has avx512_bf16"),
-])
+@pytest.mark.parametrize(
+    "flags, aten, onednn, saved, expected, why",
+    [
+        (ZEN4, "native", None, BF16, BF16, "this CPU has avx512_bf16"),
+        (ZEN4, "native", None, FP16, BF16, "a float16 checkpoint, served in bfloat16"),
+        (SAPPHIRE_RAPIDS, "native", None, FP16, BF16, "this CPU has amx_bf16 and avx512_bf16"),
+        (ZEN4, "native", None, FP32, FP32, "a float32 checkpoint: the cpu platform's default"),
+        (ZEN4, "native", None, None, FP32, "no dtype in the config"),
+        (SKYLAKE_X, "native", None, BF16, FP32, "no bfloat16 matmul instructions"),
+        ({"avx2"}, "native", None, FP16, FP32, "served in float32"),
+        # Capped: both our kernels and oneDNN below AVX512-BF16 -> float32; either one left -> bfloat16.
+        (ZEN4, "AVX2", "AVX2", BF16, FP32, "ONEDNN_MAX_CPU_ISA=AVX2 caps oneDNN"),
+        (ZEN4, "AVX512", "avx512_core", BF16, FP32, "x86-64-v4"),
+        (ZEN4, "AVX2", None, BF16, BF16, "this CPU has avx512_bf16"),
+        (ZEN4, "native", "AVX2", BF16, BF16, "this CPU has avx512_bf16"),
+    ],
+)
 def test_auto_dtype_follows_native_bf16(monkeypatch, flags, aten, onednn, saved, expected, why):
     fake_cpu(monkeypatch, flags, aten, onednn)
     choice = CpuPlatform.auto_dtype(saved)
@@ -135,8 +137,9 @@ def test_the_model_process_takes_one_node_and_a_thread_per_core(tmp_path, fake_p
     placement = place_this_process(sysfs, environ={})
     assert placement == CpuPlacement(0, 2, parse_cpulist("0-3,8-11"), 4, 4, "one per physical core")
     assert fake_process == {"affinity": set(parse_cpulist("0-3,8-11")), "threads": 4}
-    assert placement.describe() == ("NUMA node 0 of 2: CPUs 0-3,8-11, 4 physical cores, 4 torch threads "
-                                    "(one per physical core)")
+    assert placement.describe() == (
+        "NUMA node 0 of 2: CPUs 0-3,8-11, 4 physical cores, 4 torch threads (one per physical core)"
+    )
 
 
 def test_omp_num_threads_leaves_cpus_and_threads_alone(tmp_path, fake_process):
@@ -157,10 +160,15 @@ def write(path: Path, text: str) -> None:
 
 def fake_memory(root: Path, cgroup_line: str = "0::/\n") -> tuple[Path, Path, Path]:
     sysfs, proc, cgroup = root / "sys", root / "proc", root / "cgroup"
-    write(proc / "meminfo", "MemTotal:       268435456 kB\nMemFree:        100000000 kB\n"
-                            "MemAvailable:   200000000 kB\nCached: 1 kB\n")
-    write(sysfs / "node" / "node1" / "meminfo", "Node 1 MemTotal:  134217728 kB\nNode 1 MemFree:   50000000 kB\n"
-                                                "Node 1 Active(file):  1000000 kB\nNode 1 Inactive(file): 9000000 kB\n")
+    write(
+        proc / "meminfo",
+        "MemTotal:       268435456 kB\nMemFree:        100000000 kB\nMemAvailable:   200000000 kB\nCached: 1 kB\n",
+    )
+    write(
+        sysfs / "node" / "node1" / "meminfo",
+        "Node 1 MemTotal:  134217728 kB\nNode 1 MemFree:   50000000 kB\n"
+        "Node 1 Active(file):  1000000 kB\nNode 1 Inactive(file): 9000000 kB\n",
+    )
     write(proc / "self" / "cgroup", cgroup_line)
     return sysfs, proc, cgroup
 
@@ -169,9 +177,11 @@ def test_memory_of_the_machine_its_node_and_its_cgroup(tmp_path):
     sysfs, proc, cgroup = fake_memory(tmp_path)
     kib = 1024
     assert host_memory(0, 1, sysfs, proc, cgroup) == cpu_topology.HostMemory(
-        268435456 * kib, 200000000 * kib, "the machine")
+        268435456 * kib, 200000000 * kib, "the machine"
+    )
     assert host_memory(1, 2, sysfs, proc, cgroup) == cpu_topology.HostMemory(
-        134217728 * kib, 60000000 * kib, "NUMA node 1")
+        134217728 * kib, 60000000 * kib, "NUMA node 1"
+    )
     # cgroup v2: the limit of the process's cgroup or of an ancestor, with the room left under it.
     sysfs, proc, cgroup = fake_memory(tmp_path / "v2", "0::/kubepods/pod1\n")
     write(cgroup / "kubepods" / "memory.max", f"{64 * GIB}\n")
@@ -180,7 +190,8 @@ def test_memory_of_the_machine_its_node_and_its_cgroup(tmp_path):
     write(cgroup / "kubepods" / "pod1" / "memory.current", f"{4 * GIB}\n")
     assert cgroup_memory_limit(proc, cgroup) == (64 * GIB, 54 * GIB)
     assert host_memory(1, 2, sysfs, proc, cgroup) == cpu_topology.HostMemory(
-        64 * GIB, 54 * GIB, "NUMA node 1 within its cgroup's limit")
+        64 * GIB, 54 * GIB, "NUMA node 1 within its cgroup's limit"
+    )
     # cgroup v1, no limit (the kernel's "unlimited" is about 2**63).
     sysfs, proc, cgroup = fake_memory(tmp_path / "v1", "4:memory:/job\n0::/\n")
     write(cgroup / "memory" / "job" / "memory.limit_in_bytes", "9223372036854771712\n")
@@ -198,7 +209,8 @@ def test_startup_summary_shows_dtype_threads_numa_memory_and_kv_pool(tiny_model_
     bf16 = cpu_isa.bf16_matmul()
     assert summary["dtype"] == ("bfloat16" if bf16.native else "float32")
     assert summary["dtype_reason"] == f"a bfloat16 checkpoint, served in {summary['dtype']}: {bf16.reason}" + (
-        "" if bf16.native else "; emulated bfloat16 matmuls are slower than float32 ones")
+        "" if bf16.native else "; emulated bfloat16 matmuls are slower than float32 ones"
+    )
     placement = runner.platform.placement
     assert placement.threads == torch.get_num_threads() and placement.cpus
     assert summary["device"].startswith(f"cpu ({placement.describe()}; memory ")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from generation_utils import generate, make_scheduler, mixed_prompts
+
 from radixserve.kernels import KernelQuery
 from radixserve.layers.rotary import rope_cos_sin_cache
 from radixserve.testing import check_elementwise_backend
@@ -41,7 +41,7 @@ def test_agrees_with_the_reference_on_model_shapes(dtype):
     want, want_res = ref.rms_norm(x.clone(), weight, 1e-6, residual.clone())
     assert torch.equal(res, want_res)  # the residual sum rounds exactly as the reference
     # One unit of the model dtype in the normalised value, re-rounded by the weight's product.
-    ulp = 1e-6 if dtype == torch.float32 else 2 ** -7
+    ulp = 1e-6 if dtype == torch.float32 else 2**-7
     assert ((out.float() - want.float()).abs() <= 2 * ulp * want.float().abs() + 1e-30).all()
     assert (out != want).float().mean() < (1e-3 if dtype == torch.bfloat16 else 0.5)
     gate_up = (torch.randn((300, 2 * 2816), generator=gen) * 4).to(dtype)
@@ -64,8 +64,9 @@ def test_rotary_rounds_as_the_reference(dtype, neox_style, rotary_dim):
     turned = []
     for backend in (fused, ref):
         x = qkv.clone()
-        backend.apply_rotary(x[:, :1024].view(37, 8, 128), x[:, 1024:1280].view(37, 2, 128), positions, cache,
-                             neox_style)
+        backend.apply_rotary(
+            x[:, :1024].view(37, 8, 128), x[:, 1024:1280].view(37, 2, 128), positions, cache, neox_style
+        )
         turned.append(x)
     assert torch.equal(turned[0][:, 1280:], qkv[:, 1280:])  # v untouched
     if dtype == torch.float32:  # the compiler may fuse a product into the sum

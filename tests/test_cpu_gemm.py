@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from generation_utils import generate, make_scheduler, mixed_prompts
+
 from radixserve.kernels import KernelQuery
 from radixserve.layers.linear import linear_layers
 from radixserve.registry import get_registry
@@ -57,9 +57,12 @@ def test_selection_prefers_our_kernels_then_onednn_on_cpu():
         assert registry.select("gemm", query, "auto").name == expected
     assert registry.select("gemm", KernelQuery(device="cpu", dtype=torch.float16), "auto").name == "torch"
     assert OneDnnGemm.unsupported_reasons(KernelQuery(device="cuda", dtype=torch.bfloat16)) == [
-        "runs on cpu only, not 'cuda'"]
+        "runs on cpu only, not 'cuda'"
+    ]
     assert CpuPackedGemm.unsupported_reasons(KernelQuery(device="cuda", dtype=torch.float16))[:2] == [
-        "runs on cpu only, not 'cuda'", "dtype torch.float16 is not float32 or bfloat16"]
+        "runs on cpu only, not 'cuda'",
+        "dtype torch.float16 is not float32 or bfloat16",
+    ]
 
 
 def test_model_on_onednn_holds_packed_weights_and_generates_as_torch(tiny_llama_dir):
@@ -78,19 +81,30 @@ def _reasons(dtype: torch.dtype) -> list[str]:
     return CpuPackedGemm.unsupported_reasons(KernelQuery(device="cpu", dtype=dtype))
 
 
-PACKED_DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(bool(_reasons(dtype)), reason="; ".join(_reasons(dtype))))
-                 for dtype in DTYPES]
+PACKED_DTYPES = [
+    pytest.param(dtype, marks=pytest.mark.skipif(bool(_reasons(dtype)), reason="; ".join(_reasons(dtype))))
+    for dtype in DTYPES
+]
 
 # Row counts around the 6-row register tile, column counts around the 4-strip
 # (64-column) tile, and a K long enough that float32 accumulation order matters.
-EDGE_CASES = [GemmCase(f"M{m}/K{k}/N{n}{'/bias' if bias else ''}", (m,), k, n, bias)
-              for m, k, n, bias in ((1, 2, 16, False), (6, 64, 64, True), (7, 128, 80, True),
-                                    (13, 96, 112, False), (64, 1024, 1040, True), (130, 2816, 48, False))]
+EDGE_CASES = [
+    GemmCase(f"M{m}/K{k}/N{n}{'/bias' if bias else ''}", (m,), k, n, bias)
+    for m, k, n, bias in (
+        (1, 2, 16, False),
+        (6, 64, 64, True),
+        (7, 128, 80, True),
+        (13, 96, 112, False),
+        (64, 1024, 1040, True),
+        (130, 2816, 48, False),
+    )
+]
 # The fused gate/up + SiLU: one gate strip (a tile of two strips), three (a full
 # tile and a short one), and row counts off the 6-row tile.
-EDGE_CASES += [GemmCase(f"M{m}/K{k}/N{n}{'/bias' if bias else ''}/silu_and_mul", (m,), k, n, bias, silu_and_mul=True)
-               for m, k, n, bias in ((1, 2, 32, False), (7, 128, 96, True), (13, 96, 160, False),
-                                     (130, 2816, 64, True))]
+EDGE_CASES += [
+    GemmCase(f"M{m}/K{k}/N{n}{'/bias' if bias else ''}/silu_and_mul", (m,), k, n, bias, silu_and_mul=True)
+    for m, k, n, bias in ((1, 2, 32, False), (7, 128, 96, True), (13, 96, 160, False), (130, 2816, 64, True))
+]
 
 
 @pytest.mark.parametrize("dtype", PACKED_DTYPES, ids=str)

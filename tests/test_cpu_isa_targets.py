@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from generation_utils import generate, make_scheduler, mixed_prompts
+
 from radixserve.kernels import KernelQuery
 from radixserve.registry import get_registry
 from radixserve_torch import cpu_isa, cpu_kernels
@@ -65,8 +65,10 @@ def test_cpu_packed_passes_over_an_avx2_build(monkeypatch):
     monkeypatch.setattr(cpu_isa, "build_target", lambda: avx2)
     for dtype, needed in ((torch.float32, "avx512f"), (torch.bfloat16, "avx512_bf16")):
         reasons = CpuPackedGemm.unsupported_reasons(KernelQuery(dtype=dtype, **QUERY))
-        assert reasons == [f"its {dtype} kernels need {needed}, and the CPU kernels are built for AVX2 "
-                           "(-march=x86-64-v3; ATEN_CPU_CAPABILITY caps ATen at AVX2), which lacks it"]
+        assert reasons == [
+            f"its {dtype} kernels need {needed}, and the CPU kernels are built for AVX2 "
+            "(-march=x86-64-v3; ATEN_CPU_CAPABILITY caps ATen at AVX2), which lacks it"
+        ]
 
 
 def test_no_target_means_no_kernels(monkeypatch):
@@ -114,16 +116,21 @@ CAPPED_RUN = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(platform.machine() != "x86_64" or "avx2" not in (cpu_isa.cpu_flags() or ()),
-                    reason="needs an x86-64 CPU with AVX2")
+@pytest.mark.skipif(
+    platform.machine() != "x86_64" or "avx2" not in (cpu_isa.cpu_flags() or ()), reason="needs an x86-64 CPU with AVX2"
+)
 @pytest.mark.skipif(bool(cpu_kernels.missing_tools()), reason="needs a C++ compiler and ninja")
 def test_avx2_caps_pick_working_backends_and_generate_as_the_native_build(tiny_model_factory):
     model_dir = tiny_model_factory(dtype="bfloat16", seed=3)
     env = {**os.environ, **AVX2_CAPS, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     # dtype auto: the bfloat16 checkpoint runs in float32 under the caps (no native bfloat16 left).
-    proc = subprocess.run([sys.executable, "-c", CAPPED_RUN, str(model_dir), json.dumps(QUERY),
-                           json.dumps({**FORCED, "dtype": "auto"})],
-                          env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-c", CAPPED_RUN, str(model_dir), json.dumps(QUERY), json.dumps({**FORCED, "dtype": "auto"})],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -135,7 +142,8 @@ def test_avx2_caps_pick_working_backends_and_generate_as_the_native_build(tiny_m
     cpu_packed_f32 = out["reasons"]["float32"]["cpu_packed"]
     assert len(cpu_packed_f32) == 1 and "need avx512f" in cpu_packed_f32[0] and "x86-64-v3" in cpu_packed_f32[0]
     assert out["reasons"]["bfloat16"]["onednn"] == [
-        "ONEDNN_MAX_CPU_ISA=AVX2 keeps oneDNN from the AVX-512 (or AVX-NE-CONVERT) its bfloat16 needs"]
+        "ONEDNN_MAX_CPU_ISA=AVX2 keeps oneDNN from the AVX-512 (or AVX-NE-CONVERT) its bfloat16 needs"
+    ]
     print(json.dumps(out["cases"], indent=1))
     assert len(out["cases"]) == 6 and all(n > 0 for n in out["cases"].values())
     assert out["cases"]["attention cpu_paged float32"] >= 7 and out["cases"]["elementwise cpu_fused float32"] >= 20
@@ -155,6 +163,8 @@ def test_avx2_caps_pick_working_backends_and_generate_as_the_native_build(tiny_m
 
     # The native build, float32 as well: the same greedy tokens.
     native = make_scheduler(model_dir, dtype="float32", **FORCED)
-    want = [r.output_ids for r in generate(native, mixed_prompts(512, [7, 40, 19], seed=5),
-                                           max_new_tokens=12, ignore_eos=True)]
+    want = [
+        r.output_ids
+        for r in generate(native, mixed_prompts(512, [7, 40, 19], seed=5), max_new_tokens=12, ignore_eos=True)
+    ]
     assert out["tokens"] == want

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from generation_utils import generate, make_scheduler, mixed_prompts
+
 from radixserve.kernels import KernelQuery
 from radixserve.registry import PluginError, get_registry
 from radixserve.testing import check_attention_backend
@@ -28,8 +28,9 @@ EXTRA_CASES = (
     AttentionCase("decode/split/p1/gqa2/d64", "decode", 1, 16, 8, 64, (3000,), (1,)),
     AttentionCase("decode/split/p16/gqa8/d128", "decode", 16, 8, 1, 128, (1500, 40), (1, 1)),
     AttentionCase("decode/ragged40/p1/gqa2/d64", "decode", 1, 8, 4, 64, tuple(s - 1 for s in _lens), (1,) * 40),
-    AttentionCase("decode/ragged24/p16/gqa8/d128", "decode", 16, 8, 1, 128,
-                  tuple(s - 1 for s in _lens[:24]), (1,) * 24),
+    AttentionCase(
+        "decode/ragged24/p16/gqa8/d128", "decode", 16, 8, 1, 128, tuple(s - 1 for s in _lens[:24]), (1,) * 24
+    ),
     # Every layout of the score loops: groups of 8 heads (qwen2's decode shape, a context past
     # 1000 keys), 4, 2 and 1 heads; and head dims off the vector loops (40: the portable loops).
     AttentionCase("decode/qwen2/p1/gqa8/d32", "decode", 1, 16, 2, 32, (1100, 4, 346, 33, 699), (1,) * 5),
@@ -84,7 +85,8 @@ def test_auto_selects_it_on_cpu_and_torch_varlen_without_a_compiler(monkeypatch)
         assert registry.select("attention", query) is CpuPagedAttention
     monkeypatch.setenv("CXX", "no-such-c++-compiler")
     assert CpuPagedAttention.unsupported_reasons(query) == [
-        "no C++ compiler found (looked for 'no-such-c++-compiler' on PATH)"]
+        "no C++ compiler found (looked for 'no-such-c++-compiler' on PATH)"
+    ]
     assert registry.select("attention", query).name == "torch_varlen"
     with pytest.raises(PluginError, match=r"no C\+\+ compiler found"):
         registry.select("attention", query, "cpu_paged")
@@ -118,8 +120,9 @@ def test_generation_matches_torch_native(tiny_llama_dir, page_size):
     prompts = mixed_prompts(512, [5, 60, 17, 33], seed=3, shared_prefix=40) + mixed_prompts(512, [90, 2, 47], seed=4)
     outputs = {}
     for backend in ("torch_native", "cpu_paged"):
-        scheduler = make_scheduler(tiny_llama_dir, attention_backend=backend, page_size=page_size,
-                                   chunked_prefill_size=64)
+        scheduler = make_scheduler(
+            tiny_llama_dir, attention_backend=backend, page_size=page_size, chunked_prefill_size=64
+        )
         name = scheduler.runner.summary()["backends"]["attention"]
         assert name == backend
         outputs[name] = [r.output_ids for r in generate(scheduler, prompts, max_new_tokens=24, ignore_eos=True)]
@@ -149,18 +152,26 @@ def test_float32_model_over_a_bfloat16_pool_matches_torch_native(tiny_llama_dir)
     prompts = mixed_prompts(512, [5, 60, 17], seed=5, shared_prefix=30)
     outputs = {}
     for backend in ("torch_native", "cpu_paged"):
-        scheduler = make_scheduler(tiny_llama_dir, attention_backend=backend, dtype="float32",
-                                   kv_cache_dtype="bfloat16", chunked_prefill_size=32)
+        scheduler = make_scheduler(
+            tiny_llama_dir,
+            attention_backend=backend,
+            dtype="float32",
+            kv_cache_dtype="bfloat16",
+            chunked_prefill_size=32,
+        )
         outputs[backend] = [r.output_ids for r in generate(scheduler, prompts, max_new_tokens=16, ignore_eos=True)]
     assert outputs["cpu_paged"] == outputs["torch_native"]
-    query = KernelQuery(device="cpu", dtype=torch.float32, head_dim=64, num_heads=4, num_kv_heads=2,
-                        kv_dtype=torch.bfloat16)
+    query = KernelQuery(
+        device="cpu", dtype=torch.float32, head_dim=64, num_heads=4, num_kv_heads=2, kv_dtype=torch.bfloat16
+    )
     assert CpuPagedAttention.unsupported_reasons(query) == []
-    reverse = KernelQuery(device="cpu", dtype=torch.bfloat16, head_dim=64, num_heads=4, num_kv_heads=2,
-                          kv_dtype=torch.float32)
+    reverse = KernelQuery(
+        device="cpu", dtype=torch.bfloat16, head_dim=64, num_heads=4, num_kv_heads=2, kv_dtype=torch.float32
+    )
     assert CpuPagedAttention.unsupported_reasons(reverse) == [
         "a KV pool in torch.float32 under torch.bfloat16 compute is not supported "
-        "(the pool holds the compute dtype, or bfloat16/float16 under float32)"]
+        "(the pool holds the compute dtype, or bfloat16/float16 under float32)"
+    ]
 
 
 def _decode_reference(q, batch, layer) -> torch.Tensor:
@@ -184,8 +195,9 @@ def test_decode_over_shared_prefixes_takes_the_cascade_path(dtype, heads, kv_hea
     # threshold, and the group is dropped), 6 shares nothing; as the radix cache lays
     # out requests with a common cached prefix.
     lens = [300, 310, 290, 305, 270, 280, 40, 500, 280, 120, 200]
-    case = AttentionCase("decode/shared", "decode", 1, heads, kv_heads, head_dim, tuple(n - 1 for n in lens),
-                         (1,) * len(lens))
+    case = AttentionCase(
+        "decode/shared", "decode", 1, heads, kv_heads, head_dim, tuple(n - 1 for n in lens), (1,) * len(lens)
+    )
     inputs = make_attention_inputs(case, dtype, seed=7)
     batch, table, rows = inputs.batch, inputs.batch.req_to_token, inputs.batch.req_pool_indices.tolist()
     for i in (1, 2, 3, 4, 5):
@@ -205,8 +217,9 @@ def test_decode_over_shared_prefixes_takes_the_cascade_path(dtype, heads, kv_hea
     torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
     # Without the plan (every request through the plain decode kernel) the result agrees too.
     batch.attn_metadata.cascade = None
-    torch.testing.assert_close(backend.forward_decode(inputs.q, inputs.layer, batch).float(), expected,
-                               atol=tol, rtol=tol)
+    torch.testing.assert_close(
+        backend.forward_decode(inputs.q, inputs.layer, batch).float(), expected, atol=tol, rtol=tol
+    )
 
 
 def test_cascade_plan_needs_a_long_enough_prefix_and_group():
@@ -242,8 +255,16 @@ def test_generation_with_a_long_shared_prefix_matches_torch_native(tiny_llama_di
     assert any(p is not None and p.grouped.numel() == 5 and p.shared_lens.tolist() == [150] for p in plans)
 
 
-@pytest.mark.parametrize("src,pool", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
-                                      (torch.float32, torch.bfloat16), (torch.float32, torch.float16)], ids=str)
+@pytest.mark.parametrize(
+    "src,pool",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+    ],
+    ids=str,
+)
 def test_store_kv_writes_strided_rows_like_index_copy(src, pool):
     """K and V as the model hands them over (views of one fused projection), into
     scattered slots; a float32 model over a low-precision pool rounds as ``.to()``."""

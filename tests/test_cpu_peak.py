@@ -18,11 +18,17 @@ ROOT = Path(__file__).resolve().parents[1]
 FLAGS = cpu_flags() or set()
 
 
-@pytest.mark.skipif("avx512f" not in FLAGS or bool(cpu_kernels.missing_tools()),
-                    reason="needs AVX-512 and a C++ toolchain")
+@pytest.mark.skipif(
+    "avx512f" not in FLAGS or bool(cpu_kernels.missing_tools()), reason="needs AVX-512 and a C++ toolchain"
+)
 def test_cpu_peak_reports_both_loops_on_the_threads_asked_for():
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_peak.py"), "--threads", "2",
-                          "--iterations", "2000000"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "cpu_peak.py"), "--threads", "2", "--iterations", "2000000"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
     fp32 = [line for line in lines if line.startswith("float32 (vfmadd)")]

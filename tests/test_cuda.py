@@ -6,12 +6,11 @@ Run them with scripts/gpu_check.sh on a machine with an NVIDIA GPU."""
 from __future__ import annotations
 
 import pytest
-
 from generation_utils import mixed_prompts
 from helpers_platform import needs_platform
+
 from radixserve import Engine
 from radixserve.testing import check_attention_backend, check_moe_backend
-
 
 pytestmark = [pytest.mark.cuda, needs_platform("cuda")]
 
@@ -38,8 +37,16 @@ def test_triton_generation_on_cuda_matches_torch(tiny_model_factory, arch):
     outputs = {}
     for backend in ("torch_native", "triton"):
         moe = backend if arch == "qwen3_moe" else "auto"
-        with Engine(model_path=str(model_dir), device="cuda", dtype="float32", attention_backend=backend,
-                    moe_backend=moe, max_total_tokens=8192, page_size=16, log_level="warning") as engine:
+        with Engine(
+            model_path=str(model_dir),
+            device="cuda",
+            dtype="float32",
+            attention_backend=backend,
+            moe_backend=moe,
+            max_total_tokens=8192,
+            page_size=16,
+            log_level="warning",
+        ) as engine:
             assert engine.server_info()["platform"] == "cuda"
             outputs[backend] = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
     assert outputs["triton"] == outputs["torch_native"]

@@ -14,19 +14,18 @@ import sys
 
 import pytest
 import torch
-
 from helpers_platform import needs_platform
+from test_cli_startup import assert_short_failure, run_cli
+
 from radixserve.cache.memory_pool import KVPool
 from radixserve.registry import PluginError, PluginRegistry, get_registry
 from radixserve.runtime.model_runner import kv_pool_tokens
 from radixserve.testing import check_quantization_method
 from radixserve.testing.conformance import QUANT_REFERENCES
 from radixserve_cuda.capability import capability_reasons, visible_capabilities
-from radixserve_cuda.fp8 import (Fp8W8A8, Fp8W8A8PerTensor, dequantize, fp8_linear, quantize, token_scales,
-                                 weight_scales)
+from radixserve_cuda.fp8 import Fp8W8A8, Fp8W8A8PerTensor, dequantize, fp8_linear, quantize, token_scales, weight_scales
 from radixserve_cuda.platform import CudaPlatform, reusable_free_bytes, visible_device_reasons
 from radixserve_cuda.visibility import cuda_visible_devices, parse_device_list
-from test_cli_startup import assert_short_failure, run_cli
 
 GiB = 2**30
 IS_CUDA_BUILD = torch.version.cuda is not None
@@ -36,18 +35,21 @@ IS_CUDA_BUILD = torch.version.cuda is not None
 # CUDA_VISIBLE_DEVICES
 
 
-@pytest.mark.parametrize("value,expected", [
-    (None, None),                      # unset: every device
-    ("0,2", (0, 2)),
-    (" 3 , 1", (3, 1)),                # order kept: physical 3 becomes cuda:0
-    ("GPU-8932f937-d72c", ("GPU-8932f937-d72c",)),
-    ("MIG-4b1c", ("MIG-4b1c",)),
-    ("", ()),                          # set but empty: nothing
-    ("-1", ()),
-    ("0,2,-1,1", (0, 2)),              # the list ends at the first invalid entry
-    ("1,gpu3", (1,)),
-    ("1,1", ()),                       # a repeated device: nothing
-])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        (None, None),  # unset: every device
+        ("0,2", (0, 2)),
+        (" 3 , 1", (3, 1)),  # order kept: physical 3 becomes cuda:0
+        ("GPU-8932f937-d72c", ("GPU-8932f937-d72c",)),
+        ("MIG-4b1c", ("MIG-4b1c",)),
+        ("", ()),  # set but empty: nothing
+        ("-1", ()),
+        ("0,2,-1,1", (0, 2)),  # the list ends at the first invalid entry
+        ("1,gpu3", (1,)),
+        ("1,1", ()),  # a repeated device: nothing
+    ],
+)
 def test_cuda_visible_devices_parsing(value, expected):
     assert parse_device_list(value) == expected
 
@@ -100,11 +102,14 @@ def test_capability_reasons_name_the_devices_below_the_minimum():
     assert capability_reasons([(9, 0)], (8, 9), "fp8") == []
     assert capability_reasons([(8, 9), (10, 0)], (8, 9), "fp8") == []
     assert capability_reasons([(8, 0)], (8, 9), "fp8") == [
-        "fp8 needs compute capability >= 8.9 (Ada, Hopper or newer); cuda:0 is 8.0"]
+        "fp8 needs compute capability >= 8.9 (Ada, Hopper or newer); cuda:0 is 8.0"
+    ]
     assert capability_reasons([(9, 0), (8, 6)], (8, 9), "fp8") == [
-        "fp8 needs compute capability >= 8.9 (Ada, Hopper or newer); cuda:1 is 8.6"]
-    assert capability_reasons([], (8, 9), "fp8") == ["fp8 needs a CUDA device of compute capability >= 8.9; "
-                                                     "none is visible"]
+        "fp8 needs compute capability >= 8.9 (Ada, Hopper or newer); cuda:1 is 8.6"
+    ]
+    assert capability_reasons([], (8, 9), "fp8") == [
+        "fp8 needs a CUDA device of compute capability >= 8.9; none is visible"
+    ]
 
 
 # --------------------------------------------------------------------------
@@ -164,8 +169,9 @@ def test_fp8_lifecycle_passes_the_kit_on_cpu(method):
     report.raise_for_failures()
     assert {r.dtype for r in report.results} == {"bfloat16", "float16"}
     # The quantization error is real: against unquantized weights it fails in float16.
-    dense = check_quantization_method(_on_cpu(method), dtypes=[torch.float16],
-                                      reference=lambda w, x, b: torch.nn.functional.linear(x, w, b))
+    dense = check_quantization_method(
+        _on_cpu(method), dtypes=[torch.float16], reference=lambda w, x, b: torch.nn.functional.linear(x, w, b)
+    )
     assert not dense.ok
 
 
@@ -186,7 +192,8 @@ def test_fp8_unsupported_reasons_here():
     if not IS_CUDA_BUILD:
         assert visible_capabilities() == []
         assert Fp8W8A8.unsupported_reasons(KernelQuery(device="cuda", dtype=torch.bfloat16)) == [
-            "fp8 w8a8 (torch._scaled_mm) needs a CUDA device of compute capability >= 8.9; none is visible"]
+            "fp8 w8a8 (torch._scaled_mm) needs a CUDA device of compute capability >= 8.9; none is visible"
+        ]
 
 
 # --------------------------------------------------------------------------
@@ -196,11 +203,13 @@ def test_fp8_unsupported_reasons_here():
 def test_probing_creates_no_cuda_context():
     """The server process probes the platform and fp8 before spawning the
     scheduler; neither may initialise CUDA there (NVML answers)."""
-    code = ("import torch; from radixserve.kernels import KernelQuery; "
-            "from radixserve_cuda import CudaPlatform, Fp8W8A8; "
-            "CudaPlatform.unavailable_reasons(); "
-            "Fp8W8A8.unsupported_reasons(KernelQuery(device='cuda', dtype=torch.bfloat16)); "
-            "print(torch.cuda.is_initialized())")
+    code = (
+        "import torch; from radixserve.kernels import KernelQuery; "
+        "from radixserve_cuda import CudaPlatform, Fp8W8A8; "
+        "CudaPlatform.unavailable_reasons(); "
+        "Fp8W8A8.unsupported_reasons(KernelQuery(device='cuda', dtype=torch.bfloat16)); "
+        "print(torch.cuda.is_initialized())"
+    )
     if any(str(d).startswith("MIG-") for d in cuda_visible_devices().ids or ()):
         pytest.skip("NVML cannot map MIG instances: torch answers there, initialising CUDA")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -213,16 +222,24 @@ def test_device_index_from_base_gpu_id():
     with pytest.raises(ValueError, match=r"base_gpu_id: must be >= 0, got -1"):
         ServerArgs(base_gpu_id=-1)
     count = torch.cuda.device_count()
-    with pytest.raises(ValueError, match=rf"base_gpu_id: cuda:{count} does not exist: {count} device\(s\) are "
-                                         r"visible \(CUDA_VISIBLE_DEVICES"):
+    with pytest.raises(
+        ValueError,
+        match=rf"base_gpu_id: cuda:{count} does not exist: {count} device\(s\) are "
+        r"visible \(CUDA_VISIBLE_DEVICES",
+    ):
         CudaPlatform().device(count)
 
 
 @pytest.mark.skipif(IS_CUDA_BUILD and torch.cuda.is_available(), reason="this machine can run cuda")
 def test_plugins_json_and_serve_say_why_cuda_is_unusable(tiny_llama_dir):
     env = {k: v for k, v in os.environ.items() if k != "RADIXSERVE_PLUGINS"}
-    out = subprocess.run([sys.executable, "-m", "radixserve.cli", "plugins", "--json"], env=env,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "plugins", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     report = json.loads(out.stdout)
     plugin = next(p for p in report["plugins"] if p["name"] == "cuda")
     assert plugin["distribution"] == "radixserve-plugin-cuda" and plugin["error"] is None
@@ -291,8 +308,14 @@ def test_cuda_pool_sized_from_free_memory(tiny_model_factory):
     from radixserve.runtime.model_runner import ModelRunner
 
     model = str(tiny_model_factory(arch="llama", num_kv_heads=4, head_dim=64))  # 4 KiB of KV per token in fp32
-    args = ServerArgs(model_path=model, device="cuda", dtype="float32", mem_fraction_static=1.0,
-                      max_running_requests=4096, disable_graph=True)
+    args = ServerArgs(
+        model_path=model,
+        device="cuda",
+        dtype="float32",
+        mem_fraction_static=1.0,
+        max_running_requests=4096,
+        disable_graph=True,
+    )
     per_token = KVPool.bytes_per_token(2, 4, 64, torch.float32)
     free = CudaPlatform().available_memory_bytes()
     blocker = torch.empty(free - 3 * GiB, dtype=torch.uint8, device="cuda")  # leaves about 3 GiB
@@ -310,14 +333,21 @@ def test_cuda_pool_sized_from_free_memory(tiny_model_factory):
 @needs_cuda
 def test_cuda_greedy_tokens_equal_cpu(tiny_llama_dir):
     from generation_utils import mixed_prompts
+
     from radixserve import Engine
 
     prompts = mixed_prompts(512, [5, 30, 17], seed=7, shared_prefix=8)
     params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
     outputs = {}
     for device in ("cpu", "cuda"):
-        with Engine(model_path=str(tiny_llama_dir), device=device, dtype="float32", max_total_tokens=4096,
-                    page_size=16, log_level="warning") as engine:
+        with Engine(
+            model_path=str(tiny_llama_dir),
+            device=device,
+            dtype="float32",
+            max_total_tokens=4096,
+            page_size=16,
+            log_level="warning",
+        ) as engine:
             assert engine.server_info()["platform"] == device
             outputs[device] = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
     assert outputs["cuda"] == outputs["cpu"]

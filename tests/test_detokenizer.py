@@ -12,10 +12,9 @@ import json
 import random
 
 import pytest
+from generation_utils import FailingDecode
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-from generation_utils import FailingDecode
 
 from radixserve.messages import DetokenizeSettings, FinishReason, TokenBatch, TokenOutput
 from radixserve.runtime.detokenizer import DetokenizerState
@@ -40,8 +39,9 @@ ALPHABET = list("abcdefgh XYZ,.!\n") + list("你好世界龍鳳") + ["😀", "�
 def _sentencepiece_like() -> PreTrainedTokenizerFast:
     trained = Tokenizer(models.BPE())
     trained.pre_tokenizer = pre_tokenizers.Metaspace()
-    trained.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=SPECIALS,
-                                                            show_progress=False))
+    trained.train_from_iterator(
+        CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=SPECIALS, show_progress=False)
+    )
     model = json.loads(trained.to_str())["model"]
     # Byte-fallback tokens are ordinary vocabulary (not special) in these tokenizers.
     vocab = dict(model["vocab"])
@@ -51,8 +51,9 @@ def _sentencepiece_like() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True))
     tok.add_special_tokens(SPECIALS)
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
 
 
@@ -158,8 +159,12 @@ def test_stop_holdback_agrees_with_the_plain_definition():
 
 
 def _out(rid: str, ids: list[int], finish: FinishReason | None = None, **settings) -> TokenOutput:
-    return TokenOutput(rid=rid, new_token_ids=ids, finish_reason=finish,
-                       detokenize=DetokenizeSettings(**settings) if settings else None)
+    return TokenOutput(
+        rid=rid,
+        new_token_ids=ids,
+        finish_reason=finish,
+        detokenize=DetokenizeSettings(**settings) if settings else None,
+    )
 
 
 def test_settings_travel_once_and_stop_strings_are_held_back_and_trimmed(tokenizer):
@@ -177,8 +182,13 @@ def test_a_failing_request_ends_with_an_error_and_the_rest_are_served(tokenizer)
     ids = tokenizer.encode("good text here", add_special_tokens=False)
     bad = next(i for i in tokenizer.encode("龍", add_special_tokens=False) if i not in ids)
     state = DetokenizerState(FailingDecode(tokenizer, bad))
-    batch = TokenBatch([_out("a", ids[:2], skip_special_tokens=True), _out("bad", [bad], skip_special_tokens=True),
-                        _out("c", ids[:1], skip_special_tokens=True)])
+    batch = TokenBatch(
+        [
+            _out("a", ids[:2], skip_special_tokens=True),
+            _out("bad", [bad], skip_special_tokens=True),
+            _out("c", ids[:1], skip_special_tokens=True),
+        ]
+    )
     a, failed, c = state.handle_batch(batch).outputs
     assert a.error is None and c.error is None and a.new_text + c.new_text != ""
     assert "RuntimeError" in failed.error and failed.token.finish_reason is None
@@ -186,9 +196,15 @@ def test_a_failing_request_ends_with_an_error_and_the_rest_are_served(tokenizer)
     # its final one still goes through (the TokenizerManager tracks it until then).
     later = state.handle_batch(TokenBatch([_out("bad", ids[:1]), _out("a", ids[2:])])).outputs
     assert [o.token.rid for o in later] == ["a"] and later[0].error is None
-    end = state.handle_batch(TokenBatch([_out("bad", [], FinishReason("abort")),
-                                         _out("a", [], FinishReason("length")),
-                                         _out("c", [], FinishReason("length"))])).outputs
+    end = state.handle_batch(
+        TokenBatch(
+            [
+                _out("bad", [], FinishReason("abort")),
+                _out("a", [], FinishReason("length")),
+                _out("c", [], FinishReason("length")),
+            ]
+        )
+    ).outputs
     assert [(o.token.rid, o.error, o.new_text) for o in end][0] == ("bad", None, "")
     assert a.new_text + later[0].new_text + end[1].new_text == tokenizer.decode(ids)
     assert state.requests == {} and state.failed == set()

@@ -16,8 +16,8 @@ import textwrap
 
 import pytest
 import torch
-
 from helpers_platform import needs_platform
+
 from radixserve.config import ServerArgs
 from radixserve.kernels import KernelQuery
 from radixserve.launch import check_startup
@@ -57,8 +57,9 @@ def test_torch_reference_is_bitwise_hf(dtype):
     v_before = qkv[:, 6 * 64 :].clone()
     fused = (qkv[:, : 4 * 64].view(5, 4, 64), qkv[:, 4 * 64 : 6 * 64].view(5, 2, 64))  # as the models pass them
     separate = (fused[0].clone(), fused[1].clone())
-    ref_q, ref_k = apply_rotary_pos_emb(*separate, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1),
-                                        unsqueeze_dim=1)
+    ref_q, ref_k = apply_rotary_pos_emb(
+        *separate, torch.cat((cos, cos), -1), torch.cat((sin, sin), -1), unsqueeze_dim=1
+    )
     for q, k in (fused, separate):
         ops.apply_rotary(q, k, positions, table, neox_style=True)
         assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
@@ -204,8 +205,6 @@ def test_flag_and_unknown_backend_at_startup():
     check_startup(ServerArgs(device="cpu", elementwise_backend="torch_native"))
     with pytest.raises(StartupError, match="--elementwise-backend 'nope' is not a registered elementwise backend"):
         check_startup(ServerArgs(device="cpu", elementwise_backend="nope"))
-
-
 
 
 @pytest.mark.cuda

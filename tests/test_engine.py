@@ -7,9 +7,9 @@ import re
 import shutil
 
 import pytest
+from generation_utils import generate, hf_greedy, make_scheduler, mixed_prompts, run, submit
 from safetensors.torch import load_file, save_file
 
-from generation_utils import generate, hf_greedy, make_scheduler, mixed_prompts, run, submit
 from radixserve import Engine
 from radixserve_torch.quantization import dequantize_int8, quantize_int8_per_channel
 
@@ -78,8 +78,9 @@ def test_stop_string_excluded_and_reported(engine):
     # A short ASCII piece of the greedy text, not at its very start.
     match = next(m for m in re.finditer(r"[a-z]{2,}", text) if m.start() > 0)
     stop = match.group()
-    result = engine.generate("stop here", {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True,
-                                            "stop": [stop]})
+    result = engine.generate(
+        "stop here", {"max_new_tokens": 40, "temperature": 0.0, "ignore_eos": True, "stop": [stop]}
+    )
     assert result["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert result["text"] == text[: text.index(stop)]
     assert stop not in result["text"]
@@ -93,16 +94,24 @@ def test_stop_token_ids_and_logit_bias(engine):
     assert stopped["output_ids"][-1] == target
     forced = engine.generate("bias", {"max_new_tokens": 5, "temperature": 0.0, "logit_bias": {"77": 100.0}})
     assert forced["output_ids"] == [77] * 5
-    banned = engine.generate("bias", {"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True,
-                                       "logit_bias": {str(t): -100.0 for t in set(greedy["output_ids"])}})
+    banned = engine.generate(
+        "bias",
+        {
+            "max_new_tokens": 10,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "logit_bias": {str(t): -100.0 for t in set(greedy["output_ids"])},
+        },
+    )
     assert not set(banned["output_ids"]) & set(greedy["output_ids"])
 
 
 def test_penalties_reduce_repetition(engine):
     base = {"max_new_tokens": 60, "temperature": 0.0, "ignore_eos": True}
     plain = engine.generate("repeat repeat repeat", base)["output_ids"]
-    penalized = engine.generate("repeat repeat repeat", {**base, "presence_penalty": 2.0,
-                                                         "frequency_penalty": 2.0})["output_ids"]
+    penalized = engine.generate("repeat repeat repeat", {**base, "presence_penalty": 2.0, "frequency_penalty": 2.0})[
+        "output_ids"
+    ]
     assert len(set(plain)) < len(plain), "the random model is expected to repeat itself"
     assert len(set(penalized)) > len(set(plain))
     rep = engine.generate("repeat repeat repeat", {**base, "repetition_penalty": 2.0})["output_ids"]
@@ -111,8 +120,9 @@ def test_penalties_reduce_repetition(engine):
 
 def test_n_greater_than_one_shares_the_prompt(engine):
     prompt = mixed_prompts(512, [21], seed=23)[0]
-    results = engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 8, "n": 3, "temperature": 1.0,
-                                                                 "seed": 1})
+    results = engine.generate(
+        input_ids=prompt, sampling_params={"max_new_tokens": 8, "n": 3, "temperature": 1.0, "seed": 1}
+    )
     assert isinstance(results, list) and len(results) == 3
     assert [r["index"] for r in results] == [0, 1, 2]
     assert len({tuple(r["output_ids"]) for r in results}) > 1
@@ -128,8 +138,9 @@ def test_n_greater_than_one_shares_the_prompt(engine):
 
 def test_logprobs_through_engine(engine, tiny_llama_dir):
     prompt = mixed_prompts(512, [9], seed=24)[0]
-    result = engine.generate(input_ids=prompt, sampling_params=GREEDY, return_logprob=True, top_logprobs_num=3,
-                             logprob_start_len=0)
+    result = engine.generate(
+        input_ids=prompt, sampling_params=GREEDY, return_logprob=True, top_logprobs_num=3, logprob_start_len=0
+    )
     meta = result["meta_info"]
     _, ref = hf_greedy(tiny_llama_dir, prompt, 24)
     assert max(abs(lp - r) for (lp, _), r in zip(meta["output_token_logprobs"], ref)) < 1e-3
@@ -189,8 +200,14 @@ def test_int8_weight_only_matches_dequantized_reference(tiny_model_factory, tmp_
     scheduler = make_scheduler(model_dir, quantization="int8")
     same = total = 0
     for prompt, full in zip(prompts, fp32):
-        rid = submit(scheduler, prompt + full.output_ids, return_logprob=True, logprob_start_len=len(prompt),
-                     top_logprobs_num=1, max_new_tokens=1)
+        rid = submit(
+            scheduler,
+            prompt + full.output_ids,
+            return_logprob=True,
+            logprob_start_len=len(prompt),
+            top_logprobs_num=1,
+            max_new_tokens=1,
+        )
         tops = run(scheduler)[rid].input_top_logprobs
         same += sum(top[0][1] == token for top, token in zip(tops, full.output_ids))
         total += len(full.output_ids)

@@ -47,8 +47,11 @@ def workdir(tmp_path_factory) -> Path:
     # Build from a copy, so the source tree gets no build/ or *.egg-info, and run
     # the subprocesses outside the repository, so nothing there shadows site-packages.
     root = tmp_path_factory.mktemp("example-plugin")
-    shutil.copytree(EXAMPLE, root / "kernel-plugin",
-                    ignore=shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".pytest_cache"))
+    shutil.copytree(
+        EXAMPLE,
+        root / "kernel-plugin",
+        ignore=shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".pytest_cache"),
+    )
     return root
 
 
@@ -99,6 +102,7 @@ def test_its_own_tests_pass_the_conformance_kit(installed: Path):
 
 def test_generation_through_it_equals_reference(installed: Path, tiny_llama_dir: Path):
     from generation_utils import generate, make_scheduler, mixed_prompts
+
     from radixserve import Engine
 
     prompts = mixed_prompts(512, [7, 18], seed=41)
@@ -106,10 +110,19 @@ def test_generation_through_it_equals_reference(installed: Path, tiny_llama_dir:
     reference = generate(make_scheduler(tiny_llama_dir), prompts, **params)
     # The Engine's scheduler process is spawned after the install, so it finds
     # the plugin through its entry point like any user's process would.
-    with Engine(model_path=str(tiny_llama_dir), attention_backend="example_sdpa", gemm_backend="example_gemm",
-                max_total_tokens=2048, log_level="warning") as engine:
-        assert engine.server_info()["backends"] == {"attention": "example_sdpa", "gemm": "example_gemm",
-                                                    "elementwise": "cpu_fused", "quantization": "none"}
+    with Engine(
+        model_path=str(tiny_llama_dir),
+        attention_backend="example_sdpa",
+        gemm_backend="example_gemm",
+        max_total_tokens=2048,
+        log_level="warning",
+    ) as engine:
+        assert engine.server_info()["backends"] == {
+            "attention": "example_sdpa",
+            "gemm": "example_gemm",
+            "elementwise": "cpu_fused",
+            "quantization": "none",
+        }
         results = engine.generate(input_ids=prompts, sampling_params=params)
     assert [r["output_ids"] for r in results] == [r.output_ids for r in reference]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from generation_utils import generate, make_scheduler, mixed_prompts
+
 from radixserve.forward_batch import ForwardMode
 from radixserve.kernels import KernelQuery
 from radixserve.registry import get_registry
@@ -23,10 +23,19 @@ from radixserve_torch.attention_varlen import TorchVarlenAttention
 _lens = [(37 * i) % 1200 + 20 for i in range(40)]
 BUCKETED_CASES = (
     AttentionCase("decode/bucketed/p1/gqa2/d64", "decode", 1, 8, 4, 64, tuple(s - 1 for s in _lens), (1,) * 40),
-    AttentionCase("decode/bucketed/p16/gqa8/d128", "decode", 16, 8, 1, 128,
-                  tuple(s - 1 for s in _lens[:24]), (1,) * 24),
-    AttentionCase("extend/bucketed/p16/gqa2/d64", "extend", 16, 4, 2, 64,
-                  (0, 300, 0, 17, 128, 0, 40), (260, 90, 7, 150, 33, 120, 1)),
+    AttentionCase(
+        "decode/bucketed/p16/gqa8/d128", "decode", 16, 8, 1, 128, tuple(s - 1 for s in _lens[:24]), (1,) * 24
+    ),
+    AttentionCase(
+        "extend/bucketed/p16/gqa2/d64",
+        "extend",
+        16,
+        4,
+        2,
+        64,
+        (0, 300, 0, 17, 128, 0, 40),
+        (260, 90, 7, 150, 33, 120, 1),
+    ),
     AttentionCase("extend/bucketed/p1/gqa4/d128", "extend", 1, 8, 2, 128, (0, 0, 64, 5), (200, 31, 150, 90)),
     AttentionCase("extend/one-fresh-prompt/p1/gqa2/d64", "extend", 1, 4, 2, 64, (0,), (300,)),
 )
@@ -59,7 +68,7 @@ def test_bucketed_cases_really_use_several_buckets(case):
     seq_lens = batch.seq_lens_cpu
     work = seq_lens if batch.mode is ForwardMode.DECODE else [n * s for n, s in zip(batch.extend_lens_cpu, seq_lens)]
     order = sorted(range(len(seq_lens)), key=lambda i: -work[i])  # the backend's order: most work first
-    assert [b.seq_len for b in buckets] == [max(seq_lens[i] for i in order[b.start:b.end]) for b in buckets]
+    assert [b.seq_len for b in buckets] == [max(seq_lens[i] for i in order[b.start : b.end]) for b in buckets]
 
 
 def test_auto_selects_it_on_cpu_without_a_cpp_compiler(monkeypatch):
@@ -77,8 +86,9 @@ def test_generation_matches_torch_native(tiny_llama_dir, page_size):
     prompts = mixed_prompts(512, [5, 60, 17, 33], seed=3, shared_prefix=40) + mixed_prompts(512, [90, 2, 47], seed=4)
     outputs = {}
     for backend in ("torch_native", "torch_varlen"):
-        scheduler = make_scheduler(tiny_llama_dir, attention_backend=backend, page_size=page_size,
-                                   chunked_prefill_size=64)
+        scheduler = make_scheduler(
+            tiny_llama_dir, attention_backend=backend, page_size=page_size, chunked_prefill_size=64
+        )
         assert scheduler.runner.summary()["backends"]["attention"] == backend
         results = generate(scheduler, prompts, max_new_tokens=24, ignore_eos=True)
         outputs[backend] = [r.output_ids for r in results]

@@ -32,8 +32,9 @@ def i32(xs: list[int]) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.int32)
 
 
-def make_batch(mode: ForwardMode, page_size: int, rows: dict[int, list[int]], prefix_lens: list[int],
-               extend_lens: list[int]) -> ForwardBatch:
+def make_batch(
+    mode: ForwardMode, page_size: int, rows: dict[int, list[int]], prefix_lens: list[int], extend_lens: list[int]
+) -> ForwardBatch:
     """A ForwardBatch whose request ``i`` is slot-table row ``list(rows)[i]`` holding
     the slots ``rows[row]`` (its whole sequence)."""
     table = torch.zeros((8, 64), dtype=torch.int64)
@@ -44,11 +45,19 @@ def make_batch(mode: ForwardMode, page_size: int, rows: dict[int, list[int]], pr
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
     out_loc = torch.cat([t(slots[p:]) for slots, p in zip(rows.values(), prefix_lens)])
     return ForwardBatch(
-        mode=mode, input_ids=torch.zeros(sum(extend_lens), dtype=torch.int64),
-        positions=torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq)]), out_cache_loc=out_loc,
-        req_pool_indices=t(list(rows)), seq_lens=t(seq), prefix_lens=t(prefix_lens), extend_lens=t(extend_lens),
-        req_to_token=table, kv_pool=KVPool(64, page_size, 1, 1, 8, torch.float32, torch.device("cpu")),
-        seq_lens_cpu=seq, prefix_lens_cpu=list(prefix_lens), extend_lens_cpu=list(extend_lens),
+        mode=mode,
+        input_ids=torch.zeros(sum(extend_lens), dtype=torch.int64),
+        positions=torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq)]),
+        out_cache_loc=out_loc,
+        req_pool_indices=t(list(rows)),
+        seq_lens=t(seq),
+        prefix_lens=t(prefix_lens),
+        extend_lens=t(extend_lens),
+        req_to_token=table,
+        kv_pool=KVPool(64, page_size, 1, 1, 8, torch.float32, torch.device("cpu")),
+        seq_lens_cpu=seq,
+        prefix_lens_cpu=list(prefix_lens),
+        extend_lens_cpu=list(extend_lens),
     )
 
 
@@ -92,8 +101,14 @@ def test_extend_with_cached_prefixes_page_size_1():
 
 
 def test_empty_batch():
-    index = build_paged_kv_index(torch.zeros((2, 4), dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
-                                 torch.zeros(0, dtype=torch.int64), [], 16, [])
+    index = build_paged_kv_index(
+        torch.zeros((2, 4), dtype=torch.int64),
+        torch.zeros(0, dtype=torch.int64),
+        torch.zeros(0, dtype=torch.int64),
+        [],
+        16,
+        [],
+    )
     assert_index(index, [0], [], [], qo=[0])
 
 
@@ -150,8 +165,9 @@ def test_page_lists_and_nhd_view_give_the_kits_attention(case):
 
 
 def test_plugins_json_lists_flashinfer_unusable_with_reasons():
-    out = subprocess.run([sys.executable, "-m", "radixserve.cli", "plugins", "--json"], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "plugins", "--json"], capture_output=True, text=True, check=True
+    )
     report = json.loads(out.stdout)
     cuda = next(p for p in report["plugins"] if p["name"] == "cuda")
     assert "flashinfer" in cuda["registered"]["attention"]
@@ -166,8 +182,9 @@ def test_plugins_json_lists_flashinfer_unusable_with_reasons():
 
 
 def test_unsupported_shapes_are_named():
-    query = KernelQuery(device="cuda", dtype=torch.float32, head_dim=96, num_heads=6, num_kv_heads=4,
-                        kv_dtype=torch.float16)
+    query = KernelQuery(
+        device="cuda", dtype=torch.float32, head_dim=96, num_heads=6, num_kv_heads=4, kv_dtype=torch.float16
+    )
     reasons = FlashInferAttention.unsupported_reasons(query)
     assert "dtype torch.float32 is not supported (bfloat16, float16 are)" in reasons
     assert "KV cache dtype torch.float16 differs from the model dtype torch.float32" in reasons
@@ -237,8 +254,9 @@ def test_flashinfer_decode_graph_replays_after_replanning():
         getattr(static, name).copy_(getattr(fresh, name))
     for name in ("req_to_token", "req_pool_indices", "seq_lens", "out_cache_loc"):
         getattr(b, name).copy_(getattr(fresh.batch, name))
-    for mine, theirs in zip(b.kv_pool.k_buffers + b.kv_pool.v_buffers,
-                            fresh.batch.kv_pool.k_buffers + fresh.batch.kv_pool.v_buffers):
+    for mine, theirs in zip(
+        b.kv_pool.k_buffers + b.kv_pool.v_buffers, fresh.batch.kv_pool.k_buffers + fresh.batch.kv_pool.v_buffers
+    ):
         mine.copy_(theirs)
     b.seq_lens_cpu = list(fresh.batch.seq_lens_cpu)
     backend.init_forward_metadata_replay(b)

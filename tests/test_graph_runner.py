@@ -18,9 +18,9 @@ import sys
 
 import pytest
 import torch
-
 from generation_utils import make_scheduler, mixed_prompts, run, submit
 from helpers_platform import needs_platform
+
 from radixserve import Engine
 from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardBatch
@@ -55,16 +55,30 @@ class RecordingNativeAttention(TorchNativeAttention):
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
         super().init_forward_metadata_replay(batch)
         meta = batch.attn_metadata
-        self.replays.append({
-            "bs": batch.batch_size,
-            "ptrs": [t.data_ptr() for t in (batch.input_ids, batch.positions, batch.out_cache_loc,
-                                            batch.req_pool_indices, batch.seq_lens, meta.slots, meta.mask)],
-            "host_lists": (list(batch.seq_lens_cpu), list(batch.prefix_lens_cpu), list(batch.extend_lens_cpu)),
-            "seq_lens": batch.seq_lens.clone(), "out_cache_loc": batch.out_cache_loc.clone(),
-            "req_pool_indices": batch.req_pool_indices.clone(),
-            "slots": meta.slots.clone(), "mask": meta.mask.clone(),
-            "expected_slots": batch.req_to_token.index_select(0, batch.req_pool_indices),
-        })
+        self.replays.append(
+            {
+                "bs": batch.batch_size,
+                "ptrs": [
+                    t.data_ptr()
+                    for t in (
+                        batch.input_ids,
+                        batch.positions,
+                        batch.out_cache_loc,
+                        batch.req_pool_indices,
+                        batch.seq_lens,
+                        meta.slots,
+                        meta.mask,
+                    )
+                ],
+                "host_lists": (list(batch.seq_lens_cpu), list(batch.prefix_lens_cpu), list(batch.extend_lens_cpu)),
+                "seq_lens": batch.seq_lens.clone(),
+                "out_cache_loc": batch.out_cache_loc.clone(),
+                "req_pool_indices": batch.req_pool_indices.clone(),
+                "slots": meta.slots.clone(),
+                "mask": meta.mask.clone(),
+                "expected_slots": batch.req_to_token.index_select(0, batch.req_pool_indices),
+            }
+        )
 
     def forward_decode(self, q, layer, batch):
         if batch.attn_metadata is not None:  # a captured (or replayed) decode
@@ -97,8 +111,10 @@ MAX_NEW = [2, 3, 4, 5, 6, 7, 8]
 def _generate(scheduler, count: int = len(PROMPT_LENS)) -> list[list[int]]:
     """The first ``count`` requests: decode batches of ``count``, ``count - 1``, ..., 1."""
     prompts = mixed_prompts(512, PROMPT_LENS[:count], seed=71)
-    rids = [submit(scheduler, p, max_new_tokens=n, temperature=0.0, ignore_eos=True)
-            for p, n in zip(prompts, MAX_NEW[:count])]
+    rids = [
+        submit(scheduler, p, max_new_tokens=n, temperature=0.0, ignore_eos=True)
+        for p, n in zip(prompts, MAX_NEW[:count])
+    ]
     results = run(scheduler)
     return [results[r].output_ids for r in rids]
 
@@ -115,8 +131,19 @@ def test_capture_batch_sizes_and_padding():
     assert capture_batch_sizes(128) == [1, 2, 4] + list(range(8, 129, 8))
     assert capture_batch_sizes(300)[-5:] == [248, 256, 272, 288, 300]
     sizes = capture_batch_sizes(20)
-    assert [padded_batch_size(sizes, n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 20, 21)] == \
-        [1, 2, 4, 4, 8, 8, 16, 16, 20, 20, None]
+    assert [padded_batch_size(sizes, n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 20, 21)] == [
+        1,
+        2,
+        4,
+        4,
+        8,
+        8,
+        16,
+        16,
+        20,
+        20,
+        None,
+    ]
     with pytest.raises(ValueError, match="graph_max_bs"):
         capture_batch_sizes(0)
 
@@ -153,10 +180,8 @@ def test_graphs_off_with_a_reason_or_an_error_when_forced(tiny_llama_dir, regist
     varlen = _runner(tiny_llama_dir, registry, device="cpu_graphs", attention_backend="torch_varlen")
     assert varlen.graph_runner is None and "'torch_varlen' has no graph capture hooks" in varlen.graphs["reason"]
     with pytest.raises(ValueError, match="'torch_varlen' has no graph capture hooks"):
-        _runner(tiny_llama_dir, registry, device="cpu_graphs", attention_backend="torch_varlen",
-                disable_graph=False)
-    off = _runner(tiny_llama_dir, registry, device="cpu_graphs", attention_backend="torch_native",
-                  disable_graph=True)
+        _runner(tiny_llama_dir, registry, device="cpu_graphs", attention_backend="torch_varlen", disable_graph=False)
+    off = _runner(tiny_llama_dir, registry, device="cpu_graphs", attention_backend="torch_native", disable_graph=True)
     assert off.graph_runner is None and off.graphs["reason"] == "--disable-graph"
     # torch_native reads whole slot-table rows under graphs: only for small batch x context.
     reasons = TorchNativeAttention(cpu.query).graph_unsupported_reasons(128, 32768)
@@ -167,18 +192,33 @@ def test_graphs_off_for_a_moe_backend_that_routes_on_the_host(tiny_model_factory
     """torch_native MoE picks its experts with ``.tolist()``: capturing it failed on
     an H100 ("operation failed due to a previous error during capture")."""
     moe_dir = tiny_model_factory(arch="qwen3_moe")
-    runner = _runner(moe_dir, registry, device="cpu_graphs", attention_backend="torch_native",
-                     moe_backend="torch_native")
+    runner = _runner(
+        moe_dir, registry, device="cpu_graphs", attention_backend="torch_native", moe_backend="torch_native"
+    )
     assert runner.graph_runner is None
-    assert runner.graphs["reason"] == "moe backend 'torch_native' loops on the host over the experts that received tokens"
+    assert (
+        runner.graphs["reason"] == "moe backend 'torch_native' loops on the host over the experts that received tokens"
+    )
     with pytest.raises(ValueError, match="moe backend 'torch_native' loops on the host"):
-        _runner(moe_dir, registry, device="cpu_graphs", attention_backend="torch_native",
-                moe_backend="torch_native", disable_graph=False)
+        _runner(
+            moe_dir,
+            registry,
+            device="cpu_graphs",
+            attention_backend="torch_native",
+            moe_backend="torch_native",
+            disable_graph=False,
+        )
 
 
 def test_capture_at_startup_every_size_largest_first(tiny_llama_dir, registry):
-    runner = _runner(tiny_llama_dir, registry, device="cpu_graphs", attention_backend="torch_native",
-                     max_running_requests=12, graph_max_bs=64)
+    runner = _runner(
+        tiny_llama_dir,
+        registry,
+        device="cpu_graphs",
+        attention_backend="torch_native",
+        max_running_requests=12,
+        graph_max_bs=64,
+    )
     graphs = runner.summary()["graphs"]
     # Capped at --max-running-requests: no decode batch is larger.
     assert graphs["backend"] == "eager_replay" and graphs["batch_sizes"] == [1, 2, 4, 8, 12]
@@ -193,9 +233,14 @@ def test_capture_at_startup_every_size_largest_first(tiny_llama_dir, registry):
 @pytest.mark.parametrize("overlap", [False, True])
 def test_greedy_tokens_with_graphs_equal_eager(tiny_llama_dir, registry, overlap):
     eager = _generate(make_scheduler(tiny_llama_dir, attention_backend="torch_native"))
-    scheduler = make_scheduler(tiny_llama_dir, registry=registry, device="cpu_graphs",
-                               attention_backend="torch_native", graph_max_bs=4,
-                               disable_overlap_schedule=not overlap)
+    scheduler = make_scheduler(
+        tiny_llama_dir,
+        registry=registry,
+        device="cpu_graphs",
+        attention_backend="torch_native",
+        graph_max_bs=4,
+        disable_overlap_schedule=not overlap,
+    )
     assert _generate(scheduler) == eager
     backend = scheduler.runner.graph_runner.backend
     # Decode batches of 7, 6, 5 ran eagerly (above the largest size, 4); 4, 3 (padded to 4), 2, 1 replayed.
@@ -208,8 +253,9 @@ def test_greedy_tokens_with_graphs_equal_eager(tiny_llama_dir, registry, overlap
 def test_replay_reuses_static_buffers_and_refills_metadata_in_place(tiny_llama_dir, registry):
     RecordingNativeAttention.replays.clear()
     RecordingNativeAttention.graph_decodes.clear()
-    scheduler = make_scheduler(tiny_llama_dir, registry=registry, device="cpu_graphs",
-                               attention_backend="recording_native", graph_max_bs=4)
+    scheduler = make_scheduler(
+        tiny_llama_dir, registry=registry, device="cpu_graphs", attention_backend="recording_native", graph_max_bs=4
+    )
     graph_runner = scheduler.runner.graph_runner
     capture_decodes = len(RecordingNativeAttention.graph_decodes)  # layers x sizes at capture
     assert capture_decodes == scheduler.runner.num_layers * len(graph_runner.batch_sizes)
@@ -220,8 +266,15 @@ def test_replay_reuses_static_buffers_and_refills_metadata_in_place(tiny_llama_d
     replays = RecordingNativeAttention.replays[at_capture:]
     assert [r["bs"] for r in replays] == [4, 4, 2, 1]  # real batch sizes 4, 3, 2, 1
     attention = scheduler.runner.attention
-    static = [graph_runner.input_ids, graph_runner.positions, graph_runner.out_cache_loc,
-              graph_runner.req_pool_indices, graph_runner.seq_lens, attention._graph_slots, attention._graph_mask]
+    static = [
+        graph_runner.input_ids,
+        graph_runner.positions,
+        graph_runner.out_cache_loc,
+        graph_runner.req_pool_indices,
+        graph_runner.seq_lens,
+        attention._graph_slots,
+        attention._graph_mask,
+    ]
     for r in replays:
         # Every replay reads the same buffers: those allocated once at start-up.
         assert r["ptrs"] == [t.data_ptr() for t in static]
@@ -252,8 +305,13 @@ def test_replay_reuses_static_buffers_and_refills_metadata_in_place(tiny_llama_d
 @pytest.mark.skipif(INTERPRETED, reason="this is the launcher; the interpreter run is the test below")
 def test_triton_graphs_in_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "interp_triton"], env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interp_triton"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "1 passed" in proc.stdout
 
@@ -276,8 +334,6 @@ def test_interp_triton_graph_tokens_equal_eager(tiny_llama_dir, monkeypatch):
 # Real CUDA graphs (skipped without an NVIDIA GPU)
 
 
-
-
 @pytest.mark.cuda
 @needs_platform("cuda")
 @pytest.mark.parametrize("attention", ["triton", "torch_native"])
@@ -285,12 +341,21 @@ def test_cuda_graph_tokens_equal_eager(tiny_llama_dir, attention):
     prompts = mixed_prompts(512, PROMPT_LENS + [40, 7, 25], seed=72)
     outputs = {}
     for disable in (True, False):
-        with Engine(model_path=str(tiny_llama_dir), device="cuda", dtype="float32", attention_backend=attention,
-                    max_total_tokens=8192, graph_max_bs=8, disable_graph=disable, log_level="warning") as engine:
+        with Engine(
+            model_path=str(tiny_llama_dir),
+            device="cuda",
+            dtype="float32",
+            attention_backend=attention,
+            max_total_tokens=8192,
+            graph_max_bs=8,
+            disable_graph=disable,
+            log_level="warning",
+        ) as engine:
             graphs = engine.server_info()["graphs"]
             assert graphs["backend"] == (None if disable else "cuda_graph"), graphs
             # Ragged batches: requests of different lengths finish at different steps (10 > 8 runs eagerly).
-            params = [{"max_new_tokens": 4 + 3 * i, "temperature": 0.0, "ignore_eos": True}
-                      for i in range(len(prompts))]
+            params = [
+                {"max_new_tokens": 4 + 3 * i, "temperature": 0.0, "ignore_eos": True} for i in range(len(prompts))
+            ]
             outputs[disable] = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
     assert outputs[False] == outputs[True]

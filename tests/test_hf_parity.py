@@ -4,8 +4,8 @@ token for token, for every supported architecture; logprobs agree in fp32."""
 from __future__ import annotations
 
 import pytest
-
 from generation_utils import generate, hf_greedy, make_scheduler, mixed_prompts
+
 from radixserve.messages import FinishReason
 from radixserve.testing.tiny_models import llama3_rope_scaling
 

@@ -13,7 +13,6 @@ from typing import Any, Optional, Union
 
 import httpx
 import pytest
-
 from helpers_server import ServerProcess
 
 S = "\udc00"  # a lone UTF-16 surrogate: valid JSON ("\udc00"), not valid Unicode text
@@ -22,8 +21,10 @@ LONG = "word " * 3000  # far beyond the tiny model's 1024-token context
 HUGE = 10**30
 
 CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"
-TOOL = {"type": "function", "function": {"name": "get_weather", "description": "weather",
-                                         "parameters": {"type": "object", "properties": {}}}}
+TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "description": "weather", "parameters": {"type": "object", "properties": {}}},
+}
 
 
 def chat(**kw: Any) -> dict:
@@ -66,8 +67,13 @@ CASES: list[tuple[str, str, Union[dict, list, bytes], int, Optional[str]]] = [
     ("int_of_5000_digits", COMPLETIONS, b'{"prompt": "hi", "n": 1' + b"0" * 5000 + b"}", 400, None),
     ("float_overflow", COMPLETIONS, b'{"prompt": "hi", "max_tokens": 2, "temperature": 1e999}', 400, "temperature"),
     # Deeper than MAX_JSON_DEPTH (64): refused where it gets too deep, before any recursive code sees it.
-    ("deep_chat_template_kwargs", CHAT, chat(chat_template_kwargs={"k": nest(100)}), 400,
-     "chat_template_kwargs.k" + ".a" * 62),
+    (
+        "deep_chat_template_kwargs",
+        CHAT,
+        chat(chat_template_kwargs={"k": nest(100)}),
+        400,
+        "chat_template_kwargs.k" + ".a" * 62,
+    ),
     ("deep_metadata", CHAT, chat(metadata=nest(100)), 400, "metadata" + ".a" * 63),
     ("deep_message_extra", CHAT, msg(extra=nest(100)), 400, "messages[0].extra" + ".a" * 61),
     ("deep_generate_stop", GENERATE, gen({"stop": nest(100)}), 400, "sampling_params.stop" + ".a" * 62),
@@ -82,10 +88,20 @@ CASES: list[tuple[str, str, Union[dict, list, bytes], int, Optional[str]]] = [
     ("message_bad_role", CHAT, chat(messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role"),
     ("message_no_role", CHAT, chat(messages=[{"content": "x"}]), 400, "messages[0].role"),
     ("content_an_int", CHAT, content(5), 400, "messages[0].content"),
-    ("content_part_image", CHAT, content([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]), 400,
-     "messages[0].content[0].type"),
-    ("content_part_audio", CHAT, content([{"type": "text", "text": "a"}, {"type": "input_audio"}]), 400,
-     "messages[0].content[1].type"),
+    (
+        "content_part_image",
+        CHAT,
+        content([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]),
+        400,
+        "messages[0].content[0].type",
+    ),
+    (
+        "content_part_audio",
+        CHAT,
+        content([{"type": "text", "text": "a"}, {"type": "input_audio"}]),
+        400,
+        "messages[0].content[1].type",
+    ),
     ("content_part_without_text", CHAT, content([{"type": "text"}]), 400, "messages[0].content[0]"),
     ("content_part_null", CHAT, content([None]), 400, "messages[0].content[0]"),
     ("continue_final_after_user", CHAT, chat(continue_final_message=True), 400, "continue_final_message"),
@@ -94,15 +110,25 @@ CASES: list[tuple[str, str, Union[dict, list, bytes], int, Optional[str]]] = [
     # ---- lone surrogates in every text field
     ("surrogate_content", CHAT, content("hi" + S), 400, "messages[0].content"),
     ("surrogate_content_part", CHAT, content([{"type": "text", "text": S}]), 400, "messages[0].content[0].text"),
-    ("surrogate_second_message", CHAT, chat(messages=[{"role": "system", "content": "a"},
-                                                      {"role": "user", "content": S}]), 400, "messages[1].content"),
+    (
+        "surrogate_second_message",
+        CHAT,
+        chat(messages=[{"role": "system", "content": "a"}, {"role": "user", "content": S}]),
+        400,
+        "messages[1].content",
+    ),
     ("surrogate_message_name", CHAT, msg(name=S), 400, "messages[0].name"),
     ("surrogate_message_extra_key", CHAT, msg(**{"x" + S: 1}), 400, "messages[0]"),
     ("surrogate_chat_stop", CHAT, chat(stop=S), 400, "stop"),
     ("surrogate_chat_stop_list", CHAT, chat(stop=["a", "b", "c" + S]), 400, "stop[2]"),
     ("surrogate_chat_stop_extra_body", CHAT, chat(extra_body={"stop": S}), 400, "stop"),
-    ("surrogate_tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "description": S}}],
-                                   tool_choice="none"), 400, "tools[0].function.description"),
+    (
+        "surrogate_tools",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": "f", "description": S}}], tool_choice="none"),
+        400,
+        "tools[0].function.description",
+    ),
     ("surrogate_chat_template_kwargs", CHAT, chat(chat_template_kwargs={"x": S}), 400, "chat_template_kwargs.x"),
     ("surrogate_user", CHAT, chat(user=S), 400, "user"),
     ("surrogate_prompt", COMPLETIONS, cmpl(prompt=S), 400, "prompt"),
@@ -128,34 +154,69 @@ CASES: list[tuple[str, str, Union[dict, list, bytes], int, Optional[str]]] = [
     ("generate_n_beyond_cap", GENERATE, gen({"n": MAX_N + 1}), 400, "sampling_params.n"),
     ("too_many_stop_strings", CHAT, chat(stop=[f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]), 400, "stop"),
     ("stop_strings_too_long", COMPLETIONS, cmpl(stop=["x" * (MAX_STOP_CHARS + 1)]), 400, "stop"),
-    ("generate_too_many_stop_strings", GENERATE, gen({"stop": ["a"] * (MAX_STOP_STRINGS + 1)}), 400,
-     "sampling_params.stop"),
-    ("generate_stop_too_long", GENERATE, gen({"stop": ["y" * (MAX_STOP_CHARS // 2 + 1)] * 2}), 400,
-     "sampling_params.stop"),
+    (
+        "generate_too_many_stop_strings",
+        GENERATE,
+        gen({"stop": ["a"] * (MAX_STOP_STRINGS + 1)}),
+        400,
+        "sampling_params.stop",
+    ),
+    (
+        "generate_stop_too_long",
+        GENERATE,
+        gen({"stop": ["y" * (MAX_STOP_CHARS // 2 + 1)] * 2}),
+        400,
+        "sampling_params.stop",
+    ),
     ("ten_thousand_stop_strings", COMPLETIONS, cmpl(stop=["x" * 100] * 10_000), 400, "stop"),
     ("stop_empty_string", COMPLETIONS, cmpl(stop=""), 400, "stop"),
     ("stop_list_of_ints", CHAT, chat(stop=[1, 2]), 400, "stop[0]"),
     # ---- unimplemented OpenAI options
     ("response_format_json_object", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
-    ("response_format_json_schema", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object"}}}), 400, "response_format"),
+    (
+        "response_format_json_schema",
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+        400,
+        "response_format",
+    ),
     ("response_format_a_string", CHAT, chat(response_format="json"), 400, "response_format"),
     ("tools_without_tool_choice", CHAT, chat(tools=[TOOL]), 400, "tool_choice"),
     ("tools_tool_choice_auto", CHAT, chat(tools=[TOOL], tool_choice="auto"), 400, "tool_choice"),
     ("tools_tool_choice_required", CHAT, chat(tools=[TOOL], tool_choice="required"), 400, "tool_choice"),
-    ("tools_tool_choice_named", CHAT, chat(tools=[TOOL], tool_choice={"type": "function", "function": {
-        "name": "get_weather"}}), 400, "tool_choice"),
+    (
+        "tools_tool_choice_named",
+        CHAT,
+        chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+        400,
+        "tool_choice",
+    ),
     ("tool_choice_required_without_tools", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
     ("tool_choice_bogus", CHAT, chat(tool_choice="sometimes"), 400, "tool_choice"),
     ("tools_not_a_list", CHAT, chat(tools={"type": "function"}, tool_choice="none"), 400, "tools"),
     ("tools_entry_a_string", CHAT, chat(tools=["get_weather"], tool_choice="none"), 400, "tools[0]"),
-    ("tools_wrong_type", CHAT, chat(tools=[{"type": "retrieval", "function": {"name": "f"}}], tool_choice="none"),
-     400, "tools[0].type"),
+    (
+        "tools_wrong_type",
+        CHAT,
+        chat(tools=[{"type": "retrieval", "function": {"name": "f"}}], tool_choice="none"),
+        400,
+        "tools[0].type",
+    ),
     ("tools_no_function", CHAT, chat(tools=[{"type": "function"}], tool_choice="none"), 400, "tools[0].function"),
-    ("tools_no_name", CHAT, chat(tools=[{"type": "function", "function": {"description": "d"}}],
-                                 tool_choice="none"), 400, "tools[0].function.name"),
-    ("tools_empty_name", CHAT, chat(tools=[{"type": "function", "function": {"name": ""}}], tool_choice="none"),
-     400, "tools[0].function.name"),
+    (
+        "tools_no_name",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"description": "d"}}], tool_choice="none"),
+        400,
+        "tools[0].function.name",
+    ),
+    (
+        "tools_empty_name",
+        CHAT,
+        chat(tools=[{"type": "function", "function": {"name": ""}}], tool_choice="none"),
+        400,
+        "tools[0].function.name",
+    ),
     ("functions", CHAT, chat(functions=[{"name": "f"}]), 400, "functions"),
     ("function_call_named", CHAT, chat(function_call={"name": "f"}), 400, "function_call"),
     ("audio", CHAT, chat(audio={"voice": "alloy", "format": "wav"}), 400, "audio"),
@@ -178,10 +239,14 @@ CASES: list[tuple[str, str, Union[dict, list, bytes], int, Optional[str]]] = [
     ("stream_one", COMPLETIONS, cmpl(stream=1), 400, "stream"),
     ("echo_yes", COMPLETIONS, cmpl(echo="yes"), 400, "echo"),
     ("ignore_eos_string", CHAT, chat(ignore_eos="true"), 400, "ignore_eos"),
-    ("stream_options_without_stream", COMPLETIONS, cmpl(stream_options={"include_usage": True}), 400,
-     "stream_options"),
-    ("stream_options_nested_null", CHAT, chat(stream=True, stream_options={"include_usage": None}), 400,
-     "stream_options.include_usage"),
+    ("stream_options_without_stream", COMPLETIONS, cmpl(stream_options={"include_usage": True}), 400, "stream_options"),
+    (
+        "stream_options_nested_null",
+        CHAT,
+        chat(stream=True, stream_options={"include_usage": None}),
+        400,
+        "stream_options.include_usage",
+    ),
     ("max_tokens_float", CHAT, chat(max_tokens=1.5), 400, "max_tokens"),
     ("max_tokens_string", COMPLETIONS, cmpl(max_tokens="5"), 400, "max_tokens"),
     ("max_tokens_negative", CHAT, chat(max_tokens=-1), 400, "max_tokens"),
@@ -217,8 +282,7 @@ CASES: list[tuple[str, str, Union[dict, list, bytes], int, Optional[str]]] = [
     ("stop_token_ids_bools", CHAT, chat(stop_token_ids=[True, False]), 400, "stop_token_ids[0]"),
     ("stop_token_ids_out_of_vocab", CHAT, chat(stop_token_ids=[10**9]), 400, "stop_token_ids"),
     ("chat_template_kwargs_a_list", CHAT, chat(chat_template_kwargs=[1]), 400, "chat_template_kwargs"),
-    ("chat_template_kwargs_clash", CHAT, chat(chat_template_kwargs={"tokenize": True}), 400,
-     "chat_template_kwargs"),
+    ("chat_template_kwargs_clash", CHAT, chat(chat_template_kwargs={"tokenize": True}), 400, "chat_template_kwargs"),
     # ---- completions prompts
     ("prompt_missing", COMPLETIONS, {"model": "tiny"}, 400, "prompt"),
     ("prompt_null", COMPLETIONS, cmpl(prompt=None), 400, "prompt"),
@@ -238,18 +302,20 @@ CASES: list[tuple[str, str, Union[dict, list, bytes], int, Optional[str]]] = [
     ("generate_nested_bool_input_ids", GENERATE, {"input_ids": [[1], [True]]}, 400, "input_ids[1][0]"),
     ("generate_empty_ids", GENERATE, {"input_ids": [[]]}, 400, "input_ids"),
     ("generate_unknown_sampling_param", GENERATE, gen({"bogus": 1}), 400, "sampling_params"),
-    ("generate_sampling_params_a_string", GENERATE, {"text": "a", "sampling_params": "greedy"}, 400,
-     "sampling_params"),
-    ("generate_stop_token_ids_bools", GENERATE, gen({"stop_token_ids": [True]}), 400,
-     "sampling_params.stop_token_ids"),
+    ("generate_sampling_params_a_string", GENERATE, {"text": "a", "sampling_params": "greedy"}, 400, "sampling_params"),
+    ("generate_stop_token_ids_bools", GENERATE, gen({"stop_token_ids": [True]}), 400, "sampling_params.stop_token_ids"),
     ("generate_max_new_tokens_float", GENERATE, gen({"max_new_tokens": 1.5}), 400, "sampling_params.max_new_tokens"),
-    ("generate_max_new_tokens_string", GENERATE, gen({"max_new_tokens": "5"}), 400,
-     "sampling_params.max_new_tokens"),
+    ("generate_max_new_tokens_string", GENERATE, gen({"max_new_tokens": "5"}), 400, "sampling_params.max_new_tokens"),
     ("generate_ignore_eos_yes", GENERATE, gen({"ignore_eos": "yes"}), 400, "sampling_params.ignore_eos"),
     ("generate_temperature_nan", GENERATE, gen({"temperature": float("nan")}), 400, "sampling_params.temperature"),
     ("generate_top_k_huge", GENERATE, gen({"top_k": HUGE}), 400, "sampling_params.top_k"),
-    ("generate_max_new_tokens_beyond_context", GENERATE, gen({"max_new_tokens": 10**6}), 400,
-     "sampling_params.max_new_tokens"),
+    (
+        "generate_max_new_tokens_beyond_context",
+        GENERATE,
+        gen({"max_new_tokens": 10**6}),
+        400,
+        "sampling_params.max_new_tokens",
+    ),
     ("generate_stream_yes", GENERATE, gen(stream="yes"), 400, "stream"),
     ("generate_return_logprob_yes", GENERATE, gen(return_logprob="yes"), 400, "return_logprob"),
     ("generate_top_logprobs_num_negative", GENERATE, gen(top_logprobs_num=-1), 400, "top_logprobs_num"),
@@ -259,8 +325,13 @@ CASES: list[tuple[str, str, Union[dict, list, bytes], int, Optional[str]]] = [
     ("generate_rid_an_int", GENERATE, gen(rid=5), 400, "rid"),
     # ---- tokenize / detokenize / abort
     ("tokenize_no_prompt", "/tokenize", {}, 400, "prompt"),
-    ("tokenize_add_special_tokens_yes", "/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, 400,
-     "add_special_tokens"),
+    (
+        "tokenize_add_special_tokens_yes",
+        "/tokenize",
+        {"prompt": "a", "add_special_tokens": "yes"},
+        400,
+        "add_special_tokens",
+    ),
     ("tokenize_unknown_model", "/tokenize", {"model": "gpt-9", "prompt": "a"}, 404, "model"),
     ("detokenize_bool_tokens", "/detokenize", {"tokens": [True, False]}, 400, "tokens[0]"),
     ("detokenize_out_of_vocab", "/detokenize", {"tokens": [10**9]}, 400, "tokens"),
@@ -272,10 +343,22 @@ CASES: list[tuple[str, str, Union[dict, list, bytes], int, Optional[str]]] = [
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    with ServerProcess("--model", str(tiny_llama_dir), "--served-model-name", "tiny",
-                       "--max-total-tokens", "8192", "--max-n", str(MAX_N),
-                       "--max-stop-strings", str(MAX_STOP_STRINGS), "--max-stop-chars", str(MAX_STOP_CHARS),
-                       "--log-level", "warning") as srv:
+    with ServerProcess(
+        "--model",
+        str(tiny_llama_dir),
+        "--served-model-name",
+        "tiny",
+        "--max-total-tokens",
+        "8192",
+        "--max-n",
+        str(MAX_N),
+        "--max-stop-strings",
+        str(MAX_STOP_STRINGS),
+        "--max-stop-chars",
+        str(MAX_STOP_CHARS),
+        "--log-level",
+        "warning",
+    ) as srv:
         srv.wait_ready()
         yield srv
         assert srv.proc.poll() is None, f"the server died:\n{srv.log}"
@@ -312,8 +395,18 @@ def test_hostile_request_is_refused_by_name(http, name, route, body, status, par
 ACCEPTED = [
     ("tools_with_tool_choice_none", CHAT, chat(tools=[TOOL], tool_choice="none", parallel_tool_calls=False)),
     ("response_format_text", CHAT, chat(response_format={"type": "text"})),
-    ("no_op_fields", CHAT, chat(user="u1", store=False, metadata={"k": "v"}, service_tier="auto",
-                                prediction={"type": "content", "content": "x"}, modalities=["text"])),
+    (
+        "no_op_fields",
+        CHAT,
+        chat(
+            user="u1",
+            store=False,
+            metadata={"k": "v"},
+            service_tier="auto",
+            prediction={"type": "content", "content": "x"},
+            modalities=["text"],
+        ),
+    ),
     ("nulls_mean_unset", CHAT, chat(n=None, stream=None, logprobs=None, temperature=None, stop=None, seed=None)),
     ("unknown_fields_ignored", CHAT, chat(some_future_option={"x": 1})),
     ("best_of_equal_to_n", COMPLETIONS, cmpl(best_of=2, n=2)),

@@ -18,8 +18,8 @@ import socket
 import httpx
 import openai
 import pytest
-
 from helpers_server import ServerProcess
+
 from radixserve.bench.metrics import median_call_ms
 from radixserve.server.http import _bind
 
@@ -29,8 +29,16 @@ CHAT_BOUND_MS = 30
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    with ServerProcess("--model", str(tiny_llama_dir), "--served-model-name", "tiny",
-                       "--max-total-tokens", "4096", "--log-level", "warning") as srv:
+    with ServerProcess(
+        "--model",
+        str(tiny_llama_dir),
+        "--served-model-name",
+        "tiny",
+        "--max-total-tokens",
+        "4096",
+        "--log-level",
+        "warning",
+    ) as srv:
         srv.wait_ready()
         yield srv
 

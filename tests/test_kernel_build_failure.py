@@ -9,7 +9,6 @@ import os
 import stat
 
 import httpx
-
 from helpers_server import ServerProcess
 
 BROKEN_CXX = """#!/bin/sh
@@ -22,21 +21,31 @@ def test_a_broken_compiler_passes_the_cpu_kernels_over_and_the_server_serves(tin
     cxx = tmp_path / "broken-c++"
     cxx.write_text(BROKEN_CXX)
     cxx.chmod(cxx.stat().st_mode | stat.S_IXUSR)
-    env = {"CXX": str(cxx), "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),  # nothing built there yet
-           "RADIXSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    env = {
+        "CXX": str(cxx),
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),  # nothing built there yet
+        "RADIXSERVE_CACHE_DIR": str(tmp_path / "cache"),
+    }
     assert not os.path.exists(env["TORCH_EXTENSIONS_DIR"])
     with ServerProcess("--model", str(tiny_llama_dir), "--max-total-tokens", "4096", env=env) as server:
         url = server.wait_ready()
         info = httpx.get(f"{url}/get_server_info", timeout=30).json()
-        reply = httpx.post(f"{url}/generate", json={"input_ids": [5, 6, 7], "sampling_params": {
-            "max_new_tokens": 4, "temperature": 0, "ignore_eos": True}}, timeout=60).json()
+        reply = httpx.post(
+            f"{url}/generate",
+            json={
+                "input_ids": [5, 6, 7],
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+            },
+            timeout=60,
+        ).json()
     lines = server.lines
     listening = next(i for i, line in enumerate(lines) if "listening at" in line)
     passed_over = [i for i, line in enumerate(lines) if "is passed over: build failed" in line]
     # Found before the server said it was listening, once per backend that needs the kernels.
     assert passed_over and max(passed_over) < listening, server.log
-    assert {kind for kind in ("gemm", "attention", "elementwise")
-            if any(f"{kind} backend" in lines[i] for i in passed_over)} == {"gemm", "attention", "elementwise"}
+    assert {
+        kind for kind in ("gemm", "attention", "elementwise") if any(f"{kind} backend" in lines[i] for i in passed_over)
+    } == {"gemm", "attention", "elementwise"}
     assert all(str(cxx) in lines[i] for i in passed_over), server.log  # the reason names the compiler that failed
     backends = info["backends"]
     assert backends["gemm"] != "cpu_packed" and backends["attention"] != "cpu_paged"

@@ -92,8 +92,12 @@ def graph() -> dict[str, set[str]]:
 
 def layer_of() -> dict[str, int]:
     layers = layer_table()
-    return {module: i for module in module_files() for i, entries in enumerate(layers)
-            if any(entry_matches(entry, module) for entry in entries)}
+    return {
+        module: i
+        for module in module_files()
+        for i, entries in enumerate(layers)
+        if any(entry_matches(entry, module) for entry in entries)
+    }
 
 
 def test_every_module_is_in_exactly_one_layer_and_every_entry_names_one():
@@ -108,14 +112,22 @@ def test_every_module_is_in_exactly_one_layer_and_every_entry_names_one():
 
 def test_imports_point_down():
     layers, level = layer_table(), layer_of()
-    upward = [f"{m} (layer {', '.join(layers[level[m]])}) imports {t} (layer {', '.join(layers[level[t]])})"
-              for m, targets in sorted(graph().items()) for t in sorted(targets) if level[t] > level[m]]
+    upward = [
+        f"{m} (layer {', '.join(layers[level[m]])}) imports {t} (layer {', '.join(layers[level[t]])})"
+        for m, targets in sorted(graph().items())
+        for t in sorted(targets)
+        if level[t] > level[m]
+    ]
     assert upward == [], "imports that point up:\n" + "\n".join(upward)
 
 
 def test_core_imports_no_plugin():
-    plugins = [f"{m} imports {t}" for m, path in module_files().items()
-               for t in _top_level_imports(path) if t.startswith(f"{PACKAGE}_")]
+    plugins = [
+        f"{m} imports {t}"
+        for m, path in module_files().items()
+        for t in _top_level_imports(path)
+        if t.startswith(f"{PACKAGE}_")
+    ]
     assert plugins == [], "the core imports plugins:\n" + "\n".join(plugins)
 
 
@@ -139,7 +151,7 @@ def test_no_import_cycles():
         path.append(module)
         for target in sorted(edges[module]):
             if state.get(target) == "open":
-                return path[path.index(target):] + [target]
+                return path[path.index(target) :] + [target]
             if target not in state:
                 cycle = visit(target)
                 if cycle:

@@ -10,10 +10,10 @@ from typing import Optional
 
 import pytest
 import torch
+from helpers_cache import alloc_extend
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from helpers_cache import alloc_extend
 from radixserve.cache.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
 from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.kernels import KernelQuery
@@ -60,8 +60,9 @@ SPECS: dict[str, dict] = {
 }
 
 
-def load(path: Path, dtype: torch.dtype = torch.float32, quantization: Optional[str] = None,
-         gemm: str = "auto") -> tuple[nn.Module, ModelContext]:
+def load(
+    path: Path, dtype: torch.dtype = torch.float32, quantization: Optional[str] = None, gemm: str = "auto"
+) -> tuple[nn.Module, ModelContext]:
     registry = get_registry()
     config = load_config(path)
     query = model_kernel_query(config, "cpu", dtype, page_size=PAGE_SIZE, quantization=quantization)
@@ -249,7 +250,9 @@ def test_missing_and_unexpected_weights_fail_loudly(tiny_model_factory):
     with pytest.raises(CheckpointMismatchError, match=r"model\.layers\.1\.self_attn\.qkv_proj\.weight shards \['k'\]"):
         model.load_weights(weights)
     extra = list(iterate_weights(path)) + [("model.layers.0.mlp.extra.weight", torch.zeros(2))]
-    with pytest.raises(CheckpointMismatchError, match=r"unexpected tensors \(1\): model\.layers\.0\.mlp\.extra\.weight"):
+    with pytest.raises(
+        CheckpointMismatchError, match=r"unexpected tensors \(1\): model\.layers\.0\.mlp\.extra\.weight"
+    ):
         model.load_weights(extra)
     wrong = [(n, t[:-1] if n == "model.norm.weight" else t) for n, t in iterate_weights(path)]
     with pytest.raises(CheckpointMismatchError, match="model.norm.weight"):
@@ -337,7 +340,12 @@ def test_weight_loaders_partition_the_checkpoint(tp_size):
     """Each rank's loaded shards, put back together, give the checkpoint tensor."""
     hidden, head_dim, heads, kv_heads, inter, vocab = 8, 2, 4, 2, 8, 10
     q, k, v = (torch.randn(n * head_dim, hidden) for n in (heads, kv_heads, kv_heads))
-    gate, up, down, emb = torch.randn(inter, hidden), torch.randn(inter, hidden), torch.randn(hidden, inter), torch.randn(vocab, hidden)
+    gate, up, down, emb = (
+        torch.randn(inter, hidden),
+        torch.randn(inter, hidden),
+        torch.randn(hidden, inter),
+        torch.randn(vocab, hidden),
+    )
     experts_w13, experts_w2 = torch.randn(2, 2 * inter, hidden), torch.randn(2, hidden, inter)
     parts: dict[str, list[torch.Tensor]] = {}
     for rank in range(tp_size):
@@ -376,8 +384,14 @@ def test_weight_loaders_partition_the_checkpoint(tp_size):
     for name, full in (("k", k), ("v", v)):
         torch.testing.assert_close(torch.cat(parts[name][::replicas]), full, rtol=0, atol=0)
     for name, full, dim in [
-        ("gate", gate, 0), ("up", up, 0), ("down", down, 1), ("col", gate, 0), ("embed", emb, 0),
-        ("w13_gate", experts_w13[:, :inter], 1), ("w13_up", experts_w13[:, inter:], 1), ("w2", experts_w2, 2),
+        ("gate", gate, 0),
+        ("up", up, 0),
+        ("down", down, 1),
+        ("col", gate, 0),
+        ("embed", emb, 0),
+        ("w13_gate", experts_w13[:, :inter], 1),
+        ("w13_up", experts_w13[:, inter:], 1),
+        ("w2", experts_w2, 2),
     ]:
         torch.testing.assert_close(torch.cat(parts[name], dim=dim), full, rtol=0, atol=0)
 
@@ -419,8 +433,11 @@ def test_tokenizer_and_chat_template(tmp_path):
     assert continued.endswith(f"{IM_START}assistant\nHello")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     calls = messages[:2] + [
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+        },
         {"role": "tool", "content": "sunny"},
     ]
     text = tok.apply_chat_template(calls, tools=tools, tokenize=False, add_generation_prompt=True)
@@ -437,7 +454,14 @@ def test_default_tiny_model_has_clear_greedy_margins(tiny_llama_dir):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     gaps = []
     for toks in prompts([5, 17], seed=6):
-        out = hf.generate(torch.tensor([toks]), max_new_tokens=32, do_sample=False, output_logits=True,
-                          return_dict_in_generate=True, eos_token_id=None, pad_token_id=2)
+        out = hf.generate(
+            torch.tensor([toks]),
+            max_new_tokens=32,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=2,
+        )
         gaps += [(top[0] - top[1]).item() for top in (step[0].topk(2).values for step in out.logits)]
     assert min(gaps) > 1e-3, f"smallest top-2 logit gap {min(gaps):.2e}"

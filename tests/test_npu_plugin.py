@@ -17,9 +17,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from generation_utils import generate, make_scheduler, mixed_prompts
 from npu_standin import StandInDevice, StandInError, StandInTorchNpu, install
+from test_cli_startup import assert_short_failure, run_cli
+
 from radixserve.cache.memory_pool import KVLayout, KVPool
 from radixserve.forward_batch import ForwardMode
 from radixserve.hooks import hookimpl
@@ -28,14 +29,13 @@ from radixserve.registry import PluginError, PluginRegistry
 from radixserve.runtime.model_runner import kv_pool_tokens
 from radixserve.testing import check_attention_backend, check_moe_backend
 from radixserve.testing.conformance import AttentionCase, make_attention_inputs
-from radixserve_npu.attention import (NpuFusedAttention, build_block_table, build_padding_index,
-                                      choose_route)
+from radixserve_npu.attention import NpuFusedAttention, build_block_table, build_padding_index, choose_route
 from radixserve_npu.moe import NpuGroupedMoE
 from radixserve_npu.platform import TORCH_NPU_MISSING, NpuPlatform, parse_visible_devices
-from test_cli_startup import assert_short_failure, run_cli
 
-needs_no_torch_npu = pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None,
-                                        reason="torch_npu is installed here")
+needs_no_torch_npu = pytest.mark.skipif(
+    importlib.util.find_spec("torch_npu") is not None, reason="torch_npu is installed here"
+)
 
 
 class CpuNpuAttention(NpuFusedAttention):
@@ -66,8 +66,9 @@ def test_distribution_installs_with_its_entry_point_and_no_vendor_dependency():
 
 @needs_no_torch_npu
 def test_plugins_json_lists_npu_unusable_with_the_reason():
-    out = subprocess.run([sys.executable, "-m", "radixserve.cli", "plugins", "--json"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "plugins", "--json"], capture_output=True, text=True, check=True
+    )
     backends = json.loads(out.stdout)["backends"]
     npu = next(p for p in backends["platform"] if p["name"] == "npu")
     assert npu["usable"] is False and npu["reasons"] == [TORCH_NPU_MISSING]
@@ -86,17 +87,30 @@ def test_serve_on_npu_exits_with_the_reason_and_never_runs_on_cpu(tiny_model_fac
 # -- platform ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value, expected", [
-    (None, None), ("", []), ("  ", []), ("0", [0]), ("0,1,3", [0, 1, 3]), (" 4 , 2 ", [4, 2]),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (None, None),
+        ("", []),
+        ("  ", []),
+        ("0", [0]),
+        ("0,1,3", [0, 1, 3]),
+        (" 4 , 2 ", [4, 2]),
+    ],
+)
 def test_visible_devices_parsing(value, expected):
     assert parse_visible_devices(value) == expected
 
 
-@pytest.mark.parametrize("value, message", [
-    ("0,,1", "'' is not a device id"), ("1,a", "'a' is not a device id"), ("-1", "'-1' is not a device id"),
-    ("2,2", "device 2 is listed twice"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("0,,1", "'' is not a device id"),
+        ("1,a", "'a' is not a device id"),
+        ("-1", "'-1' is not a device id"),
+        ("2,2", "device 2 is listed twice"),
+    ],
+)
 def test_visible_devices_malformed_values_name_the_variable(value, message):
     with pytest.raises(ValueError, match=f"ASCEND_RT_VISIBLE_DEVICES={value!r}: {message}"):
         parse_visible_devices(value)
@@ -106,8 +120,9 @@ def test_visible_devices_malformed_values_name_the_variable(value, message):
 def torch_npu_found(monkeypatch):
     """find_spec('torch_npu') succeeds (the stand-in answers for the module)."""
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "torch_npu" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "torch_npu" else real(name, *a)
+    )
     return install(monkeypatch)
 
 
@@ -116,7 +131,8 @@ def test_platform_reasons_through_torch_npu(torch_npu_found, monkeypatch):
     assert NpuPlatform.unavailable_reasons() == []
     torch_npu_found.npu.count = 0
     assert NpuPlatform.unavailable_reasons() == [
-        "no Ascend NPU is visible (check the driver with npu-smi info, and ASCEND_RT_VISIBLE_DEVICES)"]
+        "no Ascend NPU is visible (check the driver with npu-smi info, and ASCEND_RT_VISIBLE_DEVICES)"
+    ]
     torch_npu_found.npu.count = 2
     monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "")
     assert NpuPlatform.unavailable_reasons() == ["ASCEND_RT_VISIBLE_DEVICES is set but empty, so no NPU is visible"]
@@ -130,8 +146,9 @@ def test_platform_reasons_through_torch_npu(torch_npu_found, monkeypatch):
 
 def test_platform_reports_a_torch_npu_that_fails_to_load(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "torch_npu" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: object() if name == "torch_npu" else real(name, *a)
+    )
     monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
     import radixserve_npu.ops
 
@@ -140,7 +157,8 @@ def test_platform_reports_a_torch_npu_that_fails_to_load(monkeypatch):
 
     monkeypatch.setattr(radixserve_npu.ops, "load_torch_npu", broken)
     assert NpuPlatform.unavailable_reasons() == [
-        "torch_npu failed to load: ImportError: libhccl.so: cannot open shared object file"]
+        "torch_npu failed to load: ImportError: libhccl.so: cannot open shared object file"
+    ]
 
 
 def test_kv_pool_sizing_from_reported_memory(monkeypatch):
@@ -156,8 +174,17 @@ def test_kv_pool_sizing_from_reported_memory(monkeypatch):
     standin = install(monkeypatch, StandInTorchNpu(npu=StandInDevice(free_bytes=20 * gib, total_bytes=64 * gib)))
     platform = NpuPlatform()
     assert (platform.total_memory_bytes(), platform.available_memory_bytes()) == (64 * gib, 20 * gib)
-    assert kv_pool_tokens(platform.total_memory_bytes(), platform.available_memory_bytes(), 16 * gib,
-                          platform.default_mem_fraction, per_token, 10**9) == 147456
+    assert (
+        kv_pool_tokens(
+            platform.total_memory_bytes(),
+            platform.available_memory_bytes(),
+            16 * gib,
+            platform.default_mem_fraction,
+            per_token,
+            10**9,
+        )
+        == 147456
+    )
     assert standin.calls == []  # memory queries are not operator calls
 
 
@@ -197,12 +224,18 @@ def test_metadata_from_a_forward_batch():
     assert meta.pad_index.tolist() == list(range(5)) + list(range(130, 260))
 
 
-@pytest.mark.parametrize("mode, longest, ps, route", [
-    (ForwardMode.DECODE, 1, 16, "fused"), (ForwardMode.EXTEND, 1, 16, "fused"),
-    (ForwardMode.EXTEND, 7, 128, "fused"), (ForwardMode.EXTEND, 7, 512, "fused"),
-    (ForwardMode.EXTEND, 7, 16, "reference"), (ForwardMode.EXTEND, 7, 64, "reference"),
-    (ForwardMode.EXTEND, 7, 1024, "reference"),
-])
+@pytest.mark.parametrize(
+    "mode, longest, ps, route",
+    [
+        (ForwardMode.DECODE, 1, 16, "fused"),
+        (ForwardMode.EXTEND, 1, 16, "fused"),
+        (ForwardMode.EXTEND, 7, 128, "fused"),
+        (ForwardMode.EXTEND, 7, 512, "fused"),
+        (ForwardMode.EXTEND, 7, 16, "reference"),
+        (ForwardMode.EXTEND, 7, 64, "reference"),
+        (ForwardMode.EXTEND, 7, 1024, "reference"),
+    ],
+)
 def test_route_per_step(mode, longest, ps, route):
     assert choose_route(mode, longest, ps) == route
 
@@ -211,15 +244,18 @@ def test_unsupported_shapes_name_the_operator_limit():
     ok = KernelQuery(device="npu", dtype=torch.bfloat16, head_dim=128, num_heads=32, num_kv_heads=8, page_size=128)
     assert NpuFusedAttention.unsupported_reasons(ok) == []
     assert NpuFusedAttention.unsupported_reasons(replace(ok, device="cpu")) == [
-        "runs on the npu platform only, not cpu"]
+        "runs on the npu platform only, not cpu"
+    ]
     reasons = NpuFusedAttention.unsupported_reasons(replace(ok, dtype=torch.float32, head_dim=72, page_size=1))
     assert len(reasons) == 3 and "float16 and bfloat16" in reasons[0]
     assert "head_dim 72" in reasons[1] and "page size 1 is not a multiple of 16" in reasons[2]
-    assert "65 query heads per KV head" in NpuFusedAttention.unsupported_reasons(
-        replace(ok, num_heads=65, num_kv_heads=1))[-1]
-    assert NpuGroupedMoE.unsupported_reasons(KernelQuery(device="npu", dtype=torch.bfloat16, num_experts=2048,
-                                                         top_k=8)) == [
-        "2048 experts: npu_grouped_matmul takes at most 1024 groups"]
+    assert (
+        "65 query heads per KV head"
+        in NpuFusedAttention.unsupported_reasons(replace(ok, num_heads=65, num_kv_heads=1))[-1]
+    )
+    assert NpuGroupedMoE.unsupported_reasons(
+        KernelQuery(device="npu", dtype=torch.bfloat16, num_experts=2048, top_k=8)
+    ) == ["2048 experts: npu_grouped_matmul takes at most 1024 groups"]
 
 
 # -- the attention path through the stand-in operator ---------------------------
@@ -242,7 +278,9 @@ def test_attention_kit_through_the_standin(monkeypatch):
     report.raise_for_failures()
     assert {s.dtype for s in report.skipped if s.case == "*"} == {"float32"}
     assert {r.case for r in report.results if r.case.startswith("decode")} == {
-        "decode/p16/gqa4/d128", "decode/p16/gqa8/d64"}
+        "decode/p16/gqa4/d128",
+        "decode/p16/gqa8/d64",
+    }
     decode_calls = standin.count("npu_fused_infer_attention_score")
     assert decode_calls == 2 * 2  # the two p16 decode cases in two dtypes; p16 extend took the torch route
     assert {c["key_shape"][1:] for _, c in standin.calls} == {(2, 16, 128), (1, 16, 64)}  # head-major pages
@@ -264,13 +302,30 @@ def test_standin_rejects_what_the_documentation_forbids():
     cache = torch.zeros(3, 2, 16, 16, dtype=torch.bfloat16)  # (blocknum, KV_N, blocksize, D), blocksize 16
     table = torch.tensor([[1]], dtype=torch.int32)
     with pytest.raises(StandInError, match="block_size 16: 128..512"):
-        standin.npu_fused_infer_attention_score(q, cache, cache, block_table=table, block_size=16,
-                                                actual_seq_lengths=[4], actual_seq_lengths_kv=[4], num_heads=2,
-                                                num_key_value_heads=2, input_layout="BNSD", sparse_mode=3)
+        standin.npu_fused_infer_attention_score(
+            q,
+            cache,
+            cache,
+            block_table=table,
+            block_size=16,
+            actual_seq_lengths=[4],
+            actual_seq_lengths_kv=[4],
+            num_heads=2,
+            num_key_value_heads=2,
+            input_layout="BNSD",
+            sparse_mode=3,
+        )
     with pytest.raises(StandInError, match="block_table must be a 2-D int32"):
-        standin.npu_fused_infer_attention_score(q[:, :, :1].contiguous(), cache, cache, block_table=table.long(),
-                                                block_size=16, actual_seq_lengths_kv=[4], num_heads=2,
-                                                input_layout="BNSD")
+        standin.npu_fused_infer_attention_score(
+            q[:, :, :1].contiguous(),
+            cache,
+            cache,
+            block_table=table.long(),
+            block_size=16,
+            actual_seq_lengths_kv=[4],
+            num_heads=2,
+            input_layout="BNSD",
+        )
 
 
 def test_attention_kit_with_a_token_major_pool(monkeypatch):
@@ -348,8 +403,9 @@ def test_generation_through_the_npu_attention_matches_torch(monkeypatch, tiny_mo
     def scheduler(backend: str):
         registry = PluginRegistry()
         registry.register_plugin(StandInNpuPlugin(), "npu-standin")
-        sched = make_scheduler(model_dir, registry=registry, attention_backend=backend, dtype="float16",
-                               page_size=page_size)
+        sched = make_scheduler(
+            model_dir, registry=registry, attention_backend=backend, dtype="float16", page_size=page_size
+        )
         assert sched.runner.kv_pool.layout == registry.candidates["attention"][backend].cls.kv_layout
         return sched
 
@@ -361,8 +417,13 @@ def test_generation_through_the_npu_attention_matches_torch(monkeypatch, tiny_mo
     assert results[1].cached_tokens >= 128  # the shared prefix came from the radix cache
 
     reference = scheduler("torch_native")
-    forced = generate(reference, [p + r.output_ids for p, r in zip(prompts, results)], max_new_tokens=1,
-                      return_logprob=True, logprob_start_len=min(len(p) for p in prompts))
+    forced = generate(
+        reference,
+        [p + r.output_ids for p, r in zip(prompts, results)],
+        max_new_tokens=1,
+        return_logprob=True,
+        logprob_start_len=min(len(p) for p in prompts),
+    )
     for prompt, result, ref in zip(prompts, results, forced):
-        expected = [lp for lp, _ in ref.input_logprobs[len(prompt) - min(len(p) for p in prompts):]]
+        expected = [lp for lp, _ in ref.input_logprobs[len(prompt) - min(len(p) for p in prompts) :]]
         torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(expected), atol=0.05, rtol=0.01)

@@ -9,8 +9,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PUBLIC = ("radixserve.hooks", "radixserve.kernels", "radixserve.platform", "radixserve.forward_batch",
-          "radixserve.cache.memory_pool", "radixserve.testing")
+PUBLIC = (
+    "radixserve.hooks",
+    "radixserve.kernels",
+    "radixserve.platform",
+    "radixserve.forward_batch",
+    "radixserve.cache.memory_pool",
+    "radixserve.testing",
+)
 PLUGIN_DIRS = ("plugins", "hardware", "examples")
 
 
@@ -35,6 +41,9 @@ def test_there_are_plugin_files():
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_plugin_imports_only_public_api(path):
-    private = [(line, name) for line, name in core_imports(path)
-               if not any(name == p or name.startswith(p + ".") for p in PUBLIC)]
+    private = [
+        (line, name)
+        for line, name in core_imports(path)
+        if not any(name == p or name.startswith(p + ".") for p in PUBLIC)
+    ]
     assert not private, f"{path.relative_to(ROOT)} imports non-public core modules: {private}"

@@ -54,8 +54,13 @@ def make_dist(root: Path, dist: str, entry_name: str, module: str, source: str) 
 
 def plugins_json(extra_path: Path, **env: str) -> dict:
     environ = {**os.environ, "PYTHONPATH": f"{extra_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
-    out = subprocess.run([sys.executable, "-m", "radixserve.cli", "plugins", "--json"], env=environ,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "plugins", "--json"],
+        env=environ,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
@@ -114,8 +119,13 @@ def test_registration_error_is_kept_not_swallowed():
 
 
 def test_import_failure_is_reported_by_cli(tmp_path):
-    make_dist(tmp_path, "radixserve-plugin-broken", "broken", "broken_plugin",
-              "raise ImportError('libfancy.so: cannot open shared object file')\n")
+    make_dist(
+        tmp_path,
+        "radixserve-plugin-broken",
+        "broken",
+        "broken_plugin",
+        "raise ImportError('libfancy.so: cannot open shared object file')\n",
+    )
     report = plugins_json(tmp_path)
     broken = next(p for p in report["plugins"] if p["name"] == "broken")
     assert broken["distribution"] == "radixserve-plugin-broken"
@@ -126,7 +136,12 @@ def test_import_failure_is_reported_by_cli(tmp_path):
 
 
 def test_third_party_platform_and_backend_from_entry_point(tmp_path):
-    make_dist(tmp_path, "radixserve-plugin-fakeaccel", "fakeaccel", "fakeaccel_plugin", """
+    make_dist(
+        tmp_path,
+        "radixserve-plugin-fakeaccel",
+        "fakeaccel",
+        "fakeaccel_plugin",
+        """
         from radixserve.hooks import hookimpl
         from radixserve.platform import Platform
 
@@ -140,11 +155,17 @@ def test_third_party_platform_and_backend_from_entry_point(tmp_path):
         @hookimpl
         def register_platforms(register):
             register(FakeAccel)
-    """)
+    """,
+    )
     report = plugins_json(tmp_path)
     row = next(r for r in report["backends"]["platform"] if r["name"] == "fakeaccel")
-    assert row == {"name": "fakeaccel", "plugin": "fakeaccel", "priority": 100, "usable": False,
-                   "reasons": ["no fakeaccel devices found (FAKEACCEL_VISIBLE_DEVICES is empty)"]}
+    assert row == {
+        "name": "fakeaccel",
+        "plugin": "fakeaccel",
+        "priority": 100,
+        "usable": False,
+        "reasons": ["no fakeaccel devices found (FAKEACCEL_VISIBLE_DEVICES is empty)"],
+    }
     # The allow-list hides it.
     report = plugins_json(tmp_path, RADIXSERVE_PLUGINS="torch")
     assert [p["name"] for p in report["plugins"] if p["name"] != "radixserve-models"] == ["torch"]
@@ -186,7 +207,9 @@ def test_cuda_plugin_is_listed_with_why_it_is_unusable_here():
     if torch.cuda.is_available():
         pytest.skip("this machine has a usable CUDA device")
     assert reasons, "a CPU-only machine must give a reason"
-    with pytest.raises(PluginError, match=re.escape(f"--device 'cuda' (plugin 'cuda') is not usable here: {reasons[0]}")):
+    with pytest.raises(
+        PluginError, match=re.escape(f"--device 'cuda' (plugin 'cuda') is not usable here: {reasons[0]}")
+    ):
         registry.resolve_platform("cuda")
     assert registry.resolve_platform("auto").name == "cpu"
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from helpers_server import ServerProcess
+
 from radixserve import Engine
 from radixserve.bench.profile import busy_time, decode_profile
 from radixserve.runtime.profiler import PROFILE_DIR_ENV
@@ -23,8 +23,11 @@ GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
 def step_names(path: str) -> list[str]:
     trace = json.loads(Path(path).read_text())
-    return [e["name"] for e in trace["traceEvents"]
-            if e.get("cat") == "user_annotation" and e["name"].startswith("radixserve.")]
+    return [
+        e["name"]
+        for e in trace["traceEvents"]
+        if e.get("cat") == "user_annotation" and e["name"].startswith("radixserve.")
+    ]
 
 
 # ---- trace arithmetic (hand-made traces) -------------------------------------------------
@@ -49,16 +52,23 @@ def test_busy_time_is_the_union_clipped_to_the_window():
 
 def test_decode_profile_of_a_hand_made_trace():
     # Steps start every 10 us: extend, then decode bs=4 at 10, 20, 30, then a decode bs=3 at 40.
-    events = [annotation("radixserve.extend[tokens=64]", 0, 6),
-              *[annotation("radixserve.decode[bs=4]", t, 2) for t in (10, 20, 30)],
-              annotation("radixserve.decode[bs=3]", 40, 2),
-              # The GPU's own copy of an annotation is not a host step.
-              {"ph": "X", "cat": "gpu_user_annotation", "name": "radixserve.decode[bs=4]", "ts": 11, "dur": 5},
-              # Window [10, 30]: 12-18 and 16-20 overlap (8 us), 22-24 memcpy and 23-25 memset (3 us);
-              # 5-11 is half in (1 us); 29-35 is partly in (1 us); 40-45 is outside.
-              kernel(12, 6), kernel(16, 4), kernel(22, 2, "gpu_memcpy"), kernel(23, 2, "gpu_memset"),
-              kernel(5, 6), kernel(29, 6), kernel(40, 5),
-              {"ph": "i", "cat": "kernel", "name": "instant", "ts": 15}]
+    events = [
+        annotation("radixserve.extend[tokens=64]", 0, 6),
+        *[annotation("radixserve.decode[bs=4]", t, 2) for t in (10, 20, 30)],
+        annotation("radixserve.decode[bs=3]", 40, 2),
+        # The GPU's own copy of an annotation is not a host step.
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "radixserve.decode[bs=4]", "ts": 11, "dur": 5},
+        # Window [10, 30]: 12-18 and 16-20 overlap (8 us), 22-24 memcpy and 23-25 memset (3 us);
+        # 5-11 is half in (1 us); 29-35 is partly in (1 us); 40-45 is outside.
+        kernel(12, 6),
+        kernel(16, 4),
+        kernel(22, 2, "gpu_memcpy"),
+        kernel(23, 2, "gpu_memset"),
+        kernel(5, 6),
+        kernel(29, 6),
+        kernel(40, 5),
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 15},
+    ]
     prof = decode_profile({"traceEvents": events}, 4)
     assert prof.steps == 3
     assert prof.step_ms_median == pytest.approx(0.010)
@@ -103,7 +113,7 @@ def test_engine_profile_records_named_steps(engine, tmp_path):
     names = step_names(path)
     # Both prompts' tokens, in one step or two (the requests may reach the scheduler a step apart).
     extends = [n for n in names if n.startswith("radixserve.extend[tokens=")]
-    assert sum(int(n[len("radixserve.extend[tokens="):-1]) for n in extends) == 7
+    assert sum(int(n[len("radixserve.extend[tokens=") : -1]) for n in extends) == 7
     assert any(n.startswith("radixserve.decode[bs=") for n in names)
     assert not list((tmp_path / "traces").glob("*.tmp"))
 
@@ -141,8 +151,9 @@ def test_engine_profile_errors(engine, tmp_path):
 
 def test_server_profile_endpoints(tiny_llama_dir, tmp_path):
     env = {PROFILE_DIR_ENV: str(tmp_path / "default")}
-    with ServerProcess("--model", str(tiny_llama_dir), "--max-total-tokens", "4096", "--log-level", "warning",
-                       env=env) as srv:
+    with ServerProcess(
+        "--model", str(tiny_llama_dir), "--max-total-tokens", "4096", "--log-level", "warning", env=env
+    ) as srv:
         srv.wait_ready()
         with httpx.Client(base_url=srv.url, timeout=60) as http:
             r = http.post("/stop_profile")

@@ -12,8 +12,8 @@ from typing import Optional, Sequence
 
 import pytest
 import torch
-
 from helpers_cache import alloc_extend, alloc_tokens
+
 from radixserve.cache.base import PrefixCache
 from radixserve.cache.chunk_cache import ChunkCache
 from radixserve.cache.memory_pool import PagedAllocator
@@ -417,7 +417,9 @@ def test_random_requests_share_prefixes(ps, num_pages, cache_cls):
     for step in range(600):
         action = rng.random()
         if action < 0.35 or not running:
-            prompt = rng.choice(systems)[: rng.randrange(1, 60)] + [rng.randrange(1000) for _ in range(rng.randrange(1, 40))]
+            prompt = rng.choice(systems)[: rng.randrange(1, 60)] + [
+                rng.randrange(1000) for _ in range(rng.randrange(1, 40))
+            ]
             if rng.random() < 0.3 and running:  # a follow-up turn of a running conversation
                 prompt = rng.choice(running).tokens + prompt[:5]
             req = pool.start(prompt)

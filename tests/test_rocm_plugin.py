@@ -17,15 +17,15 @@ import textwrap
 
 import pytest
 import torch
-
 from helpers_platform import needs_platform
+from test_cli_startup import assert_short_failure, run_cli
+
 from radixserve.kernels import KernelQuery
 from radixserve.registry import PluginError, PluginRegistry
 from radixserve_rocm import CDNA_ATTENTION_CONFIG, CDNA_MOE_CONFIG, RocmPlatform, RocmTritonAttention, RocmTritonMoE
 from radixserve_rocm.platform import build_reasons, reusable_free_bytes, visible_device_reasons
 from radixserve_rocm.visibility import compose, parse_device_list, rocm_visible_devices
 from radixserve_triton import DEFAULT_ATTENTION_CONFIG, DEFAULT_MOE_CONFIG
-from test_cli_startup import assert_short_failure, run_cli
 
 IS_ROCM_BUILD = bool(torch.version.hip)
 has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -52,8 +52,13 @@ def test_installed_through_the_radixserve_entry_point():
 @pytest.mark.skipif(IS_ROCM_BUILD, reason="this torch is a ROCm build")
 def test_plugins_json_and_serve_say_why_rocm_is_unusable(tiny_llama_dir):
     env = {k: v for k, v in os.environ.items() if k != "RADIXSERVE_PLUGINS"}
-    out = subprocess.run([sys.executable, "-m", "radixserve.cli", "plugins", "--json"], env=env,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "plugins", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     report = json.loads(out.stdout)
     row = next(r for r in report["backends"]["platform"] if r["name"] == "rocm")
     reason = f"torch {torch.__version__} is not a ROCm build (torch.version.hip is unset)"
@@ -69,43 +74,55 @@ def test_plugins_json_and_serve_say_why_rocm_is_unusable(tiny_llama_dir):
 def test_build_reasons():
     assert build_reasons("6.4.43482", None, "2.13.0+rocm6.4") == []
     cpu = build_reasons(None, None, "2.13.0+cpu")
-    assert cpu == ["torch 2.13.0+cpu is not a ROCm build (torch.version.hip is unset); install torch for ROCm "
-                   "from https://pytorch.org/get-started/locally/"]
+    assert cpu == [
+        "torch 2.13.0+cpu is not a ROCm build (torch.version.hip is unset); install torch for ROCm "
+        "from https://pytorch.org/get-started/locally/"
+    ]
     assert build_reasons(None, "12.8", "2.13.0+cu128")[0].endswith(
-        "(this one is a CUDA build: use --device cuda with radixserve-plugin-cuda)")
+        "(this one is a CUDA build: use --device cuda with radixserve-plugin-cuda)"
+    )
 
 
 # --------------------------------------------------------------------------
 # HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES
 
 
-@pytest.mark.parametrize("value,expected", [
-    (None, None),
-    ("0,2", (0, 2)),
-    ("GPU-4a5b6c7d", ("GPU-4a5b6c7d",)),
-    ("", ()),
-    ("-1", ()),
-    ("1,-1,0", (1,)),
-    ("2,2", ()),
-])
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        (None, None),
+        ("0,2", (0, 2)),
+        ("GPU-4a5b6c7d", ("GPU-4a5b6c7d",)),
+        ("", ()),
+        ("-1", ()),
+        ("1,-1,0", (1,)),
+        ("2,2", ()),
+    ],
+)
 def test_device_list_parsing(value, expected):
     assert parse_device_list(value) == expected
 
 
-@pytest.mark.parametrize("env,ids,described", [
-    ({}, None, "no visibility variable is set: every device is visible"),
-    ({"HIP_VISIBLE_DEVICES": "1,3"}, (1, 3), "HIP_VISIBLE_DEVICES='1,3'"),
-    # HIP picks by position among what ROCr left: positions 1, 2 of (0, 2, 3) are physical 2, 3.
-    ({"ROCR_VISIBLE_DEVICES": "0,2,3", "HIP_VISIBLE_DEVICES": "1,2"}, (2, 3),
-     "ROCR_VISIBLE_DEVICES='0,2,3', HIP_VISIBLE_DEVICES='1,2'"),
-    # Position 1 of a one-device list does not exist: the selection ends there.
-    ({"ROCR_VISIBLE_DEVICES": "1", "HIP_VISIBLE_DEVICES": "1"}, (), None),
-    ({"ROCR_VISIBLE_DEVICES": "3,1"}, (3, 1), None),
-    # CUDA_VISIBLE_DEVICES counts as HIP's when HIP_VISIBLE_DEVICES is unset, and only then.
-    ({"CUDA_VISIBLE_DEVICES": "2"}, (2,), "CUDA_VISIBLE_DEVICES='2'"),
-    ({"HIP_VISIBLE_DEVICES": "0", "CUDA_VISIBLE_DEVICES": "1"}, (0,), "HIP_VISIBLE_DEVICES='0'"),
-    ({"HIP_VISIBLE_DEVICES": ""}, (), None),
-])
+@pytest.mark.parametrize(
+    "env,ids,described",
+    [
+        ({}, None, "no visibility variable is set: every device is visible"),
+        ({"HIP_VISIBLE_DEVICES": "1,3"}, (1, 3), "HIP_VISIBLE_DEVICES='1,3'"),
+        # HIP picks by position among what ROCr left: positions 1, 2 of (0, 2, 3) are physical 2, 3.
+        (
+            {"ROCR_VISIBLE_DEVICES": "0,2,3", "HIP_VISIBLE_DEVICES": "1,2"},
+            (2, 3),
+            "ROCR_VISIBLE_DEVICES='0,2,3', HIP_VISIBLE_DEVICES='1,2'",
+        ),
+        # Position 1 of a one-device list does not exist: the selection ends there.
+        ({"ROCR_VISIBLE_DEVICES": "1", "HIP_VISIBLE_DEVICES": "1"}, (), None),
+        ({"ROCR_VISIBLE_DEVICES": "3,1"}, (3, 1), None),
+        # CUDA_VISIBLE_DEVICES counts as HIP's when HIP_VISIBLE_DEVICES is unset, and only then.
+        ({"CUDA_VISIBLE_DEVICES": "2"}, (2,), "CUDA_VISIBLE_DEVICES='2'"),
+        ({"HIP_VISIBLE_DEVICES": "0", "CUDA_VISIBLE_DEVICES": "1"}, (0,), "HIP_VISIBLE_DEVICES='0'"),
+        ({"HIP_VISIBLE_DEVICES": ""}, (), None),
+    ],
+)
 def test_rocm_visibility(env, ids, described):
     visible = rocm_visible_devices(env)
     assert visible.ids == ids
@@ -164,8 +181,9 @@ def test_rocm_backends_serve_rocm_only(monkeypatch):
         for device in ("cpu", "cuda"):
             reasons = cls.unsupported_reasons(KernelQuery(device=device, dtype=torch.bfloat16))
             assert len(reasons) == 1 and f"runs on the rocm platform, not {device!r}" in reasons[0]
-    rocm = KernelQuery(device="rocm", dtype=torch.bfloat16, head_dim=128, num_heads=8, num_kv_heads=2,
-                       num_experts=8, top_k=2)
+    rocm = KernelQuery(
+        device="rocm", dtype=torch.bfloat16, head_dim=128, num_heads=8, num_kv_heads=2, num_experts=8, top_k=2
+    )
     if importlib.util.find_spec("triton") is not None:
         assert RocmTritonAttention.unsupported_reasons(rocm) == []
         assert RocmTritonMoE.unsupported_reasons(rocm) == []
@@ -202,8 +220,9 @@ def _lds_bytes(fn, types: dict, constexprs: dict, arch: str, options: dict) -> i
     from triton.compiler import ASTSource
 
     signature = {n: ("constexpr" if n in constexprs else types.get(n, "i32")) for n in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, signature=signature, constexprs=constexprs),
-                            target=GPUTarget("hip", arch, 64), options=options)
+    kernel = triton.compile(
+        ASTSource(fn, signature=signature, constexprs=constexprs), target=GPUTarget("hip", arch, 64), options=options
+    )
     assert "hsaco" in kernel.asm
     return kernel.metadata.shared
 
@@ -215,23 +234,65 @@ def _attention_lds(config, dt: str, head_dim: int, arch: str, kernels=("store", 
     p, i64, f32, up = f"*{dt}", "*i64", "*fp32", dt == "fp32"
     dtype = torch.float32 if dt == "fp32" else torch.float16
     compile_one = {
-        "store": lambda: _lds_bytes(A._store_kv_kernel, dict(K=p, V=p, KCache=p, VCache=p, Loc=i64),
-                            dict(HEAD_DIM=head_dim, BLOCK_T=config.store_block_t, BLOCK_D=head_dim, RNE_BF16=False),
-                            arch, config.launch_options()),
+        "store": lambda: _lds_bytes(
+            A._store_kv_kernel,
+            dict(K=p, V=p, KCache=p, VCache=p, Loc=i64),
+            dict(HEAD_DIM=head_dim, BLOCK_T=config.store_block_t, BLOCK_D=head_dim, RNE_BF16=False),
+            arch,
+            config.launch_options(),
+        ),
         "decode": lambda: _lds_bytes(
             A._decode_partial_kernel,
-            dict(Q=p, KCache=p, VCache=p, ReqToToken=i64, ReqPoolIdx=i64, SeqLens=i64, PartialO=f32,
-                 PartialLse=f32, qk_scale="fp32"),
-            dict(GROUP=8, HEAD_DIM=head_dim, BLOCK_H=16, BLOCK_D=head_dim, BLOCK_N=config.decode_block_n_for(head_dim),
-                 NUM_SPLITS=4, UPCAST=up, RNE_BF16=False),
-            arch, config.launch_options(decode=True)),
+            dict(
+                Q=p,
+                KCache=p,
+                VCache=p,
+                ReqToToken=i64,
+                ReqPoolIdx=i64,
+                SeqLens=i64,
+                PartialO=f32,
+                PartialLse=f32,
+                qk_scale="fp32",
+            ),
+            dict(
+                GROUP=8,
+                HEAD_DIM=head_dim,
+                BLOCK_H=16,
+                BLOCK_D=head_dim,
+                BLOCK_N=config.decode_block_n_for(head_dim),
+                NUM_SPLITS=4,
+                UPCAST=up,
+                RNE_BF16=False,
+            ),
+            arch,
+            config.launch_options(decode=True),
+        ),
         "extend": lambda: _lds_bytes(
             A._extend_kernel,
-            dict(Q=p, KCache=p, VCache=p, Out=p, ReqToToken=i64, ReqPoolIdx=i64, PrefixLens=i64, ExtendLens=i64,
-                 ExtendStart=i64, qk_scale="fp32"),
-            dict(GROUP=2, HEAD_DIM=head_dim, BLOCK_M=config.extend_block_m,
-                 BLOCK_N=config.extend_block_n_for(head_dim, dtype), BLOCK_D=head_dim, UPCAST=up, RNE_BF16=False),
-            arch, config.launch_options()),
+            dict(
+                Q=p,
+                KCache=p,
+                VCache=p,
+                Out=p,
+                ReqToToken=i64,
+                ReqPoolIdx=i64,
+                PrefixLens=i64,
+                ExtendLens=i64,
+                ExtendStart=i64,
+                qk_scale="fp32",
+            ),
+            dict(
+                GROUP=2,
+                HEAD_DIM=head_dim,
+                BLOCK_M=config.extend_block_m,
+                BLOCK_N=config.extend_block_n_for(head_dim, dtype),
+                BLOCK_D=head_dim,
+                UPCAST=up,
+                RNE_BF16=False,
+            ),
+            arch,
+            config.launch_options(),
+        ),
     }
     return {name: compile_one[name]() for name in kernels}
 
@@ -243,12 +304,20 @@ def _moe_lds(config, dt: str, arch: str) -> dict[str, int]:
     block_m, block_n, block_k = config.blocks(10_000, 8, torch.float32 if up else torch.float16)  # large blocks
     blocks = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=up)
     return {
-        "gate_up": _lds_bytes(M._moe_gate_up_kernel, dict(X=p, W13=p, Act=p, SortedIds=i64, BlockExpert=i64,
-                                                          NumPadded=i64),
-                              {**blocks, "RNE_BF16": False}, arch, config.launch_options()),
-        "down": _lds_bytes(M._moe_down_kernel, dict(Act=p, W2=p, Out=f32, TopkWeights=f32, SortedIds=i64,
-                                                    BlockExpert=i64, NumPadded=i64),
-                           blocks, arch, config.launch_options()),
+        "gate_up": _lds_bytes(
+            M._moe_gate_up_kernel,
+            dict(X=p, W13=p, Act=p, SortedIds=i64, BlockExpert=i64, NumPadded=i64),
+            {**blocks, "RNE_BF16": False},
+            arch,
+            config.launch_options(),
+        ),
+        "down": _lds_bytes(
+            M._moe_down_kernel,
+            dict(Act=p, W2=p, Out=f32, TopkWeights=f32, SortedIds=i64, BlockExpert=i64, NumPadded=i64),
+            blocks,
+            arch,
+            config.launch_options(),
+        ),
     }
 
 
@@ -310,8 +379,7 @@ INTERPRETER_KIT = textwrap.dedent("""
 @has_triton
 def test_cdna_kernels_pass_the_kit_in_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", INTERPRETER_KIT], env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", INTERPRETER_KIT], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "KIT OK" in out.stdout, out.stdout + out.stderr
     assert "attention backend 'triton_rocm' vs torch_native on cpu" in out.stdout
     assert "moe backend 'triton_rocm' vs torch_native on cpu" in out.stdout
@@ -329,8 +397,10 @@ needs_rocm = needs_platform("rocm")
 def test_cdna_kits_on_rocm():
     from radixserve.testing import check_attention_backend, check_moe_backend
 
-    for report in (check_attention_backend("triton_rocm", device="rocm", cases="full"),
-                   check_moe_backend("triton_rocm", device="rocm", cases="full")):
+    for report in (
+        check_attention_backend("triton_rocm", device="rocm", cases="full"),
+        check_moe_backend("triton_rocm", device="rocm", cases="full"),
+    ):
         print(report)
         report.raise_for_failures()
 
@@ -339,14 +409,21 @@ def test_cdna_kits_on_rocm():
 @needs_rocm
 def test_rocm_greedy_tokens_equal_cpu(tiny_llama_dir):
     from generation_utils import mixed_prompts
+
     from radixserve import Engine
 
     prompts = mixed_prompts(512, [5, 30, 17], seed=7, shared_prefix=8)
     params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
     outputs = {}
     for device in ("cpu", "rocm"):
-        with Engine(model_path=str(tiny_llama_dir), device=device, dtype="float32", max_total_tokens=4096,
-                    page_size=16, log_level="warning") as engine:
+        with Engine(
+            model_path=str(tiny_llama_dir),
+            device=device,
+            dtype="float32",
+            max_total_tokens=4096,
+            page_size=16,
+            log_level="warning",
+        ) as engine:
             assert engine.server_info()["platform"] == device
             outputs[device] = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
     assert outputs["rocm"] == outputs["cpu"]

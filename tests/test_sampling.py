@@ -8,16 +8,16 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from radixserve.runtime.sampler import SamplingBatch, Sampler, _adjusted_logits, compute_logprobs, sample
-from radixserve.transfer import HostTransfer
 from radixserve.messages import FinishReason
+from radixserve.runtime.sampler import Sampler, SamplingBatch, _adjusted_logits, compute_logprobs, sample
 from radixserve.runtime.stop import (
     StopChecker,
-    drop_stop_token,
     StopHoldback,
+    drop_stop_token,
     trim_stop_string,
 )
 from radixserve.sampling import SamplingParams
+from radixserve.transfer import HostTransfer
 
 V = 64
 EOS = 0
@@ -35,6 +35,7 @@ def greedy_pick(logits_row, params: SamplingParams, prompt=(), output=()) -> int
 
 
 # ---- SamplingParams ------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "bad, field_name",
@@ -96,10 +97,16 @@ def test_from_dict_normalizes_json_shapes():
 
 # ---- greedy and seeds ------------------------------------------------------------
 
+
 def test_greedy_rows_take_the_argmax():
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(0))
-    params = [SamplingParams(temperature=0), SamplingParams(top_k=1, temperature=1.5),
-              SamplingParams(temperature=1e-8), SamplingParams(temperature=0, seed=3), SamplingParams(temperature=0)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(top_k=1, temperature=1.5),
+        SamplingParams(temperature=1e-8),
+        SamplingParams(temperature=0, seed=3),
+        SamplingParams(temperature=0),
+    ]
     before = logits.clone()
     out = sample(logits, batch_of(params))
     assert out.next_token_ids.tolist() == logits.argmax(-1).tolist()
@@ -123,8 +130,17 @@ def test_seeded_requests_ignore_their_batch_neighbours():
     logits_seq = torch.randn(steps, 4, V, generator=torch.Generator().manual_seed(1)) * 0.3
     seeded = SamplingParams(temperature=1.0, seed=1234)
     alone = _run([seeded], steps, logits_seq, gen_seed=0)[0]
-    crowded = _run([SamplingParams(temperature=1.0), seeded, SamplingParams(temperature=0.8, top_p=0.9),
-                    SamplingParams(temperature=0)], steps, logits_seq[:, [3, 0, 1, 2]], gen_seed=99)
+    crowded = _run(
+        [
+            SamplingParams(temperature=1.0),
+            seeded,
+            SamplingParams(temperature=0.8, top_p=0.9),
+            SamplingParams(temperature=0),
+        ],
+        steps,
+        logits_seq[:, [3, 0, 1, 2]],
+        gen_seed=99,
+    )
     # The seeded request sees the same logits as row 1 here; everything else differs.
     assert crowded[1] == alone
     assert _run([seeded], steps, logits_seq, gen_seed=5)[0] == alone
@@ -140,6 +156,7 @@ def test_unseeded_rows_follow_the_generator():
 
 
 # ---- logit adjustments -----------------------------------------------------------
+
 
 def test_penalties_follow_hf_and_openai_formulas():
     raw = torch.tensor([[2.0, -1.0, 0.5, 1.0, 3.0] + [0.0] * (V - 5)])
@@ -194,6 +211,7 @@ def test_min_new_tokens_blocks_eos_and_stop_tokens():
 
 # ---- restricting the support -------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "params, allowed",
     [
@@ -214,10 +232,14 @@ def test_top_k_top_p_min_p_restrict_the_support(params, allowed):
 
 # ---- logprobs ------------------------------------------------------------------------
 
+
 def test_logprobs_are_those_of_the_raw_logits():
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(4))
-    params = [SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=1),
-              SamplingParams(temperature=0, logit_bias={3: 5.0}), SamplingParams(top_k=4, seed=2)]
+    params = [
+        SamplingParams(temperature=0.7, repetition_penalty=1.3, seed=1),
+        SamplingParams(temperature=0, logit_bias={3: 5.0}),
+        SamplingParams(top_k=4, seed=2),
+    ]
     out = sample(logits, batch_of(params, outputs=[[1, 2]] * 3), return_logprob=True, top_logprobs_num=5)
     reference = torch.log_softmax(logits, dim=-1)
     ids = out.next_token_ids
@@ -244,6 +266,7 @@ def test_prompt_logprobs_helper():
 
 # ---- the Sampler facade --------------------------------------------------------------------
 
+
 @dataclass
 class FakeReq:
     sampling_params: SamplingParams
@@ -256,14 +279,22 @@ class FakeReq:
 def test_sampler_keeps_token_stats_incrementally_and_drops_them_with_the_request():
     sampler = Sampler(V, "cpu", random_seed=0, eos_token_ids=[EOS])
     params = SamplingParams(temperature=0.9, repetition_penalty=1.2, frequency_penalty=0.3, seed=11)
-    reqs = [FakeReq(params, [1, 2, 3]), FakeReq(SamplingParams(temperature=0), [4], return_logprob=True,
-                                               top_logprobs_num=2)]
+    reqs = [
+        FakeReq(params, [1, 2, 3]),
+        FakeReq(SamplingParams(temperature=0), [4], return_logprob=True, top_logprobs_num=2),
+    ]
     logits_seq = torch.randn(10, 2, V, generator=torch.Generator().manual_seed(6))
     for logits in logits_seq:
         # Same step from scratch: identical tokens (the seeded row) and identical statistics.
-        scratch = sample(logits, SamplingBatch.build([r.sampling_params for r in reqs],
-                                                     [r.origin_input_ids for r in reqs],
-                                                     [r.output_ids for r in reqs], vocab_size=V))
+        scratch = sample(
+            logits,
+            SamplingBatch.build(
+                [r.sampling_params for r in reqs],
+                [r.origin_input_ids for r in reqs],
+                [r.output_ids for r in reqs],
+                vocab_size=V,
+            ),
+        )
         out = sampler.sample(reqs, logits)
         assert out.next_token_ids[0] == scratch.next_token_ids[0]
         assert out.top_logprobs.values.shape == (2, 2)
@@ -277,13 +308,25 @@ def test_sampler_keeps_token_stats_incrementally_and_drops_them_with_the_request
 
 # ---- stop checking --------------------------------------------------------------------
 
+
 class ByteTokenizer:
     """A stand-in HF tokenizer whose tokens are fixed byte strings, so tests choose
     exactly where the token boundaries fall."""
 
     special = {0: "<eos>"}
-    pieces = {1: b"Hel", 2: b"lo", 3: b" wor", 4: b"ld", 5: b"##", 6: b"#", 7: b"\xe4\xb8", 8: b"\xad", 9: b"x",
-              10: b"\n", 11: b"\n\n"}
+    pieces = {
+        1: b"Hel",
+        2: b"lo",
+        3: b" wor",
+        4: b"ld",
+        5: b"##",
+        6: b"#",
+        7: b"\xe4\xb8",
+        8: b"\xad",
+        9: b"x",
+        10: b"\n",
+        11: b"\n\n",
+    }
 
     def decode(self, ids, skip_special_tokens=False, spaces_between_special_tokens=True):
         out = b""
@@ -325,8 +368,9 @@ def test_stop_strings_across_token_boundaries():
     assert check(SamplingParams(stop=["###", "x##"]), [9, 6, 5]) == FinishReason("stop", "x##")
     # Matching happens in the text the user sees: skipped special tokens are not there.
     assert check(SamplingParams(stop=["<eos>"], ignore_eos=True), [1, EOS]) is None
-    assert check(SamplingParams(stop=["<eos>"], ignore_eos=True, skip_special_tokens=False), [1, EOS]) \
-        == FinishReason("stop", "<eos>")
+    assert check(SamplingParams(stop=["<eos>"], ignore_eos=True, skip_special_tokens=False), [1, EOS]) == FinishReason(
+        "stop", "<eos>"
+    )
 
 
 def test_stop_strings_only_look_at_a_bounded_tail():

@@ -5,8 +5,8 @@ prefix-cache accounting; aborts; the memory invariant at every step."""
 from __future__ import annotations
 
 import pytest
-
 from generation_utils import generate, make_scheduler, mixed_prompts, run, submit
+
 from radixserve.hooks import hookimpl
 from radixserve.messages import FinishReason
 from radixserve.registry import PluginRegistry
@@ -40,8 +40,9 @@ CONFIGS = {
     "max-running-2": dict(max_running_requests=2),
     # The reference runs without overlap (the cpu platform's default); these overlap.
     "overlap": dict(disable_overlap_schedule=False),
-    "overlap-page-16-chunked-16-lpm": dict(disable_overlap_schedule=False, page_size=16, chunked_prefill_size=16,
-                                           schedule_policy="lpm"),
+    "overlap-page-16-chunked-16-lpm": dict(
+        disable_overlap_schedule=False, page_size=16, chunked_prefill_size=16, schedule_policy="lpm"
+    ),
     "overlap-max-running-2": dict(disable_overlap_schedule=False, max_running_requests=2),
 }
 
@@ -85,9 +86,15 @@ def test_retraction_when_kv_runs_out_keeps_outputs(tiny_llama_dir, prompts, refe
     # Enough for any one request, far too little for all six at once; an
     # optimistic decode estimate admits too many, so running ones must retract
     # (with chunking, also while a long prompt is being prefilled in chunks).
-    scheduler = make_scheduler(tiny_llama_dir, max_total_tokens=160, page_size=page_size, chunked_prefill_size=chunk,
-                               init_new_token_ratio=0.05, min_new_token_ratio=0.05,
-                               disable_overlap_schedule=not overlap)
+    scheduler = make_scheduler(
+        tiny_llama_dir,
+        max_total_tokens=160,
+        page_size=page_size,
+        chunked_prefill_size=chunk,
+        init_new_token_ratio=0.05,
+        min_new_token_ratio=0.05,
+        disable_overlap_schedule=not overlap,
+    )
     results = generate(scheduler, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert scheduler.num_retracted_total > 0, "the pool was meant to be too small"
     assert [r.output_ids for r in results] == reference
@@ -139,8 +146,7 @@ def test_chunked_prefill_prompt_logprobs_match_unchunked(tiny_llama_dir):
     outs = []
     for chunk in (None, 16):
         scheduler = make_scheduler(tiny_llama_dir, chunked_prefill_size=chunk or -1)
-        rid = submit(scheduler, prompt, return_logprob=True, logprob_start_len=0, max_new_tokens=3,
-                     temperature=0.0)
+        rid = submit(scheduler, prompt, return_logprob=True, logprob_start_len=0, max_new_tokens=3, temperature=0.0)
         outs.append(run(scheduler)[rid])
     plain, chunked = outs
     assert plain.input_logprobs[0] == (None, prompt[0])
@@ -211,9 +217,18 @@ def test_chunked_prefill_yields_memory_to_decoding_requests(tiny_llama_dir):
     reference = generate(make_scheduler(tiny_llama_dir), [short, long], max_new_tokens=30, ignore_eos=True)
     reference[1].output_ids = reference[1].output_ids[:3]
     scheduler = make_scheduler(tiny_llama_dir, max_total_tokens=64, chunked_prefill_size=16)
-    rids = [submit(scheduler, short, max_new_tokens=30, temperature=0.0, ignore_eos=True),
-            submit(scheduler, long, max_new_tokens=3, temperature=0.0, ignore_eos=True, return_logprob=True,
-                   logprob_start_len=0)]
+    rids = [
+        submit(scheduler, short, max_new_tokens=30, temperature=0.0, ignore_eos=True),
+        submit(
+            scheduler,
+            long,
+            max_new_tokens=3,
+            temperature=0.0,
+            ignore_eos=True,
+            return_logprob=True,
+            logprob_start_len=0,
+        ),
+    ]
     results = run(scheduler)
     assert [results[r].finish_reason.type for r in rids] == ["length", "length"]
     assert [results[r].output_ids for r in rids] == [reference[0].output_ids, reference[1].output_ids]
@@ -239,7 +254,9 @@ def test_abort_while_a_step_computes_frees_memory(tiny_llama_dir, overlap):
     assert scheduler.check_memory(), scheduler.stats()
     results = run(scheduler, earlier=earlier)
     assert results[victim].finish_reason.type == "abort"
-    assert results[keep].output_ids == generate(make_scheduler(tiny_llama_dir), [long_prompt], max_new_tokens=20,
-                                                ignore_eos=True)[0].output_ids
+    assert (
+        results[keep].output_ids
+        == generate(make_scheduler(tiny_llama_dir), [long_prompt], max_new_tokens=20, ignore_eos=True)[0].output_ids
+    )
     stats = scheduler.stats()
     assert stats.private_tokens == 0 and stats.num_running_reqs == 0 and stats.memory_invariant_ok

@@ -78,8 +78,13 @@ def _submit_good(scheduler, prompts, first: int = 0) -> list[str]:
     rids = []
     for i, prompt in enumerate(prompts, start=first):
         rid = f"good{i}"
-        scheduler.add_request(GenerateRequest(rid=rid, input_ids=prompt, sampling_params=SamplingParams(
-            max_new_tokens=GOOD_TOKENS, temperature=0.0, ignore_eos=True)))
+        scheduler.add_request(
+            GenerateRequest(
+                rid=rid,
+                input_ids=prompt,
+                sampling_params=SamplingParams(max_new_tokens=GOOD_TOKENS, temperature=0.0, ignore_eos=True),
+            )
+        )
         rids.append(rid)
     return rids
 
@@ -105,8 +110,15 @@ def test_a_failing_stop_check_ends_only_its_request(tiny_llama_dir, prompts, alo
     scheduler = make_scheduler(tiny_llama_dir)
     poison = alone[0][0]  # the first token the first prompt produces
     scheduler.stop_checker.tokenizer = FailingDecode(scheduler.stop_checker.tokenizer, poison)
-    scheduler.add_request(GenerateRequest(rid="victim", input_ids=prompts[0], sampling_params=SamplingParams(
-        max_new_tokens=GOOD_TOKENS, temperature=0.0, ignore_eos=True, stop=["never in the text"])))
+    scheduler.add_request(
+        GenerateRequest(
+            rid="victim",
+            input_ids=prompts[0],
+            sampling_params=SamplingParams(
+                max_new_tokens=GOOD_TOKENS, temperature=0.0, ignore_eos=True, stop=["never in the text"]
+            ),
+        )
+    )
     good = _submit_good(scheduler, prompts)
     results = run(scheduler)
     finish = results["victim"].finish_reason
@@ -116,8 +128,7 @@ def test_a_failing_stop_check_ends_only_its_request(tiny_llama_dir, prompts, alo
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("failing_step", [0, 3], ids=["extend", "decode"])
-def test_a_failed_step_ends_its_batch_and_the_scheduler_goes_on(tiny_llama_dir, prompts, alone, failing_step,
-                                                                overlap):
+def test_a_failed_step_ends_its_batch_and_the_scheduler_goes_on(tiny_llama_dir, prompts, alone, failing_step, overlap):
     scheduler = make_scheduler(tiny_llama_dir, page_size=4, disable_overlap_schedule=not overlap)
     forward = scheduler.runner.forward
     calls = {"n": 0}

@@ -9,9 +9,9 @@ import json
 import httpx
 import openai
 import pytest
+from helpers_server import ServerProcess, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers_server import ServerProcess, wait_until
 from radixserve import Engine
 
 API_KEY = "test-key"
@@ -21,9 +21,20 @@ GREEDY = {"temperature": 0.0}
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    with ServerProcess("--model", str(tiny_llama_dir), "--served-model-name", "tiny", "--api-key", API_KEY,
-                       "--max-payload-size", str(MAX_PAYLOAD),
-                       "--max-total-tokens", "16384", "--log-level", "warning") as srv:
+    with ServerProcess(
+        "--model",
+        str(tiny_llama_dir),
+        "--served-model-name",
+        "tiny",
+        "--api-key",
+        API_KEY,
+        "--max-payload-size",
+        str(MAX_PAYLOAD),
+        "--max-total-tokens",
+        "16384",
+        "--log-level",
+        "warning",
+    ) as srv:
         srv.wait_ready()
         yield srv
 
@@ -53,8 +64,9 @@ def server_stats(http) -> dict:
 
 def idle_and_consistent(http) -> bool:
     s = server_stats(http)
-    return s["num_running_reqs"] == 0 and s["num_queue_reqs"] == 0 and s["num_in_flight"] == 0 \
-        and s["memory_invariant_ok"]
+    return (
+        s["num_running_reqs"] == 0 and s["num_queue_reqs"] == 0 and s["num_in_flight"] == 0 and s["memory_invariant_ok"]
+    )
 
 
 # ---- models, chat, completions ------------------------------------------------------------
@@ -97,9 +109,11 @@ def test_chat_message_shapes(client):
     out = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=3, user="u1")
     assert out.usage.completion_tokens <= 3
     cont = client.chat.completions.create(
-        model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"},
-                                              {"role": "assistant", "content": "Once upon"}],
-        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+        model="tiny",
+        max_tokens=2,
+        messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
     assert cont.usage.completion_tokens <= 2
 
 
@@ -116,8 +130,9 @@ def test_completions_prompt_forms_and_indices(client, http):
     texts = client.completions.create(model="tiny", prompt=["alpha", "beta"], max_tokens=4, **GREEDY)
     assert len(texts.choices) == 2
 
-    stream = client.completions.create(model="tiny", prompt=[ids, ids[:2]], max_tokens=6, stream=True, **GREEDY,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model="tiny", prompt=[ids, ids[:2]], max_tokens=6, stream=True, **GREEDY, stream_options={"include_usage": True}
+    )
     streamed: dict[int, str] = {}
     finishes: dict[int, int] = {}
     for chunk in stream:
@@ -151,8 +166,7 @@ def test_n2_with_logprobs(client):
     assert roles == {0: "assistant", 1: "assistant"} and finishes == {0: 1, 1: 1}
     assert all(0 < n <= 6 for n in counted.values())
 
-    legacy = client.completions.create(model="tiny", prompt="token logprobs", max_tokens=5, n=2, logprobs=2,
-                                       **GREEDY)
+    legacy = client.completions.create(model="tiny", prompt="token logprobs", max_tokens=5, n=2, logprobs=2, **GREEDY)
     for c in legacy.choices:
         lp = c.logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset)
@@ -162,25 +176,27 @@ def test_n2_with_logprobs(client):
 def test_stop_strings_and_stop_token_ids(client, http):
     free = client.completions.create(model="tiny", prompt="stop here", max_tokens=24, **GREEDY)
     text = free.choices[0].text
-    ascii_runs = [i for i in range(4, len(text) - 3) if text[i:i + 3].isascii() and text[i:i + 3].strip()]
+    ascii_runs = [i for i in range(4, len(text) - 3) if text[i : i + 3].isascii() and text[i : i + 3].strip()]
     assert ascii_runs, f"no ASCII stretch to stop on in {text!r}"
-    stop = text[ascii_runs[0]:ascii_runs[0] + 3]
-    stopped = client.completions.create(model="tiny", prompt="stop here", max_tokens=24, stop=[stop, "@@@"],
-                                        **GREEDY)
+    stop = text[ascii_runs[0] : ascii_runs[0] + 3]
+    stopped = client.completions.create(model="tiny", prompt="stop here", max_tokens=24, stop=[stop, "@@@"], **GREEDY)
     choice = stopped.choices[0]
     assert choice.finish_reason == "stop" and choice.matched_stop == stop
-    assert choice.text == text[:text.find(stop)]
+    assert choice.text == text[: text.find(stop)]
 
-    native = http.post("/generate", json={"text": "stop here", "sampling_params": {"max_new_tokens": 24,
-                                                                                  "temperature": 0}}).json()
+    native = http.post(
+        "/generate", json={"text": "stop here", "sampling_params": {"max_new_tokens": 24, "temperature": 0}}
+    ).json()
     token = native["output_ids"][5]
-    by_id = client.completions.create(model="tiny", prompt="stop here", max_tokens=24, **GREEDY,
-                                      extra_body={"stop_token_ids": [token]})
+    by_id = client.completions.create(
+        model="tiny", prompt="stop here", max_tokens=24, **GREEDY, extra_body={"stop_token_ids": [token]}
+    )
     assert by_id.choices[0].finish_reason == "stop" and by_id.choices[0].matched_stop == token
     assert by_id.usage.completion_tokens == native["output_ids"].index(token) + 1
 
-    streamed = client.completions.create(model="tiny", prompt="stop here", max_tokens=24, stop=stop, stream=True,
-                                         **GREEDY)
+    streamed = client.completions.create(
+        model="tiny", prompt="stop here", max_tokens=24, stop=stop, stream=True, **GREEDY
+    )
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks) == choice.text
     assert chunks[-1].choices[0].matched_stop == stop
@@ -194,9 +210,10 @@ def test_echo(client):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert all(x is not None for x in lp.token_logprobs[1:])
     assert len(lp.tokens) == echoed.usage.prompt_tokens + echoed.usage.completion_tokens
-    assert "".join(lp.tokens[:echoed.usage.prompt_tokens]) == "echo me"
-    chunks = list(client.completions.create(model="tiny", prompt="echo me", max_tokens=4, echo=True, stream=True,
-                                            **GREEDY))
+    assert "".join(lp.tokens[: echoed.usage.prompt_tokens]) == "echo me"
+    chunks = list(
+        client.completions.create(model="tiny", prompt="echo me", max_tokens=4, echo=True, stream=True, **GREEDY)
+    )
     assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
 
 
@@ -211,9 +228,22 @@ def test_seed_reproducibility(client):
 
 
 def test_sampling_extras_accepted(client):
-    out = chat(client, presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"300": 5.0}, max_tokens=4,
-               extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 4, "ignore_eos": True,
-                           "skip_special_tokens": False, "chat_template_kwargs": {"unused": 1}})
+    out = chat(
+        client,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        logit_bias={"300": 5.0},
+        max_tokens=4,
+        extra_body={
+            "top_k": 20,
+            "min_p": 0.05,
+            "repetition_penalty": 1.1,
+            "min_tokens": 4,
+            "ignore_eos": True,
+            "skip_special_tokens": False,
+            "chat_template_kwargs": {"unused": 1},
+        },
+    )
     assert out.usage.completion_tokens == 4
 
 
@@ -227,29 +257,55 @@ def test_default_max_tokens_uses_remaining_context(client, http):
 # ---- errors ----------------------------------------------------------------------------------
 LONG = "word " * 3000
 ERROR_CASES = [
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": -1},
-     400, "temperature"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": "many"},
-     400, "n"),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "temperature": -1},
+        400,
+        "temperature",
+    ),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": "many"}, 400, "n"),
     ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400,
-     "messages[0].role"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, None),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
-     400, "top_logprobs"),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "robot", "content": "x"}]},
+        400,
+        "messages[0].role",
+    ),
+    (
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}],
+        },
+        400,
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": LONG}], "stream": True},
-     400, "messages"),
+    (
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": LONG}], "stream": True},
+        400,
+        "messages",
+    ),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 5000, "stream": True}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 3}, 400, "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "tiny", "prompt": [10**9]}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": ""}, 400, "stop"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400,
-     "stream_options"),
+    (
+        "/v1/completions",
+        {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        "stream_options",
+    ),
     ("/v1/completions", {"model": "other", "prompt": "x"}, 404, "model"),
     ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
     ("/generate", {"text": "x", "sampling_params": {"bogus": 1}}, 400, "sampling_params"),
@@ -299,18 +355,30 @@ def test_openai_client_sees_typed_errors(client):
 
 # ---- native API and introspection ------------------------------------------------------------
 def test_native_generate(http):
-    one = http.post("/generate", json={"text": "native", "sampling_params": {"max_new_tokens": 5, "temperature": 0},
-                                       "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}).json()
+    one = http.post(
+        "/generate",
+        json={
+            "text": "native",
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 2,
+        },
+    ).json()
     meta = one["meta_info"]
     assert meta["completion_tokens"] == len(one["output_ids"]) == 5
     assert meta["input_token_logprobs"][0][0] is None and len(meta["input_token_logprobs"]) == meta["prompt_tokens"]
     assert len(meta["output_top_logprobs"][0]) == 2 and meta["finish_reason"]["type"] == "length"
-    batch = http.post("/generate", json={"input_ids": [[10, 11, 12], [13, 14]],
-                                         "sampling_params": {"max_new_tokens": 3, "n": 2}}).json()
+    batch = http.post(
+        "/generate", json={"input_ids": [[10, 11, 12], [13, 14]], "sampling_params": {"max_new_tokens": 3, "n": 2}}
+    ).json()
     assert isinstance(batch, list) and len(batch) == 4 and "output_token_logprobs" not in batch[0]["meta_info"]
 
-    with http.stream("POST", "/generate", json={"text": "native", "stream": True,
-                                                "sampling_params": {"max_new_tokens": 5, "temperature": 0}}) as r:
+    with http.stream(
+        "POST",
+        "/generate",
+        json={"text": "native", "stream": True, "sampling_params": {"max_new_tokens": 5, "temperature": 0}},
+    ) as r:
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
@@ -323,8 +391,9 @@ def test_priority_is_accepted(client, http):
     assert out.usage.completion_tokens <= 2
     out = chat(client, max_tokens=2, extra_body={"priority": -1})
     assert out.usage.completion_tokens <= 2
-    batch = http.post("/generate", json={"text": ["a", "b"], "priority": [2, 1],
-                                         "sampling_params": {"max_new_tokens": 2}})
+    batch = http.post(
+        "/generate", json={"text": ["a", "b"], "priority": [2, 1], "sampling_params": {"max_new_tokens": 2}}
+    )
     assert batch.status_code == 200 and len(batch.json()) == 2
 
 
@@ -351,9 +420,19 @@ def test_metrics(client, http):
     chat(client, max_tokens=4)
     text = httpx.get(http.base_url.join("/metrics")).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    expected = ["num_running_reqs", "num_queue_reqs", "token_usage", "cache_hit_rate", "num_retracted_reqs",
-                "prompt_tokens", "generation_tokens", "cached_tokens", "time_to_first_token_seconds",
-                "inter_token_latency_seconds", "e2e_request_latency_seconds"]
+    expected = [
+        "num_running_reqs",
+        "num_queue_reqs",
+        "token_usage",
+        "cache_hit_rate",
+        "num_retracted_reqs",
+        "prompt_tokens",
+        "generation_tokens",
+        "cached_tokens",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+    ]
     for name in expected:
         family = families["radixserve:" + name]
         assert family.samples and all(s.labels.get("model_name") == "tiny" for s in family.samples), name
@@ -403,8 +482,13 @@ def test_64_concurrent_streams(server, http, tiny_llama_dir):
 
     async def one(aclient: openai.AsyncOpenAI, i: int):
         stream = await aclient.chat.completions.create(
-            model="tiny", messages=messages(i), max_tokens=16,
-            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            model="tiny",
+            messages=messages(i),
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         text, usage, finishes = "", None, 0
         async for chunk in stream:
             for c in chunk.choices:
@@ -414,8 +498,9 @@ def test_64_concurrent_streams(server, http, tiny_llama_dir):
         return text, usage, finishes
 
     async def run_all():
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0,
-                                      timeout=300) as aclient:
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=300
+        ) as aclient:
             return await asyncio.gather(*(one(aclient, i) for i in range(64)))
 
     results = asyncio.run(run_all())
@@ -443,8 +528,12 @@ def test_client_disconnect_aborts_the_request(server, http):
 
 
 def test_abort_request_endpoint(http):
-    body = {"text": "abort me", "rid": "to-abort", "stream": True,
-            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    body = {
+        "text": "abort me",
+        "rid": "to-abort",
+        "stream": True,
+        "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True},
+    }
     with http.stream("POST", "/generate", json=body) as response:
         last, aborted = None, False
         for line in response.iter_lines():
@@ -465,6 +554,7 @@ def test_full_queue_is_503_and_the_server_keeps_serving(tiny_llama_dir):
     async def scenario(url: str) -> None:
         long = {"model": str(tiny_llama_dir), "prompt": "x", "max_tokens": 900, "ignore_eos": True}
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+
             async def stats() -> dict:
                 return (await c.get("/get_server_info")).json()["stats"]
 
@@ -491,6 +581,16 @@ def test_full_queue_is_503_and_the_server_keeps_serving(tiny_llama_dir):
             assert served.status_code == 200 and len(served.json()["choices"]) == 2
             assert (await stats())["memory_invariant_ok"]
 
-    with ServerProcess("--model", str(tiny_llama_dir), "--max-running-requests", "1", "--max-queued-requests", "1",
-                       "--max-total-tokens", "4096", "--log-level", "warning") as srv:
+    with ServerProcess(
+        "--model",
+        str(tiny_llama_dir),
+        "--max-running-requests",
+        "1",
+        "--max-queued-requests",
+        "1",
+        "--max-total-tokens",
+        "4096",
+        "--log-level",
+        "warning",
+    ) as srv:
         asyncio.run(scenario(srv.wait_ready()))

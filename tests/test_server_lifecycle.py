@@ -10,7 +10,6 @@ import signal
 import httpx
 import openai
 import pytest
-
 from helpers_server import ServerProcess, process_alive, wait_until
 
 
@@ -36,8 +35,9 @@ def test_demo_model_serves_and_says_so(demo_server):
     assert "demo model" in demo_server.log and "RANDOM weights" in demo_server.log
     with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
         assert [m.id for m in client.models.list().data] == ["radixserve-demo"]
-        out = client.chat.completions.create(model="radixserve-demo", max_tokens=4,
-                                             messages=[{"role": "user", "content": "hi"}])
+        out = client.chat.completions.create(
+            model="radixserve-demo", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        )
         assert out.usage.completion_tokens <= 4
     info = httpx.get(url + "/get_model_info", timeout=30).json()
     assert info["context_length"] == 2048 and info["architecture"] == "LlamaForCausalLM"

@@ -13,8 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from pydantic import ValidationError
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 from tokenizers import processors
 from transformers import AutoTokenizer
 
@@ -22,21 +22,21 @@ from radixserve import demo_model
 from radixserve.config import ServerArgs
 from radixserve.messages import FinishReason
 from radixserve.model_source import resolve_model_path
+from radixserve.sampling.params import SamplingParams
+from radixserve.server import native_serving
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError, _loc_to_param, bad_request, validation_summary
 from radixserve.server.logprobs import TokenTexts, completion_logprobs
 from radixserve.server.metrics import ServerMetrics
-from radixserve.server import native_serving
-from radixserve.sampling.params import SamplingParams
 from radixserve.server.openai_serving import OpenAIServing
-from radixserve.server.tokenizer_manager import PreparedInput
 from radixserve.server.protocol import (
+    MAX_JSON_DEPTH,
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequestBody,
-    MAX_JSON_DEPTH,
     find_bad_json,
 )
+from radixserve.server.tokenizer_manager import PreparedInput
 
 
 @pytest.fixture(scope="module")
@@ -44,13 +44,20 @@ def tokenizer(tiny_llama_dir):
     return AutoTokenizer.from_pretrained(str(tiny_llama_dir))
 
 
-@pytest.mark.parametrize("message,renames,param,text", [
-    ("top_p must be in (0, 1], got 3", None, "top_p", "top_p must be in (0, 1], got 3"),
-    ("max_new_tokens: prompt (5) + max_new_tokens (9) exceeds", {"max_new_tokens": "max_tokens"}, "max_tokens",
-     "max_tokens: prompt (5) + max_new_tokens (9) exceeds"),
-    ("logit_bias token id 9999 is out of range [0, 512)", None, "logit_bias", None),
-    ("something went wrong", None, None, "something went wrong"),
-])
+@pytest.mark.parametrize(
+    "message,renames,param,text",
+    [
+        ("top_p must be in (0, 1], got 3", None, "top_p", "top_p must be in (0, 1], got 3"),
+        (
+            "max_new_tokens: prompt (5) + max_new_tokens (9) exceeds",
+            {"max_new_tokens": "max_tokens"},
+            "max_tokens",
+            "max_tokens: prompt (5) + max_new_tokens (9) exceeds",
+        ),
+        ("logit_bias token id 9999 is out of range [0, 512)", None, "logit_bias", None),
+        ("something went wrong", None, None, "something went wrong"),
+    ],
+)
 def test_bad_request_names_the_field(message, renames, param, text):
     error = bad_request(ValueError(message), renames)
     assert error.status == 400 and error.param == param
@@ -73,8 +80,9 @@ def test_requests_parse_openai_shapes():
     assert params["max_new_tokens"] == 7 and params["top_k"] == 5 and "temperature" not in params
     assert CompletionRequest.model_validate({"prompt": [1, 2]}).prompt == [1, 2]
     assert CompletionRequest.model_validate({"prompt": ["a", "b"]}).prompt == ["a", "b"]
-    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "stop": "END",
-                                                 "stream_options": {"include_usage": True}})
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "stop": "END", "stream_options": {"include_usage": True}}
+    )
     assert chat.sampling_params(3)["stop"] == "END" and chat.include_usage and not chat.continuous_usage
 
 
@@ -91,9 +99,14 @@ def test_token_bytes_rebuild_multibyte_text(tokenizer):
 
 
 def test_chat_template_from_tokenizer_and_override(tokenizer, tmp_path):
-    req = ChatCompletionRequest.model_validate({"messages": [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    req = ChatCompletionRequest.model_validate(
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ]
+        }
+    )
     own = ChatTemplate(tokenizer).render(req)
     assert own.startswith("<|im_start|>system\nbe brief") and "a\nb" in own
     assert own.endswith("<|im_start|>assistant\n")
@@ -106,8 +119,9 @@ def test_chat_template_from_tokenizer_and_override(tokenizer, tmp_path):
 
 def test_a_model_without_chat_template_gets_a_400(tokenizer):
     no_template = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None, encode=tokenizer.encode))
-    serving = OpenAIServing(SimpleNamespace(tokenizer=tokenizer, context_length=1024), "m",
-                            ChatTemplate(no_template.tokenizer))
+    serving = OpenAIServing(
+        SimpleNamespace(tokenizer=tokenizer, context_length=1024), "m", ChatTemplate(no_template.tokenizer)
+    )
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
     with pytest.raises(APIError) as info:
         asyncio.run(serving.chat(req, request=None))
@@ -121,8 +135,9 @@ def test_metrics_registries_are_per_server():
     first.record_admitted(0.02, prompt_tokens=10, cached_tokens=4)
     first.record_generated(3)
     first.record_finish(0.5, "stop")
-    first.update({"num_running_reqs": 2, "num_queue_reqs": 1, "token_usage": 0.5, "cache_hit_rate": 0.4,
-                  "num_retracted_reqs": 0})
+    first.update(
+        {"num_running_reqs": 2, "num_queue_reqs": 1, "token_usage": 0.5, "cache_hit_rate": 0.4, "num_retracted_reqs": 0}
+    )
     samples = {s.name: s for f in text_string_to_metric_families(first.render().decode()) for s in f.samples}
     assert samples["radixserve:prompt_tokens_total"].value == 10
     assert samples["radixserve:num_running_reqs"].value == 2
@@ -193,14 +208,25 @@ class FakeTokenizerManager:
         inp, ids = prepared.obj, prepared.input_ids
         self.inputs.append(inp)
         out_ids = self.tokenizer.encode(" done", add_special_tokens=False)
-        meta = {"id": inp.rid, "prompt_tokens": len(ids), "completion_tokens": len(out_ids), "cached_tokens": 0,
-                "finish_reason": FinishReason("length"),
-                "output_token_logprobs": [(-0.5, t) for t in out_ids], "output_top_logprobs": [[] for _ in out_ids]}
+        meta = {
+            "id": inp.rid,
+            "prompt_tokens": len(ids),
+            "completion_tokens": len(out_ids),
+            "cached_tokens": 0,
+            "finish_reason": FinishReason("length"),
+            "output_token_logprobs": [(-0.5, t) for t in out_ids],
+            "output_top_logprobs": [[] for _ in out_ids],
+        }
         if inp.return_logprob and inp.logprob_start_len == 0:
             meta["input_token_logprobs"] = [(None, ids[0])] + [(-1.0, t) for t in ids[1:]]
             meta["input_top_logprobs"] = [None] + [[] for _ in ids[1:]]
-        yield {"index": 0, "text": self.tokenizer.decode(out_ids), "output_ids": out_ids, "meta_info": meta,
-               "finished": True}
+        yield {
+            "index": 0,
+            "text": self.tokenizer.decode(out_ids),
+            "output_ids": out_ids,
+            "meta_info": meta,
+            "finished": True,
+        }
 
 
 class ConnectedClient:
@@ -212,13 +238,15 @@ class ConnectedClient:
 
 def _answer(coro):
     """Run an endpoint; a streamed answer becomes its list of SSE payloads."""
+
     async def run():
         response = await coro
         if not hasattr(response, "body_iterator"):
             return response
         events = [event async for event in response.body_iterator]
         assert events[-1] == "data: [DONE]\n\n"
-        return [json.loads(e[len("data: "):]) for e in events[:-1]]
+        return [json.loads(e[len("data: ") :]) for e in events[:-1]]
+
     return asyncio.run(run())
 
 
@@ -228,7 +256,8 @@ def bos_tokenizer(tiny_llama_dir):
     tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
     bos = tok.convert_tokens_to_ids("<|startoftext|>")
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<|startoftext|> $A", special_tokens=[("<|startoftext|>", bos)])
+        single="<|startoftext|> $A", special_tokens=[("<|startoftext|>", bos)]
+    )
     assert tok.encode("x")[0] == bos
     return tok
 
@@ -236,7 +265,7 @@ def bos_tokenizer(tiny_llama_dir):
 def _assert_offsets_match(text, logprobs):
     assert logprobs.text_offset[0] == 0
     for token, offset in zip(logprobs.tokens, logprobs.text_offset):
-        assert text[offset:offset + len(token)] == token, (text, logprobs)
+        assert text[offset : offset + len(token)] == token, (text, logprobs)
     assert "".join(logprobs.tokens) == text
 
 
@@ -307,7 +336,7 @@ def test_lone_surrogates_and_deep_nesting_are_found_by_path():
     assert find_bad_json({"chat_template_kwargs": {"k" + lone: 1}})[0] == "chat_template_kwargs"
     assert find_bad_json({"\ud800": 1})[0] == ""  # a top-level key: the body itself
     assert find_bad_json(5) is None
-    assert find_bad_json("\U0001F600") is None  # a proper pair, as json.loads builds it from "\\ud83d\\ude00"
+    assert find_bad_json("\U0001f600") is None  # a proper pair, as json.loads builds it from "\\ud83d\\ude00"
     deep: object = "x"
     for _ in range(MAX_JSON_DEPTH):
         deep = [deep]
@@ -333,8 +362,13 @@ def test_validation_errors_name_the_most_specific_field():
     param, message = _summary(CompletionRequest, {"prompt": [True]})
     assert param == "prompt[0]" and "valid integer" in message and "valid string" in message
     assert _summary(CompletionRequest, {"prompt": "x", "stop": ["a", "\udc00"]})[0] == "stop[1]"
-    assert _summary(ChatCompletionRequest, {**chat, "messages": [{"role": "user", "content": "x"}],
-                                            "response_format": {"type": "json_object"}})[0] == "response_format"
+    assert (
+        _summary(
+            ChatCompletionRequest,
+            {**chat, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+        )[0]
+        == "response_format"
+    )
     assert validation_summary([]) == (None, "invalid request")
 
 
@@ -347,8 +381,9 @@ def test_strict_types_keep_harmless_coercions():
 
 def test_undefined_fields_are_ignored_with_a_debug_line(caplog):
     with caplog.at_level(logging.DEBUG, logger="radixserve.server.protocol"):
-        req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}],
-                                                    "brand_new_option": 1, "user": "u"})
+        req = ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": "x"}], "brand_new_option": 1, "user": "u"}
+        )
     assert req.user == "u"
     assert "brand_new_option" in caplog.text and "'user'" not in caplog.text
 

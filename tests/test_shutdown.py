@@ -13,7 +13,6 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
-
 from helpers_server import ServerProcess, process_alive, wait_until
 
 from radixserve import __version__
@@ -28,9 +27,18 @@ HEADER_LIMIT = 8192
 def server(tiny_model_factory):
     # A long context, so that the requests below are still generating when the drain ends.
     model = tiny_model_factory(arch="llama", max_position_embeddings=16384)
-    with ServerProcess("--model", str(model), "--served-model-name", "m", "--max-total-tokens", "65536",
-                       "--shutdown-timeout",
-                       str(SHUTDOWN_TIMEOUT_S), "--max-header-size", str(HEADER_LIMIT)) as srv:
+    with ServerProcess(
+        "--model",
+        str(model),
+        "--served-model-name",
+        "m",
+        "--max-total-tokens",
+        "65536",
+        "--shutdown-timeout",
+        str(SHUTDOWN_TIMEOUT_S),
+        "--max-header-size",
+        str(HEADER_LIMIT),
+    ) as srv:
         srv.wait_ready()
         yield srv
 
@@ -42,8 +50,9 @@ def test_version_route(server):
 def _raw_request(url: str, header_bytes: int) -> bytes:
     """A GET with one header of ``header_bytes``, sent whole; everything the server answers."""
     parsed = urlparse(url)
-    request = (f"GET /health HTTP/1.1\r\nHost: {parsed.netloc}\r\nConnection: close\r\n"
-               f"X-Big: {'a' * header_bytes}\r\n\r\n").encode()
+    request = (
+        f"GET /health HTTP/1.1\r\nHost: {parsed.netloc}\r\nConnection: close\r\nX-Big: {'a' * header_bytes}\r\n\r\n"
+    ).encode()
     with socket.create_connection((parsed.hostname, parsed.port), timeout=30) as sock:
         sock.sendall(request)
         answer = b""
@@ -76,14 +85,21 @@ def test_malformed_request_line_gets_400_in_the_envelope(server):
 
 def _chat(url: str, stream: bool, max_tokens: int) -> dict:
     """One request's outcome: status, and for a stream its data lines."""
-    body = {"model": "m", "messages": [{"role": "user", "content": "count"}], "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": stream}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "count"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
     outcome: dict = {"stream": stream, "max_tokens": max_tokens}
     try:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as response:
             outcome["status"] = response.status_code
             if stream and response.status_code == 200:
-                outcome["events"] = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+                outcome["events"] = [
+                    line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")
+                ]
             else:
                 outcome["body"] = json.loads(response.read())
     except httpx.HTTPError as exc:  # a cut connection: what must never happen
@@ -122,8 +138,9 @@ def test_sigterm_under_load_ends_every_request_in_order_and_exits_0(server):
     threads = [threading.Thread(target=lambda s=s, t=t: outcomes.append(_chat(url, s, t))) for s, t in shapes]
     for t in threads:
         t.start()
-    assert wait_until(lambda: httpx.get(url + "/get_server_info", timeout=30).json()["num_in_flight"] >= 4,
-                      timeout=60), "the requests never started"
+    assert wait_until(
+        lambda: httpx.get(url + "/get_server_info", timeout=30).json()["num_in_flight"] >= 4, timeout=60
+    ), "the requests never started"
     started = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
     # While draining: no new work, /health says so, both in the envelope.

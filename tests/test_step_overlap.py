@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from generation_utils import generate, make_scheduler, mixed_prompts, run, submit
 from helpers_cache import alloc_tokens
+
 from radixserve.cache.memory_pool import PagedAllocator
 from radixserve.transfer import HostCopy, HostTransfer
 
@@ -129,10 +129,15 @@ def test_rows_of_finished_requests_wait_for_the_steps_that_may_still_use_them(ti
     # step launched before its finish was digested, so its row is reused only
     # after that step; outputs match the run without overlap.
     prompts = mixed_prompts(512, [5, 9, 3, 12, 7, 4, 10, 6], seed=21)
-    expected = [r.output_ids for r in generate(make_scheduler(tiny_llama_dir, disable_overlap_schedule=True),
-                                               prompts, max_new_tokens=6, ignore_eos=True)]
+    expected = [
+        r.output_ids
+        for r in generate(
+            make_scheduler(tiny_llama_dir, disable_overlap_schedule=True), prompts, max_new_tokens=6, ignore_eos=True
+        )
+    ]
     scheduler = make_scheduler(tiny_llama_dir, disable_overlap_schedule=False, max_running_requests=2)
     got = [r.output_ids for r in generate(scheduler, prompts, max_new_tokens=6, ignore_eos=True)]
     assert got == expected
-    assert scheduler.req_to_token_pool.available_size() + len(scheduler._released_rows) == \
-        scheduler.req_to_token_pool.size
+    assert (
+        scheduler.req_to_token_pool.available_size() + len(scheduler._released_rows) == scheduler.req_to_token_pool.size
+    )

@@ -11,9 +11,8 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from helpers_server import ServerProcess, wait_until
+from prometheus_client.parser import text_string_to_metric_families
 
 REQUESTS, CONCURRENCY, MAX_TOKENS = 500, 32, 12
 DISCONNECT_EVERY = 10  # request i leaves early when i % 10 == 0: 10%
@@ -22,8 +21,11 @@ DISCONNECT_EVERY = 10  # request i leaves early when i % 10 == 0: 10%
 def metrics(url: str) -> dict[tuple[str, str], float]:
     """(sample name, its non-model label values joined) -> value."""
     text = httpx.get(url + "/metrics", timeout=30).text
-    return {(s.name, ",".join(v for k, v in sorted(s.labels.items()) if k != "model_name")): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
+    return {
+        (s.name, ",".join(v for k, v in sorted(s.labels.items()) if k != "model_name")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
 
 
 def stats(url: str) -> dict:
@@ -33,8 +35,13 @@ def stats(url: str) -> dict:
 
 async def one(client: httpx.AsyncClient, i: int) -> tuple[str, int]:
     """``("left", chunks read)`` for a client that leaves early, else ``(finish_reason, chunks)``."""
-    body = {"model": "tiny", "prompt": f"stress request {i} " * (1 + i % 5), "max_tokens": MAX_TOKENS,
-            "stream": True, "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "prompt": f"stress request {i} " * (1 + i % 5),
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+        "ignore_eos": True,
+    }
     chunks, finish = 0, None
     async with client.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200, await response.aread()
@@ -66,8 +73,16 @@ async def run_all(url: str) -> list[tuple[str, int]]:
 
 @pytest.mark.slow
 def test_500_streams_with_disconnects(tiny_llama_dir):
-    with ServerProcess("--model", str(tiny_llama_dir), "--served-model-name", "tiny", "--max-total-tokens", "8192",
-                       "--log-level", "warning") as srv:
+    with ServerProcess(
+        "--model",
+        str(tiny_llama_dir),
+        "--served-model-name",
+        "tiny",
+        "--max-total-tokens",
+        "8192",
+        "--log-level",
+        "warning",
+    ) as srv:
         url = srv.wait_ready()
         m0, s0 = metrics(url), stats(url)
         started = time.perf_counter()
@@ -80,8 +95,12 @@ def test_500_streams_with_disconnects(tiny_llama_dir):
 
         def settled() -> bool:
             s = stats(url)
-            return (s["num_running_reqs"], s["num_queue_reqs"], s["private_tokens"], s["num_in_flight"]) \
-                == (0, 0, 0, 0) and s["memory_invariant_ok"]
+            return (s["num_running_reqs"], s["num_queue_reqs"], s["private_tokens"], s["num_in_flight"]) == (
+                0,
+                0,
+                0,
+                0,
+            ) and s["memory_invariant_ok"]
 
         assert wait_until(settled, timeout=20), stats(url)
         m1, s1 = metrics(url), stats(url)
@@ -94,11 +113,15 @@ def test_500_streams_with_disconnects(tiny_llama_dir):
         assert finished["abort"] <= left and finished["length"] >= REQUESTS - left, finished
         # The server's token counters count exactly what the scheduler did, aborted requests included.
         for counter in ("generation", "prompt", "cached"):
-            assert delta(f"radixserve:{counter}_tokens_total") == s1[f"{counter}_tokens_total"] \
-                - s0[f"{counter}_tokens_total"], counter
+            assert (
+                delta(f"radixserve:{counter}_tokens_total")
+                == s1[f"{counter}_tokens_total"] - s0[f"{counter}_tokens_total"]
+            ), counter
         assert delta("radixserve:generation_tokens_total") >= (REQUESTS - left) * MAX_TOKENS
         assert delta("radixserve:queue_time_seconds_count") == REQUESTS
         # A client that left before its response was complete is a 499 in the access log.
         assert 0 < delta("radixserve:num_request_errors_total", "499") <= left
-        print(f"\nstress: {REQUESTS} streams at concurrency {CONCURRENCY}, {left} clients left early, "
-              f"{elapsed:.1f} s, {finished}, {delta('radixserve:generation_tokens_total'):.0f} tokens generated")
+        print(
+            f"\nstress: {REQUESTS} streams at concurrency {CONCURRENCY}, {left} clients left early, "
+            f"{elapsed:.1f} s, {finished}, {delta('radixserve:generation_tokens_total'):.0f} tokens generated"
+        )

@@ -58,11 +58,13 @@ def test_gpu_devices_and_limits(no_interpreter):
         assert TritonMoE.unsupported_reasons(KernelQuery(device=device, dtype=torch.float32)) == []
     assert "npu" in TritonAttention.unsupported_reasons(KernelQuery(device="npu", dtype=torch.float16))[0]
     bad = TritonAttention.unsupported_reasons(
-        KernelQuery(device="cuda", dtype=torch.int8, head_dim=512, num_heads=6, num_kv_heads=4, kv_dtype=torch.int8))
+        KernelQuery(device="cuda", dtype=torch.int8, head_dim=512, num_heads=6, num_kv_heads=4, kv_dtype=torch.int8)
+    )
     text = "; ".join(bad)
     assert "dtype torch.int8" in text and "KV cache dtype" in text and "head_dim 512" in text and "multiple" in text
     moe = TritonMoE.unsupported_reasons(
-        KernelQuery(device="cuda", dtype=torch.float16, num_experts=4, top_k=5, quantization="int8"))
+        KernelQuery(device="cuda", dtype=torch.float16, num_experts=4, top_k=5, quantization="int8")
+    )
     assert any("top_k 5" in r for r in moe) and any("quantized" in r for r in moe)
 
 
@@ -118,7 +120,10 @@ def test_kernels_in_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "interp_"],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout.splitlines()[-1], proc.stdout[-2000:]
@@ -149,8 +154,14 @@ def test_interp_decode_split_kv(splits):
     k_cache, v_cache = inputs.batch.kv_pool.get_kv(case.layer_id)
     attn_ops.store_kv(inputs.k, inputs.v, k_cache, v_cache, inputs.batch.out_cache_loc)
     out = attn_ops.decode_attention(
-        inputs.q, k_cache, v_cache, inputs.batch.req_to_token, inputs.batch.req_pool_indices,
-        inputs.batch.seq_lens, case.softmax_scale, num_kv_splits=splits,
+        inputs.q,
+        k_cache,
+        v_cache,
+        inputs.batch.req_to_token,
+        inputs.batch.req_pool_indices,
+        inputs.batch.seq_lens,
+        case.softmax_scale,
+        num_kv_splits=splits,
     )
     assert (out.double() - dense_attention(inputs)).abs().max().item() < 1e-5
 
@@ -240,7 +251,8 @@ def test_interp_moe_single_token_most_experts_idle():
     w2 = torch.randn(e, h, i, generator=gen) / i**0.5
     routing = MoERouting(top_k=2, renormalize=True)
     out = TritonMoE(KernelQuery(device="cpu", dtype=torch.float32, num_experts=e, top_k=2)).forward(
-        hidden, logits, w13, w2, routing)
+        hidden, logits, w13, w2, routing
+    )
     weights, ids = route(logits, routing)
     ref = torch.zeros(1, h)
     for slot in range(2):
@@ -270,32 +282,82 @@ def _kernel_specs(dt: str):
     p, i64, f32 = f"*{dt}", "*i64", "*fp32"
     up = dt == "fp32"
     return [
-        (A._store_kv_kernel, dict(K=p, V=p, KCache=p, VCache=p, Loc=i64), dict(HEAD_DIM=128, BLOCK_T=16, BLOCK_D=128, RNE_BF16=False)),
-        (A._decode_partial_kernel,
-         dict(Q=p, KCache=p, VCache=p, ReqToToken=i64, ReqPoolIdx=i64, SeqLens=i64, PartialO=f32, PartialLse=f32,
-              qk_scale="fp32"),
-         dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, NUM_SPLITS=4, UPCAST=up, RNE_BF16=False)),
-        (A._decode_merge_kernel, dict(PartialO=f32, PartialLse=f32, Out=p),
-         dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=4, BLOCK_S=4, RNE_BF16=False)),
-        (A._extend_kernel,
-         dict(Q=p, KCache=p, VCache=p, Out=p, ReqToToken=i64, ReqPoolIdx=i64, PrefixLens=i64, ExtendLens=i64,
-              ExtendStart=i64, qk_scale="fp32"),
-         dict(GROUP=2, HEAD_DIM=128, BLOCK_M=32, BLOCK_N=64, BLOCK_D=128, UPCAST=up, RNE_BF16=False)),
-        (M._moe_gate_up_kernel, dict(X=p, W13=p, Act=p, SortedIds=i64, BlockExpert=i64, NumPadded=i64),
-         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, UPCAST=up, RNE_BF16=False)),
-        (M._moe_down_kernel,
-         dict(Act=p, W2=p, Out=f32, TopkWeights=f32, SortedIds=i64, BlockExpert=i64, NumPadded=i64),
-         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, UPCAST=up)),
-        (E._rms_norm_kernel, dict(X=p, R=p, W=p, Out=p, eps="fp32"),
-         dict(HAS_RESIDUAL=True, BLOCK_ROWS=1, BLOCK=4096, ONE_BLOCK=True, RNE_BF16=False)),
-        (E._rms_norm_kernel, dict(X=p, R=p, W=p, Out=p, eps="fp32"),
-         dict(HAS_RESIDUAL=False, BLOCK_ROWS=32, BLOCK=128, ONE_BLOCK=True, RNE_BF16=False)),
-        (E._rms_norm_kernel, dict(X=p, R=p, W=p, Out=p, eps="fp32"),
-         dict(HAS_RESIDUAL=True, BLOCK_ROWS=1, BLOCK=8192, ONE_BLOCK=False, RNE_BF16=False)),
-        (E._rotary_kernel, dict(Q=p, K=p, Positions=i64, CosSin=p),
-         dict(HALF=64, BLOCK_ROWS=32, BLOCK_HALF=64, NEOX=True, RNE_BF16=False)),
-        (E._rotary_kernel, dict(Q=p, K=p, Positions=i64, CosSin=p),
-         dict(HALF=16, BLOCK_ROWS=64, BLOCK_HALF=16, NEOX=False, RNE_BF16=False)),
+        (
+            A._store_kv_kernel,
+            dict(K=p, V=p, KCache=p, VCache=p, Loc=i64),
+            dict(HEAD_DIM=128, BLOCK_T=16, BLOCK_D=128, RNE_BF16=False),
+        ),
+        (
+            A._decode_partial_kernel,
+            dict(
+                Q=p,
+                KCache=p,
+                VCache=p,
+                ReqToToken=i64,
+                ReqPoolIdx=i64,
+                SeqLens=i64,
+                PartialO=f32,
+                PartialLse=f32,
+                qk_scale="fp32",
+            ),
+            dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, NUM_SPLITS=4, UPCAST=up, RNE_BF16=False),
+        ),
+        (
+            A._decode_merge_kernel,
+            dict(PartialO=f32, PartialLse=f32, Out=p),
+            dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=4, BLOCK_S=4, RNE_BF16=False),
+        ),
+        (
+            A._extend_kernel,
+            dict(
+                Q=p,
+                KCache=p,
+                VCache=p,
+                Out=p,
+                ReqToToken=i64,
+                ReqPoolIdx=i64,
+                PrefixLens=i64,
+                ExtendLens=i64,
+                ExtendStart=i64,
+                qk_scale="fp32",
+            ),
+            dict(GROUP=2, HEAD_DIM=128, BLOCK_M=32, BLOCK_N=64, BLOCK_D=128, UPCAST=up, RNE_BF16=False),
+        ),
+        (
+            M._moe_gate_up_kernel,
+            dict(X=p, W13=p, Act=p, SortedIds=i64, BlockExpert=i64, NumPadded=i64),
+            dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, UPCAST=up, RNE_BF16=False),
+        ),
+        (
+            M._moe_down_kernel,
+            dict(Act=p, W2=p, Out=f32, TopkWeights=f32, SortedIds=i64, BlockExpert=i64, NumPadded=i64),
+            dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, UPCAST=up),
+        ),
+        (
+            E._rms_norm_kernel,
+            dict(X=p, R=p, W=p, Out=p, eps="fp32"),
+            dict(HAS_RESIDUAL=True, BLOCK_ROWS=1, BLOCK=4096, ONE_BLOCK=True, RNE_BF16=False),
+        ),
+        (
+            E._rms_norm_kernel,
+            dict(X=p, R=p, W=p, Out=p, eps="fp32"),
+            dict(HAS_RESIDUAL=False, BLOCK_ROWS=32, BLOCK=128, ONE_BLOCK=True, RNE_BF16=False),
+        ),
+        (
+            E._rms_norm_kernel,
+            dict(X=p, R=p, W=p, Out=p, eps="fp32"),
+            dict(HAS_RESIDUAL=True, BLOCK_ROWS=1, BLOCK=8192, ONE_BLOCK=False, RNE_BF16=False),
+        ),
+        (
+            E._rotary_kernel,
+            dict(Q=p, K=p, Positions=i64, CosSin=p),
+            dict(HALF=64, BLOCK_ROWS=32, BLOCK_HALF=64, NEOX=True, RNE_BF16=False),
+        ),
+        (
+            E._rotary_kernel,
+            dict(Q=p, K=p, Positions=i64, CosSin=p),
+            dict(HALF=16, BLOCK_ROWS=64, BLOCK_HALF=16, NEOX=False, RNE_BF16=False),
+        ),
         (E._silu_and_mul_kernel, dict(X=p, Out=p), dict(BLOCK=1024, RNE_BF16=False)),
     ]
 

@@ -72,11 +72,15 @@ class ModelShapes:
     def gemm_shapes(self) -> list[tuple[str, int, int, bool]]:
         """``(name, out_features, in_features, decode_only)`` of each projection."""
         qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        shapes = [("qkv_proj", qkv, self.hidden_size, False), ("o_proj", self.hidden_size,
-                                                              self.num_heads * self.head_dim, False)]
+        shapes = [
+            ("qkv_proj", qkv, self.hidden_size, False),
+            ("o_proj", self.hidden_size, self.num_heads * self.head_dim, False),
+        ]
         if self.intermediate_size:
-            shapes += [("gate_up_proj", 2 * self.intermediate_size, self.hidden_size, False),
-                       ("down_proj", self.hidden_size, self.intermediate_size, False)]
+            shapes += [
+                ("gate_up_proj", 2 * self.intermediate_size, self.hidden_size, False),
+                ("down_proj", self.hidden_size, self.intermediate_size, False),
+            ]
         # Logits are computed for each request's last token only.
         return shapes + [("lm_head", self.vocab_size, self.hidden_size, True)]
 
@@ -107,9 +111,11 @@ class KindChoice:
         if not self.scores:
             return self.how
         figures = ", ".join(
-            f"{name} ({self.notes[name]})" if name in self.notes
+            f"{name} ({self.notes[name]})"
+            if name in self.notes
             else f"{name} {self.scores[name]:.2f}x ({sum(self.seconds[name].values()) * 1e3:.3g} ms)"
-            for name in sorted(self.scores, key=self.scores.__getitem__))
+            for name in sorted(self.scores, key=self.scores.__getitem__)
+        )
         return f"{self.how}: {figures}"
 
 
@@ -118,8 +124,12 @@ class KindChoice:
 
 def timing_cases(kind: str, query: KernelQuery, shapes: ModelShapes, device: torch.device) -> list[TimingCase]:
     """What ``kind``'s candidates are timed on: the model's shapes at a decode step and a prefill chunk."""
-    builders = {"gemm": _gemm_cases, "attention": _attention_cases, "elementwise": _elementwise_cases,
-                "moe": _moe_cases}
+    builders = {
+        "gemm": _gemm_cases,
+        "attention": _attention_cases,
+        "elementwise": _elementwise_cases,
+        "moe": _moe_cases,
+    }
     return builders[kind](query, shapes, device)
 
 
@@ -131,10 +141,11 @@ def _gemm_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -
     cases = []
     for name, out_features, in_features, decode_only in shapes.gemm_shapes():
         for phase, rows in _rows(shapes)[:1] if decode_only else _rows(shapes):
+
             def setup(backend: Any, rows=rows, out_features=out_features, in_features=in_features):
                 gen = torch.Generator().manual_seed(rows + out_features)
                 x = torch.randn((rows, in_features), generator=gen).to(device, query.dtype)
-                w = (torch.randn((out_features, in_features), generator=gen) / math.sqrt(in_features))
+                w = torch.randn((out_features, in_features), generator=gen) / math.sqrt(in_features)
                 w = w.to(device, query.dtype)
                 # In a model step each layer's weight arrives cold from memory (the weights
                 # outgrow the caches); calls cycle through copies that outgrow them too.
@@ -151,14 +162,30 @@ def _attention_cases(query: KernelQuery, shapes: ModelShapes, device: torch.devi
 
     context = shapes.decode_context
     steps = [
-        AttentionCase(f"decode/bs{shapes.decode_rows}/ctx{context}", "decode", query.page_size, shapes.num_heads,
-                      shapes.num_kv_heads, shapes.head_dim, (context - 1,) * shapes.decode_rows,
-                      (1,) * shapes.decode_rows),
-        AttentionCase(f"extend/t{shapes.prefill_rows}", "extend", query.page_size, shapes.num_heads,
-                      shapes.num_kv_heads, shapes.head_dim, (0,), (shapes.prefill_rows,)),
+        AttentionCase(
+            f"decode/bs{shapes.decode_rows}/ctx{context}",
+            "decode",
+            query.page_size,
+            shapes.num_heads,
+            shapes.num_kv_heads,
+            shapes.head_dim,
+            (context - 1,) * shapes.decode_rows,
+            (1,) * shapes.decode_rows,
+        ),
+        AttentionCase(
+            f"extend/t{shapes.prefill_rows}",
+            "extend",
+            query.page_size,
+            shapes.num_heads,
+            shapes.num_kv_heads,
+            shapes.head_dim,
+            (0,),
+            (shapes.prefill_rows,),
+        ),
     ]
     cases = []
     for step in steps:
+
         def setup(backend: Any, step=step):
             # The pool in the KV cache dtype and the layout the backend reads; q, k, v in the model's dtype.
             inputs = make_attention_inputs(step, query.kv_dtype or query.dtype, device, layout="contiguous")
@@ -180,14 +207,24 @@ def _elementwise_cases(query: KernelQuery, shapes: ModelShapes, device: torch.de
 
     cases = []
     for phase, rows in _rows(shapes):
-        ops = [ElementwiseCase(f"rms_norm/{phase}/m{rows}", "rms_norm", rows, hidden=shapes.hidden_size,
-                               residual=True),
-               ElementwiseCase(f"rotary/{phase}/m{rows}", "rotary", rows, heads=shapes.num_heads,
-                               kv_heads=shapes.num_kv_heads, head_dim=shapes.head_dim, strided=True)]
+        ops = [
+            ElementwiseCase(f"rms_norm/{phase}/m{rows}", "rms_norm", rows, hidden=shapes.hidden_size, residual=True),
+            ElementwiseCase(
+                f"rotary/{phase}/m{rows}",
+                "rotary",
+                rows,
+                heads=shapes.num_heads,
+                kv_heads=shapes.num_kv_heads,
+                head_dim=shapes.head_dim,
+                strided=True,
+            ),
+        ]
         if shapes.intermediate_size:
-            ops.append(ElementwiseCase(f"silu_and_mul/{phase}/m{rows}", "silu_and_mul", rows,
-                                       hidden=shapes.intermediate_size))
+            ops.append(
+                ElementwiseCase(f"silu_and_mul/{phase}/m{rows}", "silu_and_mul", rows, hidden=shapes.intermediate_size)
+            )
         for op in ops:
+
             def setup(backend: Any, op=op):
                 inputs = make_elementwise_inputs(op, query.dtype, device)
                 return lambda: run_elementwise_case(backend, op, inputs)
@@ -201,12 +238,20 @@ def _moe_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) ->
 
     cases = []
     for phase, rows in _rows(shapes):
-        case = MoECase(f"moe/{phase}/m{rows}", rows, shapes.hidden_size, shapes.moe_intermediate_size,
-                       shapes.num_experts, shapes.top_k, True)
+        case = MoECase(
+            f"moe/{phase}/m{rows}",
+            rows,
+            shapes.hidden_size,
+            shapes.moe_intermediate_size,
+            shapes.num_experts,
+            shapes.top_k,
+            True,
+        )
 
         def setup(backend: Any, case=case):
             hidden, logits, w13, w2, routing = (
-                t.to(device) if isinstance(t, torch.Tensor) else t for t in make_moe_inputs(case, query.dtype))
+                t.to(device) if isinstance(t, torch.Tensor) else t for t in make_moe_inputs(case, query.dtype)
+            )
             return lambda: backend.forward(hidden, logits, w13, w2, routing)
 
         cases.append(TimingCase(case.name, setup))
@@ -242,8 +287,9 @@ def time_call(call: Callable[[], Any], synchronize: Callable[[], None], give_up_
     return min(samples), True
 
 
-def measure(kind: str, candidates: list[Candidate], query: KernelQuery, cases: list[TimingCase],
-            synchronize: Callable[[], None]) -> KindChoice:
+def measure(
+    kind: str, candidates: list[Candidate], query: KernelQuery, cases: list[TimingCase], synchronize: Callable[[], None]
+) -> KindChoice:
     """Time every candidate on every case and choose (see the module docstring)."""
     choice = KindChoice(kind, chosen="", how="measured")
     best: dict[str, float] = {}
@@ -274,8 +320,11 @@ def measure(kind: str, candidates: list[Candidate], query: KernelQuery, cases: l
         if cand.name in choice.notes:
             choice.scores[cand.name] = math.inf
         else:
-            choice.scores[cand.name] = math.exp(statistics.fmean(
-                math.log(seconds[label] / best[label]) for label in seconds)) if seconds else math.inf
+            choice.scores[cand.name] = (
+                math.exp(statistics.fmean(math.log(seconds[label] / best[label]) for label in seconds))
+                if seconds
+                else math.inf
+            )
     choice.chosen = _winner(candidates, choice.scores)
     return choice
 
@@ -366,8 +415,15 @@ class MeasuredSelection:
     does, except that ``auto`` with more than one usable candidate times them.
     ``choices`` keeps how each kind was chosen."""
 
-    def __init__(self, registry: PluginRegistry, platform: Any, device_index: int, shapes: ModelShapes,
-                 cache: Optional[TimingCache] = None, measure_backends: bool = True):
+    def __init__(
+        self,
+        registry: PluginRegistry,
+        platform: Any,
+        device_index: int,
+        shapes: ModelShapes,
+        cache: Optional[TimingCache] = None,
+        measure_backends: bool = True,
+    ):
         self.registry = registry
         self.platform = platform
         self.device_index = device_index
@@ -431,6 +487,13 @@ def report_cached(platform: Any, device_index: int = 0, cache: Optional[TimingCa
         if key.get("machine") != fingerprint:
             continue
         choice = _choice_from_json(entry["choice"])
-        rows.append({"kind": choice.kind, "query": key.get("query"), "chosen": choice.chosen,
-                     "measured_at": entry.get("measured_at"), "figures": choice.describe().split(": ", 1)[-1]})
+        rows.append(
+            {
+                "kind": choice.kind,
+                "query": key.get("query"),
+                "chosen": choice.chosen,
+                "measured_at": entry.get("measured_at"),
+                "figures": choice.describe().split(": ", 1)[-1],
+            }
+        )
     return rows

@@ -33,8 +33,10 @@ def _print_plugins(as_json: bool) -> int:
         if plugin["error"]:
             for line in plugin["error"].splitlines():
                 print(f"      ! {line}")
-    print(f"\nBackends (usability checked for device {device!r}; auto times the usable ones on the model's "
-          f"shapes and picks the fastest, priority breaking ties):")
+    print(
+        f"\nBackends (usability checked for device {device!r}; auto times the usable ones on the model's "
+        f"shapes and picks the fastest, priority breaking ties):"
+    )
     for kind, rows in report["backends"].items():
         print(f"  {kind}:")
         for row in rows:

@@ -26,7 +26,9 @@ class ServerArgs:
     # model
     model_path: Optional[str] = _flag(
         "local HuggingFace model directory or hub repo id (org/name); omitted: the built-in demo model "
-        "(random weights)", default=None)
+        "(random weights)",
+        default=None,
+    )
     tokenizer_path: Optional[str] = _flag("tokenizer directory (defaults to --model)", default=None)
     served_model_name: Optional[str] = _flag("model name reported by the API (defaults to --model)", default=None)
     dtype: str = _flag("weight and activation dtype", default="auto", choices=DTYPES)
@@ -36,31 +38,43 @@ class ServerArgs:
     chat_template: Optional[str] = _flag("Jinja chat template file overriding the tokenizer's", default=None)
     random_seed: int = _flag("seed for weights-free randomness (sampling without a per-request seed)", default=0)
     # device and backends
-    device: str = _flag("platform: auto (the highest-priority usable one), cpu (built in), cuda (with "
-                        "hardware/cuda installed), or any registered plugin platform; `radixserve plugins` lists "
-                        "them", default="auto")
+    device: str = _flag(
+        "platform: auto (the highest-priority usable one), cpu (built in), cuda (with "
+        "hardware/cuda installed), or any registered plugin platform; `radixserve plugins` lists "
+        "them",
+        default="auto",
+    )
     attention_backend: str = _flag("attention backend name or auto (`radixserve plugins` lists them)", default="auto")
     gemm_backend: str = _flag("GEMM backend name or auto", default="auto")
     moe_backend: str = _flag("MoE backend name or auto (used by MoE models only)", default="auto")
-    elementwise_backend: str = _flag("elementwise kernels (RMSNorm + residual, rotary, SiLU-and-mul) backend name "
-                                     "or auto", default="auto")
+    elementwise_backend: str = _flag(
+        "elementwise kernels (RMSNorm + residual, rotary, SiLU-and-mul) backend name or auto", default="auto"
+    )
     backend_selection: str = _flag(
         "how auto picks among the usable backends of a kind: measure (time them on the model's shapes, once per "
         "machine and model shape; the result is cached) or priority (the highest-priority one, no timing)",
-        default="measure", choices=BACKEND_SELECTIONS)
+        default="measure",
+        choices=BACKEND_SELECTIONS,
+    )
     tp_size: int = _flag("tensor parallel size", default=1)
-    base_gpu_id: int = _flag("device index of the first rank: tensor-parallel rank i runs on device base_gpu_id + i, "
-                             "counted among the visible devices (after CUDA_VISIBLE_DEVICES and the like)", default=0)
+    base_gpu_id: int = _flag(
+        "device index of the first rank: tensor-parallel rank i runs on device base_gpu_id + i, "
+        "counted among the visible devices (after CUDA_VISIBLE_DEVICES and the like)",
+        default=0,
+    )
     # memory and cache
     page_size: int = _flag("KV cache page size in tokens", default=1)
     max_total_tokens: Optional[int] = _flag("KV pool size in tokens (overrides mem_fraction_static)", default=None)
     mem_fraction_static: Optional[float] = _flag(
-        "fraction of the device memory for weights + KV pool (defaults to the platform's)", default=None)
+        "fraction of the device memory for weights + KV pool (defaults to the platform's)", default=None
+    )
     disable_radix_cache: bool = _flag("disable prefix caching", default=False)
     # scheduling
     max_running_requests: Optional[int] = _flag("max requests decoding at once", default=None)
     max_queued_requests: Optional[int] = _flag("reject new requests with 503 beyond this many waiting", default=None)
-    chunked_prefill_size: Optional[int] = _flag("max prompt tokens per prefill chunk; -1 disables chunking", default=2048)
+    chunked_prefill_size: Optional[int] = _flag(
+        "max prompt tokens per prefill chunk; -1 disables chunking", default=2048
+    )
     max_prefill_tokens: int = _flag("max new prompt tokens in one prefill batch", default=8192)
     schedule_policy: str = _flag("waiting-queue order", default="fcfs", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _flag("scales the reserved decode budget when admitting requests", default=1.0)
@@ -70,15 +84,21 @@ class ServerArgs:
     stream_interval: int = _flag("send streamed output every N tokens", default=1)
     disable_overlap_schedule: Optional[bool] = _flag(
         "run each step's scheduling and result handling after its forward instead of alongside the next one "
-        "(unset: the platform decides; on by default on GPUs, off on the cpu platform)", default=None)
+        "(unset: the platform decides; on by default on GPUs, off on the cpu platform)",
+        default=None,
+    )
     decode_log_interval: int = _flag("log a scheduler stats line every N decode steps", default=40)
     disable_graph: Optional[bool] = _flag(
         "run decode steps eagerly instead of replaying device graphs captured at start-up (unset: graphs "
-        "wherever the platform and the attention backend can capture them)", default=None,
-        aliases=("--disable-cuda-graph",))
+        "wherever the platform and the attention backend can capture them)",
+        default=None,
+        aliases=("--disable-cuda-graph",),
+    )
     graph_max_bs: Optional[int] = _flag(
         "largest decode batch replayed from a graph; larger ones run eagerly (unset: --max-running-requests)",
-        default=None, aliases=("--cuda-graph-max-bs",))
+        default=None,
+        aliases=("--cuda-graph-max-bs",),
+    )
     # server
     host: str = _flag("HTTP host", default="127.0.0.1")
     port: int = _flag("HTTP port", default=30000)
@@ -88,14 +108,16 @@ class ServerArgs:
     max_n: int = _flag("max choices per request (n)", default=64)
     max_stop_strings: int = _flag("max stop strings per request", default=64)
     max_stop_chars: int = _flag("max characters over all of a request's stop strings", default=8192)
-    log_level: str = _flag("logging level; debug also shows the full traceback of a start-up error",
-                           default="info")
-    log_requests: bool = _flag("also log each request's body (its first 2 KB) and finish reasons in the access log",
-                               default=False)
+    log_level: str = _flag("logging level; debug also shows the full traceback of a start-up error", default="info")
+    log_requests: bool = _flag(
+        "also log each request's body (its first 2 KB) and finish reasons in the access log", default=False
+    )
     skip_server_warmup: bool = _flag("skip the warm-up generation at startup", default=False)
     shutdown_timeout: float = _flag(
         "seconds that SIGTERM/SIGINT lets in-flight requests finish (new ones get 503) before ending them "
-        "with an error; 0 ends them at once", default=30.0)
+        "with an error; 0 ends them at once",
+        default=30.0,
+    )
     max_header_size: int = _flag("max size of a request's headers in bytes (431 beyond)", default=64 * 1024)
 
     def __post_init__(self) -> None:
@@ -119,17 +141,21 @@ class ServerArgs:
             bad("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in DTYPES:
             bad("kv_cache_dtype", f"must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size != -1 and (
-                self.chunked_prefill_size < self.page_size):
-            bad("chunked_prefill_size", f"must be -1 (off) or at least page_size ({self.page_size}), "
-                                        f"got {self.chunked_prefill_size}")
+        if (
+            self.chunked_prefill_size is not None
+            and self.chunked_prefill_size != -1
+            and (self.chunked_prefill_size < self.page_size)
+        ):
+            bad(
+                "chunked_prefill_size",
+                f"must be -1 (off) or at least page_size ({self.page_size}), got {self.chunked_prefill_size}",
+            )
         if self.max_prefill_tokens < self.page_size:
             bad("max_prefill_tokens", f"must be at least page_size ({self.page_size}), got {self.max_prefill_tokens}")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             bad("max_running_requests", f"must be >= 1, got {self.max_running_requests}")
         if self.quantization == "auto":
-            bad("quantization", "is never chosen automatically: leave it unset for none, or name a method "
-                                "(e.g. int8)")
+            bad("quantization", "is never chosen automatically: leave it unset for none, or name a method (e.g. int8)")
         if self.base_gpu_id < 0:
             bad("base_gpu_id", f"must be >= 0, got {self.base_gpu_id}")
         if self.tp_size != 1:
@@ -183,8 +209,15 @@ class ServerArgs:
                 parser.add_argument(*flags, action="store_true", default=default, help=meta["help"])
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
-            parser.add_argument(*flags, dest=f.name, type=kind, default=default, choices=meta.get("choices"),
-                                metavar=metavar, help=f"{meta['help']} (default: {default})")
+            parser.add_argument(
+                *flags,
+                dest=f.name,
+                type=kind,
+                default=default,
+                choices=meta.get("choices"),
+                metavar=metavar,
+                help=f"{meta['help']} (default: {default})",
+            )
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":

@@ -59,8 +59,9 @@ class Engine:
     def flush_cache(self) -> bool:
         return self._call(self.tokenizer_manager.control("flush_cache"))
 
-    def start_profile(self, output_dir: Optional[str] = None, record_shapes: bool = False,
-                      num_steps: Optional[int] = None) -> str:
+    def start_profile(
+        self, output_dir: Optional[str] = None, record_shapes: bool = False, num_steps: Optional[int] = None
+    ) -> str:
         """Profile the scheduler process (torch.profiler, the platform's activities)
         from its next step on; returns the path the Chrome trace will be written to:
         ``output_dir`` (default ``$RADIXSERVE_PROFILE_DIR``, else a new temporary
@@ -90,8 +91,9 @@ class Engine:
         ``priority``: higher is served first under ``schedule_policy="priority"``."""
         if prompt is not None and input_ids is not None:
             raise ValueError("prompt: give either prompt or input_ids, not both")
-        is_batch = isinstance(prompt, list) or (isinstance(input_ids, list) and bool(input_ids)
-                                                and isinstance(input_ids[0], list))
+        is_batch = isinstance(prompt, list) or (
+            isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+        )
         texts = (prompt if isinstance(prompt, list) else [prompt]) if prompt is not None else None
         ids = (input_ids if is_batch else [input_ids]) if input_ids is not None else None
         count = len(texts if texts is not None else ids if ids is not None else [None])
@@ -119,6 +121,7 @@ class Engine:
             if is_batch:
                 raise ValueError("stream: streaming takes a single prompt")
             return self._stream(inputs[0])
+
         async def run_all() -> list:
             return list(await asyncio.gather(*(self._collect(inp) for inp in inputs)))
 

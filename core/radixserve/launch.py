@@ -14,8 +14,10 @@ from radixserve.kernels import KernelQuery
 from radixserve.startup_error import StartupError
 
 PLUGINS_HINT = "`radixserve plugins` lists every platform and backend and why each is usable here or not"
-MODEL_HINT = ("--model takes a local HuggingFace model directory (with config.json) or a hub repo id "
-              "(org/name); without --model the built-in demo model is served")
+MODEL_HINT = (
+    "--model takes a local HuggingFace model directory (with config.json) or a hub repo id "
+    "(org/name); without --model the built-in demo model is served"
+)
 
 
 def check_startup(args: ServerArgs) -> KernelQuery:
@@ -45,8 +47,11 @@ def check_startup(args: ServerArgs) -> KernelQuery:
         if name not in registry.candidates[kind]:
             flag = "--quantization" if kind == "quantization" else f"--{kind}-backend"
             what = "quantization method" if kind == "quantization" else f"{kind} backend"
-            raise StartupError(f"{flag} {name!r} is not a registered {what}; registered: "
-                               f"{', '.join(sorted(registry.candidates[kind])) or 'none'}", PLUGINS_HINT)
+            raise StartupError(
+                f"{flag} {name!r} is not a registered {what}; registered: "
+                f"{', '.join(sorted(registry.candidates[kind])) or 'none'}",
+                PLUGINS_HINT,
+            )
     if args.model_path is None or is_hub_id(args.model_path):
         # The model's shapes are known once it is built or downloaded; the scheduler checks them then.
         return KernelQuery(device=platform.name, dtype=platform.default_dtype)
@@ -79,6 +84,10 @@ def build_backends(query: KernelQuery) -> None:
 
 
 def _forced_backends(args: ServerArgs) -> dict[str, str]:
-    return {"attention": args.attention_backend, "gemm": args.gemm_backend, "moe": args.moe_backend,
-            "elementwise": args.elementwise_backend,
-            "quantization": args.quantization or "none"}
+    return {
+        "attention": args.attention_backend,
+        "gemm": args.gemm_backend,
+        "moe": args.moe_backend,
+        "elementwise": args.elementwise_backend,
+        "quantization": args.quantization or "none",
+    }

@@ -75,8 +75,9 @@ class ProfileOptions:
             raise ValueError(f"output_dir: must be a non-empty string, got {self.output_dir!r}")
         if not isinstance(self.record_shapes, bool):
             raise ValueError(f"record_shapes: must be a boolean, got {self.record_shapes!r}")
-        if self.num_steps is not None and (isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int)
-                                           or self.num_steps < 1):
+        if self.num_steps is not None and (
+            isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 1
+        ):
             raise ValueError(f"num_steps: must be a positive integer, got {self.num_steps!r}")
 
 

@@ -48,7 +48,7 @@ CHAT_TEMPLATE = (
     "{%- if tools -%}"
     "{{- '<|im_start|>system\\n' -}}"
     "{%- if system_first -%}{{- render(messages[0].content) + '\\n\\n' -}}{%- endif -%}"
-    "{{- '# Tools\\nCall a tool with <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.' -}}"
+    '{{- \'# Tools\\nCall a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>.\' -}}'
     "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- endif -%}"
@@ -80,11 +80,18 @@ _WORDS = (
     "request stream decode prefill kernel tensor memory page schedule latency throughput python function"
 ).split()
 _CJK = (
-    "你好，世界。", "今天天气很好。", "我们一起学习。", "模型正在生成文本。", "こんにちは、世界。",
-    "ありがとうございます。", "東京は大きい都市です。", "안녕하세요.", "감사합니다.",
+    "你好，世界。",
+    "今天天气很好。",
+    "我们一起学习。",
+    "模型正在生成文本。",
+    "こんにちは、世界。",
+    "ありがとうございます。",
+    "東京は大きい都市です。",
+    "안녕하세요.",
+    "감사합니다.",
 )
 _EMOJI = ("😀", "🚀", "🎉", "👍", "🔥", "🤖", "❤️", "🌍", "👨‍👩‍👧")
-_PUNCT = (".", ",", "!", "?", ";", ":", "...", " -", "'s", "\"", "(", ")")
+_PUNCT = (".", ",", "!", "?", ";", ":", "...", " -", "'s", '"', "(", ")")
 
 
 def synthetic_corpus(num_lines: int = 3000, seed: int = 0) -> list[str]:
@@ -111,8 +118,34 @@ def synthetic_corpus(num_lines: int = 3000, seed: int = 0) -> list[str]:
 # The plain corpus supports vocabularies up to about this size; larger ones get
 # pseudo-words too (so small tokenizers stay exactly as they were).
 _PLAIN_CORPUS_VOCAB = 2048
-_ONSETS = ("b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z", "br", "st",
-           "tr", "pl", "gr", "ch", "sh", "th")
+_ONSETS = (
+    "b",
+    "c",
+    "d",
+    "f",
+    "g",
+    "h",
+    "j",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "w",
+    "z",
+    "br",
+    "st",
+    "tr",
+    "pl",
+    "gr",
+    "ch",
+    "sh",
+    "th",
+)
 _NUCLEI = ("a", "e", "i", "o", "u", "ai", "ou", "ee", "oa")
 
 
@@ -120,8 +153,9 @@ def pseudo_word_corpus(vocab_size: int, seed: int = 1) -> list[str]:
     """Lines of deterministic made-up words (syllable strings), enough distinct
     material for a byte-level BPE to learn ``vocab_size`` tokens."""
     rng = random.Random(seed)
-    vocab = ["".join(rng.choice(_ONSETS) + rng.choice(_NUCLEI) for _ in range(rng.randint(2, 4)))
-             for _ in range(vocab_size)]
+    vocab = [
+        "".join(rng.choice(_ONSETS) + rng.choice(_NUCLEI) for _ in range(rng.randint(2, 4))) for _ in range(vocab_size)
+    ]
     return [" ".join(rng.choice(vocab) for _ in range(12)) for _ in range(vocab_size)]
 
 

@@ -122,12 +122,26 @@ def model_query_for_args(args: Any, config: "PretrainedConfig", platform: Any) -
     size, quantization) on ``platform``; what the start-up checks ask the registry."""
     dtype = resolve_dtype(args.dtype, config, platform)
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else DTYPE_NAMES[args.kv_cache_dtype]
-    return model_kernel_query(config, platform.name, dtype, tp_size=args.tp_size, page_size=args.page_size,
-                              kv_dtype=kv_dtype, quantization=args.quantization)
+    return model_kernel_query(
+        config,
+        platform.name,
+        dtype,
+        tp_size=args.tp_size,
+        page_size=args.page_size,
+        kv_dtype=kv_dtype,
+        quantization=args.quantization,
+    )
 
 
-def model_timing_shapes(config: "PretrainedConfig", query: KernelQuery, *, tp_size: int, decode_rows: int,
-                        prefill_rows: int, context_length: int) -> "ModelShapes":
+def model_timing_shapes(
+    config: "PretrainedConfig",
+    query: KernelQuery,
+    *,
+    tp_size: int,
+    decode_rows: int,
+    prefill_rows: int,
+    context_length: int,
+) -> "ModelShapes":
     """One rank's shapes of the model in ``config``, for timing backends on them
     (radixserve/backend_timing.py): ``decode_rows`` requests of ``context_length``
     tokens (capped at 1024) per decode step, ``prefill_rows`` tokens per prefill chunk."""
@@ -208,6 +222,13 @@ def load_model(
         layer.quant.process_weights_after_loading(layer)
     for head in (m for m in model.modules() if isinstance(m, ParallelLMHead)):
         head.process_weights_after_loading()
-    logger.info("loaded %s (%s) from %s in %s on %s in %.2f s", architectures[0], cls.__name__, model_path, ctx.dtype,
-                ctx.device, time.perf_counter() - start)
+    logger.info(
+        "loaded %s (%s) from %s in %s on %s in %.2f s",
+        architectures[0],
+        cls.__name__,
+        model_path,
+        ctx.dtype,
+        ctx.device,
+        time.perf_counter() - start,
+    )
     return model.eval(), config

@@ -25,8 +25,11 @@ def resolve_model_path(args: ServerArgs) -> str:
         from radixserve.demo_model import demo_model_path
 
         path = str(demo_model_path())
-        logger.warning("no --model given: serving the built-in demo model from %s. It has RANDOM weights "
-                       "(its output is gibberish); pass --model PATH_OR_HUB_ID for a real one.", path)
+        logger.warning(
+            "no --model given: serving the built-in demo model from %s. It has RANDOM weights "
+            "(its output is gibberish); pass --model PATH_OR_HUB_ID for a real one.",
+            path,
+        )
         return path
     if is_hub_id(args.model_path):
         return check_model_dir(_download(args.model_path))
@@ -67,8 +70,10 @@ def check_tokenizer_source(path: str) -> None:
     if not os.path.isdir(path):
         raise ValueError(f"tokenizer_path: {path!r} is not a directory")
     if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
-        raise ValueError(f"tokenizer_path: {path!r} has no tokenizer files (one of {', '.join(_TOKENIZER_FILES)}); "
-                         f"pass --tokenizer-path")
+        raise ValueError(
+            f"tokenizer_path: {path!r} has no tokenizer files (one of {', '.join(_TOKENIZER_FILES)}); "
+            f"pass --tokenizer-path"
+        )
 
 
 def _offline() -> bool:
@@ -85,12 +90,16 @@ def _download(repo_id: str) -> str:
         return snapshot_download(repo_id, allow_patterns=_ALLOW_PATTERNS, local_files_only=offline)
     except LocalEntryNotFoundError as exc:
         if offline:
-            raise ValueError(f"model_path: {repo_id!r} is not in the HuggingFace cache and HF_HUB_OFFLINE is set; "
-                             f"download it once online, or pass a local directory") from exc
-        raise ValueError(f"model_path: could not reach the HuggingFace hub for {repo_id!r} and it is not cached: "
-                         f"{exc}") from exc
+            raise ValueError(
+                f"model_path: {repo_id!r} is not in the HuggingFace cache and HF_HUB_OFFLINE is set; "
+                f"download it once online, or pass a local directory"
+            ) from exc
+        raise ValueError(
+            f"model_path: could not reach the HuggingFace hub for {repo_id!r} and it is not cached: {exc}"
+        ) from exc
     except GatedRepoError as exc:
-        raise ValueError(f"model_path: {repo_id!r} is gated; accept its terms on huggingface.co and log in "
-                         f"(HF_TOKEN)") from exc
+        raise ValueError(
+            f"model_path: {repo_id!r} is gated; accept its terms on huggingface.co and log in (HF_TOKEN)"
+        ) from exc
     except RepositoryNotFoundError as exc:
         raise ValueError(f"model_path: {repo_id!r} is neither a local directory nor a HuggingFace repo") from exc

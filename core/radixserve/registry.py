@@ -224,7 +224,8 @@ class PluginRegistry:
         reasons = cand.cls.unavailable_reasons()
         if reasons:
             raise PluginError(
-                f"--device {device!r} (plugin {cand.plugin!r}) is not usable here: " + "; ".join(reasons)
+                f"--device {device!r} (plugin {cand.plugin!r}) is not usable here: "
+                + "; ".join(reasons)
                 + f"\nAvailable: {self._platform_summary()}"
             )
         return cand.cls
@@ -316,8 +317,15 @@ class PluginRegistry:
         platform_rows, device_for_query = [], None
         for cand in sorted(candidates["platform"].values(), key=lambda c: -c.priority):
             reasons = cand.cls.unavailable_reasons()
-            platform_rows.append({"name": cand.name, "plugin": cand.plugin, "priority": cand.priority,
-                                  "usable": not reasons, "reasons": reasons})
+            platform_rows.append(
+                {
+                    "name": cand.name,
+                    "plugin": cand.plugin,
+                    "priority": cand.priority,
+                    "usable": not reasons,
+                    "reasons": reasons,
+                }
+            )
             if not reasons and device_for_query is None:
                 device_for_query = cand.cls
         backends: dict[str, list[dict[str, Any]]] = {"platform": platform_rows}
@@ -328,13 +336,27 @@ class PluginRegistry:
             rows = []
             for cand in sorted(candidates[kind].values(), key=lambda c: (-c.priority, c.name)):
                 reasons = cand.cls.unsupported_reasons(query) if query else ["no usable device platform"]
-                rows.append({"name": cand.name, "plugin": cand.plugin, "priority": cand.priority,
-                             "usable": not reasons, "reasons": reasons})
+                rows.append(
+                    {
+                        "name": cand.name,
+                        "plugin": cand.plugin,
+                        "priority": cand.priority,
+                        "usable": not reasons,
+                        "reasons": reasons,
+                    }
+                )
             backends[kind] = rows
         backends["model"] = [{"name": c.name, "plugin": c.plugin} for c in candidates["model"].values()]
         plugins = [
-            {"name": i.name, "distribution": i.distribution, "version": i.version, "module": i.module,
-             "hooks": i.hooks, "registered": i.registered, "error": i.error}
+            {
+                "name": i.name,
+                "distribution": i.distribution,
+                "version": i.version,
+                "module": i.module,
+                "hooks": i.hooks,
+                "registered": i.registered,
+                "error": i.error,
+            }
             for i in self.plugins.values()
         ]
         return {"device_checked": query.device if query else None, "plugins": plugins, "backends": backends}

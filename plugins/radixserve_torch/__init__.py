@@ -3,7 +3,6 @@ truth every other backend is tested against. Registered through the
 ``radixserve`` entry point exactly as a third-party plugin would be."""
 
 from radixserve.hooks import Register, hookimpl
-
 from radixserve_torch.attention import TorchNativeAttention
 from radixserve_torch.attention_cpu_paged import CpuPagedAttention
 from radixserve_torch.attention_varlen import TorchVarlenAttention

@@ -67,9 +67,11 @@ class TorchNativeAttention(AttentionBackend):
 
     def graph_unsupported_reasons(self, max_bs: int, max_context: int) -> list[str]:
         if max_bs * max_context > _MAX_GRAPH_KEYS:
-            return [f"torch_native reads every request's whole slot table row under graphs, and "
-                    f"{max_bs} requests x {max_context} tokens is above {_MAX_GRAPH_KEYS} "
-                    f"(lower --graph-max-bs or --context-length)"]
+            return [
+                f"torch_native reads every request's whole slot table row under graphs, and "
+                f"{max_bs} requests x {max_context} tokens is above {_MAX_GRAPH_KEYS} "
+                f"(lower --graph-max-bs or --context-length)"
+            ]
         return []
 
     def init_graph_state(self, max_bs: int, max_context: int, device: torch.device) -> None:
@@ -98,16 +100,27 @@ def grouped_heads_reasons(query: KernelQuery) -> list[str]:
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, layer: AttentionLayerSpec) -> torch.Tensor:
     """q [n, H, D], k/v [S, KVH, D], mask [n, S] (None: plain causal) -> [n, H, D]."""
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, is_causal=mask is None,
-        scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads,
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=layer.scaling,
+        enable_gqa=layer.num_heads != layer.num_kv_heads,
     )
     return o.transpose(0, 1)
 
 
-def _sdpa_batched(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: AttentionLayerSpec) -> torch.Tensor:
+def _sdpa_batched(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: AttentionLayerSpec
+) -> torch.Tensor:
     """q [B, H, D], k/v [B, S, KVH, D], mask [B, S] -> [B, H, D]."""
     o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :],
-        scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads,
+        q.unsqueeze(2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask[:, None, None, :],
+        scale=layer.scaling,
+        enable_gqa=layer.num_heads != layer.num_kv_heads,
     )
     return o.squeeze(2)

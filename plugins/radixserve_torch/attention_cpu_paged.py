@@ -35,7 +35,6 @@ import torch
 
 from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
-
 from radixserve_torch import cpu_kernels
 from radixserve_torch.attention import grouped_heads_reasons
 
@@ -60,9 +59,13 @@ def load_kernel() -> CpuPagedKernels:
     """The ``torch.ops.radixserve_cpu_paged`` ops (building the CPU kernels on first use)."""
     cpu_kernels.load()
     ops = torch.ops.radixserve_cpu_paged
-    return CpuPagedKernels(store_kv=ops.store_kv.default, decode=ops.paged_attention,
-                           decode_with_lse=ops.paged_attention_with_lse, extend=ops.extend_attention,
-                           cascade=ops.cascade_decode_attention)
+    return CpuPagedKernels(
+        store_kv=ops.store_kv.default,
+        decode=ops.paged_attention,
+        decode_with_lse=ops.paged_attention_with_lse,
+        extend=ops.extend_attention,
+        cascade=ops.cascade_decode_attention,
+    )
 
 
 # A decode group shares a prefix through the cascade kernel only when it is this
@@ -96,12 +99,15 @@ class PagedMetadata:
 
     rows: torch.Tensor  # [B] int64: each request's row in req_to_token
     kv_lens: torch.Tensor  # [B] int64: its keys after this step (cached + new)
-    q_starts: Optional[torch.Tensor] = None  # extend: [B + 1] int64, request b's queries are rows q_starts[b]:q_starts[b+1]
+    q_starts: Optional[torch.Tensor] = (
+        None  # extend: [B + 1] int64, request b's queries are rows q_starts[b]:q_starts[b+1]
+    )
     cascade: Optional[CascadePlan] = None  # decode: shared-prefix groups, when there are any
 
 
-def plan_cascade(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[int], group_size: int
-                 ) -> Optional[CascadePlan]:
+def plan_cascade(
+    req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[int], group_size: int
+) -> Optional[CascadePlan]:
     """Group decode requests by their first pool slot (the radix cache hands
     requests with a common cached prefix the very same slots), and measure each
     group's common prefix: the leading slots all members' rows agree on, short of
@@ -143,10 +149,17 @@ def plan_cascade(req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[
     columns = tensor(member_shared)[:, None] + torch.arange(max(suffix_lens), device=device)[None, :]
     columns.clamp_(max=req_to_token.shape[1] - 1)  # past a request's own keys: never read
     return CascadePlan(
-        grouped=grouped_t, grouped_rows=grouped_rows, group_starts=tensor(starts), shared_lens=tensor(shared),
+        grouped=grouped_t,
+        grouped_rows=grouped_rows,
+        group_starts=tensor(starts),
+        shared_lens=tensor(shared),
         suffix_table=req_to_token[grouped_rows[:, None], columns].contiguous(),
-        suffix_rows=torch.arange(len(grouped), device=device), suffix_lens=tensor(suffix_lens),
-        solo=solo_t, solo_rows=rows.index_select(0, solo_t), solo_lens=tensor([seq_lens[i] for i in solo]))
+        suffix_rows=torch.arange(len(grouped), device=device),
+        suffix_lens=tensor(suffix_lens),
+        solo=solo_t,
+        solo_rows=rows.index_select(0, solo_t),
+        solo_lens=tensor([seq_lens[i] for i in solo]),
+    )
 
 
 class CpuPagedAttention(AttentionBackend):
@@ -170,15 +183,18 @@ class CpuPagedAttention(AttentionBackend):
             reasons.append(f"dtype {query.dtype} is not float32, bfloat16 or float16")
         kv_dtype = query.kv_dtype
         if kv_dtype is not None and kv_dtype != query.dtype and kv_dtype not in _KV_DTYPES.get(query.dtype, ()):
-            reasons.append(f"a KV pool in {kv_dtype} under {query.dtype} compute is not supported "
-                           "(the pool holds the compute dtype, or bfloat16/float16 under float32)")
+            reasons.append(
+                f"a KV pool in {kv_dtype} under {query.dtype} compute is not supported "
+                "(the pool holds the compute dtype, or bfloat16/float16 under float32)"
+            )
         return reasons + cpu_kernels.unavailable_reasons()
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         meta = PagedMetadata(batch.req_pool_indices.contiguous(), batch.seq_lens.contiguous())
         if batch.mode is ForwardMode.DECODE:
-            meta.cascade = plan_cascade(batch.req_to_token, meta.rows, batch.seq_lens_cpu,
-                                        self.query.num_heads // self.query.num_kv_heads)
+            meta.cascade = plan_cascade(
+                batch.req_to_token, meta.rows, batch.seq_lens_cpu, self.query.num_heads // self.query.num_kv_heads
+            )
         else:
             starts = [0]
             for n in batch.extend_lens_cpu:
@@ -202,18 +218,31 @@ class CpuPagedAttention(AttentionBackend):
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.solo.numel():
             q_solo, out_solo = _query_and_out(q.index_select(0, plan.solo))
-            self._kernels.decode(q_solo, k_buf, v_buf, batch.req_to_token, plan.solo_rows, plan.solo_lens,
-                                 layer.scaling, out_solo)
+            self._kernels.decode(
+                q_solo, k_buf, v_buf, batch.req_to_token, plan.solo_rows, plan.solo_lens, layer.scaling, out_solo
+            )
             out.index_copy_(0, plan.solo, out_solo)
         # Each grouped request's own keys through the decode kernel (with their
         # log-sum-exp), then the shared prefixes in tiles, merged with them.
         q_grouped, own = _query_and_out(q.index_select(0, plan.grouped))
         own_lse = torch.empty(q_grouped.shape[:2], dtype=torch.float32, device=q.device)
-        self._kernels.decode_with_lse(q_grouped, k_buf, v_buf, plan.suffix_table, plan.suffix_rows,
-                                      plan.suffix_lens, layer.scaling, own, own_lse)
+        self._kernels.decode_with_lse(
+            q_grouped, k_buf, v_buf, plan.suffix_table, plan.suffix_rows, plan.suffix_lens, layer.scaling, own, own_lse
+        )
         out_grouped = torch.empty_like(own)
-        self._kernels.cascade(q_grouped, k_buf, v_buf, batch.req_to_token, plan.grouped_rows, plan.group_starts,
-                              plan.shared_lens, own, own_lse, layer.scaling, out_grouped)
+        self._kernels.cascade(
+            q_grouped,
+            k_buf,
+            v_buf,
+            batch.req_to_token,
+            plan.grouped_rows,
+            plan.group_starts,
+            plan.shared_lens,
+            own,
+            own_lse,
+            layer.scaling,
+            out_grouped,
+        )
         out.index_copy_(0, plan.grouped, out_grouped)
         return out
 
@@ -221,8 +250,9 @@ class CpuPagedAttention(AttentionBackend):
         meta: PagedMetadata = batch.attn_metadata
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
         q, out = _query_and_out(q)
-        self._kernels.extend(q, k_buf, v_buf, batch.req_to_token, meta.rows, meta.q_starts, meta.kv_lens,
-                             layer.scaling, out)
+        self._kernels.extend(
+            q, k_buf, v_buf, batch.req_to_token, meta.rows, meta.q_starts, meta.kv_lens, layer.scaling, out
+        )
         return out
 
 

@@ -40,7 +40,6 @@ import torch.nn.functional as F
 
 from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
-
 from radixserve_torch.attention import grouped_heads_reasons
 
 # A new bucket starts when a request's work is less than this fraction of the
@@ -122,7 +121,8 @@ class TorchVarlenAttention(AttentionBackend):
             offset += (end - start) * kv_heads * s_max
             if decode:  # in the compute dtype: adding 0 or -inf is exact in any float dtype
                 bucket.mask = torch.zeros(visible.shape, dtype=self.query.dtype, device=device).masked_fill_(
-                    ~visible, float("-inf"))[:, None, :]
+                    ~visible, float("-inf")
+                )[:, None, :]
             else:
                 self._plan_extend(bucket, [order[i] for i in range(start, end)], starts, batch, device)
             buckets.append(bucket)
@@ -206,8 +206,13 @@ class TorchVarlenAttention(AttentionBackend):
             values = v[b.kv_offset : b.kv_offset + n * s].view(b.size, kvh, s, d)
             queries = q.index_select(0, b.query_index).view(b.size, b.num_queries, h, d).transpose(1, 2)
             o = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=b.mask, is_causal=b.mask is None,
-                scale=layer.scaling, enable_gqa=h != kvh,
+                queries,
+                keys,
+                values,
+                attn_mask=b.mask,
+                is_causal=b.mask is None,
+                scale=layer.scaling,
+                enable_gqa=h != kvh,
             )
             o = o.transpose(1, 2).reshape(b.size * b.num_queries, h, d)
             out.index_copy_(0, b.token_index, o.index_select(0, b.valid_rows))

@@ -82,19 +82,25 @@ CAPPED_TARGETS: dict[tuple[str, str], tuple[tuple[str, ...], frozenset[str]]] = 
 }
 
 
-def select_target(machine: str, capability: str, capped: bool,
-                  flags: Optional[frozenset[str]]) -> Optional[BuildTarget]:
+def select_target(
+    machine: str, capability: str, capped: bool, flags: Optional[frozenset[str]]
+) -> Optional[BuildTarget]:
     """The build target for ATen ``capability`` on ``machine`` (``capped``: set by
     ``ATEN_CPU_CAPABILITY``; ``flags``: the CPU's), or None where there is none."""
     level = capability.upper()
     if not capped and machine in NATIVE_FLAGS:
         cflags = NATIVE_FLAGS[machine]
-        return BuildTarget(f"{machine}_{level.lower()}_native", cflags, flags or frozenset(),
-                           f"this CPU ({' '.join(cflags)})")
+        return BuildTarget(
+            f"{machine}_{level.lower()}_native", cflags, flags or frozenset(), f"this CPU ({' '.join(cflags)})"
+        )
     if (machine, level) in CAPPED_TARGETS:
         cflags, features = CAPPED_TARGETS[(machine, level)]
-        return BuildTarget(f"{machine}_{level.lower()}", cflags, features,
-                           f"{level} ({' '.join(cflags)}; ATEN_CPU_CAPABILITY caps ATen at {level})")
+        return BuildTarget(
+            f"{machine}_{level.lower()}",
+            cflags,
+            features,
+            f"{level} ({' '.join(cflags)}; ATEN_CPU_CAPABILITY caps ATen at {level})",
+        )
     return None
 
 
@@ -106,14 +112,17 @@ def aten_capability_capped() -> bool:
 @functools.lru_cache(maxsize=None)
 def build_target() -> Optional[BuildTarget]:
     """This process's build target (ATen reads its capability once per process, so this is cached)."""
-    return select_target(platform.machine(), torch.backends.cpu.get_cpu_capability(), aten_capability_capped(),
-                         cpu_flags())
+    return select_target(
+        platform.machine(), torch.backends.cpu.get_cpu_capability(), aten_capability_capped(), cpu_flags()
+    )
 
 
 def no_target_reason() -> str:
     """Why this process has no build target (for ``unsupported_reasons`` and errors)."""
-    return (f"the CPU kernels have no build target for {platform.machine()} at ATen capability "
-            f"{torch.backends.cpu.get_cpu_capability()} (radixserve_torch/cpu_isa.py)")
+    return (
+        f"the CPU kernels have no build target for {platform.machine()} at ATen capability "
+        f"{torch.backends.cpu.get_cpu_capability()} (radixserve_torch/cpu_isa.py)"
+    )
 
 
 # ONEDNN_MAX_CPU_ISA values below avx512_core_bf16: oneDNN may not use bfloat16 dot products.
@@ -145,5 +154,8 @@ def bf16_matmul() -> Bf16Matmul:
     if (target is not None and "avx512_bf16" in target.features) or cap not in ONEDNN_BELOW_BF16:
         return Bf16Matmul(True, f"this CPU has {' and '.join(has)}")
     built_for = target.origin if target is not None else "no target"
-    return Bf16Matmul(False, f"this CPU has {' and '.join(has)}, but our kernels are built for {built_for} and "
-                             f"ONEDNN_MAX_CPU_ISA={cap} caps oneDNN below them")
+    return Bf16Matmul(
+        False,
+        f"this CPU has {' and '.join(has)}, but our kernels are built for {built_for} and "
+        f"ONEDNN_MAX_CPU_ISA={cap} caps oneDNN below them",
+    )

@@ -34,8 +34,16 @@ from radixserve_torch import cpu_isa
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in (
-    "cpu_paged_ops.cpp", "cpu_paged_decode.cpp", "cpu_paged_extend.cpp", "cpu_elementwise.cpp", "cpu_gemm.cpp")]
+SOURCES = [
+    CSRC / name
+    for name in (
+        "cpu_paged_ops.cpp",
+        "cpu_paged_decode.cpp",
+        "cpu_paged_extend.cpp",
+        "cpu_elementwise.cpp",
+        "cpu_gemm.cpp",
+    )
+]
 
 _lock = threading.Lock()
 _loaded = False

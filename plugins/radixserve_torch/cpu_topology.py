@@ -80,8 +80,10 @@ class CpuPlacement:
 
     def describe(self) -> str:
         where = f"NUMA node {self.node} of {self.num_nodes}" if self.node is not None else "no NUMA nodes shown"
-        return (f"{where}: CPUs {format_cpulist(self.cpus)}, {self.cores} physical cores, "
-                f"{self.threads} torch threads ({self.threads_from})")
+        return (
+            f"{where}: CPUs {format_cpulist(self.cpus)}, {self.cores} physical cores, "
+            f"{self.threads} torch threads ({self.threads_from})"
+        )
 
 
 def place_this_process(sysfs: Path = SYSFS, environ: Mapping[str, str] = os.environ) -> CpuPlacement:
@@ -93,8 +95,14 @@ def place_this_process(sysfs: Path = SYSFS, environ: Mapping[str, str] = os.envi
     node, cpus = choose_node(allowed, nodes)
     cores = physical_cores(cpus, sysfs)
     if environ.get("OMP_NUM_THREADS"):
-        return CpuPlacement(node, len(nodes), allowed, physical_cores(allowed, sysfs), torch.get_num_threads(),
-                            f"OMP_NUM_THREADS={environ['OMP_NUM_THREADS']}")
+        return CpuPlacement(
+            node,
+            len(nodes),
+            allowed,
+            physical_cores(allowed, sysfs),
+            torch.get_num_threads(),
+            f"OMP_NUM_THREADS={environ['OMP_NUM_THREADS']}",
+        )
     if cpus != allowed:
         # Every thread of the process (the mask is per thread; threads made later inherit it).
         for task in os.listdir("/proc/self/task"):
@@ -147,7 +155,7 @@ def cgroup_memory_limit(proc: Path = PROC, cgroup: Path = CGROUP) -> Optional[tu
         else:
             continue
         leaf = base / path.lstrip("/")
-        for directory in (leaf, *leaf.parents[:len(leaf.parents) - len(base.parents)]):
+        for directory in (leaf, *leaf.parents[: len(leaf.parents) - len(base.parents)]):
             try:
                 limit = (directory / limit_file).read_text().strip()
                 usage = int((directory / usage_file).read_text())
@@ -169,8 +177,9 @@ class HostMemory:
     scope: str  # what the figures are of
 
 
-def host_memory(node: Optional[int], num_nodes: int, sysfs: Path = SYSFS, proc: Path = PROC,
-                cgroup: Path = CGROUP) -> HostMemory:
+def host_memory(
+    node: Optional[int], num_nodes: int, sysfs: Path = SYSFS, proc: Path = PROC, cgroup: Path = CGROUP
+) -> HostMemory:
     """The machine's ``MemTotal`` and ``MemAvailable`` (free memory plus the page cache
     the kernel can drop); on a machine of several NUMA nodes, ``node``'s total and its
     free and file-cache pages instead; either within the cgroup's limit."""

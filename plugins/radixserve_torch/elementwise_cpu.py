@@ -24,7 +24,6 @@ import torch
 
 from radixserve.kernels import KernelQuery
 from radixserve.kernels.elementwise import NormResult
-
 from radixserve_torch import cpu_kernels
 from radixserve_torch.elementwise import TorchNativeElementwise
 
@@ -76,8 +75,13 @@ class CpuFusedElementwise(TorchNativeElementwise):
         cos_sin_cache: torch.Tensor,
         neox_style: bool = True,
     ) -> None:
-        if (q.dim() == k.dim() == 3 and q.stride(-1) == k.stride(-1) == 1 and positions.dtype == torch.int64
-                and cos_sin_cache.dtype == q.dtype == k.dtype and cos_sin_cache.is_contiguous()):
+        if (
+            q.dim() == k.dim() == 3
+            and q.stride(-1) == k.stride(-1) == 1
+            and positions.dtype == torch.int64
+            and cos_sin_cache.dtype == q.dtype == k.dtype
+            and cos_sin_cache.is_contiguous()
+        ):
             self._ops.rotary(q, k, positions.contiguous(), cos_sin_cache, neox_style)
         else:
             super().apply_rotary(q, k, positions, cos_sin_cache, neox_style)

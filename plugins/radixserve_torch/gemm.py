@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.kernels import GemmBackend, KernelQuery
-
 from radixserve_torch import cpu_isa, cpu_kernels
 
 
@@ -58,9 +57,11 @@ class OneDnnGemm(GemmBackend):
             flags = cpu_isa.cpu_flags() or frozenset()
             cpu_can = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
             cap = cpu_isa.onednn_isa_cap()
-            reasons.append(f"ONEDNN_MAX_CPU_ISA={cap} keeps oneDNN from the AVX-512 (or AVX-NE-CONVERT) "
-                           "its bfloat16 needs" if cap and cpu_can else
-                           "this CPU lacks the AVX-512 (or AVX-NE-CONVERT) oneDNN needs for bfloat16")
+            reasons.append(
+                f"ONEDNN_MAX_CPU_ISA={cap} keeps oneDNN from the AVX-512 (or AVX-NE-CONVERT) its bfloat16 needs"
+                if cap and cpu_can
+                else "this CPU lacks the AVX-512 (or AVX-NE-CONVERT) oneDNN needs for bfloat16"
+            )
         return reasons
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
@@ -100,7 +101,8 @@ class CpuPackedGemm(GemmBackend):
         built = self._ops.dtypes()
         if str(query.dtype).removeprefix("torch.") not in built:
             raise cpu_kernels.KernelBuildError(
-                f"the CPU kernels ({cpu_kernels.extension_name()}) hold GEMM kernels for {built}, not {query.dtype}")
+                f"the CPU kernels ({cpu_kernels.extension_name()}) hold GEMM kernels for {built}, not {query.dtype}"
+            )
 
     @classmethod
     def build(cls) -> None:
@@ -119,8 +121,10 @@ class CpuPackedGemm(GemmBackend):
             # ATEN_CPU_CAPABILITY=avx2 they are built without AVX-512 (cpu_isa.py).
             target = cpu_isa.build_target()
             if target is not None and needed not in target.features:
-                reasons.append(f"its {query.dtype} kernels need {needed}, and the CPU kernels are built for "
-                               f"{target.origin}, which lacks it")
+                reasons.append(
+                    f"its {query.dtype} kernels need {needed}, and the CPU kernels are built for "
+                    f"{target.origin}, which lacks it"
+                )
         return reasons + cpu_kernels.unavailable_reasons()
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
@@ -143,8 +147,9 @@ class CpuPackedGemm(GemmBackend):
         self._linear(x, weight, None if bias is None else bias.contiguous(), out)
         return out
 
-    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor,
-                            bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def linear_silu_and_mul(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+    ) -> Optional[torch.Tensor]:
         """The packed kernel with silu(gate) * up in its epilogue: each register tile
         holds matching gate and up columns, so the projection (twice the width) is
         never written and read back (W2's float32 gate/up and SiLU: 12-20% faster

@@ -8,7 +8,6 @@ from typing import Optional
 import torch
 
 from radixserve.platform import DtypeChoice, Platform
-
 from radixserve_torch import cpu_isa
 from radixserve_torch.cpu_topology import HostMemory, host_memory, place_this_process
 
@@ -81,8 +80,10 @@ class CpuPlatform(Platform):
         what = f"a {str(saved).removeprefix('torch.')} checkpoint"
         if bf16.native:
             return DtypeChoice(torch.bfloat16, f"{what}, served in bfloat16: {bf16.reason}")
-        return DtypeChoice(torch.float32, f"{what}, served in float32: {bf16.reason}; emulated bfloat16 "
-                                          "matmuls are slower than float32 ones")
+        return DtypeChoice(
+            torch.float32,
+            f"{what}, served in float32: {bf16.reason}; emulated bfloat16 matmuls are slower than float32 ones",
+        )
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")

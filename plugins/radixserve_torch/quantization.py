@@ -28,8 +28,9 @@ class NoQuantization(QuantizationMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         return self.gemm.linear(x, layer.weight, bias)
 
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor,
-                           bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]
+    ) -> Optional[torch.Tensor]:
         return self.gemm.linear_silu_and_mul(x, layer.weight, bias)
 
 

@@ -15,7 +15,6 @@ sizes by subclassing a backend and setting ``kernel_config`` (and its own
 """
 
 from radixserve.hooks import Register, hookimpl
-
 from radixserve_triton.attention import TritonAttention
 from radixserve_triton.config import (
     DEFAULT_ATTENTION_CONFIG,

@@ -9,7 +9,6 @@ import torch
 
 from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
-
 from radixserve_triton._env import device_reasons, dtype_reasons, interpreter_requested
 from radixserve_triton.config import DEFAULT_ATTENTION_CONFIG, AttentionKernelConfig
 
@@ -49,9 +48,7 @@ class TritonAttention(AttentionBackend):
             reasons.append(f"head_dim {query.head_dim} is not supported (1..{MAX_HEAD_DIM})")
         if query.num_heads is not None and query.num_kv_heads:
             if query.num_heads % query.num_kv_heads:
-                reasons.append(
-                    f"num_heads {query.num_heads} is not a multiple of num_kv_heads {query.num_kv_heads}"
-                )
+                reasons.append(f"num_heads {query.num_heads} is not a multiple of num_kv_heads {query.num_kv_heads}")
         return reasons
 
     def __init__(self, query: KernelQuery):
@@ -115,8 +112,7 @@ class TritonAttention(AttentionBackend):
             max_seq_len=self._graph_context,
             max_extend_len=1,
             extend_start=self._graph_token_index[:bs],
-            num_kv_splits=self._kernels.choose_num_kv_splits(bs, num_kv_heads, self._graph_context,
-                                                             self.kernel_config),
+            num_kv_splits=self._kernels.choose_num_kv_splits(bs, num_kv_heads, self._graph_context, self.kernel_config),
         )
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
@@ -130,8 +126,16 @@ class TritonAttention(AttentionBackend):
         meta = self._meta(batch)
         k_cache, v_cache = batch.kv_pool.get_kv(layer.layer_id)
         return self._kernels.extend_attention(
-            q, k_cache, v_cache, batch.req_to_token, batch.req_pool_indices,
-            batch.prefix_lens, batch.extend_lens, meta.extend_start, meta.max_extend_len, layer.scaling,
+            q,
+            k_cache,
+            v_cache,
+            batch.req_to_token,
+            batch.req_pool_indices,
+            batch.prefix_lens,
+            batch.extend_lens,
+            meta.extend_start,
+            meta.max_extend_len,
+            layer.scaling,
             config=self.kernel_config,
         )
 
@@ -139,6 +143,13 @@ class TritonAttention(AttentionBackend):
         meta = self._meta(batch)
         k_cache, v_cache = batch.kv_pool.get_kv(layer.layer_id)
         return self._kernels.decode_attention(
-            q, k_cache, v_cache, batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-            layer.scaling, num_kv_splits=meta.num_kv_splits, config=self.kernel_config,
+            q,
+            k_cache,
+            v_cache,
+            batch.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            layer.scaling,
+            num_kv_splits=meta.num_kv_splits,
+            config=self.kernel_config,
         )

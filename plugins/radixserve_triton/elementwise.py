@@ -9,7 +9,6 @@ import torch
 
 from radixserve.kernels import ElementwiseBackend, KernelQuery
 from radixserve.kernels.elementwise import NormResult
-
 from radixserve_triton._env import device_reasons, dtype_reasons, interpreter_requested
 
 

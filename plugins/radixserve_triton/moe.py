@@ -7,7 +7,6 @@ from typing import ClassVar
 import torch
 
 from radixserve.kernels import KernelQuery, MoEBackend, MoERouting, route
-
 from radixserve_triton._env import device_reasons, dtype_reasons, interpreter_requested
 from radixserve_triton.config import DEFAULT_MOE_CONFIG, MoEKernelConfig
 

@@ -24,36 +24,62 @@ DATASETS = ("random", "generated-shared-prefix", "jsonl")
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset", default="random", choices=DATASETS)
-    data.add_argument("--prompt-format", default="ids", choices=datasets.PROMPT_FORMATS,
-                      help="random token ids, or those ids decoded to text (random and shared-prefix sets)")
+    data.add_argument(
+        "--prompt-format",
+        default="ids",
+        choices=datasets.PROMPT_FORMATS,
+        help="random token ids, or those ids decoded to text (random and shared-prefix sets)",
+    )
     data.add_argument("--num-prompts", type=int, default=64, help="requests in the random set")
     data.add_argument("--random-input-len", type=int, default=512)
     data.add_argument("--random-output-len", type=int, default=128)
-    data.add_argument("--random-range-ratio", type=float, default=1.0,
-                      help="lengths uniform in [len * ratio, len]; 1.0 gives fixed lengths")
+    data.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=1.0,
+        help="lengths uniform in [len * ratio, len]; 1.0 gives fixed lengths",
+    )
     data.add_argument("--gsp-num-groups", type=int, default=8, help="shared system prompts")
     data.add_argument("--gsp-prompts-per-group", type=int, default=16)
     data.add_argument("--gsp-system-prompt-len", type=int, default=1024)
     data.add_argument("--gsp-question-len", type=int, default=64)
     data.add_argument("--gsp-output-len", type=int, default=32)
-    data.add_argument("--dataset-path", default=None, help='JSONL: {"prompt": str} or {"input_ids": [...]}, '
-                                                         'optional "output_len"')
+    data.add_argument(
+        "--dataset-path", default=None, help='JSONL: {"prompt": str} or {"input_ids": [...]}, optional "output_len"'
+    )
     data.add_argument("--jsonl-output-len", type=int, default=128, help="output length for lines without one")
-    data.add_argument("--save-requests", default=None, metavar="FILE.jsonl",
-                      help="also write the request set as JSONL, to replay it with --dataset jsonl or other tools")
+    data.add_argument(
+        "--save-requests",
+        default=None,
+        metavar="FILE.jsonl",
+        help="also write the request set as JSONL, to replay it with --dataset jsonl or other tools",
+    )
     run = parser.add_argument_group("run")
-    run.add_argument("--request-rate", type=float, default=math.inf,
-                     help="Poisson arrivals per second (inf: all at once)")
+    run.add_argument(
+        "--request-rate", type=float, default=math.inf, help="Poisson arrivals per second (inf: all at once)"
+    )
     run.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    run.add_argument("--warmup-requests", type=int, default=1,
-                     help="short unmeasured requests sent first, on prompts of their own; with no tokenizer "
-                          "(a JSONL set against a foreign server) the first prompts, which may then hit the cache")
+    run.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=1,
+        help="short unmeasured requests sent first, on prompts of their own; with no tokenizer "
+        "(a JSONL set against a foreign server) the first prompts, which may then hit the cache",
+    )
     run.add_argument("--seed", type=int, default=0, help="seeds the request set and the arrivals")
-    run.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                     help="generate exactly each request's output length (on by default, so runs compare)")
+    run.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate exactly each request's output length (on by default, so runs compare)",
+    )
     run.add_argument("--output-file", default=None, metavar="FILE.jsonl", help="append one JSON line per run")
-    run.add_argument("--plot", default=None, metavar="FILE.png", help="latency CDFs and throughput over time "
-                                                                    "(needs matplotlib: radixserve[bench])")
+    run.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="latency CDFs and throughput over time (needs matplotlib: radixserve[bench])",
+    )
     run.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     run.add_argument("--label", default=None, help="free text kept in the JSON line, to tell runs apart")
 
@@ -72,27 +98,39 @@ def add_bench_parser(sub) -> None:
     _add_common_args(serving)
     serving.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:30000")
     serving.add_argument("--model", default=None, help="model name to send (default: the server's first)")
-    serving.add_argument("--tokenizer", default=None,
-                         help="tokenizer directory for drawing prompts (default: radixserve's model_path, "
-                              "else --model when it is a directory)")
+    serving.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer directory for drawing prompts (default: radixserve's model_path, "
+        "else --model when it is a directory)",
+    )
     serving.add_argument("--api-key", default=None)
 
 
 def build_requests(ns: argparse.Namespace, tokenizer) -> tuple[list[BenchRequest], list[BenchRequest]]:
     """The measured requests and the warm-up ones."""
+
     def need_tokenizer() -> TokenSource:
         if tokenizer is None:
-            raise ValueError("tokenizer: the random and shared-prefix sets draw from the model's vocabulary; "
-                             "pass --tokenizer DIR")
+            raise ValueError(
+                "tokenizer: the random and shared-prefix sets draw from the model's vocabulary; pass --tokenizer DIR"
+            )
         return TokenSource(tokenizer, ns.prompt_format)
 
     if ns.dataset == "random":
-        requests = datasets.random_requests(need_tokenizer(), ns.num_prompts, ns.random_input_len,
-                                            ns.random_output_len, ns.random_range_ratio, ns.seed)
+        requests = datasets.random_requests(
+            need_tokenizer(), ns.num_prompts, ns.random_input_len, ns.random_output_len, ns.random_range_ratio, ns.seed
+        )
     elif ns.dataset == "generated-shared-prefix":
-        requests = datasets.shared_prefix_requests(need_tokenizer(), ns.gsp_num_groups, ns.gsp_prompts_per_group,
-                                                   ns.gsp_system_prompt_len, ns.gsp_question_len,
-                                                   ns.gsp_output_len, ns.seed)
+        requests = datasets.shared_prefix_requests(
+            need_tokenizer(),
+            ns.gsp_num_groups,
+            ns.gsp_prompts_per_group,
+            ns.gsp_system_prompt_len,
+            ns.gsp_question_len,
+            ns.gsp_output_len,
+            ns.seed,
+        )
     else:
         requests = datasets.load_jsonl(ns.dataset_path, ns.jsonl_output_len, tokenizer)
     if ns.save_requests:
@@ -102,8 +140,10 @@ def build_requests(ns: argparse.Namespace, tokenizer) -> tuple[list[BenchRequest
         if tokenizer is not None:
             warmup = datasets.warmup_requests(TokenSource(tokenizer), ns.warmup_requests, ns.seed)
         else:
-            warmup = [BenchRequest(output_len=4, input_ids=r.input_ids, prompt=r.prompt, prompt_len=r.prompt_len)
-                      for r in requests[:ns.warmup_requests]]
+            warmup = [
+                BenchRequest(output_len=4, input_ids=r.input_ids, prompt=r.prompt, prompt_len=r.prompt_len)
+                for r in requests[: ns.warmup_requests]
+            ]
     return requests, warmup
 
 
@@ -155,14 +195,24 @@ def _run_offline(ns: argparse.Namespace) -> dict:
         requests, warmup = build_requests(ns, engine.tokenizer)
         progress = _Progress(len(requests), ns.disable_tqdm)
         try:
-            results, duration, peak = run_offline(engine, requests, warmup, Arrivals(
-                ns.request_rate, ns.max_concurrency, ns.seed), ns.ignore_eos, progress)
+            results, duration, peak = run_offline(
+                engine,
+                requests,
+                warmup,
+                Arrivals(ns.request_rate, ns.max_concurrency, ns.seed),
+                ns.ignore_eos,
+                progress,
+            )
         finally:
             progress.close()
         info = engine.server_info()
     summary = summarize(results, duration, peak)
-    _record(ns, summary, results, {"engine": "radixserve", "model_path": engine.model_path,
-                                   "backends": info.get("backends")})
+    _record(
+        ns,
+        summary,
+        results,
+        {"engine": "radixserve", "model_path": engine.model_path, "backends": info.get("backends")},
+    )
     return summary
 
 
@@ -186,15 +236,29 @@ def _run_serving(ns: argparse.Namespace) -> dict:
     requests, warmup = build_requests(ns, _load_tokenizer(tokenizer_path))
     progress = _Progress(len(requests), ns.disable_tqdm)
     try:
-        results, duration, peak = asyncio.run(run_serving(
-            base_url, model, requests, warmup, Arrivals(ns.request_rate, ns.max_concurrency, ns.seed),
-            ns.ignore_eos, ns.api_key, server_pids(base_url, info), progress))
+        results, duration, peak = asyncio.run(
+            run_serving(
+                base_url,
+                model,
+                requests,
+                warmup,
+                Arrivals(ns.request_rate, ns.max_concurrency, ns.seed),
+                ns.ignore_eos,
+                ns.api_key,
+                server_pids(base_url, info),
+                progress,
+            )
+        )
     finally:
         progress.close()
     summary = summarize(results, duration, peak)
     is_radixserve = bool(info) and "pids" in info and "served_model_name" in info
-    _record(ns, summary, results, {"engine": "radixserve" if is_radixserve else "other", "base_url": base_url,
-                                   "model": model})
+    _record(
+        ns,
+        summary,
+        results,
+        {"engine": "radixserve" if is_radixserve else "other", "base_url": base_url, "model": model},
+    )
     return summary
 
 

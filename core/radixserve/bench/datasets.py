@@ -51,8 +51,9 @@ class TokenSource:
         if self.prompt_format == "ids":
             return BenchRequest(output_len=output_len, input_ids=ids, prompt_len=len(ids))
         text = self.tokenizer.decode(ids)
-        return BenchRequest(output_len=output_len, prompt=text,
-                            prompt_len=len(self.tokenizer.encode(text, add_special_tokens=False)))
+        return BenchRequest(
+            output_len=output_len, prompt=text, prompt_len=len(self.tokenizer.encode(text, add_special_tokens=False))
+        )
 
 
 def _lengths(rng: np.random.Generator, n: int, full: int, range_ratio: float) -> np.ndarray:
@@ -63,24 +64,33 @@ def _lengths(rng: np.random.Generator, n: int, full: int, range_ratio: float) ->
     return rng.integers(low, max(low, full) + 1, size=n)
 
 
-def random_requests(source: TokenSource, num_prompts: int, input_len: int, output_len: int,
-                    range_ratio: float, seed: int) -> list[BenchRequest]:
+def random_requests(
+    source: TokenSource, num_prompts: int, input_len: int, output_len: int, range_ratio: float, seed: int
+) -> list[BenchRequest]:
     rng = np.random.default_rng(seed)
     inputs = _lengths(rng, num_prompts, input_len, range_ratio)
     outputs = _lengths(rng, num_prompts, output_len, range_ratio)
     return [source.request(source.draw(rng, int(i)), int(o)) for i, o in zip(inputs, outputs)]
 
 
-def shared_prefix_requests(source: TokenSource, num_groups: int, prompts_per_group: int, system_prompt_len: int,
-                           question_len: int, output_len: int, seed: int) -> list[BenchRequest]:
+def shared_prefix_requests(
+    source: TokenSource,
+    num_groups: int,
+    prompts_per_group: int,
+    system_prompt_len: int,
+    question_len: int,
+    output_len: int,
+    seed: int,
+) -> list[BenchRequest]:
     """``num_groups`` system prompts, each followed by ``prompts_per_group`` distinct
     questions; the requests are shuffled so a group's members do not arrive together."""
     rng = np.random.default_rng(seed)
     requests = []
     for _ in range(num_groups):
         system = source.draw(rng, system_prompt_len)
-        requests += [source.request(system + source.draw(rng, question_len), output_len)
-                     for _ in range(prompts_per_group)]
+        requests += [
+            source.request(system + source.draw(rng, question_len), output_len) for _ in range(prompts_per_group)
+        ]
     order = rng.permutation(len(requests))
     return [requests[i] for i in order]
 

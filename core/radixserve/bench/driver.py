@@ -19,8 +19,8 @@ Send = Callable[[BenchRequest], Awaitable[RequestResult]]
 
 @dataclass
 class Arrivals:
-    request_rate: float = math.inf          # requests/s, Poisson; inf: all at once
-    max_concurrency: Optional[int] = None   # requests in flight at most
+    request_rate: float = math.inf  # requests/s, Poisson; inf: all at once
+    max_concurrency: Optional[int] = None  # requests in flight at most
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -38,8 +38,9 @@ class Arrivals:
         return [0.0, *gaps.tolist()]
 
 
-async def run_requests(requests: list[BenchRequest], send: Send, arrivals: Arrivals,
-                       progress: Optional[Callable[[], None]] = None) -> tuple[list[RequestResult], float]:
+async def run_requests(
+    requests: list[BenchRequest], send: Send, arrivals: Arrivals, progress: Optional[Callable[[], None]] = None
+) -> tuple[list[RequestResult], float]:
     """The results in request order and the run's duration (first send -> last finish)."""
     limit = asyncio.Semaphore(arrivals.max_concurrency) if arrivals.max_concurrency else None
 

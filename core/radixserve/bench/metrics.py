@@ -23,7 +23,7 @@ import numpy as np
 @dataclass
 class RequestResult:
     prompt_len: int
-    sent: float = 0.0                   # perf_counter when the request was sent
+    sent: float = 0.0  # perf_counter when the request was sent
     token_times: list[float] = field(default_factory=list)  # perf_counter of each received token
     output_len: int = 0
     cached_tokens: Optional[int] = None

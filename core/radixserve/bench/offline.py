@@ -25,8 +25,12 @@ def make_send(engine, ignore_eos: bool):
 
     async def send(request: BenchRequest) -> RequestResult:
         result = RequestResult(prompt_len=request.prompt_len)
-        inp = GenerateInput(text=request.prompt, input_ids=request.input_ids, stream=True,
-                            sampling_params=sampling_params(request, ignore_eos))
+        inp = GenerateInput(
+            text=request.prompt,
+            input_ids=request.input_ids,
+            stream=True,
+            sampling_params=sampling_params(request, ignore_eos),
+        )
         result.sent = time.perf_counter()
         try:
             async for out in tm.generate(inp):
@@ -41,9 +45,14 @@ def make_send(engine, ignore_eos: bool):
     return send
 
 
-def run_offline(engine, requests: list[BenchRequest], warmup: list[BenchRequest], arrivals: Arrivals,
-                ignore_eos: bool, progress: Optional[Callable[[], None]] = None
-                ) -> tuple[list[RequestResult], float, Optional[int]]:
+def run_offline(
+    engine,
+    requests: list[BenchRequest],
+    warmup: list[BenchRequest],
+    arrivals: Arrivals,
+    ignore_eos: bool,
+    progress: Optional[Callable[[], None]] = None,
+) -> tuple[list[RequestResult], float, Optional[int]]:
     """Results, duration and peak RSS (this process and its children) of one run."""
     send = make_send(engine, ignore_eos)
     if warmup:

@@ -13,8 +13,9 @@ def require_matplotlib():
     try:
         import matplotlib
     except ImportError:
-        raise ValueError('plot: needs matplotlib; install it with pip install "radixserve[bench]" '
-                           "(or pip install matplotlib)") from None
+        raise ValueError(
+            'plot: needs matplotlib; install it with pip install "radixserve[bench]" (or pip install matplotlib)'
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

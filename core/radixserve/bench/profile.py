@@ -38,17 +38,20 @@ class DecodeProfile:
 
 def step_annotations(trace: dict) -> list[tuple[str, Interval]]:
     """Every scheduler step in the trace, in time order: (name, (start, end))."""
-    steps = [(e["name"], (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))))
-             for e in trace.get("traceEvents", [])
-             if e.get("ph") == "X" and e.get("cat") == "user_annotation"
-             and str(e.get("name", "")).startswith(STEP_PREFIX)]
+    steps = [
+        (e["name"], (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))))
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(STEP_PREFIX)
+    ]
     return sorted(steps, key=lambda s: s[1][0])
 
 
 def device_intervals(trace: dict) -> list[Interval]:
-    return [(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
-            for e in trace.get("traceEvents", [])
-            if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES]
+    return [
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "X" and e.get("cat") in DEVICE_CATEGORIES
+    ]
 
 
 def busy_time(intervals: list[Interval], window: Interval) -> float:

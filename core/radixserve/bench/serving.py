@@ -53,15 +53,16 @@ def make_send(client: httpx.AsyncClient, model: str, ignore_eos: bool):
         result = RequestResult(prompt_len=request.prompt_len)
         result.sent = time.perf_counter()
         try:
-            async with client.stream("POST", "/v1/completions",
-                                     json=completion_body(model, request, ignore_eos)) as response:
+            async with client.stream(
+                "POST", "/v1/completions", json=completion_body(model, request, ignore_eos)
+            ) as response:
                 if response.status_code != 200:
                     body = (await response.aread()).decode(errors="replace")
                     raise RuntimeError(f"HTTP {response.status_code}: {body[:300]}")
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
                         continue
-                    data = line[len("data:"):].strip()
+                    data = line[len("data:") :].strip()
                     if data == "[DONE]":
                         break
                     chunk = json.loads(data)
@@ -107,13 +108,19 @@ def server_pids(base_url: str, info: Optional[dict]) -> list[int]:
     return sorted(parents) + children
 
 
-async def run_serving(base_url: str, model: str, requests: list[BenchRequest], warmup: list[BenchRequest],
-                      arrivals: Arrivals, ignore_eos: bool, api_key: Optional[str] = None,
-                      pids: Optional[list[int]] = None, progress: Optional[Callable[[], None]] = None
-                      ) -> tuple[list[RequestResult], float, Optional[int]]:
+async def run_serving(
+    base_url: str,
+    model: str,
+    requests: list[BenchRequest],
+    warmup: list[BenchRequest],
+    arrivals: Arrivals,
+    ignore_eos: bool,
+    api_key: Optional[str] = None,
+    pids: Optional[list[int]] = None,
+    progress: Optional[Callable[[], None]] = None,
+) -> tuple[list[RequestResult], float, Optional[int]]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=None,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=None, limits=limits) as client:
         send = make_send(client, model, ignore_eos)
         if warmup:
             failed = [r.error for r in (await run_requests(warmup, send, Arrivals()))[0] if not r.ok]

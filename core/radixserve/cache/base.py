@@ -51,7 +51,9 @@ class PrefixCache(ABC):
         what is worth caching, frees the rest of the request's slots, and unlocks."""
 
     @abstractmethod
-    def cache_unfinished_req(self, token_ids: list[int], slots: torch.Tensor, last_node: Any, num_cached: int) -> MatchResult:
+    def cache_unfinished_req(
+        self, token_ids: list[int], slots: torch.Tensor, last_node: Any, num_cached: int
+    ) -> MatchResult:
         """Cache a running request's KV so far (chunked prefill). Returns the request's new
         cached prefix, already locked (the old ``last_node`` is unlocked): its slots
         replace the first ``num_tokens`` entries of the request's row, and its

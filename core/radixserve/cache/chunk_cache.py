@@ -36,7 +36,9 @@ class ChunkCache(PrefixCache):
     def cache_finished_req(self, token_ids: list[int], slots: torch.Tensor, last_node: Any, num_cached: int) -> None:
         self.allocator.free(slots)
 
-    def cache_unfinished_req(self, token_ids: list[int], slots: torch.Tensor, last_node: Any, num_cached: int) -> MatchResult:
+    def cache_unfinished_req(
+        self, token_ids: list[int], slots: torch.Tensor, last_node: Any, num_cached: int
+    ) -> MatchResult:
         """The request keeps all its slots; its row stays as it is and none of it is cached."""
         return self._empty()
 

@@ -21,8 +21,7 @@ class ReqToTokenPool:
     device, so a step's inputs are gathered there by index, and a sampled token
     is written back there before the host ever looks at it."""
 
-    def __init__(self, size: int, max_context_len: int, device: torch.device,
-                 transfer: Optional[HostTransfer] = None):
+    def __init__(self, size: int, max_context_len: int, device: torch.device, transfer: Optional[HostTransfer] = None):
         self.size = size
         self.transfer = transfer or HostTransfer(device)
         self.max_context_len = max_context_len
@@ -105,8 +104,9 @@ class KVPool:
     def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's K and V as ``[slots, kv_heads, head_dim]`` (token-major pools only)."""
         if self.layout.head_major:
-            raise ValueError("get_kv: this KV pool is head-major (KVLayout(head_major=True)); "
-                             "read it with get_kv_pages")
+            raise ValueError(
+                "get_kv: this KV pool is head-major (KVLayout(head_major=True)); read it with get_kv_pages"
+            )
         return self.k_buffers[layer_id], self.v_buffers[layer_id]
 
     def get_kv_pages(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,8 +145,7 @@ class PagedAllocator:
     page-aligned prefix of it can be shared through the radix cache.
     """
 
-    def __init__(self, num_pages: int, page_size: int, device: torch.device,
-                 transfer: Optional[HostTransfer] = None):
+    def __init__(self, num_pages: int, page_size: int, device: torch.device, transfer: Optional[HostTransfer] = None):
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = device

@@ -153,12 +153,16 @@ class RadixCache(PrefixCache):
 
     # ---------------------------------------------------------- request level
 
-    def cache_finished_req(self, token_ids: list[int], slots: torch.Tensor, last_node: TreeNode, num_cached: int) -> None:
+    def cache_finished_req(
+        self, token_ids: list[int], slots: torch.Tensor, last_node: TreeNode, num_cached: int
+    ) -> None:
         aligned = self._insert_req(token_ids, slots, num_cached)
         self.allocator.free(slots[aligned:])  # the partial last page is never cached
         self.dec_lock_ref(last_node)
 
-    def cache_unfinished_req(self, token_ids: list[int], slots: torch.Tensor, last_node: TreeNode, num_cached: int) -> MatchResult:
+    def cache_unfinished_req(
+        self, token_ids: list[int], slots: torch.Tensor, last_node: TreeNode, num_cached: int
+    ) -> MatchResult:
         aligned = self._insert_req(token_ids, slots, num_cached)
         match = self.match_prefix(token_ids[:aligned])
         assert match.num_tokens == aligned, "nothing can evict between insert and match"

@@ -40,6 +40,7 @@ class AttentionBackend(Backend):
     reason and implements the three other ``*graph*`` hooks. The other backends
     still serve; graphs are then off.
     """
+
     # The KV pool layout this backend reads; the runner builds the pool with it
     # (token-major by default, which every backend in the core reads).
     kv_layout: ClassVar[KVLayout] = KVLayout()

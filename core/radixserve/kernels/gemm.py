@@ -31,8 +31,9 @@ class GemmBackend(Backend):
         weights); returns ``[..., out]``."""
         raise NotImplementedError
 
-    def linear_silu_and_mul(self, x: torch.Tensor, weight: torch.Tensor,
-                            bias: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    def linear_silu_and_mul(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+    ) -> Optional[torch.Tensor]:
         """``silu(gate) * up`` of ``linear(x, weight, bias)``, whose first half of
         out features is ``gate`` and second half ``up`` (an MLP's fused gate/up
         projection), in one kernel that never writes the projection itself

@@ -49,8 +49,9 @@ class QuantizationMethod(Backend):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor,
-                           bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def apply_silu_and_mul(
+        self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]
+    ) -> Optional[torch.Tensor]:
         """``silu(gate) * up`` of ``apply``'s output in one fused kernel (see
         ``GemmBackend.linear_silu_and_mul``), or None where the method has none
         (the default)."""

@@ -33,7 +33,9 @@ class VocabParallelEmbedding(Layer):
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
         if loaded.shape[0] != self.vocab_size:
-            raise ValueError(f"embedding has {loaded.shape[0]} rows in the checkpoint, expected vocab_size {self.vocab_size}")
+            raise ValueError(
+                f"embedding has {loaded.shape[0]} rows in the checkpoint, expected vocab_size {self.vocab_size}"
+            )
         rows = self.vocab_end - self.vocab_start
         param.data[rows:].zero_()
         copy_into(param.data[:rows], loaded[self.vocab_start : self.vocab_end])

@@ -111,7 +111,9 @@ class _FusedColumnLinear(LinearBase):
         if shard is None:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}; shards: {list(self._shard_by_id)}")
         if loaded.shape[0] != shard.full_size:
-            raise ValueError(f"shard {shard_id!r}: checkpoint tensor has {loaded.shape[0]} rows, expected {shard.full_size}")
+            raise ValueError(
+                f"shard {shard_id!r}: checkpoint tensor has {loaded.shape[0]} rows, expected {shard.full_size}"
+            )
         src = loaded.narrow(0, shard.source_index * shard.size, shard.size)
         copy_into(param.data.narrow(0, shard.offset, shard.size), src, f"shard {shard_id!r}")
 

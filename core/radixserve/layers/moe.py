@@ -92,7 +92,9 @@ class FusedMoE(Layer):
             copy_into(param.data[expert], loaded.narrow(1, start, local), f"expert {expert} down")
         else:
             offset = 0 if part == "gate" else local
-            copy_into(param.data[expert, offset : offset + local], loaded.narrow(0, start, local), f"expert {expert} {part}")
+            copy_into(
+                param.data[expert, offset : offset + local], loaded.narrow(0, start, local), f"expert {expert} {part}"
+            )
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         out = self.ctx.moe.forward(hidden, router_logits, self.w13_weight, self.w2_weight, self.routing)

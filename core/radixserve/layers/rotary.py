@@ -50,8 +50,9 @@ def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor
     return inv_freq.float(), float(scaling)
 
 
-def rope_cos_sin_cache(inv_freq: torch.Tensor, attention_scaling: float, max_positions: int,
-                       dtype: torch.dtype) -> torch.Tensor:
+def rope_cos_sin_cache(
+    inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype
+) -> torch.Tensor:
     """``[max_positions, 2 * len(inv_freq)]``: per position, the cosines then the
     sines of ``position * inv_freq``, scaled, in ``dtype``: the layout
     :meth:`ElementwiseBackend.apply_rotary` reads. Every value is computed as HF

@@ -77,9 +77,16 @@ class LlamaAttention(Layer):
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads, ctx, bias=options.qkv_bias
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            ctx,
+            bias=options.qkv_bias,
         )
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, ctx, bias=options.o_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, ctx, bias=options.o_bias
+        )
         if options.qk_norm:
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, ctx)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, ctx)
@@ -103,7 +110,9 @@ class LlamaMLP(Layer):
 
     def __init__(self, hidden_size: int, intermediate_size: int, ctx: ModelContext, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], ctx, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], ctx, bias=bias
+        )
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, ctx, bias=bias)
         self.act = ctx.elementwise
 
@@ -206,7 +215,9 @@ class LlamaForCausalLM(Layer):
 
     @classmethod
     def make_mlp(cls, config: "PretrainedConfig", layer_id: int, ctx: ModelContext) -> nn.Module:
-        return LlamaMLP(config.hidden_size, config.intermediate_size, ctx, bias=bool(getattr(config, "mlp_bias", False)))
+        return LlamaMLP(
+            config.hidden_size, config.intermediate_size, ctx, bias=bool(getattr(config, "mlp_bias", False))
+        )
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(batch)

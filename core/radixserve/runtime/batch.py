@@ -47,8 +47,15 @@ class BatchPlan:
     logits_indices: torch.Tensor
 
     @classmethod
-    def launch(cls, mode: ForwardMode, reqs: list[Req], out_cache_loc: list[int], logits_indices: list[int],
-               req_to_token_pool: ReqToTokenPool, transfer: HostTransfer) -> "BatchPlan":
+    def launch(
+        cls,
+        mode: ForwardMode,
+        reqs: list[Req],
+        out_cache_loc: list[int],
+        logits_indices: list[int],
+        req_to_token_pool: ReqToTokenPool,
+        transfer: HostTransfer,
+    ) -> "BatchPlan":
         """The plan of ``reqs`` as they stand (``kv_len`` cached, ``extend_len`` new);
         records the new tokens' slots in their rows."""
         tensor, device = transfer.to_device, transfer.device
@@ -66,8 +73,18 @@ class BatchPlan:
             positions = prefix_t.repeat_interleave(extend_t, output_size=num_tokens) + within
         # The new tokens' KV slots go into their rows in one scatter.
         req_to_token_pool.req_to_token.index_put_((token_rows, positions), slots)
-        return cls(mode, prefix_lens, extend_lens, rows, prefix_t, extend_t, token_rows, positions, slots,
-                   tensor(logits_indices))
+        return cls(
+            mode,
+            prefix_lens,
+            extend_lens,
+            rows,
+            prefix_t,
+            extend_t,
+            token_rows,
+            positions,
+            slots,
+            tensor(logits_indices),
+        )
 
     def build(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool) -> ForwardBatch:
         """The ForwardBatch, its token ids read from the token table now."""

@@ -92,8 +92,9 @@ class DetokenizerState:
         settings = out.detokenize
         if settings is None:
             raise ValueError(f"the first output of request {out.rid!r} carries no DetokenizeSettings")
-        decoder = IncrementalDetokenizer(self.tokenizer, settings.skip_special_tokens,
-                                         settings.spaces_between_special_tokens)
+        decoder = IncrementalDetokenizer(
+            self.tokenizer, settings.skip_special_tokens, settings.spaces_between_special_tokens
+        )
         return _RequestText(settings, decoder, StopHoldback(settings.stop_strings))
 
 

@@ -83,9 +83,16 @@ class GraphRunner:
     """Captures the decode forward at every size of ``capture_batch_sizes(max_bs)``
     and replays it for the decode batches that fit."""
 
-    def __init__(self, model: Callable[[ForwardBatch], torch.Tensor], attention: AttentionBackend,
-                 backend: GraphBackend, max_bs: int, req_to_token: torch.Tensor, kv_pool: KVPool,
-                 device: torch.device):
+    def __init__(
+        self,
+        model: Callable[[ForwardBatch], torch.Tensor],
+        attention: AttentionBackend,
+        backend: GraphBackend,
+        max_bs: int,
+        req_to_token: torch.Tensor,
+        kv_pool: KVPool,
+        device: torch.device,
+    ):
         self.model, self.attention, self.backend = model, attention, backend
         self.batch_sizes = capture_batch_sizes(max_bs)
         self.max_bs = max_bs
@@ -97,8 +104,10 @@ class GraphRunner:
         self.input_ids, self.positions, self.out_cache_loc = buffer(0), buffer(0), buffer(0)
         self.req_pool_indices, self.seq_lens, self.extend_lens = buffer(0), buffer(1), buffer(1)
         self._inputs = (  # (static buffer, field of the real batch, padding value)
-            (self.input_ids, "input_ids", 0), (self.positions, "positions", 0),
-            (self.out_cache_loc, "out_cache_loc", 0), (self.req_pool_indices, "req_pool_indices", 0),
+            (self.input_ids, "input_ids", 0),
+            (self.positions, "positions", 0),
+            (self.out_cache_loc, "out_cache_loc", 0),
+            (self.req_pool_indices, "req_pool_indices", 0),
             (self.seq_lens, "seq_lens", 1),
         )
         self._graphs: dict[int, _Captured] = {}
@@ -114,8 +123,13 @@ class GraphRunner:
         start = time.perf_counter()
         self.attention.init_graph_state(self.max_bs, self.req_to_token.shape[1], self.device)
         sizes = sorted(self.batch_sizes, reverse=True)
-        for bs in tqdm(sizes, desc=f"Capturing {self.backend.name} graphs", unit="graph", file=sys.stderr,
-                       disable=not sys.stderr.isatty()):
+        for bs in tqdm(
+            sizes,
+            desc=f"Capturing {self.backend.name} graphs",
+            unit="graph",
+            file=sys.stderr,
+            disable=not sys.stderr.isatty(),
+        ):
             batch = self._static_batch(bs)
             try:
                 self.attention.init_forward_metadata_capture(batch)
@@ -123,7 +137,8 @@ class GraphRunner:
             except Exception as exc:
                 raise RuntimeError(
                     f"graph capture failed at decode batch size {bs} ({self.backend.name}, attention backend "
-                    f"{self.attention.name!r}): {exc}; --disable-graph runs every step eagerly") from exc
+                    f"{self.attention.name!r}): {exc}; --disable-graph runs every step eagerly"
+                ) from exc
             self._graphs[bs] = _Captured(batch, graph, logits)
         self.capture_seconds = time.perf_counter() - start
 
@@ -165,5 +180,8 @@ class GraphRunner:
         return captured.logits[:n]
 
     def summary(self) -> dict:
-        return {"backend": self.backend.name, "batch_sizes": list(self.batch_sizes),
-                "capture_seconds": round(self.capture_seconds, 3)}
+        return {
+            "backend": self.backend.name,
+            "batch_sizes": list(self.batch_sizes),
+            "capture_seconds": round(self.capture_seconds, 3),
+        }

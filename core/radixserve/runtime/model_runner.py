@@ -8,11 +8,11 @@ from typing import Any, Optional
 
 import torch
 
+from radixserve.backend_timing import MeasuredSelection, ModelShapes
 from radixserve.cache.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
 from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.context import ModelContext
-from radixserve.backend_timing import MeasuredSelection, ModelShapes
 from radixserve.model_loader import choose_dtype, load_config, load_model, model_query_for_args, model_timing_shapes
 from radixserve.registry import PluginRegistry
 from radixserve.runtime.graph_runner import GraphRunner
@@ -23,8 +23,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_RUNNING_REQUESTS = 128
 
 
-def kv_pool_tokens(total_bytes: int, free_bytes: int, weight_bytes: int, fraction: float,
-                   bytes_per_token: int, max_tokens: int) -> int:
+def kv_pool_tokens(
+    total_bytes: int, free_bytes: int, weight_bytes: int, fraction: float, bytes_per_token: int, max_tokens: int
+) -> int:
     """KV pool size in tokens from the memory the platform reports, measured after
     the weights are loaded: ``fraction`` of the device's total memory less the
     weights, but at most 90% of what is free now (other processes may hold some),
@@ -47,16 +48,31 @@ class ModelRunner:
         self.dtype, self.kv_dtype = self.query.dtype, self.query.kv_dtype or self.query.dtype
         self.dtype_reason = choose_dtype(args.dtype, hf_config, self.platform).reason
         logger.info("dtype %s: %s", str(self.dtype).removeprefix("torch."), self.dtype_reason)
-        self.selection = MeasuredSelection(registry, self.platform, self.gpu_id,
-                                           self._timing_shapes(hf_config),
-                                           measure_backends=args.backend_selection == "measure")
-        ctx = ModelContext.create(
-            self.selection, self.query, self.device, attention=args.attention_backend, gemm=args.gemm_backend,
-            moe=args.moe_backend, elementwise=args.elementwise_backend, quantization=args.quantization,
-            tp_rank=tp_rank, tp_size=args.tp_size,
+        self.selection = MeasuredSelection(
+            registry,
+            self.platform,
+            self.gpu_id,
+            self._timing_shapes(hf_config),
+            measure_backends=args.backend_selection == "measure",
         )
-        self.backends = {"attention": ctx.attention.name, "gemm": ctx.gemm.name,
-                         "elementwise": ctx.elementwise.name, "quantization": ctx.quant.name}
+        ctx = ModelContext.create(
+            self.selection,
+            self.query,
+            self.device,
+            attention=args.attention_backend,
+            gemm=args.gemm_backend,
+            moe=args.moe_backend,
+            elementwise=args.elementwise_backend,
+            quantization=args.quantization,
+            tp_rank=tp_rank,
+            tp_size=args.tp_size,
+        )
+        self.backends = {
+            "attention": ctx.attention.name,
+            "gemm": ctx.gemm.name,
+            "elementwise": ctx.elementwise.name,
+            "quantization": ctx.quant.name,
+        }
         if ctx.moe is not None:
             self.backends["moe"] = ctx.moe.name
         self.attention, self.moe = ctx.attention, ctx.moe
@@ -65,8 +81,7 @@ class ModelRunner:
         model_context = self.model.max_context_len
         self.context_length = args.context_length or model_context
         if self.context_length > model_context:
-            raise ValueError(f"context_length: {self.context_length} exceeds what the model supports "
-                             f"({model_context})")
+            raise ValueError(f"context_length: {self.context_length} exceeds what the model supports ({model_context})")
         self._init_memory()
         self.graph_runner, self.graphs = self._init_graphs()
 
@@ -77,10 +92,13 @@ class ModelRunner:
         args = self.args
         chunk = args.chunked_prefill_size if args.chunked_prefill_size not in (None, -1) else 2048
         return model_timing_shapes(
-            hf_config, self.query, tp_size=args.tp_size,
+            hf_config,
+            self.query,
+            tp_size=args.tp_size,
             decode_rows=min(args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS, 32),
             prefill_rows=min(chunk, 1024),
-            context_length=args.context_length or getattr(hf_config, "max_position_embeddings", 2048))
+            context_length=args.context_length or getattr(hf_config, "max_position_embeddings", 2048),
+        )
 
     def _init_memory(self) -> None:
         args, q = self.args, self.query
@@ -99,18 +117,39 @@ class ModelRunner:
         if num_pages < 1:
             raise ValueError(f"max_total_tokens: the KV pool would hold no page of {args.page_size} tokens")
         self.max_running_requests = max_running
-        self.req_to_token_pool = ReqToTokenPool(max_running + 1, self.context_length + args.page_size, self.device,
-                                                self.transfer)
-        self.kv_pool = KVPool(num_pages, args.page_size, self.num_layers, q.num_kv_heads, q.head_dim,
-                              self.kv_dtype, self.device, layout=self.attention.kv_layout)
+        self.req_to_token_pool = ReqToTokenPool(
+            max_running + 1, self.context_length + args.page_size, self.device, self.transfer
+        )
+        self.kv_pool = KVPool(
+            num_pages,
+            args.page_size,
+            self.num_layers,
+            q.num_kv_heads,
+            q.head_dim,
+            self.kv_dtype,
+            self.device,
+            layout=self.attention.kv_layout,
+        )
         self.allocator = PagedAllocator(num_pages, args.page_size, self.device, self.transfer)
         self.max_total_tokens = self.allocator.size
         # The figures the pool was sized from (measured after the weights loaded, before the pool).
-        self.memory = {"total_bytes": total, "available_bytes": available, "weights_bytes": weights,
-                       "kv_pool_bytes": self.max_total_tokens * per_token}
-        logger.info("KV pool: %d tokens (%d pages of %d), %.1f MiB; memory %.1f GiB total, %.1f GiB available, "
-                    "weights %.1f GiB", self.max_total_tokens, num_pages, args.page_size,
-                    self.max_total_tokens * per_token / 2**20, total / 2**30, available / 2**30, weights / 2**30)
+        self.memory = {
+            "total_bytes": total,
+            "available_bytes": available,
+            "weights_bytes": weights,
+            "kv_pool_bytes": self.max_total_tokens * per_token,
+        }
+        logger.info(
+            "KV pool: %d tokens (%d pages of %d), %.1f MiB; memory %.1f GiB total, %.1f GiB available, "
+            "weights %.1f GiB",
+            self.max_total_tokens,
+            num_pages,
+            args.page_size,
+            self.max_total_tokens * per_token / 2**20,
+            total / 2**30,
+            available / 2**30,
+            weights / 2**30,
+        )
 
     # -- graphs (runtime/graph_runner.py) ---------------------------------------
 
@@ -133,12 +172,17 @@ class ModelRunner:
                 raise ValueError(f"disable_graph: graphs were asked for, but {'; '.join(reasons)}")
             logger.info("graphs: off (%s); decode steps run eagerly", "; ".join(reasons))
             return None, {"backend": None, "reason": "; ".join(reasons)}
-        runner = GraphRunner(self.model, self.attention, backend, max_bs, self.req_to_token_pool.req_to_token,
-                             self.kv_pool, self.device)
+        runner = GraphRunner(
+            self.model, self.attention, backend, max_bs, self.req_to_token_pool.req_to_token, self.kv_pool, self.device
+        )
         with torch.inference_mode(), self.platform.forward_context():
             runner.capture()
-        logger.info("graphs: %s captured for decode batch sizes %s in %.1f s", backend.name,
-                    ",".join(map(str, runner.batch_sizes)), runner.capture_seconds)
+        logger.info(
+            "graphs: %s captured for decode batch sizes %s in %.1f s",
+            backend.name,
+            ",".join(map(str, runner.batch_sizes)),
+            runner.capture_seconds,
+        )
         return runner, runner.summary()
 
     @torch.inference_mode()

@@ -87,8 +87,9 @@ class PendingStep:
 
 
 class ModelWorker:
-    def __init__(self, runner: ModelRunner, sampler: Sampler, pool: ReqToTokenPool, transfer: HostTransfer,
-                 overlap: bool):
+    def __init__(
+        self, runner: ModelRunner, sampler: Sampler, pool: ReqToTokenPool, transfer: HostTransfer, overlap: bool
+    ):
         self.runner, self.sampler, self.pool, self.transfer = runner, sampler, pool, transfer
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-worker") if overlap else None
 

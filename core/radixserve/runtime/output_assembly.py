@@ -43,8 +43,13 @@ def make_output(req: Req) -> TokenOutput:
 def error_output(req: Req) -> TokenOutput:
     """The last message of a request (``finish_reason`` set) whose output could
     not be assembled: no tokens or logprobs, just the finish."""
-    out = TokenOutput(rid=req.rid, new_token_ids=[], finish_reason=req.finish_reason,
-                      prompt_tokens=len(req.origin_input_ids), completion_tokens=len(req.output_ids))
+    out = TokenOutput(
+        rid=req.rid,
+        new_token_ids=[],
+        finish_reason=req.finish_reason,
+        prompt_tokens=len(req.origin_input_ids),
+        completion_tokens=len(req.output_ids),
+    )
     if not req.detokenize_sent:
         out.detokenize = DetokenizeSettings()
     req.sent_len = len(req.output_ids)

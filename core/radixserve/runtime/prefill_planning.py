@@ -67,8 +67,10 @@ class PrefillPlanning:
                 if not self.running:
                     self.chunked_req = None
                     self._release(req)
-                    self._finish(req, FinishReason(type="abort", matched=None,
-                                                   message="out of KV cache memory for a single request"))
+                    self._finish(
+                        req,
+                        FinishReason(type="abort", matched=None, message="out of KV cache memory for a single request"),
+                    )
                 return []
             chunk_left -= req.extend_len
             prefill_left -= req.extend_len

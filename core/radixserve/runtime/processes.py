@@ -34,11 +34,17 @@ def exception_summary(traceback_text: str) -> str:
     if not lines:
         return "no traceback"
     # The exception line is the last unindented line that follows a frame's indented lines.
-    start = next((i for i in range(len(lines) - 1, 0, -1)
-                  if lines[i] and not lines[i][0].isspace() and lines[i - 1].startswith("  ")), 0)
+    start = next(
+        (
+            i
+            for i in range(len(lines) - 1, 0, -1)
+            if lines[i] and not lines[i][0].isspace() and lines[i - 1].startswith("  ")
+        ),
+        0,
+    )
     head, sep, rest = lines[start].partition(": ")
     exc_type = head.rsplit(".", 1)[-1]
-    return "\n".join([f"{exc_type}: {rest}" if sep else exc_type, *lines[start + 1:]])
+    return "\n".join([f"{exc_type}: {rest}" if sep else exc_type, *lines[start + 1 :]])
 
 
 def _run_child(target: Callable[..., None], *args: Any) -> None:
@@ -51,8 +57,7 @@ def _run_child(target: Callable[..., None], *args: Any) -> None:
         target(*args)
     except Exception as exc:
         name = mp.current_process().name
-        logger.error("%s process failed: %s: %s (--log-level debug shows the traceback)", name,
-                     type(exc).__name__, exc)
+        logger.error("%s process failed: %s: %s (--log-level debug shows the traceback)", name, type(exc).__name__, exc)
         logger.debug("%s process traceback", name, exc_info=True)
         sys.exit(1)
 
@@ -113,12 +118,21 @@ def spawn_runtime(args: ServerArgs, model_path: str) -> tuple[RuntimeProcesses, 
     endpoints = Endpoints.fresh()
     tokenizer_path = args.tokenizer_path or model_path
     ready_recv, ready_send = ctx.Pipe(duplex=False)
-    scheduler = ctx.Process(target=_run_child, name="scheduler",
-                            args=(run_scheduler_process, args, model_path, endpoints, ready_send), daemon=True)
-    detokenizer = ctx.Process(target=_run_child, name="detokenizer",
-                              args=(run_detokenizer_process, tokenizer_path, endpoints, args.log_level), daemon=True)
-    runtime = RuntimeProcesses(args, model_path, tokenizer_path, endpoints, summary={},
-                               processes=[scheduler, detokenizer])
+    scheduler = ctx.Process(
+        target=_run_child,
+        name="scheduler",
+        args=(run_scheduler_process, args, model_path, endpoints, ready_send),
+        daemon=True,
+    )
+    detokenizer = ctx.Process(
+        target=_run_child,
+        name="detokenizer",
+        args=(run_detokenizer_process, tokenizer_path, endpoints, args.log_level),
+        daemon=True,
+    )
+    runtime = RuntimeProcesses(
+        args, model_path, tokenizer_path, endpoints, summary={}, processes=[scheduler, detokenizer]
+    )
     scheduler.start()
     detokenizer.start()
     ready_send.close()

@@ -61,8 +61,9 @@ class StepProfiler:
         """Start profiling; returns the path the trace will be written to."""
         if self._prof is not None:
             raise ProfileError("a profile is already running (stop_profile ends it)")
-        out_dir = (options.output_dir or os.environ.get(PROFILE_DIR_ENV)
-                   or tempfile.mkdtemp(prefix="radixserve-profile-"))
+        out_dir = (
+            options.output_dir or os.environ.get(PROFILE_DIR_ENV) or tempfile.mkdtemp(prefix="radixserve-profile-")
+        )
         try:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -76,8 +77,11 @@ class StepProfiler:
             raise ProfileError(f"torch.profiler failed to start: {type(exc).__name__}: {exc}") from None
         self._prof, self._path, self._error = prof, Path(out_dir).resolve() / trace_file_name(self.rank), None
         self._num_steps, self._steps = options.num_steps, 0
-        logger.info("profiling %s%s", [a.name for a in self.activities],
-                    f" for {options.num_steps} steps" if options.num_steps else "")
+        logger.info(
+            "profiling %s%s",
+            [a.name for a in self.activities],
+            f" for {options.num_steps} steps" if options.num_steps else "",
+        )
         return str(self._path)
 
     def step_scope(self, name: Callable[[], str]) -> ContextManager:

@@ -52,8 +52,9 @@ class Req(RequestOptions):
 
     @classmethod
     def from_message(cls, msg: GenerateRequest) -> "Req":
-        return cls(rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params,
-                   **msg.options())
+        return cls(
+            rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params, **msg.options()
+        )
 
     @property
     def fill_ids(self) -> list[int]:
@@ -69,7 +70,11 @@ class Req(RequestOptions):
 
     @property
     def wants_input_logprobs(self) -> bool:
-        return self.return_logprob and 0 <= self.logprob_start_len < len(self.origin_input_ids) and not self.input_logprobs_done
+        return (
+            self.return_logprob
+            and 0 <= self.logprob_start_len < len(self.origin_input_ids)
+            and not self.input_logprobs_done
+        )
 
     @property
     def remaining_new_tokens(self) -> int:

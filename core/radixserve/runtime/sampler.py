@@ -212,8 +212,9 @@ def _column(values: list[float], transfer: HostTransfer) -> torch.Tensor:
     return transfer.to_device(values, torch.float32).unsqueeze(1)
 
 
-def _penalize(x: torch.Tensor, params: list[SamplingParams], stats: list[TokenStats],
-              transfer: HostTransfer) -> torch.Tensor:
+def _penalize(
+    x: torch.Tensor, params: list[SamplingParams], stats: list[TokenStats], transfer: HostTransfer
+) -> torch.Tensor:
     counts = torch.stack([s.output_counts for s in stats])
     in_output = counts > 0
     if any(p.repetition_penalty != 1.0 for p in params):
@@ -227,7 +228,10 @@ def _penalize(x: torch.Tensor, params: list[SamplingParams], stats: list[TokenSt
 
 
 def _draw(
-    x: torch.Tensor, params: list[SamplingParams], steps: list[int], generator: Optional[torch.Generator],
+    x: torch.Tensor,
+    params: list[SamplingParams],
+    steps: list[int],
+    generator: Optional[torch.Generator],
     transfer: HostTransfer,
 ) -> torch.Tensor:
     """Temperature, top_k, top_p, min_p, then one draw per row."""
@@ -319,8 +323,9 @@ class Sampler:
         self.generator.manual_seed(random_seed)
         self._stats: dict[int, tuple[weakref.ref, TokenStats]] = {}
 
-    def sample(self, reqs: Sequence[SamplingRequest], logits: torch.Tensor,
-               output_lens: Optional[Sequence[int]] = None) -> SampleOutput:
+    def sample(
+        self, reqs: Sequence[SamplingRequest], logits: torch.Tensor, output_lens: Optional[Sequence[int]] = None
+    ) -> SampleOutput:
         """One token for each request from its row of ``logits`` ([len(reqs), V]).
         ``output_lens``: tokens each request has generated before this one
         (default ``len(output_ids)``; with overlap scheduling the host learns a

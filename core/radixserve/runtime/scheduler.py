@@ -47,6 +47,7 @@ from radixserve.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class _Launched:
     """A step handed to the worker: its requests, each one's ``kv_len`` once the
@@ -93,8 +94,9 @@ class Scheduler(PrefillPlanning):
         self.max_running = self.runner.max_running_requests
         self.context_length = self.runner.context_length
         eos_ids = _eos_ids(self.runner.hf_config, _generation_config(model_path), tokenizer)
-        self.sampler = Sampler(self.runner.vocab_size, self.runner.device, args.random_seed, eos_ids,
-                               transfer=self.transfer)
+        self.sampler = Sampler(
+            self.runner.vocab_size, self.runner.device, args.random_seed, eos_ids, transfer=self.transfer
+        )
         self.stop_checker = StopChecker(tokenizer, eos_ids)
 
         self.waiting: list[Req] = []
@@ -102,8 +104,11 @@ class Scheduler(PrefillPlanning):
         self.chunked_req: Optional[Req] = None
         self.new_token_ratio = args.init_new_token_ratio
         self._touched: dict[str, Req] = {}
-        overlap = self.runner.platform.overlap_schedule if args.disable_overlap_schedule is None \
+        overlap = (
+            self.runner.platform.overlap_schedule
+            if args.disable_overlap_schedule is None
             else not args.disable_overlap_schedule
+        )
         self.worker = ModelWorker(self.runner, self.sampler, self.req_to_token_pool, self.transfer, overlap=overlap)
         # One rank per scheduler process (tp_size is 1 so far).
         self.profiler = StepProfiler(self.runner.platform.profiler_activities(), rank=0)
@@ -139,8 +144,14 @@ class Scheduler(PrefillPlanning):
             self._finish(req, FinishReason(type="abort", message=error, status_code=400))
             return
         if self._queue_full():
-            self._finish(req, FinishReason(type="abort", status_code=503, message=(
-                f"too many queued requests; --max-queued-requests is {self.args.max_queued_requests}")))
+            self._finish(
+                req,
+                FinishReason(
+                    type="abort",
+                    status_code=503,
+                    message=(f"too many queued requests; --max-queued-requests is {self.args.max_queued_requests}"),
+                ),
+            )
             return
         self.waiting.append(req)
 
@@ -158,8 +169,9 @@ class Scheduler(PrefillPlanning):
         if error is not None:
             return error
         req.sampling_params.validate(self.runner.vocab_size, self.args)  # stop strings included
-        return request_fit_error(len(ids), req.sampling_params.max_new_tokens,
-                                 self.context_length, self.allocator.size, self.page_size)
+        return request_fit_error(
+            len(ids), req.sampling_params.max_new_tokens, self.context_length, self.allocator.size, self.page_size
+        )
 
     def abort(self, rid: str) -> None:
         """Abort one request (or all with rid ""), wherever it is; frees its memory."""
@@ -326,16 +338,14 @@ class Scheduler(PrefillPlanning):
                 first = max(req.logprob_start_len, start + 1)
                 last = min(start + n + 1, len(req.origin_input_ids))  # exclusive
                 if last > first:
-                    prompt_rows.append(PromptLogprobRows(req, len(logits_indices),
-                                                         req.origin_input_ids[first:last]))
+                    prompt_rows.append(PromptLogprobRows(req, len(logits_indices), req.origin_input_ids[first:last]))
                     logits_indices.extend(offset + (t - 1 - start) for t in range(first, last))
             if start + n == req.seq_len and req.sampling_params.max_new_tokens > 0:
                 sample_reqs.append(req)
                 sample_rows.append(len(logits_indices))
                 logits_indices.append(offset + n - 1)
             offset += n
-        batch = BatchPlan.launch(ForwardMode.EXTEND, reqs, slots, logits_indices, self.req_to_token_pool,
-                                 self.transfer)
+        batch = BatchPlan.launch(ForwardMode.EXTEND, reqs, slots, logits_indices, self.req_to_token_pool, self.transfer)
         prompt_done = [r for r in reqs if r.kv_len + r.extend_len == r.seq_len]
         launched = self._launch(ForwardMode.EXTEND, reqs, batch, sample_reqs, sample_rows, prompt_rows)
         launched.prompt_done = prompt_done
@@ -344,8 +354,15 @@ class Scheduler(PrefillPlanning):
         self.running.extend(sample_reqs)  # they decode from the next step on
         return launched
 
-    def _launch(self, mode: ForwardMode, reqs: list[Req], batch: BatchPlan, sample_reqs: list[Req], sample_rows: list[int],
-                prompt_rows: Optional[list[PromptLogprobRows]] = None) -> _Launched:
+    def _launch(
+        self,
+        mode: ForwardMode,
+        reqs: list[Req],
+        batch: BatchPlan,
+        sample_reqs: list[Req],
+        sample_rows: list[int],
+        prompt_rows: Optional[list[PromptLogprobRows]] = None,
+    ) -> _Launched:
         """Hand the step to the worker; each request's ``kv_len`` then counts the
         tokens whose KV the step computes. A sampled token goes to position
         ``kv_len`` of its request (the first not yet computed), and the tokens
@@ -353,9 +370,15 @@ class Scheduler(PrefillPlanning):
         kv_after = [r.kv_len + r.extend_len for r in reqs]
         after = dict(zip(map(id, reqs), kv_after))
         positions = [after[id(r)] for r in sample_reqs]
-        work = StepWork(batch, sample_reqs, sample_rows, [r.req_pool_idx for r in sample_reqs],
-                        [p - len(r.origin_input_ids) for r, p in zip(sample_reqs, positions)], positions,
-                        prompt_rows or [])
+        work = StepWork(
+            batch,
+            sample_reqs,
+            sample_rows,
+            [r.req_pool_idx for r in sample_reqs],
+            [p - len(r.origin_input_ids) for r, p in zip(sample_reqs, positions)],
+            positions,
+            prompt_rows or [],
+        )
         future = self.worker.launch(work)
         for req, kv in zip(reqs, kv_after):
             req.kv_len, req.extend_len = kv, 0
@@ -412,7 +435,9 @@ class Scheduler(PrefillPlanning):
         rows = list(range(len(reqs)))
         batch = BatchPlan.launch(ForwardMode.DECODE, reqs, slots, rows, self.req_to_token_pool, self.transfer)
         launched = self._launch(ForwardMode.DECODE, reqs, batch, reqs, rows)
-        self.new_token_ratio = max(self.new_token_ratio - self.args.new_token_ratio_decay, self.args.min_new_token_ratio)
+        self.new_token_ratio = max(
+            self.new_token_ratio - self.args.new_token_ratio_decay, self.args.min_new_token_ratio
+        )
         self.num_decode_steps += 1
         if self.num_decode_steps % self.args.decode_log_interval == 0:
             self._log_decode()
@@ -441,8 +466,9 @@ class Scheduler(PrefillPlanning):
             if len(self.running) == 1:
                 req = self.running.pop()
                 self._release(req)
-                self._finish(req, FinishReason(type="abort", matched=None,
-                                               message="out of KV cache memory for a single request"))
+                self._finish(
+                    req, FinishReason(type="abort", matched=None, message="out of KV cache memory for a single request")
+                )
                 return
             victim = max(self.running, key=lambda r: r.arrival)
             self.running.remove(victim)
@@ -521,7 +547,7 @@ class Scheduler(PrefillPlanning):
         if req.req_pool_idx is None:
             return
         end = req.kv_len + req.extend_len
-        self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.num_cached:end].clone())
+        self.allocator.free(self.req_to_token_pool.req_to_token[req.req_pool_idx, req.num_cached : end].clone())
         self._unlock(req.last_node)
         self._released_rows.append(req.req_pool_idx)
         req.req_pool_idx, req.kv_len, req.extend_len, req.num_cached, req.last_node = None, 0, 0, 0, None
@@ -564,9 +590,16 @@ class Scheduler(PrefillPlanning):
         new_tokens = sum(r.extend_len for r in reqs)
         cached = sum(r.kv_len for r in reqs)
         stats = self.stats(exact=False)
-        logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-                    "#running-req: %d, #queue-req: %d", len(reqs), new_tokens, cached, stats.token_usage,
-                    len(self.running), len(self.waiting))
+        logger.info(
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d",
+            len(reqs),
+            new_tokens,
+            cached,
+            stats.token_usage,
+            len(self.running),
+            len(self.waiting),
+        )
 
     def _log_decode(self) -> None:
         now, tokens = time.perf_counter(), self.generation_tokens_total
@@ -574,9 +607,15 @@ class Scheduler(PrefillPlanning):
         self._last_decode_log = (now, tokens)
         stats = self.stats(exact=False)
         used = stats.max_total_tokens - stats.free_tokens - self.tree.evictable_size()
-        logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-                    "#queue-req: %d", len(self.running), used, stats.token_usage,
-                    (tokens - before) / max(now - then, 1e-9), len(self.waiting))
+        logger.info(
+            "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+            "#queue-req: %d",
+            len(self.running),
+            used,
+            stats.token_usage,
+            (tokens - before) / max(now - then, 1e-9),
+            len(self.waiting),
+        )
 
     # ---- introspection ---------------------------------------------------------
     def private_tokens(self) -> int:

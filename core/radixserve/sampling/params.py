@@ -82,8 +82,9 @@ class SamplingParams:
         _int("max_new_tokens", self.max_new_tokens, low=0)
         _int("min_new_tokens", self.min_new_tokens, low=0)
         if self.min_new_tokens > self.max_new_tokens:
-            raise ValueError(f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
-                             f"got {self.min_new_tokens}")
+            raise ValueError(
+                f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), got {self.min_new_tokens}"
+            )
         _float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -136,12 +137,16 @@ def _check_limits(params: SamplingParams, limits: SamplingLimits) -> None:
     if params.n > limits.max_n:
         raise ValueError(f"n must be <= {limits.max_n} (the server's --max-n), got {params.n}")
     if len(params.stop) > limits.max_stop_strings:
-        raise ValueError(f"stop must hold at most {limits.max_stop_strings} strings (the server's "
-                         f"--max-stop-strings), got {len(params.stop)}")
+        raise ValueError(
+            f"stop must hold at most {limits.max_stop_strings} strings (the server's "
+            f"--max-stop-strings), got {len(params.stop)}"
+        )
     chars = sum(len(s) for s in params.stop)
     if chars > limits.max_stop_chars:
-        raise ValueError(f"stop must total at most {limits.max_stop_chars} characters over all its strings (the "
-                         f"server's --max-stop-chars), got {chars}")
+        raise ValueError(
+            f"stop must total at most {limits.max_stop_chars} characters over all its strings (the "
+            f"server's --max-stop-chars), got {chars}"
+        )
 
 
 def _token_key(key: Any) -> Any:

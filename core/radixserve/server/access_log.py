@@ -52,7 +52,8 @@ class RequestRecord:
 
 
 current_request: contextvars.ContextVar[Optional[RequestRecord]] = contextvars.ContextVar(
-    "radixserve_current_request", default=None)
+    "radixserve_current_request", default=None
+)
 
 
 class AccessLog:

@@ -28,8 +28,10 @@ class ChatTemplate:
     def render(self, req: ChatCompletionRequest) -> str:
         """The prompt text; ValueError (naming the field) when it cannot be built."""
         if self.source is None:
-            raise ValueError("messages: this model has no chat template; start the server with "
-                             "--chat-template FILE, or use /v1/completions")
+            raise ValueError(
+                "messages: this model has no chat template; start the server with "
+                "--chat-template FILE, or use /v1/completions"
+            )
         messages = [_message_dict(m) for m in req.messages]
         try:
             return self.tokenizer.apply_chat_template(

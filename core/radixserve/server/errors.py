@@ -37,8 +37,9 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
-                      "code": code}}
+    return {
+        "error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}
+    }
 
 
 def error_response(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
@@ -59,7 +60,7 @@ def bad_request(exc: ValueError, renames: Optional[dict[str, str]] = None) -> AP
         return APIError(400, message)
     name = match.group(1)
     param = (renames or {}).get(name, name)
-    return APIError(400, param + message[len(name):], param=param)
+    return APIError(400, param + message[len(name) :], param=param)
 
 
 _TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})

@@ -96,8 +96,11 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
         return await state.ready_openai().completions(body, request)
 
     def model_card() -> ModelCard:
-        return ModelCard(id=state.model_name, root=state.model_path or state.model_name,
-                         max_model_len=state.ready_tm().context_length)
+        return ModelCard(
+            id=state.model_name,
+            root=state.model_path or state.model_name,
+            max_model_len=state.ready_tm().context_length,
+        )
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:
@@ -242,8 +245,11 @@ class _EnvelopeH11Protocol(H11Protocol):
         else:
             status, message, code = 400, "the request is not valid HTTP/1.1", "invalid_http"
         body = json.dumps(error_body(status, message, code=code)).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   (b"connection", b"close")]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close"),
+        ]
         for event in (h11.Response(status_code=status, headers=headers), h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
         self._linger()
@@ -284,8 +290,12 @@ class _Server(uvicorn.Server):
             loop.call_soon_threadsafe(self.state.cut_drain_short)
             return
         self.draining = True
-        logger.info("%s: draining (up to %g s, --shutdown-timeout), then shutting down; send it again to end "
-                    "the requests in flight now", signal.Signals(sig).name, self.shutdown_timeout)
+        logger.info(
+            "%s: draining (up to %g s, --shutdown-timeout), then shutting down; send it again to end "
+            "the requests in flight now",
+            signal.Signals(sig).name,
+            self.shutdown_timeout,
+        )
         loop.call_soon_threadsafe(self._start_drain, loop)
 
     def _start_drain(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -316,11 +326,14 @@ def _bind(host: str, port: int) -> socket.socket:
         where = _url(host, port).removeprefix("http://")
         reason = exc.strerror or str(exc)
         if exc.errno == errno.EADDRINUSE:
-            raise StartupError(f"cannot listen on {where}: the address is already in use",
-                               "another process holds that port: stop it, pick another --port, or pass --port 0 "
-                               "for a free one") from exc
-        raise StartupError(f"cannot listen on {where}: {reason}",
-                           "check --host (an address of this machine, e.g. 127.0.0.1 or 0.0.0.0) and --port") from exc
+            raise StartupError(
+                f"cannot listen on {where}: the address is already in use",
+                "another process holds that port: stop it, pick another --port, or pass --port 0 for a free one",
+            ) from exc
+        raise StartupError(
+            f"cannot listen on {where}: {reason}",
+            "check --host (an address of this machine, e.g. 127.0.0.1 or 0.0.0.0) and --port",
+        ) from exc
     return sock
 
 
@@ -346,9 +359,16 @@ def run_server(args: ServerArgs, before_listening: Callable[[], None] = lambda: 
     url = _url(args.host, sock.getsockname()[1])
     state: ServerState = app.state.server
     state.on_ready = lambda: print(f"radixserve ready at {url}", flush=True)
-    config = uvicorn.Config(app, log_config=None, log_level=args.log_level, lifespan="on",
-                            access_log=args.log_level == "debug", timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                            http=_EnvelopeH11Protocol, h11_max_incomplete_event_size=args.max_header_size)
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        log_level=args.log_level,
+        lifespan="on",
+        access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        http=_EnvelopeH11Protocol,
+        h11_max_incomplete_event_size=args.max_header_size,
+    )
     server = _Server(config, state, args.shutdown_timeout)
     before_listening()
     print(f"radixserve listening at {url} (starting up; /health answers 503 until ready)", flush=True)

@@ -17,8 +17,9 @@ Pair = tuple[Optional[float], int]  # (logprob, token id); the first prompt toke
 
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's byte -> printable-character map used by byte-level BPE."""
-    byte_values = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    byte_values = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     code_points = byte_values[:]  # printable bytes stand for themselves
     shifted = 0
     for b in range(256):
@@ -72,8 +73,9 @@ def chat_logprobs(texts: TokenTexts, tokens: Sequence[Pair], tops: Sequence[Sequ
     return ChatLogprobs(content=content)
 
 
-def completion_logprobs(texts: TokenTexts, tokens: Sequence[Pair], tops: Sequence[Optional[Sequence[Pair]]],
-                        text_offset: int) -> tuple[CompletionLogprobs, int]:
+def completion_logprobs(
+    texts: TokenTexts, tokens: Sequence[Pair], tops: Sequence[Optional[Sequence[Pair]]], text_offset: int
+) -> tuple[CompletionLogprobs, int]:
     """The legacy shape; ``text_offset`` is where the first token starts in the
     choice's text. Returns the logprobs and the offset after the last token.
     As in OpenAI's API, each ``top_logprobs`` entry also holds the chosen token."""

@@ -16,8 +16,29 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 PREFIX = "radixserve:"
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-                    5.0, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _QUEUE_BUCKETS = (0.0, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
@@ -54,22 +75,26 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "generated tokens, aborted requests' included")
         self.cached_tokens = counter("cached_tokens", "prompt tokens served from the prefix cache")
         self.num_requests = labelled_counter(
-            "num_requests", "scheduler requests (one per choice) by finish reason: stop, length or abort "
-            "(refused and disconnected included)", "finish_reason")
+            "num_requests",
+            "scheduler requests (one per choice) by finish reason: stop, length or abort "
+            "(refused and disconnected included)",
+            "finish_reason",
+        )
         self.num_request_errors = labelled_counter(
-            "num_request_errors", "HTTP requests answered with an error, by status (499: the client left first)",
-            "code")
+            "num_request_errors", "HTTP requests answered with an error, by status (499: the client left first)", "code"
+        )
         for reason in ("stop", "length", "abort"):  # present from the start, at 0
             self.num_requests.labels(model_name, reason)
         self.queue_time = histogram("queue_time_seconds", "time from arrival to first admission", _QUEUE_BUCKETS)
         self._prompt_total = 0
         self._cached_total = 0
-        self.time_to_first_token = histogram("time_to_first_token_seconds", "time to first token",
-                                             _LATENCY_BUCKETS)
-        self.inter_token_latency = histogram("inter_token_latency_seconds", "time between output tokens",
-                                             _LATENCY_BUCKETS)
-        self.e2e_request_latency = histogram("e2e_request_latency_seconds", "request latency, arrival to finish",
-                                             _E2E_BUCKETS)
+        self.time_to_first_token = histogram("time_to_first_token_seconds", "time to first token", _LATENCY_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "time between output tokens", _LATENCY_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "request latency, arrival to finish", _E2E_BUCKETS
+        )
 
     # ---- TokenizerManager hooks -----------------------------------------------------
     def record_first_token(self, seconds: float) -> None:

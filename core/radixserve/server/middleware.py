@@ -25,13 +25,17 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         if self.expected is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
-            await error_response(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
-                                 code="invalid_api_key")(scope, receive, send)
+            await error_response(
+                401, "invalid or missing API key; send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )(scope, receive, send)
             return
         body = await self._read_body(scope, receive)
         if body is None:
-            await error_response(413, f"the request body exceeds {self.max_payload_size} bytes "
-                                      f"(--max-payload-size)", code="payload_too_large")(scope, receive, send)
+            await error_response(
+                413,
+                f"the request body exceeds {self.max_payload_size} bytes (--max-payload-size)",
+                code="payload_too_large",
+            )(scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
 

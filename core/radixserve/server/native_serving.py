@@ -69,9 +69,16 @@ def _inputs(body: GenerateRequestBody) -> list[GenerateInput]:
         rids = _per_prompt(body.rid, count, "rid")
     priorities = _per_prompt(body.priority, count, "priority")
     return [
-        GenerateInput(**prompt, sampling_params=params[i], return_logprob=body.return_logprob,
-                      top_logprobs_num=body.top_logprobs_num, logprob_start_len=body.logprob_start_len,
-                      stream=body.stream, rid=rids[i], priority=priorities[i])
+        GenerateInput(
+            **prompt,
+            sampling_params=params[i],
+            return_logprob=body.return_logprob,
+            top_logprobs_num=body.top_logprobs_num,
+            logprob_start_len=body.logprob_start_len,
+            stream=body.stream,
+            rid=rids[i],
+            priority=priorities[i],
+        )
         for i, prompt in enumerate(prompts)
     ]
 
@@ -91,8 +98,9 @@ def _output(out: dict, return_logprob: bool, started: float) -> dict:
     return {"text": out["text"], "output_ids": out["output_ids"], "meta_info": meta}
 
 
-async def generate(tm: TokenizerManager, body: GenerateRequestBody, request: Request) -> Union[dict, list,
-                                                                                            StreamingResponse]:
+async def generate(
+    tm: TokenizerManager, body: GenerateRequestBody, request: Request
+) -> Union[dict, list, StreamingResponse]:
     started = time.perf_counter()
     inputs = _inputs(body)
     is_batch = len(inputs) > 1
@@ -110,8 +118,9 @@ async def generate(tm: TokenizerManager, body: GenerateRequestBody, request: Req
     return answers if is_batch or len(answers) > 1 else answers[0]
 
 
-async def _chunks(results: AsyncIterator[Tagged], firsts: list[int], return_logprob: bool,
-                  started: float) -> AsyncIterator[dict]:
+async def _chunks(
+    results: AsyncIterator[Tagged], firsts: list[int], return_logprob: bool, started: float
+) -> AsyncIterator[dict]:
     """Turn the runtime's deltas into SGLang's cumulative chunks."""
     so_far: dict[int, dict] = {}
     async for p, out in results:
@@ -123,7 +132,8 @@ async def _chunks(results: AsyncIterator[Tagged], firsts: list[int], return_logp
         for k in _LOGPROB_KEYS:
             acc[k] += meta.get(k) or []
             meta[k] = acc[k]
-        chunk = _output({"text": acc["text"], "output_ids": acc["output_ids"], "meta_info": meta}, return_logprob,
-                        started)
+        chunk = _output(
+            {"text": acc["text"], "output_ids": acc["output_ids"], "meta_info": meta}, return_logprob, started
+        )
         chunk["index"] = index
         yield chunk

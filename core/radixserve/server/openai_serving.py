@@ -95,8 +95,12 @@ class UsageCounter:
 
 
 def make_usage(prompt: int, completion: int, cached: int) -> Usage:
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+    )
 
 
 class OpenAIServing:
@@ -108,8 +112,12 @@ class OpenAIServing:
 
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def _check_request(self, req: Union[ChatCompletionRequest, CompletionRequest]) -> None:
         self.check_model(req.model)
@@ -124,21 +132,29 @@ class OpenAIServing:
         return max(min(room - prompt_len, DEFAULT_MAX_TOKENS_CAP), 0)
 
     # ---- chat --------------------------------------------------------------------
-    async def chat(self, req: ChatCompletionRequest, request: Request) -> Union[ChatCompletionResponse,
-                                                                                StreamingResponse]:
+    async def chat(
+        self, req: ChatCompletionRequest, request: Request
+    ) -> Union[ChatCompletionResponse, StreamingResponse]:
         self._check_request(req)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
         if req.continue_final_message and req.messages[-1].role != "assistant":
-            raise APIError(400, "continue_final_message: the last message must be the assistant's",
-                           param="continue_final_message")
+            raise APIError(
+                400, "continue_final_message: the last message must be the assistant's", param="continue_final_message"
+            )
         with runtime_errors(CHAT_RENAMES):
             ids = self.chat_template.encode(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        inp = GenerateInput(input_ids=ids, sampling_params=req.sampling_params(self._max_tokens(requested, len(ids))),
-                            return_logprob=req.logprobs, top_logprobs_num=req.top_logprobs or 0, stream=req.stream,
-                            rid=rid, priority=req.priority)
+        inp = GenerateInput(
+            input_ids=ids,
+            sampling_params=req.sampling_params(self._max_tokens(requested, len(ids))),
+            return_logprob=req.logprobs,
+            top_logprobs_num=req.top_logprobs or 0,
+            stream=req.stream,
+            rid=rid,
+            priority=req.priority,
+        )
         results = start_generation(self.tm, [inp], CHAT_RENAMES)
         if req.stream:
             results = await first_and_rest(results, request, CHAT_RENAMES)
@@ -151,18 +167,23 @@ class OpenAIServing:
             meta = out["meta_info"]
             usage.add(0, out["index"], meta)
             finish, matched = finish_fields(meta)
-            choices.append(ChatChoice(
-                index=out["index"], message=AssistantMessage(content=out["text"]),
-                logprobs=self._chat_logprobs(meta) if req.logprobs else None,
-                finish_reason=finish, matched_stop=matched,
-            ))
+            choices.append(
+                ChatChoice(
+                    index=out["index"],
+                    message=AssistantMessage(content=out["text"]),
+                    logprobs=self._chat_logprobs(meta) if req.logprobs else None,
+                    finish_reason=finish,
+                    matched_stop=matched,
+                )
+            )
         return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage.total())
 
     def _chat_logprobs(self, meta: dict):
         return chat_logprobs(self.texts, meta["output_token_logprobs"], meta["output_top_logprobs"])
 
-    async def _chat_chunks(self, req: ChatCompletionRequest, rid: str,
-                           results: AsyncIterator[Tagged]) -> AsyncIterator[ChatCompletionChunk]:
+    async def _chat_chunks(
+        self, req: ChatCompletionRequest, rid: str, results: AsyncIterator[Tagged]
+    ) -> AsyncIterator[ChatCompletionChunk]:
         created = int(time.time())
 
         def chunk(choices: list[ChatStreamChoice], usage: Optional[Usage] = None) -> ChatCompletionChunk:
@@ -178,12 +199,17 @@ class OpenAIServing:
             if not out["text"] and finish is None and not meta["output_token_logprobs"]:
                 continue  # nothing to tell (e.g. a token that completes no character yet)
             choice = ChatStreamChoice(
-                index=out["index"], delta=DeltaMessage(content=out["text"] or None),
+                index=out["index"],
+                delta=DeltaMessage(content=out["text"] or None),
                 logprobs=self._chat_logprobs(meta) if req.logprobs else None,
-                finish_reason=finish, matched_stop=matched,
+                finish_reason=finish,
+                matched_stop=matched,
             )
-            running = make_usage(meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) \
-                if req.continuous_usage else None
+            running = (
+                make_usage(meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"])
+                if req.continuous_usage
+                else None
+            )
             yield chunk([choice], running)
         if req.include_usage:
             yield chunk([], usage.total())
@@ -214,12 +240,13 @@ class OpenAIServing:
         extra = len(ids) - len(plain)
         if extra > 0:
             for lead in range(extra + 1):
-                if ids[lead:lead + len(plain)] == plain:
+                if ids[lead : lead + len(plain)] == plain:
                     return Echo(given, lead, extra - lead)
         return Echo(given)
 
-    async def completions(self, req: CompletionRequest, request: Request) -> Union[CompletionResponse,
-                                                                                   StreamingResponse]:
+    async def completions(
+        self, req: CompletionRequest, request: Request
+    ) -> Union[CompletionResponse, StreamingResponse]:
         self._check_request(req)
         given = self._raw_prompts(req)
         # Text is tokenized like the native API does.
@@ -228,10 +255,14 @@ class OpenAIServing:
         want_logprobs = req.logprobs is not None
         inputs = [
             GenerateInput(
-                input_ids=ids, sampling_params=req.sampling_params(self._max_tokens(req.max_tokens, len(ids))),
-                return_logprob=want_logprobs, top_logprobs_num=req.logprobs or 0,
-                logprob_start_len=0 if (req.echo and want_logprobs) else -1, stream=req.stream,
-                rid=rid if len(prompts) == 1 else f"{rid}-{p}", priority=req.priority,
+                input_ids=ids,
+                sampling_params=req.sampling_params(self._max_tokens(req.max_tokens, len(ids))),
+                return_logprob=want_logprobs,
+                top_logprobs_num=req.logprobs or 0,
+                logprob_start_len=0 if (req.echo and want_logprobs) else -1,
+                stream=req.stream,
+                rid=rid if len(prompts) == 1 else f"{rid}-{p}",
+                priority=req.priority,
             )
             for p, ids in enumerate(prompts)
         ]
@@ -249,10 +280,16 @@ class OpenAIServing:
             meta = out["meta_info"]
             usage.add(p, index, meta)
             finish, matched = finish_fields(meta)
-            logprobs = self._completion_logprobs(meta, echoes[p] if req.echo else None, 0)[0] \
-                if want_logprobs else None
-            choices.append(CompletionChoice(index=index, text=echoes[p].text + out["text"], logprobs=logprobs,
-                                            finish_reason=finish, matched_stop=matched))
+            logprobs = self._completion_logprobs(meta, echoes[p] if req.echo else None, 0)[0] if want_logprobs else None
+            choices.append(
+                CompletionChoice(
+                    index=index,
+                    text=echoes[p].text + out["text"],
+                    logprobs=logprobs,
+                    finish_reason=finish,
+                    matched_stop=matched,
+                )
+            )
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage.total())
 
@@ -263,12 +300,13 @@ class OpenAIServing:
         if echo is not None and meta.get("input_token_logprobs") is not None:
             prompt_tokens, prompt_tops = list(meta["input_token_logprobs"]), list(meta["input_top_logprobs"])
             end = len(prompt_tokens) - echo.trail
-            tokens = prompt_tokens[echo.lead:end] + tokens
-            tops = prompt_tops[echo.lead:end] + tops
+            tokens = prompt_tokens[echo.lead : end] + tokens
+            tops = prompt_tops[echo.lead : end] + tops
         return completion_logprobs(self.texts, tokens, tops, offset)
 
-    async def _completion_chunks(self, req: CompletionRequest, rid: str, results: AsyncIterator[Tagged],
-                                 echoes: list[Echo]) -> AsyncIterator[CompletionResponse]:
+    async def _completion_chunks(
+        self, req: CompletionRequest, rid: str, results: AsyncIterator[Tagged], echoes: list[Echo]
+    ) -> AsyncIterator[CompletionResponse]:
         created = int(time.time())
         usage = UsageCounter()
         started: set[int] = set()  # choices that sent their first chunk (with the echo)
@@ -287,11 +325,21 @@ class OpenAIServing:
                 logprobs, offsets[index] = self._completion_logprobs(meta, echo, offsets.get(index, 0))
             if not text and finish is None and not (logprobs and logprobs.tokens):
                 continue
-            running = make_usage(meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) \
-                if req.continuous_usage else None
-            yield CompletionResponse(id=rid, created=created, model=self.model_name, usage=running, choices=[
-                CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
-                                 matched_stop=matched)])
+            running = (
+                make_usage(meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"])
+                if req.continuous_usage
+                else None
+            )
+            yield CompletionResponse(
+                id=rid,
+                created=created,
+                model=self.model_name,
+                usage=running,
+                choices=[
+                    CompletionChoice(
+                        index=index, text=text, logprobs=logprobs, finish_reason=finish, matched_stop=matched
+                    )
+                ],
+            )
         if req.include_usage:
-            yield CompletionResponse(id=rid, created=created, model=self.model_name, choices=[],
-                                     usage=usage.total())
+            yield CompletionResponse(id=rid, created=created, model=self.model_name, choices=[], usage=usage.total())

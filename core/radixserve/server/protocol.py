@@ -149,9 +149,19 @@ class _SamplingRequest(_OpenAIRequest):
     """Fields common to chat and text completions."""
 
     # SGLang's and vLLM's constrained decoding: ignoring them would answer with unconstrained text.
-    refused_extras = {name: _NO_STRUCTURED_OUTPUT for name in (
-        "regex", "json_schema", "ebnf", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-        "structured_outputs")}
+    refused_extras = {
+        name: _NO_STRUCTURED_OUTPUT
+        for name in (
+            "regex",
+            "json_schema",
+            "ebnf",
+            "guided_json",
+            "guided_regex",
+            "guided_choice",
+            "guided_grammar",
+            "structured_outputs",
+        )
+    }
 
     model: Optional[str] = None
     max_tokens: Optional[Int] = None
@@ -229,8 +239,11 @@ class TextPart(BaseModel):
     @classmethod
     def _text_only(cls, kind: str) -> str:
         if kind != "text":
-            raise PydanticCustomError("unsupported_content", "content parts of type {kind} are not supported; "
-                                      "only 'text'", {"kind": repr(kind)})
+            raise PydanticCustomError(
+                "unsupported_content",
+                "content parts of type {kind} are not supported; only 'text'",
+                {"kind": repr(kind)},
+            )
         return kind
 
     @model_validator(mode="after")
@@ -297,11 +310,17 @@ class ChatCompletionRequest(_SamplingRequest):
     def _refuse_unserved(self) -> "ChatCompletionRequest":
         """OpenAI options that radixserve does not implement are a 400, never ignored."""
         if self.response_format is not None and self.response_format.get("type") != "text":
-            raise unsupported("response_format", f"response_format of type {self.response_format.get('type')!r} "
-                                                 f"is not supported ({_NO_STRUCTURED_OUTPUT}); only 'text'")
+            raise unsupported(
+                "response_format",
+                f"response_format of type {self.response_format.get('type')!r} "
+                f"is not supported ({_NO_STRUCTURED_OUTPUT}); only 'text'",
+            )
         if self.tools and self.tool_choice != "none":
-            raise unsupported("tool_choice", "tool calling is not supported yet: with tools, set tool_choice to "
-                                             "'none' (the tools then only reach the chat template)")
+            raise unsupported(
+                "tool_choice",
+                "tool calling is not supported yet: with tools, set tool_choice to "
+                "'none' (the tools then only reach the chat template)",
+            )
         if self.tool_choice not in (None, "none", "auto"):
             raise unsupported("tool_choice", "tool calling is not supported yet; tool_choice may only be 'none'")
         if self.functions:
@@ -331,8 +350,9 @@ class CompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _refuse_unserved(self) -> "CompletionRequest":
         if self.best_of is not None and self.best_of != self.n:
-            raise unsupported("best_of", f"best_of must equal n ({self.n}): choosing the best of extra "
-                                         f"candidates is not supported")
+            raise unsupported(
+                "best_of", f"best_of must equal n ({self.n}): choosing the best of extra candidates is not supported"
+            )
         if self.suffix:
             raise unsupported("suffix", "suffix (text insertion) is not supported")
         return self

@@ -132,22 +132,34 @@ class ServerState:
     def _log_summary(self, template: ChatTemplate) -> None:
         s, args = self.runtime.summary, self.args
         demo = " (the built-in demo model: RANDOM weights)" if args.model_path is None else ""
-        logger.info("model: %s%s, served as %r, architecture %s", self.model_path, demo, self.model_name,
-                    s["architecture"])
+        logger.info(
+            "model: %s%s, served as %r, architecture %s", self.model_path, demo, self.model_name, s["architecture"]
+        )
         logger.info("device: %s (platform %s, --device %s)", s["device"], s["platform"], args.device)
         for kind, name in s["backends"].items():
             logger.info("%s backend: %s (%s)", kind, name, s["backend_choices"].get(kind, "?"))
         logger.info("dtype %s (%s), KV cache dtype %s", s["dtype"], s["dtype_reason"], s["kv_cache_dtype"])
         memory = s["memory"]
-        logger.info("KV pool %d tokens, %.1f GiB (page size %d); memory %.1f GiB total, %.1f GiB available, "
-                    "weights %.1f GiB; context length %d; max running requests %d", s["max_total_tokens"],
-                    memory["kv_pool_bytes"] / 2**30, s["page_size"], memory["total_bytes"] / 2**30,
-                    memory["available_bytes"] / 2**30, memory["weights_bytes"] / 2**30, s["context_length"],
-                    s["max_running_requests"])
+        logger.info(
+            "KV pool %d tokens, %.1f GiB (page size %d); memory %.1f GiB total, %.1f GiB available, "
+            "weights %.1f GiB; context length %d; max running requests %d",
+            s["max_total_tokens"],
+            memory["kv_pool_bytes"] / 2**30,
+            s["page_size"],
+            memory["total_bytes"] / 2**30,
+            memory["available_bytes"] / 2**30,
+            memory["weights_bytes"] / 2**30,
+            s["context_length"],
+            s["max_running_requests"],
+        )
         graphs = s["graphs"]
         if graphs["backend"]:
-            logger.info("decode graphs: %s for batch sizes %s, captured in %.1f s", graphs["backend"],
-                        graphs["batch_sizes"], graphs["capture_seconds"])
+            logger.info(
+                "decode graphs: %s for batch sizes %s, captured in %.1f s",
+                graphs["backend"],
+                graphs["batch_sizes"],
+                graphs["capture_seconds"],
+            )
         else:
             logger.info("decode graphs: off (%s)", graphs["reason"])
         logger.info("chat template: %s", template.origin)
@@ -202,9 +214,12 @@ class ServerState:
     def ready_tm(self) -> TokenizerManager:
         """The TokenizerManager, or a 503 while the server is not serving."""
         if self.status != "ready" or self.tm is None:
-            message = {"starting": "the server is starting up", "failed": "the server failed to start",
-                       "dead": self.tm.dead_reason if self.tm else "the runtime is down",
-                       "draining": SHUTDOWN_REASON}[self.status]
+            message = {
+                "starting": "the server is starting up",
+                "failed": "the server failed to start",
+                "dead": self.tm.dead_reason if self.tm else "the runtime is down",
+                "draining": SHUTDOWN_REASON,
+            }[self.status]
             raise APIError(503, message)
         return self.tm
 

@@ -52,8 +52,9 @@ def runtime_errors(renames: Optional[dict[str, str]] = None) -> Iterator[None]:
         raise APIError(500, f"the request failed in the runtime: {exc}") from exc
 
 
-def start_generation(tm: TokenizerManager, inputs: list[GenerateInput],
-                     renames: Optional[dict[str, str]] = None) -> AsyncIterator[Tagged]:
+def start_generation(
+    tm: TokenizerManager, inputs: list[GenerateInput], renames: Optional[dict[str, str]] = None
+) -> AsyncIterator[Tagged]:
     """Validate every prompt up front (a 400 before anything runs), then run
     them all, yielding ``(prompt index, result)`` as results arrive."""
     with runtime_errors(renames):
@@ -110,8 +111,9 @@ async def collect(results: AsyncIterator[Tagged], renames: Optional[dict[str, st
     return items
 
 
-async def first_and_rest(results: AsyncIterator[Tagged], request: Request,
-                         renames: Optional[dict[str, str]] = None) -> AsyncIterator[Tagged]:
+async def first_and_rest(
+    results: AsyncIterator[Tagged], request: Request, renames: Optional[dict[str, str]] = None
+) -> AsyncIterator[Tagged]:
     """Wait for the first result before a stream's headers go out, so that a
     full queue, a dead runtime or a rejected prompt still get their status.
     Returns an iterator over all results, the first included."""

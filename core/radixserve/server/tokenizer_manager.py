@@ -19,7 +19,6 @@ import zmq.asyncio
 
 from radixserve.config import ServerArgs
 from radixserve.ipc import Endpoints, pull_socket, push_socket
-from radixserve.request_limits import has_lone_surrogate, request_fit_error, token_ids_error
 from radixserve.messages import (
     AbortRequest,
     ControlReply,
@@ -31,6 +30,7 @@ from radixserve.messages import (
     TextBatch,
     TextOutput,
 )
+from radixserve.request_limits import has_lone_surrogate, request_fit_error, token_ids_error
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.access_log import current_request
 
@@ -216,11 +216,20 @@ class TokenizerManager:
             field_name = "text"
         else:
             raise ValueError("text: one of text or input_ids is required")
-        params = obj.sampling_params if isinstance(obj.sampling_params, SamplingParams) \
+        params = (
+            obj.sampling_params
+            if isinstance(obj.sampling_params, SamplingParams)
             else SamplingParams.from_dict(obj.sampling_params)
+        )
         params.validate(self.vocab_size, self.args)  # the request limits are flags
-        error = request_fit_error(len(ids), params.max_new_tokens, self.context_length, self.kv_pool_tokens,
-                                  self.page_size, prompt_field=field_name)
+        error = request_fit_error(
+            len(ids),
+            params.max_new_tokens,
+            self.context_length,
+            self.kv_pool_tokens,
+            self.page_size,
+            prompt_field=field_name,
+        )
         if error is not None:
             raise ValueError(error)
         if obj.top_logprobs_num < 0:
@@ -261,12 +270,12 @@ class TokenizerManager:
                 # cache. The request's own cache hit is the warm-up's.
                 warm = SamplingParams.from_dict({"max_new_tokens": 0})
                 warm_input = GenerateInput(input_ids=ids, priority=obj.priority)
-                async with contextlib.aclosing(self._run_one(rid, group, ids, warm, warm_input, index=0,
-                                                             observe=False)) as warm_up:
+                async with contextlib.aclosing(
+                    self._run_one(rid, group, ids, warm, warm_input, index=0, observe=False)
+                ) as warm_up:
                     async for out in warm_up:
                         cached = out["meta_info"]["cached_tokens"]
-            streams = [self._run_one(rid, group, ids, _child_params(params, i), obj, index=i)
-                       for i in range(params.n)]
+            streams = [self._run_one(rid, group, ids, _child_params(params, i), obj, index=i) for i in range(params.n)]
             async with contextlib.aclosing(merge_streams(streams)) as merged:
                 async for out in merged:
                     if cached is not None:
@@ -280,8 +289,16 @@ class TokenizerManager:
             for internal in group:
                 self._release(internal)
 
-    async def _run_one(self, rid: str, group: list[str], ids: list[int], params: SamplingParams,
-                       obj: GenerateInput, index: int, observe: bool = True) -> AsyncIterator[dict]:
+    async def _run_one(
+        self,
+        rid: str,
+        group: list[str],
+        ids: list[int],
+        params: SamplingParams,
+        obj: GenerateInput,
+        index: int,
+        observe: bool = True,
+    ) -> AsyncIterator[dict]:
         internal = f"{rid}#{next(self._internal_ids)}"
         group.append(internal)
         pending = self._pending[internal] = _Pending(asyncio.Queue(), observe=observe)
@@ -435,16 +452,25 @@ class _Accumulator:
             logprobs = (t.output_token_logprobs, t.output_top_logprobs, t.input_token_logprobs, t.input_top_logprobs)
         else:
             text, ids = self.text, self.output_ids
-            logprobs = (self.output_token_logprobs, self.output_top_logprobs, self.input_token_logprobs,
-                        self.input_top_logprobs)
+            logprobs = (
+                self.output_token_logprobs,
+                self.output_top_logprobs,
+                self.input_token_logprobs,
+                self.input_top_logprobs,
+            )
         out_lp, out_top, in_lp, in_top = logprobs
         meta["output_token_logprobs"] = out_lp
         meta["output_top_logprobs"] = out_top
         if in_lp is not None:
             meta["input_token_logprobs"] = in_lp
             meta["input_top_logprobs"] = in_top
-        return {"index": self.index, "text": text, "output_ids": list(ids), "meta_info": meta,
-                "finished": t.finish_reason is not None}
+        return {
+            "index": self.index,
+            "text": text,
+            "output_ids": list(ids),
+            "meta_info": meta,
+            "finished": t.finish_reason is not None,
+        }
 
 
 async def merge_streams(streams: list[AsyncGenerator[Any, None]]) -> AsyncGenerator[Any, None]:

@@ -18,8 +18,18 @@ from radixserve.model_builder import (
     tiny_config,
 )
 
-__all__ = ["BOS_TOKEN", "EOS_TOKEN", "IM_END", "IM_START", "PAD_TOKEN", "SPECIAL_TOKENS", "build_tiny_model",
-           "build_tokenizer", "llama3_rope_scaling", "tiny_config"]
+__all__ = [
+    "BOS_TOKEN",
+    "EOS_TOKEN",
+    "IM_END",
+    "IM_START",
+    "PAD_TOKEN",
+    "SPECIAL_TOKENS",
+    "build_tiny_model",
+    "build_tokenizer",
+    "llama3_rope_scaling",
+    "tiny_config",
+]
 
 
 def llama3_rope_scaling(

@@ -29,8 +29,9 @@ def test_gemm_conforms(device):
 
 def test_registered_through_the_entry_point():
     # `radixserve plugins --json`, run through the module so no PATH entry is needed.
-    proc = subprocess.run([sys.executable, "-m", "radixserve.cli", "plugins", "--json"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "radixserve.cli", "plugins", "--json"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     plugin = next((p for p in report["plugins"] if p["name"] == "example"), None)

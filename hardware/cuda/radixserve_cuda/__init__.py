@@ -17,7 +17,6 @@ platform is usable without triton.
 from __future__ import annotations
 
 from radixserve.hooks import Register, hookimpl
-
 from radixserve_cuda.fp8 import Fp8W8A8, Fp8W8A8PerTensor
 from radixserve_cuda.platform import CudaPlatform
 

@@ -115,8 +115,9 @@ def batch_paged_kv_index(batch: ForwardBatch) -> PagedKVIndex:
     extend = None
     if batch.mode is ForwardMode.EXTEND:
         extend = batch.extend_lens_cpu or batch.extend_lens.tolist()
-    return build_paged_kv_index(batch.req_to_token, batch.req_pool_indices, batch.seq_lens, seq,
-                                batch.kv_pool.page_size, extend)
+    return build_paged_kv_index(
+        batch.req_to_token, batch.req_pool_indices, batch.seq_lens, seq, batch.kv_pool.page_size, extend
+    )
 
 
 @dataclass
@@ -203,28 +204,69 @@ class FlashInferAttention(AttentionBackend):
             fi = self._flashinfer
             self._prefill = fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
             self._decode = fi.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "NHD", use_tensor_cores=self._decode_tensor_cores)
+                self._workspace, "NHD", use_tensor_cores=self._decode_tensor_cores
+            )
             self._warm_up(device)
         return self._prefill, self._decode
 
-    def _plan(self, mode: ForwardMode, index: PagedKVIndex, device: torch.device, page_size: int,
-              num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype):
+    def _plan(
+        self,
+        mode: ForwardMode,
+        index: PagedKVIndex,
+        device: torch.device,
+        page_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+    ):
         prefill, decode = self._wrappers(device)
         if mode is ForwardMode.DECODE:
             self._plan_decode(decode, index, page_size, num_heads, num_kv_heads, head_dim, dtype, kv_dtype)
             return decode
         self._before_plan()
-        prefill.plan(index.qo_indptr, index.kv_indptr, index.kv_indices, index.kv_last_page_len, num_heads,
-                     num_kv_heads, head_dim, page_size, causal=True, q_data_type=dtype, kv_data_type=kv_dtype,
-                     sm_scale=1.0)
+        prefill.plan(
+            index.qo_indptr,
+            index.kv_indptr,
+            index.kv_indices,
+            index.kv_last_page_len,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            causal=True,
+            q_data_type=dtype,
+            kv_data_type=kv_dtype,
+            sm_scale=1.0,
+        )
         self._after_plan()
         return prefill
 
-    def _plan_decode(self, wrapper, index: PagedKVIndex, page_size: int, num_heads: int, num_kv_heads: int,
-                     head_dim: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    def _plan_decode(
+        self,
+        wrapper,
+        index: PagedKVIndex,
+        page_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
+    ) -> None:
         self._before_plan()
-        wrapper.plan(index.kv_indptr, index.kv_indices, index.kv_last_page_len, num_heads, num_kv_heads,
-                     head_dim, page_size, q_data_type=dtype, kv_data_type=kv_dtype, sm_scale=1.0)
+        wrapper.plan(
+            index.kv_indptr,
+            index.kv_indices,
+            index.kv_last_page_len,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            page_size,
+            q_data_type=dtype,
+            kv_data_type=kv_dtype,
+            sm_scale=1.0,
+        )
         self._after_plan()
 
     # A plan writes its scheduling arrays into the wrapper's page-locked host buffer
@@ -248,8 +290,9 @@ class FlashInferAttention(AttentionBackend):
     def _metadata(self, batch: ForwardBatch) -> FlashInferMetadata:
         q, pool = self.query, batch.kv_pool
         index = batch_paged_kv_index(batch)
-        wrapper = self._plan(batch.mode, index, pool.device, pool.page_size, q.num_heads, q.num_kv_heads,
-                             q.head_dim, q.dtype, pool.dtype)
+        wrapper = self._plan(
+            batch.mode, index, pool.device, pool.page_size, q.num_heads, q.num_kv_heads, q.head_dim, q.dtype, pool.dtype
+        )
         return FlashInferMetadata(batch.mode, wrapper)
 
     def _run(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
@@ -291,15 +334,22 @@ class FlashInferAttention(AttentionBackend):
             raise RuntimeError("init_graph_state must run before a graph is captured")
         bs, g = batch.batch_size, self._graph
         wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self._decode_tensor_cores,
-            paged_kv_indptr_buffer=g.kv_indptr[: bs + 1], paged_kv_indices_buffer=g.kv_indices,
-            paged_kv_last_page_len_buffer=g.kv_last_page_len[:bs])
+            self._workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=self._decode_tensor_cores,
+            paged_kv_indptr_buffer=g.kv_indptr[: bs + 1],
+            paged_kv_indices_buffer=g.kv_indices,
+            paged_kv_last_page_len_buffer=g.kv_last_page_len[:bs],
+        )
         g.wrappers[bs] = wrapper
         # What the capture runs on does not matter (replays re-plan): one token
         # per request, on the reserved page 0.
-        index = PagedKVIndex(kv_indptr=torch.arange(bs + 1, dtype=torch.int32),
-                             kv_indices=torch.zeros(bs, dtype=torch.int32, device=g.kv_indices.device),
-                             kv_last_page_len=torch.ones(bs, dtype=torch.int32))
+        index = PagedKVIndex(
+            kv_indptr=torch.arange(bs + 1, dtype=torch.int32),
+            kv_indices=torch.zeros(bs, dtype=torch.int32, device=g.kv_indices.device),
+            kv_last_page_len=torch.ones(bs, dtype=torch.int32),
+        )
         self._plan_graph(wrapper, index, batch)
 
     def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
@@ -308,14 +358,14 @@ class FlashInferAttention(AttentionBackend):
         if wrapper is None:
             raise RuntimeError(f"no graph was captured for batch size {bs}")
         seq = list(batch.seq_lens_cpu)  # the graph runner's host copy, padding rows included
-        index = build_paged_kv_index(batch.req_to_token, batch.req_pool_indices, batch.seq_lens, seq,
-                                     batch.kv_pool.page_size)
+        index = build_paged_kv_index(
+            batch.req_to_token, batch.req_pool_indices, batch.seq_lens, seq, batch.kv_pool.page_size
+        )
         self._plan_graph(wrapper, index, batch)
 
     def _plan_graph(self, wrapper, index: PagedKVIndex, batch: ForwardBatch) -> None:
         q, pool = self.query, batch.kv_pool
-        self._plan_decode(wrapper, index, pool.page_size, q.num_heads, q.num_kv_heads, q.head_dim, q.dtype,
-                          pool.dtype)
+        self._plan_decode(wrapper, index, pool.page_size, q.num_heads, q.num_kv_heads, q.head_dim, q.dtype, pool.dtype)
         batch.attn_metadata = FlashInferMetadata(ForwardMode.DECODE, wrapper)
 
     # -- warm-up ---------------------------------------------------------------
@@ -329,9 +379,14 @@ class FlashInferAttention(AttentionBackend):
         key = (q.dtype, q.num_heads, q.num_kv_heads, q.head_dim, page_size)
         if key in _warmed:
             return
-        logger.info("FlashInfer: preparing paged prefill and decode kernels (%s, %d/%d heads, head_dim %d); "
-                    "the first compile on a machine takes minutes, later starts load them from its cache",
-                    str(q.dtype).replace("torch.", ""), q.num_heads, q.num_kv_heads, q.head_dim)
+        logger.info(
+            "FlashInfer: preparing paged prefill and decode kernels (%s, %d/%d heads, head_dim %d); "
+            "the first compile on a machine takes minutes, later starts load them from its cache",
+            str(q.dtype).replace("torch.", ""),
+            q.num_heads,
+            q.num_kv_heads,
+            q.head_dim,
+        )
         start = time.perf_counter()
         # Two requests of up to 3 tokens, on pages 1 and 2 of a 3-page scratch cache.
         cache = torch.zeros((3, page_size, q.num_kv_heads, q.head_dim), dtype=q.dtype, device=device)
@@ -342,11 +397,12 @@ class FlashInferAttention(AttentionBackend):
         for mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
             extend = lens if mode is ForwardMode.EXTEND else [1, 1]
             index = build_paged_kv_index(req_to_token, rows, seq_lens, lens, page_size, extend)
-            wrapper = self._plan(mode, index, device, page_size, q.num_heads, q.num_kv_heads, q.head_dim,
-                                 q.dtype, q.dtype)
+            wrapper = self._plan(
+                mode, index, device, page_size, q.num_heads, q.num_kv_heads, q.head_dim, q.dtype, q.dtype
+            )
             tokens = sum(extend)
             x = torch.zeros((tokens, q.num_heads, q.head_dim), dtype=q.dtype, device=device)
-            wrapper.run(x, (cache, cache), q_scale=q.head_dim ** -0.5)
+            wrapper.run(x, (cache, cache), q_scale=q.head_dim**-0.5)
         torch.cuda.synchronize(device)
         _warmed.add(key)
         logger.info("FlashInfer: kernels ready in %.1f s", time.perf_counter() - start)

@@ -25,7 +25,6 @@ import torch
 from torch import nn
 
 from radixserve.kernels import KernelQuery, QuantizationMethod
-
 from radixserve_cuda.capability import capability_reasons, visible_capabilities
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -58,8 +57,9 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale
 
 
-def fp8_linear(x: torch.Tensor, qweight: torch.Tensor, scale_b: torch.Tensor,
-               bias: Optional[torch.Tensor]) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scale_b: torch.Tensor, bias: Optional[torch.Tensor]
+) -> torch.Tensor:
     """``x`` ``[..., K]`` -> ``[..., N]`` with ``qweight`` e4m3 ``[N, K]`` and its
     float32 row-wise scale ``scale_b`` ``[1, N]``."""
     shape = x.shape
@@ -84,8 +84,10 @@ class Fp8W8A8(QuantizationMethod):
         if query.device != "cuda":
             reasons.append(f"fp8 w8a8 runs on the cuda platform (torch._scaled_mm), not {query.device!r}")
         if query.dtype not in ACTIVATION_DTYPES:
-            reasons.append(f"fp8 w8a8 serves bfloat16 or float16 models (torch._scaled_mm's row-wise scaling "
-                           f"returns 16-bit outputs), not {query.dtype}; use --dtype bfloat16")
+            reasons.append(
+                f"fp8 w8a8 serves bfloat16 or float16 models (torch._scaled_mm's row-wise scaling "
+                f"returns 16-bit outputs), not {query.dtype}; use --dtype bfloat16"
+            )
         if not reasons:
             reasons += capability_reasons(visible_capabilities(), MIN_CAPABILITY, "fp8 w8a8 (torch._scaled_mm)")
         return reasons
@@ -98,8 +100,10 @@ class Fp8W8A8(QuantizationMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         out_features, in_features = layer.weight.shape
         if out_features % _ALIGN or in_features % _ALIGN:
-            raise ValueError(f"quantization: {self.name} needs a linear layer's in and out features divisible by "
-                             f"{_ALIGN} (torch._scaled_mm), got out={out_features}, in={in_features}")
+            raise ValueError(
+                f"quantization: {self.name} needs a linear layer's in and out features divisible by "
+                f"{_ALIGN} (torch._scaled_mm), got out={out_features}, in={in_features}"
+            )
         scale = weight_scales(layer.weight.data, self.per_channel)
         qweight = quantize(layer.weight.data, scale[:, None])
         del layer.weight

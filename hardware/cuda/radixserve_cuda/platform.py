@@ -15,7 +15,6 @@ import torch
 from torch.profiler import ProfilerActivity
 
 from radixserve.platform import Platform
-
 from radixserve_cuda.visibility import VisibleDevices, cuda_visible_devices
 
 
@@ -60,8 +59,10 @@ class CudaPlatform(Platform):
     def device(self, index: int = 0) -> torch.device:
         count = torch.cuda.device_count()
         if not 0 <= index < count:
-            raise ValueError(f"base_gpu_id: cuda:{index} does not exist: {count} device(s) are visible "
-                             f"({cuda_visible_devices().describe()})")
+            raise ValueError(
+                f"base_gpu_id: cuda:{index} does not exist: {count} device(s) are visible "
+                f"({cuda_visible_devices().describe()})"
+            )
         return torch.device("cuda", index)
 
     def total_memory_bytes(self, index: int = 0) -> int:
@@ -78,8 +79,7 @@ class CudaPlatform(Platform):
         props = torch.cuda.get_device_properties(index)
         visible = cuda_visible_devices()
         where = "" if visible.ids is None else f", physical {visible.physical(index)}"
-        return (f"cuda:{index} {props.name} ({props.total_memory / 2**30:.0f} GiB, "
-                f"sm_{props.major}{props.minor}{where})")
+        return f"cuda:{index} {props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}{where})"
 
     def graph_backend(self, device: torch.device):
         from radixserve_cuda.graphs import CudaGraphBackend  # CUDA graphs: radixserve_cuda/graphs.py

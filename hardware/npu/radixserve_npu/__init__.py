@@ -4,7 +4,6 @@ runs ``torch.matmul`` on the NPU). Importing this module never imports
 torch_npu; see ``ops``."""
 
 from radixserve.hooks import Register, hookimpl
-
 from radixserve_npu.attention import NpuFusedAttention
 from radixserve_npu.moe import NpuGroupedMoE
 from radixserve_npu.platform import NpuPlatform

@@ -46,7 +46,6 @@ import torch.nn.functional as F
 from radixserve.cache.memory_pool import KVLayout, KVPool
 from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
-
 from radixserve_npu import ops
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
@@ -71,8 +70,13 @@ class NpuAttentionMetadata:
     pad_index: torch.Tensor  # [T] int64: row of each new token in the padded [B * S] query
 
 
-def build_block_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
-                      seq_lens_cpu: list[int], page_size: int) -> torch.Tensor:
+def build_block_table(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_lens_cpu: list[int],
+    page_size: int,
+) -> torch.Tensor:
     """int32 ``[B, ceil(max(seq_lens) / page_size)]``: the page ids of each request in
     order, 0 past its last page. A request's ``j``-th page is the page of its slot at
     position ``j * page_size`` (the allocator keeps a page's slots together)."""
@@ -107,8 +111,9 @@ def build_metadata(batch: ForwardBatch) -> NpuAttentionMetadata:
     pad_index, longest = build_padding_index(batch.extend_lens_cpu, device)
     return NpuAttentionMetadata(
         route=choose_route(batch.mode, longest, ps),
-        block_table=build_block_table(batch.req_to_token, batch.req_pool_indices, batch.seq_lens,
-                                      batch.seq_lens_cpu, ps),
+        block_table=build_block_table(
+            batch.req_to_token, batch.req_pool_indices, batch.seq_lens, batch.seq_lens_cpu, ps
+        ),
         seq_lens=list(batch.seq_lens_cpu),
         extend_lens=list(batch.extend_lens_cpu),
         max_extend=longest,
@@ -151,8 +156,10 @@ class NpuFusedAttention(AttentionBackend):
             elif h // kvh > MAX_GROUP:
                 reasons.append(f"{h // kvh} query heads per KV head: the operator takes at most {MAX_GROUP}")
         if query.page_size % DECODE_BLOCK_MULTIPLE:
-            reasons.append(f"page size {query.page_size} is not a multiple of {DECODE_BLOCK_MULTIPLE}, the paged "
-                           "operator's block size (use --page-size 128)")
+            reasons.append(
+                f"page size {query.page_size} is not a multiple of {DECODE_BLOCK_MULTIPLE}, the paged "
+                "operator's block size (use --page-size 128)"
+            )
         return reasons
 
     def __init__(self, query: KernelQuery):
@@ -183,18 +190,27 @@ class NpuFusedAttention(AttentionBackend):
         out = self._fused(q_bnsd, layer, batch, meta)  # [B, N, S, D]
         return out.transpose(1, 2).reshape(bs * longest, h, d).index_select(0, meta.pad_index)
 
-    def _fused(self, q_bnsd: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch,
-               meta: NpuAttentionMetadata) -> torch.Tensor:
+    def _fused(
+        self, q_bnsd: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch, meta: NpuAttentionMetadata
+    ) -> torch.Tensor:
         k_cache, v_cache = kv_cache_args(batch.kv_pool, layer.layer_id)
         causal = {}
         if q_bnsd.shape[2] > 1:
-            causal = dict(actual_seq_lengths=meta.extend_lens, sparse_mode=RIGHT_DOWN_CAUSAL,
-                          atten_mask=self._mask(q_bnsd.device))
+            causal = dict(
+                actual_seq_lengths=meta.extend_lens, sparse_mode=RIGHT_DOWN_CAUSAL, atten_mask=self._mask(q_bnsd.device)
+            )
         out, _ = ops.op("npu_fused_infer_attention_score")(
-            q_bnsd, k_cache, v_cache,
-            block_table=meta.block_table, block_size=batch.kv_pool.page_size,
-            actual_seq_lengths_kv=meta.seq_lens, num_heads=layer.num_heads,
-            num_key_value_heads=layer.num_kv_heads, input_layout="BNSD", scale=layer.scaling, **causal,
+            q_bnsd,
+            k_cache,
+            v_cache,
+            block_table=meta.block_table,
+            block_size=batch.kv_pool.page_size,
+            actual_seq_lengths_kv=meta.seq_lens,
+            num_heads=layer.num_heads,
+            num_key_value_heads=layer.num_kv_heads,
+            input_layout="BNSD",
+            scale=layer.scaling,
+            **causal,
         )
         return out
 
@@ -224,7 +240,13 @@ def reference_extend(q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardB
         k = gather_tokens(k_pages, slots, pool).to(q.dtype).transpose(0, 1)
         v = gather_tokens(v_pages, slots, pool).to(q.dtype).transpose(0, 1)
         mask = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - n)
-        o = F.scaled_dot_product_attention(q[start : start + n].transpose(0, 1), k, v, attn_mask=mask,
-                                           scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads)
+        o = F.scaled_dot_product_attention(
+            q[start : start + n].transpose(0, 1),
+            k,
+            v,
+            attn_mask=mask,
+            scale=layer.scaling,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
+        )
         out[start : start + n] = o.transpose(0, 1)
     return out

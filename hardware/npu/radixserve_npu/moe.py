@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.kernels import KernelQuery, MoEBackend, MoERouting, route
-
 from radixserve_npu import ops
 
 MAX_GROUPS = 1024  # group_list of the single-tensor form holds at most 1024 experts
@@ -64,8 +63,11 @@ class NpuGroupedMoE(MoEBackend):
     def _grouped_matmul(self, x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor) -> torch.Tensor:
         if self._gmm is None:
             op = ops.find_op("npu_grouped_matmul")
-            self._gmm = grouped_matmul_torch if op is None else (
-                lambda x, w, g: op([x], [w], group_list=g, split_item=2, group_type=0, group_list_type=0)[0])
+            self._gmm = (
+                grouped_matmul_torch
+                if op is None
+                else (lambda x, w, g: op([x], [w], group_list=g, split_item=2, group_type=0, group_list_type=0)[0])
+            )
         return self._gmm(x, weight, group_list)
 
     def forward(self, hidden, router_logits, w13, w2, routing: MoERouting) -> torch.Tensor:

@@ -23,8 +23,10 @@ def op(name: str) -> Callable[..., Any]:
     found = find_op(name)
     if found is None:
         module = load_torch_npu()
-        raise RuntimeError(f"torch_npu {getattr(module, '__version__', '?')} has no operator {name!r}; "
-                           "install a torch_npu matching your CANN toolkit that provides it")
+        raise RuntimeError(
+            f"torch_npu {getattr(module, '__version__', '?')} has no operator {name!r}; "
+            "install a torch_npu matching your CANN toolkit that provides it"
+        )
     return found
 
 

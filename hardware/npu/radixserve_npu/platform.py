@@ -9,7 +9,6 @@ from typing import Optional
 import torch
 
 from radixserve.platform import Platform
-
 from radixserve_npu import ops
 
 VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
@@ -29,8 +28,10 @@ def parse_visible_devices(value: Optional[str]) -> Optional[list[int]]:
     for part in value.split(","):
         part = part.strip()
         if not part.isdigit():
-            raise ValueError(f"{VISIBLE_DEVICES_ENV}={value!r}: {part!r} is not a device id "
-                             "(expected comma-separated non-negative integers, e.g. 0,1,3)")
+            raise ValueError(
+                f"{VISIBLE_DEVICES_ENV}={value!r}: {part!r} is not a device id "
+                "(expected comma-separated non-negative integers, e.g. 0,1,3)"
+            )
         if int(part) in ids:
             raise ValueError(f"{VISIBLE_DEVICES_ENV}={value!r}: device {int(part)} is listed twice")
         ids.append(int(part))

@@ -18,7 +18,6 @@ Triton plugin's public API (``radixserve_triton``) and torch.
 from __future__ import annotations
 
 from radixserve.hooks import Register, hookimpl
-
 from radixserve_rocm.kernels import CDNA_ATTENTION_CONFIG, CDNA_MOE_CONFIG, RocmTritonAttention, RocmTritonMoE
 from radixserve_rocm.platform import RocmPlatform
 

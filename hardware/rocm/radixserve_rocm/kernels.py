@@ -52,8 +52,10 @@ CDNA_MOE_CONFIG = MoEKernelConfig(
 def rocm_only_reasons(query: KernelQuery, what: str) -> list[str]:
     if query.device == "rocm":
         return []
-    return [f"{what} with CDNA launch configurations runs on the rocm platform, not {query.device!r} "
-            "(the triton backend serves other devices)"]
+    return [
+        f"{what} with CDNA launch configurations runs on the rocm platform, not {query.device!r} "
+        "(the triton backend serves other devices)"
+    ]
 
 
 class RocmTritonAttention(TritonAttention):

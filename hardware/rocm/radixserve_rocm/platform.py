@@ -14,7 +14,6 @@ import torch
 from torch.profiler import ProfilerActivity
 
 from radixserve.platform import Platform
-
 from radixserve_rocm.visibility import RocmVisibleDevices, rocm_visible_devices
 
 
@@ -28,8 +27,10 @@ def build_reasons(hip_version: object, cuda_version: object, torch_version: str)
     """Why this torch cannot drive AMD GPUs (empty for a ROCm build)."""
     if hip_version:
         return []
-    reason = (f"torch {torch_version} is not a ROCm build (torch.version.hip is unset); install torch for ROCm "
-              "from https://pytorch.org/get-started/locally/")
+    reason = (
+        f"torch {torch_version} is not a ROCm build (torch.version.hip is unset); install torch for ROCm "
+        "from https://pytorch.org/get-started/locally/"
+    )
     if cuda_version:
         reason += " (this one is a CUDA build: use --device cuda with radixserve-plugin-cuda)"
     return [reason]
@@ -39,8 +40,10 @@ def visible_device_reasons(visible: RocmVisibleDevices, count: int) -> list[str]
     if visible.hides_all:
         return [f"no ROCm device is visible: {visible.describe()} selects none"]
     if count == 0:
-        return ["no ROCm device is visible (check the amdgpu driver with rocm-smi, access to /dev/kfd and "
-                "/dev/dri, and HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES)"]
+        return [
+            "no ROCm device is visible (check the amdgpu driver with rocm-smi, access to /dev/kfd and "
+            "/dev/dri, and HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES)"
+        ]
     return []
 
 
@@ -58,8 +61,9 @@ class RocmPlatform(Platform):
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
-        reasons = build_reasons(getattr(torch.version, "hip", None), getattr(torch.version, "cuda", None),
-                                torch.__version__)
+        reasons = build_reasons(
+            getattr(torch.version, "hip", None), getattr(torch.version, "cuda", None), torch.__version__
+        )
         if reasons:
             return reasons
         visible = rocm_visible_devices()
@@ -69,8 +73,10 @@ class RocmPlatform(Platform):
     def device(self, index: int = 0) -> torch.device:
         count = torch.cuda.device_count()
         if not 0 <= index < count:
-            raise ValueError(f"base_gpu_id: rocm device {index} does not exist: {count} device(s) are visible "
-                             f"({rocm_visible_devices().describe()})")
+            raise ValueError(
+                f"base_gpu_id: rocm device {index} does not exist: {count} device(s) are visible "
+                f"({rocm_visible_devices().describe()})"
+            )
         return torch.device("cuda", index)
 
     def total_memory_bytes(self, index: int = 0) -> int:

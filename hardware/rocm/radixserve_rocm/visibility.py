@@ -41,8 +41,9 @@ def parse_device_list(value: Optional[str]) -> Optional[tuple[DeviceId, ...]]:
     return tuple(ids)
 
 
-def compose(rocr: Optional[tuple[DeviceId, ...]],
-            hip: Optional[tuple[DeviceId, ...]]) -> Optional[tuple[DeviceId, ...]]:
+def compose(
+    rocr: Optional[tuple[DeviceId, ...]], hip: Optional[tuple[DeviceId, ...]]
+) -> Optional[tuple[DeviceId, ...]]:
     """HIP's selection applied to what ROCr left: an ordinal indexes ROCr's list (one past
     its end ends the selection); a UUID names a physical device directly."""
     if hip is None or rocr is None:

@@ -40,11 +40,24 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _store_kv_kernel(
-    K, V, KCache, VCache, Loc,
+    K,
+    V,
+    KCache,
+    VCache,
+    Loc,
     num_tokens,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kct, stride_kch, stride_vct, stride_vch,
-    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, RNE_BF16: tl.constexpr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kct,
+    stride_kch,
+    stride_vct,
+    stride_vch,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    RNE_BF16: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     head = tl.program_id(1)
@@ -55,8 +68,16 @@ def _store_kv_kernel(
     loc = tl.load(Loc + t, mask=t_mask, other=0).to(tl.int64)
     k = tl.load(K + t[:, None].to(tl.int64) * stride_kt + head * stride_kh + d[None, :], mask=mask)
     v = tl.load(V + t[:, None].to(tl.int64) * stride_vt + head * stride_vh + d[None, :], mask=mask)
-    tl.store(KCache + loc[:, None] * stride_kct + head * stride_kch + d[None, :], cast_to(k, KCache.dtype.element_ty, RNE_BF16), mask=mask)
-    tl.store(VCache + loc[:, None] * stride_vct + head * stride_vch + d[None, :], cast_to(v, VCache.dtype.element_ty, RNE_BF16), mask=mask)
+    tl.store(
+        KCache + loc[:, None] * stride_kct + head * stride_kch + d[None, :],
+        cast_to(k, KCache.dtype.element_ty, RNE_BF16),
+        mask=mask,
+    )
+    tl.store(
+        VCache + loc[:, None] * stride_vct + head * stride_vch + d[None, :],
+        cast_to(v, VCache.dtype.element_ty, RNE_BF16),
+        mask=mask,
+    )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -82,11 +103,23 @@ def store_kv(
     block_t = config.store_block_t
     grid = (triton.cdiv(num_tokens, block_t), k.shape[1])
     _store_kv_kernel[grid](
-        k, v, k_cache, v_cache, loc,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        loc,
         num_tokens,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_D=next_pow2(head_dim, 1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_T=block_t,
+        BLOCK_D=next_pow2(head_dim, 1),
         RNE_BF16=rne_bf16(k_cache.dtype) and k.dtype != k_cache.dtype,
         **config.launch_options(),
     )
@@ -110,17 +143,35 @@ def _online_softmax_step(s, v, m_i, l_i, acc, UPCAST: tl.constexpr, RNE_BF16: tl
 
 @triton.jit
 def _decode_partial_kernel(
-    Q, KCache, VCache, ReqToToken, ReqPoolIdx, SeqLens,
-    PartialO, PartialLse,
+    Q,
+    KCache,
+    VCache,
+    ReqToToken,
+    ReqPoolIdx,
+    SeqLens,
+    PartialO,
+    PartialLse,
     qk_scale,  # softmax scale * log2(e)
-    stride_qt, stride_qh,
-    stride_kct, stride_kch, stride_vct, stride_vch,
+    stride_qt,
+    stride_qh,
+    stride_kct,
+    stride_kch,
+    stride_vct,
+    stride_vch,
     stride_r2t,
-    stride_pob, stride_poh, stride_pos,
-    stride_plb, stride_plh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    RNE_BF16: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -138,8 +189,11 @@ def _decode_partial_kernel(
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
 
-    q = tl.load(Q + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        Q + b.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -158,19 +212,31 @@ def _decode_partial_kernel(
     nonempty = l_i > 0.0
     out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    tl.store(PartialO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + d[None, :], out,
-             mask=h_mask[:, None] & d_mask[None, :])
+    tl.store(
+        PartialO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + d[None, :],
+        out,
+        mask=h_mask[:, None] & d_mask[None, :],
+    )
     tl.store(PartialLse + b * stride_plb + heads * stride_plh + split, lse, mask=h_mask)
 
 
 @triton.jit
 def _decode_merge_kernel(
-    PartialO, PartialLse, Out,
-    stride_pob, stride_poh, stride_pos,
-    stride_plb, stride_plh,
-    stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, RNE_BF16: tl.constexpr,
+    PartialO,
+    PartialLse,
+    Out,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    RNE_BF16: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -182,10 +248,17 @@ def _decode_merge_kernel(
     m = tl.max(lse, 0)  # finite: split 0 always holds the first key
     w = tl.exp2(lse - m)
     w = tl.where(s_mask, w, 0.0)
-    o = tl.load(PartialO + b * stride_pob + head * stride_poh + s[:, None] * stride_pos + d[None, :],
-                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    o = tl.load(
+        PartialO + b * stride_pob + head * stride_poh + s[:, None] * stride_pos + d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(Out + b.to(tl.int64) * stride_ot + head * stride_oh + d, cast_to(out, Out.dtype.element_ty, RNE_BF16), mask=d_mask)
+    tl.store(
+        Out + b.to(tl.int64) * stride_ot + head * stride_oh + d,
+        cast_to(out, Out.dtype.element_ty, RNE_BF16),
+        mask=d_mask,
+    )
 
 
 def choose_num_kv_splits(
@@ -224,26 +297,53 @@ def decode_attention(
     partial_lse = torch.empty((batch, num_heads, splits), dtype=torch.float32, device=q.device)
     block_n = config.decode_block_n_for(head_dim)
     _decode_partial_kernel[(batch, num_kv_heads, splits)](
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-        partial_o, partial_lse,
+        q,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        partial_o,
+        partial_lse,
         scaling * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
         req_to_token.stride(0),
-        partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1),
-        GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_H=next_pow2(group), BLOCK_D=block_d, BLOCK_N=block_n,
-        NUM_SPLITS=splits, UPCAST=upcast_dots(q.dtype), RNE_BF16=rne_bf16(q.dtype),
+        partial_o.stride(0),
+        partial_o.stride(1),
+        partial_o.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_H=next_pow2(group),
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        NUM_SPLITS=splits,
+        UPCAST=upcast_dots(q.dtype),
+        RNE_BF16=rne_bf16(q.dtype),
         **config.launch_options(decode=True),
     )
     _decode_merge_kernel[(batch, num_heads)](
-        partial_o, partial_lse, out,
-        partial_o.stride(0), partial_o.stride(1), partial_o.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d,
-        NUM_SPLITS=splits, BLOCK_S=next_pow2(splits, 1), RNE_BF16=rne_bf16(out.dtype),
+        partial_o,
+        partial_lse,
+        out,
+        partial_o.stride(0),
+        partial_o.stride(1),
+        partial_o.stride(2),
+        partial_lse.stride(0),
+        partial_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        NUM_SPLITS=splits,
+        BLOCK_S=next_pow2(splits, 1),
+        RNE_BF16=rne_bf16(out.dtype),
         **config.launch_options(decode=True),
     )
     return out
@@ -255,15 +355,32 @@ def decode_attention(
 
 @triton.jit
 def _extend_kernel(
-    Q, KCache, VCache, Out, ReqToToken, ReqPoolIdx, PrefixLens, ExtendLens, ExtendStart,
+    Q,
+    KCache,
+    VCache,
+    Out,
+    ReqToToken,
+    ReqPoolIdx,
+    PrefixLens,
+    ExtendLens,
+    ExtendStart,
     qk_scale,
-    stride_qt, stride_qh,
-    stride_kct, stride_kch, stride_vct, stride_vch,
-    stride_ot, stride_oh,
+    stride_qt,
+    stride_qh,
+    stride_kct,
+    stride_kch,
+    stride_vct,
+    stride_vch,
+    stride_ot,
+    stride_oh,
     stride_r2t,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    UPCAST: tl.constexpr, RNE_BF16: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    RNE_BF16: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -304,8 +421,11 @@ def _extend_kernel(
         m_i, l_i, acc = _online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, UPCAST, RNE_BF16)
 
     out = acc / l_i[:, None]
-    tl.store(Out + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :],
-             cast_to(out, Out.dtype.element_ty, RNE_BF16), mask=q_mask)
+    tl.store(
+        Out + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :],
+        cast_to(out, Out.dtype.element_ty, RNE_BF16),
+        mask=q_mask,
+    )
 
 
 def extend_attention(
@@ -338,15 +458,32 @@ def extend_attention(
     block_n = config.extend_block_n_for(head_dim, q.dtype)
     grid = (batch, num_heads, triton.cdiv(max(1, max_extend_len), block_m))
     _extend_kernel[grid](
-        q, k_cache, v_cache, out, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        extend_start,
         scaling * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        out.stride(0), out.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        out.stride(0),
+        out.stride(1),
         req_to_token.stride(0),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=next_pow2(head_dim),
-        UPCAST=upcast_dots(q.dtype), RNE_BF16=rne_bf16(out.dtype),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=next_pow2(head_dim),
+        UPCAST=upcast_dots(q.dtype),
+        RNE_BF16=rne_bf16(out.dtype),
         **config.launch_options(),
     )
     return out

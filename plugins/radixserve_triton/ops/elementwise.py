@@ -39,10 +39,23 @@ def _rows_per_program(rows: int, row_elements: int) -> int:
 
 @triton.jit
 def _rms_norm_kernel(
-    X, R, W, Out,
-    n_rows, n_inner, stride_x0, stride_x1, stride_r, stride_o0, stride_o1,
-    hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    X,
+    R,
+    W,
+    Out,
+    n_rows,
+    n_inner,
+    stride_x0,
+    stride_x1,
+    stride_r,
+    stride_o0,
+    stride_o1,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,
     RNE_BF16: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -111,11 +124,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         one_block = block >= hidden
         block_rows = _rows_per_program(rows, block) if one_block else 1
         _rms_norm_kernel[(triton.cdiv(rows, block_rows),)](
-            src, res, weight, dst,
-            rows, src.shape[1], src.stride(0), src.stride(1), res.stride(0), dst.stride(0), dst.stride(1),
-            hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK_ROWS=block_rows, BLOCK=block, ONE_BLOCK=one_block,
-            RNE_BF16=rne_bf16(x.dtype), num_warps=4 if block_rows * block <= 2048 else 8,
+            src,
+            res,
+            weight,
+            dst,
+            rows,
+            src.shape[1],
+            src.stride(0),
+            src.stride(1),
+            res.stride(0),
+            dst.stride(0),
+            dst.stride(1),
+            hidden,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_ROWS=block_rows,
+            BLOCK=block,
+            ONE_BLOCK=one_block,
+            RNE_BF16=rne_bf16(x.dtype),
+            num_warps=4 if block_rows * block <= 2048 else 8,
         )
     if residual is None:
         return out
@@ -129,9 +156,22 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotate_rows(base, Positions, CosSin, first_row, n_rows, n_heads, stride_t, stride_h, stride_cache,
-                 HALF: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr, NEOX: tl.constexpr,
-                 RNE_BF16: tl.constexpr):
+def _rotate_rows(
+    base,
+    Positions,
+    CosSin,
+    first_row,
+    n_rows,
+    n_heads,
+    stride_t,
+    stride_h,
+    stride_cache,
+    HALF: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    NEOX: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+):
     """Rotate ``BLOCK_ROWS`` (token, head) rows of ``base`` in place, from ``first_row``."""
     rows = first_row + tl.arange(0, BLOCK_ROWS)
     token, head = rows // n_heads, rows % n_heads
@@ -156,24 +196,66 @@ def _rotate_rows(base, Positions, CosSin, first_row, n_rows, n_heads, stride_t, 
 
 @triton.jit
 def _rotary_kernel(
-    Q, K, Positions, CosSin,
-    num_tokens, num_q_heads, num_k_heads, q_programs,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
-    HALF: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    NEOX: tl.constexpr, RNE_BF16: tl.constexpr,
+    Q,
+    K,
+    Positions,
+    CosSin,
+    num_tokens,
+    num_q_heads,
+    num_k_heads,
+    q_programs,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cache,
+    HALF: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    NEOX: tl.constexpr,
+    RNE_BF16: tl.constexpr,
 ):
     """The first ``q_programs`` programs rotate q's (token, head) rows, the rest k's."""
     pid = tl.program_id(0).to(tl.int64)
     if pid < q_programs:
-        _rotate_rows(Q, Positions, CosSin, pid * BLOCK_ROWS, num_tokens * num_q_heads, num_q_heads,
-                     stride_qt, stride_qh, stride_cache, HALF, BLOCK_ROWS, BLOCK_HALF, NEOX, RNE_BF16)
+        _rotate_rows(
+            Q,
+            Positions,
+            CosSin,
+            pid * BLOCK_ROWS,
+            num_tokens * num_q_heads,
+            num_q_heads,
+            stride_qt,
+            stride_qh,
+            stride_cache,
+            HALF,
+            BLOCK_ROWS,
+            BLOCK_HALF,
+            NEOX,
+            RNE_BF16,
+        )
     else:
-        _rotate_rows(K, Positions, CosSin, (pid - q_programs) * BLOCK_ROWS, num_tokens * num_k_heads, num_k_heads,
-                     stride_kt, stride_kh, stride_cache, HALF, BLOCK_ROWS, BLOCK_HALF, NEOX, RNE_BF16)
+        _rotate_rows(
+            K,
+            Positions,
+            CosSin,
+            (pid - q_programs) * BLOCK_ROWS,
+            num_tokens * num_k_heads,
+            num_k_heads,
+            stride_kt,
+            stride_kh,
+            stride_cache,
+            HALF,
+            BLOCK_ROWS,
+            BLOCK_HALF,
+            NEOX,
+            RNE_BF16,
+        )
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                 neox_style: bool) -> None:
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor, neox_style: bool
+) -> None:
     for name, t in (("q", q), ("k", k)):
         if t.dim() != 3 or t.stride(-1) != 1:
             raise ValueError(f"{name} must be [tokens, heads, head_dim] with a contiguous last dimension")
@@ -191,18 +273,38 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     q_programs = triton.cdiv(tokens * q.shape[1], block_rows)
     k_programs = triton.cdiv(tokens * k.shape[1], block_rows)
     _rotary_kernel[(q_programs + k_programs,)](
-        q, k, positions, cos_sin_cache,
-        tokens, q.shape[1], k.shape[1], q_programs,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
-        HALF=half, BLOCK_ROWS=block_rows, BLOCK_HALF=block_half, NEOX=neox_style,
-        RNE_BF16=rne_bf16(q.dtype), num_warps=4,
+        q,
+        k,
+        positions,
+        cos_sin_cache,
+        tokens,
+        q.shape[1],
+        k.shape[1],
+        q_programs,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos_sin_cache.stride(0),
+        HALF=half,
+        BLOCK_ROWS=block_rows,
+        BLOCK_HALF=block_half,
+        NEOX=neox_style,
+        RNE_BF16=rne_bf16(q.dtype),
+        num_warps=4,
     )
 
 
 @triton.jit
 def _silu_and_mul_kernel(
-    X, Out, n_elements, inter, stride_x, stride_o,
-    BLOCK: tl.constexpr, RNE_BF16: tl.constexpr,
+    X,
+    Out,
+    n_elements,
+    inter,
+    stride_x,
+    stride_o,
+    BLOCK: tl.constexpr,
+    RNE_BF16: tl.constexpr,
 ):
     """Element ``e`` of the output ``[rows, I]``: row ``e // I``, column ``e % I``."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -226,7 +328,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows_in = _rows(x)
     block = _SILU_BLOCK * _rows_per_program(n_elements, _SILU_BLOCK) if INTERPRETED else _SILU_BLOCK
     _silu_and_mul_kernel[(triton.cdiv(n_elements, block),)](
-        rows_in, out, n_elements, inter, rows_in.stride(0), inter,
-        BLOCK=block, RNE_BF16=rne_bf16(x.dtype), num_warps=4,
+        rows_in,
+        out,
+        n_elements,
+        inter,
+        rows_in.stride(0),
+        inter,
+        BLOCK=block,
+        RNE_BF16=rne_bf16(x.dtype),
+        num_warps=4,
     )
     return out

@@ -60,10 +60,24 @@ def align_assignments(ids: torch.Tensor, num_experts: int, block_m: int):
 
 @triton.jit
 def _moe_gate_up_kernel(
-    X, W13, Act, SortedIds, BlockExpert, NumPadded,
-    num_assignments, top_k, hidden, inter,
-    stride_xt, stride_we, stride_wn, stride_at,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    X,
+    W13,
+    Act,
+    SortedIds,
+    BlockExpert,
+    NumPadded,
+    num_assignments,
+    top_k,
+    hidden,
+    inter,
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_at,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
     RNE_BF16: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -89,16 +103,33 @@ def _moe_gate_up_kernel(
         acc_gate += mma(x, w_gate.to(x.dtype), UPCAST)
         acc_up += mma(x, w_up.to(x.dtype), UPCAST)
     act = acc_gate * tl.sigmoid(acc_gate) * acc_up
-    tl.store(Act + rows[:, None] * stride_at + n[None, :], cast_to(act, Act.dtype.element_ty, RNE_BF16),
-             mask=row_mask[:, None] & n_mask[None, :])
+    tl.store(
+        Act + rows[:, None] * stride_at + n[None, :],
+        cast_to(act, Act.dtype.element_ty, RNE_BF16),
+        mask=row_mask[:, None] & n_mask[None, :],
+    )
 
 
 @triton.jit
 def _moe_down_kernel(
-    Act, W2, Out, TopkWeights, SortedIds, BlockExpert, NumPadded,
-    num_assignments, hidden, inter,
-    stride_at, stride_we, stride_wn, stride_ot,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+    Act,
+    W2,
+    Out,
+    TopkWeights,
+    SortedIds,
+    BlockExpert,
+    NumPadded,
+    num_assignments,
+    hidden,
+    inter,
+    stride_at,
+    stride_we,
+    stride_wn,
+    stride_ot,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -152,17 +183,46 @@ def fused_moe(
     m_blocks = sorted_ids.numel() // block_m
 
     _moe_gate_up_kernel[(m_blocks, triton.cdiv(inter, block_n))](
-        hidden, w13, act, sorted_ids, block_expert, num_padded,
-        num_assignments, top_k, hidden_size, inter,
-        hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, RNE_BF16=rne_bf16(act.dtype),
+        hidden,
+        w13,
+        act,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        num_assignments,
+        top_k,
+        hidden_size,
+        inter,
+        hidden.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        act.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        UPCAST=upcast,
+        RNE_BF16=rne_bf16(act.dtype),
         **config.launch_options(),
     )
     _moe_down_kernel[(m_blocks, triton.cdiv(hidden_size, block_n))](
-        act, w2, out, weights, sorted_ids, block_expert, num_padded,
-        num_assignments, hidden_size, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast,
+        act,
+        w2,
+        out,
+        weights,
+        sorted_ids,
+        block_expert,
+        num_padded,
+        num_assignments,
+        hidden_size,
+        inter,
+        act.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        out.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        UPCAST=upcast,
         **config.launch_options(),
     )
     return out.view(num_tokens, top_k, hidden_size).sum(dim=1).to(hidden.dtype)

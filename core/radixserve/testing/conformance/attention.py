@@ -44,23 +44,38 @@ class AttentionCase:
 
     @property
     def softmax_scale(self) -> float:
-        return self.scaling if self.scaling is not None else self.head_dim ** -0.5
+        return self.scaling if self.scaling is not None else self.head_dim**-0.5
 
     def query(self, device: str, dtype: torch.dtype) -> KernelQuery:
         return KernelQuery(
-            device=device, dtype=dtype, head_dim=self.head_dim, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, page_size=self.page_size, kv_dtype=dtype,
+            device=device,
+            dtype=dtype,
+            head_dim=self.head_dim,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            page_size=self.page_size,
+            kv_dtype=dtype,
         )
 
 
 def _decode(name, page_size, heads, kv_heads, head_dim, seq_lens, **kw) -> AttentionCase:
-    return AttentionCase(name, "decode", page_size, heads, kv_heads, head_dim,
-                         tuple(s - 1 for s in seq_lens), tuple(1 for _ in seq_lens), **kw)
+    return AttentionCase(
+        name,
+        "decode",
+        page_size,
+        heads,
+        kv_heads,
+        head_dim,
+        tuple(s - 1 for s in seq_lens),
+        tuple(1 for _ in seq_lens),
+        **kw,
+    )
 
 
 def _extend(name, page_size, heads, kv_heads, head_dim, prefix_lens, extend_lens, **kw) -> AttentionCase:
-    return AttentionCase(name, "extend", page_size, heads, kv_heads, head_dim, tuple(prefix_lens), tuple(extend_lens),
-                         **kw)
+    return AttentionCase(
+        name, "extend", page_size, heads, kv_heads, head_dim, tuple(prefix_lens), tuple(extend_lens), **kw
+    )
 
 
 _ATTN_QUICK = (
@@ -87,7 +102,9 @@ _ATTN_FULL = _ATTN_STANDARD + (
     _decode("decode/d256/p16/gqa2", 16, 4, 2, 256, (33, 64)),
 )
 ATTENTION_CASES: dict[str, tuple[AttentionCase, ...]] = {
-    "quick": _ATTN_QUICK, "standard": _ATTN_STANDARD, "full": _ATTN_FULL,
+    "quick": _ATTN_QUICK,
+    "standard": _ATTN_STANDARD,
+    "full": _ATTN_FULL,
 }
 
 
@@ -205,16 +222,32 @@ def _inputs_on_cpu_fp32(inputs: AttentionInputs) -> AttentionInputs:
     pool.v_buffers = [x.to(cpu, torch.float32, copy=True) for x in b.kv_pool.v_buffers]
     c = lambda x: x.to(cpu, copy=True)  # noqa: E731
     batch = ForwardBatch(
-        mode=b.mode, input_ids=c(b.input_ids), positions=c(b.positions), out_cache_loc=c(b.out_cache_loc),
-        req_pool_indices=c(b.req_pool_indices), seq_lens=c(b.seq_lens), prefix_lens=c(b.prefix_lens),
-        extend_lens=c(b.extend_lens), req_to_token=c(b.req_to_token), kv_pool=pool,
-        seq_lens_cpu=list(b.seq_lens_cpu), prefix_lens_cpu=list(b.prefix_lens_cpu),
+        mode=b.mode,
+        input_ids=c(b.input_ids),
+        positions=c(b.positions),
+        out_cache_loc=c(b.out_cache_loc),
+        req_pool_indices=c(b.req_pool_indices),
+        seq_lens=c(b.seq_lens),
+        prefix_lens=c(b.prefix_lens),
+        extend_lens=c(b.extend_lens),
+        req_to_token=c(b.req_to_token),
+        kv_pool=pool,
+        seq_lens_cpu=list(b.seq_lens_cpu),
+        prefix_lens_cpu=list(b.prefix_lens_cpu),
         extend_lens_cpu=list(b.extend_lens_cpu),
         logits_indices=None if b.logits_indices is None else c(b.logits_indices),
     )
     f = lambda x: x.to(cpu, torch.float32, copy=True)  # noqa: E731
-    return AttentionInputs(inputs.case, f(inputs.q), f(inputs.k), f(inputs.v), inputs.layer, batch,
-                           [f(x) for x in inputs.keys], [f(x) for x in inputs.values])
+    return AttentionInputs(
+        inputs.case,
+        f(inputs.q),
+        f(inputs.k),
+        f(inputs.v),
+        inputs.layer,
+        batch,
+        [f(x) for x in inputs.keys],
+        [f(x) for x in inputs.values],
+    )
 
 
 def dense_attention(inputs: AttentionInputs) -> torch.Tensor:
@@ -242,8 +275,10 @@ def _check_kv_store(inputs: AttentionInputs, before_k, before_v) -> str:
     loc = inputs.batch.out_cache_loc.cpu()
     problems = []
     for layer_id in range(pool.num_layers):
-        for name, buffers, before, new in (("K", pool.k_buffers, before_k, inputs.k),
-                                           ("V", pool.v_buffers, before_v, inputs.v)):
+        for name, buffers, before, new in (
+            ("K", pool.k_buffers, before_k, inputs.k),
+            ("V", pool.v_buffers, before_v, inputs.v),
+        ):
             expected = before[layer_id].clone()
             if layer_id == inputs.layer.layer_id:
                 expected[loc] = new.to("cpu", pool.dtype)

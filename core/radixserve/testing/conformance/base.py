@@ -105,13 +105,15 @@ class ConformanceReport:
             kv = self.kind == "attention"
             lines.append(
                 f"  {'case':<{width}}  {'dtype':<8}  {'max_abs':>9}  {'max_rel':>9}  {'atol':>8}  {'rtol':>8}  "
-                + (f"{'kv_store':<8}  " if kv else "") + "result"
+                + (f"{'kv_store':<8}  " if kv else "")
+                + "result"
             )
             for r in self.results:
                 store = r.kv_store if r.kv_store in ("-", "ok") else "FAIL"
                 lines.append(
                     f"  {r.case:<{width}}  {r.dtype:<8}  {_fmt(r.max_abs):>9}  {_fmt(r.max_rel):>9}  "
-                    f"{_fmt(r.atol):>8}  {_fmt(r.rtol):>8}  " + (f"{store:<8}  " if kv else "")
+                    f"{_fmt(r.atol):>8}  {_fmt(r.rtol):>8}  "
+                    + (f"{store:<8}  " if kv else "")
                     + ("PASS" if r.passed else "FAIL" + (f": {r.error}" if r.error else ""))
                 )
         for r in self.results:
@@ -296,8 +298,9 @@ class _Run:
         return True
 
     def reference_query(self, query: KernelQuery) -> KernelQuery:
-        ref_query = replace(query, device="cpu", dtype=torch.float32,
-                            kv_dtype=torch.float32 if query.kv_dtype is not None else None)
+        ref_query = replace(
+            query, device="cpu", dtype=torch.float32, kv_dtype=torch.float32 if query.kv_dtype is not None else None
+        )
         reasons = _reasons(self.ref_cls, ref_query)
         if reasons:
             raise RuntimeError(f"reference {self.ref_name!r} cannot serve {ref_query.describe()}: {'; '.join(reasons)}")

@@ -110,7 +110,9 @@ _ELEM_FULL = _ELEM_STANDARD + (
     _silu("silu_and_mul/T2048/I14336", 2048, 14336),
 )
 ELEMENTWISE_CASES: dict[str, tuple[ElementwiseCase, ...]] = {
-    "quick": _ELEM_QUICK, "standard": _ELEM_STANDARD, "full": _ELEM_FULL,
+    "quick": _ELEM_QUICK,
+    "standard": _ELEM_STANDARD,
+    "full": _ELEM_FULL,
 }
 
 _MAX_POSITIONS = 4096  # rows of the rotary cases' cos/sin table
@@ -177,8 +179,9 @@ def run_elementwise_case(backend: Any, case: ElementwiseCase, inputs: dict[str, 
             raise AssertionError("rms_norm without a residual modified its input")
         return {"out": out}
     if case.op == "rotary":
-        result = backend.apply_rotary(inputs["q"], inputs["k"], inputs["positions"], inputs["cos_sin_cache"],
-                                      case.neox_style)
+        result = backend.apply_rotary(
+            inputs["q"], inputs["k"], inputs["positions"], inputs["cos_sin_cache"], case.neox_style
+        )
         if result is not None:
             raise AssertionError(f"apply_rotary returned a {type(result).__name__}; it works in place")
         if inputs["buffer"] is not None:  # q, k and the v that must stay untouched, all in one

@@ -93,7 +93,9 @@ _QUANT_STANDARD = _QUANT_QUICK + (
     QuantCase("M6/K64/N32/bias/zero-token", (6,), 64, 32, True, zero_token=True),
 )
 QUANT_CASES: dict[str, tuple[QuantCase, ...]] = {
-    "quick": _QUANT_QUICK, "standard": _QUANT_STANDARD, "full": _QUANT_STANDARD,
+    "quick": _QUANT_QUICK,
+    "standard": _QUANT_STANDARD,
+    "full": _QUANT_STANDARD,
 }
 
 
@@ -174,6 +176,9 @@ def check_quantization_method(
         result.passed = _score(result, out, expected, dtype, tol)
 
     return run.check_each(
-        case_list, tolerances, seed, check_one,
+        case_list,
+        tolerances,
+        seed,
+        check_one,
         shared_query=lambda dt: KernelQuery(device=device, dtype=dt, quantization=name),
     )

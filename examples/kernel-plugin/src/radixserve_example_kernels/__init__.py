@@ -8,7 +8,6 @@ and keep this import cheap: it happens in every radixserve process.
 """
 
 from radixserve.hooks import Register, hookimpl
-
 from radixserve_example_kernels.attention import ExampleSDPAttention
 from radixserve_example_kernels.gemm import ExampleGemm
 
