@@ -137,7 +137,10 @@ class ServerState:
         )
         logger.info("device: %s (platform %s, --device %s)", s["device"], s["platform"], args.device)
         for kind, name in s["backends"].items():
-            logger.info("%s backend: %s (%s)", kind, name, s["backend_choices"].get(kind, "?"))
+            how = s["backend_choices"].get(kind, "?")
+            if kind == "quantization":  # never chosen automatically
+                how = "--quantization" if args.quantization else "no --quantization"
+            logger.info("%s backend: %s (%s)", kind, name, how)
         logger.info("dtype %s (%s), KV cache dtype %s", s["dtype"], s["dtype_reason"], s["kv_cache_dtype"])
         memory = s["memory"]
         logger.info(
