@@ -96,7 +96,7 @@ def test_retraction_when_kv_runs_out_keeps_outputs(tiny_llama_dir, prompts, refe
         disable_overlap_schedule=not overlap,
     )
     results = generate(scheduler, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    assert scheduler.num_retracted_total > 0, "the pool was meant to be too small"
+    assert scheduler.totals.retracted_reqs > 0, "the pool was meant to be too small"
     assert [r.output_ids for r in results] == reference
     assert all(r.finish_reason.type == "length" for r in results)
 
@@ -120,7 +120,7 @@ def test_radix_cache_off_reports_no_cached_tokens(tiny_llama_dir):
     prompt = mixed_prompts(512, [20], seed=5)[0]
     generate(scheduler, [prompt], max_new_tokens=2)
     assert generate(scheduler, [prompt], max_new_tokens=2)[0].cached_tokens == 0
-    assert scheduler.allocator.available_size() == scheduler.allocator.size
+    assert scheduler.ledger.allocator.available_size() == scheduler.ledger.total
 
 
 def test_abort_waiting_and_running_requests_frees_memory(tiny_llama_dir):
@@ -138,7 +138,7 @@ def test_abort_waiting_and_running_requests_frees_memory(tiny_llama_dir):
     assert results[rids[1]].finish_reason.type == "length" and len(results[rids[1]].output_ids) == 50
     # Everything not cached is free again, and the cache can be flushed to empty.
     assert scheduler.flush_cache()
-    assert scheduler.allocator.available_size() == scheduler.allocator.size
+    assert scheduler.ledger.allocator.available_size() == scheduler.ledger.total
 
 
 def test_chunked_prefill_prompt_logprobs_match_unchunked(tiny_llama_dir):
@@ -232,7 +232,7 @@ def test_chunked_prefill_yields_memory_to_decoding_requests(tiny_llama_dir):
     results = run(scheduler)
     assert [results[r].finish_reason.type for r in rids] == ["length", "length"]
     assert [results[r].output_ids for r in rids] == [reference[0].output_ids, reference[1].output_ids]
-    assert scheduler.num_retracted_total > 0
+    assert scheduler.totals.retracted_reqs > 0
     # Prompt logprobs survive the retraction: one per prompt token, no duplicates.
     assert [t for _, t in results[rids[1]].input_logprobs] == long
 

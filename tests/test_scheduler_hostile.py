@@ -151,3 +151,28 @@ def test_a_failed_step_ends_its_batch_and_the_scheduler_goes_on(tiny_llama_dir, 
     # Nothing half-written was cached: the same prompts now give the tokens they give alone.
     again = [r.output_ids for r in generate(scheduler, prompts, max_new_tokens=GOOD_TOKENS, ignore_eos=True)]
     assert again == alone
+
+
+def test_a_failure_while_planning_unpins_and_the_scheduler_goes_on(tiny_llama_dir, prompts, alone):
+    """The planner pins each candidate's cached prefix before weighing it; a failure
+    after a pin (here: admitting the second request) must not leave the lock behind."""
+    scheduler = make_scheduler(tiny_llama_dir, page_size=4)
+    generate(scheduler, prompts, max_new_tokens=GOOD_TOKENS, ignore_eos=True)  # their prefixes are cached now
+    admit, calls = scheduler.ledger.admit, {"n": 0}
+
+    def fails_on_second(req, match):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("admission failure")
+        admit(req, match)
+
+    scheduler.ledger.admit = fails_on_second
+    first = _submit_good(scheduler, prompts)
+    results = run(scheduler)
+    assert results[first[0]].finish_reason.status_code == 500
+    assert "admission failure" in results[first[0]].finish_reason.message
+    stats = scheduler.stats()
+    assert stats.memory_invariant_ok and stats.locked_cached_tokens == 0, stats.memory_error
+    scheduler.ledger.admit = admit
+    again = [r.output_ids for r in generate(scheduler, prompts, max_new_tokens=GOOD_TOKENS, ignore_eos=True)]
+    assert again == alone

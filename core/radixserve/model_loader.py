@@ -164,6 +164,24 @@ def model_timing_shapes(
     )
 
 
+def eos_token_ids(model_path: Union[str, Path], config: "PretrainedConfig", tokenizer: Any) -> set[int]:
+    """EOS ids from the model config, its generation config (e.g. Llama 3's
+    <|eot_id|>) and the tokenizer."""
+    from transformers import GenerationConfig
+
+    try:
+        generation_config = GenerationConfig.from_pretrained(model_path)
+    except OSError:  # the file is optional
+        generation_config = None
+    ids: set[int] = set()
+    for source in (getattr(s, "eos_token_id", None) for s in (config, generation_config, tokenizer)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(x) for x in source)
+    return ids
+
+
 def safetensors_files(model_path: Union[str, Path]) -> list[Path]:
     """The checkpoint's safetensors files: the shards named by the index, the single
     ``model.safetensors``, or (failing both) every ``*.safetensors`` file."""

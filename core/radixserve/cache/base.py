@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -32,6 +32,10 @@ class MatchResult:
 
 
 class PrefixCache(ABC):
+    #: Whether anything is ever cached (False for ChunkCache): chunks then need not end on pages,
+    #: and requests never wait to share a prefix another one is computing.
+    caches_prefixes: bool = True
+
     @abstractmethod
     def match_prefix(self, token_ids: list[int]) -> MatchResult:
         """The longest cached page-aligned prefix of ``token_ids`` (not locked)."""
@@ -78,6 +82,11 @@ class PrefixCache(ABC):
     def total_size(self) -> int:
         """Tokens held by the cache."""
         return self.evictable_size() + self.protected_size()
+
+    @abstractmethod
+    def lock_mismatch(self, pins: list[Any]) -> Optional[str]:
+        """None when the locks held are exactly one per entry of ``pins`` (the nodes
+        that requests have locked, repeats included); else what differs."""
 
     @abstractmethod
     def check_invariants(self) -> None:

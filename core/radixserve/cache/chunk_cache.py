@@ -6,7 +6,7 @@ empty, ``num_cached`` stays 0 and there is nothing to lock, evict or reset.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -15,6 +15,8 @@ from radixserve.cache.memory_pool import PagedAllocator
 
 
 class ChunkCache(PrefixCache):
+    caches_prefixes = False
+
     def __init__(self, allocator: PagedAllocator, page_size: int):
         if allocator.page_size != page_size:
             raise ValueError(f"page_size {page_size} != allocator page size {allocator.page_size}")
@@ -53,6 +55,10 @@ class ChunkCache(PrefixCache):
 
     def protected_size(self) -> int:
         return 0
+
+    def lock_mismatch(self, pins: list[Any]) -> Optional[str]:
+        stray = [p for p in pins if p is not None]
+        return f"{len(stray)} pins on a cache that locks nothing" if stray else None
 
     def check_invariants(self) -> None:
         pass

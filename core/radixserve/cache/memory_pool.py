@@ -167,6 +167,11 @@ class PagedAllocator:
         self._collect(wait)
         return len(self._free_pages) * self.page_size
 
+    def free_page_ids(self) -> list[int]:
+        """The free pages, the frees still on their way to the host included."""
+        self._collect(wait=True)
+        return list(self._free_pages)
+
     def pages_needed(self, prefix_lens: list[int], extend_lens: list[int]) -> int:
         ps = self.page_size
         if ps == 1:  # the common case, on every decode step: a page per token

@@ -216,6 +216,20 @@ class RadixCache(PrefixCache):
     def protected_size(self) -> int:
         return self._protected
 
+    def lock_mismatch(self, pins: list[Optional[TreeNode]]) -> Optional[str]:
+        expected: dict[int, int] = {}
+        for node in pins:
+            while node is not None and node is not self.root:
+                expected[id(node)] = expected.get(id(node), 0) + 1
+                node = node.parent
+        for node in self._nodes():
+            want = expected.pop(id(node), 0)
+            if node.lock_ref != want:
+                return f"node of {len(node.key)} tokens has lock_ref {node.lock_ref}, requests pin it {want} times"
+        if expected:
+            return f"{len(expected)} pinned nodes are no longer in the tree"
+        return None
+
     def _nodes(self) -> Iterator[TreeNode]:
         """Every node but the root, parents before children."""
         stack = list(self.root.children.values())

@@ -19,7 +19,7 @@ slot writes of a launch touch positions the step still computing never reads
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,23 +50,24 @@ class BatchPlan:
     def launch(
         cls,
         mode: ForwardMode,
-        reqs: list[Req],
+        rows: list[int],
+        prefix_lens: list[int],
+        extend_lens: list[int],
         out_cache_loc: list[int],
         logits_indices: list[int],
         req_to_token_pool: ReqToTokenPool,
         transfer: HostTransfer,
     ) -> "BatchPlan":
-        """The plan of ``reqs`` as they stand (``kv_len`` cached, ``extend_len`` new);
-        records the new tokens' slots in their rows."""
+        """The plan of requests at token table ``rows`` with ``prefix_lens`` tokens
+        computed and ``extend_lens`` new; records the new tokens' slots in their rows."""
         tensor, device = transfer.to_device, transfer.device
-        prefix_lens, extend_lens = [r.kv_len for r in reqs], [r.extend_len for r in reqs]
-        rows, prefix_t, extend_t = tensor([r.req_pool_idx for r in reqs]), tensor(prefix_lens), tensor(extend_lens)
+        rows_t, prefix_t, extend_t = tensor(rows), tensor(prefix_lens), tensor(extend_lens)
         slots = tensor(out_cache_loc)
         if mode is ForwardMode.DECODE:
-            token_rows, positions = rows, prefix_t
+            token_rows, positions = rows_t, prefix_t
         else:
             num_tokens = len(out_cache_loc)
-            token_rows = rows.repeat_interleave(extend_t, output_size=num_tokens)
+            token_rows = rows_t.repeat_interleave(extend_t, output_size=num_tokens)
             # Position of each new token: its request's prefix length plus its index among the new ones.
             first = extend_t.cumsum(0) - extend_t
             within = torch.arange(num_tokens, device=device) - first.repeat_interleave(extend_t, output_size=num_tokens)
@@ -77,7 +78,7 @@ class BatchPlan:
             mode,
             prefix_lens,
             extend_lens,
-            rows,
+            rows_t,
             prefix_t,
             extend_t,
             token_rows,
@@ -104,3 +105,51 @@ class BatchPlan:
             extend_lens_cpu=list(self.extend_lens),
             logits_indices=self.logits_indices,
         )
+
+
+@dataclass
+class PromptLogprobRows:
+    """Logits rows ``[row, row + len(targets))`` score prompt tokens ``targets`` of ``req``."""
+
+    req: Req
+    row: int
+    targets: list[int]
+
+
+@dataclass
+class LogitsRows:
+    """Which of a step's token rows get logits: ``indices``, in which the rows from
+    ``sample_rows[i]`` on sample the next token of ``sample_reqs[i]`` and
+    ``prompt`` lists the spans that score prompt tokens (prompt logprobs)."""
+
+    indices: list[int] = field(default_factory=list)
+    sample_reqs: list[Req] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    prompt: list[PromptLogprobRows] = field(default_factory=list)
+
+    @classmethod
+    def decode(cls, reqs: list[Req]) -> "LogitsRows":
+        rows = list(range(len(reqs)))
+        return cls(rows, list(reqs), rows)
+
+    @classmethod
+    def extend(cls, reqs: list[Req], prefix_lens: list[int], extend_lens: list[int]) -> "LogitsRows":
+        """Each request computes tokens ``[start, start + n)``; it samples when that ends
+        its sequence, and scores the prompt tokens it was asked for."""
+        out = cls()
+        offset = 0
+        for req, start, n in zip(reqs, prefix_lens, extend_lens):
+            if req.wants_input_logprobs:
+                # Position p's logits score token p + 1; prompt token t needs row t - 1.
+                # This step's rows score tokens start+1 .. start+n.
+                first = max(req.logprob_start_len, start + 1)
+                last = min(start + n + 1, len(req.origin_input_ids))  # exclusive
+                if last > first:
+                    out.prompt.append(PromptLogprobRows(req, len(out.indices), req.origin_input_ids[first:last]))
+                    out.indices.extend(offset + (t - 1 - start) for t in range(first, last))
+            if start + n == req.seq_len and req.sampling_params.max_new_tokens > 0:
+                out.sample_reqs.append(req)
+                out.sample_rows.append(len(out.indices))
+                out.indices.append(offset + n - 1)
+            offset += n
+        return out

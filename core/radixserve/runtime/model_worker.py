@@ -21,20 +21,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from radixserve.cache.memory_pool import ReqToTokenPool
-from radixserve.runtime.batch import BatchPlan
+from radixserve.forward_batch import ForwardMode
+from radixserve.runtime.batch import BatchPlan, LogitsRows, PromptLogprobRows
 from radixserve.runtime.model_runner import ModelRunner
 from radixserve.runtime.req import Req
 from radixserve.runtime.sampler import Sampler
 from radixserve.transfer import HostCopy, HostTransfer
-
-
-@dataclass
-class PromptLogprobRows:
-    """Logits rows ``[row, row + count)`` score prompt tokens ``targets`` of ``req``."""
-
-    req: Req
-    row: int
-    targets: list[int]
 
 
 @dataclass
@@ -48,6 +40,30 @@ class StepWork:
     output_lens: list[int]  # tokens each of them generated before this one
     positions: list[int]  # where each new token goes in its request's token row
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, batch: BatchPlan, logits: LogitsRows) -> "StepWork":
+        """The work of a launched batch, whose requests' ``kv_len`` already counts its
+        tokens: a sampled token goes to position ``kv_len`` of its request (the first
+        not yet computed), and the tokens generated before it are the ones past the prompt."""
+        reqs = logits.sample_reqs
+        positions = [r.kv.kv_len for r in reqs]
+        output_lens = [p - len(r.origin_input_ids) for r, p in zip(reqs, positions)]
+        return cls(batch, reqs, logits.sample_rows, [r.kv.row for r in reqs], output_lens, positions, logits.prompt)
+
+
+@dataclass
+class LaunchedStep:
+    """A step handed to the worker: its requests, each one's ``kv_len`` once the
+    step is done, and (after it is awaited) its result."""
+
+    mode: ForwardMode
+    reqs: list[Req]
+    work: StepWork
+    future: Future
+    kv_after: list[int]
+    prompt_done: list[Req] = field(default_factory=list)  # whose prompt this step completes
+    result: Optional[StepResult] = None
 
 
 @dataclass

@@ -1,10 +1,46 @@
-"""What the scheduler sends about a request: its new tokens, logprobs and finish,
-assembled from the request's state (the scheduler decides when)."""
+"""What the scheduler sends about a request, and when: its new tokens, logprobs
+and finish, assembled from the request's state."""
 
 from __future__ import annotations
 
+import logging
+from typing import Callable
+
 from radixserve.messages import DetokenizeSettings, TokenOutput
 from radixserve.runtime.req import Req
+
+logger = logging.getLogger(__name__)
+
+
+class Outbox:
+    """Requests with something to send. Streams send every ``stream_interval``
+    tokens; the others send their first token (so time to first token is known)
+    and then the rest at the finish."""
+
+    def __init__(self, stream_interval: int):
+        self.stream_interval = stream_interval
+        self._touched: dict[str, Req] = {}
+
+    def touch(self, req: Req) -> None:
+        self._touched[req.rid] = req
+
+    def collect(self, on_error: Callable[[Req, Exception], None]) -> list[TokenOutput]:
+        """The messages due now. A request whose message cannot be assembled goes to
+        ``on_error`` (which must finish it) and sends an error instead."""
+        outputs = []
+        for rid, req in list(self._touched.items()):
+            new = len(req.output_ids) - req.sent_len
+            first = req.sent_len == 0 and new > 0
+            if not req.finished and not first and (not req.stream or new < self.stream_interval):
+                continue
+            try:
+                outputs.append(make_output(req))
+            except Exception as exc:
+                logger.exception("assembling the output of %s failed", rid)
+                on_error(req, exc)
+                outputs.append(error_output(req))
+            del self._touched[rid]
+        return outputs
 
 
 def make_output(req: Req) -> TokenOutput:

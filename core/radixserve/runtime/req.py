@@ -13,6 +13,23 @@ from radixserve.sampling.params import SamplingParams
 _arrival = itertools.count()
 
 
+@dataclass
+class KVSpan:
+    """A request's hold on KV memory. Its tokens (``fill_ids``) have KV slots at
+    row ``row`` of the token table, the first ``kv_len`` of them (computed, or
+    being computed by a launched step). The first ``num_cached`` belong to the
+    prefix cache and are locked through ``last_node``; the rest are the request's
+    own pages."""
+
+    row: int
+    kv_len: int
+    num_cached: int
+    last_node: Any
+    # Slot of token kv_len - 1, kept on the host so allocation never reads the
+    # device (needed only when kv_len is not page aligned; -1 otherwise).
+    last_slot: int = -1
+
+
 @dataclass(kw_only=True)
 class Req(RequestOptions):
     rid: str
@@ -26,18 +43,9 @@ class Req(RequestOptions):
     output_ids: list[int] = field(default_factory=list)
     finish_reason: Optional[FinishReason] = None
 
-    # Memory. The request's tokens are fill_ids = origin_input_ids + output_ids;
-    # the first kv_len of them have KV in the pool, at req_to_token[req_pool_idx].
-    # The first num_cached of those belong to the prefix cache, pinned via last_node.
-    req_pool_idx: Optional[int] = None
-    kv_len: int = 0
-    num_cached: int = 0
-    last_node: Any = None
-    # KV slot of token kv_len - 1, kept on the host so allocation never reads the
-    # device (needed only when kv_len is not page aligned; -1 otherwise).
-    last_slot: int = -1
-    # Tokens this step extends (set by the scheduler when it schedules an extend).
-    extend_len: int = 0
+    # The request's hold on KV memory (None while it holds none); only the KV ledger
+    # (runtime/kv_ledger.py) writes it.
+    kv: Optional[KVSpan] = None
     # Prompt tokens served from the cache when the request was first scheduled.
     cached_tokens: int = -1
 
@@ -55,6 +63,15 @@ class Req(RequestOptions):
         return cls(
             rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params, **msg.options()
         )
+
+    def first_admission(self, cached_tokens: int) -> bool:
+        """Record when and with how many cached prompt tokens the request was first
+        admitted; False (nothing recorded) when a retracted request comes back."""
+        if self.cached_tokens >= 0:
+            return False
+        self.queue_time = time.perf_counter() - self.arrival_time
+        self.cached_tokens = cached_tokens
+        return True
 
     @property
     def fill_ids(self) -> list[int]:

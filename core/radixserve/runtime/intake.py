@@ -1,0 +1,40 @@
+"""The scheduler's own check of an incoming request. The TokenizerManager checks
+the same things first; the scheduler checks again so that no message, however
+malformed, can take it down."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from radixserve.config import ServerArgs
+from radixserve.messages import FinishReason, GenerateRequest
+from radixserve.request_limits import request_fit_error, token_ids_error
+from radixserve.runtime.req import Req
+from radixserve.sampling.params import SamplingParams
+
+
+class Intake:
+    def __init__(self, args: ServerArgs, vocab_size: int, context_length: int, kv_pool_tokens: int):
+        self.args = args
+        self.vocab_size = vocab_size
+        self.context_length = context_length
+        self.kv_pool_tokens = kv_pool_tokens
+
+    def receive(self, msg: GenerateRequest | Req) -> tuple[Req, Optional[FinishReason]]:
+        """The request, and a 400 naming what it got wrong if it can never be served."""
+        try:
+            req = msg if isinstance(msg, Req) else Req.from_message(msg)
+            error = self._error(req)
+        except Exception as exc:  # malformed fields: refuse this request, keep serving
+            req = Req(rid=str(msg.rid), origin_input_ids=[], sampling_params=SamplingParams())
+            error = f"{exc}" if isinstance(exc, ValueError) else f"invalid request: {type(exc).__name__}: {exc}"
+        return req, None if error is None else FinishReason(type="abort", message=error, status_code=400)
+
+    def _error(self, req: Req) -> Optional[str]:
+        ids = req.origin_input_ids
+        error = token_ids_error(ids, self.vocab_size)
+        if error is not None:
+            return error
+        req.sampling_params.validate(self.vocab_size, self.args)  # stop strings included
+        max_new = req.sampling_params.max_new_tokens
+        return request_fit_error(len(ids), max_new, self.context_length, self.kv_pool_tokens, self.args.page_size)
