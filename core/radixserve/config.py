@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
-SCHEDULE_POLICIES = ("fcfs", "lpm", "priority")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-BACKEND_SELECTIONS = ("measure", "priority")
+SchedulePolicy = Literal["fcfs", "lpm", "priority"]
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+BackendSelection = Literal["measure", "priority"]
+SCHEDULE_POLICIES: tuple[str, ...] = typing.get_args(SchedulePolicy)
+DTYPES: tuple[str, ...] = typing.get_args(Dtype)
+BACKEND_SELECTIONS: tuple[str, ...] = typing.get_args(BackendSelection)
 
 
 def _flag(help: str, **kw: Any) -> Any:
@@ -31,8 +36,8 @@ class ServerArgs:
     )
     tokenizer_path: Optional[str] = _flag("tokenizer directory (defaults to --model)", default=None)
     served_model_name: Optional[str] = _flag("model name reported by the API (defaults to --model)", default=None)
-    dtype: str = _flag("weight and activation dtype", default="auto", choices=DTYPES)
-    kv_cache_dtype: str = _flag("KV cache dtype (auto: same as dtype)", default="auto", choices=DTYPES)
+    dtype: Dtype = _flag("weight and activation dtype", default="auto")
+    kv_cache_dtype: Dtype = _flag("KV cache dtype (auto: same as dtype)", default="auto")
     context_length: Optional[int] = _flag("max tokens per request (defaults to the model's)", default=None)
     quantization: Optional[str] = _flag("quantization method, e.g. int8 (weight-only, per channel)", default=None)
     chat_template: Optional[str] = _flag("Jinja chat template file overriding the tokenizer's", default=None)
@@ -50,11 +55,10 @@ class ServerArgs:
     elementwise_backend: str = _flag(
         "elementwise kernels (RMSNorm + residual, rotary, SiLU-and-mul) backend name or auto", default="auto"
     )
-    backend_selection: str = _flag(
+    backend_selection: BackendSelection = _flag(
         "how auto picks among the usable backends of a kind: measure (time them on the model's shapes, once per "
         "machine and model shape; the result is cached) or priority (the highest-priority one, no timing)",
         default="measure",
-        choices=BACKEND_SELECTIONS,
     )
     tp_size: int = _flag("tensor parallel size", default=1)
     base_gpu_id: int = _flag(
@@ -76,7 +80,7 @@ class ServerArgs:
         "max prompt tokens per prefill chunk; -1 disables chunking", default=2048
     )
     max_prefill_tokens: int = _flag("max new prompt tokens in one prefill batch", default=8192)
-    schedule_policy: str = _flag("waiting-queue order", default="fcfs", choices=SCHEDULE_POLICIES)
+    schedule_policy: SchedulePolicy = _flag("waiting-queue order", default="fcfs")
     schedule_conservativeness: float = _flag("scales the reserved decode budget when admitting requests", default=1.0)
     init_new_token_ratio: float = _flag("initial fraction of max_new_tokens reserved per running request", default=0.7)
     min_new_token_ratio: float = _flag("floor that the reserved fraction decays to", default=0.1)
@@ -84,13 +88,15 @@ class ServerArgs:
     stream_interval: int = _flag("send streamed output every N tokens", default=1)
     disable_overlap_schedule: Optional[bool] = _flag(
         "run each step's scheduling and result handling after its forward instead of alongside the next one "
-        "(unset: the platform decides; on by default on GPUs, off on the cpu platform)",
+        "(unset: the platform decides; on by default on GPUs, off on the cpu platform; "
+        "--no-disable-overlap-schedule overlaps everywhere)",
         default=None,
     )
     decode_log_interval: int = _flag("log a scheduler stats line every N decode steps", default=40)
     disable_graph: Optional[bool] = _flag(
         "run decode steps eagerly instead of replaying device graphs captured at start-up (unset: graphs "
-        "wherever the platform and the attention backend can capture them)",
+        "wherever the platform and the attention backend can capture them; --no-disable-graph insists on them: "
+        "start-up fails, saying why, where they cannot be captured)",
         default=None,
         aliases=("--disable-cuda-graph",),
     )
@@ -198,27 +204,65 @@ class ServerArgs:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """One option per field, typed from the field's resolved annotation (``cli_type``): a
+        bool is ``--flag`` / ``--no-flag``, a ``Literal`` lists its choices, ``Optional[X]``
+        parses as ``X``."""
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             # --model is the documented spelling; --model-path stays as an alias.
             flags = ["--model", "--model-path"] if f.name == "model_path" else ["--" + f.name.replace("_", "-")]
             flags += f.metadata.get("aliases", ())  # e.g. SGLang's spelling of the same flag
-            metavar = "MODEL" if f.name == "model_path" else None
-            meta = dict(f.metadata)
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            if f.type in ("bool", bool, "Optional[bool]"):  # None: the default decides later
-                parser.add_argument(*flags, action="store_true", default=default, help=meta["help"])
+            default = field_default(f)
+            kind, choices = cli_type(f.name, hints[f.name])
+            if kind is bool:
+                # --x sets True, --no-x False; a default of None (unset) leaves the choice to the server.
+                parser.add_argument(
+                    *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"]
+                )
                 continue
-            kind = {"int": int, "float": float}.get(str(f.type).replace("Optional[", "").rstrip("]"), str)
             parser.add_argument(
                 *flags,
                 dest=f.name,
                 type=kind,
                 default=default,
-                choices=meta.get("choices"),
-                metavar=metavar,
-                help=f"{meta['help']} (default: {default})",
+                choices=choices,
+                metavar="MODEL" if f.name == "model_path" else None,
+                help=f"{f.metadata['help']} (default: {default})",
             )
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
         return cls(**{name: getattr(ns, name) for name in cls.field_names()})
+
+
+def field_default(f: dataclasses.Field[Any]) -> Any:
+    """The default value of a ``ServerArgs`` field (every field has one)."""
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    raise TypeError(f"ServerArgs.{f.name} has no default")
+
+
+def cli_type(name: str, hint: Any) -> tuple[type, Optional[tuple[Any, ...]]]:
+    """The argparse type, and the choices (None: any value), of the field ``name`` whose
+    resolved annotation is ``hint``: ``Optional[X]`` (or ``X | None``) is ``X`` (None
+    stays the default's); ``Literal[...]`` of one type is that type with its values as
+    choices; ``bool``, ``int``, ``float`` and ``str`` are themselves. Any other
+    annotation has no command-line form, and is a TypeError naming the field."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        if len(members) != 1:
+            raise TypeError(f"ServerArgs.{name}: no command-line form for the union {hint}")
+        hint = members[0]
+    if typing.get_origin(hint) is Literal:
+        values = typing.get_args(hint)
+        kinds = {type(value) for value in values}
+        if len(kinds) != 1 or bool in kinds:
+            raise TypeError(
+                f"ServerArgs.{name}: no command-line form for {hint} (values of one type: str, int or float)"
+            )
+        return kinds.pop(), values
+    if hint in (bool, int, float, str):
+        return hint, None
+    raise TypeError(f"ServerArgs.{name}: no command-line form for {hint}")

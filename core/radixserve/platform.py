@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Iterator, Optional
+from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional, Protocol
 
 import torch
 from torch.profiler import ProfilerActivity
@@ -124,3 +124,93 @@ class GraphBackend(abc.ABC):
         """Record ``fn`` (warm-up runs first, where the device needs them) and return
         the graph with ``fn``'s output tensor, which every replay rewrites in place.
         ``fn`` must not synchronise with the host."""
+
+
+class GraphRuntime(Protocol):
+    """The stream and graph API of a torch device module, as ``torch.cuda`` spells it
+    (on CUDA builds of torch and, recording HIP graphs, on ROCm builds): what
+    :class:`StreamGraphBackend` calls. A plugin passes the module itself."""
+
+    def device(self, device: torch.device, /) -> ContextManager[Any]:
+        """Makes ``device`` the current device for the block (the device guard)."""
+        ...
+
+    @property
+    def Stream(self) -> Callable[[torch.device], Any]:
+        """Makes a new stream on a device (a class, in torch's modules)."""
+        ...
+
+    def current_stream(self, device: torch.device, /) -> Any: ...
+
+    def stream(self, stream: Any, /) -> ContextManager[Any]:
+        """Makes ``stream`` the current stream for the block."""
+        ...
+
+    def synchronize(self, device: torch.device, /) -> None: ...
+
+    def graph_pool_handle(self) -> Any:
+        """A memory pool that several graphs' captures can share."""
+        ...
+
+    def graph(self, graph: Any, /, *, pool: Any, stream: Any) -> ContextManager[Any]:
+        """Records into ``graph`` what ``stream`` runs in the block."""
+        ...
+
+
+class RecordedGraph(DeviceGraph):
+    """A graph recorded by a :class:`StreamGraphBackend` (``torch.cuda.CUDAGraph`` or the like)."""
+
+    def __init__(self, graph: Any):
+        self.graph = graph
+
+    def replay(self) -> None:
+        self.graph.replay()  # torch replays on the device the graph was captured on
+
+
+class StreamGraphBackend(GraphBackend):
+    """Graph capture through a torch device module's stream-capture API, the one
+    procedure that every platform with that API shares (``hardware/cuda``'s CUDA
+    graphs and ``hardware/rocm``'s HIP graphs are this class with their module):
+
+    - everything runs under the device guard of ``device``: ``--base-gpu-id`` may
+      select another device than the process's current one, and the runtime's
+      calls without a device (graph capture synchronises and empties the cache of
+      the current device before it records) would otherwise reach that one;
+    - captures run on a side stream (CUDA forbids capturing the legacy default
+      stream), which first waits for the current stream, where the inputs were
+      written;
+    - ``warmup_runs`` eager runs on that stream come first, to compile kernels and
+      let the allocator and libraries settle, since none of that may happen while
+      a graph records;
+    - all graphs of one backend share one memory pool (the runner captures the
+      largest batch first, and the smaller graphs reuse its blocks).
+
+    A subclass sets ``name``; the platform's ``graph_backend`` returns it with the
+    device module (``torch.cuda``) and its graph class (``torch.cuda.CUDAGraph``).
+    """
+
+    warmup_runs: ClassVar[int] = 2
+
+    def __init__(self, device: torch.device, runtime: GraphRuntime, graph_type: Callable[[], Any]):
+        self.device = device
+        self.runtime = runtime
+        self.graph_type = graph_type
+        with runtime.device(device):
+            self.pool = runtime.graph_pool_handle()
+            self.stream = runtime.Stream(device)
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> tuple[DeviceGraph, torch.Tensor]:
+        rt = self.runtime
+        with rt.device(self.device):
+            current = rt.current_stream(self.device)
+            self.stream.wait_stream(current)  # the inputs were written on the current stream
+            with rt.stream(self.stream):
+                for _ in range(self.warmup_runs):
+                    fn()
+            current.wait_stream(self.stream)
+            rt.synchronize(self.device)
+            graph = self.graph_type()
+            with rt.graph(graph, pool=self.pool, stream=self.stream):
+                output = fn()
+            rt.synchronize(self.device)
+        return RecordedGraph(graph), output
