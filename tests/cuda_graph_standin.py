@@ -84,6 +84,9 @@ class StandInCuda:
         finally:
             self.current_device = previous
 
+    def set_device(self, device: Any) -> None:
+        self.current_device = self._touch("set_device", device)
+
     def Stream(self, device: Any = None, **_: Any) -> StandInStream:  # torch's name
         index = self._touch("Stream", device)
         self.streams.append(StandInStream(index, f"side:{index}"))
@@ -166,6 +169,7 @@ class StandInGraph:
 NAMES = (
     "device_count",
     "device",
+    "set_device",
     "Stream",
     "current_stream",
     "set_stream",

@@ -95,3 +95,14 @@ def test_a_failed_capture_leaves_the_device_and_stream_as_found(cuda):
         backend.capture(fails_when_recorded)
     assert cuda.current_device == 0 and cuda.current == cuda.defaults
     assert not cuda.graphs[0].recording
+
+
+@pytest.mark.parametrize("platform_cls", PLATFORMS)
+def test_the_runner_binds_the_process_to_the_device_base_gpu_id_selects(cuda, platform_cls):
+    """Kernels that launch on the current device's stream (Triton, FlashInfer) run
+    on the chosen device only if the process's current device is it."""
+    platform = platform_cls()
+    device = platform.device(1)
+    assert cuda.current_device == 0
+    platform.bind_device(device)  # what ModelRunner does first
+    assert cuda.current_device == 1 and cuda.touched == [("set_device", 1)]

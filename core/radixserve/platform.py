@@ -72,6 +72,12 @@ class Platform:
     def describe(self, index: int = 0) -> str:
         return self.name
 
+    def bind_device(self, device: torch.device) -> None:
+        """Make ``device`` this process's current device, so that kernels launched on
+        the current device's stream (Triton, FlashInfer, graph capture) run on the
+        device ``--base-gpu-id`` chose. The model runner calls it before building
+        anything; the default does nothing (a CPU has no current device)."""
+
     def synchronize(self, device: torch.device) -> None:
         """Wait until the work queued on ``device`` is done, so that a host timer
         measures it (selection by measurement). A device that runs work

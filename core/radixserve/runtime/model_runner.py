@@ -40,6 +40,7 @@ class ModelRunner:
         self.platform = registry.resolve_platform(args.device)()
         self.gpu_id = args.base_gpu_id + tp_rank  # the platform's device index of this rank
         self.device = self.platform.device(self.gpu_id)
+        self.platform.bind_device(self.device)
         self.transfer = HostTransfer(self.device, self.platform.pinned_host_staging)
         hf_config = load_config(model_path)
         self.num_layers = hf_config.num_hidden_layers

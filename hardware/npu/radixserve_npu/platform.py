@@ -71,6 +71,9 @@ class NpuPlatform(Platform):
     def available_memory_bytes(self, index: int = 0) -> int:
         return ops.load_torch_npu().npu.mem_get_info(index)[0]
 
+    def bind_device(self, device: torch.device) -> None:
+        ops.load_torch_npu().npu.set_device(device)
+
     def synchronize(self, device: torch.device) -> None:
         ops.load_torch_npu().npu.synchronize(device)
 

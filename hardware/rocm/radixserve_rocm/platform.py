@@ -86,6 +86,9 @@ class RocmPlatform(Platform):
         free, _ = torch.cuda.mem_get_info(index)
         return reusable_free_bytes(free, torch.cuda.memory_reserved(index), torch.cuda.memory_allocated(index))
 
+    def bind_device(self, device: torch.device) -> None:
+        torch.cuda.set_device(device)
+
     def synchronize(self, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
