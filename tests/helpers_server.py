@@ -13,8 +13,9 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 READY_TIMEOUT_S = 300  # generous: the CI box has 2 cores shared with other suites
 _ANNOUNCE = re.compile(r"radixserve (listening|ready) at (\S+)")
@@ -33,6 +34,8 @@ class ServerProcess:
         )
         self.lines: list[str] = []
         self.url: Optional[str] = None
+        key = cli_args[cli_args.index("--api-key") + 1] if "--api-key" in cli_args else None
+        self.auth_headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._listening = threading.Event()
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read_output, daemon=True)
@@ -86,6 +89,17 @@ class ServerProcess:
         self.stop()
 
 
+@contextmanager
+def serving(model: Path, *cli_args: str, env: Optional[dict[str, str]] = None) -> Iterator[ServerProcess]:
+    """A ready server of ``model``, served as "tiny" at warning level; ``cli_args``
+    come after those flags, so they may override them."""
+    with ServerProcess(
+        "--model", str(model), "--served-model-name", "tiny", "--log-level", "warning", *cli_args, env=env
+    ) as srv:
+        srv.wait_ready()
+        yield srv
+
+
 def process_alive(pid: int) -> bool:
     """Running (a zombie, dead but not yet reaped, counts as gone)."""
     stat = Path(f"/proc/{pid}/stat")
@@ -95,7 +109,7 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
+def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers_platform import needs_platform
+from helpers_platform import greedy_tokens_on, needs_platform
 from test_cli_startup import assert_short_failure, run_cli
 
 from radixserve.kernels import KernelQuery
@@ -408,22 +408,4 @@ def test_cdna_kits_on_rocm():
 @pytest.mark.rocm
 @needs_rocm
 def test_rocm_greedy_tokens_equal_cpu(tiny_llama_dir):
-    from generation_utils import mixed_prompts
-
-    from radixserve import Engine
-
-    prompts = mixed_prompts(512, [5, 30, 17], seed=7, shared_prefix=8)
-    params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
-    outputs = {}
-    for device in ("cpu", "rocm"):
-        with Engine(
-            model_path=str(tiny_llama_dir),
-            device=device,
-            dtype="float32",
-            max_total_tokens=4096,
-            page_size=16,
-            log_level="warning",
-        ) as engine:
-            assert engine.server_info()["platform"] == device
-            outputs[device] = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
-    assert outputs["rocm"] == outputs["cpu"]
+    assert greedy_tokens_on("rocm", tiny_llama_dir) == greedy_tokens_on("cpu", tiny_llama_dir)
