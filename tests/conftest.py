@@ -38,6 +38,12 @@ def tiny_llama_dir(tiny_model_factory: Callable[..., Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def long_llama_dir(tiny_model_factory: Callable[..., Path]) -> Path:
+    """The tiny Llama with a 32768-token context: room for requests that cannot finish while a test works."""
+    return tiny_model_factory(arch="llama", max_position_embeddings=32768)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_llama_dir: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(tiny_llama_dir)
 

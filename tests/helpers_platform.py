@@ -1,8 +1,12 @@
 """Skipping tests that need a device platform, with the platform's own reason;
-greedy tokens on a device, to compare with the CPU's."""
+`radixserve plugins --json` as a user runs it; greedy tokens on a device, to
+compare with the CPU's."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -26,6 +30,12 @@ def needs_platform(name: str) -> pytest.MarkDecorator:
     """Skips a test where platform ``name`` cannot run, saying why."""
     reason = platform_unavailable(name)
     return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def plugins_json(env: Optional[dict[str, str]] = None) -> dict:
+    """What `radixserve plugins --json` reports, run in a fresh process (environment ``env``, default this one's)."""
+    command = [sys.executable, "-m", "radixserve.cli", "plugins", "--json"]
+    return json.loads(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout)
 
 
 def greedy_tokens_on(device: str, model_dir: Path) -> list[list[int]]:

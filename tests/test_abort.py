@@ -18,7 +18,7 @@ import httpx
 import pytest
 from helpers_pool import ServerPool, assert_whole_pool_back, idle, stats
 from helpers_runtime import LENGTH, ScriptedRuntime, collect, generate
-from helpers_server import ServerProcess, wait_until
+from helpers_server import serving, wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.messages import AbortRequest, FinishReason, TextBatch
@@ -32,15 +32,11 @@ LONG = {"prompt": "keep going", "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_factory):
+def server(long_llama_dir):
     """N running slots and one queue place: an n=N request runs whole, one more waits, the next is refused.
     At info level with ``--log-requests``, for the access log test."""
-    model = tiny_model_factory(arch="llama", max_position_embeddings=32768)
-    with ServerProcess(
-        "--model",
-        str(model),
-        "--served-model-name",
-        "tiny",
+    with serving(
+        long_llama_dir,
         "--max-total-tokens",
         "131072",
         "--max-running-requests",
@@ -51,7 +47,6 @@ def server(tiny_model_factory):
         "info",
         "--log-requests",
     ) as srv:
-        srv.wait_ready()
         yield srv
 
 

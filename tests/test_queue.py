@@ -30,11 +30,9 @@ PREFILL = re.compile(r"Prefill batch\. #new-seq: (\d+), #new-token: (\d+), #cach
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_factory):
-    # A long context: the blocking request can never finish while the test works.
-    model = tiny_model_factory(arch="llama", max_position_embeddings=32768)
+def server(long_llama_dir):
     with serving(
-        model,
+        long_llama_dir,
         "--schedule-policy",
         "priority",
         "--max-running-requests",

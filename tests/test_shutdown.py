@@ -35,11 +35,10 @@ ENDLESS = 30000  # tokens: no request asking for this many can finish while the 
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_factory):
-    # A long context for the endless requests; one running slot, so the others queue behind the first.
-    model = tiny_model_factory(arch="llama", max_position_embeddings=32768)
+def server(long_llama_dir):
+    # One running slot, so the other requests queue behind the first.
     with serving(
-        model,
+        long_llama_dir,
         "--max-total-tokens",
         "65536",
         "--max-running-requests",
