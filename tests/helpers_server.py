@@ -6,6 +6,7 @@ The server is started with ``--port 0`` and its URL read from the line it prints
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -115,4 +116,14 @@ def wait_until(predicate: Callable[[], object], timeout: float, interval: float 
         if predicate():
             return True
         time.sleep(interval)
+    return predicate()
+
+
+async def wait_until_async(predicate: Callable[[], object], timeout: float, interval: float = 0.1) -> bool:
+    """``wait_until`` inside an event loop: the tasks it runs go on between looks."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(interval)
     return predicate()

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
 from helpers_pool import ServerPool, assert_whole_pool_back, idle, stats
 from helpers_runtime import LENGTH, ScriptedRuntime, collect, generate
-from helpers_server import serving, wait_until
+from helpers_server import serving, wait_until, wait_until_async
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.messages import AbortRequest, FinishReason, TextBatch
@@ -140,13 +139,13 @@ def test_a_queued_request_whose_client_leaves(server):
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:
             running = asyncio.create_task(c.post("/v1/completions", json={"model": "tiny", **LONG, "n": N}))
-            assert await _until(lambda: stats(url)["num_running_reqs"] == N)
+            assert await wait_until_async(lambda: stats(url)["num_running_reqs"] == N, 20)
             # A streamed request's headers wait for its first token, so it waits in the queue unanswered.
             queued = asyncio.create_task(c.post("/v1/completions", json={"model": "tiny", **LONG, "stream": True}))
-            assert await _until(lambda: stats(url)["num_queue_reqs"] == 1)
+            assert await wait_until_async(lambda: stats(url)["num_queue_reqs"] == 1, 20)
             assert stats(url)["num_running_reqs"] == N
             queued.cancel()  # the client leaves
-            assert await _until(lambda: stats(url)["num_queue_reqs"] == 0)
+            assert await wait_until_async(lambda: stats(url)["num_queue_reqs"] == 0, 20)
             assert stats(url)["num_running_reqs"] == N  # the running ones go on
             running.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -155,15 +154,6 @@ def test_a_queued_request_whose_client_leaves(server):
     before = stats(url)["generation_tokens_total"]
     asyncio.run(scenario())
     assert_stopped(url, before, N * MAX_TOKENS // 4)  # the running ones did not finish either
-
-
-async def _until(predicate, timeout: float = 20) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.1)
-    return predicate()
 
 
 def _access_lines(server, marker: str) -> list[str]:

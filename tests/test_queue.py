@@ -18,8 +18,8 @@ from typing import Any, Awaitable, Callable
 import httpx
 import pytest
 from generation_utils import mixed_prompts
-from helpers_pool import ServerPool, assert_whole_pool_back
-from helpers_server import ServerProcess, serving, wait_until
+from helpers_pool import ServerPool, assert_whole_pool_back, stats
+from helpers_server import ServerProcess, serving, wait_until, wait_until_async
 
 QUEUE_LIMIT = 5
 BLOCKER_PROMPT = mixed_prompts(512, [3], seed=40)[0]
@@ -55,29 +55,30 @@ def _generate(input_ids: list[int], max_new_tokens: int, **fields: Any) -> dict:
     }
 
 
-async def _until(c: httpx.AsyncClient, predicate: Callable[[dict], bool]) -> None:
-    """Until the scheduler's stats satisfy ``predicate`` (a minute at most: a stuck server fails the test)."""
-    for _ in range(600):
-        stats = (await c.get("/get_server_info")).json()["stats"]
-        if predicate(stats):
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out; stats {stats}")
+def _counts(url: str) -> tuple[int, int]:
+    """(running, queued) as the scheduler reports them."""
+    s = stats(url)
+    return s["num_running_reqs"], s["num_queue_reqs"]
 
 
-async def _saturate(c: httpx.AsyncClient, queued: list[dict]) -> tuple[asyncio.Task, list[asyncio.Task]]:
+async def _saturate(
+    c: httpx.AsyncClient, queued: list[dict]
+) -> tuple[asyncio.Task[httpx.Response], list[asyncio.Task[httpx.Response]]]:
     """The blocking request running (rid "blocker", 30000 tokens asked), then ``queued``
     sent one at a time, each waiting in the queue before the next is sent."""
+    url = str(c.base_url).rstrip("/")
     blocker = asyncio.create_task(c.post("/generate", json=_generate(BLOCKER_PROMPT, 30000, rid="blocker")))
-    await _until(c, lambda s: s["num_running_reqs"] == 1)
+    assert await wait_until_async(lambda: _counts(url) == (1, 0), 60), _counts(url)
     tasks = []
-    for i, body in enumerate(queued):
+    for i, body in enumerate(queued, start=1):
         tasks.append(asyncio.create_task(c.post("/generate", json=body)))
-        await _until(c, lambda s, i=i: s["num_queue_reqs"] == i + 1)
+        assert await wait_until_async(lambda i=i: _counts(url) == (1, i), 60), _counts(url)
     return blocker, tasks
 
 
 def _scenario(server: ServerProcess, body: Callable[[httpx.AsyncClient], Awaitable[None]]) -> None:
+    """``body`` with a client of ``server``; then the whole pool must be back."""
+
     async def run() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
             await body(c)
@@ -94,12 +95,11 @@ def test_a_full_queue_refuses_with_503_and_the_server_keeps_serving(server):
             refused = await c.post("/generate", json=_generate([7, 8, 9], 4, stream=stream))
             assert refused.status_code == 503, refused.text
             assert refused.json()["error"]["code"] == "queue_full"
-        stats = (await c.get("/get_server_info")).json()["stats"]
-        assert (stats["num_running_reqs"], stats["num_queue_reqs"]) == (1, QUEUE_LIMIT)  # the refusals changed nothing
+        assert _counts(server.url) == (1, QUEUE_LIMIT)  # the refusals changed nothing
         # Every client goes away: their requests are aborted, running or queued.
         for task in [blocker, *queued]:
             task.cancel()
-        await _until(c, lambda s: s["num_running_reqs"] == 0 and s["num_queue_reqs"] == 0)
+        assert await wait_until_async(lambda: _counts(server.url) == (0, 0), 60), _counts(server.url)
         served = await c.post(
             "/generate", json={"input_ids": [7, 8, 9], "sampling_params": {"max_new_tokens": 4, "n": 2}}
         )

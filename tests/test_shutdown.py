@@ -21,6 +21,7 @@ from urllib.parse import urlparse
 
 import httpx
 import pytest
+from helpers_pool import stats
 from helpers_runtime import ScriptedRuntime, collect, generate
 from helpers_server import process_alive, serving, wait_until
 
@@ -155,25 +156,20 @@ class _Client(threading.Thread):
 
 
 def test_sigterm_under_load_ends_every_request_in_order_and_exits_0(server):
-    """Runs last in the module: it stops the server."""
+    """The last test of the module's server: it stops it."""
     url = server.url
-
-    def stats() -> dict:
-        info = httpx.get(url + "/get_server_info", timeout=30).json()
-        return {**info["stats"], "num_in_flight": info["num_in_flight"]}
-
     pids = httpx.get(url + "/get_server_info", timeout=30).json()["pids"]
     leave = threading.Event()
     holder = _Client(url, True, ENDLESS, leave)  # runs until its client leaves
     holder.start()
-    assert wait_until(lambda: stats()["num_running_reqs"] == 1, timeout=60), stats()
+    assert wait_until(lambda: stats(url)["num_running_reqs"] == 1, timeout=60), stats(url)
     # Queued behind it in this order: two short requests, then two that cannot finish.
     short = [_Client(url, stream, 4) for stream in (False, True)]
     long = [_Client(url, stream, ENDLESS) for stream in (True, False)]
     for i, client in enumerate(short + long, start=1):
         client.start()
-        assert wait_until(lambda i=i: stats()["num_queue_reqs"] == i, timeout=60), stats()
-    assert stats()["num_in_flight"] == 5
+        assert wait_until(lambda i=i: stats(url)["num_queue_reqs"] == i, timeout=60), stats(url)
+    assert stats(url)["num_in_flight"] == 5
 
     server.proc.send_signal(signal.SIGTERM)
     # Draining (nothing can finish yet): no new work, /health says so, both in the envelope.
@@ -182,6 +178,8 @@ def test_sigterm_under_load_ends_every_request_in_order_and_exits_0(server):
     assert refused.status_code == 503 and "shutting down" in refused.json()["error"]["message"]
     # The first client leaves: its request is aborted, and the drain lets the short ones run to the end.
     leave.set()
+    holder.join(60)
+    assert holder.outcome == {"stream": True, "max_tokens": ENDLESS, "status": 200, "left": True}, holder.outcome
     for client in short:
         client.join(120)
         assert _assert_orderly(client.outcome) == "complete", client.outcome
