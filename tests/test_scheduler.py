@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from generation_utils import generate, make_scheduler, mixed_prompts, run, submit
-from helpers_pool import SchedulerPool, assert_whole_pool_back
+from helpers_pool import SchedulerPool, assert_whole_pool_back, idle
 
 from radixserve.hooks import hookimpl
 from radixserve.messages import FinishReason
@@ -138,6 +138,22 @@ def test_abort_waiting_and_running_requests_frees_memory(tiny_llama_dir):
     assert results[rids[2]].finish_reason.type == "abort" and results[rids[2]].output_ids == []
     assert results[rids[1]].finish_reason.type == "length" and len(results[rids[1]].output_ids) == 50
     assert_whole_pool_back(SchedulerPool(scheduler))
+
+
+def test_the_whole_pool_check_catches_a_leaked_lock(tiny_llama_dir):
+    """What every abort test ends with fails on a lock left behind, which the
+    invariant alone passes: the pages under a locked node count as cached."""
+    scheduler = make_scheduler(tiny_llama_dir)
+    prompt = mixed_prompts(512, [20], seed=5)[0]
+    generate(scheduler, [prompt], max_new_tokens=2)
+    leaked = scheduler.tree.match_prefix(prompt).last_node
+    scheduler.tree.inc_lock_ref(leaked)  # as a release that forgot to unlock would leave it
+    pool = SchedulerPool(scheduler)
+    assert idle(pool.stats())
+    with pytest.raises(AssertionError, match="cannot be flushed"):
+        assert_whole_pool_back(pool)
+    scheduler.tree.dec_lock_ref(leaked)
+    assert_whole_pool_back(pool)
 
 
 def test_chunked_prefill_prompt_logprobs_match_unchunked(tiny_llama_dir):
