@@ -1,12 +1,18 @@
-"""Shared fixtures: tiny on-the-fly models (see radixserve.testing.tiny_models)."""
+"""Shared fixtures: tiny on-the-fly models (see radixserve.testing.tiny_models),
+their tokenizer, an offline Engine and a plain server on the tiny Llama, and an
+httpx client of a module's own ``server``."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+import httpx
 import pytest
+from helpers_server import ServerProcess, serving
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from radixserve import Engine
 from radixserve.testing.tiny_models import build_tiny_model
 
 
@@ -29,6 +35,39 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 def tiny_llama_dir(tiny_model_factory: Callable[..., Path]) -> Path:
     """The default tiny Llama with its tokenizer."""
     return tiny_model_factory(arch="llama")
+
+
+@pytest.fixture(scope="session")
+def long_llama_dir(tiny_model_factory: Callable[..., Path]) -> Path:
+    """The tiny Llama with a 32768-token context: room for requests that cannot finish while a test works."""
+    return tiny_model_factory(arch="llama", max_position_embeddings=32768)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_llama_dir: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(tiny_llama_dir)
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_llama_dir: Path) -> Iterator[Engine]:
+    """The offline Engine on the tiny Llama, shared by every module that only generates and profiles."""
+    with Engine(model_path=str(tiny_llama_dir), max_total_tokens=4096, log_level="warning") as eng:
+        yield eng
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
+    """A plain `radixserve serve` of the tiny Llama (served as "tiny"), for the
+    modules that need no flag of their own."""
+    with serving(tiny_llama_dir, "--max-total-tokens", "8192") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    """An httpx client of the module's ``server`` fixture, with its API key if it has one."""
+    with httpx.Client(base_url=server.url, headers=server.auth_headers, timeout=120) as client:
+        yield client
 
 
 # -- the CPU kernels (plugins/radixserve_torch/cpu_kernels.py) ----------------

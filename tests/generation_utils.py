@@ -27,6 +27,7 @@ class Result:
     logprobs: list[float]
     input_logprobs: Optional[list]
     input_top_logprobs: Optional[list]
+    first_token_step: Optional[int] = None  # the ``run`` step that gave the first token (0: before it)
 
 
 def make_scheduler(model_dir: Path, registry=None, **server_args: Any) -> Scheduler:
@@ -64,15 +65,19 @@ def run(
 ) -> dict[str, Result]:
     """Step until idle, asserting the memory invariant at every step boundary;
     ``earlier``: outputs of steps the caller ran itself."""
-    outputs: list[TokenOutput] = list(earlier or []) + scheduler.step_outputs()
+    outputs: list[tuple[int, TokenOutput]] = [(0, out) for out in list(earlier or []) + scheduler.step_outputs()]
+    step = 0
     while scheduler.has_work():
-        outputs.extend(scheduler.step())
+        step += 1
+        outputs.extend((step, out) for out in scheduler.step())
         if check_every_step:
             assert scheduler.check_memory(), scheduler.stats()
     assert scheduler.check_memory(), scheduler.stats()
     results: dict[str, Result] = {}
-    for out in outputs:  # a request's messages, in order: its first token, then the rest
+    for step, out in outputs:  # a request's messages, in order: its first token, then the rest
         r = results.setdefault(out.rid, Result([], None, 0, [], None, None))
+        if out.new_token_ids and not r.output_ids:
+            r.first_token_step = step
         r.output_ids += out.new_token_ids
         r.logprobs += [lp for lp, _ in out.output_token_logprobs]
         r.input_logprobs = out.input_token_logprobs if out.input_token_logprobs is not None else r.input_logprobs

@@ -1,11 +1,19 @@
-"""Skipping tests that need a device platform, with the platform's own reason."""
+"""Skipping tests that need a device platform, with the platform's own reason;
+`radixserve plugins --json` as a user runs it; greedy tokens on a device, to
+compare with the CPU's."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
 from typing import Optional
 
 import pytest
+from generation_utils import mixed_prompts
 
+from radixserve import Engine
 from radixserve.registry import PluginError, get_registry
 
 
@@ -22,3 +30,25 @@ def needs_platform(name: str) -> pytest.MarkDecorator:
     """Skips a test where platform ``name`` cannot run, saying why."""
     reason = platform_unavailable(name)
     return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def plugins_json(env: Optional[dict[str, str]] = None) -> dict:
+    """What `radixserve plugins --json` reports, run in a fresh process (environment ``env``, default this one's)."""
+    command = [sys.executable, "-m", "radixserve.cli", "plugins", "--json"]
+    return json.loads(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout)
+
+
+def greedy_tokens_on(device: str, model_dir: Path) -> list[list[int]]:
+    """Greedy tokens of three prompts (a shared prefix, page size 16, float32) on ``device``."""
+    prompts = mixed_prompts(512, [5, 30, 17], seed=7, shared_prefix=8)
+    params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    with Engine(
+        model_path=str(model_dir),
+        device=device,
+        dtype="float32",
+        max_total_tokens=4096,
+        page_size=16,
+        log_level="warning",
+    ) as engine:
+        assert engine.server_info()["platform"] == device
+        return [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]

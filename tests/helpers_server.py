@@ -6,6 +6,7 @@ The server is started with ``--port 0`` and its URL read from the line it prints
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -13,8 +14,9 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
 READY_TIMEOUT_S = 300  # generous: the CI box has 2 cores shared with other suites
 _ANNOUNCE = re.compile(r"radixserve (listening|ready) at (\S+)")
@@ -33,6 +35,8 @@ class ServerProcess:
         )
         self.lines: list[str] = []
         self.url: Optional[str] = None
+        key = cli_args[cli_args.index("--api-key") + 1] if "--api-key" in cli_args else None
+        self.auth_headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._listening = threading.Event()
         self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read_output, daemon=True)
@@ -86,6 +90,17 @@ class ServerProcess:
         self.stop()
 
 
+@contextmanager
+def serving(model: Path, *cli_args: str, env: Optional[dict[str, str]] = None) -> Iterator[ServerProcess]:
+    """A ready server of ``model``, served as "tiny" at warning level; ``cli_args``
+    come after those flags, so they may override them."""
+    with ServerProcess(
+        "--model", str(model), "--served-model-name", "tiny", "--log-level", "warning", *cli_args, env=env
+    ) as srv:
+        srv.wait_ready()
+        yield srv
+
+
 def process_alive(pid: int) -> bool:
     """Running (a zombie, dead but not yet reaped, counts as gone)."""
     stat = Path(f"/proc/{pid}/stat")
@@ -95,10 +110,20 @@ def process_alive(pid: int) -> bool:
         return False
 
 
-def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
+def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return True
         time.sleep(interval)
+    return predicate()
+
+
+async def wait_until_async(predicate: Callable[[], object], timeout: float, interval: float = 0.1) -> bool:
+    """``wait_until`` inside an event loop: the tasks it runs go on between looks."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        await asyncio.sleep(interval)
     return predicate()

@@ -1,8 +1,8 @@
 """Abort for every request shape, through a real server: n>1 streamed and not,
 a client gone mid-request, a refusal (503) of part of an n>1 request or of a
 batch, a request still in the queue. Each time generation must stop well short
-of what the request asked for, and its KV must be freed with the pool
-invariant holding (checked through /get_server_info). Also the access log.
+of what the request asked for, and the whole KV pool must come back (a flush
+empties the cache and every page is free: helpers_pool). Also the access log.
 
 Then the TokenizerManager alone over real ZMQ sockets, the test playing the
 scheduler and the detokenizer: every choice is aborted exactly once, and a bad
@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import pytest
-import zmq.asyncio
-from helpers_server import ServerProcess, wait_until
+from helpers_pool import ServerPool, assert_whole_pool_back, idle, stats
+from helpers_runtime import LENGTH, ScriptedRuntime, collect, generate
+from helpers_server import serving, wait_until, wait_until_async
 from prometheus_client.parser import text_string_to_metric_families
 
-from radixserve.config import ServerArgs
-from radixserve.ipc import Endpoints, pull_socket, push_socket
-from radixserve.messages import AbortRequest, FinishReason, TextBatch, TextOutput, TokenOutput
-from radixserve.server.tokenizer_manager import GenerateInput, RequestFailedError, TokenizerManager
+from radixserve.messages import AbortRequest, FinishReason, TextBatch
+from radixserve.server.tokenizer_manager import RequestFailedError
 
 # Long enough that no request can finish in the second or so before its client leaves, and that a
 # quarter of it (the bound on what an aborted request may generate) outlasts that second with room to
@@ -33,15 +31,11 @@ LONG = {"prompt": "keep going", "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_factory):
+def server(long_llama_dir):
     """N running slots and one queue place: an n=N request runs whole, one more waits, the next is refused.
     At info level with ``--log-requests``, for the access log test."""
-    model = tiny_model_factory(arch="llama", max_position_embeddings=32768)
-    with ServerProcess(
-        "--model",
-        str(model),
-        "--served-model-name",
-        "tiny",
+    with serving(
+        long_llama_dir,
         "--max-total-tokens",
         "131072",
         "--max-running-requests",
@@ -52,31 +46,16 @@ def server(tiny_model_factory):
         "info",
         "--log-requests",
     ) as srv:
-        srv.wait_ready()
         yield srv
 
 
-def stats(url: str) -> dict:
-    info = httpx.get(url + "/get_server_info", timeout=30).json()
-    return {**info["stats"], "num_in_flight": info["num_in_flight"]}
-
-
-def idle(url: str) -> bool:
-    s = stats(url)
-    return (s["num_running_reqs"], s["num_queue_reqs"], s["private_tokens"], s["num_in_flight"]) == (0, 0, 0, 0) and s[
-        "memory_invariant_ok"
-    ]
-
-
-def assert_stopped(url: str, generated_before: int, limit: int) -> int:
-    """Everything is idle and freed, generation stopped short of ``limit``; the
-    tokens generated since ``generated_before``."""
-    assert wait_until(lambda: idle(url), timeout=20), stats(url)
+def assert_stopped(url: str, generated_before: int, limit: int) -> None:
+    """Nothing is left running (so generation has stopped), it stopped short of
+    ``limit`` tokens since ``generated_before``, and the whole pool is back."""
+    assert wait_until(lambda: idle(stats(url)), timeout=20), stats(url)
     generated = stats(url)["generation_tokens_total"]
-    time.sleep(0.5)
-    assert stats(url)["generation_tokens_total"] == generated, "generation went on after the abort"
     assert generated - generated_before < limit, f"{generated - generated_before} tokens: the request was not aborted"
-    return generated - generated_before
+    assert_whole_pool_back(ServerPool(url))
 
 
 def test_n4_streaming_client_gone(server):
@@ -113,7 +92,7 @@ def test_the_server_serves_after_the_aborts(server):
         server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 5, "n": 2}, timeout=60
     )
     assert response.status_code == 200 and len(response.json()["choices"]) == 2
-    assert idle(server.url)
+    assert_whole_pool_back(ServerPool(server.url))
 
 
 def _metric(url: str, name: str, **labels: str) -> float:
@@ -160,13 +139,13 @@ def test_a_queued_request_whose_client_leaves(server):
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:
             running = asyncio.create_task(c.post("/v1/completions", json={"model": "tiny", **LONG, "n": N}))
-            assert await _until(lambda: stats(url)["num_running_reqs"] == N)
+            assert await wait_until_async(lambda: stats(url)["num_running_reqs"] == N, 20)
             # A streamed request's headers wait for its first token, so it waits in the queue unanswered.
             queued = asyncio.create_task(c.post("/v1/completions", json={"model": "tiny", **LONG, "stream": True}))
-            assert await _until(lambda: stats(url)["num_queue_reqs"] == 1)
+            assert await wait_until_async(lambda: stats(url)["num_queue_reqs"] == 1, 20)
             assert stats(url)["num_running_reqs"] == N
             queued.cancel()  # the client leaves
-            assert await _until(lambda: stats(url)["num_queue_reqs"] == 0)
+            assert await wait_until_async(lambda: stats(url)["num_queue_reqs"] == 0, 20)
             assert stats(url)["num_running_reqs"] == N  # the running ones go on
             running.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -175,15 +154,6 @@ def test_a_queued_request_whose_client_leaves(server):
     before = stats(url)["generation_tokens_total"]
     asyncio.run(scenario())
     assert_stopped(url, before, N * MAX_TOKENS // 4)  # the running ones did not finish either
-
-
-async def _until(predicate, timeout: float = 20) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        await asyncio.sleep(0.1)
-    return predicate()
 
 
 def _access_lines(server, marker: str) -> list[str]:
@@ -211,56 +181,14 @@ def test_access_log_lines(server):
 
 
 # ---- the TokenizerManager over real sockets, the test playing the scheduler and detokenizer -------------
-SUMMARY = {"context_length": 1024, "vocab_size": 100, "max_total_tokens": 4096, "page_size": 1}
-LENGTH = FinishReason("length")
-
-
-class _Runtime:
-    """The sockets the scheduler and the detokenizer would hold."""
-
-    def __init__(self):
-        self.endpoints = Endpoints.fresh()
-        self.ctx = zmq.asyncio.Context()
-        self.scheduler = pull_socket(self.ctx, self.endpoints.scheduler)
-        self.tm = TokenizerManager(ServerArgs(), None, self.endpoints, SUMMARY)
-        self.detokenizer = push_socket(self.ctx, self.endpoints.tokenizer_manager)
-        self.tm.start()
-
-    async def reply(self, *outputs: tuple[str, list[int], FinishReason | None], error: str | None = None) -> None:
-        await self.detokenizer.send_pyobj(
-            TextBatch(
-                [
-                    TextOutput(TokenOutput(rid, ids, finish, queue_time=0.0), "t" * len(ids), error=error)
-                    for rid, ids, finish in outputs
-                ]
-            )
-        )
-
-    async def received(self, count: int) -> list:
-        return [await asyncio.wait_for(self.scheduler.recv_pyobj(), 10) for _ in range(count)]
-
-    async def nothing_more(self) -> bool:
-        return await self.scheduler.poll(300) == 0
-
-    async def close(self) -> None:
-        await self.tm.close()
-        self.scheduler.close()
-        self.detokenizer.close()
-        self.ctx.term()
-        self.endpoints.remove()
-
-
-def _generate(tm: TokenizerManager, rid: str, n: int = 1, stream: bool = False):
-    params = {"max_new_tokens": 50, "n": n}
-    return tm.generate(GenerateInput(input_ids=[1, 2, 3], sampling_params=params, rid=rid, stream=stream))
 
 
 def test_bad_replies_fail_only_their_request():
     async def scenario() -> None:
-        rt = _Runtime()
+        rt = ScriptedRuntime()
         try:
-            a = asyncio.create_task(_collect(_generate(rt.tm, "a")))
-            b = asyncio.create_task(_collect(_generate(rt.tm, "b")))
+            a = asyncio.create_task(collect(generate(rt.tm, "a")))
+            b = asyncio.create_task(collect(generate(rt.tm, "b")))
             ids = {r.rid.split("#")[0]: r.rid for r in await rt.received(2)}
             await rt.detokenizer.send(b"not a pickle")
             await rt.detokenizer.send_pyobj("not a reply")
@@ -275,7 +203,7 @@ def test_bad_replies_fail_only_their_request():
             assert [out["text"] for out in await b] == ["tt"]
             assert rt.tm.num_in_flight == 0 and await rt.nothing_more()
             # The scheduler failing a request (500) is an error for that request, with nothing left to abort.
-            c = asyncio.create_task(_collect(_generate(rt.tm, "c")))
+            c = asyncio.create_task(collect(generate(rt.tm, "c")))
             (req,) = await rt.received(1)
             await rt.reply(
                 (req.rid, [], FinishReason("abort", status_code=500, message="internal error: RuntimeError: x"))
@@ -292,9 +220,9 @@ def test_bad_replies_fail_only_their_request():
 @pytest.mark.parametrize("stream", [False, True])
 def test_n2_cancelled_aborts_each_choice_once(stream):
     async def scenario() -> None:
-        rt = _Runtime()
+        rt = ScriptedRuntime()
         try:
-            consumer = asyncio.create_task(_collect(_generate(rt.tm, "r", n=2, stream=stream)))
+            consumer = asyncio.create_task(collect(generate(rt.tm, "r", n=2, stream=stream)))
             (warm,) = await rt.received(1)
             assert warm.sampling_params.max_new_tokens == 0
             await rt.reply((warm.rid, [], LENGTH))
@@ -315,7 +243,3 @@ def test_n2_cancelled_aborts_each_choice_once(stream):
             await rt.close()
 
     asyncio.run(scenario())
-
-
-async def _collect(results) -> list[dict]:
-    return [out async for out in results]

@@ -7,17 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers_server import ServerProcess
-from transformers import AutoTokenizer
 
 from radixserve.bench import datasets
 from radixserve.bench.datasets import TokenSource
 from radixserve.cli import main
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir: Path):
-    return AutoTokenizer.from_pretrained(tiny_llama_dir)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -27,8 +20,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def test_shared_prefix_set_shares_exactly_its_prefix_and_follows_the_seed(tokenizer):
-    source = TokenSource(tokenizer)
+def test_shared_prefix_set_shares_exactly_its_prefix_and_follows_the_seed(tiny_tokenizer):
+    source = TokenSource(tiny_tokenizer)
 
     def make(seed: int) -> list:
         return datasets.shared_prefix_requests(
@@ -48,32 +41,32 @@ def test_shared_prefix_set_shares_exactly_its_prefix_and_follows_the_seed(tokeni
     assert all(_common_prefix(list(a), list(b)) < 20 for a in systems for b in systems if a is not b)
     order = [systems.index(tuple(r.input_ids[:20])) for r in requests]
     assert order != sorted(order), "the requests must be shuffled"
-    special = set(tokenizer.all_special_ids)
+    special = set(tiny_tokenizer.all_special_ids)
     assert not any(t in special for r in requests for t in r.input_ids)
     assert [r.input_ids for r in make(seed=0)] == [r.input_ids for r in requests]
     assert [r.input_ids for r in make(seed=1)] != [r.input_ids for r in requests]
 
 
-def test_random_set_lengths_and_text_prompts(tokenizer):
+def test_random_set_lengths_and_text_prompts(tiny_tokenizer):
     requests = datasets.random_requests(
-        TokenSource(tokenizer), num_prompts=50, input_len=40, output_len=20, range_ratio=0.5, seed=3
+        TokenSource(tiny_tokenizer), num_prompts=50, input_len=40, output_len=20, range_ratio=0.5, seed=3
     )
     assert all(20 <= len(r.input_ids) <= 40 and 10 <= r.output_len <= 20 for r in requests)
     assert len({len(r.input_ids) for r in requests}) > 1
     texts = datasets.random_requests(
-        TokenSource(tokenizer, "text"), num_prompts=3, input_len=30, output_len=5, range_ratio=1.0, seed=3
+        TokenSource(tiny_tokenizer, "text"), num_prompts=3, input_len=30, output_len=5, range_ratio=1.0, seed=3
     )
     assert all(isinstance(r.prompt, str) and r.input_ids is None and r.prompt_len > 0 for r in texts)
     with pytest.raises(ValueError, match="random_range_ratio"):
-        datasets.random_requests(TokenSource(tokenizer), 1, 4, 4, range_ratio=1.5, seed=0)
+        datasets.random_requests(TokenSource(tiny_tokenizer), 1, 4, 4, range_ratio=1.5, seed=0)
 
 
-def test_jsonl_set_parses_round_trips_and_names_bad_lines(tmp_path, tokenizer):
+def test_jsonl_set_parses_round_trips_and_names_bad_lines(tmp_path, tiny_tokenizer):
     path = tmp_path / "set.jsonl"
     path.write_text('{"input_ids": [5, 6, 7], "output_len": 3}\n\n{"prompt": "hello world"}\n')
-    requests = datasets.load_jsonl(str(path), default_output_len=9, tokenizer=tokenizer)
+    requests = datasets.load_jsonl(str(path), default_output_len=9, tokenizer=tiny_tokenizer)
     assert [(r.input_ids, r.prompt, r.output_len) for r in requests] == [([5, 6, 7], None, 3), (None, "hello world", 9)]
-    assert requests[1].prompt_len == len(tokenizer.encode("hello world", add_special_tokens=False))
+    assert requests[1].prompt_len == len(tiny_tokenizer.encode("hello world", add_special_tokens=False))
     copy = tmp_path / "copy.jsonl"
     datasets.save_jsonl(requests, str(copy))
     assert [r.to_json() for r in datasets.load_jsonl(str(copy), 1)] == [r.to_json() for r in requests]
@@ -172,41 +165,38 @@ def test_plot_writes_a_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_serving_run_against_a_real_server(tmp_path, tiny_llama_dir):
+def test_serving_run_against_a_real_server(tmp_path, tiny_server, tiny_tokenizer):
     out = tmp_path / "runs.jsonl"
-    with ServerProcess("--model", str(tiny_llama_dir), "--served-model-name", "tiny") as server:
-        url = server.wait_ready()
-        code = main(
-            [
-                "bench",
-                "serving",
-                "--base-url",
-                url,
-                "--dataset",
-                "random",
-                "--num-prompts",
-                "6",
-                "--random-input-len",
-                "24",
-                "--random-output-len",
-                "6",
-                "--random-range-ratio",
-                "0.5",
-                "--request-rate",
-                "50",
-                "--disable-tqdm",
-                "--output-file",
-                str(out),
-            ]
-        )
-        assert code == 0, server.log
+    url = tiny_server.url
+    code = main(
+        [
+            "bench",
+            "serving",
+            "--base-url",
+            url,
+            "--dataset",
+            "random",
+            "--num-prompts",
+            "6",
+            "--random-input-len",
+            "24",
+            "--random-output-len",
+            "6",
+            "--random-range-ratio",
+            "0.5",
+            "--request-rate",
+            "50",
+            "--disable-tqdm",
+            "--output-file",
+            str(out),
+        ]
+    )
+    assert code == 0, tiny_server.log
     run = _last_line(out)
     assert run["mode"] == "serving" and run["model"] == "tiny" and run["engine"] == "radixserve"
     assert run["config"]["base_url"] == url
     assert run["completed"] == 6 and run["failed"] == 0
-    expected = datasets.random_requests(
-        TokenSource(AutoTokenizer.from_pretrained(tiny_llama_dir)), 6, 24, 6, 0.5, seed=0
-    )
+    expected = datasets.random_requests(TokenSource(tiny_tokenizer), 6, 24, 6, 0.5, seed=0)
     assert run["total_input_tokens"] == sum(r.prompt_len for r in expected)
     assert run["total_output_tokens"] == sum(r.output_len for r in expected)
     _check_latencies(run)

@@ -18,6 +18,9 @@ from radixserve.kernels import KernelQuery, MoERouting
 from radixserve.registry import PluginRegistry
 from radixserve.testing import (
     ATTENTION_CASES,
+    GEMM_CASES,
+    MOE_CASES,
+    QUANT_CASES,
     ConformanceReport,
     check_attention_backend,
     check_gemm_backend,
@@ -35,15 +38,16 @@ from radixserve_torch.moe import TorchNativeMoE
 
 
 def test_torch_reference_backends_pass_by_name():
-    for report in (
-        check_attention_backend("torch_native"),
-        check_moe_backend("torch_native"),
-        check_gemm_backend("torch"),
-        check_quantization_method("none"),
-        check_quantization_method("int8"),
+    # Every standard case in all three dtypes, but the fused silu_and_mul GEMM cases (torch has no fused kernel).
+    fused = sum(c.silu_and_mul for c in GEMM_CASES["standard"])
+    for report, cases in (
+        (check_attention_backend("torch_native"), len(ATTENTION_CASES["standard"])),
+        (check_moe_backend("torch_native"), len(MOE_CASES["standard"])),
+        (check_gemm_backend("torch"), len(GEMM_CASES["standard"]) - fused),
+        (check_quantization_method("none"), len(QUANT_CASES["standard"])),
+        (check_quantization_method("int8"), len(QUANT_CASES["standard"])),
     ):
-        report.raise_for_failures()
-        assert report.ok and len(report.results) >= 9
+        report.raise_for_failures(min_run=3 * cases)
         assert {r.dtype for r in report.results} == {"float32", "bfloat16", "float16"}
 
 
@@ -97,7 +101,7 @@ def test_paged_layout_is_actually_scattered():
 def test_triton_backends_pass_in_the_interpreter():
     code = textwrap.dedent("""
         import time
-        from radixserve.testing import check_attention_backend, check_moe_backend
+        from radixserve.testing import ATTENTION_CASES, MOE_CASES, check_attention_backend, check_moe_backend
         t = time.perf_counter()
         attn = check_attention_backend("triton", device="cpu")
         print(attn)
@@ -106,9 +110,8 @@ def test_triton_backends_pass_in_the_interpreter():
         moe = check_moe_backend("triton", device="cpu")
         print(moe)
         print(f"moe kit: {time.perf_counter() - t:.1f}s")
-        attn.raise_for_failures()
-        moe.raise_for_failures()
-        assert {r.dtype for r in attn.results} == {"float32", "bfloat16", "float16"}
+        attn.raise_for_failures(min_run=3 * len(ATTENTION_CASES["standard"]))
+        moe.raise_for_failures(min_run=3 * len(MOE_CASES["standard"]))
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -272,6 +275,12 @@ def test_cases_a_backend_rejects_are_skipped_with_reasons():
     assert report.ok and skipped == {c.name for c in ATTENTION_CASES["standard"] if c.head_dim == 128}
     assert all("/d128" not in r.case for r in report.results) and report.results
     assert "head_dim 128 is not supported" in str(report)
+    # Passing what it ran is not passing what it was meant to run.
+    every = len(ATTENTION_CASES["standard"])
+    assert report.num_run == every - len(skipped)
+    assert report.raise_for_failures(min_run=report.num_run) is report
+    with pytest.raises(AssertionError, match=rf"{report.num_run} \(case, dtype\) pairs ran, {every} expected"):
+        report.raise_for_failures(min_run=every)
 
 
 def test_backend_supporting_nothing_is_not_ok():

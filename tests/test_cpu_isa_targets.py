@@ -26,6 +26,7 @@ from generation_utils import generate, make_scheduler, mixed_prompts
 
 from radixserve.kernels import KernelQuery
 from radixserve.registry import get_registry
+from radixserve.testing import ATTENTION_CASES, ELEMENTWISE_CASES, GEMM_CASES
 from radixserve_torch import cpu_isa, cpu_kernels
 from radixserve_torch.gemm import CpuPackedGemm
 
@@ -145,8 +146,18 @@ def test_avx2_caps_pick_working_backends_and_generate_as_the_native_build(tiny_m
         "ONEDNN_MAX_CPU_ISA=AVX2 keeps oneDNN from the AVX-512 (or AVX-NE-CONVERT) its bfloat16 needs"
     ]
     print(json.dumps(out["cases"], indent=1))
-    assert len(out["cases"]) == 6 and all(n > 0 for n in out["cases"].values())
-    assert out["cases"]["attention cpu_paged float32"] >= 7 and out["cases"]["elementwise cpu_fused float32"] >= 20
+    # One dtype each: every standard case, but the fused silu_and_mul GEMM ones (only cpu_packed has them).
+    attention, elementwise = len(ATTENTION_CASES["standard"]), len(ELEMENTWISE_CASES["standard"])
+    gemm = sum(not c.silu_and_mul for c in GEMM_CASES["standard"])
+    assert out["cases"] == {
+        f"{kind} {backend} {dtype}": n
+        for dtype, gemm_backend in (("float32", "onednn"), ("bfloat16", "torch"))
+        for kind, backend, n in (
+            ("attention", "cpu_paged", attention),
+            ("gemm", gemm_backend, gemm),
+            ("elementwise", "cpu_fused", elementwise),
+        )
+    }
     if "avx512_bf16" in (cpu_isa.cpu_flags() or ()):
         assert out["auto_dtype"][0] == "torch.float32" and "ONEDNN_MAX_CPU_ISA=AVX2" in out["auto_dtype"][1]
     assert out["dtype"] == "float32"

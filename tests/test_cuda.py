@@ -10,7 +10,7 @@ from generation_utils import mixed_prompts
 from helpers_platform import needs_platform
 
 from radixserve import Engine
-from radixserve.testing import check_attention_backend, check_moe_backend
+from radixserve.testing import ATTENTION_CASES, MOE_CASES, check_attention_backend, check_moe_backend
 
 pytestmark = [pytest.mark.cuda, needs_platform("cuda")]
 
@@ -19,14 +19,14 @@ pytestmark = [pytest.mark.cuda, needs_platform("cuda")]
 def test_attention_kit_on_cuda(backend):
     report = check_attention_backend(backend, device="cuda", cases="full")
     print(report)
-    report.raise_for_failures()
+    report.raise_for_failures(min_run=3 * len(ATTENTION_CASES["full"]))  # every case, in all three dtypes
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch_native"])
 def test_moe_kit_on_cuda(backend):
     report = check_moe_backend(backend, device="cuda", cases="full")
     print(report)
-    report.raise_for_failures()
+    report.raise_for_failures(min_run=3 * len(MOE_CASES["full"]))
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])

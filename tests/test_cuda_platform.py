@@ -7,14 +7,13 @@ tokens equal to the CPU's)."""
 from __future__ import annotations
 
 import gc
-import json
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers_platform import needs_platform
+from helpers_platform import greedy_tokens_on, needs_platform, plugins_json
 from test_cli_startup import assert_short_failure, run_cli
 
 from radixserve.cache.memory_pool import KVPool
@@ -232,15 +231,7 @@ def test_device_index_from_base_gpu_id():
 
 @pytest.mark.skipif(IS_CUDA_BUILD and torch.cuda.is_available(), reason="this machine can run cuda")
 def test_plugins_json_and_serve_say_why_cuda_is_unusable(tiny_llama_dir):
-    env = {k: v for k, v in os.environ.items() if k != "RADIXSERVE_PLUGINS"}
-    out = subprocess.run(
-        [sys.executable, "-m", "radixserve.cli", "plugins", "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    report = json.loads(out.stdout)
+    report = plugins_json({k: v for k, v in os.environ.items() if k != "RADIXSERVE_PLUGINS"})
     plugin = next(p for p in report["plugins"] if p["name"] == "cuda")
     assert plugin["distribution"] == "radixserve-plugin-cuda" and plugin["error"] is None
     assert {"fp8", "fp8_per_tensor"} <= set(plugin["registered"]["quantization"])
@@ -332,22 +323,4 @@ def test_cuda_pool_sized_from_free_memory(tiny_model_factory):
 @pytest.mark.cuda
 @needs_cuda
 def test_cuda_greedy_tokens_equal_cpu(tiny_llama_dir):
-    from generation_utils import mixed_prompts
-
-    from radixserve import Engine
-
-    prompts = mixed_prompts(512, [5, 30, 17], seed=7, shared_prefix=8)
-    params = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
-    outputs = {}
-    for device in ("cpu", "cuda"):
-        with Engine(
-            model_path=str(tiny_llama_dir),
-            device=device,
-            dtype="float32",
-            max_total_tokens=4096,
-            page_size=16,
-            log_level="warning",
-        ) as engine:
-            assert engine.server_info()["platform"] == device
-            outputs[device] = [r["output_ids"] for r in engine.generate(input_ids=prompts, sampling_params=params)]
-    assert outputs["cuda"] == outputs["cpu"]
+    assert greedy_tokens_on("cuda", tiny_llama_dir) == greedy_tokens_on("cpu", tiny_llama_dir)

@@ -8,18 +8,13 @@ import shutil
 
 import pytest
 from generation_utils import generate, hf_greedy, make_scheduler, mixed_prompts, run, submit
+from helpers_pool import EnginePool, assert_whole_pool_back
 from safetensors.torch import load_file, save_file
 
 from radixserve import Engine
 from radixserve_torch.quantization import dequantize_int8, quantize_int8_per_channel
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_llama_dir):
-    with Engine(model_path=str(tiny_llama_dir), max_total_tokens=4096, log_level="warning") as eng:
-        yield eng
 
 
 def test_generate_one_and_batch_match_hf(engine, tiny_llama_dir):
@@ -170,9 +165,8 @@ def test_bad_input_raises_naming_the_field_and_engine_keeps_serving(engine, kwar
     assert engine.generate("still alive", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
 
 
-def test_memory_invariant_after_everything(engine):
-    stats = engine.server_info()["stats"]
-    assert stats["memory_invariant_ok"] and stats["num_running_reqs"] == 0
+def test_the_whole_pool_is_back_after_everything(engine):
+    assert_whole_pool_back(EnginePool(engine))
 
 
 def test_int8_weight_only_matches_dequantized_reference(tiny_model_factory, tmp_path, capsys):

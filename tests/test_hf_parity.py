@@ -1,15 +1,27 @@
 """Greedy generation through the scheduler equals HF transformers `generate`
-token for token, for every supported architecture; logprobs agree in fp32."""
+token for token, for every supported architecture and every way the scheduler
+can cut the work: chunked prefill, 16-token pages, the radix cache off, and
+requests that end at different steps. Logprobs agree in fp32.
+
+HF's reference is computed once per architecture (64 tokens a prompt); a request
+asking for fewer tokens is compared with the start of it."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
-from generation_utils import generate, hf_greedy, make_scheduler, mixed_prompts
+from generation_utils import hf_greedy, make_scheduler, mixed_prompts, run, submit
+from transformers import AutoConfig
 
 from radixserve.messages import FinishReason
 from radixserve.testing.tiny_models import llama3_rope_scaling
 
 NEW_TOKENS = 64
+PROMPT_LENGTHS = [7, 1, 23, 40, 12]
+CHUNK = 8  # the 23- and 40-token prompts take 3 and 5 prefill steps
 
 ARCHITECTURES = {
     "llama": dict(arch="llama"),
@@ -22,18 +34,61 @@ ARCHITECTURES = {
 }
 
 
-@pytest.mark.parametrize("name", list(ARCHITECTURES))
-def test_greedy_matches_hf(tiny_model_factory, name):
-    model_dir = tiny_model_factory(**ARCHITECTURES[name])
-    scheduler = make_scheduler(model_dir)
-    # One prompt alone, then a batch of mixed lengths (the same prompt included).
-    prompts = mixed_prompts(scheduler.runner.vocab_size, [7, 1, 23, 40, 12], seed=3)
-    alone = generate(scheduler, prompts[:1], max_new_tokens=NEW_TOKENS, ignore_eos=True, return_logprob=True)
-    batch = generate(scheduler, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True, return_logprob=True)
+@dataclass(frozen=True)
+class Config:
+    server_args: dict
+    new_tokens: tuple[int, ...] = (NEW_TOKENS,) * len(PROMPT_LENGTHS)  # max_new_tokens, prompt by prompt
+
+
+CONFIGS = {
+    # The scheduler's defaults: page size 1, prompts under the chunk size, radix cache on, all ending together.
+    "default": Config({}),
+    "chunked-prefill": Config({"chunked_prefill_size": CHUNK}),
+    "page-16": Config({"page_size": 16}),
+    "cache-off": Config({"disable_radix_cache": True}),
+    # Requests leave the batch at different steps while the others decode on.
+    "staggered": Config({}, new_tokens=(NEW_TOKENS, 5, 40, 1, 23)),
+}
+
+
+@dataclass
+class Reference:
+    model_dir: Path
+    prompts: list[list[int]]
+    hf: list[tuple[list[int], list[float]]]  # HF's greedy tokens and their logprobs, NEW_TOKENS a prompt
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def reference(request: pytest.FixtureRequest, tiny_model_factory) -> Reference:
+    model_dir = tiny_model_factory(**ARCHITECTURES[request.param])
+    prompts = mixed_prompts(AutoConfig.from_pretrained(model_dir).vocab_size, PROMPT_LENGTHS, seed=3)
+    return Reference(model_dir, prompts, [hf_greedy(model_dir, p, NEW_TOKENS) for p in prompts])
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_matches_hf(reference: Reference, config: str):
+    cfg = CONFIGS[config]
+    scheduler = make_scheduler(reference.model_dir, **cfg.server_args)
+    prompts = reference.prompts
+    # One prompt alone, then a batch of mixed lengths with the same prompt again (a cache hit where it caches).
+    alone = _generate(scheduler, prompts[:1], cfg.new_tokens[:1])
+    batch = _generate(scheduler, prompts, cfg.new_tokens)
     assert alone[0].output_ids == batch[0].output_ids
-    for prompt, result in zip(prompts, batch):
-        ref_ids, ref_logprobs = hf_greedy(model_dir, prompt, NEW_TOKENS)
-        assert result.output_ids == ref_ids
+    for prompt, result, wanted, (ref_ids, ref_logprobs) in zip(prompts, batch, cfg.new_tokens, reference.hf):
+        assert result.output_ids == ref_ids[:wanted], f"prompt of {len(prompt)} tokens"
         assert result.finish_reason == FinishReason("length")
         worst = max(abs(a - b) for a, b in zip(result.logprobs, ref_logprobs))
-        assert worst < 1e-3, f"{name}: chosen-token logprob differs from HF by {worst}"
+        assert worst < 1e-3, f"{config}: chosen-token logprob differs from HF by {worst}"
+    if "chunked_prefill_size" in cfg.server_args:
+        # The prompts really were cut: none gives its first token before its last chunk is in.
+        for prompt, result in zip(prompts, batch):
+            assert result.first_token_step >= math.ceil((len(prompt) - result.cached_tokens) / CHUNK)
+
+
+def _generate(scheduler, prompts: list[list[int]], new_tokens: tuple[int, ...]) -> list:
+    rids = [
+        submit(scheduler, p, max_new_tokens=n, temperature=0.0, ignore_eos=True, return_logprob=True)
+        for p, n in zip(prompts, new_tokens)
+    ]
+    results = run(scheduler)
+    return [results[r] for r in rids]

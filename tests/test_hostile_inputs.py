@@ -13,7 +13,8 @@ from typing import Any, Optional, Union
 
 import httpx
 import pytest
-from helpers_server import ServerProcess
+from helpers_pool import ServerPool, assert_whole_pool_back
+from helpers_server import serving
 
 S = "\udc00"  # a lone UTF-16 surrogate: valid JSON ("\udc00"), not valid Unicode text
 MAX_N, MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 4, 64
@@ -343,11 +344,8 @@ CASES: list[tuple[str, str, Union[dict, list, bytes], int, Optional[str]]] = [
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    with ServerProcess(
-        "--model",
-        str(tiny_llama_dir),
-        "--served-model-name",
-        "tiny",
+    with serving(
+        tiny_llama_dir,
         "--max-total-tokens",
         "8192",
         "--max-n",
@@ -356,19 +354,9 @@ def server(tiny_llama_dir):
         str(MAX_STOP_STRINGS),
         "--max-stop-chars",
         str(MAX_STOP_CHARS),
-        "--log-level",
-        "warning",
     ) as srv:
-        srv.wait_ready()
         yield srv
         assert srv.proc.poll() is None, f"the server died:\n{srv.log}"
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    # A hang is a failure, not a stuck suite.
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
 
 
 def send(http: httpx.Client, route: str, body: Union[dict, list, str, bytes]) -> httpx.Response:
@@ -423,12 +411,9 @@ def test_harmless_request_is_served(http, name, route, body):
     assert response.status_code == 200, response.text
 
 
-def test_server_still_serves_after_every_case(http):
+def test_server_still_serves_after_every_case(server, http):
     """Runs after the cases above (pytest keeps file order)."""
     assert http.get("/health").status_code == 200
     answer = http.post(CHAT, json=chat(max_tokens=4))
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["role"] == "assistant"
-    info = http.get("/get_server_info").json()
-    stats = info["stats"]
-    assert stats["num_running_reqs"] == 0 and stats["num_queue_reqs"] == 0 and info["num_in_flight"] == 0
-    assert stats["memory_invariant_ok"]
+    assert_whole_pool_back(ServerPool(server.url))

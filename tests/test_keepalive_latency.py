@@ -17,30 +17,12 @@ import socket
 
 import httpx
 import openai
-import pytest
-from helpers_server import ServerProcess
 
 from radixserve.bench.metrics import median_call_ms
 from radixserve.server.http import _bind
 
 HEALTH_BOUND_MS = 15
 CHAT_BOUND_MS = 30
-
-
-@pytest.fixture(scope="module")
-def server(tiny_llama_dir):
-    with ServerProcess(
-        "--model",
-        str(tiny_llama_dir),
-        "--served-model-name",
-        "tiny",
-        "--max-total-tokens",
-        "4096",
-        "--log-level",
-        "warning",
-    ) as srv:
-        srv.wait_ready()
-        yield srv
 
 
 def test_accepted_connections_have_nodelay():
@@ -62,16 +44,16 @@ def test_accepted_connections_have_nodelay():
     assert asyncio.run(accepted_nodelay()) != 0
 
 
-def test_keepalive_health_has_no_stall(server):
-    with httpx.Client(base_url=server.url, timeout=30) as http:
+def test_keepalive_health_has_no_stall(tiny_server):
+    with httpx.Client(base_url=tiny_server.url, timeout=30) as http:
         median = median_call_ms(lambda: http.get("/health").raise_for_status(), 30)
     assert median < HEALTH_BOUND_MS, f"GET /health over a kept-alive connection: median {median:.1f} ms"
 
 
-def test_keepalive_one_token_chat_has_no_stall(server):
+def test_keepalive_one_token_chat_has_no_stall(tiny_server):
     def one_token_chat() -> None:
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=1)
 
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
+    with openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused", max_retries=0, timeout=30) as client:
         median = median_call_ms(one_token_chat, 20)
     assert median < CHAT_BOUND_MS, f"one-token chat completion through openai: median {median:.1f} ms"

@@ -3,16 +3,14 @@ selection with reasons, allow-list, and rejection of misspelt hooks."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from helpers_platform import plugins_json
 
 from radixserve.hooks import hookimpl
 from radixserve.kernels import KernelQuery
@@ -52,16 +50,11 @@ def make_dist(root: Path, dist: str, entry_name: str, module: str, source: str) 
     (info / "entry_points.txt").write_text(f"[radixserve]\n{entry_name} = {module}\n")
 
 
-def plugins_json(extra_path: Path, **env: str) -> dict:
-    environ = {**os.environ, "PYTHONPATH": f"{extra_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
-    out = subprocess.run(
-        [sys.executable, "-m", "radixserve.cli", "plugins", "--json"],
-        env=environ,
-        capture_output=True,
-        text=True,
-        check=True,
+def plugins_json_with(extra_path: Path, **env: str) -> dict:
+    """`radixserve plugins --json` with ``extra_path`` on the import path."""
+    return plugins_json(
+        {**os.environ, "PYTHONPATH": f"{extra_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **env}
     )
-    return json.loads(out.stdout)
 
 
 def test_torch_plugin_found_through_entry_point():
@@ -126,7 +119,7 @@ def test_import_failure_is_reported_by_cli(tmp_path):
         "broken_plugin",
         "raise ImportError('libfancy.so: cannot open shared object file')\n",
     )
-    report = plugins_json(tmp_path)
+    report = plugins_json_with(tmp_path)
     broken = next(p for p in report["plugins"] if p["name"] == "broken")
     assert broken["distribution"] == "radixserve-plugin-broken"
     assert broken["version"] == "1.2.3"
@@ -157,7 +150,7 @@ def test_third_party_platform_and_backend_from_entry_point(tmp_path):
             register(FakeAccel)
     """,
     )
-    report = plugins_json(tmp_path)
+    report = plugins_json_with(tmp_path)
     row = next(r for r in report["backends"]["platform"] if r["name"] == "fakeaccel")
     assert row == {
         "name": "fakeaccel",
@@ -167,7 +160,7 @@ def test_third_party_platform_and_backend_from_entry_point(tmp_path):
         "reasons": ["no fakeaccel devices found (FAKEACCEL_VISIBLE_DEVICES is empty)"],
     }
     # The allow-list hides it.
-    report = plugins_json(tmp_path, RADIXSERVE_PLUGINS="torch")
+    report = plugins_json_with(tmp_path, RADIXSERVE_PLUGINS="torch")
     assert [p["name"] for p in report["plugins"] if p["name"] != "radixserve-models"] == ["torch"]
 
 

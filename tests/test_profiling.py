@@ -11,9 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers_server import ServerProcess
+from helpers_server import serving
 
-from radixserve import Engine
 from radixserve.bench.profile import busy_time, decode_profile
 from radixserve.runtime.profiler import PROFILE_DIR_ENV
 
@@ -98,12 +97,6 @@ def test_platforms_choose_what_is_recorded():
 # ---- the Engine ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_dir):
-    with Engine(model_path=str(tiny_llama_dir), max_total_tokens=4096, log_level="warning") as eng:
-        yield eng
-
-
 def test_engine_profile_records_named_steps(engine, tmp_path):
     planned = engine.start_profile(output_dir=str(tmp_path / "traces"), record_shapes=True)
     assert Path(planned).parent == tmp_path / "traces" and "rank0" in Path(planned).name
@@ -151,10 +144,7 @@ def test_engine_profile_errors(engine, tmp_path):
 
 def test_server_profile_endpoints(tiny_llama_dir, tmp_path):
     env = {PROFILE_DIR_ENV: str(tmp_path / "default")}
-    with ServerProcess(
-        "--model", str(tiny_llama_dir), "--max-total-tokens", "4096", "--log-level", "warning", env=env
-    ) as srv:
-        srv.wait_ready()
+    with serving(tiny_llama_dir, "--max-total-tokens", "4096", env=env) as srv:
         with httpx.Client(base_url=srv.url, timeout=60) as http:
             r = http.post("/stop_profile")
             assert r.status_code == 400 and "no profile is running" in r.json()["error"]["message"]

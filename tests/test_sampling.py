@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 from dataclasses import dataclass, field
 
 import pytest
@@ -228,6 +229,114 @@ def test_top_k_top_p_min_p_restrict_the_support(params, allowed):
     n = 3000
     out = sample(logits.expand(n, V), batch_of([params] * n), generator=torch.Generator().manual_seed(0))
     assert set(out.next_token_ids.tolist()) == allowed
+
+
+# ---- how often: empirical frequencies against the distribution -------------------------
+# The distribution each setting must draw from, computed here from the definitions
+# vLLM and HF's logits warpers use (and SGLang, for each filter alone): p =
+# softmax(logits / T); top_k keeps the k likeliest tokens; top_p then keeps the
+# smallest set of likeliest tokens whose probability, renormalized over what
+# top_k kept, reaches top_p (a token stays while the tokens better than it hold
+# less than top_p); min_p drops tokens below min_p times the likeliest one's
+# probability; what is kept is renormalized. The logits leave no boundary within
+# 0.02 of a threshold, so float rounding cannot move a token in or out.
+
+FREQ_LOGITS = [2.0, 1.6, 1.1, 0.7, 0.2, -0.4, -1.0, -2.5]
+DRAWS = 40_000
+# z for a one-sided 1e-6 tail: a right distribution fails about once in a million
+# seeds, and the seed is fixed, so the test is deterministic and not flaky.
+Z_1E6 = 4.753
+
+
+def expected_distribution(
+    logits: list[float], temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+) -> list[float]:
+    scaled = [x / temperature for x in logits]
+    weights = [math.exp(x - max(scaled)) for x in scaled]
+    order = sorted(range(len(logits)), key=lambda i: -weights[i])
+    kept = order[:top_k] if top_k > 0 else order
+    if top_p < 1.0:
+        total, better, nucleus = sum(weights[i] for i in kept), 0.0, []
+        for i in kept:
+            if better >= top_p:
+                break
+            nucleus.append(i)
+            better += weights[i] / total
+        kept = nucleus
+    kept = [i for i in kept if weights[i] >= min_p * weights[order[0]]]
+    total = sum(weights[i] for i in kept)
+    return [weights[i] / total if i in kept else 0.0 for i in range(len(logits))]
+
+
+def chi_square(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs) if p > 0)
+
+
+def chi_square_bound(df: int) -> float:
+    """The chi-square value a right distribution exceeds with probability about 1e-6
+    (Wilson-Hilferty; above the exact value for every df, so never too strict)."""
+    h = 2 / (9 * df)
+    return df * (1 - h + Z_1E6 * math.sqrt(h)) ** 3
+
+
+def assert_drawn_from(counts: list[int], probs: list[float]) -> None:
+    never = [t for t, (c, p) in enumerate(zip(counts, probs)) if p == 0 and c]
+    assert not never, f"tokens {never} are outside the kept set but were drawn: {counts}"
+    df = sum(p > 0 for p in probs) - 1
+    if df:
+        stat = chi_square(counts, probs)
+        assert stat < chi_square_bound(df), f"chi-square {stat:.1f} >= {chi_square_bound(df):.1f}: {counts} vs {probs}"
+
+
+def draw_counts(params: SamplingParams, draws: int = DRAWS, seed: int = 1234) -> list[int]:
+    """``draws`` tokens from FREQ_LOGITS, one per row of one batch, from one seeded generator."""
+    logits = torch.tensor(FREQ_LOGITS).expand(draws, len(FREQ_LOGITS))
+    batch = SamplingBatch([params] * draws, [0] * draws, [None] * draws)
+    out = sample(logits, batch, generator=torch.Generator().manual_seed(seed))
+    return torch.bincount(out.next_token_ids, minlength=len(FREQ_LOGITS)).tolist()
+
+
+FREQUENCY_CASES = {
+    "temperature 1": dict(temperature=1.0),
+    "temperature 0.7": dict(temperature=0.7),
+    "temperature 1.5": dict(temperature=1.5),
+    "top_k 3": dict(top_k=3),
+    "top_p 0.7": dict(top_p=0.7),  # kept: mass before them 0, 0.375, 0.626; the next has 0.779 before it
+    "top_p 0.92 at temperature 1.5": dict(temperature=1.5, top_p=0.92),  # six kept: 0.887 < 0.92 <= 0.946
+    "min_p 0.25": dict(min_p=0.25),  # kept down to 0.102 >= 0.094; 0.062 is dropped
+    # Renormalized over the top 4 (0.426, 0.285, 0.173, 0.116) the fourth has 0.884 >= 0.8 before it
+    # (SGLang's unrenormalized sum, 0.779, would keep it).
+    "top_k 4 then top_p 0.8": dict(top_k=4, top_p=0.8),
+    "temperature 0.7, top_k 5, min_p 0.1": dict(temperature=0.7, top_k=5, min_p=0.1),  # 0.074 kept, 0.036 not
+}
+
+
+@pytest.mark.parametrize("case", list(FREQUENCY_CASES))
+def test_frequencies_follow_the_distribution(case):
+    settings = FREQUENCY_CASES[case]
+    assert_drawn_from(draw_counts(SamplingParams(**settings)), expected_distribution(FREQ_LOGITS, **settings))
+
+
+def test_seeded_requests_draw_from_the_same_distribution():
+    """A request's own seed (a generator per output position) samples the same distribution."""
+    draws = 5000
+    params = [SamplingParams(temperature=0.7, top_p=0.95, seed=seed) for seed in range(draws)]
+    logits = torch.tensor(FREQ_LOGITS).expand(draws, len(FREQ_LOGITS))
+    out = sample(logits, SamplingBatch(params, list(range(draws)), [None] * draws))
+    counts = torch.bincount(out.next_token_ids, minlength=len(FREQ_LOGITS)).tolist()
+    assert_drawn_from(counts, expected_distribution(FREQ_LOGITS, temperature=0.7, top_p=0.95))
+
+
+def test_the_frequency_check_rejects_a_slightly_wrong_distribution():
+    """The bound is tight enough to matter: the same draws fail against a
+    temperature off by 5%, and against a top_p set one token too large."""
+    counts = draw_counts(SamplingParams(temperature=0.7))
+    with pytest.raises(AssertionError, match="chi-square"):
+        assert_drawn_from(counts, expected_distribution(FREQ_LOGITS, temperature=0.735))
+    counts = draw_counts(SamplingParams(top_p=0.7))
+    with pytest.raises(AssertionError, match="chi-square"):
+        assert_drawn_from(counts, expected_distribution(FREQ_LOGITS, top_p=0.8))
 
 
 # ---- logprobs ------------------------------------------------------------------------

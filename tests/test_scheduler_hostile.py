@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from generation_utils import FailingDecode, generate, make_scheduler, mixed_prompts, run
+from helpers_pool import SchedulerPool, assert_whole_pool_back
 
 from radixserve.messages import GenerateRequest
 from radixserve.sampling.params import SamplingParams
@@ -102,8 +103,7 @@ def test_hostile_messages_are_refused_alone(tiny_llama_dir, prompts, alone):
         assert finish.message, name
         assert results[name].output_ids == [], name
     assert [results[r].output_ids for r in good] == alone
-    stats = scheduler.stats()
-    assert stats.num_running_reqs == 0 and stats.num_queue_reqs == 0 and stats.private_tokens == 0
+    assert_whole_pool_back(SchedulerPool(scheduler))
 
 
 def test_a_failing_stop_check_ends_only_its_request(tiny_llama_dir, prompts, alone):
@@ -124,6 +124,7 @@ def test_a_failing_stop_check_ends_only_its_request(tiny_llama_dir, prompts, alo
     finish = results["victim"].finish_reason
     assert finish.type == "abort" and finish.status_code == 500 and "tokenizer failure" in finish.message
     assert [results[r].output_ids for r in good] == alone
+    assert_whole_pool_back(SchedulerPool(scheduler))
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
@@ -151,6 +152,7 @@ def test_a_failed_step_ends_its_batch_and_the_scheduler_goes_on(tiny_llama_dir, 
     # Nothing half-written was cached: the same prompts now give the tokens they give alone.
     again = [r.output_ids for r in generate(scheduler, prompts, max_new_tokens=GOOD_TOKENS, ignore_eos=True)]
     assert again == alone
+    assert_whole_pool_back(SchedulerPool(scheduler))
 
 
 def test_a_failure_while_planning_unpins_and_the_scheduler_goes_on(tiny_llama_dir, prompts, alone):

@@ -9,10 +9,9 @@ import json
 import httpx
 import openai
 import pytest
-from helpers_server import ServerProcess, wait_until
+from helpers_pool import ServerPool, assert_whole_pool_back, idle
+from helpers_server import serving, wait_until
 from prometheus_client.parser import text_string_to_metric_families
-
-from radixserve import Engine
 
 API_KEY = "test-key"
 MAX_PAYLOAD = 65536
@@ -21,21 +20,9 @@ GREEDY = {"temperature": 0.0}
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    with ServerProcess(
-        "--model",
-        str(tiny_llama_dir),
-        "--served-model-name",
-        "tiny",
-        "--api-key",
-        API_KEY,
-        "--max-payload-size",
-        str(MAX_PAYLOAD),
-        "--max-total-tokens",
-        "16384",
-        "--log-level",
-        "warning",
+    with serving(
+        tiny_llama_dir, "--api-key", API_KEY, "--max-payload-size", str(MAX_PAYLOAD), "--max-total-tokens", "16384"
     ) as srv:
-        srv.wait_ready()
         yield srv
 
 
@@ -45,28 +32,13 @@ def client(server):
         yield c
 
 
-@pytest.fixture(scope="module")
-def http(server):
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    with httpx.Client(base_url=server.url, headers=headers, timeout=120) as c:
-        yield c
-
-
 def chat(client, content="Tell me a story", **kw):
     kw.setdefault("max_tokens", 12)
     return client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], **kw)
 
 
-def server_stats(http) -> dict:
-    info = http.get("/get_server_info").json()
-    return {**info["stats"], "num_in_flight": info["num_in_flight"]}
-
-
-def idle_and_consistent(http) -> bool:
-    s = server_stats(http)
-    return (
-        s["num_running_reqs"] == 0 and s["num_queue_reqs"] == 0 and s["num_in_flight"] == 0 and s["memory_invariant_ok"]
-    )
+def pool(server) -> ServerPool:
+    return ServerPool(server.url, server.auth_headers)
 
 
 # ---- models, chat, completions ------------------------------------------------------------
@@ -461,21 +433,17 @@ def test_streamed_multibyte_text_matches_non_streamed(client, http):
     assert multibyte_outputs >= 3, "the biased model should have produced multi-byte characters"
 
 
-def test_greedy_results_equal_the_offline_engine(http, tiny_llama_dir):
+def test_greedy_results_equal_the_offline_engine(http, engine):
     prompts = ["The radix tree", "hello world", "a much longer prompt about batching and latency"]
     params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
     served = http.post("/generate", json={"text": prompts, "sampling_params": params}).json()
-    with Engine(model_path=str(tiny_llama_dir), max_total_tokens=4096, log_level="warning") as engine:
-        offline = engine.generate(prompts, params)
+    offline = engine.generate(prompts, params)
     assert [s["output_ids"] for s in served] == [o["output_ids"] for o in offline]
     assert [s["text"] for s in served] == [o["text"] for o in offline]
 
 
 # ---- concurrency, disconnects, aborts ----------------------------------------------------------------
-def test_64_concurrent_streams(server, http, tiny_llama_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+def test_64_concurrent_streams(server, tiny_tokenizer):
 
     def messages(i: int) -> list[dict]:
         return [{"role": "user", "content": f"request number {i}"}]
@@ -507,27 +475,28 @@ def test_64_concurrent_streams(server, http, tiny_llama_dir):
     assert len(results) == 64
     for i, (text, usage, finishes) in enumerate(results):
         assert finishes == 1 and usage.completion_tokens == 16
-        prompt = tokenizer.apply_chat_template(messages(i), add_generation_prompt=True, tokenize=False)
-        assert usage.prompt_tokens == len(tokenizer.encode(prompt, add_special_tokens=False))
+        prompt = tiny_tokenizer.apply_chat_template(messages(i), add_generation_prompt=True, tokenize=False)
+        assert usage.prompt_tokens == len(tiny_tokenizer.encode(prompt, add_special_tokens=False))
         assert usage.total_tokens == usage.prompt_tokens + 16
-    assert wait_until(lambda: idle_and_consistent(http), timeout=10)
+    assert wait_until(lambda: idle(pool(server).stats()), timeout=10), pool(server).stats()
 
 
 def test_client_disconnect_aborts_the_request(server, http):
-    before = server_stats(http)["generation_tokens_total"]
+    before = pool(server).stats()["generation_tokens_total"]
     body = {"model": "tiny", "prompt": "keep going", "max_tokens": 1000, "stream": True, "ignore_eos": True}
     with http.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()
         got = [next(lines) for _ in range(6)]
         assert any(line.startswith("data: {") for line in got)
-    # The client closed the connection: the request must stop and free its KV.
-    assert wait_until(lambda: idle_and_consistent(http), timeout=10), server_stats(http)
-    generated = server_stats(http)["generation_tokens_total"] - before
+    # The client closed the connection: the request must stop and give back all its KV.
+    assert wait_until(lambda: idle(pool(server).stats()), timeout=10), pool(server).stats()
+    generated = pool(server).stats()["generation_tokens_total"] - before
     assert generated < 1000, "the request ran to completion instead of being aborted"
     assert http.get("/health").status_code == 200
+    assert_whole_pool_back(pool(server))
 
 
-def test_abort_request_endpoint(http):
+def test_abort_request_endpoint(server, http):
     body = {
         "text": "abort me",
         "rid": "to-abort",
@@ -544,53 +513,4 @@ def test_abort_request_endpoint(http):
                     aborted = True
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
     assert last["meta_info"]["completion_tokens"] < 1000
-
-
-def test_full_queue_is_503_and_the_server_keeps_serving(tiny_llama_dir):
-    """One running slot and room for one waiting request: with one request
-    running and one waiting, a third is refused with 503 (streamed or not);
-    once the first two are gone, requests are served again."""
-
-    async def scenario(url: str) -> None:
-        long = {"model": str(tiny_llama_dir), "prompt": "x", "max_tokens": 900, "ignore_eos": True}
-        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-
-            async def stats() -> dict:
-                return (await c.get("/get_server_info")).json()["stats"]
-
-            async def until(predicate) -> None:
-                for _ in range(300):
-                    if predicate(await stats()):
-                        return
-                    await asyncio.sleep(0.1)
-                raise AssertionError(f"timed out; stats {await stats()}")
-
-            running = asyncio.create_task(c.post("/v1/completions", json=long))
-            await until(lambda s: s["num_running_reqs"] == 1)
-            waiting = asyncio.create_task(c.post("/v1/completions", json=long))
-            await until(lambda s: s["num_queue_reqs"] == 1)
-            for stream in (False, True):
-                refused = await c.post("/v1/completions", json={**long, "max_tokens": 4, "stream": stream})
-                assert refused.status_code == 503, refused.text
-                assert refused.json()["error"]["code"] == "queue_full"
-            # The first two clients go away: their requests are aborted.
-            running.cancel()
-            waiting.cancel()
-            await until(lambda s: s["num_running_reqs"] == 0 and s["num_queue_reqs"] == 0)
-            served = await c.post("/v1/completions", json={**long, "max_tokens": 4, "n": 2})
-            assert served.status_code == 200 and len(served.json()["choices"]) == 2
-            assert (await stats())["memory_invariant_ok"]
-
-    with ServerProcess(
-        "--model",
-        str(tiny_llama_dir),
-        "--max-running-requests",
-        "1",
-        "--max-queued-requests",
-        "1",
-        "--max-total-tokens",
-        "4096",
-        "--log-level",
-        "warning",
-    ) as srv:
-        asyncio.run(scenario(srv.wait_ready()))
+    assert_whole_pool_back(pool(server))

@@ -39,11 +39,6 @@ from radixserve.server.protocol import (
 from radixserve.server.tokenizer_manager import PreparedInput
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_llama_dir):
-    return AutoTokenizer.from_pretrained(str(tiny_llama_dir))
-
-
 @pytest.mark.parametrize(
     "message,renames,param,text",
     [
@@ -86,10 +81,10 @@ def test_requests_parse_openai_shapes():
     assert chat.sampling_params(3)["stop"] == "END" and chat.include_usage and not chat.continuous_usage
 
 
-def test_token_bytes_rebuild_multibyte_text(tokenizer):
-    texts = TokenTexts(tokenizer)
+def test_token_bytes_rebuild_multibyte_text(tiny_tokenizer):
+    texts = TokenTexts(tiny_tokenizer)
     text = "你好 🚀 bytes"
-    ids = tokenizer.encode(text)
+    ids = tiny_tokenizer.encode(text)
     assert b"".join(texts.bytes(i) for i in ids).decode() == text
     assert any(texts.text(i) == "\ufffd" for i in ids)  # pieces of characters read as replacement chars
     pairs = [(None, ids[0])] + [(-1.0, i) for i in ids[1:]]
@@ -98,7 +93,7 @@ def test_token_bytes_rebuild_multibyte_text(tokenizer):
     assert logprobs.text_offset[0] == 0 and end == sum(len(t) for t in logprobs.tokens)
 
 
-def test_chat_template_from_tokenizer_and_override(tokenizer, tmp_path):
+def test_chat_template_from_tokenizer_and_override(tiny_tokenizer, tmp_path):
     req = ChatCompletionRequest.model_validate(
         {
             "messages": [
@@ -107,20 +102,20 @@ def test_chat_template_from_tokenizer_and_override(tokenizer, tmp_path):
             ]
         }
     )
-    own = ChatTemplate(tokenizer).render(req)
+    own = ChatTemplate(tiny_tokenizer).render(req)
     assert own.startswith("<|im_start|>system\nbe brief") and "a\nb" in own
     assert own.endswith("<|im_start|>assistant\n")
     override = tmp_path / "template.jinja"
     override.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}>>")
-    custom = ChatTemplate(tokenizer, str(override))
+    custom = ChatTemplate(tiny_tokenizer, str(override))
     assert custom.render(req) == "[system] be brief\n[user] a\nb\n>>"
-    assert custom.encode(req) == tokenizer.encode("[system] be brief\n[user] a\nb\n>>", add_special_tokens=False)
+    assert custom.encode(req) == tiny_tokenizer.encode("[system] be brief\n[user] a\nb\n>>", add_special_tokens=False)
 
 
-def test_a_model_without_chat_template_gets_a_400(tokenizer):
-    no_template = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None, encode=tokenizer.encode))
+def test_a_model_without_chat_template_gets_a_400(tiny_tokenizer):
+    no_template = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None, encode=tiny_tokenizer.encode))
     serving = OpenAIServing(
-        SimpleNamespace(tokenizer=tokenizer, context_length=1024), "m", ChatTemplate(no_template.tokenizer)
+        SimpleNamespace(tokenizer=tiny_tokenizer, context_length=1024), "m", ChatTemplate(no_template.tokenizer)
     )
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
     with pytest.raises(APIError) as info:
@@ -296,9 +291,9 @@ def test_echo_returns_the_prompt_as_given(bos_tokenizer):
     _assert_offsets_match(choice.text, choice.logprobs)
 
 
-def test_priority_reaches_the_runtime(tokenizer):
-    tm = FakeTokenizerManager(tokenizer)
-    serving = OpenAIServing(tm, "m", ChatTemplate(tokenizer))
+def test_priority_reaches_the_runtime(tiny_tokenizer):
+    tm = FakeTokenizerManager(tiny_tokenizer)
+    serving = OpenAIServing(tm, "m", ChatTemplate(tiny_tokenizer))
     chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "priority": 3})
     _answer(serving.chat(chat, ConnectedClient()))
     completion = CompletionRequest.model_validate({"prompt": ["a", "b"], "extra_body": {"priority": -2}})
@@ -317,9 +312,9 @@ def test_priority_reaches_the_runtime(tokenizer):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_generate_rejects_an_empty_batch(tokenizer, stream):
+def test_generate_rejects_an_empty_batch(tiny_tokenizer, stream):
     # (Empty input_ids prompts, [] or [[]], are the TokenizerManager's 400: see test_server_api.)
-    tm = FakeTokenizerManager(tokenizer)
+    tm = FakeTokenizerManager(tiny_tokenizer)
     with pytest.raises(APIError) as info:
         _answer(native_serving.generate(tm, GenerateRequestBody(text=[], stream=stream), ConnectedClient()))
     assert info.value.status == 400 and info.value.param == "text" and "empty" in info.value.message

@@ -1,7 +1,6 @@
 """Stress: 500 streaming requests, 32 at a time, 10% of the clients leaving
-after a few chunks, against a real server on the tiny Llama. Afterwards
-nothing runs or waits, no KV is held, the pool invariant holds, and the
-metrics add up with the scheduler's own counters."""
+after a few chunks, against a real server on the tiny Llama. Afterwards the
+metrics add up with the scheduler's own counters, and the whole KV pool is back."""
 
 from __future__ import annotations
 
@@ -11,7 +10,8 @@ import time
 
 import httpx
 import pytest
-from helpers_server import ServerProcess, wait_until
+from helpers_pool import ServerPool, assert_whole_pool_back, idle, stats
+from helpers_server import wait_until
 from prometheus_client.parser import text_string_to_metric_families
 
 REQUESTS, CONCURRENCY, MAX_TOKENS = 500, 32, 12
@@ -26,11 +26,6 @@ def metrics(url: str) -> dict[tuple[str, str], float]:
         for f in text_string_to_metric_families(text)
         for s in f.samples
     }
-
-
-def stats(url: str) -> dict:
-    info = httpx.get(url + "/get_server_info", timeout=30).json()
-    return {**info["stats"], "num_in_flight": info["num_in_flight"]}
 
 
 async def one(client: httpx.AsyncClient, i: int) -> tuple[str, int]:
@@ -72,56 +67,37 @@ async def run_all(url: str) -> list[tuple[str, int]]:
 
 
 @pytest.mark.slow
-def test_500_streams_with_disconnects(tiny_llama_dir):
-    with ServerProcess(
-        "--model",
-        str(tiny_llama_dir),
-        "--served-model-name",
-        "tiny",
-        "--max-total-tokens",
-        "8192",
-        "--log-level",
-        "warning",
-    ) as srv:
-        url = srv.wait_ready()
-        m0, s0 = metrics(url), stats(url)
-        started = time.perf_counter()
-        results = asyncio.run(run_all(url))
-        elapsed = time.perf_counter() - started
+def test_500_streams_with_disconnects(tiny_server):
+    url = tiny_server.url
+    m0, s0 = metrics(url), stats(url)
+    started = time.perf_counter()
+    results = asyncio.run(run_all(url))
+    elapsed = time.perf_counter() - started
 
-        left = sum(r == "left" for r, _ in results)
-        assert left == REQUESTS // DISCONNECT_EVERY
-        assert all(r == "length" for r, _ in results if r != "left")
+    left = sum(r == "left" for r, _ in results)
+    assert left == REQUESTS // DISCONNECT_EVERY
+    assert all(r == "length" for r, _ in results if r != "left")
 
-        def settled() -> bool:
-            s = stats(url)
-            return (s["num_running_reqs"], s["num_queue_reqs"], s["private_tokens"], s["num_in_flight"]) == (
-                0,
-                0,
-                0,
-                0,
-            ) and s["memory_invariant_ok"]
+    assert wait_until(lambda: idle(stats(url)), timeout=20), stats(url)
+    m1, s1 = metrics(url), stats(url)
 
-        assert wait_until(settled, timeout=20), stats(url)
-        m1, s1 = metrics(url), stats(url)
+    def delta(name: str, labels: str = "") -> float:
+        return m1.get((name, labels), 0) - m0.get((name, labels), 0)
 
-        def delta(name: str, labels: str = "") -> float:
-            return m1.get((name, labels), 0) - m0.get((name, labels), 0)
-
-        finished = {r: delta("radixserve:num_requests_total", r) for r in ("stop", "length", "abort")}
-        assert sum(finished.values()) == REQUESTS, finished
-        assert finished["abort"] <= left and finished["length"] >= REQUESTS - left, finished
-        # The server's token counters count exactly what the scheduler did, aborted requests included.
-        for counter in ("generation", "prompt", "cached"):
-            assert (
-                delta(f"radixserve:{counter}_tokens_total")
-                == s1[f"{counter}_tokens_total"] - s0[f"{counter}_tokens_total"]
-            ), counter
-        assert delta("radixserve:generation_tokens_total") >= (REQUESTS - left) * MAX_TOKENS
-        assert delta("radixserve:queue_time_seconds_count") == REQUESTS
-        # A client that left before its response was complete is a 499 in the access log.
-        assert 0 < delta("radixserve:num_request_errors_total", "499") <= left
-        print(
-            f"\nstress: {REQUESTS} streams at concurrency {CONCURRENCY}, {left} clients left early, "
-            f"{elapsed:.1f} s, {finished}, {delta('radixserve:generation_tokens_total'):.0f} tokens generated"
-        )
+    finished = {r: delta("radixserve:num_requests_total", r) for r in ("stop", "length", "abort")}
+    assert sum(finished.values()) == REQUESTS, finished
+    assert finished["abort"] <= left and finished["length"] >= REQUESTS - left, finished
+    # The server's token counters count exactly what the scheduler did, aborted requests included.
+    for counter in ("generation", "prompt", "cached"):
+        assert (
+            delta(f"radixserve:{counter}_tokens_total") == s1[f"{counter}_tokens_total"] - s0[f"{counter}_tokens_total"]
+        ), counter
+    assert delta("radixserve:generation_tokens_total") >= (REQUESTS - left) * MAX_TOKENS
+    assert delta("radixserve:queue_time_seconds_count") == REQUESTS
+    # A client that left before its response was complete is a 499 in the access log.
+    assert 0 < delta("radixserve:num_request_errors_total", "499") <= left
+    assert_whole_pool_back(ServerPool(url))
+    print(
+        f"\nstress: {REQUESTS} streams at concurrency {CONCURRENCY}, {left} clients left early, "
+        f"{elapsed:.1f} s, {finished}, {delta('radixserve:generation_tokens_total'):.0f} tokens generated"
+    )

@@ -14,6 +14,10 @@ on CPU in float32 on the same (dtype-rounded) inputs. The reference is the
 ``torch`` plugin's: ``torch_native`` attention, MoE and elementwise, ``torch`` GEMM, resolved
 by name through the registry like any backend.
 
+A backend may decline a case or a dtype (``unsupported_reasons``): the report
+lists it under ``skipped``, and ``num_run`` counts the (case, dtype) pairs that
+ran; ``raise_for_failures(min_run=N)`` also fails when fewer than N ran.
+
 A case passes when every element satisfies ``|out - ref| <= atol + rtol * |ref|``
 with the dtype's tolerance (``DEFAULT_TOLERANCES``, overridable). The report
 shows ``max_abs = max |out - ref|`` and ``max_rel = max_abs / max |ref|`` per case.

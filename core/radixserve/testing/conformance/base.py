@@ -90,6 +90,11 @@ class ConformanceReport:
     def ok(self) -> bool:
         return bool(self.results) and not self.failures and not self.problems
 
+    @property
+    def num_run(self) -> int:
+        """The (case, dtype) pairs the backend ran, passed or failed; those it declined are in ``skipped``."""
+        return len(self.results)
+
     def failing_cases(self) -> list[str]:
         return [f"{r.case} [{r.dtype}]" for r in self.failures]
 
@@ -125,15 +130,21 @@ class ConformanceReport:
             lines.append(f"  problem: {p}")
         return "\n".join(lines)
 
-    def raise_for_failures(self) -> "ConformanceReport":
-        """Raise ``AssertionError`` naming every failing case; return self when all pass."""
-        if self.ok:
+    def raise_for_failures(self, min_run: int = 0) -> "ConformanceReport":
+        """Raise ``AssertionError`` naming every failing case, or saying how few ran
+        when fewer than ``min_run`` (case, dtype) pairs did: a backend that declines
+        a case passes it trivially, so a caller that knows how many it must run
+        says so. Return self when all pass."""
+        too_few = self.num_run < min_run
+        if self.ok and not too_few:
             return self
         parts = [f"{self.kind} backend {self.backend!r} failed conformance on {self.device}:"]
         parts += [f"  - {r.describe()}" for r in self.failures]
         parts += [f"  - {p}" for p in self.problems]
         if not self.results and not self.problems:
             parts.append("  - no case ran")
+        elif too_few:
+            parts.append(f"  - {self.num_run} (case, dtype) pairs ran, {min_run} expected: the rest were declined")
         parts += ["", str(self)]
         raise AssertionError("\n".join(parts))
 
