@@ -100,16 +100,16 @@ class RuntimeProcesses:
             ready = wait_any([p.sentinel for p in self.processes])
             if self._stopping:
                 return
-            on_death(self.death_reason([p for p in self.processes if p.sentinel in ready]))
+            reason = self.death_reason([p for p in self.processes if p.sentinel in ready])
+            logger.error("runtime process died: %s", reason)
+            on_death(reason)
 
         threading.Thread(target=wait, daemon=True, name="process-watch").start()
 
     def death_reason(self, dead: list[mp.Process]) -> str:
         for p in dead:  # the sentinel fires a moment before the exit code can be read
             p.join(timeout=5)
-        reason = ", ".join(f"{p.name} exited with code {p.exitcode}" for p in dead)
-        logger.error("runtime process died: %s", reason)
-        return reason
+        return ", ".join(f"{p.name} exited with code {p.exitcode}" for p in dead)
 
     def shutdown(self) -> None:
         """Stop every process: on node 0 rank 0 first passes a ShutdownRequest to
@@ -118,8 +118,10 @@ class RuntimeProcesses:
         self._stopping = True
         if self.leads and self.ranks and self.ranks[0].is_alive():
             ctx = zmq.Context()
+            # Held until the ranks have left: a socket collected at once (LINGER 0) would drop the message.
+            sock = push_socket(ctx, self.endpoints.scheduler)
             try:
-                push_socket(ctx, self.endpoints.scheduler).send_pyobj(ShutdownRequest())
+                sock.send_pyobj(ShutdownRequest())
                 deadline = time.monotonic() + SHUTDOWN_GRACE_S
                 for p in self.ranks:
                     p.join(timeout=max(0.0, deadline - time.monotonic()))

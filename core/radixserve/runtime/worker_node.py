@@ -40,7 +40,7 @@ def serve_worker_node(args: ServerArgs) -> int:
     model_path = resolve_model_path(args)
     runtime, ready = spawn_runtime(args, model_path)
     wait_until_ready(runtime, ready)
-    ranks = ", ".join(p.name for p in runtime.ranks)
+    ranks = ", ".join(f"{p.name} (pid {p.pid})" for p in runtime.ranks)
     print(
         f"radixserve node {args.node_rank} ready: {ranks} of tp_size {args.tp_size}, node 0 at {args.dist_init_addr}",
         flush=True,
