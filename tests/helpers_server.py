@@ -16,15 +16,17 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 READY_TIMEOUT_S = 300  # generous: the CI box has 2 cores shared with other suites
 _ANNOUNCE = re.compile(r"radixserve (listening|ready) at (\S+)")
 
 
 class ServerProcess:
-    def __init__(self, *cli_args: str, env: Optional[dict[str, str]] = None):
-        cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--port", "0", *cli_args]
+    def __init__(self, *cli_args: str, env: Optional[dict[str, str]] = None, launcher: Sequence[str] = ()):
+        """``launcher``: what runs the ``radixserve.cli`` module (default ``python -m``;
+        e.g. torchrun's ``python -m torch.distributed.run ... -m``)."""
+        cmd = [*(launcher or (sys.executable, "-m")), "radixserve.cli", "serve", "--port", "0", *cli_args]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,

@@ -15,6 +15,7 @@ PUBLIC = (
     "radixserve.platform",
     "radixserve.forward_batch",
     "radixserve.cache.memory_pool",
+    "radixserve.communicator",
     "radixserve.testing",
 )
 PLUGIN_DIRS = ("plugins", "hardware", "examples")

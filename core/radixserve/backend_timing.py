@@ -477,6 +477,21 @@ class MeasuredSelection:
         }
 
 
+class AgreedSelection:
+    """Selects the backends another process already chose (tensor-parallel rank 0's
+    ``MeasuredSelection.choices``), so every rank runs the same kernels: each one
+    must be usable here too (``registry.forced``), else the rank fails to start."""
+
+    def __init__(self, registry: PluginRegistry, choices: dict[str, KindChoice]):
+        self.registry = registry
+        self.choices = dict(choices)
+
+    def select(self, kind: str, query: KernelQuery, requested: str = "auto") -> type:
+        if kind not in self.choices:
+            raise ValueError(f"rank 0 chose no {kind} backend, yet this rank needs one for {query.describe()}")
+        return self.registry.forced(kind, query, self.choices[kind].chosen)
+
+
 def report_cached(platform: Any, device_index: int = 0, cache: Optional[TimingCache] = None) -> list[dict[str, Any]]:
     """The cached choices measured on this machine (same fingerprint), newest first:
     ``{"kind", "query", "chosen", "measured_at", "figures"}`` for ``radixserve plugins``."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Optional
 
@@ -53,16 +54,21 @@ def _print_plugins(as_json: bool) -> int:
 
 
 def _serve(args: ServerArgs) -> int:
-    """Check what can be checked here, then serve; a start-up error is a line
-    and a hint on stderr (the traceback too with ``--log-level debug``)."""
+    """Check what can be checked here, then serve (node 0) or run this node's
+    ranks (``--node-rank`` > 0); a start-up error is a line and a hint on stderr
+    (the traceback too with ``--log-level debug``)."""
     from radixserve.launch import build_backends, check_startup
     from radixserve.logging_utils import configure_logging
+    from radixserve.runtime.worker_node import serve_worker_node
     from radixserve.server.http import run_server
     from radixserve.startup_error import StartupError
 
-    configure_logging(args.log_level, prefix="server")
+    configure_logging(args.log_level, prefix="server" if args.node_rank == 0 else f"node{args.node_rank}")
     try:
         query = check_startup(args)
+        if args.node_rank > 0:
+            build_backends(query)
+            return serve_worker_node(args)
         return run_server(args, before_listening=lambda: build_backends(query))
     except StartupError as exc:
         logging.getLogger("radixserve.cli").debug("start-up error", exc_info=True)
@@ -96,10 +102,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(str(exc))
         return run_bench(ns)
     if ns.command == "serve":
+        from radixserve.launcher_env import apply_launcher_env
+
         try:
-            args = ServerArgs.from_cli_args(ns)
+            args, placement = apply_launcher_env(ServerArgs.from_cli_args(ns), os.environ)
         except ValueError as exc:
             serve.error(str(exc))
+        if placement is not None:
+            print(f"radixserve: placed by the launcher's environment: {placement.describe()}", file=sys.stderr)
         return _serve(args)
     return 2
 

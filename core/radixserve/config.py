@@ -8,7 +8,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 SchedulePolicy = Literal["fcfs", "lpm", "priority"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -60,7 +60,27 @@ class ServerArgs:
         "machine and model shape; the result is cached) or priority (the highest-priority one, no timing)",
         default="measure",
     )
-    tp_size: int = _flag("tensor parallel size", default=1)
+    tp_size: int = _flag(
+        "tensor parallel size: that many scheduler processes (ranks), joined by torch.distributed with the "
+        "platform's backend, each holding 1/tp_size of every layer",
+        default=1,
+    )
+    nnodes: int = _flag(
+        "nodes the tp_size ranks are spread over (tp_size / nnodes each); node 0 serves HTTP", default=1
+    )
+    node_rank: int = _flag(
+        "this node's index among --nnodes (0 serves HTTP, the others run their ranks only)", default=0
+    )
+    dist_init_addr: Optional[str] = _flag(
+        "host:port where the ranks of all nodes meet (a TCP store that node 0 serves); required with --nnodes > 1; "
+        "read from MASTER_ADDR/MASTER_PORT under torchrun (docs/architecture.md, 'Tensor parallelism')",
+        default=None,
+    )
+    dist_timeout: float = _flag(
+        "seconds a rank waits in a collective or at the rendezvous before it fails (a hung or lost rank ends "
+        "the group instead of stalling it)",
+        default=600.0,
+    )
     base_gpu_id: int = _flag(
         "device index of the first rank: tensor-parallel rank i runs on device base_gpu_id + i, "
         "counted among the visible devices (after CUDA_VISIBLE_DEVICES and the like)",
@@ -164,10 +184,7 @@ class ServerArgs:
             bad("quantization", "is never chosen automatically: leave it unset for none, or name a method (e.g. int8)")
         if self.base_gpu_id < 0:
             bad("base_gpu_id", f"must be >= 0, got {self.base_gpu_id}")
-        if self.tp_size != 1:
-            # The layers shard weights by rank already; running TP ranks as
-            # processes (one scheduler per rank, torch.distributed) is not built yet.
-            bad("tp_size", f"only 1 is supported so far, got {self.tp_size}")
+        self._validate_parallel(bad)
         for name in ("max_n", "max_stop_strings", "max_stop_chars"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")
@@ -183,6 +200,37 @@ class ServerArgs:
             bad("shutdown_timeout", f"must be >= 0, got {self.shutdown_timeout}")
         if self.max_header_size < 1024:
             bad("max_header_size", f"must be >= 1024 bytes, got {self.max_header_size}")
+
+    def _validate_parallel(self, bad: Callable[[str, str], None]) -> None:
+        if self.tp_size < 1:
+            bad("tp_size", f"must be >= 1, got {self.tp_size}")
+        if self.nnodes < 1:
+            bad("nnodes", f"must be >= 1, got {self.nnodes}")
+        if self.tp_size % self.nnodes:
+            bad(
+                "nnodes",
+                f"must divide tp_size ({self.tp_size}) so that every node runs as many ranks, got {self.nnodes}",
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            bad("node_rank", f"must be in [0, nnodes) = [0, {self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            bad("dist_init_addr", "is required with --nnodes > 1: host:port of node 0, where every node's ranks meet")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                bad("dist_init_addr", f"must be host:port with a port in [1, 65535], got {self.dist_init_addr!r}")
+        if self.dist_timeout <= 0:
+            bad("dist_timeout", f"must be > 0 seconds, got {self.dist_timeout}")
+
+    @property
+    def dist_init_host_port(self) -> tuple[str, int]:
+        """``--dist-init-addr`` split into host and port (the brackets of an IPv6 host removed)."""
+        host, _, port = (self.dist_init_addr or "").rpartition(":")
+        return host.strip("[]"), int(port)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp_size // self.nnodes
 
     @property
     def chunk_size(self) -> Optional[int]:

@@ -27,7 +27,7 @@ def check_startup(args: ServerArgs) -> KernelQuery:
     model's architecture, dtype, weight files and each forced backend's support
     for it. Returns the query the backends were checked for (the device and
     dtype alone where the model's shapes are not known yet), for ``build_backends``."""
-    from radixserve.model_loader import load_config, model_query_for_args, safetensors_files
+    from radixserve.model_loader import check_tp_shapes, load_config, model_query_for_args, safetensors_files
     from radixserve.model_source import check_model_source, check_tokenizer_source, is_hub_id
     from radixserve.registry import PluginError, get_registry
 
@@ -61,6 +61,7 @@ def check_startup(args: ServerArgs) -> KernelQuery:
         if not architectures:
             raise ValueError(f"model_path: {args.model_path}/config.json names no architectures")
         registry.model_class(architectures[0])
+        check_tp_shapes(config, args.tp_size)
         safetensors_files(args.model_path)
         query = model_query_for_args(args, config, platform)
         for kind, name in forced.items():

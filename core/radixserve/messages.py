@@ -1,6 +1,7 @@
 """Typed messages between the processes (pickled over ZMQ).
 
     TokenizerManager --GenerateRequest/AbortRequest/ControlRequest--> Scheduler
+    RuntimeProcesses.shutdown --ShutdownRequest--> Scheduler (rank 0, then every rank)
     Scheduler --TokenBatch--> Detokenizer --TextBatch--> TokenizerManager
     Scheduler --ControlReply--> TokenizerManager
 
@@ -79,6 +80,12 @@ class ProfileOptions:
             isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int) or self.num_steps < 1
         ):
             raise ValueError(f"num_steps: must be a positive integer, got {self.num_steps!r}")
+
+
+@dataclass
+class ShutdownRequest:
+    """Stop the scheduler group: rank 0 passes it to every rank with the loop's
+    other messages, and each rank leaves its loop (exit code 0), on every node."""
 
 
 @dataclass

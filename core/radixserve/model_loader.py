@@ -26,6 +26,7 @@ from radixserve.kernels import KernelQuery
 from radixserve.layers.context import ModelContext
 from radixserve.layers.embedding import ParallelLMHead
 from radixserve.layers.linear import linear_layers
+from radixserve.layers.weights import CheckpointTensor
 from radixserve.platform import DtypeChoice
 
 if TYPE_CHECKING:
@@ -117,10 +118,35 @@ def model_kernel_query(
     )
 
 
-def model_query_for_args(args: Any, config: "PretrainedConfig", platform: Any) -> KernelQuery:
+def check_tp_shapes(config: "PretrainedConfig", tp_size: int) -> None:
+    """ValueError naming ``tp_size`` and the config field that ``tp_size`` ranks
+    cannot split: attention heads, the MLP's and the experts' intermediate sizes
+    must divide evenly; KV heads divide, or are replicated when fewer than the
+    ranks (then the ranks must be a multiple of them). The vocabulary is padded."""
+    fields = {
+        "num_attention_heads": config.num_attention_heads,
+        "intermediate_size": getattr(config, "intermediate_size", None),
+        "moe_intermediate_size": getattr(config, "moe_intermediate_size", None),
+    }
+    for name, value in fields.items():
+        if value and value % tp_size:
+            raise ValueError(f"tp_size: {tp_size} ranks cannot split {name} {value} (it must divide it)")
+    kv_heads = config.num_key_value_heads
+    if kv_heads % tp_size and tp_size % kv_heads:
+        raise ValueError(
+            f"tp_size: {tp_size} ranks cannot share num_key_value_heads {kv_heads} (one must divide the other: "
+            "fewer KV heads than ranks are replicated)"
+        )
+
+
+def model_query_for_args(
+    args: Any, config: "PretrainedConfig", platform: Any, dtype: Optional[torch.dtype] = None
+) -> KernelQuery:
     """The query for ``args`` (a ServerArgs: dtype, KV cache dtype, TP size, page
-    size, quantization) on ``platform``; what the start-up checks ask the registry."""
-    dtype = resolve_dtype(args.dtype, config, platform)
+    size, quantization) on ``platform``; what the start-up checks ask the registry.
+    ``dtype``: the compute dtype already chosen (by tensor-parallel rank 0), else
+    ``--dtype`` resolved here."""
+    dtype = dtype or resolve_dtype(args.dtype, config, platform)
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else DTYPE_NAMES[args.kv_cache_dtype]
     return model_kernel_query(
         config,
@@ -198,10 +224,11 @@ def safetensors_files(model_path: Union[str, Path]) -> list[Path]:
     return files
 
 
-def iterate_weights(model_path: Union[str, Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` for every tensor of the checkpoint, on the CPU, one
-    file open at a time, with a progress bar over the files on stderr when it is
-    a terminal."""
+def iterate_weights(model_path: Union[str, Path]) -> Iterator[tuple[str, CheckpointTensor]]:
+    """``(name, tensor)`` for every tensor of the checkpoint, not read yet (a
+    ``CheckpointTensor``: the weight loaders read only the rows or columns their
+    rank holds), one file open at a time, with a progress bar over the files on
+    stderr when it is a terminal."""
     from safetensors import safe_open
     from tqdm import tqdm
 
@@ -213,7 +240,8 @@ def iterate_weights(model_path: Union[str, Path]) -> Iterator[tuple[str, torch.T
     for path in tqdm(files, desc="Loading weights", unit="file", file=sys.stderr, disable=not sys.stderr.isatty()):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                source = f.get_slice(name)
+                yield name, CheckpointTensor(source, tuple(source.get_shape()))
 
 
 def load_model(

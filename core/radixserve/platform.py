@@ -10,6 +10,8 @@ from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional, 
 import torch
 from torch.profiler import ProfilerActivity
 
+from radixserve.communicator import Communicator
+
 
 @dataclass(frozen=True)
 class DtypeChoice:
@@ -30,6 +32,7 @@ class Platform:
     name: ClassVar[str]
     priority: ClassVar[int] = 0
     torch_device_type: ClassVar[str] = "cpu"
+    # The torch.distributed backend of the tensor-parallel ranks' device collectives.
     dist_backend: ClassVar[str] = "gloo"
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
     default_dtype: ClassVar[torch.dtype] = torch.bfloat16
@@ -99,6 +102,12 @@ class Platform:
         """How this device records and replays a forward (CUDA graphs, HIP graphs
         through the same torch API, ...); None: it cannot, and every step runs eagerly."""
         return None
+
+    def communicator(self, group: "torch.distributed.ProcessGroup", size: int) -> Communicator:
+        """The collectives of one tensor-parallel rank over ``group`` (made with
+        ``dist_backend``, ``size`` ranks): torch.distributed's by default; a platform
+        with faster ones of its own returns a ``Communicator`` subclass."""
+        return Communicator(group, size)
 
     def profiler_activities(self) -> list[ProfilerActivity]:
         """What ``start_profile`` records with torch.profiler: host ops by default; a

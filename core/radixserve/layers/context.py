@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Optional, Protocol
 
 import torch
 
+from radixserve.communicator import Communicator
 from radixserve.kernels import (
     AttentionBackend,
     ElementwiseBackend,
@@ -34,8 +35,9 @@ class ModelContext:
     device: torch.device
     tp_rank: int = 0
     tp_size: int = 1
-    # torch.distributed process group of the TP ranks; None means the default group.
-    tp_group: Any = None
+    # The collectives across the TP ranks (the platform's); None when tp_size is 1,
+    # or while a model is only built and loaded (no forward).
+    comm: Optional[Communicator] = None
 
     @classmethod
     def create(
@@ -51,7 +53,7 @@ class ModelContext:
         quantization: Optional[str] = None,
         tp_rank: int = 0,
         tp_size: int = 1,
-        tp_group: Any = None,
+        comm: Optional[Communicator] = None,
     ) -> "ModelContext":
         """Select and instantiate every backend for ``query`` through ``selector``
         (a :class:`radixserve.registry.PluginRegistry`, which selects by priority,
@@ -70,5 +72,11 @@ class ModelContext:
             device=device,
             tp_rank=tp_rank,
             tp_size=tp_size,
-            tp_group=tp_group,
+            comm=comm,
         )
+
+    def communicator(self) -> Communicator:
+        """``comm``, which a forward at tp_size > 1 needs."""
+        if self.comm is None:
+            raise RuntimeError(f"tp_size is {self.tp_size} but the ModelContext has no communicator")
+        return self.comm

@@ -7,21 +7,78 @@ Every parameter a model expects from a checkpoint may carry two attributes:
   parameters without one use :func:`default_weight_loader`.
 - ``shard_ids``: the shard ids that together fill it (default ``(None,)``,
   i.e. one whole tensor). The model loader uses it to report missing parts.
+
+The model loader hands the loaders :class:`CheckpointTensor` s, read only where
+a loader copies them, so each tensor-parallel rank reads its own shards alone.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
 
 
-def copy_into(dst: torch.Tensor, src: torch.Tensor, what: str = "weight") -> None:
+class CheckpointTensor:
+    """A checkpoint tensor not read yet (a safetensors slice): ``narrow`` and
+    indexing with integers and unit-step slices select a region without reading,
+    and ``load()`` reads that region alone, so a tensor-parallel rank reads only
+    its own shard of each weight. Weight loaders treat it as a tensor with those
+    operations; ``copy_into`` loads it."""
+
+    def __init__(
+        self, source: Any, full_shape: tuple[int, ...], region: Optional[tuple[Union[int, slice], ...]] = None
+    ):
+        self.source = source  # anything indexable like safetensors' PySafeSlice: source[region] -> tensor
+        self.full_shape = tuple(full_shape)
+        self.region = region if region is not None else tuple(slice(0, n) for n in self.full_shape)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(s.stop - s.start for s in self.region if isinstance(s, slice))
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> "CheckpointTensor":
+        size = self.shape[dim]
+        if not (0 <= start and length >= 0 and start + length <= size):
+            raise ValueError(f"narrow({dim}, {start}, {length}) is outside a dimension of size {size}")
+        return self[(slice(None),) * (dim % self.dim()) + (slice(start, start + length),)]
+
+    def __getitem__(self, index: Any) -> "CheckpointTensor":
+        index = index if isinstance(index, tuple) else (index,)
+        open_dims = [i for i, s in enumerate(self.region) if isinstance(s, slice)]
+        if len(index) > len(open_dims):
+            raise IndexError(f"too many indices ({len(index)}) for a tensor of {len(open_dims)} dimensions")
+        region = list(self.region)
+        for dim, item in zip(open_dims, index):
+            current = region[dim]
+            size = current.stop - current.start
+            if isinstance(item, int):
+                if not -size <= item < size:
+                    raise IndexError(f"index {item} is out of range for a dimension of size {size}")
+                region[dim] = current.start + item % size
+            elif isinstance(item, slice):
+                start, stop, step = item.indices(size)
+                if step != 1:
+                    raise IndexError("checkpoint tensors take unit-step slices only")
+                region[dim] = slice(current.start + start, current.start + max(start, stop))
+            else:
+                raise IndexError(f"checkpoint tensors take integers and slices, got {type(item).__name__}")
+        return CheckpointTensor(self.source, self.full_shape, tuple(region))
+
+    def load(self) -> torch.Tensor:
+        """Read the selected region (only it) from the checkpoint."""
+        return self.source[self.region]
+
+
+def copy_into(dst: torch.Tensor, src: Union[torch.Tensor, CheckpointTensor], what: str = "weight") -> None:
     """``dst.copy_(src)`` (casting dtype and device) after a loud shape check."""
     if dst.shape != src.shape:
         raise ValueError(f"{what}: checkpoint tensor has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-    dst.copy_(src)
+    dst.copy_(src.load() if isinstance(src, CheckpointTensor) else src)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:

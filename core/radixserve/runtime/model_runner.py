@@ -8,13 +8,21 @@ from typing import Any, Optional
 
 import torch
 
-from radixserve.backend_timing import MeasuredSelection, ModelShapes
+from radixserve.backend_timing import AgreedSelection, MeasuredSelection, ModelShapes
 from radixserve.cache.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
 from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardBatch
-from radixserve.layers.context import ModelContext
-from radixserve.model_loader import choose_dtype, load_config, load_model, model_query_for_args, model_timing_shapes
+from radixserve.layers.context import BackendSelector, ModelContext
+from radixserve.model_loader import (
+    check_tp_shapes,
+    choose_dtype,
+    load_config,
+    load_model,
+    model_query_for_args,
+    model_timing_shapes,
+)
 from radixserve.registry import PluginRegistry
+from radixserve.runtime.distributed import RankSpec, join_group
 from radixserve.runtime.graph_runner import GraphRunner
 from radixserve.transfer import HostTransfer
 
@@ -35,39 +43,32 @@ def kv_pool_tokens(
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, model_path: str, registry: PluginRegistry, tp_rank: int = 0):
+    """One tensor-parallel rank's model and KV memory. With ``rank`` (tp_size > 1)
+    it joins its group first, and the ranks agree on every start-up decision:
+    rank 0 chooses the dtype and the backends and the others take its choices;
+    the KV pool is the smallest any rank can hold."""
+
+    def __init__(self, args: ServerArgs, model_path: str, registry: PluginRegistry, rank: Optional[RankSpec] = None):
         self.args = args
+        self.registry = registry
         self.platform = registry.resolve_platform(args.device)()
-        self.gpu_id = args.base_gpu_id + tp_rank  # the platform's device index of this rank
+        self.group = join_group(rank, self.platform)
+        if self.group.size != args.tp_size:
+            raise ValueError(f"tp_size: {args.tp_size}, but this rank joined a group of {self.group.size}")
+        self.gpu_id = args.base_gpu_id + self.group.local_rank  # the platform's device index of this rank
         self.device = self.platform.device(self.gpu_id)
         self.platform.bind_device(self.device)
         self.transfer = HostTransfer(self.device, self.platform.pinned_host_staging)
         hf_config = load_config(model_path)
+        check_tp_shapes(hf_config, args.tp_size)
         self.num_layers = hf_config.num_hidden_layers
         self.vocab_size = hf_config.vocab_size
-        self.query = model_query_for_args(args, hf_config, self.platform)
+        dtype_choice = self.group.broadcast(choose_dtype(args.dtype, hf_config, self.platform))
+        self.query = model_query_for_args(args, hf_config, self.platform, dtype=dtype_choice.dtype)
         self.dtype, self.kv_dtype = self.query.dtype, self.query.kv_dtype or self.query.dtype
-        self.dtype_reason = choose_dtype(args.dtype, hf_config, self.platform).reason
+        self.dtype_reason = dtype_choice.reason
         logger.info("dtype %s: %s", str(self.dtype).removeprefix("torch."), self.dtype_reason)
-        self.selection = MeasuredSelection(
-            registry,
-            self.platform,
-            self.gpu_id,
-            self._timing_shapes(hf_config),
-            measure_backends=args.backend_selection == "measure",
-        )
-        ctx = ModelContext.create(
-            self.selection,
-            self.query,
-            self.device,
-            attention=args.attention_backend,
-            gemm=args.gemm_backend,
-            moe=args.moe_backend,
-            elementwise=args.elementwise_backend,
-            quantization=args.quantization,
-            tp_rank=tp_rank,
-            tp_size=args.tp_size,
-        )
+        ctx = self._select_backends(hf_config)
         self.backends = {
             "attention": ctx.attention.name,
             "gemm": ctx.gemm.name,
@@ -85,6 +86,41 @@ class ModelRunner:
             raise ValueError(f"context_length: {self.context_length} exceeds what the model supports ({model_context})")
         self._init_memory()
         self.graph_runner, self.graphs = self._init_graphs()
+
+    def _select_backends(self, hf_config: Any) -> ModelContext:
+        """The model's backends: rank 0 selects them (timing them under ``auto``),
+        the other ranks take rank 0's choices."""
+        leader = self.group.is_leader
+        measured = None
+        if leader:
+            measured = MeasuredSelection(
+                self.registry,
+                self.platform,
+                self.gpu_id,
+                self._timing_shapes(hf_config),
+                measure_backends=self.args.backend_selection == "measure",
+            )
+            ctx = self._context(measured)
+        self.backend_choices = self.group.broadcast(measured.choices if leader else None)
+        if not leader:
+            ctx = self._context(AgreedSelection(self.registry, self.backend_choices))
+        return ctx
+
+    def _context(self, selector: BackendSelector) -> ModelContext:
+        args = self.args
+        return ModelContext.create(
+            selector,
+            self.query,
+            self.device,
+            attention=args.attention_backend,
+            gemm=args.gemm_backend,
+            moe=args.moe_backend,
+            elementwise=args.elementwise_backend,
+            quantization=args.quantization,
+            tp_rank=self.group.rank,
+            tp_size=self.group.size,
+            comm=self.group.comm,
+        )
 
     def _timing_shapes(self, hf_config: Any) -> ModelShapes:
         """The shapes backends are timed on: a decode step of up to 32 requests and a
@@ -114,6 +150,7 @@ class ModelRunner:
         else:
             fraction = args.mem_fraction_static or self.platform.default_mem_fraction
             tokens = kv_pool_tokens(total, available, weights, fraction, per_token, max_running * self.context_length)
+        tokens = self.group.min(tokens)  # every rank holds the same pool
         num_pages = tokens // args.page_size
         if num_pages < 1:
             raise ValueError(f"max_total_tokens: the KV pool would hold no page of {args.page_size} tokens")
@@ -206,7 +243,8 @@ class ModelRunner:
             "kv_cache_dtype": str(self.kv_dtype).replace("torch.", ""),
             "backends": dict(self.backends),
             # How each kind's backend was chosen, with the figures where they were timed.
-            "backend_choices": {kind: choice.describe() for kind, choice in self.selection.choices.items()},
+            "backend_choices": {kind: choice.describe() for kind, choice in self.backend_choices.items()},
+            "tp_size": self.group.size,
             "max_total_tokens": self.max_total_tokens,
             "memory": dict(self.memory),
             "context_length": self.context_length,

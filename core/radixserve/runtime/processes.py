@@ -1,5 +1,6 @@
 """Starts the runtime processes shared by the HTTP server and the offline Engine:
-the scheduler and the detokenizer, spawned (never forked), wired by ZMQ.
+the scheduler (one process per tensor-parallel rank of this node) and, on node
+0, the detokenizer, spawned (never forked), wired by ZMQ.
 
 A failure inside a child is reported as its exception's last line; full
 tracebacks are logged at debug level only.
@@ -9,22 +10,32 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_any
 from typing import Any, Callable, Optional
 
+import zmq
+
 from radixserve.config import ServerArgs
-from radixserve.ipc import Endpoints
+from radixserve.ipc import Endpoints, push_socket
+from radixserve.launcher_env import launcher_serves_store
+from radixserve.messages import ShutdownRequest
 from radixserve.runtime.detokenizer import run_detokenizer_process
-from radixserve.runtime.scheduler_process import run_scheduler_process
+from radixserve.runtime.distributed import RankSpec, Rendezvous, host_store
+from radixserve.runtime.scheduler_process import run_scheduler_process, scheduler_process_name
 from radixserve.startup_error import StartupError
 
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 600
+# How long the ranks get to leave their loops on a ShutdownRequest before they are terminated.
+SHUTDOWN_GRACE_S = 5.0
 
 
 def exception_summary(traceback_text: str) -> str:
@@ -64,34 +75,58 @@ def _run_child(target: Callable[..., None], *args: Any) -> None:
 
 @dataclass
 class RuntimeProcesses:
+    """This node's runtime processes: its scheduler ranks (``ranks``, the first
+    being rank 0 on node 0) and, on node 0, the detokenizer."""
+
     args: ServerArgs
     model_path: str
     tokenizer_path: str
     endpoints: Endpoints
     summary: dict
-    processes: list[mp.Process] = field(default_factory=list)
+    ranks: list[mp.Process] = field(default_factory=list)
+    processes: list[mp.Process] = field(default_factory=list)  # the ranks, then the detokenizer (node 0)
+    store: Optional[Any] = None  # the TCP store the ranks meet at, when this process serves it
     _stopping: bool = False
+
+    @property
+    def leads(self) -> bool:
+        """Whether this node runs rank 0 (which takes the requests)."""
+        return self.args.node_rank == 0
 
     def watch(self, on_death: Callable[[str], None]) -> None:
         """Call ``on_death(reason)`` once, from a thread, if a child exits while we run."""
 
         def wait() -> None:
-            from multiprocessing.connection import wait as wait_any
-
             ready = wait_any([p.sentinel for p in self.processes])
             if self._stopping:
                 return
-            dead = [p for p in self.processes if p.sentinel in ready]
-            for p in dead:  # the sentinel fires a moment before the exit code can be read
-                p.join(timeout=5)
-            reason = ", ".join(f"{p.name} exited with code {p.exitcode}" for p in dead)
+            reason = self.death_reason([p for p in self.processes if p.sentinel in ready])
             logger.error("runtime process died: %s", reason)
             on_death(reason)
 
         threading.Thread(target=wait, daemon=True, name="process-watch").start()
 
+    def death_reason(self, dead: list[mp.Process]) -> str:
+        for p in dead:  # the sentinel fires a moment before the exit code can be read
+            p.join(timeout=5)
+        return ", ".join(f"{p.name} exited with code {p.exitcode}" for p in dead)
+
     def shutdown(self) -> None:
+        """Stop every process: on node 0 rank 0 first passes a ShutdownRequest to
+        every rank of every node (they leave their loops); what is still running
+        after SHUTDOWN_GRACE_S is terminated, then killed."""
         self._stopping = True
+        if self.leads and self.ranks and self.ranks[0].is_alive():
+            ctx = zmq.Context()
+            # Held until the ranks have left: a socket collected at once (LINGER 0) would drop the message.
+            sock = push_socket(ctx, self.endpoints.scheduler)
+            try:
+                sock.send_pyobj(ShutdownRequest())
+                deadline = time.monotonic() + SHUTDOWN_GRACE_S
+                for p in self.ranks:
+                    p.join(timeout=max(0.0, deadline - time.monotonic()))
+            finally:
+                ctx.destroy(linger=0)
         for p in self.processes:
             if p.is_alive():
                 p.terminate()
@@ -101,6 +136,7 @@ class RuntimeProcesses:
                 p.kill()
                 p.join()
         self.endpoints.remove()
+        self.store = None
 
 
 def launch_runtime(args: ServerArgs, model_path: str) -> RuntimeProcesses:
@@ -109,52 +145,94 @@ def launch_runtime(args: ServerArgs, model_path: str) -> RuntimeProcesses:
     return runtime
 
 
-def spawn_runtime(args: ServerArgs, model_path: str) -> tuple[RuntimeProcesses, Connection]:
-    """Start the processes; returns at once, with the pipe the scheduler reports on.
+def rank_specs(args: ServerArgs) -> tuple[list[Optional[RankSpec]], Optional[Any]]:
+    """This node's ranks (``[None]`` at tp_size 1), and the TCP store this process
+    serves for them (None where another node or the launcher serves it). One node
+    alone serves it on 127.0.0.1 at a port the OS picks."""
+    if args.tp_size == 1:
+        return [None], None
+    if args.dist_init_addr is None:
+        store = host_store("127.0.0.1", 0, args.dist_timeout)
+        host, port = "127.0.0.1", store.port
+    else:
+        host, port = args.dist_init_host_port
+        serve = args.node_rank == 0 and not launcher_serves_store(args, os.environ)
+        store = host_store(host, port, args.dist_timeout) if serve else None
+    first = args.node_rank * args.ranks_per_node
+    specs: list[Optional[RankSpec]] = [
+        RankSpec(first + i, args.tp_size, i, Rendezvous(host, port), args.dist_timeout)
+        for i in range(args.ranks_per_node)
+    ]
+    return specs, store
+
+
+def spawn_runtime(args: ServerArgs, model_path: str) -> tuple[RuntimeProcesses, list[Connection]]:
+    """Start this node's processes; returns at once, with the pipes its ranks report on.
 
     Call it from a thread that lives as long as the server: the children's
     PR_SET_PDEATHSIG fires when the *thread* that spawned them exits."""
     ctx = mp.get_context("spawn")
     endpoints = Endpoints.fresh()
     tokenizer_path = args.tokenizer_path or model_path
-    ready_recv, ready_send = ctx.Pipe(duplex=False)
-    scheduler = ctx.Process(
-        target=_run_child,
-        name="scheduler",
-        args=(run_scheduler_process, args, model_path, endpoints, ready_send),
-        daemon=True,
-    )
-    detokenizer = ctx.Process(
-        target=_run_child,
-        name="detokenizer",
-        args=(run_detokenizer_process, tokenizer_path, endpoints, args.log_level),
-        daemon=True,
-    )
-    runtime = RuntimeProcesses(
-        args, model_path, tokenizer_path, endpoints, summary={}, processes=[scheduler, detokenizer]
-    )
-    scheduler.start()
-    detokenizer.start()
-    ready_send.close()
-    return runtime, ready_recv
+    specs, store = rank_specs(args)
+    runtime = RuntimeProcesses(args, model_path, tokenizer_path, endpoints, summary={}, store=store)
+    pipes = []
+    for spec in specs:
+        ready_recv, ready_send = ctx.Pipe(duplex=False)
+        rank = ctx.Process(
+            target=_run_child,
+            name=scheduler_process_name(spec),
+            args=(run_scheduler_process, args, model_path, endpoints, ready_send, spec),
+            daemon=True,
+        )
+        rank.start()
+        ready_send.close()
+        runtime.ranks.append(rank)
+        pipes.append(ready_recv)
+    runtime.processes = list(runtime.ranks)
+    if runtime.leads:
+        detokenizer = ctx.Process(
+            target=_run_child,
+            name="detokenizer",
+            args=(run_detokenizer_process, tokenizer_path, endpoints, args.log_level),
+            daemon=True,
+        )
+        detokenizer.start()
+        runtime.processes.append(detokenizer)
+    return runtime, pipes
 
 
-def wait_until_ready(runtime: RuntimeProcesses, ready_recv: Connection) -> None:
-    """Block until the scheduler has loaded the model (fills ``runtime.summary``);
-    on failure stop the processes and raise StartupError."""
+def wait_until_ready(runtime: RuntimeProcesses, ready_pipes: list[Connection]) -> None:
+    """Block until every rank of this node has loaded the model (fills
+    ``runtime.summary`` from the first); on the first failure stop the processes
+    and raise StartupError naming the rank."""
+    pending = dict(zip(ready_pipes, runtime.ranks))
+    statuses: dict[str, dict] = {}
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
     try:
-        if not ready_recv.poll(STARTUP_TIMEOUT_S):
-            raise StartupError(f"the scheduler did not start within {STARTUP_TIMEOUT_S} s")
-        status: Optional[dict] = ready_recv.recv()
-    except EOFError:
-        status = None
+        while pending:
+            ready = wait_any(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                names = ", ".join(p.name for p in pending.values())
+                raise StartupError(f"{names} did not start within {STARTUP_TIMEOUT_S} s")
+            for conn in ready:
+                process = pending.pop(conn)
+                try:
+                    status: Optional[dict] = conn.recv()
+                except EOFError:
+                    status = None
+                if not status or "error" in status:
+                    raise StartupError(_startup_failure(process, status))
+                statuses[process.name] = status
     except BaseException:
         runtime.shutdown()
         raise
-    if not status or "error" in status:
-        runtime.shutdown()
-        if status:
-            logger.debug("the scheduler's traceback:\n%s", status["error"])
-            raise StartupError(f"the scheduler failed to start: {exception_summary(status['error'])}")
-        raise StartupError(f"the scheduler exited with code {runtime.processes[0].exitcode} while starting")
-    runtime.summary = status["summary"]
+    runtime.summary = statuses[runtime.ranks[0].name]["summary"]
+
+
+def _startup_failure(process: mp.Process, status: Optional[dict]) -> str:
+    if status:
+        logger.debug("the %s's traceback:\n%s", process.name, status["error"])
+        return f"the {process.name} failed to start: {exception_summary(status['error'])}"
+    process.join(timeout=5)
+    return f"the {process.name} exited with code {process.exitcode} while starting"

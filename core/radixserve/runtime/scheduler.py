@@ -24,6 +24,7 @@ from radixserve.messages import FinishReason, GenerateRequest, TokenOutput
 from radixserve.model_loader import eos_token_ids
 from radixserve.registry import PluginRegistry, get_registry
 from radixserve.runtime.batch import BatchPlan, LogitsRows
+from radixserve.runtime.distributed import RankSpec
 from radixserve.runtime.intake import Intake
 from radixserve.runtime.kv_ledger import KVLedger
 from radixserve.runtime.model_runner import ModelRunner
@@ -40,10 +41,19 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, model_path: str, tokenizer, registry: Optional[PluginRegistry] = None):
+    def __init__(
+        self,
+        args: ServerArgs,
+        model_path: str,
+        tokenizer,
+        registry: Optional[PluginRegistry] = None,
+        rank: Optional[RankSpec] = None,
+    ):
+        """``rank``: this process's tensor-parallel rank (tp_size > 1); every rank
+        runs a Scheduler on the same messages, so they schedule alike."""
         self.args = args
         self.registry = registry or get_registry()
-        self.runner = runner = ModelRunner(args, model_path, self.registry)
+        self.runner = runner = ModelRunner(args, model_path, self.registry, rank)
         cache = (ChunkCache if args.disable_radix_cache else RadixCache)(runner.allocator, args.page_size)
         self.ledger = KVLedger(runner.allocator, runner.req_to_token_pool, cache)
         self.max_running = runner.max_running_requests
@@ -55,8 +65,11 @@ class Scheduler:
         no_overlap = args.disable_overlap_schedule
         overlap = runner.platform.overlap_schedule if no_overlap is None else not no_overlap
         self.worker = ModelWorker(runner, self.sampler, runner.req_to_token_pool, runner.transfer, overlap=overlap)
-        # One rank per scheduler process (tp_size is 1 so far).
-        self.profiler = StepProfiler(runner.platform.profiler_activities(), rank=0)
+        self.profiler = StepProfiler(runner.platform.profiler_activities(), rank=runner.group.rank)
+        # A failed step ends its own requests and the scheduler goes on, but only alone:
+        # tensor-parallel ranks that failed a step differently would no longer run the
+        # same collectives, so there a failed step ends the process (and its group).
+        self.isolate_step_failures = runner.group.size == 1
         self.totals = ServingTotals()
         self.oplog = OperatorLog(args.decode_log_interval)
 
@@ -135,6 +148,8 @@ class Scheduler:
         try:
             launched = self._launch_next()
         except Exception as exc:
+            if not self.isolate_step_failures:
+                raise
             logger.exception("launching a step failed; ending its requests with an error")
             self.ledger.drop_pins()
             self._fail(self._launching if self._launching is not None else self.ledger.holders(), exc)
@@ -179,6 +194,8 @@ class Scheduler:
         try:
             launched.result = launched.future.result().wait()
         except Exception as exc:
+            if not self.isolate_step_failures:
+                raise
             logger.exception("a model step failed; ending its requests with an error")
             self._fail(launched.reqs, exc)
             return

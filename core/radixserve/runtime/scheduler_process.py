@@ -1,52 +1,90 @@
-"""The scheduler process: receive requests, step the Scheduler, send token batches."""
+"""The scheduler process: receive requests, step the Scheduler, send token batches.
+
+With tensor parallelism one such process runs per rank. Rank 0 alone has the
+ZMQ sockets: each loop iteration it passes the messages it received (possibly
+none) to every rank (``TPGroup.broadcast``), so all ranks handle the same
+messages in the same order, step identical Schedulers and run the same
+collectives; only rank 0 sends token batches and control replies.
+"""
 
 from __future__ import annotations
 
 import logging
 import traceback
 from multiprocessing.connection import Connection
+from typing import Optional
 
 import zmq
 
 from radixserve.config import ServerArgs
 from radixserve.ipc import Endpoints, die_with_parent, pull_socket, push_socket
 from radixserve.logging_utils import configure_logging
-from radixserve.messages import AbortRequest, ControlReply, ControlRequest, GenerateRequest, TokenBatch
+from radixserve.messages import (
+    AbortRequest,
+    ControlReply,
+    ControlRequest,
+    GenerateRequest,
+    ShutdownRequest,
+    TokenBatch,
+)
+from radixserve.runtime.distributed import RankSpec
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
 
 
-def run_scheduler_process(args: ServerArgs, model_path: str, endpoints: Endpoints, ready: Connection) -> None:
+def scheduler_process_name(rank: Optional[RankSpec]) -> str:
+    return "scheduler" if rank is None else f"scheduler-tp{rank.rank}"
+
+
+def run_scheduler_process(
+    args: ServerArgs, model_path: str, endpoints: Endpoints, ready: Connection, rank: Optional[RankSpec] = None
+) -> None:
+    """Load the model and serve until a ShutdownRequest. ``rank``: this process's
+    tensor-parallel rank (None at tp_size 1)."""
     die_with_parent()
-    configure_logging(args.log_level, prefix="scheduler")
+    configure_logging(args.log_level, prefix=scheduler_process_name(rank))
+    if rank is not None and rank.rank > 0:  # rank 0's stats lines speak for the group
+        logging.getLogger("radixserve.runtime.scheduler_stats").setLevel(logging.WARNING)
     try:
         from transformers import AutoTokenizer
 
         from radixserve.runtime.scheduler import Scheduler
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path)
-        scheduler = Scheduler(args, model_path, tokenizer)
+        scheduler = Scheduler(args, model_path, tokenizer, rank=rank)
     except Exception:
         ready.send({"error": traceback.format_exc()})
         return
     ready.send({"summary": scheduler.runner.summary()})
+    group = scheduler.runner.group
     ctx = zmq.Context()
-    recv = pull_socket(ctx, endpoints.scheduler)
-    to_detok = push_socket(ctx, endpoints.detokenizer)
-    to_tm = push_socket(ctx, endpoints.tokenizer_manager)
-    poller = zmq.Poller()
-    poller.register(recv, zmq.POLLIN)
+    to_detok = to_tm = poller = recv = None
+    if group.is_leader:
+        recv = pull_socket(ctx, endpoints.scheduler)
+        to_detok = push_socket(ctx, endpoints.detokenizer)
+        to_tm = push_socket(ctx, endpoints.tokenizer_manager)
+        poller = zmq.Poller()
+        poller.register(recv, zmq.POLLIN)
     checked_idle = False
     while True:
-        if not scheduler.has_work():
-            poller.poll(IDLE_POLL_MS)
-        while True:
-            try:
-                msg = recv.recv_pyobj(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        messages = []
+        if group.is_leader:
+            if not scheduler.has_work():
+                poller.poll(IDLE_POLL_MS)
+            while True:
+                try:
+                    messages.append(recv.recv_pyobj(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        # The other ranks wait here for rank 0's messages (at most IDLE_POLL_MS when idle).
+        for msg in group.broadcast(messages):
+            if isinstance(msg, ShutdownRequest):
+                logger.info("shutting down")
+                ctx.destroy(linger=0)
+                group.destroy()
+                return
             checked_idle = False
             try:
                 _dispatch(scheduler, msg, to_tm)
@@ -54,7 +92,7 @@ def run_scheduler_process(args: ServerArgs, model_path: str, endpoints: Endpoint
                 logger.exception("failed to handle a %s message", type(msg).__name__)
         outputs = scheduler.step() if scheduler.has_work() else scheduler.step_outputs()
         scheduler.profiler.after_step()
-        if outputs:
+        if outputs and to_detok is not None:
             to_detok.send_pyobj(TokenBatch(outputs))
         if not scheduler.has_work() and not checked_idle:
             checked_idle = True
@@ -62,13 +100,16 @@ def run_scheduler_process(args: ServerArgs, model_path: str, endpoints: Endpoint
                 logger.error("KV memory invariant broken while idle: %s", scheduler.stats())
 
 
-def _dispatch(scheduler, msg, to_tm) -> None:
+def _dispatch(scheduler, msg, to_tm: Optional[zmq.Socket]) -> None:
+    """Handle one message; ``to_tm`` (rank 0's) gets control replies, other ranks only act."""
     if isinstance(msg, GenerateRequest):
         scheduler.add_request(msg)
     elif isinstance(msg, AbortRequest):
         scheduler.abort(msg.rid)
     elif isinstance(msg, ControlRequest):
-        to_tm.send_pyobj(ControlReply(msg.kind, msg.call_id, _control(scheduler, msg.kind, msg.args)))
+        payload = _control(scheduler, msg.kind, msg.args)
+        if to_tm is not None:
+            to_tm.send_pyobj(ControlReply(msg.kind, msg.call_id, payload))
     else:
         logger.error("unknown message %r", type(msg).__name__)
 

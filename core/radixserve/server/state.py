@@ -136,6 +136,13 @@ class ServerState:
             "model: %s%s, served as %r, architecture %s", self.model_path, demo, self.model_name, s["architecture"]
         )
         logger.info("device: %s (platform %s, --device %s)", s["device"], s["platform"], args.device)
+        if s["tp_size"] > 1:
+            logger.info(
+                "tensor parallel: tp_size %d over %d node(s), %d rank(s) per node (rank 0's device above)",
+                s["tp_size"],
+                args.nnodes,
+                args.ranks_per_node,
+            )
         for kind, name in s["backends"].items():
             how = s["backend_choices"].get(kind, "?")
             if kind == "quantization":  # never chosen automatically

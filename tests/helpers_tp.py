@@ -1,0 +1,130 @@
+"""Tensor-parallel ranks driven in-process: each rank (a spawned process) runs a
+Scheduler on the same scripted load, step by step, and sends back what every
+request produced, so the tests compare ranks with each other and with tp=1."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from generation_utils import mixed_prompts
+from transformers import AutoTokenizer
+
+from radixserve.config import ServerArgs
+from radixserve.messages import GenerateRequest, TokenOutput
+from radixserve.runtime.distributed import RankSpec, Rendezvous, host_store
+from radixserve.runtime.scheduler import Scheduler
+from radixserve.sampling.params import SamplingParams
+
+# The load: more requests than may run at once (some wait), prompts sharing a prefix
+# (radix cache hits) and longer than a chunk (chunked prefill), aborts of a running
+# and of a waiting request, and two sampled requests (one seeded, one not).
+SERVER_ARGS = dict(
+    dtype="float32",
+    max_total_tokens=4096,
+    max_running_requests=4,
+    chunked_prefill_size=32,
+    backend_selection="priority",
+)
+LENGTHS = [40, 7, 75, 19, 33, 61, 5, 48]
+MAX_NEW_TOKENS = 10
+ABORTS = {6: ["g0"], 9: ["g7"]}  # step -> rids aborted before it
+SAMPLED = {"s0": {"seed": 7}, "s1": {}}
+
+
+@dataclass
+class RequestResult:
+    output_ids: list[int]
+    logprobs: list[float]
+    finish: str
+
+
+def script(vocab_size: int) -> list[tuple[int, GenerateRequest]]:
+    """``(step, request)``: the requests, each added before the step it names."""
+    prompts = mixed_prompts(vocab_size, LENGTHS, seed=3, shared_prefix=24)
+    greedy = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    plan = [
+        (i // 2, GenerateRequest(rid=f"g{i}", input_ids=p, sampling_params=greedy, return_logprob=True))
+        for i, p in enumerate(prompts)
+    ]
+    for j, (rid, extra) in enumerate(SAMPLED.items()):
+        params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, ignore_eos=True, **extra)
+        plan.append((1 + j, GenerateRequest(rid=rid, input_ids=prompts[j][:20], sampling_params=params)))
+    return plan
+
+
+def run_script(scheduler: Scheduler) -> dict[str, RequestResult]:
+    plan = script(scheduler.runner.vocab_size)
+    outputs: list[TokenOutput] = []
+    step = 0
+    while plan or scheduler.has_work():
+        for rid in ABORTS.get(step, []):
+            scheduler.abort(rid)
+        for _, req in [item for item in plan if item[0] == step]:
+            scheduler.add_request(req)
+        plan = [item for item in plan if item[0] > step]
+        outputs += scheduler.step() if scheduler.has_work() else scheduler.step_outputs()
+        assert scheduler.check_memory(), scheduler.stats()
+        step += 1
+    results: dict[str, RequestResult] = {}
+    for out in outputs:
+        r = results.setdefault(out.rid, RequestResult([], [], ""))
+        r.output_ids += out.new_token_ids
+        r.logprobs += [lp for lp, _ in out.output_token_logprobs]
+        if out.finish_reason is not None:
+            r.finish = out.finish_reason.type
+    return results
+
+
+def make_args(model_dir: Path, tp_size: int) -> ServerArgs:
+    return ServerArgs(model_path=str(model_dir), tp_size=tp_size, **SERVER_ARGS)
+
+
+def _rank_main(model_dirs: list[Path], tp_size: int, port: int, rank: int, out: Connection) -> None:
+    """One rank: for each model, join its group (a key prefix of its own), run the
+    script, leave; sends ``{model_dir: results}``."""
+    answers: dict[str, Any] = {}
+    for model_dir in model_dirs:
+        spec = RankSpec(rank, tp_size, rank, Rendezvous("127.0.0.1", port, prefix=str(model_dir)), 120.0)
+        args = make_args(model_dir, tp_size)
+        scheduler = Scheduler(args, str(model_dir), AutoTokenizer.from_pretrained(model_dir), rank=spec)
+        answers[str(model_dir)] = run_script(scheduler)
+        scheduler.runner.group.destroy()
+    out.send(answers)
+
+
+def run_ranks(model_dirs: list[Path], tp_size: int, timeout: float = 240) -> list[dict[str, Any]]:
+    """Every rank's ``{model_dir: results}``, rank by rank; each rank on one thread."""
+    ctx = mp.get_context("spawn")
+    store = host_store("127.0.0.1", 0, timeout)
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited: tp_size ranks share the machine's cores
+    procs, pipes = [], []
+    try:
+        for rank in range(tp_size):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_rank_main, args=(model_dirs, tp_size, store.port, rank, send), daemon=True)
+            p.start()
+            send.close()
+            procs.append(p)
+            pipes.append(recv)
+        answers: list[dict] = []
+        for p, recv in zip(procs, pipes):
+            if not recv.poll(timeout):
+                raise TimeoutError(f"rank {procs.index(p)} sent nothing within {timeout} s")
+            answers.append(recv.recv())
+        return answers
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()

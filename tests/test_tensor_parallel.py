@@ -1,0 +1,142 @@
+"""Tensor parallelism on the CPU (gloo): tp=2 and tp=4 ranks, each a real process
+joined by torch.distributed, produce what tp=1 produces (greedy tokens equal,
+logprobs within 1e-4) for the dense and the MoE test architectures, under a
+load with queueing, chunked prefill, radix cache hits and aborts; every rank
+samples the same tokens; each rank reads only its shards of the checkpoint; a
+rank that stops answering fails its peer's collective at the timeout."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+from helpers_tp import SAMPLED, make_args, run_ranks, run_script
+from transformers import AutoTokenizer
+
+from radixserve.config import ServerArgs
+from radixserve.layers.context import ModelContext
+from radixserve.layers.weights import CheckpointTensor
+from radixserve.model_loader import check_tp_shapes, load_config, load_model, model_kernel_query
+from radixserve.registry import get_registry
+from radixserve.runtime.distributed import RankSpec, Rendezvous, host_store, join_group
+from radixserve.runtime.scheduler import Scheduler
+
+ARCHS = ("llama", "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tiny_model_factory):
+    # 4 query heads and 2 KV heads: at tp=4 each KV head is replicated on two ranks.
+    return [tiny_model_factory(arch=arch) for arch in ARCHS]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):
+    """tp=1 in this process."""
+    results = {}
+    for model_dir in model_dirs:
+        args = make_args(model_dir, 1)
+        results[str(model_dir)] = run_script(Scheduler(args, str(model_dir), AutoTokenizer.from_pretrained(model_dir)))
+    return results
+
+
+@pytest.mark.parametrize("tp_size", [2, 4])
+def test_tp_ranks_equal_tp1_under_load_with_aborts(model_dirs, reference, tp_size):
+    ranks = run_ranks(model_dirs, tp_size)
+    for model_dir in map(str, model_dirs):
+        ref = reference[model_dir]
+        assert {ref[rid].finish for rid in ("g0", "g7")} == {"abort"}
+        for rank, answer in enumerate(ranks):
+            got = answer[model_dir]
+            assert set(got) == set(ref)
+            # Every rank sampled exactly what rank 0 did (same seeds, identical gathered logits).
+            for rid in SAMPLED:
+                assert got[rid].output_ids == ranks[0][model_dir][rid].output_ids, (model_dir, rank, rid)
+            for rid in (r for r in ref if r not in SAMPLED):
+                assert got[rid].output_ids == ref[rid].output_ids, (model_dir, tp_size, rank, rid)
+                assert got[rid].finish == ref[rid].finish
+                assert got[rid].logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4)
+
+
+def test_each_rank_reads_only_its_shards(tiny_model_factory, monkeypatch):
+    model_dir = tiny_model_factory(arch="qwen3_moe")
+    registry = get_registry()
+    config = load_config(model_dir)
+    read: list[int] = []
+    original = CheckpointTensor.load
+
+    def counting_load(self):
+        tensor = original(self)
+        read.append(tensor.numel())
+        return tensor
+
+    monkeypatch.setattr(CheckpointTensor, "load", counting_load)
+    totals = []
+    for tp_size, rank in ((1, 0), (2, 1)):
+        read.clear()
+        query = model_kernel_query(config, "cpu", torch.float32, tp_size=tp_size)
+        ctx = ModelContext.create(registry, query, torch.device("cpu"), tp_rank=rank, tp_size=tp_size)
+        model, _ = load_model(model_dir, ctx, registry, config=config)
+        totals.append(sum(read))
+        assert sum(read) == sum(p.numel() for p in model.parameters() if p.shape) - _padding(model)
+    # Norms, routers and (replicated) KV projections are whole; everything else halves.
+    assert totals[1] < 0.6 * totals[0]
+
+
+def _padding(model) -> int:
+    """Rows of the vocab-parallel tables beyond the vocabulary (zeros, never read)."""
+    pad = 0
+    for m in (model.model.embed_tokens, model.lm_head):
+        pad += (m.rows_per_rank - (m.vocab_end - m.vocab_start)) * m.weight.shape[1]
+    return pad
+
+
+def test_tp_size_must_split_the_model(tiny_model_factory):
+    config = load_config(tiny_model_factory(arch="llama"))
+    with pytest.raises(ValueError, match="tp_size: 3 ranks cannot split num_attention_heads 4"):
+        check_tp_shapes(config, 3)
+    with pytest.raises(ValueError, match="tp_size: 8 ranks cannot split num_attention_heads"):
+        check_tp_shapes(config, 8)
+    check_tp_shapes(config, 4)  # 2 KV heads, each on two ranks
+    with pytest.raises(ValueError, match="nnodes: must divide tp_size"):
+        ServerArgs(tp_size=3, nnodes=2, dist_init_addr="127.0.0.1:1234")
+    with pytest.raises(ValueError, match="dist_init_addr: is required"):
+        ServerArgs(tp_size=2, nnodes=2)
+    with pytest.raises(ValueError, match="node_rank: must be in"):
+        ServerArgs(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1")
+
+
+def _silent_rank(port: int, rank: int, out) -> None:
+    """Joins, then rank 1 stops taking part (a hung rank); rank 0 reports how its broadcast ended."""
+    group = join_group(
+        RankSpec(rank, 2, rank, Rendezvous("127.0.0.1", port), 3.0), get_registry().resolve_platform("cpu")()
+    )
+    if rank == 1:
+        time.sleep(30)
+        return
+    start = time.monotonic()
+    try:
+        group.broadcast(["a message"])
+        group.broadcast(["another"])  # rank 1 never takes this one
+        out.send(("returned", time.monotonic() - start))
+    except RuntimeError as exc:
+        out.send((str(exc).splitlines()[0], time.monotonic() - start))
+
+
+def test_a_hung_rank_fails_its_peer_at_the_timeout():
+    ctx = mp.get_context("spawn")
+    store = host_store("127.0.0.1", 0, 30)
+    recv, send = ctx.Pipe(duplex=False)
+    procs = [ctx.Process(target=_silent_rank, args=(store.port, r, send), daemon=True) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        assert recv.poll(120), "rank 0 is still waiting"
+        what, seconds = recv.recv()
+        assert what != "returned" and seconds < 20, (what, seconds)
+    finally:
+        for p in procs:
+            p.kill()
+            p.join()
