@@ -73,6 +73,12 @@ class Req(RequestOptions):
         self.cached_tokens = cached_tokens
         return True
 
+    def mark_prompt_done(self) -> None:
+        """Its whole prompt is computed: prompt logprobs, if asked for, are complete."""
+        self.input_logprobs_done = True
+        if self.return_logprob and self.input_token_logprobs is None and self.logprob_start_len >= 0:
+            self.input_token_logprobs, self.input_top_logprobs = [], []
+
     @property
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids

@@ -52,8 +52,7 @@ class Scheduler:
         """``rank``: this process's tensor-parallel rank (tp_size > 1); every rank
         runs a Scheduler on the same messages, so they schedule alike."""
         self.args = args
-        self.registry = registry or get_registry()
-        self.runner = runner = ModelRunner(args, model_path, self.registry, rank)
+        self.runner = runner = ModelRunner(args, model_path, registry or get_registry(), rank)
         cache = (ChunkCache if args.disable_radix_cache else RadixCache)(runner.allocator, args.page_size)
         self.ledger = KVLedger(runner.allocator, runner.req_to_token_pool, cache)
         self.max_running = runner.max_running_requests
@@ -66,10 +65,6 @@ class Scheduler:
         overlap = runner.platform.overlap_schedule if no_overlap is None else not no_overlap
         self.worker = ModelWorker(runner, self.sampler, runner.req_to_token_pool, runner.transfer, overlap=overlap)
         self.profiler = StepProfiler(runner.platform.profiler_activities(), rank=runner.group.rank)
-        # A failed step ends its own requests and the scheduler goes on, but only alone:
-        # tensor-parallel ranks that failed a step differently would no longer run the
-        # same collectives, so there a failed step ends the process (and its group).
-        self.isolate_step_failures = runner.group.size == 1
         self.totals = ServingTotals()
         self.oplog = OperatorLog(args.decode_log_interval)
 
@@ -100,17 +95,12 @@ class Scheduler:
     def _queue_full(self) -> bool:
         """Waiting requests beyond the free running slots are the queue."""
         limit = self.args.max_queued_requests
-        if limit is None:
-            return False
         free_slots = self.max_running - len(self.running) - (1 if self.chunked_req else 0)
-        return len(self.waiting) - max(free_slots, 0) >= limit
+        return limit is not None and len(self.waiting) - max(free_slots, 0) >= limit
 
     def abort(self, rid: str) -> None:
         """Abort one request (or all with rid ""), wherever it is; frees its memory."""
-        if rid == "":
-            targets = list(self._by_rid.values())
-        else:
-            targets = [self._by_rid[rid]] if rid in self._by_rid else []
+        targets = list(self._by_rid.values()) if rid == "" else [self._by_rid[rid]] if rid in self._by_rid else []
         computing = {id(r) for step in (self._in_flight, self._unprocessed) if step is not None for r in step.reqs}
         for req in targets:
             if req.finished:
@@ -148,11 +138,8 @@ class Scheduler:
         try:
             launched = self._launch_next()
         except Exception as exc:
-            if not self.isolate_step_failures:
-                raise
-            logger.exception("launching a step failed; ending its requests with an error")
             self.ledger.drop_pins()
-            self._fail(self._launching if self._launching is not None else self.ledger.holders(), exc)
+            self._step_failed("launching a step", self._launching or self.ledger.holders(), exc)
             launched = None
         self._settle_in_flight()
         self.ledger.reuse_rows(held)
@@ -170,8 +157,11 @@ class Scheduler:
         return self._collect_outputs()
 
     def _launch_next(self) -> Optional[LaunchedStep]:
+        # Requests of a prefill still computing or not digested: their prompts are not cached yet.
+        prefills = [s for s in (self._in_flight, self._unprocessed) if s is not None and s.mode is ForwardMode.EXTEND]
+        uncached = [r for step in prefills for r in step.reqs]
         plan = self.planner.plan(
-            QueueView(self.waiting, self.running, self.chunked_req, self._uncached_prefills(), self.new_token_ratio)
+            QueueView(self.waiting, self.running, self.chunked_req, uncached, self.new_token_ratio)
         )
         self._apply(plan)
         if plan.reqs:
@@ -194,10 +184,7 @@ class Scheduler:
         try:
             launched.result = launched.future.result().wait()
         except Exception as exc:
-            if not self.isolate_step_failures:
-                raise
-            logger.exception("a model step failed; ending its requests with an error")
-            self._fail(launched.reqs, exc)
+            self._step_failed("a model step", launched.reqs, exc)
             return
         self._unprocessed = launched
 
@@ -208,16 +195,19 @@ class Scheduler:
             return
         try:
             self._process(launched)
-        except Exception as exc:
-            logger.exception("digesting a model step failed; ending its requests with an error")
-            self._fail(launched.reqs, exc)
+        except Exception as exc:  # host work, alike on every rank: ends its requests even with tp > 1
+            self._step_failed("digesting a model step", launched.reqs, exc, every_rank_alike=True)
+
+    def _step_failed(self, what: str, reqs: list[Req], exc: Exception, every_rank_alike: bool = False) -> None:
+        """End the requests of a failed step with the error; the scheduler goes on. With
+        tensor-parallel ranks a device failure ends the process (and its group) instead:
+        ranks that failed differently would no longer run the same collectives."""
+        if self.runner.group.size > 1 and not every_rank_alike:
+            raise exc
+        logger.exception("%s failed; ending its requests with an error", what)
+        self._fail(reqs, exc)
 
     # ---- extend ----------------------------------------------------------------
-    def _uncached_prefills(self) -> list[Req]:
-        """Requests of a prefill still computing or not digested: their prompts are not cached yet."""
-        steps = (self._in_flight, self._unprocessed)
-        return [r for step in steps if step is not None and step.mode is ForwardMode.EXTEND for r in step.reqs]
-
     def _apply(self, plan: PrefillPlan) -> None:
         """Admit the plan's new requests and take them off the waiting queue."""
         for admission in plan.admitted:
@@ -268,17 +258,12 @@ class Scheduler:
                     self.ledger.cache_prefix(req, kv)
         for req in launched.prompt_done:
             if not req.finished:
-                self._prompt_done(req)
+                req.mark_prompt_done()
+                if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. to warm the cache)
+                    self._finish_running(req, FinishReason(type="length", matched=None))
         for i, req in enumerate(work.sample_reqs):
             if not req.finished:  # else aborted, or finished by the step before (overlap): the token is dropped
                 self._append(req, result, i)
-
-    def _prompt_done(self, req: Req) -> None:
-        req.input_logprobs_done = True
-        if req.return_logprob and req.input_token_logprobs is None and req.logprob_start_len >= 0:
-            req.input_token_logprobs, req.input_top_logprobs = [], []
-        if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. to warm the cache)
-            self._finish_running(req, FinishReason(type="length", matched=None))
 
     # ---- decode ----------------------------------------------------------------
     def _launch_decode(self) -> Optional[LaunchedStep]:
