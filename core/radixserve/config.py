@@ -13,9 +13,11 @@ from typing import Any, Literal, Optional, Union
 SchedulePolicy = Literal["fcfs", "lpm", "priority"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 BackendSelection = Literal["measure", "priority"]
+LoadBalanceMethod = Literal["round_robin", "shortest_queue", "minimum_tokens"]
 SCHEDULE_POLICIES: tuple[str, ...] = typing.get_args(SchedulePolicy)
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 BACKEND_SELECTIONS: tuple[str, ...] = typing.get_args(BackendSelection)
+LOAD_BALANCE_METHODS: tuple[str, ...] = typing.get_args(LoadBalanceMethod)
 
 
 def _flag(help: str, **kw: Any) -> Any:
@@ -61,6 +63,16 @@ class ServerArgs:
         default="measure",
     )
     tp_size: int = _flag("tensor parallel size", default=1)
+    dp_size: int = _flag(
+        "data parallel size: that many replicas (scheduler groups, each with its own KV pool) behind one "
+        "controller that dispatches each request to one of them",
+        default=1,
+    )
+    load_balance_method: LoadBalanceMethod = _flag(
+        "how the data-parallel controller picks a replica: round_robin, shortest_queue (fewest unfinished "
+        "requests) or minimum_tokens (fewest unfinished prompt + max_new_tokens tokens); ties go round robin",
+        default="round_robin",
+    )
     base_gpu_id: int = _flag(
         "device index of the first rank: tensor-parallel rank i runs on device base_gpu_id + i, "
         "counted among the visible devices (after CUDA_VISIBLE_DEVICES and the like)",
@@ -168,6 +180,10 @@ class ServerArgs:
             # The layers shard weights by rank already; running TP ranks as
             # processes (one scheduler per rank, torch.distributed) is not built yet.
             bad("tp_size", f"only 1 is supported so far, got {self.tp_size}")
+        if self.dp_size < 1:
+            bad("dp_size", f"must be >= 1, got {self.dp_size}")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            bad("load_balance_method", f"must be one of {LOAD_BALANCE_METHODS}, got {self.load_balance_method!r}")
         for name in ("max_n", "max_stop_strings", "max_stop_chars"):
             if getattr(self, name) < 1:
                 bad(name, f"must be >= 1, got {getattr(self, name)}")

@@ -1,5 +1,6 @@
 """Starts the runtime processes shared by the HTTP server and the offline Engine:
-the scheduler and the detokenizer, spawned (never forked), wired by ZMQ.
+the scheduler group (with --dp-size N: N groups, the replicas, behind the DP
+controller) and the detokenizer, spawned (never forked), wired by ZMQ.
 
 A failure inside a child is reported as its exception's last line; full
 tracebacks are logged at debug level only.
@@ -7,19 +8,26 @@ tracebacks are logged at debug level only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_any
 from typing import Any, Callable, Optional
 
+import zmq
+
 from radixserve.config import ServerArgs
-from radixserve.ipc import Endpoints
+from radixserve.ipc import Endpoints, push_socket
+from radixserve.messages import ReplicaDown
 from radixserve.runtime.detokenizer import run_detokenizer_process
-from radixserve.runtime.scheduler_process import run_scheduler_process
+from radixserve.runtime.dp_controller import run_dp_controller_process
+from radixserve.runtime.scheduler_process import run_scheduler_process, scheduler_process_name
 from radixserve.startup_error import StartupError
 
 logger = logging.getLogger(__name__)
@@ -63,32 +71,72 @@ def _run_child(target: Callable[..., None], *args: Any) -> None:
 
 
 @dataclass
+class SchedulerGroup:
+    """One scheduler group as the runtime spawns it (one scheduler process); with
+    --dp-size > 1, one replica. Requests reach it on ``endpoints.scheduler``."""
+
+    dp_rank: Optional[int]  # None without data parallelism
+    endpoints: Endpoints
+    processes: list[mp.Process]
+
+    @property
+    def name(self) -> str:
+        return "the scheduler" if self.dp_rank is None else f"data-parallel replica {self.dp_rank}"
+
+
+@dataclass
 class RuntimeProcesses:
     args: ServerArgs
     model_path: str
     tokenizer_path: str
     endpoints: Endpoints
     summary: dict
-    processes: list[mp.Process] = field(default_factory=list)
+    groups: list[SchedulerGroup] = field(default_factory=list)
+    processes: list[mp.Process] = field(default_factory=list)  # the groups', the controller, the detokenizer
     _stopping: bool = False
 
     def watch(self, on_death: Callable[[str], None]) -> None:
-        """Call ``on_death(reason)`` once, from a thread, if a child exits while we run."""
+        """Call ``on_death(reason)`` once, from a thread, when the runtime can no
+        longer serve: a child exits while we run, except a replica's while other
+        replicas live. Then its group's other processes are stopped and the DP
+        controller told (``ReplicaDown``), which ends that replica's requests."""
 
         def wait() -> None:
-            from multiprocessing.connection import wait as wait_any
-
-            ready = wait_any([p.sentinel for p in self.processes])
-            if self._stopping:
-                return
-            dead = [p for p in self.processes if p.sentinel in ready]
-            for p in dead:  # the sentinel fires a moment before the exit code can be read
-                p.join(timeout=5)
-            reason = ", ".join(f"{p.name} exited with code {p.exitcode}" for p in dead)
-            logger.error("runtime process died: %s", reason)
-            on_death(reason)
+            ctx = zmq.Context()
+            to_controller = push_socket(ctx, self.endpoints.scheduler) if self.args.dp_size > 1 else None
+            live = {p.sentinel: p for p in self.processes}
+            group_of = {p.sentinel: g for g in self.groups for p in g.processes}
+            up = list(self.groups)
+            try:
+                while True:
+                    ready = wait_any(list(live))
+                    if self._stopping:
+                        return
+                    reason = self.death_reason([live.pop(s) for s in ready])
+                    down = [g for g in up if any(group_of.get(s) is g for s in ready)]
+                    replicas_only = all(s in group_of for s in ready)
+                    if to_controller is None or not replicas_only or len(down) == len(up):
+                        on_death(reason)
+                        return
+                    for group in down:
+                        up.remove(group)
+                        for p in group.processes:
+                            live.pop(p.sentinel, None)
+                            if p.is_alive():
+                                p.terminate()
+                        logger.error("%s is down (%s); %d replica(s) serve on", group.name, reason, len(up))
+                        to_controller.send_pyobj(ReplicaDown(group.dp_rank, reason))
+            finally:
+                ctx.destroy(linger=1000)
 
         threading.Thread(target=wait, daemon=True, name="process-watch").start()
+
+    def death_reason(self, dead: list[mp.Process]) -> str:
+        for p in dead:  # the sentinel fires a moment before the exit code can be read
+            p.join(timeout=5)
+        reason = ", ".join(f"{p.name} exited with code {p.exitcode}" for p in dead)
+        logger.error("runtime process died: %s", reason)
+        return reason
 
     def shutdown(self) -> None:
         self._stopping = True
@@ -109,52 +157,93 @@ def launch_runtime(args: ServerArgs, model_path: str) -> RuntimeProcesses:
     return runtime
 
 
-def spawn_runtime(args: ServerArgs, model_path: str) -> tuple[RuntimeProcesses, Connection]:
-    """Start the processes; returns at once, with the pipe the scheduler reports on.
+def spawn_group(
+    ctx: Any, args: ServerArgs, model_path: str, endpoints: Endpoints, dp_rank: Optional[int]
+) -> tuple[SchedulerGroup, list[Connection]]:
+    """Start one scheduler group on ``endpoints``; returns it with the pipes its
+    processes report on. Replica ``dp_rank`` starts at device
+    ``--base-gpu-id + dp_rank * --tp-size``."""
+    if dp_rank is not None:
+        args = dataclasses.replace(args, base_gpu_id=args.base_gpu_id + dp_rank * args.tp_size)
+    ready_recv, ready_send = ctx.Pipe(duplex=False)
+    scheduler = ctx.Process(
+        target=_run_child,
+        name=scheduler_process_name(dp_rank),
+        args=(run_scheduler_process, args, model_path, endpoints, ready_send, dp_rank),
+        daemon=True,
+    )
+    scheduler.start()
+    ready_send.close()
+    return SchedulerGroup(dp_rank, endpoints, [scheduler]), [ready_recv]
+
+
+def spawn_runtime(args: ServerArgs, model_path: str) -> tuple[RuntimeProcesses, list[Connection]]:
+    """Start the processes; returns at once, with the pipes the schedulers report on.
 
     Call it from a thread that lives as long as the server: the children's
     PR_SET_PDEATHSIG fires when the *thread* that spawned them exits."""
     ctx = mp.get_context("spawn")
     endpoints = Endpoints.fresh()
     tokenizer_path = args.tokenizer_path or model_path
-    ready_recv, ready_send = ctx.Pipe(duplex=False)
-    scheduler = ctx.Process(
-        target=_run_child,
-        name="scheduler",
-        args=(run_scheduler_process, args, model_path, endpoints, ready_send),
-        daemon=True,
-    )
+    runtime = RuntimeProcesses(args, model_path, tokenizer_path, endpoints, summary={})
+    pipes: list[Connection] = []
+    if args.dp_size == 1:
+        spawned = [spawn_group(ctx, args, model_path, endpoints, None)]
+    else:
+        spawned = [spawn_group(ctx, args, model_path, endpoints.for_replica(k), k) for k in range(args.dp_size)]
+    for group, group_pipes in spawned:
+        runtime.groups.append(group)
+        runtime.processes += group.processes
+        pipes += group_pipes
+    if args.dp_size > 1:
+        controller = ctx.Process(
+            target=_run_child, name="dp-controller", args=(run_dp_controller_process, args, endpoints), daemon=True
+        )
+        controller.start()
+        runtime.processes.append(controller)
     detokenizer = ctx.Process(
         target=_run_child,
         name="detokenizer",
         args=(run_detokenizer_process, tokenizer_path, endpoints, args.log_level),
         daemon=True,
     )
-    runtime = RuntimeProcesses(
-        args, model_path, tokenizer_path, endpoints, summary={}, processes=[scheduler, detokenizer]
-    )
-    scheduler.start()
     detokenizer.start()
-    ready_send.close()
-    return runtime, ready_recv
+    runtime.processes.append(detokenizer)
+    return runtime, pipes
 
 
-def wait_until_ready(runtime: RuntimeProcesses, ready_recv: Connection) -> None:
-    """Block until the scheduler has loaded the model (fills ``runtime.summary``);
-    on failure stop the processes and raise StartupError."""
+def wait_until_ready(runtime: RuntimeProcesses, ready_pipes: list[Connection]) -> None:
+    """Block until every scheduler has loaded the model (fills ``runtime.summary``
+    from the first); on the first failure stop the processes and raise
+    StartupError naming the process."""
+    schedulers = [p for g in runtime.groups for p in g.processes]
+    pending = dict(zip(ready_pipes, schedulers))
+    statuses: dict[str, dict] = {}
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
     try:
-        if not ready_recv.poll(STARTUP_TIMEOUT_S):
-            raise StartupError(f"the scheduler did not start within {STARTUP_TIMEOUT_S} s")
-        status: Optional[dict] = ready_recv.recv()
-    except EOFError:
-        status = None
+        while pending:
+            ready = wait_any(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                names = ", ".join(p.name for p in pending.values())
+                raise StartupError(f"{names} did not start within {STARTUP_TIMEOUT_S} s")
+            for conn in ready:
+                process = pending.pop(conn)
+                try:
+                    status: Optional[dict] = conn.recv()
+                except EOFError:
+                    status = None
+                if not status or "error" in status:
+                    raise StartupError(_startup_failure(process, status))
+                statuses[process.name] = status
     except BaseException:
         runtime.shutdown()
         raise
-    if not status or "error" in status:
-        runtime.shutdown()
-        if status:
-            logger.debug("the scheduler's traceback:\n%s", status["error"])
-            raise StartupError(f"the scheduler failed to start: {exception_summary(status['error'])}")
-        raise StartupError(f"the scheduler exited with code {runtime.processes[0].exitcode} while starting")
-    runtime.summary = status["summary"]
+    runtime.summary = statuses[schedulers[0].name]["summary"]
+
+
+def _startup_failure(process: mp.Process, status: Optional[dict]) -> str:
+    if status:
+        logger.debug("the %s's traceback:\n%s", process.name, status["error"])
+        return f"the {process.name} failed to start: {exception_summary(status['error'])}"
+    process.join(timeout=5)
+    return f"the {process.name} exited with code {process.exitcode} while starting"

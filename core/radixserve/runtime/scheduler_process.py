@@ -5,22 +5,40 @@ from __future__ import annotations
 import logging
 import traceback
 from multiprocessing.connection import Connection
+from typing import Optional
 
 import zmq
 
 from radixserve.config import ServerArgs
 from radixserve.ipc import Endpoints, die_with_parent, pull_socket, push_socket
 from radixserve.logging_utils import configure_logging
-from radixserve.messages import AbortRequest, ControlReply, ControlRequest, GenerateRequest, TokenBatch
+from radixserve.messages import (
+    AbortRequest,
+    ControlReply,
+    ControlRequest,
+    GenerateRequest,
+    ReplicaFinished,
+    TokenBatch,
+)
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
 
 
-def run_scheduler_process(args: ServerArgs, model_path: str, endpoints: Endpoints, ready: Connection) -> None:
+def scheduler_process_name(dp_rank: Optional[int]) -> str:
+    return "scheduler" if dp_rank is None else f"scheduler-dp{dp_rank}"
+
+
+def run_scheduler_process(
+    args: ServerArgs, model_path: str, endpoints: Endpoints, ready: Connection, dp_rank: Optional[int] = None
+) -> None:
+    """Load the model and serve. ``dp_rank``: this group's data-parallel rank
+    behind the DP controller (None without one); ``endpoints.tokenizer_manager``
+    is then the controller's, which also gets the ids of the requests that
+    finished (``ReplicaFinished``) after their outputs went to the detokenizer."""
     die_with_parent()
-    configure_logging(args.log_level, prefix="scheduler")
+    configure_logging(args.log_level, prefix=scheduler_process_name(dp_rank))
     try:
         from transformers import AutoTokenizer
 
@@ -56,6 +74,9 @@ def run_scheduler_process(args: ServerArgs, model_path: str, endpoints: Endpoint
         scheduler.profiler.after_step()
         if outputs:
             to_detok.send_pyobj(TokenBatch(outputs))
+            finished = [out.rid for out in outputs if out.finish_reason is not None]
+            if dp_rank is not None and finished:
+                to_tm.send_pyobj(ReplicaFinished(dp_rank, finished))
         if not scheduler.has_work() and not checked_idle:
             checked_idle = True
             if not scheduler.check_memory():
