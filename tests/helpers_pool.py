@@ -39,6 +39,20 @@ class ServerPool:
         return httpx.post(self.url + "/flush_cache", headers=self.headers, timeout=30).status_code == 200
 
 
+class ReplicaPool(ServerPool):
+    """One data-parallel replica of a live server: its own scheduler stats (from
+    ``/get_server_info``'s ``replicas``) with the server's ``num_in_flight``; the
+    flush is the server's, which spans every replica."""
+
+    def __init__(self, url: str, dp_rank: int, headers: dict[str, str] | None = None):
+        super().__init__(url, headers)
+        self.dp_rank = dp_rank
+
+    def stats(self) -> dict[str, Any]:
+        info = httpx.get(self.url + "/get_server_info", headers=self.headers, timeout=30).json()
+        return {**info["replicas"][self.dp_rank]["stats"], "num_in_flight": info["num_in_flight"]}
+
+
 class EnginePool:
     settle_s = 20.0
 

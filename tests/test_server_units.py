@@ -130,9 +130,8 @@ def test_metrics_registries_are_per_server():
     first.record_admitted(0.02, prompt_tokens=10, cached_tokens=4)
     first.record_generated(3)
     first.record_finish(0.5, "stop")
-    first.update(
-        {"num_running_reqs": 2, "num_queue_reqs": 1, "token_usage": 0.5, "cache_hit_rate": 0.4, "num_retracted_reqs": 0}
-    )
+    stats = {"num_running_reqs": 2, "num_queue_reqs": 1, "token_usage": 0.5, "cache_hit_rate": 0.4}
+    first.update({"stats": {**stats, "num_retracted_reqs": 0}})
     samples = {s.name: s for f in text_string_to_metric_families(first.render().decode()) for s in f.samples}
     assert samples["radixserve:prompt_tokens_total"].value == 10
     assert samples["radixserve:num_running_reqs"].value == 2

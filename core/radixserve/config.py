@@ -13,9 +13,11 @@ from typing import Any, Callable, Literal, Optional, Union
 SchedulePolicy = Literal["fcfs", "lpm", "priority"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 BackendSelection = Literal["measure", "priority"]
+LoadBalanceMethod = Literal["round_robin", "shortest_queue", "minimum_tokens"]
 SCHEDULE_POLICIES: tuple[str, ...] = typing.get_args(SchedulePolicy)
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 BACKEND_SELECTIONS: tuple[str, ...] = typing.get_args(BackendSelection)
+LOAD_BALANCE_METHODS: tuple[str, ...] = typing.get_args(LoadBalanceMethod)
 
 
 def _flag(help: str, **kw: Any) -> Any:
@@ -81,8 +83,19 @@ class ServerArgs:
         "the group instead of stalling it)",
         default=600.0,
     )
+    dp_size: int = _flag(
+        "data parallel size: that many replicas (scheduler groups, each with its own KV pool) behind one "
+        "controller that dispatches each request to one of them",
+        default=1,
+    )
+    load_balance_method: LoadBalanceMethod = _flag(
+        "how the data-parallel controller picks a replica: round_robin, shortest_queue (fewest unfinished "
+        "requests) or minimum_tokens (fewest unfinished prompt + max_new_tokens tokens); ties go round robin",
+        default="round_robin",
+    )
     base_gpu_id: int = _flag(
-        "device index of the first rank: tensor-parallel rank i runs on device base_gpu_id + i, "
+        "device index of the first rank: rank i of data-parallel replica k runs on device "
+        "base_gpu_id + k * tp_size + i, "
         "counted among the visible devices (after CUDA_VISIBLE_DEVICES and the like)",
         default=0,
     )
@@ -221,6 +234,12 @@ class ServerArgs:
                 bad("dist_init_addr", f"must be host:port with a port in [1, 65535], got {self.dist_init_addr!r}")
         if self.dist_timeout <= 0:
             bad("dist_timeout", f"must be > 0 seconds, got {self.dist_timeout}")
+        if self.dp_size < 1:
+            bad("dp_size", f"must be >= 1, got {self.dp_size}")
+        if self.dp_size > 1 and self.nnodes > 1:
+            bad("dp_size", "replicas over several nodes are not built yet: with --nnodes > 1, --dp-size must be 1")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            bad("load_balance_method", f"must be one of {LOAD_BALANCE_METHODS}, got {self.load_balance_method!r}")
 
     @property
     def dist_init_host_port(self) -> tuple[str, int]:

@@ -24,7 +24,8 @@ Params = Union[dict, list[dict], None]
 
 
 class Engine:
-    """``Engine(model_path=..., **server_args)``; every ServerArgs field is a keyword."""
+    """``Engine(model_path=..., **server_args)``; every ServerArgs field is a keyword
+    (``dp_size=N``: N replicas behind the data-parallel controller, as the server)."""
 
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
         self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)

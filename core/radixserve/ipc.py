@@ -29,6 +29,15 @@ class Endpoints:
         names = ("scheduler", "detokenizer", "tokenizer_manager")
         return cls(*(f"ipc://{base}/{name}" for name in names), directory=base)
 
+    def for_replica(self, dp_rank: int) -> "Endpoints":
+        """Data-parallel replica ``dp_rank``'s addresses behind the DP controller: it
+        PULLs requests on its own address, sends token batches to the shared
+        detokenizer, and control replies and finish reports to the controller,
+        which PULLs where the TokenizerManager sends (``scheduler``)."""
+        return Endpoints(
+            f"ipc://{self.directory}/scheduler-dp{dp_rank}", self.detokenizer, self.scheduler, self.directory
+        )
+
     def remove(self) -> None:
         """Delete the socket files (after every process using them has stopped)."""
         shutil.rmtree(self.directory, ignore_errors=True)

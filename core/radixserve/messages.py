@@ -5,6 +5,13 @@
     Scheduler --TokenBatch--> Detokenizer --TextBatch--> TokenizerManager
     Scheduler --ControlReply--> TokenizerManager
 
+With --dp-size > 1 the DP controller stands where the TokenizerManager's
+scheduler was: it forwards each GenerateRequest to one replica (a scheduler
+group), AbortRequest to the replica running it, ControlRequest to all (merging
+their ControlReplies); replicas report finished requests to it
+(ReplicaFinished) and send their TokenBatches straight to the detokenizer; the
+process watcher tells it of a dead replica (ReplicaDown).
+
 server/ and runtime/ both import this; runtime/ never imports server/, and server/
 imports runtime/ only to start its processes (runtime/processes.py).
 """
@@ -93,6 +100,23 @@ class ControlReply:
     kind: str
     call_id: int
     payload: Any = None
+
+
+@dataclass
+class ReplicaFinished:
+    """A data-parallel replica to the DP controller: the requests whose final
+    ``TokenOutput`` it just sent to the detokenizer (sent only when some finished)."""
+
+    dp_rank: int
+    rids: list[str]
+
+
+@dataclass
+class ReplicaDown:
+    """The process watcher to the DP controller: replica ``dp_rank``'s scheduler group died."""
+
+    dp_rank: int
+    reason: str
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
-"""Starts the runtime processes shared by the HTTP server and the offline Engine:
-the scheduler (one process per tensor-parallel rank of this node) and, on node
-0, the detokenizer, spawned (never forked), wired by ZMQ.
+"""Starts the runtime processes shared by the HTTP server and the offline Engine,
+spawned (never forked), wired by ZMQ: the scheduler groups (one process per
+tensor-parallel rank of this node; with --dp-size > 1 one group per replica,
+behind the DP controller) and, on node 0, the detokenizer.
 
 A failure inside a child is reported as its exception's last line; full
 tracebacks are logged at debug level only.
@@ -8,6 +9,7 @@ tracebacks are logged at debug level only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -25,9 +27,10 @@ import zmq
 from radixserve.config import ServerArgs
 from radixserve.ipc import Endpoints, push_socket
 from radixserve.launcher_env import launcher_serves_store
-from radixserve.messages import ShutdownRequest
+from radixserve.messages import ReplicaDown, ShutdownRequest
 from radixserve.runtime.detokenizer import run_detokenizer_process
 from radixserve.runtime.distributed import RankSpec, Rendezvous, host_store
+from radixserve.runtime.dp_controller import run_dp_controller_process
 from radixserve.runtime.scheduler_process import run_scheduler_process, scheduler_process_name
 from radixserve.startup_error import StartupError
 
@@ -74,18 +77,30 @@ def _run_child(target: Callable[..., None], *args: Any) -> None:
 
 
 @dataclass
-class RuntimeProcesses:
-    """This node's runtime processes: its scheduler ranks (``ranks``, the first
-    being rank 0 on node 0) and, on node 0, the detokenizer."""
+class SchedulerGroup:
+    """One scheduler group: this node's tensor-parallel ranks of one replica (the
+    first being rank 0 on node 0, which takes the requests on
+    ``endpoints.scheduler``); with --dp-size > 1, one replica."""
 
+    dp_rank: Optional[int]  # None without data parallelism
+    endpoints: Endpoints
+    processes: list[mp.Process]
+    store: Optional[Any] = None  # the TCP store its ranks meet at, when this process serves it
+
+    @property
+    def name(self) -> str:
+        return "the scheduler" if self.dp_rank is None else f"data-parallel replica {self.dp_rank}"
+
+
+@dataclass
+class RuntimeProcesses:
     args: ServerArgs
     model_path: str
     tokenizer_path: str
     endpoints: Endpoints
     summary: dict
-    ranks: list[mp.Process] = field(default_factory=list)
-    processes: list[mp.Process] = field(default_factory=list)  # the ranks, then the detokenizer (node 0)
-    store: Optional[Any] = None  # the TCP store the ranks meet at, when this process serves it
+    groups: list[SchedulerGroup] = field(default_factory=list)
+    processes: list[mp.Process] = field(default_factory=list)  # the groups', the controller, the detokenizer
     _stopping: bool = False
 
     @property
@@ -93,16 +108,45 @@ class RuntimeProcesses:
         """Whether this node runs rank 0 (which takes the requests)."""
         return self.args.node_rank == 0
 
+    @property
+    def ranks(self) -> list[mp.Process]:
+        """Every scheduler rank process on this node."""
+        return [p for g in self.groups for p in g.processes]
+
     def watch(self, on_death: Callable[[str], None]) -> None:
-        """Call ``on_death(reason)`` once, from a thread, if a child exits while we run."""
+        """Call ``on_death(reason)`` once, from a thread, when the runtime can no
+        longer serve: a child exits while we run, except a replica's while other
+        replicas live. Then its group's other processes are stopped and the DP
+        controller told (``ReplicaDown``), which ends that replica's requests."""
 
         def wait() -> None:
-            ready = wait_any([p.sentinel for p in self.processes])
-            if self._stopping:
-                return
-            reason = self.death_reason([p for p in self.processes if p.sentinel in ready])
-            logger.error("runtime process died: %s", reason)
-            on_death(reason)
+            ctx = zmq.Context()
+            to_controller = push_socket(ctx, self.endpoints.scheduler) if self.args.dp_size > 1 else None
+            live = {p.sentinel: p for p in self.processes}
+            group_of = {p.sentinel: g for g in self.groups for p in g.processes}
+            up = list(self.groups)
+            try:
+                while True:
+                    ready = wait_any(list(live))
+                    if self._stopping:
+                        return
+                    reason = self.death_reason([live.pop(s) for s in ready])
+                    logger.error("runtime process died: %s", reason)
+                    down = [g for g in up if any(group_of.get(s) is g for s in ready)]
+                    replicas_only = all(s in group_of for s in ready)
+                    if to_controller is None or not replicas_only or len(down) == len(up):
+                        on_death(reason)
+                        return
+                    for group in down:
+                        up.remove(group)
+                        for p in group.processes:
+                            live.pop(p.sentinel, None)
+                            if p.is_alive():
+                                p.terminate()
+                        logger.error("%s is down (%s); %d replica(s) serve on", group.name, reason, len(up))
+                        to_controller.send_pyobj(ReplicaDown(group.dp_rank, reason))
+            finally:
+                ctx.destroy(linger=1000)
 
         threading.Thread(target=wait, daemon=True, name="process-watch").start()
 
@@ -112,18 +156,20 @@ class RuntimeProcesses:
         return ", ".join(f"{p.name} exited with code {p.exitcode}" for p in dead)
 
     def shutdown(self) -> None:
-        """Stop every process: on node 0 rank 0 first passes a ShutdownRequest to
-        every rank of every node (they leave their loops); what is still running
-        after SHUTDOWN_GRACE_S is terminated, then killed."""
+        """Stop every process: on node 0 each group's rank 0 first passes a
+        ShutdownRequest to every rank of its group on every node (they leave their
+        loops); what is still running after SHUTDOWN_GRACE_S is terminated, then killed."""
         self._stopping = True
-        if self.leads and self.ranks and self.ranks[0].is_alive():
+        if self.leads:
             ctx = zmq.Context()
-            # Held until the ranks have left: a socket collected at once (LINGER 0) would drop the message.
-            sock = push_socket(ctx, self.endpoints.scheduler)
             try:
-                sock.send_pyobj(ShutdownRequest())
+                # Held until the ranks have left: a socket collected at once (LINGER 0) would drop the message.
+                leaders = [g for g in self.groups if g.processes and g.processes[0].is_alive()]
+                sockets = [push_socket(ctx, g.endpoints.scheduler) for g in leaders]
+                for sock in sockets:
+                    sock.send_pyobj(ShutdownRequest())
                 deadline = time.monotonic() + SHUTDOWN_GRACE_S
-                for p in self.ranks:
+                for p in [p for g in leaders for p in g.processes]:
                     p.join(timeout=max(0.0, deadline - time.monotonic()))
             finally:
                 ctx.destroy(linger=0)
@@ -136,7 +182,8 @@ class RuntimeProcesses:
                 p.kill()
                 p.join()
         self.endpoints.remove()
-        self.store = None
+        for group in self.groups:
+            group.store = None
 
 
 def launch_runtime(args: ServerArgs, model_path: str) -> RuntimeProcesses:
@@ -146,9 +193,10 @@ def launch_runtime(args: ServerArgs, model_path: str) -> RuntimeProcesses:
 
 
 def rank_specs(args: ServerArgs) -> tuple[list[Optional[RankSpec]], Optional[Any]]:
-    """This node's ranks (``[None]`` at tp_size 1), and the TCP store this process
-    serves for them (None where another node or the launcher serves it). One node
-    alone serves it on 127.0.0.1 at a port the OS picks."""
+    """This node's ranks of one group (``[None]`` at tp_size 1), and the TCP store
+    this process serves for them (None where another node or the launcher serves
+    it). One node alone serves it on 127.0.0.1 at a port the OS picks (one store
+    per group, so data-parallel groups meet apart)."""
     if args.tp_size == 1:
         return [None], None
     if args.dist_init_addr is None:
@@ -166,6 +214,32 @@ def rank_specs(args: ServerArgs) -> tuple[list[Optional[RankSpec]], Optional[Any
     return specs, store
 
 
+def spawn_group(
+    ctx: Any, args: ServerArgs, model_path: str, endpoints: Endpoints, dp_rank: Optional[int]
+) -> tuple[SchedulerGroup, list[Connection]]:
+    """Start this node's ranks of one scheduler group on ``endpoints``; returns it
+    with the pipes its ranks report on. Replica ``dp_rank`` starts at device
+    ``--base-gpu-id + dp_rank * --tp-size``."""
+    if dp_rank is not None:
+        args = dataclasses.replace(args, base_gpu_id=args.base_gpu_id + dp_rank * args.tp_size)
+    specs, store = rank_specs(args)
+    group = SchedulerGroup(dp_rank, endpoints, [], store)
+    pipes = []
+    for spec in specs:
+        ready_recv, ready_send = ctx.Pipe(duplex=False)
+        rank = ctx.Process(
+            target=_run_child,
+            name=scheduler_process_name(spec, dp_rank),
+            args=(run_scheduler_process, args, model_path, endpoints, ready_send, spec, dp_rank),
+            daemon=True,
+        )
+        rank.start()
+        ready_send.close()
+        group.processes.append(rank)
+        pipes.append(ready_recv)
+    return group, pipes
+
+
 def spawn_runtime(args: ServerArgs, model_path: str) -> tuple[RuntimeProcesses, list[Connection]]:
     """Start this node's processes; returns at once, with the pipes its ranks report on.
 
@@ -174,22 +248,22 @@ def spawn_runtime(args: ServerArgs, model_path: str) -> tuple[RuntimeProcesses, 
     ctx = mp.get_context("spawn")
     endpoints = Endpoints.fresh()
     tokenizer_path = args.tokenizer_path or model_path
-    specs, store = rank_specs(args)
-    runtime = RuntimeProcesses(args, model_path, tokenizer_path, endpoints, summary={}, store=store)
-    pipes = []
-    for spec in specs:
-        ready_recv, ready_send = ctx.Pipe(duplex=False)
-        rank = ctx.Process(
-            target=_run_child,
-            name=scheduler_process_name(spec),
-            args=(run_scheduler_process, args, model_path, endpoints, ready_send, spec),
-            daemon=True,
+    runtime = RuntimeProcesses(args, model_path, tokenizer_path, endpoints, summary={})
+    pipes: list[Connection] = []
+    if args.dp_size == 1:
+        spawned = [spawn_group(ctx, args, model_path, endpoints, None)]
+    else:
+        spawned = [spawn_group(ctx, args, model_path, endpoints.for_replica(k), k) for k in range(args.dp_size)]
+    for group, group_pipes in spawned:
+        runtime.groups.append(group)
+        runtime.processes += group.processes
+        pipes += group_pipes
+    if runtime.leads and args.dp_size > 1:
+        controller = ctx.Process(
+            target=_run_child, name="dp-controller", args=(run_dp_controller_process, args, endpoints), daemon=True
         )
-        rank.start()
-        ready_send.close()
-        runtime.ranks.append(rank)
-        pipes.append(ready_recv)
-    runtime.processes = list(runtime.ranks)
+        controller.start()
+        runtime.processes.append(controller)
     if runtime.leads:
         detokenizer = ctx.Process(
             target=_run_child,
@@ -206,7 +280,8 @@ def wait_until_ready(runtime: RuntimeProcesses, ready_pipes: list[Connection]) -
     """Block until every rank of this node has loaded the model (fills
     ``runtime.summary`` from the first); on the first failure stop the processes
     and raise StartupError naming the rank."""
-    pending = dict(zip(ready_pipes, runtime.ranks))
+    ranks = runtime.ranks
+    pending = dict(zip(ready_pipes, ranks))
     statuses: dict[str, dict] = {}
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     try:
@@ -227,7 +302,7 @@ def wait_until_ready(runtime: RuntimeProcesses, ready_pipes: list[Connection]) -
     except BaseException:
         runtime.shutdown()
         raise
-    runtime.summary = statuses[runtime.ranks[0].name]["summary"]
+    runtime.summary = statuses[ranks[0].name]["summary"]
 
 
 def _startup_failure(process: mp.Process, status: Optional[dict]) -> str:

@@ -24,6 +24,7 @@ from radixserve.messages import (
     ControlReply,
     ControlRequest,
     GenerateRequest,
+    ReplicaFinished,
     ShutdownRequest,
     TokenBatch,
 )
@@ -34,17 +35,32 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 50
 
 
-def scheduler_process_name(rank: Optional[RankSpec]) -> str:
-    return "scheduler" if rank is None else f"scheduler-tp{rank.rank}"
+def scheduler_process_name(rank: Optional[RankSpec], dp_rank: Optional[int] = None) -> str:
+    """``scheduler``, ``scheduler-tp1``, ``scheduler-dp0``, ``scheduler-dp1-tp1``..."""
+    parts = ["scheduler"]
+    if dp_rank is not None:
+        parts.append(f"dp{dp_rank}")
+    if rank is not None:
+        parts.append(f"tp{rank.rank}")
+    return "-".join(parts)
 
 
 def run_scheduler_process(
-    args: ServerArgs, model_path: str, endpoints: Endpoints, ready: Connection, rank: Optional[RankSpec] = None
+    args: ServerArgs,
+    model_path: str,
+    endpoints: Endpoints,
+    ready: Connection,
+    rank: Optional[RankSpec] = None,
+    dp_rank: Optional[int] = None,
 ) -> None:
     """Load the model and serve until a ShutdownRequest. ``rank``: this process's
-    tensor-parallel rank (None at tp_size 1)."""
+    tensor-parallel rank (None at tp_size 1). ``dp_rank``: its group's
+    data-parallel rank behind the DP controller (None without one);
+    ``endpoints.tokenizer_manager`` is then the controller's, which also gets the
+    ids of the requests that finished (``ReplicaFinished``) after their outputs
+    went to the detokenizer."""
     die_with_parent()
-    configure_logging(args.log_level, prefix=scheduler_process_name(rank))
+    configure_logging(args.log_level, prefix=scheduler_process_name(rank, dp_rank))
     if rank is not None and rank.rank > 0:  # rank 0's stats lines speak for the group
         logging.getLogger("radixserve.runtime.scheduler_stats").setLevel(logging.WARNING)
     try:
@@ -94,6 +110,9 @@ def run_scheduler_process(
         scheduler.profiler.after_step()
         if outputs and to_detok is not None:
             to_detok.send_pyobj(TokenBatch(outputs))
+            finished = [out.rid for out in outputs if out.finish_reason is not None]
+            if dp_rank is not None and finished:
+                to_tm.send_pyobj(ReplicaFinished(dp_rank, finished))
         if not scheduler.has_work() and not checked_idle:
             checked_idle = True
             if not scheduler.check_memory():

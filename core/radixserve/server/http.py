@@ -207,7 +207,7 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
         if state.status == "ready":
             # A runtime that just died still leaves the histograms worth scraping.
             with contextlib.suppress(RuntimeError, asyncio.TimeoutError):
-                state.metrics.update((await state.tm.control("server_info", timeout=5))["stats"])
+                state.metrics.update(await state.tm.control("server_info", timeout=5))
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -8,11 +8,20 @@ and histograms are fed by the TokenizerManager from every output of every
 request until the scheduler finishes it, its client gone or not (so aborted
 and disconnected requests' tokens count), and by the access log, which counts
 error statuses.
+
+With --dp-size > 1 the ``replica_*`` families carry a ``dp_rank`` label, one
+series per replica, read from ``server_info``'s ``replicas`` at scrape time
+(``ReplicaCollector``): whether it is up, its running and queued requests, KV
+use, the requests the controller dispatched to it and the tokens it made.
 """
 
 from __future__ import annotations
 
+from typing import Any, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 PREFIX = "radixserve:"
 
@@ -52,6 +61,44 @@ _GAUGES = {
 }
 
 
+# Per-replica families: name -> (help, the replica's value, counter?).
+_REPLICA_FAMILIES: dict[str, tuple[str, Any, bool]] = {
+    "replica_up": ("1 while the data-parallel replica serves, 0 once it died", lambda r: int(r["alive"]), False),
+    "replica_num_running_reqs": ("the replica's running requests", lambda r: r["stats"]["num_running_reqs"], False),
+    "replica_num_queue_reqs": ("the replica's waiting requests", lambda r: r["stats"]["num_queue_reqs"], False),
+    "replica_token_usage": ("fraction of the replica's KV pool in use", lambda r: r["stats"]["token_usage"], False),
+    "replica_requests_dispatched": (
+        "requests the data-parallel controller sent to the replica",
+        lambda r: r["requests_dispatched_total"],
+        True,
+    ),
+    "replica_generation_tokens": (
+        "tokens the replica generated",
+        lambda r: r["stats"]["generation_tokens_total"],
+        True,
+    ),
+}
+
+
+class ReplicaCollector(Collector):
+    """The ``replica_*`` families of the last ``server_info`` (none without data parallelism)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.replicas: list[dict[str, Any]] = []
+
+    def collect(self) -> Iterator[Metric]:
+        if not self.replicas:
+            return
+        for name, (doc, value, is_counter) in _REPLICA_FAMILIES.items():
+            family_type = CounterMetricFamily if is_counter else GaugeMetricFamily
+            family = family_type(PREFIX + name, doc, labels=("model_name", "dp_rank"))
+            for replica in self.replicas:
+                if replica["stats"] is not None or name == "replica_up":  # a dead replica has no stats
+                    family.add_metric((self.model_name, str(replica["dp_rank"])), value(replica))
+            yield family
+
+
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -70,6 +117,8 @@ class ServerMetrics:
             return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
 
         self.gauges = {name: gauge(name, doc) for name, doc in _GAUGES.items()}
+        self.replicas = ReplicaCollector(model_name)
+        self.registry.register(self.replicas)
         self.model_name = model_name
         self.prompt_tokens = counter("prompt_tokens", "prompt tokens of admitted requests")
         self.generation_tokens = counter("generation_tokens", "generated tokens, aborted requests' included")
@@ -123,8 +172,11 @@ class ServerMetrics:
         self.num_request_errors.labels(self.model_name, str(status)).inc()
 
     # ---- scrape ---------------------------------------------------------------------
-    def update(self, stats: dict) -> None:
-        """Refresh the gauges from ``control("server_info")["stats"]``."""
+    def update(self, info: dict) -> None:
+        """Refresh the gauges from ``control("server_info")``: its ``stats`` (the
+        replicas' totals with data parallelism) and its ``replicas``, if any."""
+        stats = info["stats"]
+        self.replicas.replicas = info.get("replicas", [])
         for name, gauge in self.gauges.items():
             if name != "cache_hit_rate":
                 gauge.set(stats[name])

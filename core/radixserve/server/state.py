@@ -5,7 +5,9 @@ runs in the background: resolve the model (maybe building the demo model or
 downloading), launch the scheduler and detokenizer processes, create the
 TokenizerManager in the serving event loop, warm up, and ask the scheduler for
 its health. If a runtime process dies later, every waiting request fails and the
-server exits: a half-dead server must not linger behind a load balancer.
+server exits: a half-dead server must not linger behind a load balancer. The
+exception is a data-parallel replica while others live: the DP controller ends
+that replica's requests, reports it, and the rest serve on.
 
 A start-up failure is logged as one line (the traceback at debug level). On
 SIGTERM the server drains (``drain``) before it stops.
@@ -142,6 +144,12 @@ class ServerState:
                 s["tp_size"],
                 args.nnodes,
                 args.ranks_per_node,
+            )
+        if args.dp_size > 1:
+            logger.info(
+                "data parallel: %d replicas behind the DP controller (%s); the figures below are each replica's",
+                args.dp_size,
+                args.load_balance_method,
             )
         for kind, name in s["backends"].items():
             how = s["backend_choices"].get(kind, "?")
