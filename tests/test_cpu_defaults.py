@@ -25,6 +25,7 @@ from radixserve_torch.cpu_topology import (
     parse_cpulist,
     physical_cores,
     place_this_process,
+    thread_share,
 )
 from radixserve_torch.platform import CpuPlatform
 
@@ -148,6 +149,30 @@ def test_omp_num_threads_leaves_cpus_and_threads_alone(tmp_path, fake_process):
     assert fake_process == {"affinity": None, "threads": None}
     assert placement.cpus == set(range(16)) and placement.cores == 8
     assert placement.threads == torch.get_num_threads() and placement.threads_from == "OMP_NUM_THREADS=3"
+
+
+def test_model_processes_sharing_a_node_split_its_cores(tmp_path, fake_process):
+    """Two replicas (or tensor-parallel ranks) on node 0's 4 physical cores get 2
+    threads each; one process, or a user's OMP_NUM_THREADS, is left alone."""
+    sysfs = fake_sysfs(tmp_path, TWO_NODES, SIBLINGS)
+    assert thread_share(2, sysfs, environ={}) == {"OMP_NUM_THREADS": "2"}
+    assert thread_share(3, sysfs, environ={}) == {"OMP_NUM_THREADS": "1"}
+    assert thread_share(8, sysfs, environ={}) == {"OMP_NUM_THREADS": "1"}  # never zero
+    assert thread_share(1, sysfs, environ={}) == {}
+    assert thread_share(2, sysfs, environ={"OMP_NUM_THREADS": "4"}) == {}
+
+
+def test_an_engine_with_two_replicas_gives_each_its_share_of_the_cores(tiny_llama_dir, monkeypatch):
+    """Started by the runtime, each replica's model process runs the share of threads
+    the platform gave it (two of one thread per core each were 5x slower on 2 cores)."""
+    from radixserve.engine import Engine
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    share = CpuPlatform.process_environment(2)
+    with Engine(model_path=str(tiny_llama_dir), dp_size=2, max_total_tokens=2048, log_level="warning") as engine:
+        summary = engine.server_info()
+    expected = f"OMP_NUM_THREADS={share['OMP_NUM_THREADS']}"
+    assert expected in summary["device"], summary["device"]
 
 
 # -- memory ---------------------------------------------------------------------

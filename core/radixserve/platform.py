@@ -75,6 +75,14 @@ class Platform:
     def describe(self, index: int = 0) -> str:
         return self.name
 
+    @classmethod
+    def process_environment(cls, processes_per_host: int) -> dict[str, str]:
+        """Environment variables for each of the ``processes_per_host`` model
+        processes the runtime starts on this host (tensor-parallel ranks of the node
+        times data-parallel replicas). A platform whose processes share the host's
+        cores gives each its share; the default adds nothing."""
+        return {}
+
     def bind_device(self, device: torch.device) -> None:
         """Make ``device`` this process's current device, so that kernels launched on
         the current device's stream (Triton, FlashInfer, graph capture) run on the

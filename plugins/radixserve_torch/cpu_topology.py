@@ -111,6 +111,18 @@ def place_this_process(sysfs: Path = SYSFS, environ: Mapping[str, str] = os.envi
     return CpuPlacement(node, len(nodes), cpus, cores, cores, "one per physical core")
 
 
+def thread_share(processes: int, sysfs: Path = SYSFS, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """``OMP_NUM_THREADS`` for each of ``processes`` model processes sharing this
+    process's NUMA node: its physical cores split evenly (at least one each), so that
+    they do not oversubscribe the cores (two replicas of one thread per core each ran
+    5x slower than one replica on 2 cores). Nothing when one process runs, or when
+    the user set ``OMP_NUM_THREADS``."""
+    if processes <= 1 or environ.get("OMP_NUM_THREADS"):
+        return {}
+    _, cpus = choose_node(frozenset(os.sched_getaffinity(0)), numa_nodes(sysfs))
+    return {"OMP_NUM_THREADS": str(max(1, physical_cores(cpus, sysfs) // processes))}
+
+
 def format_cpulist(cpus: frozenset[int]) -> str:
     """The inverse of :func:`parse_cpulist`."""
     ranges: list[list[int]] = []

@@ -9,7 +9,7 @@ import torch
 
 from radixserve.platform import DtypeChoice, Platform
 from radixserve_torch import cpu_isa
-from radixserve_torch.cpu_topology import HostMemory, host_memory, place_this_process
+from radixserve_torch.cpu_topology import HostMemory, host_memory, place_this_process, thread_share
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,10 @@ class CpuPlatform(Platform):
             torch.float32,
             f"{what}, served in float32: {bf16.reason}; emulated bfloat16 matmuls are slower than float32 ones",
         )
+
+    @classmethod
+    def process_environment(cls, processes_per_host: int) -> dict[str, str]:
+        return thread_share(processes_per_host)
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")

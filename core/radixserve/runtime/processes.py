@@ -9,6 +9,7 @@ tracebacks are logged at debug level only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -20,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import zmq
 
@@ -28,6 +29,7 @@ from radixserve.config import ServerArgs
 from radixserve.ipc import Endpoints, push_socket
 from radixserve.launcher_env import launcher_serves_store
 from radixserve.messages import ReplicaDown, ShutdownRequest
+from radixserve.registry import get_registry
 from radixserve.runtime.detokenizer import run_detokenizer_process
 from radixserve.runtime.distributed import RankSpec, Rendezvous, host_store
 from radixserve.runtime.dp_controller import run_dp_controller_process
@@ -250,10 +252,12 @@ def spawn_runtime(args: ServerArgs, model_path: str) -> tuple[RuntimeProcesses, 
     tokenizer_path = args.tokenizer_path or model_path
     runtime = RuntimeProcesses(args, model_path, tokenizer_path, endpoints, summary={})
     pipes: list[Connection] = []
-    if args.dp_size == 1:
-        spawned = [spawn_group(ctx, args, model_path, endpoints, None)]
-    else:
-        spawned = [spawn_group(ctx, args, model_path, endpoints.for_replica(k), k) for k in range(args.dp_size)]
+    platform = get_registry().resolve_platform(args.device)
+    with _environment(platform.process_environment(args.ranks_per_node * args.dp_size)):
+        if args.dp_size == 1:
+            spawned = [spawn_group(ctx, args, model_path, endpoints, None)]
+        else:
+            spawned = [spawn_group(ctx, args, model_path, endpoints.for_replica(k), k) for k in range(args.dp_size)]
     for group, group_pipes in spawned:
         runtime.groups.append(group)
         runtime.processes += group.processes
@@ -274,6 +278,21 @@ def spawn_runtime(args: ServerArgs, model_path: str) -> tuple[RuntimeProcesses, 
         detokenizer.start()
         runtime.processes.append(detokenizer)
     return runtime, pipes
+
+
+@contextlib.contextmanager
+def _environment(extra: dict[str, str]) -> Iterator[None]:
+    """``extra`` in this process's environment while children are spawned (they copy it)."""
+    saved = {name: os.environ.get(name) for name in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def wait_until_ready(runtime: RuntimeProcesses, ready_pipes: list[Connection]) -> None:
