@@ -18,6 +18,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
 READY_TIMEOUT_S = 300  # generous: the CI box has 2 cores shared with other suites
 _ANNOUNCE = re.compile(r"radixserve (listening|ready) at (\S+)")
 
@@ -129,3 +132,14 @@ async def wait_until_async(predicate: Callable[[], object], timeout: float, inte
             return True
         await asyncio.sleep(interval)
     return predicate()
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """The sum of a server's ``/metrics`` samples named ``name`` whose labels include ``labels``."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )

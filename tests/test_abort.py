@@ -17,8 +17,7 @@ import httpx
 import pytest
 from helpers_pool import ServerPool, assert_whole_pool_back, idle, stats
 from helpers_runtime import LENGTH, ScriptedRuntime, collect, generate
-from helpers_server import serving, wait_until, wait_until_async
-from prometheus_client.parser import text_string_to_metric_families
+from helpers_server import metric, serving, wait_until, wait_until_async
 
 from radixserve.messages import AbortRequest, FinishReason, TextBatch
 from radixserve.server.tokenizer_manager import RequestFailedError
@@ -95,16 +94,6 @@ def test_the_server_serves_after_the_aborts(server):
     assert_whole_pool_back(ServerPool(server.url))
 
 
-def _metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == name and labels.items() <= s.labels.items()
-    )
-
-
 def test_a_refused_part_aborts_the_rest(server):
     """n=N+2 with N running slots and one queue place: the warm-up prefill
     runs, then N choices are admitted, one queued and the last refused. The
@@ -119,7 +108,7 @@ def test_a_refused_part_aborts_the_rest(server):
         ("/generate", {"text": prompts, "sampling_params": {"max_new_tokens": MAX_TOKENS, "ignore_eos": True}}),
     ]
     for path, body in cases:
-        errors_before = _metric(url, "radixserve:num_request_errors_total", code="503")
+        errors_before = metric(url, "radixserve:num_request_errors_total", code="503")
         before = stats(url)["generation_tokens_total"]
         response = httpx.post(url + path, json=body, timeout=60)
         if response.status_code == 200 and body.get("stream"):
@@ -129,7 +118,7 @@ def test_a_refused_part_aborts_the_rest(server):
         else:
             assert response.status_code == 503, (path, body, response.text)
             assert response.json()["error"]["code"] == "queue_full"
-            assert _metric(url, "radixserve:num_request_errors_total", code="503") == errors_before + 1
+            assert metric(url, "radixserve:num_request_errors_total", code="503") == errors_before + 1
         assert_stopped(url, before, (N + 1) * MAX_TOKENS // 4)
 
 
@@ -173,7 +162,7 @@ def test_access_log_lines(server):
     refused = httpx.post(server.url + "/v1/completions", json={**body, "model": "nope"}, timeout=60)
     assert refused.status_code == 404
     assert wait_until(lambda: _access_lines(server, "POST /v1/completions 404"), timeout=10)
-    assert _metric(server.url, "radixserve:num_request_errors_total", code="404") >= 1
+    assert metric(server.url, "radixserve:num_request_errors_total", code="404") >= 1
     # A body over 2 KB is cut.
     httpx.post(server.url + "/v1/completions", json={**body, "prompt": "x" * 5000, "max_tokens": 1}, timeout=60)
     assert wait_until(lambda: _access_lines(server, "x" * 100), timeout=10)

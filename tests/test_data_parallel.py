@@ -16,8 +16,7 @@ import httpx
 import openai
 import pytest
 from helpers_pool import ReplicaPool, ServerPool, assert_whole_pool_back
-from helpers_server import serving, wait_until
-from prometheus_client.parser import text_string_to_metric_families
+from helpers_server import metric, serving, wait_until
 
 from radixserve import Engine
 from radixserve.config import ServerArgs
@@ -175,16 +174,6 @@ def reference(engine: Engine) -> list[list[int]]:
     return [out["output_ids"] for out in engine.generate(PROMPTS, GREEDY)]
 
 
-def _metric(url: str, name: str, **labels: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == name and labels.items() <= s.labels.items()
-    )
-
-
 def _info(url: str) -> dict[str, Any]:
     return httpx.get(url + "/get_server_info", timeout=30).json()
 
@@ -199,15 +188,15 @@ def _generate(url: str, text: str, **params: Any) -> dict[str, Any]:
 def _assert_spread_and_equal(url: str, reference: list[list[int]]) -> None:
     """Concurrent requests: the tokens are dp=1's, and both replicas served some,
     as the per-replica metrics and /get_server_info show."""
-    before = [_metric(url, "radixserve:replica_requests_dispatched_total", dp_rank=str(k)) for k in (0, 1)]
+    before = [metric(url, "radixserve:replica_requests_dispatched_total", dp_rank=str(k)) for k in (0, 1)]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         outs = list(pool.map(lambda text: _generate(url, text), PROMPTS))
     assert [out["output_ids"] for out in outs] == reference
     for k in (0, 1):
-        dispatched = _metric(url, "radixserve:replica_requests_dispatched_total", dp_rank=str(k))
+        dispatched = metric(url, "radixserve:replica_requests_dispatched_total", dp_rank=str(k))
         assert dispatched > before[k], f"replica {k} got none of the requests"
-        assert _metric(url, "radixserve:replica_generation_tokens_total", dp_rank=str(k)) > 0
-        assert _metric(url, "radixserve:replica_up", dp_rank=str(k)) == 1
+        assert metric(url, "radixserve:replica_generation_tokens_total", dp_rank=str(k)) > 0
+        assert metric(url, "radixserve:replica_up", dp_rank=str(k)) == 1
     info = _info(url)
     assert info["dp_size"] == 2 and all(r["stats"]["generation_tokens_total"] > 0 for r in info["replicas"])
     assert info["stats"]["generation_tokens_total"] == sum(
@@ -308,7 +297,7 @@ def test_a_dead_replica_fails_its_requests_and_the_other_serves_on(tiny_llama_di
 
         dead = _info(url)["replicas"][1]
         assert dead["alive"] is False and "scheduler-dp1 exited with code -9" in dead["error"]
-        assert _metric(url, "radixserve:replica_up", dp_rank="1") == 0
+        assert metric(url, "radixserve:replica_up", dp_rank="1") == 0
         for _ in range(2):  # new requests go to the live replica
             assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).choices[0].text is not None
         assert httpx.get(url + "/health", timeout=30).status_code == 200
