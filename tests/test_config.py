@@ -142,3 +142,17 @@ def test_types_come_from_resolved_annotations_not_their_spelling():
 def test_an_annotation_without_a_command_line_form_is_an_error_naming_the_field(annotation):
     with pytest.raises(TypeError, match=r"ServerArgs\.extra: no command-line form"):
         cli_type("extra", annotation)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(dp_size=0), "dp_size"),
+        (dict(dp_size=2, nnodes=2, tp_size=2, dist_init_addr="127.0.0.1:5000"), "dp_size"),
+        (dict(load_balance_method="random"), "load_balance_method"),
+        (dict(tp_size=3, nnodes=2, dist_init_addr="127.0.0.1:5000"), "nnodes"),
+    ],
+)
+def test_parallel_settings_that_cannot_run_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        ServerArgs(**kwargs)
