@@ -85,6 +85,7 @@ def _stats(**kw: Any) -> dict[str, Any]:
         num_running_reqs=0,
         num_queue_reqs=0,
         token_usage=0.0,
+        tokens_in_use=0,
         cache_hit_rate=0.0,
         num_retracted_reqs=0,
         prompt_tokens_total=0,

@@ -150,8 +150,8 @@ class GraphBackend(abc.ABC):
 
 
 class GraphRuntime(Protocol):
-    """The stream and graph API of a torch device module, as ``torch.cuda`` spells it
-    (on CUDA builds of torch and, recording HIP graphs, on ROCm builds): what
+    """The stream and graph API of a torch device module, as torch's CUDA-style
+    modules spell it (a plugin's, on the builds of torch that have one): what
     :class:`StreamGraphBackend` calls. A plugin passes the module itself."""
 
     def device(self, device: torch.device, /) -> ContextManager[Any]:
@@ -181,7 +181,7 @@ class GraphRuntime(Protocol):
 
 
 class RecordedGraph(DeviceGraph):
-    """A graph recorded by a :class:`StreamGraphBackend` (``torch.cuda.CUDAGraph`` or the like)."""
+    """A graph recorded by a :class:`StreamGraphBackend` (an instance of the graph class its plugin passed)."""
 
     def __init__(self, graph: Any):
         self.graph = graph
@@ -208,8 +208,8 @@ class StreamGraphBackend(GraphBackend):
     - all graphs of one backend share one memory pool (the runner captures the
       largest batch first, and the smaller graphs reuse its blocks).
 
-    A subclass sets ``name``; the platform's ``graph_backend`` returns it with the
-    device module (``torch.cuda``) and its graph class (``torch.cuda.CUDAGraph``).
+    A subclass sets ``name``; the plugin's platform (``graph_backend``) builds it
+    with its torch device module and that module's graph class.
     """
 
     warmup_runs: ClassVar[int] = 2

@@ -85,9 +85,6 @@ class KVLedger:
         """Slots a step could take: free ones plus the cache's evictable ones."""
         return self.allocator.available_size() + self.cache.evictable_size()
 
-    def evictable(self) -> int:
-        return self.cache.evictable_size()
-
     def free_rows(self) -> int:
         return self.token_table.available_size()
 

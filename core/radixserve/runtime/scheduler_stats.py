@@ -30,6 +30,7 @@ class SchedulerStats:
     num_running_reqs: int
     num_queue_reqs: int
     token_usage: float
+    tokens_in_use: int  # held by requests or locked in the cache (free and evictable ones are not)
     cache_hit_rate: float
     num_retracted_reqs: int
     prompt_tokens_total: int
@@ -50,6 +51,7 @@ class SchedulerStats:
             num_running_reqs=num_running,
             num_queue_reqs=num_queued,
             token_usage=in_use / pool.total,
+            tokens_in_use=in_use,
             cache_hit_rate=totals.cached_tokens / totals.prompt_tokens if totals.prompt_tokens else 0.0,
             num_retracted_reqs=totals.retracted_reqs,
             prompt_tokens_total=totals.prompt_tokens,
@@ -105,12 +107,11 @@ class OperatorLog:
         now, tokens = time.perf_counter(), stats.generation_tokens_total
         then, before = self._last_decode
         self._last_decode = (now, tokens)
-        in_use = stats.max_total_tokens - stats.free_tokens - (stats.cached_tokens_in_tree - stats.locked_cached_tokens)
         logger.info(
             "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
             "#queue-req: %d",
             stats.num_running_reqs,
-            in_use,
+            stats.tokens_in_use,
             stats.token_usage,
             (tokens - before) / max(now - then, 1e-9),
             stats.num_queue_reqs,
