@@ -22,14 +22,22 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 READY_TIMEOUT_S = 300  # generous: the CI box has 2 cores shared with other suites
-_ANNOUNCE = re.compile(r"radixserve (listening|ready) at (\S+)")
+_ANNOUNCE = re.compile(r"radixserve (?:router )?(listening|ready) at (\S+)")
 
 
 class ServerProcess:
-    def __init__(self, *cli_args: str, env: Optional[dict[str, str]] = None, launcher: Sequence[str] = ()):
+    def __init__(
+        self,
+        *cli_args: str,
+        env: Optional[dict[str, str]] = None,
+        launcher: Sequence[str] = (),
+        command: str = "serve",
+    ):
         """``launcher``: what runs the ``radixserve.cli`` module (default ``python -m``;
-        e.g. torchrun's ``python -m torch.distributed.run ... -m``)."""
-        cmd = [*(launcher or (sys.executable, "-m")), "radixserve.cli", "serve", "--port", "0", *cli_args]
+        e.g. torchrun's ``python -m torch.distributed.run ... -m``); ``command``: ``serve``
+        or ``router`` (both print ``listening at`` and ``ready at``)."""
+        port = () if "--port" in cli_args else ("--port", "0")
+        cmd = [*(launcher or (sys.executable, "-m")), "radixserve.cli", command, *port, *cli_args]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.PIPE,

@@ -13,7 +13,8 @@ from typing import Literal, Optional
 
 import pytest
 
-from radixserve.config import DTYPES, SCHEDULE_POLICIES, ServerArgs, _flag, cli_type
+from radixserve.cli_args import cli_type
+from radixserve.config import DTYPES, SCHEDULE_POLICIES, ServerArgs, _flag
 
 
 def parser_for(cls: type[ServerArgs] = ServerArgs) -> argparse.ArgumentParser:
@@ -93,7 +94,7 @@ def test_every_field_is_typed_from_its_annotation():
     hints = typing.get_type_hints(ServerArgs)
     actions = {a.dest: a for a in parser_for()._actions}
     for f in dataclasses.fields(ServerArgs):
-        kind, _ = cli_type(f.name, hints[f.name])
+        kind, _ = cli_type("ServerArgs", f.name, hints[f.name])
         if kind is bool:
             assert isinstance(actions[f.name], argparse.BooleanOptionalAction), f.name
         else:
@@ -141,7 +142,7 @@ def test_types_come_from_resolved_annotations_not_their_spelling():
 )
 def test_an_annotation_without_a_command_line_form_is_an_error_naming_the_field(annotation):
     with pytest.raises(TypeError, match=r"ServerArgs\.extra: no command-line form"):
-        cli_type("extra", annotation)
+        cli_type("ServerArgs", "extra", annotation)
 
 
 @pytest.mark.parametrize(

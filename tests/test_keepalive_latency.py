@@ -19,7 +19,7 @@ import httpx
 import openai
 
 from radixserve.bench.metrics import median_call_ms
-from radixserve.server.http import _bind
+from radixserve.server.listen import bind_socket
 
 HEALTH_BOUND_MS = 15
 CHAT_BOUND_MS = 30
@@ -36,7 +36,7 @@ def test_accepted_connections_have_nodelay():
             accepted.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
             writer.close()
 
-        async with await asyncio.start_server(handle, sock=_bind("127.0.0.1", 0)) as server:
+        async with await asyncio.start_server(handle, sock=bind_socket("127.0.0.1", 0)) as server:
             _, writer = await asyncio.open_connection(*server.sockets[0].getsockname())
             writer.close()
             return await asyncio.wait_for(accepted, 10)

@@ -1,4 +1,5 @@
-"""``radixserve serve | plugins | --version``: one entry point, flags straight from ServerArgs."""
+"""``radixserve serve | router | plugins | bench | --version``: one entry point, flags straight
+from ServerArgs (serve) and RouterArgs (router)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import sys
 from typing import Optional
 
 from radixserve.config import ServerArgs
+from radixserve.router.args import RouterArgs
 from radixserve.version import __version__
 
 
@@ -78,6 +80,22 @@ def _serve(args: ServerArgs) -> int:
         return 1
 
 
+def _route(args: RouterArgs) -> int:
+    from radixserve.logging_utils import configure_logging
+    from radixserve.router.app import run_router
+    from radixserve.startup_error import StartupError
+
+    configure_logging(args.log_level, prefix="router")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per health check otherwise
+    try:
+        return run_router(args)
+    except StartupError as exc:
+        print(f"radixserve: error: {exc}", file=sys.stderr)
+        if exc.hint:
+            print(f"radixserve: hint: {exc.hint}", file=sys.stderr)
+        return 1
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="radixserve", description="A fast LLM inference server.")
     parser.add_argument("--version", action="version", version=f"radixserve {__version__}")
@@ -85,6 +103,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     # A short usage line, so that a bad flag value is reported in two lines, not forty.
     serve = sub.add_parser("serve", help="start the OpenAI-compatible server", usage="radixserve serve [options]")
     ServerArgs.add_cli_args(serve)
+    router = sub.add_parser(
+        "router", help="one OpenAI endpoint in front of several workers", usage="radixserve router [options]"
+    )
+    RouterArgs.add_cli_args(router)
     plugins = sub.add_parser("plugins", help="list plugins, their backends, and what is usable here")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
     from radixserve.bench.cli import add_bench_parser
@@ -101,6 +123,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         return run_bench(ns)
+    if ns.command == "router":
+        try:
+            router_args = RouterArgs.from_cli_args(ns)
+        except ValueError as exc:
+            router.error(str(exc))
+        return _route(router_args)
     if ns.command == "serve":
         from radixserve.launcher_env import apply_launcher_env
 

@@ -3,12 +3,12 @@ server all build it from here."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import types
 import typing
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional
+
+from radixserve.cli_args import CliArgs
+from radixserve.cli_args import flag as _flag
 
 SchedulePolicy = Literal["fcfs", "lpm", "priority"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -20,21 +20,15 @@ BACKEND_SELECTIONS: tuple[str, ...] = typing.get_args(BackendSelection)
 LOAD_BALANCE_METHODS: tuple[str, ...] = typing.get_args(LoadBalanceMethod)
 
 
-def _flag(help: str, **kw: Any) -> Any:
-    default = kw.pop("default")
-    meta = {"help": help, **kw}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
 @dataclass
-class ServerArgs:
+class ServerArgs(CliArgs):
     # model
     model_path: Optional[str] = _flag(
         "local HuggingFace model directory or hub repo id (org/name); omitted: the built-in demo model "
         "(random weights)",
         default=None,
+        cli_names=("--model", "--model-path"),  # --model is the documented spelling
+        metavar="MODEL",
     )
     tokenizer_path: Optional[str] = _flag("tokenizer directory (defaults to --model)", default=None)
     served_model_name: Optional[str] = _flag("model name reported by the API (defaults to --model)", default=None)
@@ -259,77 +253,8 @@ class ServerArgs:
         return self.chunked_prefill_size
 
     @classmethod
-    def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)}
-
-    @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
         unknown = set(kwargs) - cls.field_names()
         if unknown:
             raise TypeError(f"unknown server argument(s): {sorted(unknown)}")
         return cls(**kwargs)
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        """One option per field, typed from the field's resolved annotation (``cli_type``): a
-        bool is ``--flag`` / ``--no-flag``, a ``Literal`` lists its choices, ``Optional[X]``
-        parses as ``X``."""
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            # --model is the documented spelling; --model-path stays as an alias.
-            flags = ["--model", "--model-path"] if f.name == "model_path" else ["--" + f.name.replace("_", "-")]
-            flags += f.metadata.get("aliases", ())  # e.g. SGLang's spelling of the same flag
-            default = field_default(f)
-            kind, choices = cli_type(f.name, hints[f.name])
-            if kind is bool:
-                # --x sets True, --no-x False; a default of None (unset) leaves the choice to the server.
-                parser.add_argument(
-                    *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"]
-                )
-                continue
-            parser.add_argument(
-                *flags,
-                dest=f.name,
-                type=kind,
-                default=default,
-                choices=choices,
-                metavar="MODEL" if f.name == "model_path" else None,
-                help=f"{f.metadata['help']} (default: {default})",
-            )
-
-    @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> "ServerArgs":
-        return cls(**{name: getattr(ns, name) for name in cls.field_names()})
-
-
-def field_default(f: dataclasses.Field[Any]) -> Any:
-    """The default value of a ``ServerArgs`` field (every field has one)."""
-    if f.default is not dataclasses.MISSING:
-        return f.default
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    raise TypeError(f"ServerArgs.{f.name} has no default")
-
-
-def cli_type(name: str, hint: Any) -> tuple[type, Optional[tuple[Any, ...]]]:
-    """The argparse type, and the choices (None: any value), of the field ``name`` whose
-    resolved annotation is ``hint``: ``Optional[X]`` (or ``X | None``) is ``X`` (None
-    stays the default's); ``Literal[...]`` of one type is that type with its values as
-    choices; ``bool``, ``int``, ``float`` and ``str`` are themselves. Any other
-    annotation has no command-line form, and is a TypeError naming the field."""
-    if typing.get_origin(hint) in (Union, types.UnionType):
-        members = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        if len(members) != 1:
-            raise TypeError(f"ServerArgs.{name}: no command-line form for the union {hint}")
-        hint = members[0]
-    if typing.get_origin(hint) is Literal:
-        values = typing.get_args(hint)
-        kinds = {type(value) for value in values}
-        if len(kinds) != 1 or bool in kinds:
-            raise TypeError(
-                f"ServerArgs.{name}: no command-line form for {hint} (values of one type: str, int or float)"
-            )
-        return kinds.pop(), values
-    if hint in (bool, int, float, str):
-        return hint, None
-    raise TypeError(f"ServerArgs.{name}: no command-line form for {hint}")

@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import json
 import logging
 import signal
-import socket
 from types import FrameType
 from typing import AsyncIterator, Callable, Optional
 
@@ -40,6 +38,7 @@ from radixserve.messages import ProfileOptions
 from radixserve.server import native_serving
 from radixserve.server.access_log import AccessLog
 from radixserve.server.errors import APIError, bad_request, error_body, error_response, install_error_handlers
+from radixserve.server.listen import base_url, bind_socket
 from radixserve.server.middleware import RequestGuard
 from radixserve.server.protocol import (
     AbortRequestBody,
@@ -53,7 +52,6 @@ from radixserve.server.protocol import (
     TokenizeRequest,
 )
 from radixserve.server.state import HEALTH_GENERATE_TIMEOUT_S, ServerState
-from radixserve.startup_error import StartupError
 from radixserve.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -308,39 +306,6 @@ class _Server(uvicorn.Server):
             self.should_exit = True
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """The listening socket; StartupError naming host:port when it cannot be had.
-
-    Made with ``proto=IPPROTO_TCP`` (which accepted sockets inherit): asyncio sets
-    TCP_NODELAY only on sockets that say so, and with Nagle on, the body write that
-    follows a response's header write waits for the client's delayed ACK (~40 ms on
-    every keep-alive request)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError as exc:
-        sock.close()
-        where = _url(host, port).removeprefix("http://")
-        reason = exc.strerror or str(exc)
-        if exc.errno == errno.EADDRINUSE:
-            raise StartupError(
-                f"cannot listen on {where}: the address is already in use",
-                "another process holds that port: stop it, pick another --port, or pass --port 0 for a free one",
-            ) from exc
-        raise StartupError(
-            f"cannot listen on {where}: {reason}",
-            "check --host (an address of this machine, e.g. 127.0.0.1 or 0.0.0.0) and --port",
-        ) from exc
-    return sock
-
-
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def run_server(args: ServerArgs, before_listening: Callable[[], None] = lambda: None) -> int:
     """Serve until stopped; the process exit code. Raises StartupError when the
     socket cannot be bound (before anything is printed). ``before_listening``
@@ -355,8 +320,8 @@ def run_server(args: ServerArgs, before_listening: Callable[[], None] = lambda: 
         server.should_exit = True
 
     app = create_app(args, request_exit)
-    sock = _bind(args.host, args.port)
-    url = _url(args.host, sock.getsockname()[1])
+    sock = bind_socket(args.host, args.port)
+    url = base_url(args.host, sock.getsockname()[1])
     state: ServerState = app.state.server
     state.on_ready = lambda: print(f"radixserve ready at {url}", flush=True)
     config = uvicorn.Config(

@@ -1,0 +1,222 @@
+"""``radixserve router``: one OpenAI-compatible endpoint in front of a fleet of workers.
+
+    inference: POST /v1/chat/completions, /v1/completions, /generate, /tokenize, /detokenize
+    models:    GET /v1/models, /v1/models/{id} (the fleet's models, one entry per name)
+    probes:    GET /health (503 with no healthy worker), /liveness, /metrics, /get_loads
+    admin:     GET/POST /workers, DELETE /workers/{url}, POST /flush_cache
+
+Its state (prefix trees, loads, breakers, health) is soft: rebuilt from traffic and
+probes, so several routers can stand side by side behind a plain load balancer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator, Callable
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+
+from radixserve.router.admission import Admission
+from radixserve.router.args import RouterArgs
+from radixserve.router.fleet import Fleet
+from radixserve.router.forwarder import Forwarder
+from radixserve.router.metrics import RouterMetrics
+from radixserve.router.policies import make_policy
+from radixserve.router.request_info import RequestInfo, TokenEstimator, parse_body, read_request
+from radixserve.server.errors import APIError, error_response, install_error_handlers
+from radixserve.server.listen import base_url, bind_socket
+from radixserve.server.middleware import RequestGuard
+
+logger = logging.getLogger("radixserve.router")
+
+# Routes a user key opens; the rest need the admin key (or the user key when no admin key is set).
+ADMIN_PATHS = ("/workers", "/flush_cache")
+# The time registration at start-up may take before the router serves (pending workers join later).
+STARTUP_REGISTRATION_S = 10.0
+
+
+class AddWorkerBody(BaseModel):
+    url: str
+
+
+def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: None) -> FastAPI:
+    """``on_ready`` runs once the workers named at start-up have joined (or stayed pending
+    for ``STARTUP_REGISTRATION_S``)."""
+    metrics = RouterMetrics()
+    policy = make_policy(args)
+    estimator = TokenEstimator()
+    admission = Admission(
+        args.max_concurrent_requests,
+        args.rate_limit_tokens_per_second,
+        args.queue_size,
+        args.queue_timeout_secs,
+        metrics,
+    )
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(args.request_timeout_secs, connect=5.0),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+    )
+    fleet = Fleet(args, client, policy, metrics)
+    forwarder = Forwarder(args, client, fleet, policy, admission, metrics, estimator)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*(fleet.add(url) for url in args.worker_urls), return_exceptions=True),
+                STARTUP_REGISTRATION_S,
+            )
+        loops = [asyncio.create_task(fleet.run_health_checks()), asyncio.create_task(fleet.run_load_reads())]
+        on_ready()
+        try:
+            yield
+        finally:
+            for task in loops:
+                task.cancel()
+            await client.aclose()
+
+    app = FastAPI(title="radixserve router", lifespan=lifespan)
+    app.add_middleware(
+        RequestGuard,
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        admin_paths=ADMIN_PATHS,
+        max_payload_size=args.max_payload_size,
+    )
+    install_error_handlers(app)
+
+    async def forward(request: Request, route: str) -> Response:
+        body = await request.body()
+        payload = parse_body(body)
+        info = read_request(route, payload, estimator) if route in ("chat", "completions", "generate") else None
+        return await forwarder.forward(request, route, body, info or _plain(payload))
+
+    # ---- inference -------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await forward(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await forward(request, "completions")
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await forward(request, "generate")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await forward(request, "tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await forward(request, "detokenize")
+
+    # ---- models ----------------------------------------------------------------------
+    def card(model_id: str) -> dict:
+        return {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "radixserve"}
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [card(m) for m in sorted(fleet.models())]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict:
+        if model_id not in fleet.models():
+            raise APIError(404, f"model {model_id!r} is not served here", param="model", code="model_not_found")
+        return card(model_id)
+
+    # ---- probes ----------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = sum(w.healthy for w in fleet.workers.values())
+        if not healthy:
+            return error_response(503, "no healthy worker", code="no_worker_available")
+        return JSONResponse({"status": "ok", "healthy_workers": healthy, "workers": len(fleet.workers)})
+
+    @app.get("/liveness")
+    async def liveness() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/get_loads")
+    async def get_loads() -> dict:
+        return {"workers": [{"url": w.url, **w.describe()["load"]} for w in fleet.workers.values()]}
+
+    # ---- admin -----------------------------------------------------------------------
+    @app.get("/workers")
+    async def list_workers() -> dict:
+        return {
+            "workers": [w.describe() for w in fleet.workers.values()],
+            "pending": sorted(fleet.pending),
+            "policy": args.policy,
+        }
+
+    @app.post("/workers")
+    async def add_worker(body: AddWorkerBody) -> Response:
+        try:
+            worker = await fleet.add(body.url)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="url") from None
+        if worker is None:
+            return JSONResponse({"status": "pending", "url": body.url}, status_code=202)
+        return JSONResponse({"status": "added", "worker": worker.describe()})
+
+    @app.delete("/workers/{url:path}")
+    async def remove_worker(url: str) -> dict:
+        if not fleet.remove(url):
+            raise APIError(404, f"no worker {url!r} in the fleet", param="url")
+        return {"status": "removed", "url": url}
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> dict:
+        async def flush(url: str) -> tuple[str, int]:
+            try:
+                response = await client.post(url + "/flush_cache", headers=fleet.admin_headers, timeout=30)
+                return url, response.status_code
+            except httpx.HTTPError:
+                return url, 502
+
+        results = await asyncio.gather(*(flush(url) for url in fleet.workers))
+        return {"success": all(code == 200 for _, code in results), "workers": dict(results)}
+
+    app.state.fleet = fleet
+    return app
+
+
+def _plain(payload: dict) -> RequestInfo:
+    """A request without routing text (tokenize, detokenize): any worker of its model."""
+    model = payload.get("model")
+    return RequestInfo(model=model if isinstance(model, str) else None, stream=False)
+
+
+def run_router(args: RouterArgs) -> int:
+    """Serve until SIGTERM/SIGINT (then the requests in flight get
+    ``--shutdown-grace-period-secs`` to finish)."""
+    sock = bind_socket(args.host, args.port)
+    url = base_url(args.host, sock.getsockname()[1])
+    app = create_router_app(args, on_ready=lambda: print(f"radixserve router ready at {url}", flush=True))
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        log_level=args.log_level,
+        access_log=False,  # the forwarder's log line names the worker
+        timeout_graceful_shutdown=int(args.shutdown_grace_period_secs) or None,
+        loop="auto",  # uvloop where it is installed
+    )
+    server = uvicorn.Server(config)
+    workers = " ".join(args.worker_urls) or "none yet (POST /workers)"
+    print(f"radixserve router listening at {url} (policy {args.policy}; workers: {workers})", flush=True)
+    server.run(sockets=[sock])
+    return 0

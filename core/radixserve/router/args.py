@@ -1,0 +1,117 @@
+"""RouterArgs: every flag of ``radixserve router``, spelled as SGLang's gateway spells them
+where it has the same setting (``--worker-urls``, ``--policy``, ``--cache-threshold``,
+``--retry-max-retries``, ``--cb-failure-threshold``, ``--max-concurrent-requests``, ...)."""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from radixserve.cli_args import CliArgs, flag
+
+PolicyName = Literal["capacity_aware", "cache_aware", "round_robin", "power_of_two", "random"]
+POLICIES: tuple[str, ...] = typing.get_args(PolicyName)
+
+
+@dataclass
+class RouterArgs(CliArgs):
+    worker_urls: list[str] = flag(
+        "worker base URLs (http://host:port); more can be added at runtime with POST /workers", default=[]
+    )
+    policy: PolicyName = flag(
+        "how a worker is chosen: capacity_aware (least expected wait: queued tokens over measured throughput, "
+        "less the prompt tokens a worker already caches), cache_aware (longest cached prefix above "
+        "--cache-threshold unless the load is imbalanced), round_robin, power_of_two, random",
+        default="capacity_aware",
+    )
+    host: str = flag("HTTP host", default="127.0.0.1")
+    port: int = flag("HTTP port (0 picks a free one)", default=30000)
+    api_key: Optional[str] = flag("require this bearer token on the inference routes", default=None)
+    admin_api_key: Optional[str] = flag(
+        "bearer token for /workers and /flush_cache (unset: --api-key opens them too); also sent to the workers "
+        "for their admin routes",
+        default=None,
+    )
+    worker_api_key: Optional[str] = flag("bearer token the router sends to the workers", default=None)
+    # cache-aware routing
+    cache_threshold: float = flag(
+        "cache_aware: route to the longest prefix match when it covers at least this fraction of the request",
+        default=0.3,
+    )
+    balance_abs_threshold: int = flag(
+        "cache_aware: the load is imbalanced when the busiest and idlest workers differ by more than this many "
+        "requests ...",
+        default=32,
+    )
+    balance_rel_threshold: float = flag("... and the busiest has more than this times the idlest's", default=1.5)
+    max_tree_size: int = flag(
+        "characters of routed prompts remembered per worker (least recent forgotten)", default=1 << 24
+    )
+    # reliability
+    retry_max_retries: int = flag(
+        "tries on other workers after a connection error or a retryable status, before the first byte", default=3
+    )
+    retry_initial_backoff_ms: int = flag("backoff before the first retry", default=50)
+    retry_max_backoff_ms: int = flag("longest backoff", default=2000)
+    retry_backoff_multiplier: float = flag("backoff growth per retry", default=2.0)
+    retry_jitter_factor: float = flag("random fraction added to or taken from each backoff", default=0.2)
+    cb_failure_threshold: int = flag("consecutive failures that open a worker's circuit breaker", default=5)
+    cb_success_threshold: int = flag("successes in half-open that close it again", default=1)
+    cb_timeout_duration_secs: float = flag("seconds an open breaker waits before it lets one request try", default=10.0)
+    health_check_interval_secs: float = flag("seconds between health checks of each worker", default=5.0)
+    health_check_timeout_secs: float = flag("a health check slower than this fails", default=5.0)
+    health_failure_threshold: int = flag("failed health checks that mark a worker unhealthy", default=2)
+    health_success_threshold: int = flag("passed health checks that mark it healthy again", default=1)
+    load_poll_interval_secs: float = flag("seconds between reads of each worker's /get_load", default=1.0)
+    request_timeout_secs: float = flag("a request to a worker that takes longer fails", default=1800.0)
+    # admission
+    max_concurrent_requests: int = flag(
+        "requests the router forwards at once (-1: no limit); more wait in a queue", default=-1
+    )
+    rate_limit_tokens_per_second: Optional[float] = flag(
+        "token bucket: requests admitted per second on average, bursts up to --max-concurrent-requests "
+        "(unset: no rate limit)",
+        default=None,
+    )
+    queue_size: int = flag("requests that may wait for admission; beyond it the answer is 429", default=100)
+    queue_timeout_secs: float = flag("a request waiting longer for admission gets 408", default=60.0)
+    max_payload_size: int = flag("max request body in bytes", default=32 * 1024 * 1024)
+    shutdown_grace_period_secs: float = flag(
+        "on SIGTERM, seconds the requests in flight get to finish while new ones are refused", default=30.0
+    )
+    log_level: str = flag("logging level", default="info")
+
+    def __post_init__(self) -> None:
+        def bad(name: str, msg: str) -> None:
+            raise ValueError(f"{name}: {msg}")
+
+        self.worker_urls = [normalize_url(url) for url in self.worker_urls]
+        if self.policy not in POLICIES:
+            bad("policy", f"must be one of {POLICIES}, got {self.policy!r}")
+        if not 0 <= self.cache_threshold <= 1:
+            bad("cache_threshold", f"must be in [0, 1], got {self.cache_threshold}")
+        if not 0 <= self.port <= 65535:
+            bad("port", f"must be in [0, 65535] (0 picks a free port), got {self.port}")
+        if self.retry_max_retries < 0:
+            bad("retry_max_retries", f"must be >= 0, got {self.retry_max_retries}")
+        for name in ("cb_failure_threshold", "cb_success_threshold", "health_failure_threshold"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.max_concurrent_requests == 0 or self.max_concurrent_requests < -1:
+            bad("max_concurrent_requests", f"must be -1 (no limit) or >= 1, got {self.max_concurrent_requests}")
+        if self.rate_limit_tokens_per_second is not None and self.rate_limit_tokens_per_second <= 0:
+            bad("rate_limit_tokens_per_second", f"must be > 0, got {self.rate_limit_tokens_per_second}")
+        if self.queue_size < 0:
+            bad("queue_size", f"must be >= 0, got {self.queue_size}")
+
+
+def normalize_url(url: str) -> str:
+    """``host:port`` or ``http://host:port/`` -> ``http://host:port``; a ValueError names a bad one."""
+    url = url.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    scheme, _, rest = url.partition("://")
+    if scheme not in ("http", "https") or not rest or "/" in rest:
+        raise ValueError(f"worker_urls: {url!r} is not a worker base URL (http://host:port)")
+    return url

@@ -1,0 +1,227 @@
+"""The fleet: the workers the router routes to, how they join and leave, and the two
+background loops that keep their state (health checks, load reads).
+
+A worker joins once it answers ``/v1/models``; until then it is *pending* and the health
+loop keeps trying (a worker still loading its model answers 503). At registration the
+router reads ``/model_info`` and ``/server_info`` (SGLang's names; the ``worker`` facts
+radixserve adds there say what it can do). A worker whose model has the name of another
+worker's and a different identity (architecture, vocabulary) is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Optional
+
+import httpx
+
+from radixserve.router.args import RouterArgs, normalize_url
+from radixserve.router.metrics import RouterMetrics
+from radixserve.router.policies import Policy
+from radixserve.router.worker import CircuitBreaker, Worker, WorkerFacts, WorkerLoad
+from radixserve.server.errors import APIError
+
+logger = logging.getLogger("radixserve.router")
+
+_IDENTITY_KEYS = ("architecture", "vocab_size")
+
+
+class WorkerNotReady(Exception):
+    """The worker does not serve yet (unreachable, or still starting)."""
+
+
+class Fleet:
+    def __init__(self, args: RouterArgs, client: httpx.AsyncClient, policy: Policy, metrics: RouterMetrics):
+        self.args, self.client, self.policy, self.metrics = args, client, policy, metrics
+        self.workers: dict[str, Worker] = {}
+        self.pending: set[str] = set(args.worker_urls)
+        self.no_load_report: set[str] = set()
+        admin_key = args.worker_api_key or args.admin_api_key
+        self.headers = {"Authorization": f"Bearer {args.worker_api_key}"} if args.worker_api_key else {}
+        self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+
+    # ---- membership ------------------------------------------------------------------
+    async def add(self, url: str) -> Optional[Worker]:
+        """Register ``url`` now, or keep it pending (None) when it does not serve yet;
+        APIError 409 when its model conflicts with the fleet's."""
+        url = normalize_url(url)
+        if url in self.workers:
+            return self.workers[url]
+        try:
+            facts = await self._read_facts(url)
+        except WorkerNotReady as exc:
+            level = logging.DEBUG if url in self.pending else logging.INFO
+            self.pending.add(url)
+            logger.log(level, "worker %s is pending (retried every health check): %s", url, exc)
+            return None
+        self._check_identity(url, facts)
+        self.pending.discard(url)
+        worker = Worker(
+            url,
+            facts,
+            CircuitBreaker(
+                self.args.cb_failure_threshold, self.args.cb_success_threshold, self.args.cb_timeout_duration_secs
+            ),
+        )
+        self.workers[url] = worker
+        self.metrics.worker_joined(worker)
+        logger.info(
+            "worker %s joined: model %s, device %s, backends %s", url, facts.model_id, facts.device, facts.backends
+        )
+        return worker
+
+    def remove(self, url: str) -> bool:
+        url = normalize_url(url)
+        self.pending.discard(url)
+        worker = self.workers.pop(url, None)
+        if worker is None:
+            return False
+        self.policy.forget(url)
+        self.metrics.worker_left(worker)
+        logger.info("worker %s removed", url)
+        return True
+
+    def models(self) -> dict[str, list[Worker]]:
+        by_model: dict[str, list[Worker]] = {}
+        for worker in self.workers.values():
+            by_model.setdefault(worker.model_id, []).append(worker)
+        return by_model
+
+    # ---- routing -----------------------------------------------------------------------
+    def candidates(self, model: Optional[str], needs: dict[str, str], exclude: set[str]) -> list[Worker]:
+        """The workers that may take a request now; an APIError saying why when none may."""
+        serving = self._serving(model)
+        for feature, param in needs.items():
+            serving = [w for w in serving if w.facts.supports(feature)]
+            if not serving:
+                raise APIError(
+                    400,
+                    f"{param}: no worker serving model {model!r} supports {feature.replace('_', ' ')}",
+                    param=param,
+                )
+        available = [w for w in serving if w.available()]
+        fresh = [w for w in available if w.url not in exclude]
+        if fresh:
+            return fresh
+        if available:  # every worker was tried: try them again rather than fail
+            return available
+        raise APIError(503, f"no healthy worker serves model {model!r} now; retry later", code="no_worker_available")
+
+    def _serving(self, model: Optional[str]) -> list[Worker]:
+        by_model = self.models()
+        if model is None:  # /generate names no model: any worker, when the fleet serves one model
+            if len(by_model) == 1:
+                return next(iter(by_model.values()))
+            raise APIError(400, f"model: required when the router serves several models ({sorted(by_model)})")
+        if model not in by_model:
+            served = ", ".join(sorted(by_model)) or "none yet"
+            raise APIError(
+                404, f"model {model!r} is not served here (served: {served})", param="model", code="model_not_found"
+            )
+        return by_model[model]
+
+    # ---- background loops --------------------------------------------------------------
+    async def run_health_checks(self) -> None:
+        while True:
+            await asyncio.gather(*(self._join_pending(url) for url in list(self.pending)))
+            await asyncio.gather(*(self._check_health(w) for w in list(self.workers.values())))
+            await asyncio.sleep(self.args.health_check_interval_secs)
+
+    async def run_load_reads(self) -> None:
+        while True:
+            workers = [w for w in self.workers.values() if w.healthy and w.url not in self.no_load_report]
+            await asyncio.gather(*(self._read_load(w) for w in workers))
+            await asyncio.sleep(self.args.load_poll_interval_secs)
+
+    async def _join_pending(self, url: str) -> None:
+        try:
+            await self.add(url)
+        except APIError as exc:  # a model conflict does not go away by retrying
+            self.pending.discard(url)
+            logger.error("worker %s not added: %s", url, exc.message)
+
+    async def _check_health(self, worker: Worker) -> None:
+        try:
+            response = await self.client.get(
+                worker.url + "/health", headers=self.headers, timeout=self.args.health_check_timeout_secs
+            )
+            ok = response.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            worker.health_failures, worker.health_successes = 0, worker.health_successes + 1
+            if not worker.healthy and worker.health_successes >= self.args.health_success_threshold:
+                self._rejoin(worker)
+        else:
+            worker.health_successes, worker.health_failures = 0, worker.health_failures + 1
+            if worker.healthy and worker.health_failures >= self.args.health_failure_threshold:
+                worker.healthy = False
+                logger.warning("worker %s is unhealthy (%d failed health checks)", worker.url, worker.health_failures)
+        self.metrics.worker_state(worker)
+
+    def _rejoin(self, worker: Worker) -> None:
+        """Serving again (after a restart, its cache is empty): traffic at once, no cache credit."""
+        worker.healthy = True
+        worker.breaker.reset()
+        worker.load = WorkerLoad()
+        self.policy.forget(worker.url)
+        logger.info("worker %s is healthy again", worker.url)
+
+    async def _read_load(self, worker: Worker) -> None:
+        try:
+            response = await self.client.get(worker.url + "/get_load", headers=self.headers, timeout=5)
+        except httpx.HTTPError:
+            return
+        if response.status_code == 404:
+            self.no_load_report.add(worker.url)  # not every OpenAI server reports it
+            return
+        body = response.json() if response.status_code == 200 else None
+        entries = body if isinstance(body, list) else [body] if isinstance(body, dict) else None
+        if entries is not None:
+            worker.load = WorkerLoad.of(entries)
+
+    # ---- registration ------------------------------------------------------------------
+    async def _read_facts(self, url: str) -> WorkerFacts:
+        models = await self._get_json(url, "/v1/models", required=True)
+        cards = models.get("data") if isinstance(models, dict) else None
+        if not cards:
+            raise WorkerNotReady("/v1/models lists no model")
+        model_info = await self._get_json(url, "/model_info") or await self._get_json(url, "/get_model_info") or {}
+        server_info = await self._get_json(url, "/server_info") or await self._get_json(url, "/get_server_info") or {}
+        facts: dict[str, Any] = server_info.get("worker") or {}
+        return WorkerFacts(
+            model_id=cards[0]["id"],
+            identity=tuple((key, model_info[key]) for key in _IDENTITY_KEYS if key in model_info),
+            device=facts.get("device"),
+            dtype=facts.get("dtype"),
+            backends=facts.get("backends") or {},
+            max_total_num_tokens=facts.get("max_total_num_tokens"),
+            features=facts.get("features") or {},
+        )
+
+    async def _get_json(self, url: str, path: str, required: bool = False) -> Any:
+        try:
+            response = await self.client.get(url + path, headers=self.headers, timeout=10)
+        except httpx.HTTPError as exc:
+            raise WorkerNotReady(f"{path}: {type(exc).__name__}: {exc}") from None
+        if response.status_code != 200:
+            if required:
+                raise WorkerNotReady(f"{path} answered {response.status_code}")
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return None
+
+    def _check_identity(self, url: str, facts: WorkerFacts) -> None:
+        for other in self.workers.values():
+            if other.model_id == facts.model_id and other.facts.identity and facts.identity:
+                if dict(other.facts.identity) != dict(facts.identity):
+                    raise APIError(
+                        409,
+                        f"worker {url} serves a different model under the name {facts.model_id!r} "
+                        f"({dict(facts.identity)}; {other.url} has {dict(other.facts.identity)}): refused",
+                        param="url",
+                        code="model_conflict",
+                    )

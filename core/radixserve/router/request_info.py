@@ -1,0 +1,116 @@
+"""What the router reads from a request body before routing it: the model, whether it
+streams, the features it needs from a worker (the field that needs each, for the error),
+and its routing text with estimated token counts. The body itself is forwarded as it came."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from radixserve.router.policies import RoutingRequest
+from radixserve.server.errors import APIError
+
+# Output tokens assumed for a request that does not bound them.
+DEFAULT_MAX_TOKENS = 256
+_GUIDED_FIELDS = ("regex", "ebnf", "json_schema", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+@dataclass
+class RequestInfo:
+    model: Optional[str]
+    stream: bool
+    needs: dict[str, str] = field(default_factory=dict)  # feature -> the request field that needs it
+    routing: RoutingRequest = RoutingRequest("", 0, 0)
+
+
+class TokenEstimator:
+    """Characters per token, learned from the workers' usage reports (4 until then)."""
+
+    def __init__(self) -> None:
+        self.chars_per_token = 4.0
+
+    def tokens(self, text: str) -> int:
+        return max(1, round(len(text) / self.chars_per_token))
+
+    def learn(self, text: str, prompt_tokens: int) -> None:
+        if prompt_tokens > 0 and len(text) >= 16:
+            self.chars_per_token = 0.9 * self.chars_per_token + 0.1 * (len(text) / prompt_tokens)
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    try:
+        payload = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(payload, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    return payload
+
+
+def read_request(route: str, payload: dict[str, Any], estimator: TokenEstimator) -> RequestInfo:
+    """``route``: ``chat``, ``completions`` or ``generate``."""
+    sampling = payload.get("sampling_params") if route == "generate" else payload
+    sampling = sampling if isinstance(sampling, dict) else {}
+    text = _routing_text(route, payload)
+    max_tokens = _first_int(sampling, ("max_tokens", "max_completion_tokens", "max_new_tokens"))
+    model = payload.get("model")
+    if route != "generate" and not isinstance(model, str):
+        raise APIError(400, "model: field required (a string naming a served model)", param="model")
+    return RequestInfo(
+        model=model if isinstance(model, str) else None,
+        stream=bool(payload.get("stream")),
+        needs=_needs(route, payload, sampling),
+        routing=RoutingRequest(text, estimator.tokens(text), max_tokens or DEFAULT_MAX_TOKENS),
+    )
+
+
+def _needs(route: str, payload: dict[str, Any], sampling: dict[str, Any]) -> dict[str, str]:
+    needs: dict[str, str] = {}
+    response_format = payload.get("response_format")
+    if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
+        needs["structured_output"] = "response_format"
+    for where in (sampling, payload):
+        for name in (*_GUIDED_FIELDS, "structured_outputs"):
+            if where.get(name) not in (None, "", {}, []):
+                needs.setdefault("structured_output", name)
+    if payload.get("tools") and payload.get("tool_choice") != "none":
+        needs["tools"] = "tools"
+    for name in ("logprobs", "top_logprobs", "return_logprob"):
+        if payload.get(name) not in (None, False, 0):
+            needs.setdefault("logprobs", name)
+    n = sampling.get("n", 1)
+    if isinstance(n, int) and n > 1:
+        needs["n"] = "n"
+    return needs
+
+
+def _routing_text(route: str, payload: dict[str, Any]) -> str:
+    """The text whose prefix decides cache affinity; its shape only has to be the same for
+    requests that share a prefix (a conversation and its continuation, a shared system prompt)."""
+    if route == "chat":
+        parts = []
+        for message in payload.get("messages") or []:
+            if isinstance(message, dict):
+                parts.append(f"{message.get('role', '')}\x1f{_content_text(message.get('content'))}\x1e")
+        return "".join(parts)
+    source = payload.get("prompt") if route == "completions" else payload.get("text", payload.get("input_ids"))
+    if isinstance(source, list) and source and not isinstance(source[0], int):
+        source = source[0]  # a batch: its first prompt stands for it
+    if isinstance(source, list):
+        return ",".join(str(token) for token in source)
+    return source if isinstance(source, str) else ""
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content if isinstance(content, str) else ""
+
+
+def _first_int(where: dict[str, Any], names: tuple[str, ...]) -> Optional[int]:
+    for name in names:
+        value = where.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
