@@ -1,5 +1,10 @@
-"""Checks that run before routing, as plain ASGI middleware: the bearer token
-(``--api-key``) and the request body limit (``--max-payload-size``)."""
+"""Checks that run before routing, as plain ASGI middleware: the HTTP version,
+the bearer tokens (``--api-key``, ``--admin-api-key``) and the request body
+limit (``--max-payload-size``).
+
+Who gets in: ``OPEN_PATHS`` always; ``ADMIN_PATHS`` with the admin key when one
+is set, else as the other routes; the other routes with the API key or the
+admin key when an API key is set, else anyone."""
 
 from __future__ import annotations
 
@@ -12,21 +17,44 @@ from radixserve.server.errors import error_response
 
 # Probes and scrapers get in without the key.
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
+# What changes the server's state or writes files on its machine.
+ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/start_profile", "/stop_profile"})
+HTTP_VERSIONS = frozenset({"1.0", "1.1"})
+
+
+def _bearer(key: Optional[str]) -> Optional[bytes]:
+    return f"Bearer {key}".encode() if key else None
 
 
 class RequestGuard:
-    def __init__(self, app: ASGIApp, api_key: Optional[str], max_payload_size: int):
+    def __init__(self, app: ASGIApp, api_key: Optional[str], admin_api_key: Optional[str], max_payload_size: int):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        user, admin = _bearer(api_key), _bearer(admin_api_key)
+        # The Authorization headers that open each kind of route; empty: open to all.
+        self.user_keys = [k for k in (user, admin) if k is not None] if user is not None else []
+        self.admin_keys = [admin] if admin is not None else self.user_keys
+        self.has_admin_key = admin is not None
         self.max_payload_size = max_payload_size
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.expected is not None and scope["path"] not in OPEN_PATHS and not self._authorized(scope):
+        if scope["http_version"] not in HTTP_VERSIONS:  # e.g. an HTTP/2 preface ("PRI *"), a gRPC probe
+            version = scope["http_version"]
             await error_response(
-                401, "invalid or missing API key; send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                505, f"HTTP/{version} is not served; this server speaks HTTP/1.1", code="http_version_not_supported"
+            )(scope, receive, send)
+            return
+        path = scope["path"]
+        admin = path in ADMIN_PATHS
+        keys = [] if path in OPEN_PATHS else self.admin_keys if admin else self.user_keys
+        if keys and not self._authorized(scope, keys):
+            which = "the admin API key (--admin-api-key)" if admin and self.has_admin_key else "the API key"
+            await error_response(
+                401,
+                f"invalid or missing key: this route needs {which}; send 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
             )(scope, receive, send)
             return
         body = await self._read_body(scope, receive)
@@ -39,9 +67,10 @@ class RequestGuard:
             return
         await self.app(scope, _replay(body, receive), send)
 
-    def _authorized(self, scope: Scope) -> bool:
+    @staticmethod
+    def _authorized(scope: Scope, keys: list[bytes]) -> bool:
         given = dict(scope["headers"]).get(b"authorization", b"")
-        return hmac.compare_digest(given, self.expected)
+        return any(hmac.compare_digest(given, key) for key in keys)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> Optional[list[Message]]:
         """The body's messages, or None when it is too large. Buffering it here
