@@ -84,6 +84,8 @@ def _stats(**kw: Any) -> dict[str, Any]:
     base = dict(
         num_running_reqs=0,
         num_queue_reqs=0,
+        num_waiting_tokens=0,
+        decode_tokens_per_s=None,
         token_usage=0.0,
         tokens_in_use=0,
         cache_hit_rate=0.0,
@@ -159,6 +161,9 @@ def test_total_stats_sums_counts_and_recomputes_ratios():
             1: _stats(token_usage=0.0, prompt_tokens_total=30, memory_invariant_ok=False, memory_error="rows"),
         }
     )
+    assert total["decode_tokens_per_s"] is None  # neither replica has decoded
+    rates = total_stats({0: _stats(decode_tokens_per_s=None), 1: _stats(decode_tokens_per_s=80.0)})
+    assert rates["decode_tokens_per_s"] == 80.0
     assert total["token_usage"] == 0.25 and total["cache_hit_rate"] == 5 / 40
     assert total["max_total_tokens"] == 200 and total["free_tokens"] == 150
     assert total["memory_invariant_ok"] is False and total["memory_error"] == "replica 1: rows"

@@ -14,7 +14,7 @@ import pytest
 from helpers_server import serving
 
 from radixserve.bench.profile import busy_time, decode_profile
-from radixserve.runtime.profiler import PROFILE_DIR_ENV
+from radixserve.messages import PROFILE_DIR_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -167,8 +167,11 @@ def test_server_profile_endpoints(tiny_llama_dir, tmp_path):
             names = step_names(planned)
             assert "radixserve.extend[tokens=3]" in names and "radixserve.decode[bs=1]" in names
 
-            r = http.post("/start_profile", json={"output_dir": str(tmp_path / "given"), "num_steps": 2})
-            assert r.status_code == 200 and Path(r.json()["trace_path"]).parent == tmp_path / "given"
+            # output_dir is relative to the profile directory (--profile-dir, here $RADIXSERVE_PROFILE_DIR's).
+            r = http.post("/start_profile", json={"output_dir": "given", "num_steps": 2})
+            assert r.status_code == 200 and Path(r.json()["trace_path"]).parent == tmp_path / "default" / "given"
+            r = http.post("/start_profile", json={"output_dir": str(tmp_path / "given")})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "output_dir"
             assert http.get("/health").status_code == 200
 
 

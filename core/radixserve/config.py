@@ -136,6 +136,16 @@ class ServerArgs(CliArgs):
     host: str = _flag("HTTP host", default="127.0.0.1")
     port: int = _flag("HTTP port", default=30000)
     api_key: Optional[str] = _flag("require this bearer token", default=None)
+    admin_api_key: Optional[str] = _flag(
+        "require this bearer token on the admin routes (/flush_cache, /abort_request, /start_profile, "
+        "/stop_profile), which --api-key then no longer opens; it opens the other routes too",
+        default=None,
+    )
+    profile_dir: Optional[str] = _flag(
+        "directory under which /start_profile writes traces (a request's output_dir is a path relative to it); "
+        "unset: $RADIXSERVE_PROFILE_DIR, else a temporary directory made at the first profile",
+        default=None,
+    )
     max_payload_size: int = _flag("max request body in bytes", default=32 * 1024 * 1024)
     # request limits (radixserve.request_limits; a request beyond one is a 400 naming the field)
     max_n: int = _flag("max choices per request (n)", default=64)
@@ -205,6 +215,8 @@ class ServerArgs(CliArgs):
             bad("port", f"must be in [0, 65535] (0 picks a free port), got {self.port}")
         if self.shutdown_timeout < 0:
             bad("shutdown_timeout", f"must be >= 0, got {self.shutdown_timeout}")
+        if self.admin_api_key is not None and self.admin_api_key == self.api_key:
+            bad("admin_api_key", "must differ from api_key (else every client could use the admin routes)")
         if self.max_header_size < 1024:
             bad("max_header_size", f"must be >= 1024 bytes, got {self.max_header_size}")
 

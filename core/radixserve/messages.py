@@ -66,6 +66,11 @@ class ControlRequest:
     args: Any = None
 
 
+# Where a profile's trace goes when nothing else says (runtime/profiler.py); the
+# server's --profile-dir defaults to it too.
+PROFILE_DIR_ENV = "RADIXSERVE_PROFILE_DIR"
+
+
 @dataclass(frozen=True)
 class ProfileOptions:
     """``start_profile``'s arguments, checked on construction (a ValueError names the field).

@@ -38,7 +38,7 @@ from radixserve.server.middleware import RequestGuard
 logger = logging.getLogger("radixserve.router")
 
 # Routes a user key opens; the rest need the admin key (or the user key when no admin key is set).
-ADMIN_PATHS = ("/workers", "/flush_cache")
+ADMIN_PATHS = frozenset({"/workers", "/flush_cache"})
 # The time registration at start-up may take before the router serves (pending workers join later).
 STARTUP_REGISTRATION_S = 10.0
 

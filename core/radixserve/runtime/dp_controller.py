@@ -50,6 +50,7 @@ from radixserve.config import ServerArgs
 from radixserve.ipc import Endpoints, die_with_parent, pull_socket, push_socket
 from radixserve.logging_utils import configure_logging
 from radixserve.messages import (
+    PROFILE_DIR_ENV,
     AbortRequest,
     ControlReply,
     ControlRequest,
@@ -241,7 +242,7 @@ def _profile_options(options: ProfileOptions, ranks: list[int]) -> dict[int, Pro
     """Each replica's profile goes to a directory of its own (``dp<k>`` under the
     one asked for), since their traces would have the same names."""
     # The profiler's own default (runtime/profiler.py, which would bring torch into this process).
-    base = options.output_dir or os.environ.get("RADIXSERVE_PROFILE_DIR")
+    base = options.output_dir or os.environ.get(PROFILE_DIR_ENV)
     base = base or tempfile.mkdtemp(prefix="radixserve-profile-")
     return {k: dataclasses.replace(options, output_dir=os.path.join(base, f"dp{k}")) for k in ranks}
 
@@ -263,8 +264,8 @@ def merge_replies(kind: str, replies: dict[int, Any]) -> Any:
 
 
 def total_stats(per_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
-    """The replicas' scheduler stats added up: counts summed, ratios recomputed
-    from the sums, the invariant holds where it holds on every replica. A stat of
+    """The replicas' scheduler stats added up: counts and decode rates summed,
+    ratios recomputed from the sums, the invariant holds where it holds on every replica. A stat of
     a kind not handled here is a TypeError, so a new one cannot be summed wrongly."""
     stats = [per_replica[k] for k in sorted(per_replica)]
     total: dict[str, Any] = {}
@@ -276,6 +277,9 @@ def total_stats(per_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
         elif name == "cache_hit_rate":
             prompt = sum(s["prompt_tokens_total"] for s in stats)
             total[name] = sum(s["cached_tokens_total"] for s in stats) / prompt if prompt else 0.0
+        elif name == "decode_tokens_per_s":  # None where a replica has not decoded yet
+            rates = [v for v in values if v is not None]
+            total[name] = sum(rates) if rates else None
         elif name == "memory_error":
             errors = [f"replica {k}: {s[name]}" for k, s in sorted(per_replica.items()) if s[name] is not None]
             total[name] = "; ".join(errors) or None

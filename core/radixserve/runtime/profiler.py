@@ -27,11 +27,10 @@ from typing import Callable, ContextManager, Optional
 import torch
 from torch.profiler import ProfilerActivity
 
-from radixserve.messages import ProfileOptions
+from radixserve.messages import PROFILE_DIR_ENV, ProfileOptions
 
 logger = logging.getLogger(__name__)
 
-PROFILE_DIR_ENV = "RADIXSERVE_PROFILE_DIR"
 _NULL = contextlib.nullcontext()
 
 

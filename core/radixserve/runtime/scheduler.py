@@ -34,7 +34,7 @@ from radixserve.runtime.prefill_planner import PrefillPlan, PrefillPlanner, Queu
 from radixserve.runtime.profiler import StepProfiler
 from radixserve.runtime.req import Req
 from radixserve.runtime.sampler import Sampler
-from radixserve.runtime.scheduler_stats import OperatorLog, SchedulerStats, ServingTotals
+from radixserve.runtime.scheduler_stats import DecodeRate, OperatorLog, SchedulerStats, ServingTotals
 from radixserve.runtime.stop import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -65,8 +65,7 @@ class Scheduler:
         overlap = runner.platform.overlap_schedule if no_overlap is None else not no_overlap
         self.worker = ModelWorker(runner, self.sampler, runner.req_to_token_pool, runner.transfer, overlap=overlap)
         self.profiler = StepProfiler(runner.platform.profiler_activities(), rank=runner.group.rank)
-        self.totals = ServingTotals()
-        self.oplog = OperatorLog(args.decode_log_interval)
+        self.totals, self.rate, self.oplog = ServingTotals(), DecodeRate(), OperatorLog(args.decode_log_interval)
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -129,28 +128,29 @@ class Scheduler:
 
         A failure inside a step (a bug, a kernel error) ends the requests of
         that batch with an error and frees their memory; the scheduler goes on."""
-        self._launching = None
-        # Rows released so far may still be read by the step in flight: reuse them once it is done.
-        held = self.ledger.take_released_rows()
-        if self._in_flight is None:
+        with self.rate.measure(self.totals):
+            self._launching = None
+            # Rows released so far may still be read by the step in flight: reuse them once it is done.
+            held = self.ledger.take_released_rows()
+            if self._in_flight is None:
+                self.ledger.reuse_rows(held)
+                held = []
+            try:
+                launched = self._launch_next()
+            except Exception as exc:
+                self.ledger.drop_pins()
+                self._step_failed("launching a step", self._launching or self.ledger.holders(), exc)
+                launched = None
+            self._settle_in_flight()
             self.ledger.reuse_rows(held)
-            held = []
-        try:
-            launched = self._launch_next()
-        except Exception as exc:
-            self.ledger.drop_pins()
-            self._step_failed("launching a step", self._launching or self.ledger.holders(), exc)
-            launched = None
-        self._settle_in_flight()
-        self.ledger.reuse_rows(held)
-        if launched is not None and self.worker.overlaps:
-            self._in_flight = launched
-            launched = None
-        self._drain()
-        if launched is not None:
-            self._settle(launched)
+            if launched is not None and self.worker.overlaps:
+                self._in_flight = launched
+                launched = None
             self._drain()
-        return self._collect_outputs()
+            if launched is not None:
+                self._settle(launched)
+                self._drain()
+            return self._collect_outputs()
 
     def step_outputs(self) -> list[TokenOutput]:
         """Outputs pending without a model step (aborted or rejected requests)."""
@@ -380,7 +380,7 @@ class Scheduler:
         """``exact``: count the pages whose frees are still on their way to the host
         (waits for the device) and check every lock; the step logs pass False."""
         running = len(self.running) + (1 if self.chunked_req else 0)
-        return SchedulerStats.of(self.totals, self.ledger.counts(exact), running, len(self.waiting))
+        return SchedulerStats.of(self.totals, self.ledger.counts(exact), running, self.waiting, self.rate)
 
     def check_memory(self) -> bool:
         """The pool invariant: free + held privately by requests + cached == total,

@@ -31,7 +31,7 @@ from radixserve.server.metrics import ServerMetrics
 logger = logging.getLogger("radixserve.access")
 
 BODY_LOG_BYTES = 2048
-QUIET_PATHS = frozenset({"/health", "/health_generate", "/metrics", "/get_server_info"})
+QUIET_PATHS = frozenset({"/health", "/health_generate", "/metrics", "/server_info", "/get_server_info", "/get_load"})
 CLIENT_CLOSED = 499
 
 

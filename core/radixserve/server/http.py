@@ -2,7 +2,11 @@
 
     OpenAI:  POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}]
     native:  POST /generate, /tokenize, /detokenize, /flush_cache, /abort_request, /start_profile, /stop_profile
-             GET /health, /health_generate, /get_server_info, /get_model_info, /metrics
+             GET /health, /health_generate, /server_info, /model_info, /get_load, /metrics
+             (and /get_server_info, /get_model_info: SGLang's older names)
+
+The admin routes (flush, abort, profile) take ``--admin-api-key`` when one is
+set (``middleware.RequestGuard``); ``/start_profile`` writes under ``--profile-dir``.
 
 ``run_server`` binds the socket itself (``--port 0`` picks a free port), prints
 ``radixserve listening at URL`` at once and ``radixserve ready at URL`` when the
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -52,6 +57,7 @@ from radixserve.server.protocol import (
     TokenizeRequest,
 )
 from radixserve.server.state import HEALTH_GENERATE_TIMEOUT_S, ServerState
+from radixserve.server.worker_info import load_entries
 from radixserve.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -79,7 +85,9 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
 
     app = FastAPI(title="radixserve", lifespan=lifespan)
     app.state.server = state
-    app.add_middleware(RequestGuard, api_key=args.api_key, max_payload_size=args.max_payload_size)
+    app.add_middleware(
+        RequestGuard, api_key=args.api_key, admin_api_key=args.admin_api_key, max_payload_size=args.max_payload_size
+    )
     app.add_middleware(HeaderLimit, max_header_size=args.max_header_size)
     app.add_middleware(AccessLog, metrics=state.metrics, log_bodies=args.log_requests)  # outermost: sees all
     install_error_handlers(app)
@@ -151,24 +159,19 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
             return error_response(503, f"a one-token generation failed: {type(exc).__name__}: {exc}")
         return JSONResponse({"status": "ok", "output_ids": out["output_ids"]})
 
+    @app.get("/server_info")
     @app.get("/get_server_info")
-    async def get_server_info() -> dict:
+    async def server_info() -> dict:
         return await state.server_info()
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
-    async def get_model_info() -> dict:
-        tm = state.ready_tm()
-        summary = state.runtime.summary
-        return {
-            "model_path": state.model_path,
-            "served_model_name": state.model_name,
-            "tokenizer_path": state.runtime.tokenizer_path,
-            "is_generation": True,
-            "architecture": summary["architecture"],
-            "context_length": tm.context_length,
-            "vocab_size": tm.vocab_size,
-            "has_chat_template": state.openai.chat_template.available,
-        }
+    async def model_info() -> dict:
+        return state.model_info()
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict]:
+        return load_entries(await state.ready_tm().control("server_info"))
 
     @app.post("/flush_cache")
     async def flush_cache() -> dict:
@@ -181,7 +184,9 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
         body = body or StartProfileBody()
         tm = state.ready_tm()
         try:
-            path = await tm.start_profile(ProfileOptions(body.output_dir, body.record_shapes, body.num_steps))
+            options = ProfileOptions(body.output_dir, body.record_shapes, body.num_steps)
+            output_dir = state.profile_dir.resolve(options.output_dir)
+            path = await tm.start_profile(dataclasses.replace(options, output_dir=output_dir))
         except ValueError as exc:
             raise bad_request(exc) from None
         return {"success": True, "trace_path": path}

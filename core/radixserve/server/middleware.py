@@ -1,6 +1,11 @@
-"""Checks that run before routing, as plain ASGI middleware: the bearer tokens
-(``--api-key``; ``--admin-api-key`` on the admin paths) and the request body limit
-(``--max-payload-size``)."""
+"""Checks that run before routing, as plain ASGI middleware: the HTTP version,
+the bearer tokens (``--api-key``, ``--admin-api-key``) and the request body
+limit (``--max-payload-size``).
+
+Who gets in: ``OPEN_PATHS`` always; the admin paths (``ADMIN_PATHS`` for the
+server, the router's own for ``radixserve router``) with the admin key when one
+is set, else as the other routes; the other routes with the API key or the
+admin key when an API key is set, else anyone."""
 
 from __future__ import annotations
 
@@ -13,40 +18,51 @@ from radixserve.server.errors import error_response
 
 # Probes and scrapers get in without the key.
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/liveness", "/metrics"})
+# What changes the server's state or writes files on its machine.
+ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/start_profile", "/stop_profile"})
+HTTP_VERSIONS = frozenset({"1.0", "1.1"})
+
+
+def _bearer(key: Optional[str]) -> Optional[bytes]:
+    return f"Bearer {key}".encode() if key else None
 
 
 class RequestGuard:
-    """``admin_paths`` (prefixes) need ``admin_api_key`` when it is set, else ``api_key``;
-    the other paths but ``OPEN_PATHS`` need ``api_key`` when it is set."""
-
     def __init__(
         self,
         app: ASGIApp,
         api_key: Optional[str],
+        admin_api_key: Optional[str],
         max_payload_size: int,
-        admin_api_key: Optional[str] = None,
-        admin_paths: tuple[str, ...] = (),
+        admin_paths: frozenset[str] = ADMIN_PATHS,
     ):
-        self.app = app
-        self.user_token = _bearer(api_key)
-        self.admin_token = _bearer(admin_api_key) or self.user_token
-        self.admin_paths = admin_paths
+        self.app, self.admin_paths = app, admin_paths
+        self.admin_prefixes = tuple(path + "/" for path in admin_paths)  # /workers/{url}
+        user, admin = _bearer(api_key), _bearer(admin_api_key)
+        # The Authorization headers that open each kind of route; empty: open to all.
+        self.user_keys = [k for k in (user, admin) if k is not None] if user is not None else []
+        self.admin_keys = [admin] if admin is not None else self.user_keys
+        self.has_admin_key = admin is not None
         self.max_payload_size = max_payload_size
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope["http_version"] not in HTTP_VERSIONS:  # e.g. an HTTP/2 preface ("PRI *"), a gRPC probe
+            version = scope["http_version"]
+            await error_response(
+                505, f"HTTP/{version} is not served; this server speaks HTTP/1.1", code="http_version_not_supported"
+            )(scope, receive, send)
+            return
         path = scope["path"]
-        admin = path.startswith(self.admin_paths) if self.admin_paths else False
-        expected = None if path in OPEN_PATHS else self.admin_token if admin else self.user_token
-        if expected is not None and not hmac.compare_digest(
-            dict(scope["headers"]).get(b"authorization", b""), expected
-        ):
-            which = "the admin API key" if admin and self.admin_token != self.user_token else "the API key"
+        admin = path in self.admin_paths or path.startswith(self.admin_prefixes)
+        keys = [] if path in OPEN_PATHS else self.admin_keys if admin else self.user_keys
+        if keys and not self._authorized(scope, keys):
+            which = "the admin API key (--admin-api-key)" if admin and self.has_admin_key else "the API key"
             await error_response(
                 401,
-                f"invalid or missing key: {path} needs {which}; send 'Authorization: Bearer <key>'",
+                f"invalid or missing key: this route needs {which}; send 'Authorization: Bearer <key>'",
                 code="invalid_api_key",
             )(scope, receive, send)
             return
@@ -59,6 +75,11 @@ class RequestGuard:
             )(scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
+
+    @staticmethod
+    def _authorized(scope: Scope, keys: list[bytes]) -> bool:
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        return any(hmac.compare_digest(given, key) for key in keys)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> Optional[list[Message]]:
         """The body's messages, or None when it is too large. Buffering it here
@@ -77,10 +98,6 @@ class RequestGuard:
                 return None
             if not message.get("more_body", False):
                 return [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-
-
-def _bearer(key: Optional[str]) -> Optional[bytes]:
-    return f"Bearer {key}".encode() if key else None
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:

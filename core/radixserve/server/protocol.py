@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import (
@@ -94,6 +95,19 @@ def unsupported(param: str, why: str) -> PydanticCustomError:
     return PydanticCustomError("unsupported", "{why}", {"param": param, "why": why})
 
 
+@dataclass(frozen=True)
+class ServedFeatures:
+    """What the API serves of the options a router may route by, reported in
+    ``/server_info["worker"]["features"]``. The refusals below (``unsupported``)
+    are where an unserved one is a 400: flip its flag where its refusal goes."""
+
+    structured_output: bool = False  # response_format json_object/json_schema, regex, ...: refused below
+    tools: bool = False  # tool calling (tool_choice other than 'none'): refused below
+    logprobs: bool = True
+    n: bool = True
+
+
+FEATURES = ServedFeatures()
 _NO_STRUCTURED_OUTPUT = "structured output is not supported yet"
 
 

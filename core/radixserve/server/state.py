@@ -29,7 +29,9 @@ from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.openai_serving import OpenAIServing
+from radixserve.server.profile_dir import ProfileDir
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
+from radixserve.server.worker_info import internal_states, worker_facts
 from radixserve.startup_error import StartupError
 
 logger = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ HEALTH_GENERATE_TIMEOUT_S = 60.0
 FAIL_GRACE_S = 5.0
 DRAIN_POLL_S = 0.05
 SHUTDOWN_REASON = "the server is shutting down"
+# Flags that server_info shows as "<redacted>" when set.
+SECRET_ARGS = ("api_key", "admin_api_key")
 
 
 async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
@@ -80,6 +84,7 @@ class ServerState:
         self.tm: Optional[TokenizerManager] = None
         self.openai: Optional[OpenAIServing] = None
         self.on_ready: Callable[[], None] = lambda: None
+        self.profile_dir = ProfileDir(args.profile_dir)
         self._drain_cut_short = False
 
     # ---- boot and shutdown -----------------------------------------------------------
@@ -259,18 +264,38 @@ class ServerState:
         return outs[-1]
 
     async def server_info(self) -> dict:
+        """SGLang's shape (the flags at the top level, then the runtime's summary and
+        stats, ``internal_states`` per replica, ``version``) plus ours: the flags again
+        under ``server_args``, ``worker`` (what a router needs), in-flight requests, pids."""
         info = await self.ready_tm().control("server_info")
         args = dataclasses.asdict(self.args)
-        if args.get("api_key"):
-            args["api_key"] = "<redacted>"
+        for name in SECRET_ARGS:
+            if args.get(name):
+                args[name] = "<redacted>"
         return {
+            **args,
             **info,
+            "internal_states": internal_states(info),
             "version": _version(),
             "model_path": self.model_path,
             "served_model_name": self.model_name,
             "server_args": args,
+            "worker": worker_facts(info, self.args.dp_size),
             "num_in_flight": self.tm.num_in_flight,
             "pids": {p.name: p.pid for p in self.runtime.processes},
+        }
+
+    def model_info(self) -> dict:
+        tm = self.ready_tm()
+        return {
+            "model_path": self.model_path,
+            "served_model_name": self.model_name,
+            "tokenizer_path": self.runtime.tokenizer_path,
+            "is_generation": True,
+            "architecture": self.runtime.summary["architecture"],
+            "context_length": tm.context_length,
+            "vocab_size": tm.vocab_size,
+            "has_chat_template": self.openai.chat_template.available,
         }
 
 

@@ -1,0 +1,70 @@
+"""What a router asks a worker, in the shapes of SGLang's worker endpoints, built
+from the scheduler's ``server_info`` control reply (with ``--dp-size`` > 1, the
+DP controller's merge: ``stats`` summed, each replica's under ``replicas``):
+
+- ``worker_facts``: ``/server_info["worker"]``, what the worker is and can do;
+- ``internal_states``: ``/server_info["internal_states"]``, one entry per replica;
+- ``load_entries``: ``/get_load``, one entry per live replica.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from radixserve.server.protocol import FEATURES
+
+
+def replica_stats(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each live replica's scheduler stats with its ``dp_rank`` (a dead replica has none)."""
+    if "replicas" not in info:
+        return [{"dp_rank": 0, **info["stats"]}]
+    return [{"dp_rank": r["dp_rank"], **r["stats"]} for r in info["replicas"] if r["stats"] is not None]
+
+
+def worker_facts(info: dict[str, Any], dp_size: int) -> dict[str, Any]:
+    """The worker's platform (``--device``'s name for it), dtype, backends, parallelism,
+    context length, KV pool (tokens, over all replicas), served features and decode
+    throughput (tokens/s over all replicas; None until it has decoded)."""
+    stats = info["stats"]
+    return {
+        "device": info["platform"],
+        "dtype": info["dtype"],
+        "backends": dict(info["backends"]),
+        "tp_size": info["tp_size"],
+        "dp_size": dp_size,
+        "context_length": info["context_length"],
+        "max_total_num_tokens": stats["max_total_tokens"],
+        "features": dataclasses.asdict(FEATURES),
+        "decode_tokens_per_s": stats["decode_tokens_per_s"],
+    }
+
+
+def internal_states(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each live replica's stats, with SGLang's name for the decode throughput."""
+    return [{**stats, "last_gen_throughput": stats["decode_tokens_per_s"]} for stats in replica_stats(info)]
+
+
+def load_entries(info: dict[str, Any]) -> list[dict[str, Any]]:
+    """``/get_load``: SGLang's keys (``num_reqs``: running + waiting; ``num_tokens``:
+    the KV tokens in use plus the tokens the waiting requests have to prefill;
+    ``num_pending_tokens``: the latter; ``ts_tic``: when, in Unix seconds) and the
+    parts: running requests, waiting tokens, KV tokens in use and capacity, decode rate."""
+    now = time.time()
+    return [
+        {
+            "dp_rank": stats["dp_rank"],
+            "num_reqs": stats["num_running_reqs"] + stats["num_queue_reqs"],
+            "num_waiting_reqs": stats["num_queue_reqs"],
+            "num_tokens": stats["tokens_in_use"] + stats["num_waiting_tokens"],
+            "num_pending_tokens": stats["num_waiting_tokens"],
+            "ts_tic": now,
+            "num_running_reqs": stats["num_running_reqs"],
+            "num_waiting_tokens": stats["num_waiting_tokens"],
+            "num_used_tokens": stats["tokens_in_use"],
+            "max_total_num_tokens": stats["max_total_tokens"],
+            "decode_tokens_per_s": stats["decode_tokens_per_s"],
+        }
+        for stats in replica_stats(info)
+    ]

@@ -1,0 +1,338 @@
+"""The worker side of a gateway: SGLang's worker endpoints (``/server_info``,
+``/model_info``, ``/get_load``) with what a router needs under
+``/server_info["worker"]``, the admin key, the profile directory, and the real
+SGLang model gateway (``smg``) fronting two radixserve workers."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import httpx
+import openai
+import pytest
+from helpers_server import ServerProcess, serving, wait_until
+
+from radixserve.config import ServerArgs
+from radixserve.runtime.scheduler_stats import DecodeRate, ServingTotals
+from radixserve.server.profile_dir import ProfileDir
+
+USER_KEY = "user-key"
+ADMIN_KEY = "admin-key"
+USER = {"Authorization": f"Bearer {USER_KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+WORKER_KEYS = {
+    "device",
+    "dtype",
+    "backends",
+    "tp_size",
+    "dp_size",
+    "context_length",
+    "max_total_num_tokens",
+    "features",
+    "decode_tokens_per_s",
+}
+LOAD_KEYS = {
+    "dp_rank",
+    "num_reqs",
+    "num_waiting_reqs",
+    "num_tokens",
+    "num_pending_tokens",
+    "ts_tic",
+    "num_running_reqs",
+    "num_waiting_tokens",
+    "num_used_tokens",
+    "max_total_num_tokens",
+    "decode_tokens_per_s",
+}
+POOL = 32768
+LONG = {"max_new_tokens": 20000, "ignore_eos": True}  # seconds of decoding: still running while the test looks
+
+
+# ---- the parts, without a server ---------------------------------------------------------------
+
+
+def _step(rate: DecodeRate, totals: ServingTotals, seconds: float, tokens: int, decode: bool = True) -> None:
+    with rate.measure(totals):
+        time.sleep(seconds)
+        totals.generation_tokens += tokens
+        totals.decode_steps += int(decode)
+
+
+def test_decode_rate_counts_the_last_window_of_decode_steps():
+    rate, totals = DecodeRate(window_s=0.05), ServingTotals()
+    assert rate.tokens_per_s is None
+    _step(rate, totals, 0.0, 1, decode=False)  # a prefill's first token (the warm-up): no decode yet
+    assert rate.tokens_per_s is None
+    _step(rate, totals, 0.06, 100)
+    assert 0 < rate.tokens_per_s <= 100 / 0.06
+    _step(rate, totals, 0.06, 1)  # the first step is out of the window now
+    assert 0 < rate.tokens_per_s <= 1 / 0.06
+    time.sleep(0.1)  # idle time does not count: the figure stays
+    assert 0 < rate.tokens_per_s <= 1 / 0.06
+
+
+def test_profile_dir_confines_output_dir(tmp_path):
+    root = tmp_path / "profiles"
+    (tmp_path / "outside").mkdir()
+    root.mkdir()
+    (root / "link").symlink_to(tmp_path / "outside")
+    dirs = ProfileDir(str(root))
+    assert dirs.resolve(None) == str(root) and dirs.resolve("runs/a") == str(root / "runs" / "a")
+    assert dirs.resolve("runs/../b") == str(root / "b")
+    for escape in (str(tmp_path / "outside"), "../outside", "runs/../../outside", "link", "link/x"):
+        with pytest.raises(ValueError, match="^output_dir: "):
+            dirs.resolve(escape)
+
+
+def test_admin_key_must_differ_from_the_api_key():
+    with pytest.raises(ValueError, match="^admin_api_key: "):
+        ServerArgs(api_key="same", admin_api_key="same")
+
+
+# ---- one worker with both keys and a profile directory -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def profile_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("profiles")
+
+
+@pytest.fixture(scope="module")
+def server(long_llama_dir: Path, profile_root: Path) -> Iterator[ServerProcess]:
+    with serving(
+        long_llama_dir,
+        "--api-key",
+        USER_KEY,
+        "--admin-api-key",
+        ADMIN_KEY,
+        "--profile-dir",
+        str(profile_root),
+        "--max-total-tokens",
+        str(POOL),
+        "--max-running-requests",
+        "1",
+    ) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, headers=USER, timeout=120) as client:
+        yield client
+
+
+def _load(http: httpx.Client) -> dict[str, Any]:
+    entries = http.get("/get_load").json()
+    assert isinstance(entries, list) and len(entries) == 1, entries
+    return entries[0]
+
+
+def test_sglang_shapes_beside_the_old_names(http):
+    info = http.get("/server_info").json()
+    assert info.keys() == http.get("/get_server_info").json().keys()
+    worker = info["worker"]
+    assert set(worker) == WORKER_KEYS
+    assert worker["device"] == "cpu" and worker["dtype"] == info["dtype"] == "float32"
+    assert worker["backends"] == info["backends"] and worker["backends"]["attention"]
+    assert (worker["tp_size"], worker["dp_size"], worker["max_total_num_tokens"]) == (1, 1, POOL)
+    assert worker["context_length"] == 32768
+    assert worker["features"] == {"structured_output": False, "tools": False, "logprobs": True, "n": True}
+    assert worker["decode_tokens_per_s"] is None  # the warm-up prefilled one token, and nothing decoded since
+    # SGLang's shape: the flags at the top level (resolved values where the runtime has them), one
+    # internal state per replica, the version; ours (server_args, stats, pids) stays.
+    assert info["schedule_policy"] == "fcfs" and info["max_running_requests"] == 1 and info["version"]
+    assert [s["dp_rank"] for s in info["internal_states"]] == [0] and "last_gen_throughput" in info["internal_states"][
+        0
+    ]
+    assert info["served_model_name"] == "tiny" and set(info["pids"]) == {"scheduler", "detokenizer"}
+    for args in (info, info["server_args"]):
+        assert args["api_key"] == args["admin_api_key"] == "<redacted>"
+    assert ADMIN_KEY not in http.get("/server_info").text and USER_KEY not in http.get("/server_info").text
+
+    model = http.get("/model_info").json()
+    assert model == http.get("/get_model_info").json()
+    assert model["is_generation"] is True and model["served_model_name"] == "tiny"
+    assert model["model_path"] and model["tokenizer_path"]
+
+    load = _load(http)
+    assert set(load) == LOAD_KEYS and load["dp_rank"] == 0 and load["max_total_num_tokens"] == POOL
+    assert load["num_reqs"] == load["num_tokens"] == load["num_waiting_tokens"] == 0
+    assert abs(load["ts_tic"] - time.time()) < 60
+
+
+def _generate_in_background(http: httpx.Client, rid: str, prompt_len: int) -> threading.Thread:
+    body = {"input_ids": [5] * prompt_len, "rid": rid, "sampling_params": LONG}
+    thread = threading.Thread(target=http.post, args=("/generate",), kwargs={"json": body}, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_load_moves_while_requests_run(http):
+    running = _generate_in_background(http, "long-a", 10)
+    assert wait_until(lambda: _load(http)["num_running_reqs"] == 1, timeout=60), _load(http)
+    assert wait_until(lambda: _load(http)["decode_tokens_per_s"], timeout=60), _load(http)  # it decodes
+    queued = _generate_in_background(http, "long-b", 50)  # --max-running-requests 1: it waits
+    assert wait_until(lambda: _load(http)["num_waiting_reqs"] == 1, timeout=60), _load(http)
+    load = _load(http)
+    assert load["num_reqs"] == 2 and load["num_waiting_tokens"] == load["num_pending_tokens"] == 50
+    assert load["num_used_tokens"] >= 10 and load["num_tokens"] == load["num_used_tokens"] + 50
+    for rid in ("long-a", "long-b"):
+        assert http.post("/abort_request", json={"rid": rid}, headers=ADMIN).status_code == 200
+    running.join(60)
+    queued.join(60)
+    assert wait_until(lambda: _load(http)["num_reqs"] == 0, timeout=30), _load(http)
+    assert _load(http)["decode_tokens_per_s"] > 0  # kept while idle
+    assert http.get("/server_info").json()["worker"]["decode_tokens_per_s"] > 0
+
+
+ADMIN_CALLS: list[tuple[str, Optional[dict[str, Any]]]] = [
+    ("/flush_cache", None),
+    ("/abort_request", {"rid": "nothing-runs"}),
+    ("/start_profile", {"output_dir": "runs/a"}),
+    ("/stop_profile", None),
+]
+
+
+def test_admin_routes_need_the_admin_key(server, http, profile_root):
+    with httpx.Client(base_url=server.url, timeout=120) as anyone:
+        for path, body in ADMIN_CALLS:
+            for headers in ({}, USER, {"Authorization": "Bearer wrong"}):
+                r = anyone.post(path, json=body, headers=headers)
+                assert r.status_code == 401, (path, headers, r.text)
+                assert r.json()["error"]["code"] == "invalid_api_key" and "--admin-api-key" in r.text
+        assert anyone.get("/server_info").status_code == 401
+        assert anyone.get("/health").status_code == 200  # probes stay open
+    assert wait_until(lambda: http.post("/flush_cache", headers=ADMIN).status_code == 200, timeout=30)
+    assert http.post("/abort_request", json={"rid": "nothing-runs"}, headers=ADMIN).status_code == 200
+    r = http.post("/start_profile", json={"output_dir": "runs/a"}, headers=ADMIN)
+    assert r.status_code == 200, r.text
+    trace = Path(r.json()["trace_path"])
+    assert trace.parent == profile_root.resolve() / "runs" / "a"
+    assert http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}).is_success
+    r = http.post("/stop_profile", headers=ADMIN)
+    assert r.status_code == 200 and Path(r.json()["trace_path"]) == trace and trace.is_file()
+
+
+def test_user_and_admin_keys_open_the_api(server):
+    for key in (USER_KEY, ADMIN_KEY):
+        with openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120) as client:
+            out = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            )
+            assert out.choices[0].finish_reason in ("length", "stop") and out.usage.completion_tokens >= 1
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+
+
+def test_profile_output_dir_stays_under_profile_dir(http, profile_root, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (profile_root / "escape").symlink_to(outside)
+    for output_dir in (str(outside), "../outside", "runs/../../outside", "escape", "escape/deeper"):
+        r = http.post("/start_profile", json={"output_dir": output_dir}, headers=ADMIN)
+        assert r.status_code == 400, (output_dir, r.text)
+        assert r.json()["error"]["param"] == "output_dir" and "output_dir" in r.json()["error"]["message"]
+    assert not any(outside.iterdir())
+    assert http.post("/stop_profile", headers=ADMIN).status_code == 400  # none was started
+
+
+def test_an_http2_preface_is_505(server):
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        assert sock.recv(65536).startswith(b"HTTP/1.1 505 ")
+
+
+# ---- the SGLang model gateway in front of two workers ----------------------------------------------
+
+SMG = shutil.which("smg")
+SMG_TIMEOUT_S = 120
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _smg(worker_urls: list[str], log: Path) -> Iterator[str]:
+    port = _free_port()
+    cmd = [SMG or "smg", "launch", "--worker-urls", *worker_urls, "--policy", "cache_aware"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=out, stderr=out)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _registered(url: str, count: int) -> list[dict[str, Any]]:
+    """smg's workers once ``count`` are registered and healthy, else []."""
+    try:
+        workers = httpx.get(url + "/workers", timeout=10).json()["workers"]
+    except (httpx.HTTPError, ValueError):
+        return []
+    return workers if len(workers) == count and all(w["is_healthy"] for w in workers) else []
+
+
+def _access_lines(server: ServerProcess) -> list[str]:
+    return [line for line in server.lines if "radixserve.access" in line]
+
+
+@pytest.mark.skipif(SMG is None, reason="smg is not installed (pip install sglang-router==0.3.2: the dev extra)")
+def test_smg_fronts_two_workers(tiny_llama_dir, tmp_path):
+    common = ("--model", str(tiny_llama_dir), "--served-model-name", "tiny", "--max-total-tokens", "4096")
+    with contextlib.ExitStack() as stack:
+        # Started together; at info level, so that their access logs are in their output.
+        one = stack.enter_context(ServerProcess(*common, "--log-level", "info"))
+        two = stack.enter_context(ServerProcess(*common, "--dp-size", "2", "--log-level", "info"))
+        urls = [one.wait_ready(), two.wait_ready()]
+
+        loads = httpx.get(two.url + "/get_load", timeout=30).json()
+        assert [entry["dp_rank"] for entry in loads] == [0, 1] and all(set(e) == LOAD_KEYS for e in loads)
+        info = httpx.get(two.url + "/server_info", timeout=30).json()
+        assert info["worker"]["dp_size"] == 2 and info["worker"]["max_total_num_tokens"] == 2 * 4096
+        assert [state["dp_rank"] for state in info["internal_states"]] == [0, 1]
+
+        smg_log = tmp_path / "smg.log"
+        gateway = stack.enter_context(_smg(urls, smg_log))
+        workers: list[dict[str, Any]] = []
+        assert wait_until(lambda: workers.extend(_registered(gateway, 2)) or workers, SMG_TIMEOUT_S, 0.5), (
+            smg_log.read_text()
+        )
+        assert sorted(w["url"] for w in workers) == sorted(urls) and {w["model_id"] for w in workers} == {"tiny"}
+        gateway_loads = httpx.get(gateway + "/get_loads", timeout=30).json()["workers"]
+        assert len(gateway_loads) == 2 and all(entry["load"] >= 0 for entry in gateway_loads), gateway_loads
+
+        with openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            out = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hello"}], max_tokens=4
+            )
+        assert (
+            out.model == "tiny" and out.usage.completion_tokens >= 1 and isinstance(out.choices[0].message.content, str)
+        )
+
+        def served() -> list[str]:
+            return [line for s in (one, two) for line in _access_lines(s) if "POST /v1/chat/completions 200" in line]
+
+        assert wait_until(lambda: len(served()) == 1, timeout=10), served()
+
+        for server in (one, two):
+            lines = _access_lines(server)
+            assert any("GET /model_info 200" in line for line in lines), lines
+            assert not [line for line in lines if " 404 " in line]
+        assert "falling back" not in smg_log.read_text()  # smg found /server_info and /model_info
