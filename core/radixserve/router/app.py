@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import time
-from typing import AsyncIterator, Callable
+from types import FrameType
+from typing import AsyncIterator, Callable, Optional
 
 import httpx
 import uvicorn
@@ -201,6 +203,16 @@ def _plain(payload: dict) -> RequestInfo:
     return RequestInfo(model=model if isinstance(model, str) else None, stream=False)
 
 
+class _RouterServer(uvicorn.Server):
+    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+        """As uvicorn's, but the signal is not re-raised at exit: a router that shut down
+        as asked exits with code 0. A second SIGINT stops without waiting."""
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        else:
+            self.should_exit = True
+
+
 def run_router(args: RouterArgs) -> int:
     """Serve until SIGTERM/SIGINT (then the requests in flight get
     ``--shutdown-grace-period-secs`` to finish)."""
@@ -215,7 +227,7 @@ def run_router(args: RouterArgs) -> int:
         timeout_graceful_shutdown=int(args.shutdown_grace_period_secs) or None,
         loop="auto",  # uvloop where it is installed
     )
-    server = uvicorn.Server(config)
+    server = _RouterServer(config)
     workers = " ".join(args.worker_urls) or "none yet (POST /workers)"
     print(f"radixserve router listening at {url} (policy {args.policy}; workers: {workers})", flush=True)
     server.run(sockets=[sock])
