@@ -147,6 +147,7 @@ def test_a_mixed_workload_all_succeeds_and_the_slow_worker_gets_a_small_share(ro
     }
     assert sum(routed.values()) == 40
     assert routed["triton"] < routed["cpu"] and routed["triton"] < routed["example"], routed
+    assert all(w["load"]["router_in_flight"] == 0 for w in workers_of(router.url))  # every hold released
     assert "worker=" + fleet["cpu"].url in router.log  # the access log names the worker
 
 
@@ -257,6 +258,7 @@ def test_a_killed_worker_loses_no_request_its_breaker_opens_and_it_rejoins_after
         for t in threads:
             t.join(300)
         assert outcomes.count("length") == 30, outcomes  # every request answered: none lost
+        assert _in_flight(router, other.url) == 0 and _in_flight(router, victim.url) == 0
         assert metric(router.url, "radixserve_router:worker_errors_total", worker=victim.url) >= 2
         assert metric(router.url, "radixserve_router:retries_total", worker=victim.url) >= 2
         assert not _state(router, victim.url)[0]  # and the health checks took it out

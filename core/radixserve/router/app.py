@@ -224,7 +224,7 @@ def run_router(args: RouterArgs) -> int:
         log_config=None,
         log_level=args.log_level,
         access_log=False,  # the forwarder's log line names the worker
-        timeout_graceful_shutdown=int(args.shutdown_grace_period_secs) or None,
+        timeout_graceful_shutdown=args.shutdown_grace_period_secs,  # type: ignore[arg-type]  # a float works
         loop="auto",  # uvloop where it is installed
     )
     server = _RouterServer(config)

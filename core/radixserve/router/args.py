@@ -29,11 +29,14 @@ class RouterArgs(CliArgs):
     port: int = flag("HTTP port (0 picks a free one)", default=30000)
     api_key: Optional[str] = flag("require this bearer token on the inference routes", default=None)
     admin_api_key: Optional[str] = flag(
-        "bearer token for /workers and /flush_cache (unset: --api-key opens them too); also sent to the workers "
-        "for their admin routes",
+        "bearer token for /workers and /flush_cache (unset: --api-key opens them too)", default=None
+    )
+    worker_api_key: Optional[str] = flag("bearer token the router sends to the workers (their --api-key)", default=None)
+    worker_admin_api_key: Optional[str] = flag(
+        "bearer token the router sends to the workers' admin routes, e.g. /flush_cache (their --admin-api-key; "
+        "unset: --worker-api-key)",
         default=None,
     )
-    worker_api_key: Optional[str] = flag("bearer token the router sends to the workers", default=None)
     # cache-aware routing
     cache_threshold: float = flag(
         "cache_aware: route to the longest prefix match when it covers at least this fraction of the request",

@@ -37,7 +37,7 @@ class Fleet:
         self.workers: dict[str, Worker] = {}
         self.pending: set[str] = set(args.worker_urls)
         self.no_load_report: set[str] = set()
-        admin_key = args.worker_api_key or args.admin_api_key
+        admin_key = args.worker_admin_api_key or args.worker_api_key
         self.headers = {"Authorization": f"Bearer {args.worker_api_key}"} if args.worker_api_key else {}
         self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
 

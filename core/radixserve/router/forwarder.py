@@ -168,14 +168,15 @@ class Forwarder:
 
     async def _try(self, request: Request, worker: Worker, body: bytes, info: RequestInfo) -> Answer:
         """Send to ``worker`` and read up to the first chunk of the answer (the whole answer
-        when it does not stream): a failure up to there is a TryFailed, and can be retried."""
+        when it does not stream): a failure up to there is a TryFailed, and can be retried.
+        The worker's in-flight count holds the request until its answer is read whole (a
+        stream: until the relay ends)."""
         worker.breaker.on_send()
         self._hold(worker, info, +1)
         upstream: Optional[httpx.Response] = None
         try:
-            outgoing = self.client.build_request(
-                request.method, worker.url + request.url.path, content=body, headers=self._headers(request)
-            )
+            target = worker.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+            outgoing = self.client.build_request(request.method, target, content=body, headers=self._headers(request))
             upstream = await self.client.send(outgoing, stream=True)
             if upstream.status_code in RETRYABLE_STATUSES:
                 content = await upstream.aread()
@@ -185,6 +186,7 @@ class Forwarder:
                 content = await upstream.aread()
                 await upstream.aclose()
                 worker.breaker.on_success()
+                self._hold(worker, info, -1)
                 return Answer(worker, upstream, content)
             chunks = upstream.aiter_raw()
             first = await chunks.__anext__()
@@ -225,7 +227,6 @@ class Forwarder:
     # ---- answering ---------------------------------------------------------------------
     def _whole(self, route: str, answer: Answer, info: RequestInfo, trip: Trip) -> Response:
         worker, upstream = answer.worker, answer.upstream
-        self._hold(worker, info, -1)
         trip.status = upstream.status_code
         self._learn(info, answer.content)
         self._done(route, worker, trip, info)
