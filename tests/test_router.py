@@ -18,6 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
+from urllib.parse import quote
 
 import httpx
 import openai
@@ -161,6 +162,19 @@ def test_a_request_no_worker_supports_is_refused_naming_the_field(router):
     assert exc.value.body["param"] == "response_format" and "structured output" in exc.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+
+
+def test_workers_leave_and_join_at_runtime(router, fleet):
+    slow = fleet["triton"].url
+    gone = httpx.delete(router.url + "/workers/" + quote(slow, safe=""), timeout=10)
+    assert gone.status_code == 200, gone.text
+    assert slow not in {w["url"] for w in workers_of(router.url)}
+    assert httpx.delete(router.url + "/workers/" + quote(slow, safe=""), timeout=10).status_code == 404
+    client = client_of(router)
+    assert client.completions.create(model="tiny", prompt="still served", max_tokens=4).choices[0].text is not None
+    back = httpx.post(router.url + "/workers", json={"url": slow}, timeout=30)
+    assert back.status_code == 200 and back.json()["worker"]["backends"]["attention"] == "triton", back.text
+    assert len(workers_of(router.url)) == 3
 
 
 def test_a_different_model_under_the_same_name_is_refused(router, tiny_model_factory):

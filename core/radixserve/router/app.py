@@ -17,7 +17,7 @@ import logging
 import signal
 import time
 from types import FrameType
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import httpx
 import uvicorn
@@ -39,6 +39,14 @@ from radixserve.server.middleware import RequestGuard
 
 logger = logging.getLogger("radixserve.router")
 
+# Path -> route name (the name in metrics; chat, completions and generate are routed by their text).
+INFERENCE_ROUTES = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completions",
+    "/generate": "generate",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+}
 # Routes a user key opens; the rest need the admin key (or the user key when no admin key is set).
 ADMIN_PATHS = frozenset({"/workers", "/flush_cache"})
 # The time registration at start-up may take before the router serves (pending workers join later).
@@ -102,25 +110,14 @@ def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: N
         return await forwarder.forward(request, route, body, info or _plain(payload))
 
     # ---- inference -------------------------------------------------------------------
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await forward(request, "chat")
+    def forwarding(route: str) -> Callable[[Request], Awaitable[Response]]:
+        async def handler(request: Request) -> Response:
+            return await forward(request, route)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await forward(request, "completions")
+        return handler
 
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        return await forward(request, "generate")
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await forward(request, "tokenize")
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await forward(request, "detokenize")
+    for path, route in INFERENCE_ROUTES.items():
+        app.add_api_route(path, forwarding(route), methods=["POST"], name=route)
 
     # ---- models ----------------------------------------------------------------------
     def card(model_id: str) -> dict:

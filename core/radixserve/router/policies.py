@@ -46,29 +46,30 @@ class Policy(Protocol):
         """The worker left the fleet."""
 
 
-class RoundRobin:
+class _Forgetful:
+    """A policy that remembers nothing of a worker."""
+
+    def forget(self, url: str) -> None:
+        pass
+
+
+class RoundRobin(_Forgetful):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
     def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Worker:
         return candidates[next(self._counter) % len(candidates)]
 
-    def forget(self, url: str) -> None:
-        pass
 
-
-class RandomChoice:
+class RandomChoice(_Forgetful):
     def __init__(self, rng: random.Random):
         self.rng = rng
 
     def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Worker:
         return self.rng.choice(list(candidates))
 
-    def forget(self, url: str) -> None:
-        pass
 
-
-class PowerOfTwo:
+class PowerOfTwo(_Forgetful):
     def __init__(self, rng: random.Random):
         self.rng = rng
 
@@ -77,9 +78,6 @@ class PowerOfTwo:
             return candidates[0]
         a, b = self.rng.sample(list(candidates), 2)
         return a if a.queued_tokens() <= b.queued_tokens() else b
-
-    def forget(self, url: str) -> None:
-        pass
 
 
 class CacheAware:
