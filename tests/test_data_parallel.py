@@ -86,6 +86,7 @@ def _stats(**kw: Any) -> dict[str, Any]:
         num_queue_reqs=0,
         num_waiting_tokens=0,
         decode_tokens_per_s=None,
+        prefill_tokens_per_s=None,
         token_usage=0.0,
         tokens_in_use=0,
         cache_hit_rate=0.0,

@@ -18,7 +18,15 @@ from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import CacheAware, CapacityAware, RoutingRequest, make_policy
 from radixserve.router.prefix_tree import PrefixTree
 from radixserve.router.request_info import TokenEstimator, read_request
-from radixserve.router.worker import BreakerState, CircuitBreaker, Worker, WorkerFacts, WorkerLoad
+from radixserve.router.worker import (
+    CAPACITY_HALF_LIFE_S,
+    BreakerState,
+    CircuitBreaker,
+    Work,
+    Worker,
+    WorkerFacts,
+    WorkerLoad,
+)
 from radixserve.server.errors import APIError
 
 
@@ -136,51 +144,77 @@ def test_token_bucket_admits_at_its_rate():
 
 
 # ---- policies ------------------------------------------------------------------------
-def _worker(url: str, speed: float | None = None, queued: int = 0) -> Worker:
+def _worker(url: str, decode: float | None = None, prefill: float | None = None) -> Worker:
     worker = Worker(url, WorkerFacts("m"), CircuitBreaker(5, 1, 10))
-    worker.load = WorkerLoad(num_tokens=queued, decode_tokens_per_s=speed)
+    worker.observe(WorkerLoad(decode_tokens_per_s=decode, prefill_tokens_per_s=prefill, reported_at=1.0))
     return worker
 
 
 def test_capacity_aware_gives_a_worker_a_share_in_proportion_to_its_speed():
     """Each routed request adds its tokens to the worker's queue, as in-flight work does."""
-    workers = [_worker("fast", 300.0), _worker("slow", 100.0)]
+    workers = [_worker("fast", 300.0, 3000.0), _worker("slow", 100.0, 1000.0)]
     policy = CapacityAware(PrefixTree(10**9))
     shares: Counter[str] = Counter()
     for i in range(400):
         request = RoutingRequest(f"prompt {i}", 50, 50)
-        chosen = policy.choose(request, workers)
-        chosen.in_flight_tokens += request.tokens
-        shares[chosen.url] += 1
+        choice = policy.choose(request, workers)
+        choice.worker.hold(choice.work(request), +1)
+        shares[choice.worker.url] += 1
     assert shares["fast"] / shares["slow"] == pytest.approx(3.0, rel=0.1)
 
 
 def test_capacity_aware_prefers_the_worker_that_caches_the_prefix_at_equal_queues():
-    workers = [_worker("a", 100.0), _worker("b", 100.0)]
+    workers = [_worker("a", 100.0, 1000.0), _worker("b", 100.0, 1000.0)]
     policy = CapacityAware(PrefixTree(10**9))
     shared = "system prompt " * 50
-    first = policy.choose(RoutingRequest(shared + "q1", 200, 10), workers)
-    assert all(policy.choose(RoutingRequest(shared + f"q{i}", 200, 10), workers) is first for i in range(2, 10))
-    first.in_flight_tokens += 10_000  # ...but not at any queue
-    assert policy.choose(RoutingRequest(shared + "q10", 200, 10), workers) is not first
+    first = policy.choose(RoutingRequest(shared + "q1", 200, 10), workers).worker
+    for i in range(2, 10):
+        again = policy.choose(RoutingRequest(shared + f"q{i}", 200, 10), workers)
+        assert again.worker is first and again.cached_tokens > 190  # credited with the shared part
+    first.hold(Work(0, 10_000), +1)  # ...but not at any queue
+    assert policy.choose(RoutingRequest(shared + "q10", 200, 10), workers).worker is not first
+
+
+def test_capacity_is_the_recent_peak_of_the_measured_rate():
+    worker = _worker("w", 100.0)
+    worker.observe(WorkerLoad(decode_tokens_per_s=20.0, reported_at=1.0 + CAPACITY_HALF_LIFE_S))
+    assert worker.decode_capacity.value == pytest.approx(50.0)  # the peak fades: by half after a half-life
+    worker.observe(WorkerLoad(decode_tokens_per_s=20.0, reported_at=1.0 + 10 * CAPACITY_HALF_LIFE_S))
+    assert worker.decode_capacity.value == pytest.approx(20.0)  # ...until the rate measured now is the larger
+    worker.observe(WorkerLoad(decode_tokens_per_s=None, reported_at=2.0 + 10 * CAPACITY_HALF_LIFE_S))
+    assert worker.decode_capacity.value is None  # not measured since a restart
+
+
+def test_capacity_aware_weighs_prompt_work_by_the_prefill_rate():
+    """Equal decode rates, one worker five times slower at prefill: long prompts avoid it
+    until the fast one's queue is five times longer."""
+    fast, slow_prefill = _worker("fast", 100.0, 5000.0), _worker("slow", 100.0, 1000.0)
+    policy = CapacityAware(PrefixTree(10**9))
+    shares: Counter[str] = Counter()
+    for i in range(120):
+        request = RoutingRequest(f"long prompt {i} " * 40, 2000, 1)
+        choice = policy.choose(request, [fast, slow_prefill])
+        choice.worker.hold(choice.work(request), +1)
+        shares[choice.worker.url] += 1
+    assert shares["fast"] / shares["slow"] == pytest.approx(5.0, rel=0.15)
 
 
 def test_cache_aware_follows_the_prefix_and_balances_when_imbalanced():
     workers = [_worker("a"), _worker("b")]
     policy = CacheAware(PrefixTree(10**9), threshold=0.5, balance_abs=4, balance_rel=1.5)
-    a = policy.choose(RoutingRequest("shared prefix / one", 5, 5), workers)
-    assert policy.choose(RoutingRequest("shared prefix / two", 5, 5), workers) is a
-    b = policy.choose(RoutingRequest("zzz unrelated", 5, 5), workers)
+    a = policy.choose(RoutingRequest("shared prefix / one", 5, 5), workers).worker
+    assert policy.choose(RoutingRequest("shared prefix / two", 5, 5), workers).worker is a
+    b = policy.choose(RoutingRequest("zzz unrelated", 5, 5), workers).worker
     assert b is not a  # a new prefix goes to the worker credited with less text
     a.in_flight = 20
-    assert policy.choose(RoutingRequest("shared prefix / three", 5, 5), workers) is b
+    assert policy.choose(RoutingRequest("shared prefix / three", 5, 5), workers).worker is b
 
 
 @pytest.mark.parametrize("name", ["round_robin", "random", "power_of_two"])
 def test_the_simple_policies_spread_over_all_workers(name):
     policy = make_policy(RouterArgs(policy=name), random.Random(0))
     workers = [_worker(u) for u in "abc"]
-    seen = Counter(policy.choose(RoutingRequest("x", 1, 1), workers).url for _ in range(300))
+    seen = Counter(policy.choose(RoutingRequest("x", 1, 1), workers).worker.url for _ in range(300))
     assert set(seen) == {"a", "b", "c"} and min(seen.values()) > 50
 
 

@@ -20,7 +20,7 @@ import pytest
 from helpers_server import ServerProcess, serving, wait_until
 
 from radixserve.config import ServerArgs
-from radixserve.runtime.scheduler_stats import DecodeRate, ServingTotals
+from radixserve.runtime.scheduler_stats import ServingTotals, StepRates
 from radixserve.server.profile_dir import ProfileDir
 
 USER_KEY = "user-key"
@@ -37,6 +37,7 @@ WORKER_KEYS = {
     "max_total_num_tokens",
     "features",
     "decode_tokens_per_s",
+    "prefill_tokens_per_s",
 }
 LOAD_KEYS = {
     "dp_rank",
@@ -50,6 +51,7 @@ LOAD_KEYS = {
     "num_used_tokens",
     "max_total_num_tokens",
     "decode_tokens_per_s",
+    "prefill_tokens_per_s",
 }
 POOL = 32768
 LONG = {"max_new_tokens": 20000, "ignore_eos": True}  # seconds of decoding: still running while the test looks
@@ -58,24 +60,29 @@ LONG = {"max_new_tokens": 20000, "ignore_eos": True}  # seconds of decoding: sti
 # ---- the parts, without a server ---------------------------------------------------------------
 
 
-def _step(rate: DecodeRate, totals: ServingTotals, seconds: float, tokens: int, decode: bool = True) -> None:
-    with rate.measure(totals):
+def _step(rates: StepRates, totals: ServingTotals, seconds: float, tokens: int, decode: bool = True) -> None:
+    with rates.measure(totals):
         time.sleep(seconds)
-        totals.generation_tokens += tokens
-        totals.decode_steps += int(decode)
+        if decode:
+            totals.generation_tokens += tokens
+            totals.decode_steps += 1
+        else:  # a prefill: its prompt tokens computed, and its first token sampled
+            totals.count_extend(tokens)
+            totals.generation_tokens += 1
 
 
-def test_decode_rate_counts_the_last_window_of_decode_steps():
-    rate, totals = DecodeRate(window_s=0.05), ServingTotals()
-    assert rate.tokens_per_s is None
-    _step(rate, totals, 0.0, 1, decode=False)  # a prefill's first token (the warm-up): no decode yet
-    assert rate.tokens_per_s is None
-    _step(rate, totals, 0.06, 100)
-    assert 0 < rate.tokens_per_s <= 100 / 0.06
-    _step(rate, totals, 0.06, 1)  # the first step is out of the window now
-    assert 0 < rate.tokens_per_s <= 1 / 0.06
-    time.sleep(0.1)  # idle time does not count: the figure stays
-    assert 0 < rate.tokens_per_s <= 1 / 0.06
+def test_step_rates_count_the_last_window_of_their_kind_of_steps():
+    rates, totals = StepRates(window_s=0.05), ServingTotals()
+    assert rates.decode.tokens_per_s is None and rates.prefill.tokens_per_s is None
+    _step(rates, totals, 0.01, 300, decode=False)  # the warm-up's prefill: no decode yet
+    assert rates.decode.tokens_per_s is None
+    assert 0 < rates.prefill.tokens_per_s <= 300 / 0.01
+    _step(rates, totals, 0.06, 100)
+    assert 0 < rates.decode.tokens_per_s <= 100 / 0.06
+    _step(rates, totals, 0.06, 1)  # the first step is out of the window now
+    assert 0 < rates.decode.tokens_per_s <= 1 / 0.06
+    time.sleep(0.1)  # idle time does not count: the figures stay
+    assert 0 < rates.decode.tokens_per_s <= 1 / 0.06 and rates.prefill.tokens_per_s > 0
 
 
 def test_profile_dir_confines_output_dir(tmp_path):

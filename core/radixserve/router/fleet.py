@@ -147,6 +147,11 @@ class Fleet:
                 worker.url + "/health", headers=self.headers, timeout=self.args.health_check_timeout_secs
             )
             ok = response.status_code == 200
+        except httpx.TimeoutException:
+            if worker.in_flight:  # busy: a long prefill step can hold its /health (it asks the scheduler)
+                logger.debug("worker %s is slow to answer its health check while serving; not counted", worker.url)
+                return
+            ok = False
         except httpx.HTTPError:
             ok = False
         if ok:
@@ -164,7 +169,7 @@ class Fleet:
         """Serving again (after a restart, its cache is empty): traffic at once, no cache credit."""
         worker.healthy = True
         worker.breaker.reset()
-        worker.load = WorkerLoad()
+        worker.forget_load()
         self.policy.forget(worker.url)
         logger.info("worker %s is healthy again", worker.url)
 
@@ -179,7 +184,7 @@ class Fleet:
         body = response.json() if response.status_code == 200 else None
         entries = body if isinstance(body, list) else [body] if isinstance(body, dict) else None
         if entries is not None:
-            worker.load = WorkerLoad.of(entries)
+            worker.observe(WorkerLoad.of(entries))
 
     # ---- registration ------------------------------------------------------------------
     async def _read_facts(self, url: str) -> WorkerFacts:

@@ -33,7 +33,7 @@ from radixserve.router.fleet import Fleet
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import Policy
 from radixserve.router.request_info import RequestInfo, TokenEstimator
-from radixserve.router.worker import Worker
+from radixserve.router.worker import Work, Worker
 from radixserve.server.errors import APIError, error_body
 
 logger = logging.getLogger("radixserve.router.access")
@@ -58,6 +58,7 @@ class Answer:
     upstream: httpx.Response
     content: bytes  # the whole answer, or its first chunk when it streams
     rest: Optional[AsyncIterator[bytes]] = None  # the stream's other chunks
+    held: Work = Work(0, 0)  # the work the stream holds on the worker until it ends
 
     @property
     def streaming(self) -> bool:
@@ -139,11 +140,12 @@ class Forwarder:
         tried: set[str] = set()
         backoff = self.args.retry_initial_backoff_ms / 1000
         for attempt in range(self.args.retry_max_retries + 1):
-            worker = self.policy.choose(info.routing, self.fleet.candidates(info.model, info.needs, tried))
+            choice = self.policy.choose(info.routing, self.fleet.candidates(info.model, info.needs, tried))
+            worker = choice.worker
             tried.add(worker.url)
             trip.tries.append(worker.url)
             try:
-                return await self._try(request, worker, body, info)
+                return await self._try(request, worker, body, info, choice.work(info.routing))
             except TryFailed as failure:
                 self.metrics.errors.labels(worker.url, failure.kind).inc()
                 last_try = attempt == self.args.retry_max_retries
@@ -166,13 +168,13 @@ class Forwarder:
                 backoff = min(backoff * self.args.retry_backoff_multiplier, self.args.retry_max_backoff_ms / 1000)
         raise AssertionError("unreachable")
 
-    async def _try(self, request: Request, worker: Worker, body: bytes, info: RequestInfo) -> Answer:
+    async def _try(self, request: Request, worker: Worker, body: bytes, info: RequestInfo, work: Work) -> Answer:
         """Send to ``worker`` and read up to the first chunk of the answer (the whole answer
         when it does not stream): a failure up to there is a TryFailed, and can be retried.
         The worker's in-flight count holds the request until its answer is read whole (a
-        stream: until the relay ends)."""
+        stream: until the relay ends), with its ``work``."""
         worker.breaker.on_send()
-        self._hold(worker, info, +1)
+        self._hold(worker, work, +1)
         upstream: Optional[httpx.Response] = None
         try:
             target = worker.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
@@ -186,34 +188,33 @@ class Forwarder:
                 content = await upstream.aread()
                 await upstream.aclose()
                 worker.breaker.on_success()
-                self._hold(worker, info, -1)
+                self._hold(worker, work, -1)
                 return Answer(worker, upstream, content)
             chunks = upstream.aiter_raw()
             first = await chunks.__anext__()
         except TryFailed:
-            self._failed(worker, info)
+            self._failed(worker, work)
             raise
         except (httpx.HTTPError, StopAsyncIteration) as exc:
             if upstream is not None:
                 await upstream.aclose()
-            self._failed(worker, info)
+            self._failed(worker, work)
             raise TryFailed("connect", f"{type(exc).__name__}: {exc}") from None
         except BaseException:  # cancelled: the client left
             if upstream is not None:
                 await upstream.aclose()
-            self._hold(worker, info, -1)
+            self._hold(worker, work, -1)
             raise
         worker.breaker.on_success()
-        return Answer(worker, upstream, first, chunks)
+        return Answer(worker, upstream, first, chunks, held=work)
 
-    def _failed(self, worker: Worker, info: RequestInfo) -> None:
-        self._hold(worker, info, -1)
+    def _failed(self, worker: Worker, work: Work) -> None:
+        self._hold(worker, work, -1)
         worker.breaker.on_failure()
         self.metrics.worker_state(worker)
 
-    def _hold(self, worker: Worker, info: RequestInfo, sign: int) -> None:
-        worker.in_flight += sign
-        worker.in_flight_tokens += sign * info.routing.tokens
+    def _hold(self, worker: Worker, work: Work, sign: int) -> None:
+        worker.hold(work, sign)
         self.metrics.in_flight.labels(worker.url).set(worker.in_flight)
 
     def _headers(self, request: Request) -> dict[str, str]:
@@ -257,7 +258,7 @@ class Forwarder:
                 )
             finally:
                 trip.status = trip.status if ended else CLIENT_CLOSED
-                self._hold(worker, info, -1)
+                self._hold(worker, answer.held, -1)
                 self.admission.release()
                 self._done(route, worker, trip, info)
                 with anyio.CancelScope(shield=True):  # closing tells the worker to abort

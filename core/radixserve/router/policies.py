@@ -18,11 +18,11 @@ import itertools
 import random
 import statistics
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 from radixserve.router.args import RouterArgs
 from radixserve.router.prefix_tree import PrefixTree
-from radixserve.router.worker import Worker
+from radixserve.router.worker import Work, Worker
 
 
 @dataclass(frozen=True)
@@ -39,8 +39,23 @@ class RoutingRequest:
         return self.prompt_tokens + self.max_tokens
 
 
+@dataclass(frozen=True)
+class Choice:
+    worker: Worker
+    cached_tokens: int = 0  # of the request's prompt, as the policy believes the worker caches it
+
+    @staticmethod
+    def of(worker: Worker, request: RoutingRequest, matched_chars: int) -> "Choice":
+        share = matched_chars / len(request.text) if request.text else 0.0
+        return Choice(worker, int(request.prompt_tokens * share))
+
+    def work(self, request: RoutingRequest) -> Work:
+        """What the request adds to the worker's queue."""
+        return Work(request.prompt_tokens - self.cached_tokens, request.max_tokens)
+
+
 class Policy(Protocol):
-    def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Worker: ...
+    def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Choice: ...
 
     def forget(self, url: str) -> None:
         """The worker left the fleet."""
@@ -57,27 +72,27 @@ class RoundRobin(_Forgetful):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Worker:
-        return candidates[next(self._counter) % len(candidates)]
+    def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Choice:
+        return Choice(candidates[next(self._counter) % len(candidates)])
 
 
 class RandomChoice(_Forgetful):
     def __init__(self, rng: random.Random):
         self.rng = rng
 
-    def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Worker:
-        return self.rng.choice(list(candidates))
+    def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Choice:
+        return Choice(self.rng.choice(list(candidates)))
 
 
 class PowerOfTwo(_Forgetful):
     def __init__(self, rng: random.Random):
         self.rng = rng
 
-    def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Worker:
+    def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Choice:
         if len(candidates) == 1:
-            return candidates[0]
+            return Choice(candidates[0])
         a, b = self.rng.sample(list(candidates), 2)
-        return a if a.queued_tokens() <= b.queued_tokens() else b
+        return Choice(a if a.queued_tokens() <= b.queued_tokens() else b)
 
 
 class CacheAware:
@@ -85,21 +100,21 @@ class CacheAware:
         self.tree, self.threshold = tree, threshold
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
 
-    def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Worker:
+    def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Choice:
         loads = [w.queued_requests() for w in candidates]
         least_loaded = candidates[loads.index(min(loads))]
         imbalanced = max(loads) - min(loads) > self.balance_abs and max(loads) > min(loads) * self.balance_rel
+        matched = self.tree.match(request.text)
         if imbalanced:
             chosen = least_loaded
         else:
-            matched = self.tree.match(request.text)
             best = max(candidates, key=lambda w: (matched.get(w.url, 0), -w.queued_requests()))
             if request.text and matched.get(best.url, 0) / len(request.text) >= self.threshold:
                 chosen = best
             else:
                 chosen = min(candidates, key=lambda w: (self.tree.chars.get(w.url, 0), w.queued_requests()))
         self.tree.insert(request.text, chosen.url)
-        return chosen
+        return Choice.of(chosen, request, matched.get(chosen.url, 0))
 
     def forget(self, url: str) -> None:
         self.tree.remove_worker(url)
@@ -109,29 +124,33 @@ class CapacityAware:
     def __init__(self, tree: PrefixTree):
         self.tree = tree
 
-    def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Worker:
+    def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Choice:
         matched = self.tree.match(request.text)
-        speeds = _speeds(candidates)
-        chosen = min(candidates, key=lambda w: self.cost(w, request, matched.get(w.url, 0), speeds[w.url]))
-        self.tree.insert(request.text, chosen.url)
-        return chosen
+        prefill = _capacities(candidates, lambda w: w.prefill_capacity.value)
+        decode = _capacities(candidates, lambda w: w.decode_capacity.value)
+        choices = [Choice.of(w, request, matched.get(w.url, 0)) for w in candidates]
+        best = min(choices, key=lambda c: self.cost(c, request, prefill[c.worker.url], decode[c.worker.url]))
+        self.tree.insert(request.text, best.worker.url)
+        return best
 
     @staticmethod
-    def cost(worker: Worker, request: RoutingRequest, matched_chars: int, speed: float) -> float:
-        """Seconds of work ahead of the request's end on ``worker`` (at its measured rate)."""
-        cached = request.prompt_tokens * matched_chars / len(request.text) if request.text else 0.0
-        return (worker.queued_tokens() + request.tokens - cached) / speed
+    def cost(choice: Choice, request: RoutingRequest, prefill_speed: float, decode_speed: float) -> float:
+        """Seconds of work ahead of the request's end on the worker, at its measured rates:
+        the prompt tokens to compute there (queued, then the request's uncached ones) at its
+        prefill rate, and the output tokens at its decode rate."""
+        queued, own = choice.worker.queued_work(), choice.work(request)
+        return (queued.prompt + own.prompt) / prefill_speed + (queued.output + own.output) / decode_speed
 
     def forget(self, url: str) -> None:
         self.tree.remove_worker(url)
 
 
-def _speeds(candidates: Sequence[Worker]) -> dict[str, float]:
-    """Each worker's decode tokens/s; one not measured yet counts as the median of the
+def _capacities(candidates: Sequence[Worker], rate: Callable[[Worker], Optional[float]]) -> dict[str, float]:
+    """Each worker's capacity (tokens/s); one not measured yet counts as the median of the
     others (or all as 1.0), so that it gets traffic and is measured."""
-    known = [w.load.decode_tokens_per_s for w in candidates if w.load.decode_tokens_per_s]
+    known = [r for r in map(rate, candidates) if r]
     default = statistics.median(known) if known else 1.0
-    return {w.url: w.load.decode_tokens_per_s or default for w in candidates}
+    return {w.url: rate(w) or default for w in candidates}
 
 
 def make_policy(args: RouterArgs, rng: Optional[random.Random] = None) -> Policy:

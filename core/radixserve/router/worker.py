@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+# Seconds for a worker's remembered peak throughput to fade by half (``PeakRate``).
+CAPACITY_HALF_LIFE_S = 120.0
 # A feature a request may need; a worker that does not report its features (a plain
 # OpenAI server) is assumed to have them all.
 FEATURES = ("structured_output", "tools", "logprobs", "n")
@@ -39,21 +41,56 @@ class WorkerLoad:
 
     num_reqs: int = 0
     num_waiting_reqs: int = 0
-    num_tokens: int = 0  # tokens of its running and waiting requests
+    num_tokens: int = 0  # tokens of its running and waiting requests (their whole contexts)
+    num_waiting_tokens: int = 0  # tokens its queued requests have yet to prefill
     decode_tokens_per_s: Optional[float] = None
+    prefill_tokens_per_s: Optional[float] = None
     reported_at: float = 0.0
 
     @classmethod
     def of(cls, entries: list[dict[str, Any]]) -> "WorkerLoad":
         """From ``/get_load``: one entry per data-parallel replica (SGLang's shape)."""
-        speeds = [e["decode_tokens_per_s"] for e in entries if e.get("decode_tokens_per_s")]
         return cls(
             num_reqs=sum(int(e.get("num_reqs", 0)) for e in entries),
             num_waiting_reqs=sum(int(e.get("num_waiting_reqs", 0)) for e in entries),
             num_tokens=sum(int(e.get("num_tokens", 0)) for e in entries),
-            decode_tokens_per_s=sum(speeds) if speeds else None,
+            num_waiting_tokens=sum(int(e.get("num_waiting_tokens", 0)) for e in entries),
+            decode_tokens_per_s=_total(entries, "decode_tokens_per_s"),
+            prefill_tokens_per_s=_total(entries, "prefill_tokens_per_s"),
             reported_at=time.monotonic(),
         )
+
+
+def _total(entries: list[dict[str, Any]], key: str) -> Optional[float]:
+    rates = [e[key] for e in entries if e.get(key)]
+    return sum(rates) if rates else None
+
+
+@dataclass(frozen=True)
+class Work:
+    """A request's work on a worker, in tokens: prompt tokens to compute (those not
+    cached there) and output tokens to generate."""
+
+    prompt: int
+    output: int
+
+
+class PeakRate:
+    """A measured rate's recent peak. The rate a worker reports follows the load it
+    serves (one given little traffic decodes few tokens a second), so its capacity is
+    the peak, fading by half every ``CAPACITY_HALF_LIFE_S`` so that a worker that slowed
+    down is believed within minutes; None when not measured (yet, or since a restart)."""
+
+    def __init__(self) -> None:
+        self.value: Optional[float] = None
+        self._at = 0.0
+
+    def observe(self, rate: Optional[float], at: float) -> None:
+        if rate is None or self.value is None:
+            self.value = rate
+        else:
+            self.value = max(rate, self.value * 0.5 ** ((at - self._at) / CAPACITY_HALF_LIFE_S))
+        self._at = at
 
 
 class BreakerState(enum.IntEnum):
@@ -129,8 +166,9 @@ class Worker:
         self.health_failures = 0
         self.health_successes = 0
         self.load = WorkerLoad()
+        self.decode_capacity, self.prefill_capacity = PeakRate(), PeakRate()  # tokens/s
         self.in_flight = 0  # requests the router has sent here and not yet seen end
-        self.in_flight_tokens = 0  # their estimated prompt + output tokens
+        self.in_flight_work = Work(0, 0)  # their uncached prompt and output tokens
         self.routed = 0
 
     @property
@@ -140,11 +178,30 @@ class Worker:
     def available(self) -> bool:
         return self.healthy and self.breaker.allows()
 
+    def observe(self, load: WorkerLoad) -> None:
+        self.load = load
+        self.decode_capacity.observe(load.decode_tokens_per_s, load.reported_at)
+        self.prefill_capacity.observe(load.prefill_tokens_per_s, load.reported_at)
+
+    def forget_load(self) -> None:
+        """Restarted: what was measured before says nothing now."""
+        self.load, self.decode_capacity, self.prefill_capacity = WorkerLoad(), PeakRate(), PeakRate()
+
+    def hold(self, work: Work, sign: int) -> None:
+        """A request sent here (+1) or ended (-1)."""
+        self.in_flight += sign
+        held = self.in_flight_work
+        self.in_flight_work = Work(held.prompt + sign * work.prompt, held.output + sign * work.output)
+
+    def queued_work(self) -> Work:
+        """Work not yet done here: the router's requests in flight, or, for the prompt
+        tokens, what the worker reports queued when that is more (other routers' traffic)."""
+        held = self.in_flight_work
+        return Work(max(held.prompt, self.load.num_waiting_tokens), held.output)
+
     def queued_tokens(self) -> int:
-        """Work waiting on this worker, in tokens. The worker's report covers every
-        router's traffic but is up to a poll interval old; the router's own count is
-        fresh but covers only its own: take the larger."""
-        return max(self.load.num_tokens, self.in_flight_tokens)
+        work = self.queued_work()
+        return work.prompt + work.output
 
     def queued_requests(self) -> int:
         return max(self.load.num_reqs, self.in_flight)
@@ -164,8 +221,14 @@ class Worker:
                 "num_reqs": self.load.num_reqs,
                 "num_waiting_reqs": self.load.num_waiting_reqs,
                 "num_tokens": self.load.num_tokens,
+                "num_waiting_tokens": self.load.num_waiting_tokens,
                 "decode_tokens_per_s": self.load.decode_tokens_per_s,
+                "prefill_tokens_per_s": self.load.prefill_tokens_per_s,
+                "decode_capacity": self.decode_capacity.value,
+                "prefill_capacity": self.prefill_capacity.value,
                 "router_in_flight": self.in_flight,
+                "router_in_flight_prompt_tokens": self.in_flight_work.prompt,
+                "router_in_flight_output_tokens": self.in_flight_work.output,
             },
             "routed": self.routed,
         }

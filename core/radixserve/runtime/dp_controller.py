@@ -277,7 +277,7 @@ def total_stats(per_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
         elif name == "cache_hit_rate":
             prompt = sum(s["prompt_tokens_total"] for s in stats)
             total[name] = sum(s["cached_tokens_total"] for s in stats) / prompt if prompt else 0.0
-        elif name == "decode_tokens_per_s":  # None where a replica has not decoded yet
+        elif name in ("decode_tokens_per_s", "prefill_tokens_per_s"):  # None where a replica has not measured it
             rates = [v for v in values if v is not None]
             total[name] = sum(rates) if rates else None
         elif name == "memory_error":

@@ -34,7 +34,7 @@ from radixserve.runtime.prefill_planner import PrefillPlan, PrefillPlanner, Queu
 from radixserve.runtime.profiler import StepProfiler
 from radixserve.runtime.req import Req
 from radixserve.runtime.sampler import Sampler
-from radixserve.runtime.scheduler_stats import DecodeRate, OperatorLog, SchedulerStats, ServingTotals
+from radixserve.runtime.scheduler_stats import OperatorLog, SchedulerStats, ServingTotals, StepRates
 from radixserve.runtime.stop import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class Scheduler:
         overlap = runner.platform.overlap_schedule if no_overlap is None else not no_overlap
         self.worker = ModelWorker(runner, self.sampler, runner.req_to_token_pool, runner.transfer, overlap=overlap)
         self.profiler = StepProfiler(runner.platform.profiler_activities(), rank=runner.group.rank)
-        self.totals, self.rate, self.oplog = ServingTotals(), DecodeRate(), OperatorLog(args.decode_log_interval)
+        self.totals, self.rates, self.oplog = ServingTotals(), StepRates(), OperatorLog(args.decode_log_interval)
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -128,7 +128,7 @@ class Scheduler:
 
         A failure inside a step (a bug, a kernel error) ends the requests of
         that batch with an error and frees their memory; the scheduler goes on."""
-        with self.rate.measure(self.totals):
+        with self.rates.measure(self.totals):
             self._launching = None
             # Rows released so far may still be read by the step in flight: reuse them once it is done.
             held = self.ledger.take_released_rows()
@@ -215,8 +215,7 @@ class Scheduler:
             self.ledger.admit(req, admission.match)
             self.waiting.remove(req)
             if req.first_admission(admission.match.num_tokens):  # not a retracted request coming back
-                self.totals.prompt_tokens += len(req.origin_input_ids)
-                self.totals.cached_tokens += req.cached_tokens
+                self.totals.count_admission(len(req.origin_input_ids), req.cached_tokens)
         self.chunked_req = plan.chunked
         if plan.out_of_memory is not None:
             self._finish_running(plan.out_of_memory, _out_of_memory())
@@ -226,6 +225,7 @@ class Scheduler:
             cached = sum(r.kv.kv_len for r in plan.reqs)
             self.oplog.prefill(len(plan.reqs), sum(plan.extend_lens), cached, self.stats(exact=False))
         launched = self._launch(ForwardMode.EXTEND, plan.reqs, plan.extend_lens)
+        self.totals.count_extend(sum(plan.extend_lens))
         launched.prompt_done = [r for r, kv in zip(plan.reqs, launched.kv_after) if kv == r.seq_len]
         self.running.extend(launched.work.sample_reqs)  # they decode from the next step on
         return launched
@@ -380,7 +380,7 @@ class Scheduler:
         """``exact``: count the pages whose frees are still on their way to the host
         (waits for the device) and check every lock; the step logs pass False."""
         running = len(self.running) + (1 if self.chunked_req else 0)
-        return SchedulerStats.of(self.totals, self.ledger.counts(exact), running, self.waiting, self.rate)
+        return SchedulerStats.of(self.totals, self.ledger.counts(exact), running, self.waiting, self.rates)
 
     def check_memory(self) -> bool:
         """The pool invariant: free + held privately by requests + cached == total,

@@ -6,6 +6,7 @@ carry over)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -17,8 +18,8 @@ from radixserve.runtime.req import Req
 
 logger = logging.getLogger(__name__)
 
-# How many seconds of decode steps the decode throughput covers.
-DECODE_RATE_WINDOW_S = 30.0
+# How many seconds of steps the decode and prefill throughputs cover.
+RATE_WINDOW_S = 30.0
 
 
 @dataclass
@@ -30,37 +31,31 @@ class ServingTotals:
     generation_tokens: int = 0
     retracted_reqs: int = 0
     decode_steps: int = 0
+    extend_steps: int = 0
+    extended_tokens: int = 0  # prompt tokens computed by extend steps (chunks, retracted requests' again)
+
+    def count_admission(self, prompt_tokens: int, cached_tokens: int) -> None:
+        self.prompt_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+
+    def count_extend(self, tokens: int) -> None:
+        self.extend_steps += 1
+        self.extended_tokens += tokens
 
 
-class DecodeRate:
-    """Generation tokens per second of the scheduler's last ``window_s`` seconds
-    of decode steps: the worker's recent decode speed. Idle time and steps that
-    launch no decode do not count, so the figure keeps its value while the
-    worker idles; None until a decode step has generated a token. The one
-    measure of generation throughput: ``decode_tokens_per_s`` in the stats
-    (``/server_info``, ``/get_load``) and the Decode batch log line."""
+class StepRate:
+    """Tokens per second of the scheduler's last ``window_s`` seconds of steps of one kind
+    (decode: tokens generated; prefill: prompt tokens computed): the worker's recent speed
+    at it. Idle time and steps of the other kind do not count, so the figure keeps its
+    value while the worker idles; None until such a step has made a token."""
 
-    def __init__(self, window_s: float = DECODE_RATE_WINDOW_S):
+    def __init__(self, window_s: float):
         self.window_s = window_s
         self._steps: deque[tuple[float, int]] = deque()  # (seconds, tokens) of each counted step, oldest first
         self._seconds = 0.0
         self._tokens = 0
-        self._generated = 0  # the generation total when the last step ended
-        self._decode_steps = 0  # the decode step count then
 
-    @contextlib.contextmanager
-    def measure(self, totals: ServingTotals) -> Iterator[None]:
-        """Time one scheduler step; it counts if it launched a decode step. With
-        overlap scheduling a step digests the tokens of the step before it."""
-        started = time.perf_counter()
-        yield
-        tokens, self._generated = totals.generation_tokens - self._generated, totals.generation_tokens
-        if totals.decode_steps == self._decode_steps:
-            return
-        self._decode_steps = totals.decode_steps
-        self._add(time.perf_counter() - started, tokens)
-
-    def _add(self, seconds: float, tokens: int) -> None:
+    def add(self, seconds: float, tokens: int) -> None:
         self._steps.append((seconds, tokens))
         self._seconds += seconds
         self._tokens += tokens
@@ -76,12 +71,36 @@ class DecodeRate:
         return self._tokens / self._seconds
 
 
+class StepRates:
+    """The decode and prefill ``StepRate``s, fed by timing each scheduler step: the one
+    measure of throughput (``decode_tokens_per_s`` and ``prefill_tokens_per_s`` in the stats,
+    ``/server_info`` and ``/get_load``; the Decode batch log line)."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S):
+        self.decode, self.prefill = StepRate(window_s), StepRate(window_s)
+        self._seen = ServingTotals()  # the totals when the last step ended
+
+    @contextlib.contextmanager
+    def measure(self, totals: ServingTotals) -> Iterator[None]:
+        """Time one scheduler step; it counts for the kind of step it launched. With
+        overlap scheduling a step digests the tokens of the step before it."""
+        started = time.perf_counter()
+        yield
+        seconds, seen = time.perf_counter() - started, self._seen
+        if totals.decode_steps != seen.decode_steps:
+            self.decode.add(seconds, totals.generation_tokens - seen.generation_tokens)
+        if totals.extend_steps != seen.extend_steps:
+            self.prefill.add(seconds, totals.extended_tokens - seen.extended_tokens)
+        self._seen = dataclasses.replace(totals)
+
+
 @dataclass
 class SchedulerStats:
     num_running_reqs: int
     num_queue_reqs: int
     num_waiting_tokens: int  # tokens the waiting requests have to prefill
-    decode_tokens_per_s: Optional[float]  # DecodeRate's
+    decode_tokens_per_s: Optional[float]  # StepRates'
+    prefill_tokens_per_s: Optional[float]
     token_usage: float
     tokens_in_use: int  # held by requests or locked in the cache (free and evictable ones are not)
     cache_hit_rate: float
@@ -99,14 +118,15 @@ class SchedulerStats:
 
     @classmethod
     def of(
-        cls, totals: ServingTotals, pool: PoolCounts, num_running: int, waiting: Sequence[Req], rate: DecodeRate
+        cls, totals: ServingTotals, pool: PoolCounts, num_running: int, waiting: Sequence[Req], rates: StepRates
     ) -> "SchedulerStats":
         in_use = pool.total - pool.free - pool.cached_evictable
         return cls(
             num_running_reqs=num_running,
             num_queue_reqs=len(waiting),
             num_waiting_tokens=sum(r.seq_len for r in waiting),
-            decode_tokens_per_s=rate.tokens_per_s,
+            decode_tokens_per_s=rates.decode.tokens_per_s,
+            prefill_tokens_per_s=rates.prefill.tokens_per_s,
             token_usage=in_use / pool.total,
             tokens_in_use=in_use,
             cache_hit_rate=totals.cached_tokens / totals.prompt_tokens if totals.prompt_tokens else 0.0,

@@ -26,7 +26,7 @@ def replica_stats(info: dict[str, Any]) -> list[dict[str, Any]]:
 def worker_facts(info: dict[str, Any], dp_size: int) -> dict[str, Any]:
     """The worker's platform (``--device``'s name for it), dtype, backends, parallelism,
     context length, KV pool (tokens, over all replicas), served features and decode
-    throughput (tokens/s over all replicas; None until it has decoded)."""
+    and prefill throughput (tokens/s over all replicas; None until measured)."""
     stats = info["stats"]
     return {
         "device": info["platform"],
@@ -38,6 +38,7 @@ def worker_facts(info: dict[str, Any], dp_size: int) -> dict[str, Any]:
         "max_total_num_tokens": stats["max_total_tokens"],
         "features": dataclasses.asdict(FEATURES),
         "decode_tokens_per_s": stats["decode_tokens_per_s"],
+        "prefill_tokens_per_s": stats["prefill_tokens_per_s"],
     }
 
 
@@ -50,7 +51,7 @@ def load_entries(info: dict[str, Any]) -> list[dict[str, Any]]:
     """``/get_load``: SGLang's keys (``num_reqs``: running + waiting; ``num_tokens``:
     the KV tokens in use plus the tokens the waiting requests have to prefill;
     ``num_pending_tokens``: the latter; ``ts_tic``: when, in Unix seconds) and the
-    parts: running requests, waiting tokens, KV tokens in use and capacity, decode rate."""
+    parts: running requests, waiting tokens, KV tokens in use and capacity, decode and prefill rates."""
     now = time.time()
     return [
         {
@@ -65,6 +66,7 @@ def load_entries(info: dict[str, Any]) -> list[dict[str, Any]]:
             "num_used_tokens": stats["tokens_in_use"],
             "max_total_num_tokens": stats["max_total_tokens"],
             "decode_tokens_per_s": stats["decode_tokens_per_s"],
+            "prefill_tokens_per_s": stats["prefill_tokens_per_s"],
         }
         for stats in replica_stats(info)
     ]
