@@ -61,11 +61,11 @@ def _walk(backend: GrammarBackend, spec: GrammarSpec, tokenizer: GrammarTokenize
         assert allowed.max() < len(tokenizer.tokenizer)  # never a token past the tokenizer's vocabulary
         token = int(allowed[torch.randint(len(allowed), (1,), generator=gen)])
         assert matcher.accept_token(token)
-        if matcher.is_terminated():
-            break
         ids.append(token)
+        if matcher.is_terminated():  # after the EOS (xgrammar), or the grammar's last token (llguidance)
+            break
     assert matcher.is_terminated()
-    return tokenizer.tokenizer.decode(ids)
+    return tokenizer.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 SCHEMA = {

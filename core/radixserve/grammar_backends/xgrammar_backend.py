@@ -36,19 +36,18 @@ class XGrammarMatcher(GrammarMatcher):
 
 
 class XGrammarCompiled(CompiledGrammar):
-    def __init__(self, compiled: Any, max_rollback_tokens: int):
-        self._compiled, self._rollback = compiled, max_rollback_tokens
+    def __init__(self, compiled: Any):
+        self._compiled = compiled
 
     def matcher(self) -> GrammarMatcher:
         import xgrammar
 
-        return XGrammarMatcher(xgrammar.GrammarMatcher(self._compiled, max_rollback_tokens=self._rollback))
+        return XGrammarMatcher(xgrammar.GrammarMatcher(self._compiled))
 
 
 class XGrammarBackend(GrammarBackend):
     name = "xgrammar"
     priority = 10
-    max_rollback_tokens = 16
 
     @classmethod
     def unavailable_reasons(cls) -> list[str]:
@@ -81,4 +80,4 @@ class XGrammarBackend(GrammarBackend):
             raise
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with the parser's message
             raise GrammarError(str(exc).strip()) from exc
-        return XGrammarCompiled(compiled, self.max_rollback_tokens)
+        return XGrammarCompiled(compiled)
