@@ -94,6 +94,11 @@ def test_unknown_backend_names():
     assert_short_failure(code, output, "--gemm-backend 'nope'")
 
 
+def test_unknown_grammar_backend():
+    code, output = run_cli("serve", "--grammar-backend", "nope")
+    assert_short_failure(code, output, "unknown grammar backend 'nope'", "xgrammar", "llguidance")
+
+
 def test_backend_that_cannot_serve_the_model(tiny_llama_dir):
     if torch.cuda.is_available():
         pytest.skip("triton can serve here")

@@ -173,11 +173,11 @@ CASES: list[tuple[str, str, Union[dict, list, bytes], int, Optional[str]]] = [
     ("stop_empty_string", COMPLETIONS, cmpl(stop=""), 400, "stop"),
     ("stop_list_of_ints", CHAT, chat(stop=[1, 2]), 400, "stop[0]"),
     # ---- unimplemented OpenAI options
-    ("response_format_json_object", CHAT, chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("response_format_unknown_type", CHAT, chat(response_format={"type": "yaml"}), 400, "response_format"),
     (
-        "response_format_json_schema",
+        "response_format_json_schema_missing",
         CHAT,
-        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+        chat(response_format={"type": "json_schema"}),
         400,
         "response_format",
     ),
@@ -225,8 +225,9 @@ CASES: list[tuple[str, str, Union[dict, list, bytes], int, Optional[str]]] = [
     ("reasoning_effort", CHAT, chat(reasoning_effort="high"), 400, "reasoning_effort"),
     ("web_search_options", CHAT, chat(web_search_options={}), 400, "web_search_options"),
     ("echo_on_chat", CHAT, chat(echo=True), 400, "echo"),
-    ("guided_json_extra", CHAT, chat(extra_body={"guided_json": {"type": "object"}}), 400, "guided_json"),
-    ("regex_extra", COMPLETIONS, cmpl(regex="[a-z]+"), 400, "regex"),
+    ("two_constraints", CHAT, chat(extra_body={"guided_json": {"type": "object"}, "regex": "a"}), 400, "regex"),
+    ("guided_choice_a_string", COMPLETIONS, cmpl(guided_choice="[a-z]+"), 400, "guided_choice"),
+    ("structured_outputs_unknown_key", COMPLETIONS, cmpl(structured_outputs={"yaml": "x"}), 400, "structured_outputs"),
     ("best_of_beyond_n", COMPLETIONS, cmpl(best_of=3), 400, "best_of"),
     ("suffix", COMPLETIONS, cmpl(suffix="end"), 400, "suffix"),
     # ---- coercions that change meaning, wrong types, odd numbers

@@ -154,12 +154,12 @@ def test_a_mixed_workload_all_succeeds_and_the_slow_worker_gets_a_small_share(ro
 
 def test_a_request_no_worker_supports_is_refused_naming_the_field(router):
     client = client_of(router)
-    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], response_format=schema
+            model="tiny", messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice="auto"
         )
-    assert exc.value.body["param"] == "response_format" and "structured output" in exc.value.body["message"]
+    assert exc.value.body["param"] == "tools" and "tools" in exc.value.body["message"]
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
 

@@ -359,7 +359,7 @@ def test_validation_errors_name_the_most_specific_field():
     assert (
         _summary(
             ChatCompletionRequest,
-            {**chat, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
+            {**chat, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}},
         )[0]
         == "response_format"
     )

@@ -56,6 +56,15 @@ class ServerArgs(CliArgs):
         "machine and model shape; the result is cached) or priority (the highest-priority one, no timing)",
         default="measure",
     )
+    grammar_backend: str = _flag(
+        "structured output (response_format, regex, ebnf, guided_*): auto (the highest-priority grammar backend: "
+        "xgrammar), xgrammar, llguidance, any registered one, or none (such requests get a 400)",
+        default="auto",
+    )
+    grammar_compile_timeout: float = _flag(
+        "seconds a request's grammar may take to compile; a request whose compile takes longer ends with a 400",
+        default=60.0,
+    )
     tp_size: int = _flag(
         "tensor parallel size: that many scheduler processes (ranks), joined by torch.distributed with the "
         "platform's backend, each holding 1/tp_size of every layer",
@@ -217,6 +226,8 @@ class ServerArgs(CliArgs):
             bad("shutdown_timeout", f"must be >= 0, got {self.shutdown_timeout}")
         if self.admin_api_key is not None and self.admin_api_key == self.api_key:
             bad("admin_api_key", "must differ from api_key (else every client could use the admin routes)")
+        if not (isinstance(self.grammar_compile_timeout, (int, float)) and self.grammar_compile_timeout > 0):
+            bad("grammar_compile_timeout", f"must be > 0 seconds, got {self.grammar_compile_timeout}")
         if self.max_header_size < 1024:
             bad("max_header_size", f"must be >= 1024 bytes, got {self.max_header_size}")
 

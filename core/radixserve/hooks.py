@@ -56,3 +56,9 @@ def register_quantization_methods(register: Register) -> None:
 def register_models(register: Register) -> None:
     """Register model classes (``torch.nn.Module`` subclasses with an
     ``architectures`` tuple naming the HuggingFace architectures they serve)."""
+
+
+@hookspec
+def register_grammar_backends(register: Register) -> None:
+    """Register :class:`radixserve.grammar.GrammarBackend` subclasses (structured
+    output; chosen by ``--grammar-backend``)."""

@@ -23,7 +23,7 @@ MODEL_HINT = (
 def check_startup(args: ServerArgs) -> KernelQuery:
     """Raise StartupError for what is wrong with ``args`` that can be seen
     without starting a child process or initialising any accelerator: the model
-    and tokenizer directories, ``--device``, the backend names, and (for a local model) the
+    and tokenizer directories, ``--device``, the backend names (``--grammar-backend`` too), and (for a local model) the
     model's architecture, dtype, weight files and each forced backend's support
     for it. Returns the query the backends were checked for (the device and
     dtype alone where the model's shapes are not known yet), for ``build_backends``."""
@@ -40,6 +40,7 @@ def check_startup(args: ServerArgs) -> KernelQuery:
     registry = get_registry()
     try:
         platform = registry.resolve_platform(args.device)
+        registry.grammar_backend(args.grammar_backend)  # one that cannot load is an error, never a fallback
     except PluginError as exc:
         raise StartupError(str(exc), PLUGINS_HINT) from exc
     forced = {kind: name for kind, name in _forced_backends(args).items() if name != "auto"}

@@ -31,11 +31,13 @@ KIND_HOOKS: dict[str, str] = {
     "elementwise": "register_elementwise_backends",
     "quantization": "register_quantization_methods",
     "model": "register_models",
+    "grammar": "register_grammar_backends",
 }
 SELECTABLE_KINDS = ("attention", "gemm", "moe", "elementwise", "quantization")
 ALLOW_LIST_ENV = "RADIXSERVE_PLUGINS"
 TRACE_ENV = "RADIXSERVE_TRACE_PLUGINS"
 BUILTIN_MODELS_PLUGIN = "radixserve-models"
+BUILTIN_GRAMMAR_PLUGIN = "radixserve-grammar"
 
 
 class PluginError(RuntimeError):
@@ -81,10 +83,12 @@ class PluginRegistry:
             self.pm.enable_tracing()
         self.plugins: dict[str, PluginInfo] = {}
         self._candidates: Optional[dict[str, dict[str, Candidate]]] = None
-        # The core's own architectures register through the same hook as anyone's.
+        # The core's own architectures and grammar backends register through the same hooks as anyone's.
+        import radixserve.grammar_backends
         import radixserve.models
 
         self.register_plugin(radixserve.models, BUILTIN_MODELS_PLUGIN)
+        self.register_plugin(radixserve.grammar_backends, BUILTIN_GRAMMAR_PLUGIN)
         if load_entry_points:
             self.load_entry_points()
 
@@ -311,6 +315,31 @@ class PluginRegistry:
             )
         return cand.cls
 
+    def grammar_backend(self, requested: str = "auto") -> Optional[type]:
+        """The ``GrammarBackend`` class for ``--grammar-backend``: None for ``none``, the
+        highest-priority registered one for ``auto``. One that cannot load here is a
+        PluginError saying why; there is no fallback to another."""
+        if requested == "none":
+            return None
+        table = self.candidates["grammar"]
+        if requested == "auto":
+            if not table:
+                raise PluginError("no grammar backend is registered" + self._load_error_note())
+            cand = max(table.values(), key=lambda c: (c.priority, c.name))
+        elif requested in table:
+            cand = table[requested]
+        else:
+            raise PluginError(
+                f"unknown grammar backend {requested!r}; registered: {sorted(table) or 'none'} (or none)"
+                + self._load_error_note()
+            )
+        reasons = cand.cls.unavailable_reasons()
+        if reasons:
+            raise PluginError(
+                f"grammar backend {cand.name!r} (plugin {cand.plugin!r}) cannot load: " + "; ".join(reasons)
+            )
+        return cand.cls
+
     def report(self) -> dict[str, Any]:
         """What ``radixserve plugins`` prints: plugins, their backends, and usability here."""
         candidates = self.candidates
@@ -346,6 +375,16 @@ class PluginRegistry:
                     }
                 )
             backends[kind] = rows
+        backends["grammar"] = [
+            {
+                "name": c.name,
+                "plugin": c.plugin,
+                "priority": c.priority,
+                "usable": not c.cls.unavailable_reasons(),
+                "reasons": c.cls.unavailable_reasons(),
+            }
+            for c in sorted(candidates["grammar"].values(), key=lambda c: (-c.priority, c.name))
+        ]
         backends["model"] = [{"name": c.name, "plugin": c.plugin} for c in candidates["model"].values()]
         plugins = [
             {

@@ -36,5 +36,9 @@ class Intake:
         if error is not None:
             return error
         req.sampling_params.validate(self.vocab_size, self.args)  # stop strings included
+        if req.sampling_params.grammar is not None and self.args.grammar_backend == "none":
+            return (
+                f"{req.sampling_params.grammar.source or 'grammar'}: structured output is off (--grammar-backend none)"
+            )
         max_new = req.sampling_params.max_new_tokens
         return request_fit_error(len(ids), max_new, self.context_length, self.kv_pool_tokens, self.args.page_size)

@@ -22,6 +22,7 @@ from typing import Optional
 
 from radixserve.cache.memory_pool import ReqToTokenPool
 from radixserve.forward_batch import ForwardMode
+from radixserve.grammar import TokenMask
 from radixserve.runtime.batch import BatchPlan, LogitsRows, PromptLogprobRows
 from radixserve.runtime.model_runner import ModelRunner
 from radixserve.runtime.req import Req
@@ -40,16 +41,18 @@ class StepWork:
     output_lens: list[int]  # tokens each of them generated before this one
     positions: list[int]  # where each new token goes in its request's token row
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
+    token_mask: Optional[TokenMask] = None  # grammar constraints of the sampled rows (structured output)
 
     @classmethod
-    def of(cls, batch: BatchPlan, logits: LogitsRows) -> "StepWork":
+    def of(cls, batch: BatchPlan, logits: LogitsRows, token_mask: Optional[TokenMask] = None) -> "StepWork":
         """The work of a launched batch, whose requests' ``kv_len`` already counts its
         tokens: a sampled token goes to position ``kv_len`` of its request (the first
         not yet computed), and the tokens generated before it are the ones past the prompt."""
         reqs = logits.sample_reqs
         positions = [r.kv.kv_len for r in reqs]
         output_lens = [p - len(r.origin_input_ids) for r, p in zip(reqs, positions)]
-        return cls(batch, reqs, logits.sample_rows, [r.kv.row for r in reqs], output_lens, positions, logits.prompt)
+        pool_rows = [r.kv.row for r in reqs]
+        return cls(batch, reqs, logits.sample_rows, pool_rows, output_lens, positions, logits.prompt, token_mask)
 
 
 @dataclass
@@ -137,7 +140,7 @@ class ModelWorker:
         to_device = self.transfer.to_device
         if work.sample_rows != list(range(logits.shape[0])):
             logits = logits[to_device(work.sample_rows)]
-        out = self.sampler.sample(work.sample_reqs, logits, work.output_lens)
+        out = self.sampler.sample(work.sample_reqs, logits, work.output_lens, work.token_mask)
         # The token table gets the new tokens on the device first: the next step reads them there.
         self.pool.append_tokens(to_device(work.pool_rows), to_device(work.positions), out.next_token_ids)
         results = [out.next_token_ids]

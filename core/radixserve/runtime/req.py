@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from radixserve.grammar import GrammarMatcher
 from radixserve.messages import FinishReason, GenerateRequest, RequestOptions
 from radixserve.sampling.params import SamplingParams
 
@@ -57,6 +58,9 @@ class Req(RequestOptions):
     sent_len: int = 0
     input_logprobs_done: bool = False
     detokenize_sent: bool = False  # the detokenizer has this request's DetokenizeSettings
+    # Its place in its grammar (structured output), from its compile until its finish;
+    # only runtime/grammar_queue.py sets it.
+    grammar: Optional[GrammarMatcher] = None
 
     @classmethod
     def from_message(cls, msg: GenerateRequest) -> "Req":

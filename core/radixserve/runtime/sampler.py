@@ -9,11 +9,14 @@ Every row follows its own request's SamplingParams, in this order:
    ``logit -= frequency * count + presence * (count > 0)``;
 4. ``min_new_tokens``: until that many tokens exist, the tokens that would end
    the request (``stop_token_ids``, and EOS unless ``ignore_eos``) get -inf;
-5. greedy rows take the argmax; the others divide by the temperature, keep the
+5. a grammar's token mask (structured output, ``radixserve.grammar``) sets the
+   tokens it forbids to -inf;
+6. greedy rows take the argmax; the others divide by the temperature, keep the
    ``top_k`` best, then the smallest set reaching ``top_p``, then drop tokens
    below ``min_p`` times the best one's probability, and draw.
 
-Logprobs are always those of the raw model logits, before any of the above:
+Logprobs are always those of the raw model logits, before any of the above
+(a constrained request's too):
 what HuggingFace parity tests compare against.
 
 A request with a ``seed`` draws its token at output position ``t`` with a
@@ -34,6 +37,7 @@ from typing import Iterable, Optional, Protocol, Sequence
 
 import torch
 
+from radixserve.grammar import TokenMask, apply_token_bitmask
 from radixserve.sampling.params import SamplingParams
 from radixserve.transfer import HostTransfer
 
@@ -116,6 +120,7 @@ class SamplingBatch:
     output_lens: list[int]  # tokens each request has generated so far
     token_stats: list[Optional[TokenStats]]  # up to date for rows with penalties, else None
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    token_mask: Optional[TokenMask] = None  # the constrained rows' grammar masks
 
     @classmethod
     def build(
@@ -180,7 +185,7 @@ def sample(
 
 
 def _adjusted_logits(raw: torch.Tensor, batch: SamplingBatch, transfer: HostTransfer) -> torch.Tensor:
-    """Steps 1-4 of the module docstring; returns ``raw`` itself when all are no-ops."""
+    """Steps 1-5 of the module docstring; returns ``raw`` itself when all are no-ops."""
     to_device = transfer.to_device
     bias = [(i, t, b) for i, p in enumerate(batch.params) if p.logit_bias for t, b in p.logit_bias.items()]
     penalized = [i for i, s in enumerate(batch.token_stats) if s is not None]
@@ -190,7 +195,7 @@ def _adjusted_logits(raw: torch.Tensor, batch: SamplingBatch, transfer: HostTran
         if n < p.min_new_tokens
         for t in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else batch.eos_token_ids))
     ]
-    if not (bias or penalized or blocked):
+    if not (bias or penalized or blocked or batch.token_mask is not None):
         return raw
     x = raw.clone()
     if bias:
@@ -205,6 +210,8 @@ def _adjusted_logits(raw: torch.Tensor, batch: SamplingBatch, transfer: HostTran
     if blocked:
         rows, cols = zip(*blocked)
         x[to_device(rows), to_device(cols)] = float("-inf")
+    if batch.token_mask is not None:
+        apply_token_bitmask(x, batch.token_mask.bitmask, batch.token_mask.rows)
     return x
 
 
@@ -324,19 +331,25 @@ class Sampler:
         self._stats: dict[int, tuple[weakref.ref, TokenStats]] = {}
 
     def sample(
-        self, reqs: Sequence[SamplingRequest], logits: torch.Tensor, output_lens: Optional[Sequence[int]] = None
+        self,
+        reqs: Sequence[SamplingRequest],
+        logits: torch.Tensor,
+        output_lens: Optional[Sequence[int]] = None,
+        token_mask: Optional[TokenMask] = None,
     ) -> SampleOutput:
         """One token for each request from its row of ``logits`` ([len(reqs), V]).
         ``output_lens``: tokens each request has generated before this one
         (default ``len(output_ids)``; with overlap scheduling the host learns a
         step's tokens after the next step is launched, so the scheduler counts
-        them itself). Every token sampled here is counted for penalties at once."""
+        them itself). ``token_mask``: the grammar constraints of the constrained rows.
+        Every token sampled here is counted for penalties at once."""
         stats = [self._token_stats(r) for r in reqs]
         batch = SamplingBatch(
             params=[r.sampling_params for r in reqs],
             output_lens=list(output_lens) if output_lens is not None else [len(r.output_ids) for r in reqs],
             token_stats=stats,
             eos_token_ids=self.eos_token_ids,
+            token_mask=token_mask,
         )
         top = max((r.top_logprobs_num for r in reqs if r.return_logprob), default=0)
         out = sample(

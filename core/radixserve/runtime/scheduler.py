@@ -1,14 +1,13 @@
 """The scheduler: waiting queue -> prefill plan or decode batch -> model ->
-sampler -> results. Usable in-process, one ``step()`` at a time (tests, the
-offline API's own process) and inside the scheduler process loop
-(``runtime/scheduler_process.py``).
+sampler -> results. Usable in-process, one ``step()`` at a time, and inside the
+scheduler process loop (``runtime/scheduler_process.py``).
 
 It keeps the request lifecycle and composes the parts that do the rest: the KV
-ledger owns every KV slot and lock (``kv_ledger.py``), the prefill planner
-picks what a step prefills (``prefill_planner.py``), the model worker runs a
-step's forward and sampling, overlapped with the host work of the next step
-(``model_worker.py``), the batch plan lays a step out (``batch.py``), and
-``output_assembly.py`` and ``scheduler_stats.py`` say what is sent and logged.
+ledger (``kv_ledger.py``), the prefill planner (``prefill_planner.py``), the
+model worker, overlapping a step with the host work of the next
+(``model_worker.py``), the batch plan (``batch.py``), the grammar queue
+(structured output: ``grammar_queue.py``), and what is sent and logged
+(``output_assembly.py``, ``scheduler_stats.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ from radixserve.model_loader import eos_token_ids
 from radixserve.registry import PluginRegistry, get_registry
 from radixserve.runtime.batch import BatchPlan, LogitsRows
 from radixserve.runtime.distributed import RankSpec
+from radixserve.runtime.grammar_queue import GrammarQueue
 from radixserve.runtime.intake import Intake
 from radixserve.runtime.kv_ledger import KVLedger
 from radixserve.runtime.model_runner import ModelRunner
@@ -35,7 +35,7 @@ from radixserve.runtime.profiler import StepProfiler
 from radixserve.runtime.req import Req
 from radixserve.runtime.sampler import Sampler
 from radixserve.runtime.scheduler_stats import OperatorLog, SchedulerStats, ServingTotals, StepRates
-from radixserve.runtime.stop import StopChecker
+from radixserve.runtime.stop import StopChecker, internal_error, out_of_memory
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ class Scheduler:
         eos_ids = eos_token_ids(model_path, runner.hf_config, tokenizer)
         self.sampler = Sampler(runner.vocab_size, runner.device, args.random_seed, eos_ids, transfer=runner.transfer)
         self.stop_checker = StopChecker(tokenizer, eos_ids)
+        self.grammars = GrammarQueue.for_model(args, model_path, runner, eos_ids)
         no_overlap = args.disable_overlap_schedule
         overlap = runner.platform.overlap_schedule if no_overlap is None else not no_overlap
         self.worker = ModelWorker(runner, self.sampler, runner.req_to_token_pool, runner.transfer, overlap=overlap)
@@ -88,8 +89,8 @@ class Scheduler:
             refusal = FinishReason(type="abort", status_code=503, message=message)
         if refusal is not None:
             self._finish(req, refusal)
-        else:
-            self.waiting.append(req)
+        else:  # a request with a grammar waits in the grammar queue until it is compiled
+            (self.waiting if req.sampling_params.grammar is None else self.grammars).append(req)
 
     def _queue_full(self) -> bool:
         """Waiting requests beyond the free running slots are the queue."""
@@ -113,6 +114,9 @@ class Scheduler:
 
     # ---- the step pipeline ---------------------------------------------------
     def has_work(self) -> bool:
+        return self._busy() or bool(self.grammars)
+
+    def _busy(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req or self._in_flight or self._unprocessed)
 
     def step(self) -> list[TokenOutput]:
@@ -129,6 +133,7 @@ class Scheduler:
         A failure inside a step (a bug, a kernel error) ends the requests of
         that batch with an error and frees their memory; the scheduler goes on."""
         with self.rates.measure(self.totals):
+            self.grammars.poll(not self._busy(), ready=self.waiting.append, refused=self._finish)
             self._launching = None
             # Rows released so far may still be read by the step in flight: reuse them once it is done.
             held = self.ledger.take_released_rows()
@@ -157,6 +162,8 @@ class Scheduler:
         return self._collect_outputs()
 
     def _launch_next(self) -> Optional[LaunchedStep]:
+        if self.grammars.constrains(self.running):  # their masks need the last step's tokens: no overlap
+            self._digest_outstanding()
         # Requests of a prefill still computing or not digested: their prompts are not cached yet.
         prefills = [s for s in (self._in_flight, self._unprocessed) if s is not None and s.mode is ForwardMode.EXTEND]
         uncached = [r for step in prefills for r in step.reqs]
@@ -218,7 +225,7 @@ class Scheduler:
                 self.totals.count_admission(len(req.origin_input_ids), req.cached_tokens)
         self.chunked_req = plan.chunked
         if plan.out_of_memory is not None:
-            self._finish_running(plan.out_of_memory, _out_of_memory())
+            self._finish_running(plan.out_of_memory, out_of_memory())
 
     def _launch_extend(self, plan: PrefillPlan) -> LaunchedStep:
         if OperatorLog.enabled():
@@ -234,13 +241,11 @@ class Scheduler:
         """Allocate the step's KV slots and hand the step to the worker."""
         prefix_lens = [r.kv.kv_len for r in reqs]
         slots = self.ledger.allocate(reqs, extend_lens)
-        if mode is ForwardMode.EXTEND:
-            logits = LogitsRows.extend(reqs, prefix_lens, extend_lens)
-        else:
-            logits = LogitsRows.decode(reqs)
+        extend = mode is ForwardMode.EXTEND
+        logits = LogitsRows.extend(reqs, prefix_lens, extend_lens) if extend else LogitsRows.decode(reqs)
         rows, table, transfer = [r.kv.row for r in reqs], self.runner.req_to_token_pool, self.runner.transfer
         batch = BatchPlan.launch(mode, rows, prefix_lens, extend_lens, slots, logits.indices, table, transfer)
-        work = StepWork.of(batch, logits)
+        work = StepWork.of(batch, logits, self.grammars.step_mask(logits.sample_reqs))
         return LaunchedStep(mode, list(reqs), work, self.worker.launch(work), [r.kv.kv_len for r in reqs])
 
     def _process(self, launched: LaunchedStep) -> None:
@@ -288,10 +293,9 @@ class Scheduler:
                 return
             if self._in_flight is not None or self._unprocessed is not None:
                 # Digest the last step first: its finished requests free memory, and
-                # a retracted request must not have a token still on its way.
-                self._drain()
-                self._settle_in_flight()
-                self._drain()
+                # a retracted request must not have a token still on its way (nor has
+                # its grammar matcher: it stays valid, having accepted every output token).
+                self._digest_outstanding()
                 continue
             if self.chunked_req is not None:
                 # A prompt still being prefilled holds pages the decoders need; it steps back first.
@@ -299,11 +303,17 @@ class Scheduler:
                 self._retract(victim)
                 continue
             if len(self.running) == 1:
-                self._finish_running(self.running[0], _out_of_memory())
+                self._finish_running(self.running[0], out_of_memory())
                 return
             victim = max(self.running, key=lambda r: r.arrival)
             self.running.remove(victim)
             self._retract(victim)
+
+    def _digest_outstanding(self) -> None:
+        """Wait for and digest every step launched so far."""
+        self._drain()
+        self._settle_in_flight()
+        self._drain()
 
     def _retract(self, req: Req) -> None:
         """Give back a running request's memory; it requeues first in line and
@@ -326,10 +336,10 @@ class Scheduler:
             if req.top_logprobs_num > 0:
                 req.output_top_logprobs.append(result.top_logprobs[row])
         try:
-            reason = self.stop_checker.check(req.sampling_params, req.output_ids)
+            reason = self.grammars.accept(req, token, self.stop_checker.check(req.sampling_params, req.output_ids))
         except Exception as exc:  # this request's own fault: end it alone
             logger.exception("stop check failed for %s", req.rid)
-            reason = _internal_error(exc)
+            reason = internal_error(exc)
         if reason is not None:
             self._finish_running(req, reason)
         else:
@@ -341,16 +351,15 @@ class Scheduler:
         self._finish(req, reason)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
+        self.grammars.drop(req)
         req.finish_reason = reason
         self.outbox.touch(req)
 
     def _fail(self, reqs: list[Req], exc: Exception) -> None:
         """End ``reqs`` with an internal error after a failed step. Their KV of this
         step may be half written, so none of it goes to the prefix cache."""
-        reason = _internal_error(exc)
-        for req in reqs:
-            if req.finished:
-                continue
+        reason = internal_error(exc)
+        for req in (r for r in reqs if not r.finished):
             self._dequeue(req)
             self.ledger.discard(req)
             self._finish(req, reason)
@@ -366,14 +375,13 @@ class Scheduler:
 
     def _collect_outputs(self) -> list[TokenOutput]:
         outputs = self.outbox.collect(self._fail_output)
-        for out in outputs:
-            if out.finish_reason is not None:
-                self._by_rid.pop(out.rid, None)
+        for out in (o for o in outputs if o.finish_reason is not None):
+            self._by_rid.pop(out.rid, None)
         return outputs
 
     def _fail_output(self, req: Req, exc: Exception) -> None:
         self._fail([req], exc)
-        req.finish_reason = _internal_error(exc)
+        req.finish_reason = internal_error(exc)
 
     # ---- introspection ---------------------------------------------------------
     def stats(self, exact: bool = True) -> SchedulerStats:
@@ -389,11 +397,3 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         return not self.has_work() and self.ledger.flush()
-
-
-def _internal_error(exc: Exception) -> FinishReason:
-    return FinishReason(type="abort", message=f"internal error: {type(exc).__name__}: {exc}", status_code=500)
-
-
-def _out_of_memory() -> FinishReason:
-    return FinishReason(type="abort", matched=None, message="out of KV cache memory for a single request")

@@ -135,7 +135,8 @@ def _dispatch(scheduler, msg, to_tm: Optional[zmq.Socket]) -> None:
 
 def _control(scheduler, kind: str, args):
     if kind == "server_info":
-        return {"stats": scheduler.stats().__dict__, **scheduler.runner.summary()}
+        summary = scheduler.runner.summary()
+        return {"stats": scheduler.stats().__dict__, **summary, "grammar_backend": scheduler.grammars.backend_name}
     if kind == "flush_cache":
         return scheduler.flush_cache()
     if kind == "health":

@@ -76,6 +76,16 @@ class StopChecker:
         )
 
 
+def internal_error(exc: Exception) -> FinishReason:
+    """A request ended by a failure that is not its fault (a 500)."""
+    return FinishReason(type="abort", message=f"internal error: {type(exc).__name__}: {exc}", status_code=500)
+
+
+def out_of_memory() -> FinishReason:
+    """A request that cannot go on even alone in the KV pool."""
+    return FinishReason(type="abort", matched=None, message="out of KV cache memory for a single request")
+
+
 def drop_stop_token(ids: list[int], matched: Union[int, str, None], no_stop_trim: bool) -> list[int]:
     """The ids whose text the user sees, from a finished request's last ids:
     a matched stop/EOS token (``matched`` an int) is left out unless ``no_stop_trim``."""

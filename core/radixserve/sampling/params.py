@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from radixserve.grammar import GrammarSpec
 from radixserve.request_limits import SamplingLimits, has_lone_surrogate
 
 # Temperatures below this sample from a distribution so peaked that argmax is
@@ -41,6 +42,9 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     n: int = 1
+    # Structured output: what the output must match (the API layers build it from
+    # response_format, regex, json_schema, ebnf and their aliases).
+    grammar: Optional[GrammarSpec] = None
 
     def __post_init__(self) -> None:
         # Normalize only what has the right shape; validate() reports the rest.
@@ -129,6 +133,12 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         _int("n", self.n, low=1)
+        if self.grammar is not None:
+            if not isinstance(self.grammar, GrammarSpec):
+                raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
+            if self.min_new_tokens:
+                # The grammar may allow only the end of the output while min_new_tokens forbids it.
+                raise ValueError("min_new_tokens cannot be combined with structured output")
         if limits is not None:
             _check_limits(self, limits)
 

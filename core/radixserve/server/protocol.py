@@ -26,6 +26,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -35,9 +36,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from radixserve.grammar import GrammarSpec
 from radixserve.messages import FinishType
 from radixserve.request_limits import has_lone_surrogate
 from radixserve.sampling.params import INT64_MAX, INT64_MIN
+from radixserve.server.structured_output import CONSTRAINT_FIELDS, ConstraintError, grammar_spec
 
 logger = logging.getLogger(__name__)
 
@@ -101,14 +104,13 @@ class ServedFeatures:
     ``/server_info["worker"]["features"]``. The refusals below (``unsupported``)
     are where an unserved one is a 400: flip its flag where its refusal goes."""
 
-    structured_output: bool = False  # response_format json_object/json_schema, regex, ...: refused below
+    structured_output: bool = True  # response_format json_object/json_schema, regex, ... (server/structured_output.py)
     tools: bool = False  # tool calling (tool_choice other than 'none'): refused below
     logprobs: bool = True
     n: bool = True
 
 
 FEATURES = ServedFeatures()
-_NO_STRUCTURED_OUTPUT = "structured output is not supported yet"
 
 
 class _Request(BaseModel):
@@ -119,8 +121,6 @@ class _Request(BaseModel):
     merges_extra_body: ClassVar[bool] = False
     # OpenAI marks its optional fields nullable: null there means "unset".
     null_means_unset: ClassVar[bool] = False
-    # Extras of other servers that radixserve does not implement: refused by name when set.
-    refused_extras: ClassVar[dict[str, str]] = {}
 
     @model_validator(mode="before")
     @classmethod
@@ -132,9 +132,6 @@ class _Request(BaseModel):
         bad = find_bad_json(data)
         if bad is not None:
             raise PydanticCustomError("unacceptable_json", "{problem}", {"param": bad[0] or None, "problem": bad[1]})
-        for name, why in cls.refused_extras.items():
-            if data.get(name) is not None:
-                raise unsupported(name, why)
         if logger.isEnabledFor(logging.DEBUG):
             unknown = sorted(k for k in data if k not in cls.model_fields)
             if unknown:
@@ -154,6 +151,8 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: StrictBool = False
 
 
+_CONSTRAINT_NAMES = ("response_format", *CONSTRAINT_FIELDS, "structured_outputs")
+
 # JSON integers are unbounded; every integer of a request fits in 64 bits (the runtime's tensors).
 Int = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenIds = list[Int]
@@ -161,21 +160,6 @@ TokenIds = list[Int]
 
 class _SamplingRequest(_OpenAIRequest):
     """Fields common to chat and text completions."""
-
-    # SGLang's and vLLM's constrained decoding: ignoring them would answer with unconstrained text.
-    refused_extras = {
-        name: _NO_STRUCTURED_OUTPUT
-        for name in (
-            "regex",
-            "json_schema",
-            "ebnf",
-            "guided_json",
-            "guided_regex",
-            "guided_choice",
-            "guided_grammar",
-            "structured_outputs",
-        )
-    }
 
     model: Optional[str] = None
     max_tokens: Optional[Int] = None
@@ -207,6 +191,25 @@ class _SamplingRequest(_OpenAIRequest):
     # Scheduling priority (SGLang / vLLM extra): higher is served first under
     # --schedule-policy priority; other policies ignore it.
     priority: Int = 0
+    # Structured output (server/structured_output.py): OpenAI's, then SGLang's and vLLM's extras.
+    response_format: Optional[dict[str, Any]] = None
+    regex: Optional[str] = None
+    json_schema: Union[str, dict[str, Any], None] = None
+    ebnf: Optional[str] = None
+    guided_json: Union[str, dict[str, Any], None] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    _grammar: Optional[GrammarSpec] = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _read_constraint(self) -> "_SamplingRequest":
+        try:
+            self._grammar = grammar_spec({name: getattr(self, name) for name in _CONSTRAINT_NAMES})
+        except ConstraintError as exc:
+            raise PydanticCustomError("invalid_constraint", "{why}", {"param": exc.param, "why": exc.detail}) from exc
+        return self
 
     def sampling_params(self, max_tokens: int) -> dict[str, Any]:
         """The runtime's ``sampling_params`` for this request (unset fields keep
@@ -230,6 +233,7 @@ class _SamplingRequest(_OpenAIRequest):
             "stop": self.stop,
             "stop_token_ids": self.stop_token_ids,
             "logit_bias": self.logit_bias,
+            "grammar": self._grammar,
         }
         params.update({k: v for k, v in optional.items() if v is not None})
         return params
@@ -304,7 +308,6 @@ class ChatCompletionRequest(_SamplingRequest):
     # Only "none" is served (see _refuse_unserved); the rest is typed to be refused by name.
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     parallel_tool_calls: Optional[StrictBool] = None  # a no-op while no tool is ever called
-    response_format: Optional[dict[str, Any]] = None
     functions: Optional[list[dict[str, Any]]] = None
     function_call: Union[str, dict[str, Any], None] = None
     audio: Optional[dict[str, Any]] = None
@@ -323,12 +326,6 @@ class ChatCompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _refuse_unserved(self) -> "ChatCompletionRequest":
         """OpenAI options that radixserve does not implement are a 400, never ignored."""
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise unsupported(
-                "response_format",
-                f"response_format of type {self.response_format.get('type')!r} "
-                f"is not supported ({_NO_STRUCTURED_OUTPUT}); only 'text'",
-            )
         if self.tools and self.tool_choice != "none":
             raise unsupported(
                 "tool_choice",

@@ -36,10 +36,17 @@ def worker_facts(info: dict[str, Any], dp_size: int) -> dict[str, Any]:
         "dp_size": dp_size,
         "context_length": info["context_length"],
         "max_total_num_tokens": stats["max_total_tokens"],
-        "features": dataclasses.asdict(FEATURES),
+        "features": features(info),
         "decode_tokens_per_s": stats["decode_tokens_per_s"],
         "prefill_tokens_per_s": stats["prefill_tokens_per_s"],
     }
+
+
+def features(info: dict[str, Any]) -> dict[str, bool]:
+    """``protocol.FEATURES``, less structured output when ``--grammar-backend none`` turned it off."""
+    served = dataclasses.asdict(FEATURES)
+    served["structured_output"] = FEATURES.structured_output and info.get("grammar_backend") is not None
+    return served
 
 
 def internal_states(info: dict[str, Any]) -> list[dict[str, Any]]:

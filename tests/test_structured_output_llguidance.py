@@ -1,0 +1,73 @@
+"""Structured output through the second built-in backend, llguidance
+(``--grammar-backend llguidance``): a smaller set than test_structured_output.py,
+proving the interface serves another compiler alike."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+from helpers_grammar import EBNF, PERSON, POINTS, REGEX, check_ebnf, check_regex, check_schema
+from helpers_server import ServerProcess, serving
+
+MESSAGES = [{"role": "user", "content": "Answer."}]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
+    with serving(tiny_llama_dir, "--grammar-backend", "llguidance", "--max-total-tokens", "32768") as srv:
+        yield srv
+
+
+def test_llguidance_outputs_match_their_constraints(server: ServerProcess) -> None:
+    async def one(client: openai.AsyncOpenAI, seed: int, stream: bool, **extra: object) -> tuple[str, str]:
+        args = dict(model="tiny", messages=MESSAGES, temperature=1.0, max_tokens=600, seed=seed, extra_body=extra)
+        if not stream:
+            out = await client.chat.completions.create(**args)
+            return out.choices[0].message.content or "", out.choices[0].finish_reason
+        text, reason = "", None
+        async for chunk in await client.chat.completions.create(stream=True, **args):
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                reason = choice.finish_reason or reason
+        return text, reason
+
+    async def run() -> list[tuple[str, object, tuple[str, str]]]:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=600) as c:
+            jobs: list[tuple[str, object]] = []
+            for seed in range(12):
+                schema = PERSON if seed % 2 else POINTS
+                jobs.append(("schema", schema))
+                jobs.append(("regex", None))
+                jobs.append(("ebnf", None))
+            calls = []
+            for i, (kind, schema) in enumerate(jobs):
+                extra = {"schema": {"guided_json": schema}, "regex": {"regex": REGEX}, "ebnf": {"ebnf": EBNF}}[kind]
+                calls.append(one(c, i, i % 2 == 0, **extra))
+            outs = await asyncio.gather(*calls)
+            return [(kind, schema, out) for (kind, schema), out in zip(jobs, outs)]
+
+    for kind, schema, (text, reason) in asyncio.run(run()):
+        assert reason == "stop", text
+        if kind == "schema":
+            check_schema(text, schema)  # type: ignore[arg-type]
+        else:
+            (check_regex if kind == "regex" else check_ebnf)(text)
+
+
+def test_llguidance_choice_and_a_bad_regex(server: ServerProcess) -> None:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    out = client.completions.create(
+        model="tiny", prompt="Pick:", n=3, max_tokens=16, extra_body={"structured_outputs": {"choice": ["on", "off"]}}
+    )
+    assert all(c.text in ("on", "off") and c.finish_reason == "stop" for c in out.choices)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"regex": "(unclosed"})
+    assert info.value.body["param"] == "regex"
+    assert info.value.body["message"].startswith("regex: invalid regex: ")
+    info_ = httpx.get(server.url + "/server_info", timeout=60).json()
+    assert info_["grammar_backend"] == "llguidance" and info_["worker"]["features"]["structured_output"]
