@@ -71,7 +71,7 @@ class GrammarQueue:
         """The queue of a scheduler serving ``model_path``: ``--grammar-backend`` (a
         PluginError if it cannot load), the model's tokenizer loaded at the first compile."""
         backend = runner.registry.grammar_backend(args.grammar_backend)
-        load = _tokenizer_loader(args.tokenizer_path or model_path, runner.vocab_size, eos_ids)
+        load = tokenizer_loader(args.tokenizer_path or model_path, runner.vocab_size, eos_ids)
         timeout = args.grammar_compile_timeout
         return cls(backend, load, timeout, runner.vocab_size, runner.transfer, runner.group)
 
@@ -171,7 +171,7 @@ class GrammarQueue:
         return reason
 
 
-def _tokenizer_loader(path: str, vocab_size: int, eos_ids: Iterable[int]) -> Callable[[], GrammarTokenizer]:
+def tokenizer_loader(path: str, vocab_size: int, eos_ids: Iterable[int]) -> Callable[[], GrammarTokenizer]:
     """Loads the tokenizer in a compile thread, an instance of its own: the scheduler
     may decode with another meanwhile (stop strings), and HF tokenizers are not
     meant to be shared across threads."""

@@ -1,0 +1,162 @@
+"""What structured output costs (issue 25): compile times of the grammar backends, and the
+per-token cost of constrained decoding against unconstrained at batch 32.
+
+1. Compile times, in this process, through the scheduler's own ``GrammarCompiler`` (the
+   backend built on first use, a cache of compiled grammars): for each backend, the first
+   compile of a 20-tool call schema (``anyOf`` over 20 functions with typed parameters) and
+   of a large schema (``--large-properties`` nested properties), then the same spec again
+   (the cache), then a spec of the same size the backend has not seen (a warm backend).
+2. Decode cost, through a real server: ``--batch`` streams at once, each ``--output-len``
+   tokens with ``ignore_eos``, with no constraint and with a regex that cannot terminate
+   within them (printable ASCII, 2,048 characters at least), so both generate the same
+   number of tokens; the median of
+   ``--repeats`` alternating rounds of each. The cost is the constrained round's time over
+   the unconstrained one's, minus 1.
+
+    python benchmarks/bench_structured_output.py --model ~/.cache/radixserve-bench/models/llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+import httpx
+
+from radixserve.grammar import GrammarSpec
+from radixserve.model_loader import eos_token_ids
+from radixserve.registry import PluginRegistry
+from radixserve.runtime.grammar_compiler import GrammarCompiler
+from radixserve.runtime.grammar_queue import tokenizer_loader
+
+# Printable ASCII that cannot end before 2,048 characters: the grammar never lets the
+# request stop early (with ignore_eos an EOS the grammar accepts would still end it).
+ASCII_FOREVER = r"[ -~]{2048,}"
+
+
+def tool_schema(n_tools: int, salt: str = "") -> dict[str, Any]:
+    def tool(i: int) -> dict[str, Any]:
+        params = {
+            f"arg{j}{salt}": {"type": ["string", "integer", "number", "boolean"][j % 4]} for j in range(1 + i % 5)
+        }
+        params["mode"] = {"enum": ["fast", "slow", f"m{i}"]}
+        arguments = {"type": "object", "properties": params, "required": sorted(params)}
+        return {
+            "type": "object",
+            "properties": {"name": {"const": f"tool_{i}{salt}"}, "arguments": arguments},
+            "required": ["name", "arguments"],
+        }
+
+    return {"anyOf": [tool(i) for i in range(n_tools)]}
+
+
+def large_schema(n_properties: int, salt: str = "") -> dict[str, Any]:
+    leaf = {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        },
+    }
+    props = {
+        f"field{i}{salt}": leaf if i % 3 == 0 else {"type": "string", "pattern": "[a-z]{1,8}"}
+        for i in range(n_properties)
+    }
+    return {"type": "object", "properties": props, "required": sorted(props)[: n_properties // 2]}
+
+
+def compile_times(model: str, backend_name: str, large_properties: int) -> dict[str, float]:
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model)
+    eos = eos_token_ids(model, config, AutoTokenizer.from_pretrained(model))
+    backend_cls = PluginRegistry().grammar_backend(backend_name)
+    compiler = GrammarCompiler(backend_cls, tokenizer_loader(model, config.vocab_size, eos))
+    out: dict[str, float] = {}
+
+    def timed(label: str, schema: dict[str, Any]) -> None:
+        start = time.perf_counter()
+        compiler.submit(GrammarSpec("json_schema", json.dumps(schema))).result()
+        out[label] = round((time.perf_counter() - start) * 1000, 2)
+
+    timed("backend build + first 20-tool schema (ms)", tool_schema(20))
+    timed("20-tool schema again, cached (ms)", tool_schema(20))
+    timed("another 20-tool schema, warm backend (ms)", tool_schema(20, salt="b"))
+    timed(f"large schema, {large_properties} properties (ms)", large_schema(large_properties))
+    timed("large schema again, cached (ms)", large_schema(large_properties))
+    timed("another large schema, warm backend (ms)", large_schema(large_properties, salt="b"))
+    return out
+
+
+async def one_round(url: str, batch: int, output_len: int, regex: Optional[str]) -> float:
+    body: dict[str, Any] = {"model": "bench", "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0}
+    if regex is not None:
+        body["regex"] = regex
+    async with httpx.AsyncClient(timeout=600) as client:
+
+        async def one(i: int) -> int:
+            r = await client.post(url + "/v1/completions", json={**body, "prompt": f"request {i}: tell a story"})
+            r.raise_for_status()
+            return r.json()["usage"]["completion_tokens"]
+
+        start = time.perf_counter()
+        tokens = await asyncio.gather(*(one(i) for i in range(batch)))
+        elapsed = time.perf_counter() - start
+    assert all(t == output_len for t in tokens), tokens
+    return elapsed
+
+
+def decode_cost(model: str, backend_name: str, batch: int, output_len: int, repeats: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "radixserve.cli", "serve", "--model", model, "--served-model-name", "bench"]
+    cmd += ["--port", "0", "--log-level", "warning", "--grammar-backend", backend_name]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = None
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if "radixserve ready at" in line:
+                url = line.split("ready at", 1)[1].split()[0]
+                break
+        if url is None:
+            raise RuntimeError("the server did not start")
+        asyncio.run(one_round(url, batch, 8, ASCII_FOREVER))  # warm: compile and first steps
+        plain, constrained = [], []
+        for _ in range(repeats):
+            plain.append(asyncio.run(one_round(url, batch, output_len, None)))
+            constrained.append(asyncio.run(one_round(url, batch, output_len, ASCII_FOREVER)))
+        p, c = statistics.median(plain), statistics.median(constrained)
+        return {
+            "unconstrained s": round(p, 3),
+            "constrained s": round(c, 3),
+            "per-token cost": f"{(c / p - 1) * 100:+.1f}%",
+            "rounds": {"unconstrained": plain, "constrained": constrained},
+        }
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--backends", nargs="+", default=["xgrammar", "llguidance"])
+    p.add_argument("--large-properties", type=int, default=200)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    ns = p.parse_args(argv)
+    results = {}
+    for name in ns.backends:
+        results[name] = {"compile": compile_times(ns.model, name, ns.large_properties)}
+        results[name]["decode"] = decode_cost(ns.model, name, ns.batch, ns.output_len, ns.repeats)
+        print(json.dumps({name: results[name]}, indent=1), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
