@@ -25,8 +25,8 @@ from typing import Callable, Iterable, Optional
 
 from radixserve.config import ServerArgs
 from radixserve.grammar import (
-    GatedMatcher,
     CompiledGrammar,
+    GatedMatcher,
     GrammarBackend,
     GrammarError,
     GrammarTokenizer,

@@ -22,8 +22,6 @@ from radixserve.messages import FinishReason
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError
 from radixserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from radixserve.server.reasoning import STYLES
-from radixserve.server.tool_calls import ChoiceReader, check_tools, tool_grammar
 from radixserve.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -40,6 +38,7 @@ from radixserve.server.protocol import (
     PromptTokensDetails,
     Usage,
 )
+from radixserve.server.reasoning import STYLES
 from radixserve.server.streaming import (
     EventStreamResponse,
     Tagged,
@@ -50,6 +49,7 @@ from radixserve.server.streaming import (
     start_generation,
 )
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
+from radixserve.server.tool_calls import ChoiceReader, check_tools, tool_grammar
 
 # Without max_tokens a request may use the rest of the context (as in vLLM), up
 # to this many tokens so one request cannot reserve a long model's whole window.
