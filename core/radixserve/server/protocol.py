@@ -319,7 +319,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
     tools: Optional[list[Tool]] = None
     # Unset: auto with tools, none without.
-    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
     parallel_tool_calls: Optional[StrictBool] = None  # false: tool_choice required makes one call
     functions: Optional[list[dict[str, Any]]] = None
     function_call: Union[str, dict[str, Any], None] = None
@@ -335,10 +335,23 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: StrictBool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     echo: Optional[StrictBool] = None  # vLLM's; refused when true
+    _named_tool: Optional[str] = PrivateAttr(default=None)
+
+    @property
+    def named_tool(self) -> Optional[str]:
+        """The function a named tool_choice names."""
+        return self._named_tool
 
     @model_validator(mode="after")
     def _refuse_unserved(self) -> "ChatCompletionRequest":
         """OpenAI options that radixserve does not implement are a 400, never ignored."""
+        if isinstance(self.tool_choice, dict):
+            try:
+                self._named_tool = NamedToolChoice.model_validate(self.tool_choice).name
+            except ValueError:
+                raise unsupported(
+                    "tool_choice", 'a named tool_choice is {"type": "function", "function": {"name": ...}}'
+                ) from None
         if not self.tools and self.tool_choice not in (None, "none"):
             raise unsupported("tool_choice", "tool_choice 'required' or a named function needs tools")
         if self.tools and self.tool_choice not in (None, "none", "auto") and self._grammar is not None:

@@ -55,8 +55,7 @@ def check_tools(req: ChatCompletionRequest) -> None:
 
 
 def named_function(req: ChatCompletionRequest) -> Optional[str]:
-    choice = req.tool_choice
-    return None if choice is None or isinstance(choice, str) else choice.name
+    return req.named_tool
 
 
 def tool_grammar(req: ChatCompletionRequest) -> Optional[GrammarSpec]:
