@@ -20,6 +20,10 @@ BACKEND_SELECTIONS: tuple[str, ...] = typing.get_args(BackendSelection)
 LOAD_BALANCE_METHODS: tuple[str, ...] = typing.get_args(LoadBalanceMethod)
 
 
+# --reasoning-parser names (server/reasoning.py).
+REASONING_PARSERS = ("qwen3", "deepseek-r1")
+
+
 @dataclass
 class ServerArgs(CliArgs):
     # model
@@ -60,6 +64,16 @@ class ServerArgs(CliArgs):
         "structured output (response_format, regex, ebnf, guided_*): auto (the highest-priority grammar backend: "
         "xgrammar), xgrammar, llguidance, any registered one, or none (such requests get a 400)",
         default="auto",
+    )
+    tool_call_parser: Optional[str] = _flag(
+        "how tool calls are read from chat output (tools with tool_choice auto): hermes (Qwen's <tool_call>), "
+        "any registered tool parser; unset: detected from the chat template, else hermes",
+        default=None,
+    )
+    reasoning_parser: Optional[str] = _flag(
+        "split chat output into reasoning_content and content: qwen3 or deepseek-r1 (<think>...</think>); "
+        "a grammar then applies only after the reasoning",
+        default=None,
     )
     grammar_compile_timeout: float = _flag(
         "seconds a request's grammar may take to compile; a request whose compile takes longer ends with a 400",
@@ -228,6 +242,8 @@ class ServerArgs(CliArgs):
             bad("admin_api_key", "must differ from api_key (else every client could use the admin routes)")
         if not (isinstance(self.grammar_compile_timeout, (int, float)) and self.grammar_compile_timeout > 0):
             bad("grammar_compile_timeout", f"must be > 0 seconds, got {self.grammar_compile_timeout}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            bad("reasoning_parser", f"must be one of {list(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.max_header_size < 1024:
             bad("max_header_size", f"must be >= 1024 bytes, got {self.max_header_size}")
 

@@ -41,6 +41,8 @@ def check_startup(args: ServerArgs) -> KernelQuery:
     try:
         platform = registry.resolve_platform(args.device)
         registry.grammar_backend(args.grammar_backend)  # one that cannot load is an error, never a fallback
+        if args.tool_call_parser is not None:
+            registry.tool_parser(args.tool_call_parser)
     except PluginError as exc:
         raise StartupError(str(exc), PLUGINS_HINT) from exc
     forced = {kind: name for kind, name in _forced_backends(args).items() if name != "auto"}

@@ -32,12 +32,15 @@ KIND_HOOKS: dict[str, str] = {
     "quantization": "register_quantization_methods",
     "model": "register_models",
     "grammar": "register_grammar_backends",
+    "tool": "register_tool_parsers",
 }
 SELECTABLE_KINDS = ("attention", "gemm", "moe", "elementwise", "quantization")
 ALLOW_LIST_ENV = "RADIXSERVE_PLUGINS"
 TRACE_ENV = "RADIXSERVE_TRACE_PLUGINS"
 BUILTIN_MODELS_PLUGIN = "radixserve-models"
 BUILTIN_GRAMMAR_PLUGIN = "radixserve-grammar"
+BUILTIN_TOOL_PLUGIN = "radixserve-tool-parsers"
+DEFAULT_TOOL_PARSER = "hermes"
 
 
 class PluginError(RuntimeError):
@@ -86,9 +89,11 @@ class PluginRegistry:
         # The core's own architectures and grammar backends register through the same hooks as anyone's.
         import radixserve.grammar_backends
         import radixserve.models
+        import radixserve.tool_parsers
 
         self.register_plugin(radixserve.models, BUILTIN_MODELS_PLUGIN)
         self.register_plugin(radixserve.grammar_backends, BUILTIN_GRAMMAR_PLUGIN)
+        self.register_plugin(radixserve.tool_parsers, BUILTIN_TOOL_PLUGIN)
         if load_entry_points:
             self.load_entry_points()
 
@@ -340,6 +345,22 @@ class PluginRegistry:
             )
         return cand.cls
 
+    def tool_parser(self, requested: Optional[str] = None, template: Optional[str] = None) -> type:
+        """The ``ToolParser`` class for ``--tool-call-parser``; unset: the highest-priority
+        one whose ``matches_template`` recognises the chat template, else ``hermes``."""
+        table = self.candidates["tool"]
+        if requested is None:
+            for cand in sorted(table.values(), key=lambda c: (-c.priority, c.name)):
+                if template and cand.cls.matches_template(template):
+                    return cand.cls
+            requested = DEFAULT_TOOL_PARSER
+        if requested not in table:
+            raise PluginError(
+                f"unknown tool call parser {requested!r}; registered: {sorted(table) or 'none'}"
+                + self._load_error_note()
+            )
+        return table[requested].cls
+
     def report(self) -> dict[str, Any]:
         """What ``radixserve plugins`` prints: plugins, their backends, and usability here."""
         candidates = self.candidates
@@ -384,6 +405,10 @@ class PluginRegistry:
                 "reasons": c.cls.unavailable_reasons(),
             }
             for c in sorted(candidates["grammar"].values(), key=lambda c: (-c.priority, c.name))
+        ]
+        backends["tool"] = [
+            {"name": c.name, "plugin": c.plugin, "priority": c.priority}
+            for c in sorted(candidates["tool"].values(), key=lambda c: (-c.priority, c.name))
         ]
         backends["model"] = [{"name": c.name, "plugin": c.plugin} for c in candidates["model"].values()]
         plugins = [

@@ -130,3 +130,101 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)[:, :vocab]
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+@dataclass(frozen=True)
+class ReasoningGate:
+    """Where a grammar starts when the model reasons first (``--reasoning-parser``):
+    the reasoning tags as token ids. ``starts_in_reasoning``: the prompt already
+    opened the reasoning (DeepSeek-R1), so the output is free text up to
+    ``end_ids``; otherwise the output may open it with ``start_ids`` first (Qwen3)
+    or start straight with the grammar."""
+
+    start_ids: tuple[int, ...]
+    end_ids: tuple[int, ...]
+    starts_in_reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.start_ids or not self.end_ids:
+            raise ValueError("a reasoning gate needs non-empty start and end tags")
+
+
+class GatedMatcher(GrammarMatcher):
+    """A grammar that applies only after the reasoning: free text (every token
+    allowed) from the start tag to the end tag, then ``inner``. Before anything
+    is generated the first token may be the start tag's (opening the reasoning)
+    or one the grammar allows; once the start tag's first token is taken its
+    other tokens are forced. The tags are matched as the token sequences given
+    (a model that spells ``</think>`` with other tokens stays in free text)."""
+
+    def __init__(self, inner: GrammarMatcher, gate: ReasoningGate):
+        self.inner, self.gate = inner, gate
+        self.history: list[tuple[str, int]] = []  # (phase the token was accepted in, token)
+        self.phase = "reasoning" if gate.starts_in_reasoning else "before"
+        self.opened = 0  # start-tag tokens taken
+        self.recent: list[int] = []  # the reasoning's last tokens, to spot the end tag
+
+    def _advance(self, phase: str, token: int) -> None:
+        if phase == "before":
+            if token == self.gate.start_ids[0]:
+                self.opened = 1
+                self.phase = "opening" if len(self.gate.start_ids) > 1 else "reasoning"
+            else:
+                self.phase = "grammar"
+        elif phase == "opening":
+            self.opened += 1
+            if self.opened == len(self.gate.start_ids):
+                self.phase = "reasoning"
+        elif phase == "reasoning":
+            self.recent = (self.recent + [token])[-len(self.gate.end_ids) :]
+            if tuple(self.recent) == self.gate.end_ids:
+                self.phase = "grammar"
+
+    def accept_token(self, token: int) -> bool:
+        phase = self.phase
+        if phase == "grammar" or (phase == "before" and token != self.gate.start_ids[0]):
+            if not self.inner.accept_token(token):
+                return False
+        elif phase == "opening" and token != self.gate.start_ids[self.opened]:
+            return False
+        self.history.append((phase, token))
+        self._advance(phase, token)
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.phase == "grammar":
+            self.inner.fill_bitmask(bitmask, row)
+        elif self.phase == "reasoning":
+            bitmask[row] = -1
+        elif self.phase == "opening":
+            bitmask[row] = 0
+            _allow(bitmask, row, self.gate.start_ids[self.opened])
+        else:
+            self.inner.fill_bitmask(bitmask, row)
+            _allow(bitmask, row, self.gate.start_ids[0])
+
+    def is_terminated(self) -> bool:
+        return self.phase == "grammar" and self.inner.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        undone, self.history = (
+            self.history[len(self.history) - num_tokens :],
+            self.history[: len(self.history) - num_tokens],
+        )
+        inner_tokens = sum(
+            1 for phase, tok in undone if phase == "grammar" or (phase == "before" and tok != self.gate.start_ids[0])
+        )
+        if inner_tokens:
+            self.inner.rollback(inner_tokens)
+        self.phase = "reasoning" if self.gate.starts_in_reasoning else "before"
+        self.opened, self.recent = 0, []
+        for phase, token in self.history:
+            self._advance(phase, token)
+
+
+def _allow(bitmask: torch.Tensor, row: int, token: int) -> None:
+    """Set token ``token``'s bit in row ``row`` (int32 words: bit 31 is the sign bit)."""
+    word, bit = divmod(token, 32)
+    if word < bitmask.shape[1]:
+        value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)
+        bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value

@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Optional
 from radixserve.config import ServerArgs
 from radixserve.grammar import (
     CompiledGrammar,
+    GatedMatcher,
     GrammarBackend,
     GrammarError,
     GrammarTokenizer,
@@ -127,7 +128,9 @@ class GrammarQueue:
                 f"{name}: compiling the grammar took longer than --grammar-compile-timeout ({limit} s)"
             )
         try:
-            req.grammar = pending.future.result().matcher()  # other ranks may wait here for their own compile
+            matcher = pending.future.result().matcher()  # other ranks may wait here for their own compile
+            gate = req.sampling_params.grammar_gate
+            req.grammar = matcher if gate is None else GatedMatcher(matcher, gate)
         except GrammarError as exc:
             return req, _bad_request(f"{name}: invalid {spec.kind.replace('_', ' ')}: {exc}")
         except Exception as exc:  # the backend itself failed (its build, say): not the request's fault

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from radixserve.grammar import GrammarSpec
+from radixserve.grammar import GrammarSpec, ReasoningGate
 from radixserve.request_limits import SamplingLimits, has_lone_surrogate
 
 # Temperatures below this sample from a distribution so peaked that argmax is
@@ -45,6 +45,8 @@ class SamplingParams:
     # Structured output: what the output must match (the API layers build it from
     # response_format, regex, json_schema, ebnf and their aliases).
     grammar: Optional[GrammarSpec] = None
+    # With a reasoning parser: the grammar applies only after the reasoning (grammar.GatedMatcher).
+    grammar_gate: Optional[ReasoningGate] = None
 
     def __post_init__(self) -> None:
         # Normalize only what has the right shape; validate() reports the rest.
@@ -139,6 +141,8 @@ class SamplingParams:
             if self.min_new_tokens:
                 # The grammar may allow only the end of the output while min_new_tokens forbids it.
                 raise ValueError("min_new_tokens cannot be combined with structured output")
+        if self.grammar_gate is not None and not isinstance(self.grammar_gate, ReasoningGate):
+            raise ValueError(f"grammar_gate must be a ReasoningGate, got {type(self.grammar_gate).__name__}")
         if limits is not None:
             _check_limits(self, limits)
 

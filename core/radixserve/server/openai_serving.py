@@ -17,6 +17,7 @@ from typing import AsyncIterator, Optional, Union
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from radixserve.grammar import ReasoningGate
 from radixserve.messages import FinishReason
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError
@@ -37,6 +38,7 @@ from radixserve.server.protocol import (
     PromptTokensDetails,
     Usage,
 )
+from radixserve.server.reasoning import STYLES
 from radixserve.server.streaming import (
     EventStreamResponse,
     Tagged,
@@ -47,6 +49,7 @@ from radixserve.server.streaming import (
     start_generation,
 )
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
+from radixserve.server.tool_calls import ChoiceReader, check_tools, tool_grammar
 
 # Without max_tokens a request may use the rest of the context (as in vLLM), up
 # to this many tokens so one request cannot reserve a long model's whole window.
@@ -104,11 +107,29 @@ def make_usage(prompt: int, completion: int, cached: int) -> Usage:
 
 
 class OpenAIServing:
-    def __init__(self, tm: TokenizerManager, model_name: str, chat_template: ChatTemplate):
+    def __init__(
+        self,
+        tm: TokenizerManager,
+        model_name: str,
+        chat_template: ChatTemplate,
+        tool_parser: Optional[type] = None,
+        reasoning_parser: Optional[str] = None,
+    ):
         self.tm = tm
         self.model_name = model_name
         self.chat_template = chat_template
         self.texts = TokenTexts(tm.tokenizer)
+        self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
+        self.gate: Optional[ReasoningGate] = None
+        if reasoning_parser is not None:
+            style = STYLES[reasoning_parser]
+            encode = tm.tokenizer.encode
+            self.gate = ReasoningGate(
+                tuple(encode(style.start, add_special_tokens=False)),
+                tuple(encode(style.end, add_special_tokens=False)),
+                style.starts_in_reasoning,
+            )
 
     def check_model(self, model: Optional[str]) -> None:
         if model is not None and model != self.model_name:
@@ -142,13 +163,21 @@ class OpenAIServing:
             raise APIError(
                 400, "continue_final_message: the last message must be the assistant's", param="continue_final_message"
             )
+        check_tools(req)
         with runtime_errors(CHAT_RENAMES):
             ids = self.chat_template.encode(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = req.sampling_params(self._max_tokens(requested, len(ids)))
+        if req.tools:
+            grammar = tool_grammar(req)
+            if grammar is not None:
+                params["grammar"] = grammar
+        if self.gate is not None and params.get("grammar") is not None:
+            params["grammar_gate"] = self.gate
         inp = GenerateInput(
             input_ids=ids,
-            sampling_params=req.sampling_params(self._max_tokens(requested, len(ids))),
+            sampling_params=params,
             return_logprob=req.logprobs,
             top_logprobs_num=req.top_logprobs or 0,
             stream=req.stream,
@@ -167,16 +196,22 @@ class OpenAIServing:
             meta = out["meta_info"]
             usage.add(0, out["index"], meta)
             finish, matched = finish_fields(meta)
+            reasoning, content, calls = self._reader(req).read(out["text"])
+            if calls and finish == "stop":
+                finish = "tool_calls"
             choices.append(
                 ChatChoice(
                     index=out["index"],
-                    message=AssistantMessage(content=out["text"]),
+                    message=AssistantMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None),
                     logprobs=self._chat_logprobs(meta) if req.logprobs else None,
                     finish_reason=finish,
                     matched_stop=matched,
                 )
             )
         return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage.total())
+
+    def _reader(self, req: ChatCompletionRequest) -> ChoiceReader:
+        return ChoiceReader(req, self.tool_parser, self.reasoning_parser)
 
     def _chat_logprobs(self, meta: dict):
         return chat_logprobs(self.texts, meta["output_token_logprobs"], meta["output_top_logprobs"])
@@ -192,15 +227,22 @@ class OpenAIServing:
         for index in range(req.n):
             yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         usage = UsageCounter()
+        readers: dict[int, ChoiceReader] = {}
         async for _, out in results:
             meta = out["meta_info"]
             usage.add(0, out["index"], meta)
             finish, matched = finish_fields(meta)
-            if not out["text"] and finish is None and not meta["output_token_logprobs"]:
+            reader = readers.setdefault(out["index"], self._reader(req))
+            reasoning, content, calls = reader.feed(out["text"], final=finish is not None)
+            if reader.called and finish == "stop":
+                finish = "tool_calls"
+            if not (reasoning or content or calls) and finish is None and not meta["output_token_logprobs"]:
                 continue  # nothing to tell (e.g. a token that completes no character yet)
             choice = ChatStreamChoice(
                 index=out["index"],
-                delta=DeltaMessage(content=out["text"] or None),
+                delta=DeltaMessage(
+                    content=content or None, reasoning_content=reasoning or None, tool_calls=calls or None
+                ),
                 logprobs=self._chat_logprobs(meta) if req.logprobs else None,
                 finish_reason=finish,
                 matched_stop=matched,

@@ -105,7 +105,7 @@ class ServedFeatures:
     are where an unserved one is a 400: flip its flag where its refusal goes."""
 
     structured_output: bool = True  # response_format json_object/json_schema, regex, ... (server/structured_output.py)
-    tools: bool = False  # tool calling (tool_choice other than 'none'): refused below
+    tools: bool = True  # tool calling: tools with tool_choice auto / required / named (server/tool_calls.py)
     logprobs: bool = True
     n: bool = True
 
@@ -290,8 +290,21 @@ class FunctionDefinition(BaseModel):
     strict: Optional[StrictBool] = None
 
 
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+    @property
+    def name(self) -> str:
+        return self.function.name
+
+
 class Tool(BaseModel):
-    """A tool as chat templates render it; radixserve does not call tools yet."""
+    """A function the model may call (server/tool_calls.py)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -305,9 +318,9 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: StrictBool = False
     top_logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
     tools: Optional[list[Tool]] = None
-    # Only "none" is served (see _refuse_unserved); the rest is typed to be refused by name.
+    # Unset: auto with tools, none without.
     tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
-    parallel_tool_calls: Optional[StrictBool] = None  # a no-op while no tool is ever called
+    parallel_tool_calls: Optional[StrictBool] = None  # false: tool_choice required makes one call
     functions: Optional[list[dict[str, Any]]] = None
     function_call: Union[str, dict[str, Any], None] = None
     audio: Optional[dict[str, Any]] = None
@@ -322,18 +335,29 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: StrictBool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     echo: Optional[StrictBool] = None  # vLLM's; refused when true
+    _named_tool: Optional[str] = PrivateAttr(default=None)
+
+    @property
+    def named_tool(self) -> Optional[str]:
+        """The function a named tool_choice names."""
+        return self._named_tool
 
     @model_validator(mode="after")
     def _refuse_unserved(self) -> "ChatCompletionRequest":
         """OpenAI options that radixserve does not implement are a 400, never ignored."""
-        if self.tools and self.tool_choice != "none":
+        if isinstance(self.tool_choice, dict):
+            try:
+                self._named_tool = NamedToolChoice.model_validate(self.tool_choice).name
+            except ValueError:
+                raise unsupported(
+                    "tool_choice", 'a named tool_choice is {"type": "function", "function": {"name": ...}}'
+                ) from None
+        if not self.tools and self.tool_choice not in (None, "none"):
+            raise unsupported("tool_choice", "tool_choice 'required' or a named function needs tools")
+        if self.tools and self.tool_choice not in (None, "none", "auto") and self._grammar is not None:
             raise unsupported(
-                "tool_choice",
-                "tool calling is not supported yet: with tools, set tool_choice to "
-                "'none' (the tools then only reach the chat template)",
+                "tool_choice", f"tool_choice required or named cannot be combined with {self._grammar.source}"
             )
-        if self.tool_choice not in (None, "none", "auto"):
-            raise unsupported("tool_choice", "tool calling is not supported yet; tool_choice may only be 'none'")
         if self.functions:
             raise unsupported("functions", "function calling is not supported yet")
         if self.function_call not in (None, "none", "auto"):
@@ -443,17 +467,31 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+
+    @model_serializer
+    def _skip_absent(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        return out
 
 
 MatchedStop = Union[int, str, None]
+
+
+ChatFinishType = Union[FinishType, Literal["tool_calls"]]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[FinishType]
+    finish_reason: Optional[ChatFinishType]
     matched_stop: MatchedStop = None
 
 
@@ -469,18 +507,26 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
 
     @model_serializer
     def _present_fields_only(self) -> dict[str, Any]:
         # A delta holds only what changed: {"role": ...} first, then {"content": ...}, finally {}.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        fields = (
+            ("role", self.role),
+            ("content", self.content),
+            ("reasoning_content", self.reasoning_content),
+            ("tool_calls", self.tool_calls),
+        )
+        return {k: v for k, v in fields if v is not None}
 
 
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[FinishType] = None
+    finish_reason: Optional[ChatFinishType] = None
     matched_stop: MatchedStop = None
 
 

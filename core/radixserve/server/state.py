@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, TypeVar
 from radixserve.config import ServerArgs
 from radixserve.demo_model import DEMO_MODEL_NAME
 from radixserve.model_source import resolve_model_path
+from radixserve.registry import get_registry
 from radixserve.runtime.processes import RuntimeProcesses, spawn_runtime, wait_until_ready
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError
@@ -129,7 +130,8 @@ class ServerState:
         self.tm = TokenizerManager(args, tokenizer, self.runtime.endpoints, summary)
         self.tm.start()
         template = ChatTemplate(tokenizer, args.chat_template)
-        self.openai = OpenAIServing(self.tm, self.model_name, template)
+        tool_parser = get_registry().tool_parser(args.tool_call_parser, template.source)
+        self.openai = OpenAIServing(self.tm, self.model_name, template, tool_parser, args.reasoning_parser)
         self._log_summary(template)
         if not args.skip_server_warmup:
             await self.generate_one_token()
