@@ -1,7 +1,8 @@
 """`radixserve router` in front of a mixed fleet, all real processes on 127.0.0.1: three
 workers serving the tiny Llama on different backends (the CPU defaults; the example
 kernel plugin, pip-installed for its worker alone; the Triton backends under
-TRITON_INTERPRET=1, about 15x slower: the stand-in for a weaker device), the official
+TRITON_INTERPRET=1, about 15x slower: the stand-in for a weaker device, and without
+structured output: a worker lacking a feature the others have), the official
 ``openai`` client in front."""
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ FAST_CHECKS = (
     "--health-check-interval-secs", "0.5", "--load-poll-interval-secs", "0.5", "--health-failure-threshold", "1",
     "--cb-failure-threshold", "2", "--cb-timeout-duration-secs", "2", "--retry-initial-backoff-ms", "20",
 )  # fmt: skip
+
+
+TRITON_NO_GRAMMAR = ("--attention-backend", "triton", "--elementwise-backend", "triton", "--grammar-backend", "none")
 
 
 @contextlib.contextmanager
@@ -73,7 +77,8 @@ def fleet(tiny_llama_dir: Path, example_plugin_dir: Path) -> Iterator[dict[str, 
     specs = {
         "cpu": ((), {}),
         "example": (("--attention-backend", "example_sdpa", "--gemm-backend", "example_gemm"), {"PYTHONPATH": path}),
-        "triton": (("--attention-backend", "triton", "--elementwise-backend", "triton"), {"TRITON_INTERPRET": "1"}),
+        # Triton interpreted (a slow device), and without structured output (a feature the others have)
+        "triton": (TRITON_NO_GRAMMAR, {"TRITON_INTERPRET": "1"}),
     }  # fmt: skip
     with contextlib.ExitStack() as stack:
         workers = {
@@ -152,16 +157,33 @@ def test_a_mixed_workload_all_succeeds_and_the_slow_worker_gets_a_small_share(ro
     assert "worker=" + fleet["cpu"].url in router.log  # the access log names the worker
 
 
-def test_a_request_no_worker_supports_is_refused_naming_the_field(router):
+def test_a_request_goes_only_to_workers_that_support_what_it_asks(router, fleet):
+    slow = fleet["triton"].url
+    features = {w["url"]: w["features"] for w in workers_of(router.url)}
+    assert not features[slow]["structured_output"] and features[fleet["cpu"].url]["structured_output"]
     client = client_of(router)
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    with pytest.raises(openai.BadRequestError) as exc:
-        client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], tools=tools, tool_choice="auto"
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    before = metric(router.url, "radixserve_router:requests_total", worker=slow)
+    for i in range(6):
+        out = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": f"json {i}"}],
+            response_format=response_format,
+            max_tokens=64,
+            logit_bias={},
+            seed=i,
         )
-    assert exc.value.body["param"] == "tools" and "tools" in exc.value.body["message"]
-    with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+        assert out.choices[0].finish_reason in ("stop", "length")
+    assert metric(router.url, "radixserve_router:requests_total", worker=slow) == before
+    with router_over(slow) as only_slow:  # no worker of the model has it: a 400 naming the field
+        with pytest.raises(openai.BadRequestError) as exc:
+            client_of(only_slow).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], response_format=response_format
+            )
+        assert exc.value.body["param"] == "response_format" and "structured output" in exc.value.body["message"]
+        with pytest.raises(openai.NotFoundError):
+            client_of(only_slow).completions.create(model="no-such-model", prompt="hi", max_tokens=2)
 
 
 def test_workers_leave_and_join_at_runtime(router, fleet):
