@@ -1,7 +1,8 @@
 """What the structured-output server tests share: schemas whose every instance
 is short (so a babbling random-weight model closes them within max_tokens),
 checks of an output against its constraint, and a slow grammar backend
-registered through the real hook (an entry point on a path)."""
+registered through the real hook (an entry point on a path), and one chat
+completion's text, streamed or not."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import openai
+
+MESSAGES = [{"role": "user", "content": "Answer."}]
+MAX_TOKENS = 600
 
 PERSON = {
     "type": "object",
@@ -124,3 +129,17 @@ def slow_backend_path(root: Path) -> Path:
 def slow_schema(seconds: float, tag: str) -> dict[str, Any]:
     """A short schema that the slow backend compiles for ``seconds`` (``tag`` keeps it out of the cache)."""
     return {"type": "string", "enum": ["yes", "no", tag], "description": f"sleep:{seconds}"}
+
+
+async def chat_text(client: openai.AsyncOpenAI, stream: bool, **kw: Any) -> tuple[str, str]:
+    """(text, finish_reason) of one chat completion of ``MESSAGES``, streamed or not."""
+    args = {"model": "tiny", "messages": MESSAGES, "temperature": 1.0, "max_tokens": MAX_TOKENS, **kw}
+    if not stream:
+        out = await client.chat.completions.create(**args)
+        return out.choices[0].message.content or "", out.choices[0].finish_reason
+    text, reason = "", None
+    async for chunk in await client.chat.completions.create(stream=True, **args):
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            reason = choice.finish_reason or reason
+    return text, reason

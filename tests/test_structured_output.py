@@ -23,9 +23,12 @@ import openai
 import pytest
 from helpers_grammar import (
     EBNF,
+    MAX_TOKENS,
+    MESSAGES,
     PERSON,
     POINTS,
     REGEX,
+    chat_text,
     check_ebnf,
     check_regex,
     check_schema,
@@ -34,9 +37,6 @@ from helpers_grammar import (
 )
 from helpers_pool import ServerPool, assert_whole_pool_back
 from helpers_server import ServerProcess, serving
-
-MAX_TOKENS = 600
-MESSAGES = [{"role": "user", "content": "Answer."}]
 
 
 @pytest.fixture(scope="module")
@@ -56,20 +56,6 @@ def slow_server(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 def _client(srv: ServerProcess) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=600)
-
-
-async def _chat(client: openai.AsyncOpenAI, stream: bool, **kw: Any) -> tuple[str, str]:
-    """(text, finish_reason) of one chat completion, streamed or not."""
-    args = {"model": "tiny", "messages": MESSAGES, "temperature": 1.0, "max_tokens": MAX_TOKENS, **kw}
-    if not stream:
-        out = await client.chat.completions.create(**args)
-        return out.choices[0].message.content or "", out.choices[0].finish_reason
-    text, reason = "", None
-    async for chunk in await client.chat.completions.create(stream=True, **args):
-        for choice in chunk.choices:
-            text += choice.delta.content or ""
-            reason = choice.finish_reason or reason
-    return text, reason
 
 
 async def _completion(client: openai.AsyncOpenAI, stream: bool, **kw: Any) -> tuple[str, str]:
@@ -99,7 +85,7 @@ def test_json_schema_outputs_validate_over_50_seeds(server: ServerProcess) -> No
             for seed in range(60):
                 schema = PERSON if seed % 3 else POINTS
                 fmt = _response_format(schema)
-                jobs.append((schema, _chat(client, stream=seed % 2 == 1, seed=seed, response_format=fmt)))
+                jobs.append((schema, chat_text(client, stream=seed % 2 == 1, seed=seed, response_format=fmt)))
             outs = await asyncio.gather(*(job for _, job in jobs))
             return [(schema, text, reason) for (schema, _), (text, reason) in zip(jobs, outs)]
 
@@ -120,7 +106,7 @@ def test_regex_ebnf_and_their_aliases_over_50_seeds(server: ServerProcess) -> No
                 extra = regex_fields[seed % 3]
                 jobs.append(("regex", _completion(client, stream=seed % 2 == 0, seed=seed, extra_body=extra)))
                 extra = ebnf_fields[seed % 3]
-                jobs.append(("ebnf", _chat(client, stream=seed % 2 == 1, seed=seed, extra_body=extra)))
+                jobs.append(("ebnf", chat_text(client, stream=seed % 2 == 1, seed=seed, extra_body=extra)))
             outs = await asyncio.gather(*(job for _, job in jobs))
             return [(kind, text, reason) for (kind, _), (text, reason) in zip(jobs, outs)]
 
@@ -141,7 +127,7 @@ def test_choice_json_object_and_n(server: ServerProcess, tiny_tokenizer: Any) ->
             )
             objects = await asyncio.gather(
                 *(
-                    _chat(
+                    chat_text(
                         client, stream=s % 2 == 0, seed=s, response_format={"type": "json_object"}, logit_bias=closers
                     )
                     for s in range(6)
@@ -247,7 +233,7 @@ def test_a_compiling_grammar_does_not_delay_other_requests(slow_server: ServerPr
         async with _client(slow_server) as client:
             started = time.monotonic()
             slow = asyncio.ensure_future(
-                timed(_chat(client, stream=False, seed=1, response_format=_response_format(slow_schema(4, "q1"))))
+                timed(chat_text(client, stream=False, seed=1, response_format=_response_format(slow_schema(4, "q1"))))
             )
             await asyncio.sleep(0.3)
             others = await asyncio.gather(

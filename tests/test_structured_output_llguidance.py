@@ -11,10 +11,8 @@ from typing import Iterator
 import httpx
 import openai
 import pytest
-from helpers_grammar import EBNF, PERSON, POINTS, REGEX, check_ebnf, check_regex, check_schema
+from helpers_grammar import EBNF, PERSON, POINTS, REGEX, chat_text, check_ebnf, check_regex, check_schema
 from helpers_server import ServerProcess, serving
-
-MESSAGES = [{"role": "user", "content": "Answer."}]
 
 
 @pytest.fixture(scope="module")
@@ -24,18 +22,6 @@ def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
 
 
 def test_llguidance_outputs_match_their_constraints(server: ServerProcess) -> None:
-    async def one(client: openai.AsyncOpenAI, seed: int, stream: bool, **extra: object) -> tuple[str, str]:
-        args = dict(model="tiny", messages=MESSAGES, temperature=1.0, max_tokens=600, seed=seed, extra_body=extra)
-        if not stream:
-            out = await client.chat.completions.create(**args)
-            return out.choices[0].message.content or "", out.choices[0].finish_reason
-        text, reason = "", None
-        async for chunk in await client.chat.completions.create(stream=True, **args):
-            for choice in chunk.choices:
-                text += choice.delta.content or ""
-                reason = choice.finish_reason or reason
-        return text, reason
-
     async def run() -> list[tuple[str, object, tuple[str, str]]]:
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=600) as c:
             jobs: list[tuple[str, object]] = []
@@ -47,7 +33,7 @@ def test_llguidance_outputs_match_their_constraints(server: ServerProcess) -> No
             calls = []
             for i, (kind, schema) in enumerate(jobs):
                 extra = {"schema": {"guided_json": schema}, "regex": {"regex": REGEX}, "ebnf": {"ebnf": EBNF}}[kind]
-                calls.append(one(c, i, i % 2 == 0, **extra))
+                calls.append(chat_text(c, i % 2 == 0, seed=i, extra_body=extra))
             outs = await asyncio.gather(*calls)
             return [(kind, schema, out) for (kind, schema), out in zip(jobs, outs)]
 
