@@ -12,6 +12,10 @@ per-token cost of constrained decoding against unconstrained at batch 32.
    number of tokens; the median of
    ``--repeats`` alternating rounds of each. The cost is the constrained round's time over
    the unconstrained one's, minus 1.
+3. The mask's parts, in this process (ms per step for ``--batch`` rows): the backend's fill
+   of the bitmask on the model's tokenizer, and its application to the logits by the core
+   (``apply_token_bitmask``) and by xgrammar's own CPU kernel, at the model's vocabulary
+   and at 151,936 tokens (Qwen's, for scale).
 
     python benchmarks/bench_structured_output.py --model ~/.cache/radixserve-bench/models/llama
 """
@@ -25,11 +29,11 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import httpx
 
-from radixserve.grammar import GrammarSpec
+from radixserve.grammar import GrammarSpec, GrammarTokenizer
 from radixserve.model_loader import eos_token_ids
 from radixserve.registry import PluginRegistry
 from radixserve.runtime.grammar_compiler import GrammarCompiler
@@ -71,13 +75,16 @@ def large_schema(n_properties: int, salt: str = "") -> dict[str, Any]:
     return {"type": "object", "properties": props, "required": sorted(props)[: n_properties // 2]}
 
 
-def compile_times(model: str, backend_name: str, large_properties: int) -> dict[str, float]:
+def _loader(model: str) -> Callable[[], GrammarTokenizer]:
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(model)
     eos = eos_token_ids(model, config, AutoTokenizer.from_pretrained(model))
-    backend_cls = PluginRegistry().grammar_backend(backend_name)
-    compiler = GrammarCompiler(backend_cls, tokenizer_loader(model, config.vocab_size, eos))
+    return tokenizer_loader(model, config.vocab_size, eos)
+
+
+def compile_times(model: str, backend_name: str, large_properties: int) -> dict[str, float]:
+    compiler = GrammarCompiler(PluginRegistry().grammar_backend(backend_name), _loader(model))
     out: dict[str, float] = {}
 
     def timed(label: str, schema: dict[str, Any]) -> None:
@@ -141,6 +148,41 @@ def decode_cost(model: str, backend_name: str, batch: int, output_len: int, repe
         proc.wait(60)
 
 
+def _ms(fn: Any, repeats: int = 50) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return round((time.perf_counter() - start) / repeats * 1000, 3)
+
+
+def mask_costs(model: str, backend_name: str, batch: int) -> dict[str, float]:
+    import torch
+
+    from radixserve.grammar import allocate_token_bitmask, apply_token_bitmask
+
+    out: dict[str, float] = {}
+    load = _loader(model)
+    backend = PluginRegistry().grammar_backend(backend_name)(load())
+    matchers = [backend.compile(GrammarSpec("regex", ASCII_FOREVER)).matcher() for _ in range(batch)]
+    vocab = load().vocab_size
+    bitmask = allocate_token_bitmask(batch, vocab)
+    out[f"fill {batch} rows"] = _ms(lambda: [m.fill_bitmask(bitmask, i) for i, m in enumerate(matchers)])
+    rows = torch.arange(batch)
+    for width in (vocab, 151936):
+        mask = torch.randint(-(2**31), 2**31 - 1, (batch, (width + 31) // 32), dtype=torch.int32)
+        logits = torch.randn(batch, width)
+        out[f"apply, core, vocab {width}"] = _ms(lambda: apply_token_bitmask(logits, mask, rows))
+        if backend_name == "xgrammar":
+            import xgrammar
+
+            indices = list(range(batch))
+            out[f"apply, xgrammar C++, vocab {width}"] = _ms(
+                lambda: xgrammar.apply_token_bitmask_inplace(logits, mask, indices=indices)
+            )
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
@@ -149,11 +191,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip-decode", action="store_true", help="compile times and mask parts only (no server)")
     ns = p.parse_args(argv)
     results = {}
     for name in ns.backends:
         results[name] = {"compile": compile_times(ns.model, name, ns.large_properties)}
-        results[name]["decode"] = decode_cost(ns.model, name, ns.batch, ns.output_len, ns.repeats)
+        results[name]["mask (ms)"] = mask_costs(ns.model, name, ns.batch)
+        if not ns.skip_decode:
+            results[name]["decode"] = decode_cost(ns.model, name, ns.batch, ns.output_len, ns.repeats)
         print(json.dumps({name: results[name]}, indent=1), flush=True)
     return 0
 

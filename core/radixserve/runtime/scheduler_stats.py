@@ -6,7 +6,6 @@ carry over)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -78,7 +77,7 @@ class StepRates:
 
     def __init__(self, window_s: float = RATE_WINDOW_S):
         self.decode, self.prefill = StepRate(window_s), StepRate(window_s)
-        self._seen = ServingTotals()  # the totals when the last step ended
+        self._seen = (0, 0, 0, 0)  # decode steps, generated, extend steps, extended: when the last step ended
 
     @contextlib.contextmanager
     def measure(self, totals: ServingTotals) -> Iterator[None]:
@@ -86,12 +85,12 @@ class StepRates:
         overlap scheduling a step digests the tokens of the step before it."""
         started = time.perf_counter()
         yield
-        seconds, seen = time.perf_counter() - started, self._seen
-        if totals.decode_steps != seen.decode_steps:
-            self.decode.add(seconds, totals.generation_tokens - seen.generation_tokens)
-        if totals.extend_steps != seen.extend_steps:
-            self.prefill.add(seconds, totals.extended_tokens - seen.extended_tokens)
-        self._seen = dataclasses.replace(totals)
+        seconds, (decode_steps, generated, extend_steps, extended) = time.perf_counter() - started, self._seen
+        if totals.decode_steps != decode_steps:
+            self.decode.add(seconds, totals.generation_tokens - generated)
+        if totals.extend_steps != extend_steps:
+            self.prefill.add(seconds, totals.extended_tokens - extended)
+        self._seen = (totals.decode_steps, totals.generation_tokens, totals.extend_steps, totals.extended_tokens)
 
 
 @dataclass
