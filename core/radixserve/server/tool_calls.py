@@ -49,19 +49,15 @@ def check_tools(req: ChatCompletionRequest) -> None:
                     f"tools[{i}].function.parameters: not a valid JSON schema: {exc.message}",
                     param=f"tools[{i}].function.parameters",
                 ) from exc
-    name = named_function(req)
+    name = req.named_tool
     if name is not None and name not in {t.function.name for t in req.tools or []}:
         raise APIError(400, f"tool_choice: names the function {name!r}, which is not among the tools", "tool_choice")
-
-
-def named_function(req: ChatCompletionRequest) -> Optional[str]:
-    return req.named_tool
 
 
 def tool_grammar(req: ChatCompletionRequest) -> Optional[GrammarSpec]:
     """The grammar of tool_choice required or named; None otherwise."""
     tools = {t.function.name: t.function.parameters or ANY_OBJECT for t in req.tools or []}
-    name = named_function(req)
+    name = req.named_tool
     if name is not None:
         return GrammarSpec("json_schema", json.dumps(tools[name]), "tool_choice")
     if req.tool_choice != "required":
@@ -91,10 +87,7 @@ def tool_call_json(index: Optional[int], call_id_: Optional[str], name: Optional
     if call_id_ is not None:
         out["id"] = call_id_
         out["type"] = "function"
-    function: dict[str, Any] = {"arguments": arguments}
-    if name is not None:
-        function = {"name": name, "arguments": arguments}
-    out["function"] = function
+    out["function"] = {"arguments": arguments} if name is None else {"name": name, "arguments": arguments}
     return out
 
 
@@ -103,7 +96,7 @@ class ChoiceReader:
 
     def __init__(self, req: ChatCompletionRequest, parser_cls: Optional[type], reasoning: Optional[str]):
         self.reasoning = ReasoningParser(reasoning) if reasoning else None
-        self.named = named_function(req) if req.tools else None
+        self.named = req.named_tool if req.tools else None
         self.required = bool(req.tools) and req.tool_choice == "required"
         auto = bool(req.tools) and req.tool_choice in (None, "auto")
         self.parser: Optional[ToolParser] = parser_cls(tool_dicts(req)) if auto and parser_cls else None
