@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from radixserve.backend_timing import ModelShapes
+    from radixserve.models import ModelFacts
 
 logger = logging.getLogger(__name__)
 
@@ -97,25 +98,36 @@ def model_kernel_query(
     page_size: int = 1,
     kv_dtype: Optional[torch.dtype] = None,
     quantization: Optional[str] = None,
+    registry: Any = None,
 ) -> KernelQuery:
-    """The backend-selection query for one TP rank of the model in ``config``."""
-    from radixserve.models.llama import head_dim_of
-    from radixserve.models.qwen3_moe import num_experts_of
-
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    num_experts = num_experts_of(config) or None
+    """The backend-selection query for one TP rank of the model in ``config``,
+    from the facts its model class (looked up in ``registry``, by default the
+    process's) states."""
+    facts = model_facts(config, registry)
     return KernelQuery(
         device=device,
         dtype=dtype,
-        head_dim=head_dim_of(config),
-        num_heads=heads // tp_size,
-        num_kv_heads=max(1, kv_heads // tp_size),
+        head_dim=facts.head_dim,
+        num_heads=facts.num_heads // tp_size,
+        num_kv_heads=max(1, facts.num_kv_heads // tp_size),
         page_size=page_size,
         kv_dtype=kv_dtype or dtype,
-        num_experts=num_experts,
-        top_k=getattr(config, "num_experts_per_tok", None) if num_experts else None,
+        num_experts=facts.num_experts or None,
+        top_k=facts.top_k or None,
         quantization=quantization,
+        sliding_window=facts.sliding_window,
+        logit_softcap=facts.logit_softcap,
     )
+
+
+def model_facts(config: "PretrainedConfig", registry: Any = None) -> "ModelFacts":
+    """What the registered class of ``config.architectures[0]`` says of the model."""
+    from radixserve.registry import get_registry
+
+    architectures = getattr(config, "architectures", None) or []
+    if not architectures:
+        raise ValueError("config.json names no architectures")
+    return (registry or get_registry()).model_class(architectures[0]).model_facts(config)
 
 
 def check_tp_shapes(config: "PretrainedConfig", tp_size: int) -> None:

@@ -41,9 +41,14 @@ class TorchNativeAttention(AttentionBackend):
             slots = batch.req_to_token[batch.req_pool_indices[i], :seq_len]
             k = k_buf.index_select(0, slots).to(q.dtype)
             v = v_buf.index_select(0, slots).to(q.dtype)
-            # Query j sits at position prefix+j and sees keys 0..prefix+j.
+            # Query j sits at position prefix+j and sees keys 0..prefix+j (the last
+            # sliding_window of them in a windowed layer).
             prefix = seq_len - n
-            mask = None if prefix == 0 else torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(prefix)
+            mask = None
+            if prefix or layer.sliding_window is not None:
+                mask = torch.ones(n, seq_len, dtype=torch.bool, device=q.device).tril(prefix)
+                if layer.sliding_window is not None:
+                    mask.triu_(prefix - layer.sliding_window + 1)
             out[start : start + n] = _sdpa(q[start : start + n], k, v, mask, layer)
         return out
 
@@ -57,6 +62,9 @@ class TorchNativeAttention(AttentionBackend):
             slots = batch.req_to_token[batch.req_pool_indices, :max_len]  # [B, S]; padding points anywhere
             positions = torch.arange(max_len, device=q.device)
             mask = positions[None, :] < batch.seq_lens[:, None]  # [B, S]
+        if layer.sliding_window is not None:  # the request's last token sees its last sliding_window keys
+            first = batch.seq_lens[:, None] - layer.sliding_window
+            mask = mask & (torch.arange(mask.shape[1], device=q.device)[None, :] >= first)
         # index_select on the flat slot list is much faster than 2-D indexing.
         shape = (*slots.shape, *k_buf.shape[1:])  # [B, S, KVH, D]
         k = k_buf.index_select(0, slots.flatten()).view(shape).to(q.dtype)
@@ -99,15 +107,7 @@ def grouped_heads_reasons(query: KernelQuery) -> list[str]:
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, layer: AttentionLayerSpec) -> torch.Tensor:
     """q [n, H, D], k/v [S, KVH, D], mask [n, S] (None: plain causal) -> [n, H, D]."""
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.transpose(0, 1),
-        v.transpose(0, 1),
-        attn_mask=mask,
-        is_causal=mask is None,
-        scale=layer.scaling,
-        enable_gqa=layer.num_heads != layer.num_kv_heads,
-    )
+    o = _attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, layer)
     return o.transpose(0, 1)
 
 
@@ -115,12 +115,26 @@ def _sdpa_batched(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: AttentionLayerSpec
 ) -> torch.Tensor:
     """q [B, H, D], k/v [B, S, KVH, D], mask [B, S] -> [B, H, D]."""
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        attn_mask=mask[:, None, None, :],
-        scale=layer.scaling,
-        enable_gqa=layer.num_heads != layer.num_kv_heads,
-    )
+    o = _attend(q.unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], layer)
     return o.squeeze(2)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, layer: AttentionLayerSpec) -> torch.Tensor:
+    """q [..., H, n, D], k/v [..., KVH, S, D], boolean mask broadcastable to
+    [..., H, n, S] (None: causal, n == S) -> [..., H, n, D]. With a logit cap,
+    scores and softmax are computed in float32 (SDPA has no cap)."""
+    gqa = layer.num_heads != layer.num_kv_heads
+    cap = layer.logit_softcap
+    if cap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=layer.scaling, enable_gqa=gqa
+        )
+    if gqa:
+        group = layer.num_heads // layer.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * layer.scaling
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v.float()).to(q.dtype)

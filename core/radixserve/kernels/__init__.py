@@ -1,6 +1,6 @@
 """Interfaces that backends implement; the core calls kernels only through these."""
 
-from radixserve.kernels.attention import AttentionBackend, AttentionLayerSpec
+from radixserve.kernels.attention import AttentionBackend, AttentionLayerSpec, attention_feature_reasons
 from radixserve.kernels.base import Backend
 from radixserve.kernels.elementwise import ElementwiseBackend
 from radixserve.kernels.gemm import GemmBackend
@@ -18,5 +18,6 @@ __all__ = [
     "MoEBackend",
     "MoERouting",
     "QuantizationMethod",
+    "attention_feature_reasons",
     "route",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import torch
 
@@ -22,6 +22,12 @@ class AttentionLayerSpec:
     num_kv_heads: int  # KV heads on this rank
     head_dim: int
     scaling: float  # softmax scale, usually head_dim ** -0.5
+    # A query at position p sees only the keys at positions p - sliding_window + 1 .. p
+    # (HF's rule; None: all keys up to p). Models interleave windowed and global layers.
+    sliding_window: Optional[int] = None
+    # Scores become logit_softcap * tanh(scores / logit_softcap) before the softmax
+    # (after scaling; Gemma 2). None: no cap.
+    logit_softcap: Optional[float] = None
 
 
 class AttentionBackend(Backend):
@@ -29,7 +35,11 @@ class AttentionBackend(Backend):
 
     ``forward`` first stores the new tokens' K and V into the KV pool at
     ``batch.out_cache_loc`` for ``layer.layer_id``, then attends each new query
-    to all ``seq_lens[i]`` tokens of its request (prefix + new, causally).
+    to all ``seq_lens[i]`` tokens of its request (prefix + new, causally), or
+    to the last ``layer.sliding_window`` of them, with ``layer.logit_softcap``
+    applied to the scaled scores. A backend that lacks either says so in
+    ``unsupported_reasons`` when the query sets ``sliding_window`` or
+    ``logit_softcap`` (see :func:`attention_feature_reasons`).
     Shapes: q ``[num_tokens, num_heads, head_dim]``, k/v
     ``[num_tokens, num_kv_heads, head_dim]``; returns
     ``[num_tokens, num_heads, head_dim]``.
@@ -104,3 +114,16 @@ class AttentionBackend(Backend):
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         raise NotImplementedError
+
+
+def attention_feature_reasons(
+    query: KernelQuery, name: str, *, sliding_window: bool = False, logit_softcap: bool = False
+) -> list[str]:
+    """Why backend ``name``, which supports only the features flagged True,
+    cannot serve the attention features that ``query``'s model uses."""
+    reasons = []
+    if query.sliding_window is not None and not sliding_window:
+        reasons.append(f"{name} has no sliding-window attention (the model has windowed layers)")
+    if query.logit_softcap is not None and not logit_softcap:
+        reasons.append(f"{name} has no attention logit soft-capping (the model caps its scores)")
+    return reasons

@@ -26,6 +26,10 @@ class KernelQuery:
     num_experts: Optional[int] = None
     top_k: Optional[int] = None
     quantization: Optional[str] = None
+    # Attention features some layers use (the widest window; the cap): a backend
+    # without them refuses the query. Per-layer values are on AttentionLayerSpec.
+    sliding_window: Optional[int] = None
+    logit_softcap: Optional[float] = None
 
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in self.__dict__.items() if v is not None]

@@ -26,6 +26,8 @@ class PagedAttention(Layer):
         head_dim: int,
         ctx: ModelContext,
         scaling: float | None = None,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ):
         super().__init__()
         self.spec = AttentionLayerSpec(
@@ -34,6 +36,8 @@ class PagedAttention(Layer):
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             scaling=head_dim**-0.5 if scaling is None else scaling,
+            sliding_window=sliding_window,
+            logit_softcap=logit_softcap,
         )
         self.backend = ctx.attention
 
@@ -47,4 +51,9 @@ class PagedAttention(Layer):
 
     def extra_repr(self) -> str:
         s = self.spec
-        return f"layer_id={s.layer_id}, heads={s.num_heads}, kv_heads={s.num_kv_heads}, head_dim={s.head_dim}"
+        text = f"layer_id={s.layer_id}, heads={s.num_heads}, kv_heads={s.num_kv_heads}, head_dim={s.head_dim}"
+        if s.sliding_window is not None:
+            text += f", sliding_window={s.sliding_window}"
+        if s.logit_softcap is not None:
+            text += f", logit_softcap={s.logit_softcap}"
+        return text

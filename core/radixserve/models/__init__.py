@@ -2,7 +2,7 @@
 hook a third-party plugin uses (the registry loads this module as a plugin)."""
 
 from radixserve.hooks import Register, hookimpl
-from radixserve.models.base import CausalLM
+from radixserve.models.base import CausalLM, ModelFacts
 from radixserve.models.llama import LlamaForCausalLM
 from radixserve.models.qwen2 import Qwen2ForCausalLM
 from radixserve.models.qwen3 import Qwen3ForCausalLM
@@ -21,6 +21,7 @@ __all__ = [
     "CausalLM",
     "LlamaForCausalLM",
     "MODEL_CLASSES",
+    "ModelFacts",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",

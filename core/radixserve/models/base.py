@@ -7,7 +7,8 @@ checkpoint, then lets the quantization method post-process its linear layers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Iterable, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Iterable, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -18,6 +19,21 @@ if TYPE_CHECKING:
     from radixserve.layers.context import ModelContext
 
 
+@dataclass(frozen=True)
+class ModelFacts:
+    """What backend selection must know of a model before it is built (whole
+    model, before tensor parallelism splits heads): the model class reads them
+    from its config, so a plugin's model states its own."""
+
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    num_experts: int = 0  # 0: a dense model
+    top_k: int = 0  # experts per token
+    sliding_window: Optional[int] = None  # the widest window of any windowed layer
+    logit_softcap: Optional[float] = None  # attention score cap
+
+
 @runtime_checkable
 class CausalLM(Protocol):
     #: HuggingFace ``config.architectures`` names this class serves.
@@ -26,6 +42,11 @@ class CausalLM(Protocol):
     max_context_len: int
 
     def __init__(self, config: "PretrainedConfig", ctx: "ModelContext") -> None: ...
+
+    @classmethod
+    def model_facts(cls, config: "PretrainedConfig") -> ModelFacts:
+        """The facts of the model in ``config`` that kernels depend on."""
+        ...
 
     def forward(self, batch: "ForwardBatch") -> torch.Tensor:
         """Float32 logits ``[len(batch.logits_indices), vocab]`` for the flat

@@ -10,7 +10,6 @@ elementwise backend (``ctx.elementwise``), so a plugin's kernels serve them.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
@@ -31,29 +30,44 @@ from radixserve.layers import (
 from radixserve.layers.context import ModelContext
 from radixserve.layers.layer import Layer
 from radixserve.layers.weights import load_named_weights
+from radixserve.models.base import ModelFacts
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
-
-logger = logging.getLogger(__name__)
 
 
 def head_dim_of(config: "PretrainedConfig") -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def sliding_window_of(config: "PretrainedConfig") -> Optional[int]:
-    """The attention window HF applies to every layer, or None for full attention.
-
-    Configs with per-layer ``layer_types`` (Qwen2/Qwen3) slide only where a layer
-    says so, which the attention interface cannot express: rejected. Otherwise a
-    set ``sliding_window`` applies to all layers (Mistral)."""
+def layer_window(config: "PretrainedConfig", layer_id: int) -> Optional[int]:
+    """The attention window of layer ``layer_id`` as HF applies it, or None for
+    full attention: configs with per-layer ``layer_types`` (Qwen2, Gemma) slide
+    where a layer says ``sliding_attention``; otherwise a set ``sliding_window``
+    applies to every layer (Mistral). A window no shorter than the context is
+    no window."""
+    window = getattr(config, "sliding_window", None)
+    if not window or window >= config.max_position_embeddings:
+        return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
-        if any(t != "full_attention" for t in layer_types):
-            raise NotImplementedError(f"per-layer attention types are not supported: {sorted(set(layer_types))}")
-        return None
-    return getattr(config, "sliding_window", None)
+        kind = layer_types[layer_id]
+        if kind not in ("full_attention", "sliding_attention"):
+            raise NotImplementedError(f"layer {layer_id}: attention type {kind!r} is not supported")
+        return window if kind == "sliding_attention" else None
+    return window
+
+
+def attention_facts(config: "PretrainedConfig", **more: Any) -> ModelFacts:
+    """The facts of a model whose attention reads ``config`` the Llama way."""
+    windows = [w for i in range(config.num_hidden_layers) if (w := layer_window(config, i)) is not None]
+    return ModelFacts(
+        head_dim=head_dim_of(config),
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        sliding_window=max(windows, default=None),
+        **more,
+    )
 
 
 @dataclass(frozen=True)
@@ -92,7 +106,14 @@ class LlamaAttention(Layer):
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, ctx)
         self.qk_norm = options.qk_norm
         self.rotary_emb = rotary_emb  # shared by every layer
-        self.attn = PagedAttention(layer_id, self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads, head_dim, ctx)
+        self.attn = PagedAttention(
+            layer_id,
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+            head_dim,
+            ctx,
+            sliding_window=layer_window(config, layer_id),
+        )
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         p = self.qkv_proj
@@ -203,10 +224,10 @@ class LlamaForCausalLM(Layer):
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
         self.max_context_len = config.max_position_embeddings
-        window = sliding_window_of(config)
-        if window is not None and window < self.max_context_len:
-            logger.info("sliding window %d: context limited to it to stay exact", window)
-            self.max_context_len = window
+
+    @classmethod
+    def model_facts(cls, config: "PretrainedConfig") -> ModelFacts:
+        return attention_facts(config)
 
     @classmethod
     def attention_options(cls, config: "PretrainedConfig") -> AttentionOptions:

@@ -18,7 +18,8 @@ from torch import nn
 from radixserve.layers import FusedMoE, MoERouter
 from radixserve.layers.context import ModelContext
 from radixserve.layers.layer import Layer
-from radixserve.models.llama import LlamaMLP
+from radixserve.models.base import ModelFacts
+from radixserve.models.llama import LlamaMLP, attention_facts
 from radixserve.models.qwen3 import Qwen3ForCausalLM
 
 if TYPE_CHECKING:
@@ -53,6 +54,10 @@ class Qwen3MoeSparseBlock(Layer):
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     architectures = ("Qwen3MoeForCausalLM",)
+
+    @classmethod
+    def model_facts(cls, config: "PretrainedConfig") -> ModelFacts:
+        return attention_facts(config, num_experts=num_experts_of(config), top_k=config.num_experts_per_tok)
 
     @classmethod
     def make_mlp(cls, config: "PretrainedConfig", layer_id: int, ctx: ModelContext) -> nn.Module:

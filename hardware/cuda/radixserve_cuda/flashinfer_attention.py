@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 
 from radixserve.forward_batch import ForwardBatch, ForwardMode
-from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
+from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery, attention_feature_reasons
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class FlashInferAttention(AttentionBackend):
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
         from radixserve_cuda import CudaPlatform
 
-        reasons = []
+        reasons = attention_feature_reasons(query, cls.name)
         if not flashinfer_installed():
             reasons.append(f"flashinfer is not installed ({INSTALL_HINT})")
         if query.device != "cuda":

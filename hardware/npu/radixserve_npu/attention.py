@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from radixserve.cache.memory_pool import KVLayout, KVPool
 from radixserve.forward_batch import ForwardBatch, ForwardMode
-from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
+from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery, attention_feature_reasons
 from radixserve_npu import ops
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
@@ -138,7 +138,7 @@ class NpuFusedAttention(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        reasons = []
+        reasons = attention_feature_reasons(query, cls.name)
         if query.device not in cls.devices:
             reasons.append(f"runs on the npu platform only, not {query.device}")
         if query.dtype not in FUSED_DTYPES:

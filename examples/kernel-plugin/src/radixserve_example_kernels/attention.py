@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from radixserve.forward_batch import ForwardBatch
-from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
+from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery, attention_feature_reasons
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -29,7 +29,7 @@ class ExampleSDPAttention(AttentionBackend):
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
         # Cheap and side-effect free: look at the query only.
-        reasons = []
+        reasons = attention_feature_reasons(query, cls.name)
         if query.device not in SUPPORTED_DEVICES:
             reasons.append(f"device {query.device!r} is not one of {SUPPORTED_DEVICES}")
         if query.dtype not in SUPPORTED_DTYPES:
