@@ -14,6 +14,7 @@ from radixserve.config import ServerArgs
 from radixserve.messages import ProfileOptions
 from radixserve.model_source import resolve_model_path
 from radixserve.runtime.processes import launch_runtime
+from radixserve.server.structured_output import take_sampling_grammar
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -104,11 +105,14 @@ class Engine:
             params = sampling_params
         else:
             params = [sampling_params] * count
+        params = [dict(p or {}) for p in params]
+        for p in params:
+            take_sampling_grammar(p)  # json_schema / regex / ebnf, as SGLang's Engine takes them
         inputs = [
             GenerateInput(
                 text=texts[i] if texts is not None else None,
                 input_ids=ids[i] if ids is not None else None,
-                sampling_params=dict(params[i] or {}),
+                sampling_params=params[i],
                 return_logprob=return_logprob,
                 top_logprobs_num=top_logprobs_num,
                 logprob_start_len=logprob_start_len,

@@ -31,6 +31,8 @@ PAD_TOKEN = "<|pad|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IM_START, IM_END)
+# Reasoning tags: single added tokens that decoding keeps (not special), as in Qwen3.
+THINK_START, THINK_END = "<think>", "</think>"
 
 DEFAULT_VOCAB_SIZE = 512
 
@@ -164,10 +166,11 @@ def build_tokenizer(out_dir: PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> 
     tokens included) and save it with ``save_pretrained`` into ``out_dir``.
 
     Special tokens: bos ``<|startoftext|>``, eos ``<|endoftext|>``, pad
-    ``<|pad|>``, and ``<|im_start|>``/``<|im_end|>`` for the chat template. No
-    token is added automatically when encoding.
+    ``<|pad|>``, and ``<|im_start|>``/``<|im_end|>`` for the chat template; then
+    ``<think>`` and ``</think>``, added tokens that decoding keeps. No token is
+    added automatically when encoding.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -175,7 +178,7 @@ def build_tokenizer(out_dir: PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> 
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, THINK_START, THINK_END],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -185,6 +188,7 @@ def build_tokenizer(out_dir: PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> 
     tok.train_from_iterator(corpus, trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
         raise ValueError(f"trained vocab has {tok.get_vocab_size()} tokens, wanted {vocab_size}")
+    tok.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in (THINK_START, THINK_END)])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS_TOKEN,
@@ -261,7 +265,7 @@ def tiny_config(
 
 def _special_token_ids(vocab_size: int) -> dict[str, int]:
     # The BPE trainer puts special tokens first, in order.
-    if vocab_size < len(SPECIAL_TOKENS) + 256:
+    if vocab_size < len(SPECIAL_TOKENS) + 2 + 256:
         raise ValueError(f"vocab_size {vocab_size} cannot hold the byte alphabet and special tokens")
     return {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
 

@@ -388,7 +388,8 @@ class Scheduler:
         """``exact``: count the pages whose frees are still on their way to the host
         (waits for the device) and check every lock; the step logs pass False."""
         running = len(self.running) + (1 if self.chunked_req else 0)
-        return SchedulerStats.of(self.totals, self.ledger.counts(exact), running, self.waiting, self.rates)
+        queued = [*self.waiting, *self.grammars.compiling]
+        return SchedulerStats.of(self.totals, self.ledger.counts(exact), running, queued, self.rates)
 
     def check_memory(self) -> bool:
         """The pool invariant: free + held privately by requests + cached == total,
