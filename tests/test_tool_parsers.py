@@ -1,68 +1,161 @@
-"""Tool parsers and reasoning parsers on fixed strings: whole, and streamed char
-by char and in chunks of 4 (the streamed pieces must add up to the whole)."""
+"""Tool parsers and reasoning parsers on
+fixed strings and on random ones (hypothesis): read whole, and streamed cut at
+every position, char by char and in random chunks, the streamed pieces must
+add up to the whole."""
 
 from __future__ import annotations
 
 import json
+from typing import Any, Optional, Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixserve.grammar import GatedMatcher, GrammarMatcher, ReasoningGate, allocate_token_bitmask
 from radixserve.registry import PluginRegistry
 from radixserve.server.reasoning import ReasoningParser
-from radixserve.tool_parsers.tagged_json import HermesToolParser
+from radixserve.tool_parser import ToolParser
+from radixserve.tool_parsers.hermes import HermesToolParser
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
     {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},
 ]
-CASES = [
-    ("plain text, no call", "plain text, no call", []),
+Calls = list[tuple[str, Any]]
+# (parser, output, its content (None: all of it), its calls)
+CASES: list[tuple[type[ToolParser], str, Optional[str], Calls]] = [
+    (HermesToolParser, "plain text, no call", None, []),
     (
+        HermesToolParser,
         'I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": [1, {"a": "}"}]}}\n'
         '</tool_call>\n<tool_call>{"name": "add", "arguments": {"x": 1}}</tool_call>',
         "I will check.\n\n",
         [("get_weather", {"city": "Paris", "n": [1, {"a": "}"}]}), ("add", {"x": 1})],
     ),
-    ('<tool_call>{"name": "nope", "arguments": {}}</tool_call> after', None, []),  # unknown: content
-    ('<tool_call>{"name": "add", "arguments": {"x"', None, []),  # unfinished: content
-    ('<tool_call>{"name": "add"}</tool_call>', "", [("add", {})]),
-    ("a < b <tool_ca", None, []),
+    (HermesToolParser, '<tool_call>{"name": "nope", "arguments": {}}</tool_call> after', None, []),  # unknown
+    (HermesToolParser, '<tool_call>{"name": "add"}</tool_call>', "", [("add", {})]),
+    (
+        HermesToolParser,
+        '<tool_call>{"name": "add", "arguments": {"s": "</tool_call>"}}</tool_call>',
+        "",
+        [("add", {"s": "</tool_call>"})],
+    ),
+    (HermesToolParser, '<tool_call>{"name": "add", "arguments": {}} and then', " and then", [("add", {})]),
+    (HermesToolParser, '<tool_call>{"name": "add", "arguments": {}}, x</tool_call>', ", x</tool_call>", [("add", {})]),
+    (HermesToolParser, "<tool_call>not json</tool_call>", None, []),
+    (HermesToolParser, "a < b <tool_ca", None, []),
+]
+# Outputs cut short, or malformed, after a call's name: streamed, the call went out (it cannot be taken
+# back) and its text is dropped; whole, it is content. (parser, output, streamed content, streamed calls)
+BROKEN: list[tuple[type[ToolParser], str, str, list[tuple[str, str]]]] = [
+    (HermesToolParser, '<tool_call>{"name": "add", "arguments": {"x"', "", [("add", '{"x"')]),
+    (HermesToolParser, '<tool_call>{"name": "add", "arguments": {"x": 1} ?}</tool_call>!', "!", [("add", '{"x": 1}')]),
 ]
 
 
-def chunks(text: str, size: int) -> list[str]:
-    return [text[i : i + size] for i in range(0, len(text), size)] or [""]
-
-
-@pytest.mark.parametrize("text,content,calls", CASES)
-def test_hermes_whole(text, content, calls):
-    out = HermesToolParser(TOOLS).parse(text)
-    assert out.content == (text if content is None else content)
-    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == calls
-
-
-@pytest.mark.parametrize("size", [1, 4, 1000])
-@pytest.mark.parametrize("text,content,calls", CASES)
-def test_hermes_streamed(text, content, calls, size):
-    parser = HermesToolParser(TOOLS)
-    deltas = [parser.feed(piece) for piece in chunks(text, size)] + [parser.finish()]
-    streamed_content = "".join(d.content for d in deltas)
+def read_stream(parser: ToolParser, pieces: Sequence[str]) -> tuple[str, list[tuple[str, str]]]:
+    """The streamed content and calls (name, arguments text), checking how the deltas come:
+    calls numbered in order, each one's name first and once."""
+    deltas = [parser.feed(piece) for piece in pieces] + [parser.finish()]
     names: dict[int, str] = {}
     args: dict[int, str] = {}
     for d in deltas:
         for c in d.calls:
             if c.name is not None:
-                assert c.index not in names  # the name comes once, first
+                assert c.index == len(names)
                 names[c.index] = c.name
             assert c.index in names
             args[c.index] = args.get(c.index, "") + c.arguments
-    if text.startswith('<tool_call>{"name": "add", "arguments": {"x"'):
-        # Cut short inside a call: the stream told the call's start (it cannot take it back); whole, it is content.
-        assert streamed_content == "" and names == {0: "add"} and args[0] == '{"x"'
-        return
-    assert streamed_content == (text if content is None else content)
-    assert [(names[i], json.loads(args[i])) for i in sorted(names)] == calls
+    return "".join(d.content for d in deltas), [(names[i], args[i]) for i in range(len(names))]
+
+
+def assert_streams_as_whole(parser_cls: type[ToolParser], text: str, pieces: Sequence[str]) -> None:
+    whole = parser_cls(TOOLS).parse(text)
+    content, calls = read_stream(parser_cls(TOOLS), pieces)
+    assert content == whole.content, pieces
+    assert [(n, json.loads(a)) for n, a in calls] == [(c.name, json.loads(c.arguments)) for c in whole.calls], pieces
+
+
+def splits(text: str) -> list[list[str]]:
+    """The text cut once at every position, and char by char."""
+    return [[text[:i], text[i:]] for i in range(len(text) + 1)] + [list(text)]
+
+
+def case_id(case: tuple) -> str:
+    return f"{case[0].name}-{case[1][:24]}"
+
+
+@pytest.mark.parametrize("parser_cls,text,content,calls", CASES, ids=map(case_id, CASES))
+def test_whole(parser_cls, text, content, calls):
+    out = parser_cls(TOOLS).parse(text)
+    assert out.content == (text if content is None else content)
+    assert [(c.name, json.loads(c.arguments)) for c in out.calls] == calls
+
+
+@pytest.mark.parametrize("parser_cls,text,content,calls", CASES, ids=map(case_id, CASES))
+def test_streamed_cut_anywhere(parser_cls, text, content, calls):
+    for pieces in splits(text):
+        assert_streams_as_whole(parser_cls, text, pieces)
+
+
+@pytest.mark.parametrize("parser_cls,text,content,calls", BROKEN, ids=map(case_id, BROKEN))
+def test_broken_call_after_its_name(parser_cls, text, content, calls):
+    assert parser_cls(TOOLS).parse(text).content == text
+    assert read_stream(parser_cls(TOOLS), list(text)) == (content, calls)
+
+
+# ---- random calls, written in each format ------------------------------------------------------
+_FRAGMENTS = ['"', "'", "\\", "{", "}", "[", "]", "(", ")", ",", ";", "=", ":", " ", "\n", "é", "𝄞", "a", "0"]
+_MARKERS = ["<tool_call>", "</tool_call>", "<|python_tag|>", "[TOOL_CALLS]", "[ARGS]", "<|python_start|>"]
+strings = st.lists(st.sampled_from(_FRAGMENTS + _MARKERS), max_size=8).map("".join)
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**20), 10**20)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | strings,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(strings, inner, max_size=3),
+    max_leaves=8,
+)
+keywords = st.from_regex(r"[a-z_][a-z0-9_]{0,6}", fullmatch=True)
+arguments = st.dictionaries(keywords, json_values, max_size=4)
+calls_st = st.lists(st.tuples(st.sampled_from(["get_weather", "add"]), arguments), min_size=1, max_size=3)
+spaces = st.sampled_from(["", " ", "\n", " \n "])
+prose = st.text(st.sampled_from("ab ,.\n"), max_size=6)
+
+
+def dump(value: Any, draw: Any) -> str:
+    return json.dumps(
+        value, ensure_ascii=draw(st.booleans()), separators=draw(st.sampled_from([(",", ":"), (", ", ": ")]))
+    )
+
+
+@st.composite
+def outputs(draw: Any) -> tuple[type[ToolParser], str, str, Calls]:
+    """(parser, an output with calls written as its model would, its content, the calls)."""
+    calls = draw(calls_st)
+    before, after = draw(prose), draw(prose)
+    body = "".join(
+        f"<tool_call>{draw(spaces)}{dump({'name': n, 'arguments': a}, draw)}{draw(spaces)}</tool_call>"
+        for n, a in calls
+    )
+    return HermesToolParser, before + body + after, before + after, calls
+
+
+@settings(max_examples=150, deadline=None)
+@given(outputs(), st.lists(st.integers(0, 10**6), max_size=8))
+def test_random_calls(output, cuts):
+    parser_cls, text, content, calls = output
+    whole = parser_cls(TOOLS).parse(text)
+    assert whole.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == calls
+    at = sorted({c % (len(text) + 1) for c in cuts})
+    assert_streams_as_whole(parser_cls, text, [text[i:j] for i, j in zip([0, *at], [*at, len(text)])])
+
+
+def chunks(text: str, size: int) -> list[str]:
+    return [text[i : i + size] for i in range(0, len(text), size)] or [""]
 
 
 REASONING = [
@@ -140,9 +233,21 @@ def test_gated_matcher_reasoning_then_grammar():
     assert 63 in allowed(m)
 
 
-def test_tool_parser_kind_is_registered():
+@pytest.mark.parametrize(
+    "template,parser_cls",
+    [
+        (None, HermesToolParser),  # the default
+        ("{% if tools %}<tool_call>{% endif %}", HermesToolParser),
+        ("{{ messages }}", HermesToolParser),
+    ],
+)
+def test_tool_parser_detected_from_the_template(template, parser_cls):
+    assert PluginRegistry(load_entry_points=False).tool_parser(None, template) is parser_cls
+
+
+def test_tool_parsers_are_registered():
     registry = PluginRegistry(load_entry_points=False)
-    assert registry.tool_parser() is HermesToolParser
-    assert registry.tool_parser(None, "{% if tools %}<tool_call>{% endif %}") is HermesToolParser
+    for name in ("hermes",):
+        assert registry.tool_parser(name).name == name
     with pytest.raises(Exception, match="unknown tool call parser 'nope'"):
         registry.tool_parser("nope")

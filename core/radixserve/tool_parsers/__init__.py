@@ -5,7 +5,7 @@ Qwen2.5, Qwen3: ``<tool_call>{...}</tool_call>``)."""
 from __future__ import annotations
 
 from radixserve.hooks import Register, hookimpl
-from radixserve.tool_parsers.tagged_json import HermesToolParser
+from radixserve.tool_parsers.hermes import HermesToolParser
 
 
 @hookimpl
