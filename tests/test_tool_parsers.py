@@ -17,6 +17,9 @@ from radixserve.registry import PluginRegistry
 from radixserve.server.reasoning import ReasoningParser
 from radixserve.tool_parser import ToolParser
 from radixserve.tool_parsers.hermes import HermesToolParser
+from radixserve.tool_parsers.llama3_json import Llama3JSONToolParser
+from radixserve.tool_parsers.mistral import MistralToolParser
+from radixserve.tool_parsers.pythonic import PythonicToolParser
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
@@ -45,12 +48,100 @@ CASES: list[tuple[type[ToolParser], str, Optional[str], Calls]] = [
     (HermesToolParser, '<tool_call>{"name": "add", "arguments": {}}, x</tool_call>', ", x</tool_call>", [("add", {})]),
     (HermesToolParser, "<tool_call>not json</tool_call>", None, []),
     (HermesToolParser, "a < b <tool_ca", None, []),
+    (
+        Llama3JSONToolParser,
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}};'
+        ' {"name": "add", "parameters": {"x": 1}}',
+        "",
+        [("get_weather", {"city": "Paris"}), ("add", {"x": 1})],
+    ),
+    (Llama3JSONToolParser, '\n{"name": "add", "arguments": {"s": "a;b}"}}', "", [("add", {"s": "a;b}"})]),
+    (
+        Llama3JSONToolParser,
+        'Let me check.<|python_tag|>{"parameters": {}, "name": "get_weather"}',
+        "Let me check.",
+        [("get_weather", {})],
+    ),
+    (Llama3JSONToolParser, '{"name": "add", "parameters": {"x": 1}} and text', " and text", [("add", {"x": 1})]),
+    (Llama3JSONToolParser, '{"name": "add", "parameters": {"x": 1}}; oops', "; oops", [("add", {"x": 1})]),
+    (Llama3JSONToolParser, '{"answer": 42}', None, []),
+    (Llama3JSONToolParser, '  {"name": "nope", "parameters": {}}', None, []),
+    (Llama3JSONToolParser, "<|python_tag|>print(1)", None, []),  # the code interpreter
+    (Llama3JSONToolParser, "I use <|python_ta", None, []),
+    (
+        MistralToolParser,
+        '[TOOL_CALLS] [{"name": "add", "arguments": {"x": 1}}, {"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+        "",
+        [("add", {"x": 1}), ("get_weather", {"city": "Oslo"})],
+    ),
+    (
+        MistralToolParser,
+        'Hello[TOOL_CALLS][{"name": "add", "arguments": {"x": 1}}] bye',
+        "Hello bye",
+        [("add", {"x": 1})],
+    ),
+    (
+        MistralToolParser,
+        '[TOOL_CALLS]add[ARGS]{"x": 1}[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}',
+        "",
+        [("add", {"x": 1}), ("get_weather", {"city": "Oslo"})],
+    ),
+    (
+        MistralToolParser,
+        'Sure.[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS] {"city": "[ARGS]"}',
+        "Sure.",
+        [("get_weather", {"city": "[ARGS]"})],
+    ),
+    (MistralToolParser, '[TOOL_CALLS]add{"x": 2}', "", [("add", {"x": 2})]),  # [ARGS] skipped as a special token
+    (
+        MistralToolParser,
+        '[TOOL_CALLS][{"name": "add", "arguments": {"x": 1}}, {"name": "nope", "arguments": {}}]',
+        ', {"name": "nope", "arguments": {}}]',
+        [("add", {"x": 1})],
+    ),
+    (MistralToolParser, "[TOOL_CALLS]nope[ARGS]{}", None, []),
+    (MistralToolParser, "[TOOL_CALLS]add[ARGS]not json", None, []),
+    (MistralToolParser, "Use [TOOL_CALLS] wisely", None, []),
+    (
+        PythonicToolParser,
+        "[get_weather(city='Paris', days=3), add(x=-1.5, y=True)]",
+        "",
+        [("get_weather", {"city": "Paris", "days": 3}), ("add", {"x": -1.5, "y": True})],
+    ),
+    (
+        PythonicToolParser,
+        "[add(x=None, y=[1, (2, 3)], z={'k': \"v)\"}, s='''it's \"here\"''', t='a\\'b',)]",
+        "",
+        [("add", {"x": None, "y": [1, [2, 3]], "z": {"k": "v)"}, "s": 'it\'s "here"', "t": "a'b"})],
+    ),
+    (PythonicToolParser, "<|python_start|>[add()]<|python_end|>", "", [("add", {})]),
+    (
+        PythonicToolParser,
+        "Sure: <|python_start|>[get_weather(city='Oslo')]<|python_end|> done",
+        "Sure:  done",
+        [("get_weather", {"city": "Oslo"})],
+    ),
+    (PythonicToolParser, "[1] a footnote", None, []),
+    (PythonicToolParser, "[add(x=1 + 2)]", None, []),  # not a literal
+    (PythonicToolParser, "[add(1)]", None, []),  # not a keyword argument
+    (PythonicToolParser, "[nope(x=1)]", None, []),
+    (PythonicToolParser, "Say [add(x=1)]", None, []),  # not at the start
 ]
 # Outputs cut short, or malformed, after a call's name: streamed, the call went out (it cannot be taken
 # back) and its text is dropped; whole, it is content. (parser, output, streamed content, streamed calls)
 BROKEN: list[tuple[type[ToolParser], str, str, list[tuple[str, str]]]] = [
     (HermesToolParser, '<tool_call>{"name": "add", "arguments": {"x"', "", [("add", '{"x"')]),
     (HermesToolParser, '<tool_call>{"name": "add", "arguments": {"x": 1} ?}</tool_call>!', "!", [("add", '{"x": 1}')]),
+    (Llama3JSONToolParser, '{"name": "add", "parameters": {"x": 1', "", [("add", '{"x": 1')]),
+    (
+        Llama3JSONToolParser,
+        '{"name": "add", "parameters": {"x": 1},} ok',
+        " ok",
+        [("add", '{"x": 1}')],
+    ),  # a trailing comma
+    (MistralToolParser, '[TOOL_CALLS]add[ARGS]{"x": tru}, more', ", more", [("add", '{"x": tru')]),
+    (PythonicToolParser, "[add(x=1, y=f(2)), add(x=2)] after", " after", [("add", '{"x": 1'), ("add", '{"x": 2}')]),
+    (PythonicToolParser, "[add(x=1, x=2)]", "", [("add", '{"x": 1')]),  # a repeated keyword
 ]
 
 
@@ -136,11 +227,27 @@ def outputs(draw: Any) -> tuple[type[ToolParser], str, str, Calls]:
     """(parser, an output with calls written as its model would, its content, the calls)."""
     calls = draw(calls_st)
     before, after = draw(prose), draw(prose)
-    body = "".join(
-        f"<tool_call>{draw(spaces)}{dump({'name': n, 'arguments': a}, draw)}{draw(spaces)}</tool_call>"
-        for n, a in calls
-    )
-    return HermesToolParser, before + body + after, before + after, calls
+    kind = draw(st.sampled_from(["hermes", "llama3_json", "mistral", "mistral_compact", "pythonic"]))
+    if kind == "hermes":
+        body = "".join(
+            f"<tool_call>{draw(spaces)}{dump({'name': n, 'arguments': a}, draw)}{draw(spaces)}</tool_call>"
+            for n, a in calls
+        )
+        return HermesToolParser, before + body + after, before + after, calls
+    if kind == "llama3_json":
+        objects = f"{draw(spaces)};{draw(spaces)}".join(dump({"name": n, "parameters": a}, draw) for n, a in calls)
+        tag = "<|python_tag|>" if before.strip() else draw(st.sampled_from(["<|python_tag|>", ""]))
+        return Llama3JSONToolParser, before + tag + objects + after, (before if tag else "") + after, calls
+    if kind == "mistral":
+        items = f",{draw(spaces)}".join(dump({"name": n, "arguments": a}, draw) for n, a in calls)
+        return MistralToolParser, f"{before}[TOOL_CALLS]{draw(spaces)}[{items}]{after}", before + after, calls
+    if kind == "mistral_compact":
+        body = "".join(f"[TOOL_CALLS]{n}[ARGS]{dump(a, draw)}" for n, a in calls)
+        return MistralToolParser, before + body + after, before + after, calls
+    listed = ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in calls)
+    if before.strip():
+        return PythonicToolParser, f"{before}<|python_start|>[{listed}]<|python_end|>{after}", before + after, calls
+    return PythonicToolParser, f"{before}[{listed}]{after}", after, calls
 
 
 @settings(max_examples=150, deadline=None)
@@ -238,6 +345,13 @@ def test_gated_matcher_reasoning_then_grammar():
     [
         (None, HermesToolParser),  # the default
         ("{% if tools %}<tool_call>{% endif %}", HermesToolParser),
+        ("{{- '<|python_tag|>' + tool_call.name }}", Llama3JSONToolParser),
+        (
+            'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}',
+            Llama3JSONToolParser,
+        ),
+        ("{{- '[TOOL_CALLS]' + name + '[ARGS]' + arguments }}", MistralToolParser),
+        ("put it in the format of [func_name1(params_name1=params_value1)] <|python_tag|>", PythonicToolParser),
         ("{{ messages }}", HermesToolParser),
     ],
 )
@@ -247,7 +361,7 @@ def test_tool_parser_detected_from_the_template(template, parser_cls):
 
 def test_tool_parsers_are_registered():
     registry = PluginRegistry(load_entry_points=False)
-    for name in ("hermes",):
+    for name in ("hermes", "llama3_json", "mistral", "pythonic"):
         assert registry.tool_parser(name).name == name
     with pytest.raises(Exception, match="unknown tool call parser 'nope'"):
         registry.tool_parser("nope")
