@@ -1,4 +1,4 @@
-"""Tool parsers and reasoning parsers on
+"""Tool parsers, the tool_choice required reader and reasoning parsers on
 fixed strings and on random ones (hypothesis): read whole, and streamed cut at
 every position, char by char and in random chunks, the streamed pieces must
 add up to the whole."""
@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 
 from radixserve.grammar import GatedMatcher, GrammarMatcher, ReasoningGate, allocate_token_bitmask
 from radixserve.registry import PluginRegistry
+from radixserve.server.protocol import ChatCompletionRequest
 from radixserve.server.reasoning import ReasoningParser
+from radixserve.server.tool_calls import ChoiceReader, RequiredCalls
 from radixserve.tool_parser import ToolParser
 from radixserve.tool_parsers.hermes import HermesToolParser
 from radixserve.tool_parsers.llama3_json import Llama3JSONToolParser
@@ -227,7 +229,7 @@ def outputs(draw: Any) -> tuple[type[ToolParser], str, str, Calls]:
     """(parser, an output with calls written as its model would, its content, the calls)."""
     calls = draw(calls_st)
     before, after = draw(prose), draw(prose)
-    kind = draw(st.sampled_from(["hermes", "llama3_json", "mistral", "mistral_compact", "pythonic"]))
+    kind = draw(st.sampled_from(["hermes", "llama3_json", "mistral", "mistral_compact", "pythonic", "required"]))
     if kind == "hermes":
         body = "".join(
             f"<tool_call>{draw(spaces)}{dump({'name': n, 'arguments': a}, draw)}{draw(spaces)}</tool_call>"
@@ -244,6 +246,9 @@ def outputs(draw: Any) -> tuple[type[ToolParser], str, str, Calls]:
     if kind == "mistral_compact":
         body = "".join(f"[TOOL_CALLS]{n}[ARGS]{dump(a, draw)}" for n, a in calls)
         return MistralToolParser, before + body + after, before + after, calls
+    if kind == "required":
+        array = dump([{"name": n, "parameters": a} for n, a in calls], draw)
+        return RequiredCalls, draw(spaces) + array + after, after, calls
     listed = ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in calls)
     if before.strip():
         return PythonicToolParser, f"{before}<|python_start|>[{listed}]<|python_end|>{after}", before + after, calls
@@ -259,6 +264,53 @@ def test_random_calls(output, cuts):
     assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == calls
     at = sorted({c % (len(text) + 1) for c in cuts})
     assert_streams_as_whole(parser_cls, text, [text[i:j] for i, j in zip([0, *at], [*at, len(text)])])
+
+
+# ---- tool_choice required through the choice reader ---------------------------------------------------
+REQUIRED = (
+    ' [{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}},\n'
+    '  {"name": "add", "parameters": {"x": 1, "y": true}}]'
+)
+
+
+def choice_stream(pieces: Sequence[str]) -> tuple[str, list[tuple[str, str]]]:
+    """Content and (name, arguments) of the OpenAI tool call deltas a required reader streams."""
+    reader = required_reader()
+    content, names, args = "", {}, {}
+    for i, piece in enumerate(pieces):
+        _, more, calls = reader.feed(piece, final=i == len(pieces) - 1)
+        content += more
+        for call in calls:
+            if "id" in call:
+                assert call["index"] == len(names) and call["id"].startswith("call_")
+                names[call["index"]] = call["function"]["name"]
+            args[call["index"]] = args.get(call["index"], "") + call["function"]["arguments"]
+    return content, [(names[i], args[i]) for i in range(len(names))]
+
+
+def required_reader() -> ChoiceReader:
+    messages = [{"role": "user", "content": "hi"}]
+    return ChoiceReader(ChatCompletionRequest(messages=messages, tools=TOOLS, tool_choice="required"), None, None)
+
+
+def test_required_streams_each_call_as_it_is_written():
+    _, content, calls = required_reader().read(REQUIRED)
+    assert content is None
+    want = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+    assert want == [("get_weather", {"city": "Paris", "days": 3}), ("add", {"x": 1, "y": True})]
+    for pieces in splits(REQUIRED):
+        streamed_content, streamed = choice_stream(pieces)
+        assert streamed_content == "" and [(n, json.loads(a)) for n, a in streamed] == want
+    # The first call is out, whole, once its object is written; the second's name once its string is.
+    first = REQUIRED.index("}},") + 2
+    assert [(n, json.loads(a)) for n, a in choice_stream([REQUIRED[:first], ""])[1]] == want[:1]
+    reader = required_reader()
+    reader.feed(REQUIRED[: REQUIRED.index('"add"') + 5], final=False)
+    assert reader.called and set(reader.ids) == {0, 1}
+    # Cut short by max_tokens: the complete calls are calls, the rest content.
+    cut = REQUIRED[: REQUIRED.index('"y"')]
+    _, content, calls = required_reader().read(cut)
+    assert content == cut[first:] and len(calls) == 1
 
 
 def chunks(text: str, size: int) -> list[str]:
