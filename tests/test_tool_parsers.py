@@ -16,7 +16,7 @@ from radixserve.grammar import GatedMatcher, GrammarMatcher, ReasoningGate, allo
 from radixserve.registry import PluginRegistry
 from radixserve.server.protocol import ChatCompletionRequest
 from radixserve.server.reasoning import ReasoningParser
-from radixserve.server.tool_calls import ChoiceReader, RequiredCalls
+from radixserve.server.tool_calls import ChoiceReader, RequiredCalls, keeps_special_tokens
 from radixserve.tool_parser import ToolParser
 from radixserve.tool_parsers.hermes import HermesToolParser
 from radixserve.tool_parsers.llama3_json import Llama3JSONToolParser
@@ -409,6 +409,18 @@ def test_gated_matcher_reasoning_then_grammar():
 )
 def test_tool_parser_detected_from_the_template(template, parser_cls):
     assert PluginRegistry(load_entry_points=False).tool_parser(None, template) is parser_cls
+
+
+def test_special_token_markers_are_decoded_unless_the_request_says():
+    def request(**kw: Any) -> ChatCompletionRequest:
+        return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=TOOLS, **kw)
+
+    assert keeps_special_tokens(request(), MistralToolParser)
+    assert keeps_special_tokens(request(tool_choice="auto"), MistralToolParser)
+    assert not keeps_special_tokens(request(), HermesToolParser)
+    assert not keeps_special_tokens(request(skip_special_tokens=True), MistralToolParser)
+    assert not keeps_special_tokens(request(tool_choice="required"), MistralToolParser)
+    assert not keeps_special_tokens(request(tool_choice="none"), MistralToolParser)
 
 
 def test_tool_parsers_are_registered():

@@ -83,6 +83,14 @@ def tool_grammar(req: ChatCompletionRequest) -> Optional[GrammarSpec]:
     return GrammarSpec("json_schema", json.dumps(array), "tool_choice")
 
 
+def keeps_special_tokens(req: ChatCompletionRequest, parser_cls: Optional[type]) -> bool:
+    """Whether the output must be decoded keeping special tokens for the tool parser to
+    read it: tool_choice auto, a parser whose markers are special tokens, and a request
+    that left skip_special_tokens unset."""
+    auto = bool(req.tools) and req.tool_choice in (None, "auto")
+    return auto and getattr(parser_cls, "special_tokens", False) and "skip_special_tokens" not in req.model_fields_set
+
+
 class RequiredCalls(FormToolParser):
     """The JSON array that ``tool_grammar`` makes tool_choice required write."""
 

@@ -1,7 +1,8 @@
 """Mistral's tool calls after ``[TOOL_CALLS]``: a JSON array of
 ``{"name": ..., "arguments": {...}}`` (tokenizers before v11), or one call a
 marker, ``[TOOL_CALLS]name[ARGS]{...}`` (v11 on; ``[CALL_ID]id`` may come
-before ``[ARGS]``, and ``[ARGS]`` may be missing where it was decoded away)."""
+before ``[ARGS]``, and ``[ARGS]`` may be missing where it was decoded away).
+The markers are special tokens, so the outputs are decoded keeping them."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class CompactCallReader(CallReader):
 class MistralToolParser(FormToolParser):
     name = "mistral"
     priority = 10
+    special_tokens = True  # [TOOL_CALLS], [CALL_ID], [ARGS]
     forms = (
         CallForm(JSONCallReader, ("[TOOL_CALLS]", "["), separator=",", closing=("]",)),
         CallForm(CompactCallReader, ("[TOOL_CALLS]",)),
