@@ -66,6 +66,7 @@ async def _calls(client: openai.AsyncOpenAI, stream: bool, **kw: Any) -> tuple[l
             for call in choice.delta.tool_calls or []:
                 if call.id is not None:
                     assert call.index not in names and call.type == "function" and call.id.startswith("call_")
+                    assert call.index > 0 or not choice.finish_reason  # streamed as written, not held to the end
                     names[call.index] = call.function.name
                 assert call.index in names
                 arguments[call.index] = arguments.get(call.index, "") + (call.function.arguments or "")

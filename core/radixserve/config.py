@@ -67,7 +67,8 @@ class ServerArgs(CliArgs):
     )
     tool_call_parser: Optional[str] = _flag(
         "how tool calls are read from chat output (tools with tool_choice auto): hermes (Qwen's <tool_call>), "
-        "any registered tool parser; unset: detected from the chat template, else hermes",
+        "llama3_json, mistral, pythonic, or any registered tool parser; unset: detected from the chat template, "
+        "else hermes",
         default=None,
     )
     reasoning_parser: Optional[str] = _flag(
