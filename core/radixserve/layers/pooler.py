@@ -38,10 +38,13 @@ class Pooler:
 
     def reduce(self, hidden: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``[len(counts), H]``: for each segment of ``counts[i]`` consecutive rows of
-        ``hidden``, the sum of its rows (mean) or its last row (last)."""
+        ``hidden`` (``counts`` adds up to its rows), the sum of its rows (mean) or its
+        last row (last)."""
         if self.method == "last":
             return hidden[counts.cumsum(0) - 1]
-        segment = torch.repeat_interleave(torch.arange(len(counts), device=hidden.device), counts)
+        # With its size given, repeat_interleave does not wait for the device to read ``counts``.
+        segments = torch.arange(len(counts), device=hidden.device)
+        segment = torch.repeat_interleave(segments, counts, output_size=hidden.shape[0])
         sums = torch.zeros(len(counts), hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
         return sums.index_add_(0, segment, hidden)
 
