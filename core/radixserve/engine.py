@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 Prompt = Union[str, list[str], None]
 InputIds = Union[list[int], list[list[int]], None]
 Params = Union[dict, list[dict], None]
+# What ``encode`` reports of each embedding request.
+_ENCODE_META = ("id", "prompt_tokens", "cached_tokens", "finish_reason")
 
 
 class Engine:
@@ -131,6 +133,27 @@ class Engine:
             return list(await asyncio.gather(*(self._collect(inp) for inp in inputs)))
 
         results = self._call(run_all())
+        return results if is_batch else results[0]
+
+    def encode(self, prompt: Prompt = None, input_ids: InputIds = None) -> Union[dict, list[dict]]:
+        """Embeddings from an embedding model (``is_embedding``), as ``sglang.Engine.encode``
+        gives them: ``{"embedding": [...], "meta_info": {...}}`` for one prompt, a list
+        for a batch (a list of strings, or of token-id lists)."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("prompt: give either prompt or input_ids")
+        is_batch = isinstance(prompt, list) or (bool(input_ids) and isinstance(input_ids[0], list))
+        if prompt is not None:
+            inputs = [GenerateInput(text=text, embed=True) for text in (prompt if is_batch else [prompt])]
+        else:
+            inputs = [GenerateInput(input_ids=ids, embed=True) for ids in (input_ids if is_batch else [input_ids])]
+
+        async def run_all() -> list[dict]:
+            return list(await asyncio.gather(*(self._collect(inp) for inp in inputs)))
+
+        results = [
+            {"embedding": out["embedding"], "meta_info": {k: out["meta_info"][k] for k in _ENCODE_META}}
+            for out in self._call(run_all())
+        ]
         return results if is_batch else results[0]
 
     async def _collect(self, inp: GenerateInput) -> Union[dict, list[dict]]:

@@ -290,6 +290,7 @@ def build_tiny_model(
     rope_scaling: Optional[dict[str, Any]] = None,
     shard: bool = False,
     with_tokenizer: bool = True,
+    backbone: bool = False,
     **overrides: Any,
 ) -> Path:
     """Save a random-weight ``arch`` model to ``out_dir`` and return the path.
@@ -304,10 +305,11 @@ def build_tiny_model(
     checkpoint dtype. ``shard=True`` writes at
     least two safetensors shards plus ``model.safetensors.index.json``. The
     tokenizer (:func:`build_tokenizer`, same ``vocab_size``) is saved alongside
-    unless ``with_tokenizer`` is False. Extra keyword arguments go to
-    :func:`tiny_config`.
+    unless ``with_tokenizer`` is False. ``backbone=True`` saves the model without
+    its LM head (architecture ``Qwen3Model``, ``LlamaModel``...), as embedding
+    models ship. Extra keyword arguments go to :func:`tiny_config`.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig
 
     config = tiny_config(
         arch,
@@ -324,7 +326,7 @@ def build_tiny_model(
         **overrides,
     )
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = (AutoModel if backbone else AutoModelForCausalLM).from_config(config, dtype=torch.float32)
     _randomize(model, seed, weight_scale, lm_head_scale)
     model = model.to(torch_dtype)
     ids = _special_token_ids(vocab_size)
@@ -348,10 +350,10 @@ def build_tiny_model(
 @torch.no_grad()
 def _randomize(model: torch.nn.Module, seed: int, scale: float, lm_head_scale: float) -> None:
     gen = torch.Generator().manual_seed(seed)
-    output_embeddings = model.get_output_embeddings().weight
+    head = model.get_output_embeddings()  # None for a backbone
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-        if param is output_embeddings:
+        if head is not None and param is head.weight:
             param.copy_(lm_head_scale * noise)
         elif "norm" in name:
             param.copy_(1.0 + 0.1 * noise)

@@ -22,10 +22,12 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 import torch
 from torch import nn
 
+from radixserve.embedding_config import causal_lm_of
 from radixserve.kernels import KernelQuery
 from radixserve.layers.context import ModelContext
 from radixserve.layers.embedding import ParallelLMHead
 from radixserve.layers.linear import linear_layers
+from radixserve.layers.pooler import HiddenStatesHead
 from radixserve.layers.weights import CheckpointTensor
 from radixserve.platform import DtypeChoice
 
@@ -256,37 +258,75 @@ def iterate_weights(model_path: Union[str, Path]) -> Iterator[tuple[str, Checkpo
                 yield name, CheckpointTensor(source, tuple(source.get_shape()))
 
 
+def model_class(registry: Any, architecture: str) -> type:
+    """The registered class for ``architecture``; a backbone without an LM head
+    (``Qwen3Model``) is served by its family's class (``Qwen3ForCausalLM``), for embeddings."""
+    causal_lm = causal_lm_of(architecture)
+    if architecture not in registry.candidates["model"] and causal_lm in registry.candidates["model"]:
+        return registry.model_class(causal_lm)
+    return registry.model_class(architecture)
+
+
 def load_model(
     model_path: Union[str, Path],
     ctx: ModelContext,
     registry: Any,
     *,
     config: Optional["PretrainedConfig"] = None,
+    embedding: bool = False,
 ) -> tuple[nn.Module, "PretrainedConfig"]:
     """Build the registered class for ``config.architectures[0]`` on ``ctx.device``
     in ``ctx.dtype``, load the safetensors weights (cast to ``ctx.dtype``), let the
     quantization method post-process every linear layer (and the GEMM backend
-    prepare an untied LM head's weight), and return it in eval mode."""
+    prepare an untied LM head's weight), and return it in eval mode. ``embedding``:
+    serve it for embeddings (``replace_lm_heads``)."""
     config = config if config is not None else load_config(model_path)
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
         raise ValueError(f"{model_path}: config.json names no architectures")
-    cls = registry.model_class(architectures[0])
+    cls = model_class(registry, architectures[0])
     start = time.perf_counter()
     with torch.device(ctx.device):
         model = cls(config, ctx)
-    model.load_weights(iterate_weights(model_path))
+    weights: Iterator[tuple[str, Any]] = iterate_weights(model_path)
+    if embedding:
+        # HF's name for the backbone, ``model`` in every family served; a class may say otherwise.
+        weights = backbone_weights(weights, replace_lm_heads(model), getattr(model, "base_model_prefix", "model"))
+    model.load_weights(weights)
     for layer in linear_layers(model):
         layer.quant.process_weights_after_loading(layer)
     for head in (m for m in model.modules() if isinstance(m, ParallelLMHead)):
         head.process_weights_after_loading()
     logger.info(
-        "loaded %s (%s) from %s in %s on %s in %.2f s",
+        "loaded %s (%s) from %s in %s on %s in %.2f s%s",
         architectures[0],
         cls.__name__,
         model_path,
         ctx.dtype,
         ctx.device,
         time.perf_counter() - start,
+        ", for embeddings" if embedding else "",
     )
     return model.eval(), config
+
+
+def replace_lm_heads(model: nn.Module) -> list[str]:
+    """Serve ``model`` for embeddings: each of its LM heads becomes a
+    ``HiddenStatesHead``, so its forward returns the final hidden states
+    (layers/pooler.py). Returns the heads' names."""
+    heads = [name for name, module in model.named_modules() if isinstance(module, ParallelLMHead)]
+    if not heads:
+        raise ValueError(f"{type(model).__name__} has no ParallelLMHead, so it cannot be served for embeddings")
+    for name in heads:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, HiddenStatesHead())
+    return heads
+
+
+def backbone_weights(weights: Iterator[tuple[str, Any]], heads: list[str], prefix: str) -> Iterator[tuple[str, Any]]:
+    """``weights`` without the tensors of the LM ``heads``, and with the backbone's
+    name ``prefix`` put before the names of a backbone checkpoint (``Qwen3Model``'s
+    ``layers.0...`` are ``model.layers.0...`` in the family's class)."""
+    for name, tensor in weights:
+        if not any(name.startswith(head + ".") for head in heads):
+            yield (name if name.startswith(prefix + ".") else f"{prefix}.{name}"), tensor

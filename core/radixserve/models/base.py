@@ -3,6 +3,9 @@
 A model class is an ``nn.Module`` registered through the ``register_models``
 hook. The model loader constructs it on the target device, feeds it the
 checkpoint, then lets the quantization method post-process its linear layers.
+Served for embeddings, its ``ParallelLMHead`` is replaced by one that passes the
+final hidden states through (radixserve/layers/pooler.py), so a forward that
+ends in that head needs nothing more to embed.
 """
 
 from __future__ import annotations
