@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from generation_utils import make_scheduler, mixed_prompts
 from helpers_pool import SchedulerPool, ServerPool, assert_whole_pool_back, stats
-from helpers_server import ServerProcess, serving
+from helpers_server import ServerProcess, serving, wait_until
 from transformers import AutoModel, AutoTokenizer
 
 from radixserve import Engine
@@ -162,6 +162,26 @@ def test_shared_prefix_served_from_the_radix_cache(embedder):
         assert cached >= len(prefix)
     else:
         assert cached == 0
+
+
+def test_through_the_router(embedder):
+    """``radixserve router`` forwards /v1/embeddings to a worker that serves embeddings
+    (its features say so) and refuses generation for a model only embedding workers serve."""
+    if embedder.pooling != "last":
+        pytest.skip("one worker is enough")
+    with ServerProcess("--worker-urls", embedder.server.url, command="router") as router:
+        router.wait_ready(60)
+        workers = lambda: httpx.get(router.url + "/workers", timeout=10).json()["workers"]  # noqa: E731
+        assert wait_until(lambda: len(workers()) == 1, 60), router.log
+        features = workers()[0]["features"]
+        assert features["embeddings"] and not features["generation"]
+        client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        out = client.embeddings.create(model="tiny", input=TEXTS[:2], encoding_format="float")
+        for got, want in zip(out.data, embedder.embed(TEXTS[:2])):
+            assert_close(torch.tensor(got.embedding), want)
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert err.value.body["param"] == "model" and "generation" in err.value.body["message"]
 
 
 # ---- the OpenAI shape -----------------------------------------------------------------------

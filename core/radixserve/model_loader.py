@@ -129,7 +129,7 @@ def model_facts(config: "PretrainedConfig", registry: Any = None) -> "ModelFacts
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
         raise ValueError("config.json names no architectures")
-    return (registry or get_registry()).model_class(architectures[0]).model_facts(config)
+    return model_class(registry or get_registry(), architectures[0]).model_facts(config)
 
 
 def check_tp_shapes(config: "PretrainedConfig", tp_size: int) -> None:

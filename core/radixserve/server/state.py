@@ -282,7 +282,8 @@ class ServerState:
         """SGLang's shape (the flags at the top level, then the runtime's summary and
         stats, ``internal_states`` per replica, ``version``) plus ours: the flags again
         under ``server_args``, ``worker`` (what a router needs), in-flight requests, pids."""
-        info = await self.ready_tm().control("server_info")
+        tm = self.ready_tm()
+        info = await tm.control("server_info")
         args = dataclasses.asdict(self.args)
         for name in SECRET_ARGS:
             if args.get(name):
@@ -295,8 +296,8 @@ class ServerState:
             "model_path": self.model_path,
             "served_model_name": self.model_name,
             "server_args": args,
-            "worker": worker_facts(info, self.args.dp_size),
-            "num_in_flight": self.tm.num_in_flight,
+            "worker": worker_facts(info, self.args.dp_size, embedding=tm.embedding is not None),
+            "num_in_flight": tm.num_in_flight,
             "pids": {p.name: p.pid for p in self.runtime.processes},
         }
 
