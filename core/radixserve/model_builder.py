@@ -205,7 +205,7 @@ def build_tokenizer(out_dir: PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> 
     return out
 
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text")
 
 
 def tiny_config(

@@ -119,6 +119,7 @@ def model_kernel_query(
         quantization=quantization,
         sliding_window=facts.sliding_window,
         logit_softcap=facts.logit_softcap,
+        elementwise_ops=facts.elementwise_ops or None,
     )
 
 

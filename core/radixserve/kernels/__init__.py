@@ -2,7 +2,7 @@
 
 from radixserve.kernels.attention import AttentionBackend, AttentionLayerSpec, attention_feature_reasons
 from radixserve.kernels.base import Backend
-from radixserve.kernels.elementwise import ElementwiseBackend
+from radixserve.kernels.elementwise import MODEL_SPECIFIC_OPS, ElementwiseBackend, elementwise_op_reasons
 from radixserve.kernels.gemm import GemmBackend
 from radixserve.kernels.moe import MoEBackend, MoERouting, route
 from radixserve.kernels.quantization import QuantizationMethod
@@ -15,9 +15,11 @@ __all__ = [
     "ElementwiseBackend",
     "GemmBackend",
     "KernelQuery",
+    "MODEL_SPECIFIC_OPS",
     "MoEBackend",
     "MoERouting",
     "QuantizationMethod",
     "attention_feature_reasons",
+    "elementwise_op_reasons",
     "route",
 ]

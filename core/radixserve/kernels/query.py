@@ -30,6 +30,9 @@ class KernelQuery:
     # without them refuses the query. Per-layer values are on AttentionLayerSpec.
     sliding_window: Optional[int] = None
     logit_softcap: Optional[float] = None
+    # The elementwise ops beyond the common three that the model calls (names from
+    # kernels.elementwise.MODEL_SPECIFIC_OPS): a backend without one refuses the query.
+    elementwise_ops: Optional[tuple[str, ...]] = None
 
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in self.__dict__.items() if v is not None]

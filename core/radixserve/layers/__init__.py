@@ -15,12 +15,13 @@ from radixserve.layers.linear import (
     linear_layers,
 )
 from radixserve.layers.moe import FusedMoE, MoERouter
-from radixserve.layers.norm import RMSNorm
+from radixserve.layers.norm import GemmaRMSNorm, RMSNorm
 from radixserve.layers.rotary import RotaryEmbedding
 
 __all__ = [
     "ColumnParallelLinear",
     "FusedMoE",
+    "GemmaRMSNorm",
     "Layer",
     "LinearBase",
     "MergedColumnParallelLinear",

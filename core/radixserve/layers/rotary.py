@@ -16,7 +16,7 @@ rejected loudly.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -29,10 +29,17 @@ if TYPE_CHECKING:
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
 
-def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
-    """``(inv_freq [head_dim // 2] float32, attention_scaling)`` for ``config``."""
+def rope_inv_freq(
+    config: PretrainedConfig, head_dim: int, layer_type: Optional[str] = None
+) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [head_dim // 2] float32, attention_scaling)`` for ``config``;
+    with ``layer_type``, for the layers of that type in a config whose
+    ``rope_parameters`` are per layer type (Gemma 3: local and global layers
+    turn at different frequencies)."""
     # transformers 5 keeps everything in rope_parameters; 4.x had rope_scaling + rope_theta
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise NotImplementedError(f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
@@ -44,7 +51,8 @@ def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # lazy: keeps plugin discovery light
 
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    per_type = {"layer_type": layer_type} if layer_type is not None else {}  # transformers 4.x has no layer_type
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **per_type)
     if inv_freq.numel() * 2 != head_dim:
         raise ValueError(f"rope produced {inv_freq.numel()} frequencies for head_dim {head_dim}")
     return inv_freq.float(), float(scaling)
@@ -66,11 +74,12 @@ def rope_cos_sin_cache(
 class RotaryEmbedding(Layer):
     """Rotates q and k in place through ``ctx.elementwise`` with a cos/sin table
     of every position the model serves (``max_position_embeddings``). One
-    instance is shared by all layers of a model."""
+    instance is shared by all layers of a model (of a ``layer_type``, where the
+    rope parameters are per layer type)."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, ctx: ModelContext):
+    def __init__(self, config: PretrainedConfig, head_dim: int, ctx: ModelContext, layer_type: Optional[str] = None):
         super().__init__()
-        inv_freq, attention_scaling = rope_inv_freq(config, head_dim)
+        inv_freq, attention_scaling = rope_inv_freq(config, head_dim, layer_type)
         cache = rope_cos_sin_cache(inv_freq, attention_scaling, config.max_position_embeddings, ctx.dtype)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.backend = ctx.elementwise

@@ -35,6 +35,7 @@ class ModelFacts:
     top_k: int = 0  # experts per token
     sliding_window: Optional[int] = None  # the widest window of any windowed layer
     logit_softcap: Optional[float] = None  # attention score cap
+    elementwise_ops: tuple[str, ...] = ()  # model-specific elementwise ops it calls (kernels.MODEL_SPECIFIC_OPS)
 
 
 @runtime_checkable
