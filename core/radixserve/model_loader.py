@@ -185,7 +185,7 @@ def model_timing_shapes(
     tokens (capped at 1024) per decode step, ``prefill_rows`` tokens per prefill chunk."""
     from radixserve.backend_timing import ModelShapes
 
-    moe_intermediate = getattr(config, "moe_intermediate_size", 0) or 0
+    moe_intermediate = model_facts(config).moe_intermediate_size
     return ModelShapes(
         hidden_size=config.hidden_size,
         intermediate_size=(getattr(config, "intermediate_size", 0) or 0) // tp_size,
