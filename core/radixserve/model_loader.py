@@ -139,6 +139,7 @@ def check_tp_shapes(config: "PretrainedConfig", tp_size: int) -> None:
         "num_attention_heads": config.num_attention_heads,
         "intermediate_size": getattr(config, "intermediate_size", None),
         "moe_intermediate_size": getattr(config, "moe_intermediate_size", None),
+        "shared_expert_intermediate_size": getattr(config, "shared_expert_intermediate_size", None),
     }
     for name, value in fields.items():
         if value and value % tp_size:

@@ -4,11 +4,20 @@ hook a third-party plugin uses (the registry loads this module as a plugin)."""
 from radixserve.hooks import Register, hookimpl
 from radixserve.models.base import CausalLM, ModelFacts
 from radixserve.models.llama import LlamaForCausalLM
+from radixserve.models.mixtral import MixtralForCausalLM
 from radixserve.models.qwen2 import Qwen2ForCausalLM
+from radixserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from radixserve.models.qwen3 import Qwen3ForCausalLM
 from radixserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_CLASSES: tuple[type, ...] = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+MODEL_CLASSES: tuple[type, ...] = (
+    LlamaForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+)
 
 
 @hookimpl
@@ -21,8 +30,10 @@ __all__ = [
     "CausalLM",
     "LlamaForCausalLM",
     "MODEL_CLASSES",
+    "MixtralForCausalLM",
     "ModelFacts",
     "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "register_models",
