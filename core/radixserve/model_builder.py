@@ -201,7 +201,7 @@ def build_tokenizer(out_dir: PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> 
     return out
 
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "phi3")
 
 
 def tiny_config(

@@ -5,6 +5,7 @@ from radixserve.hooks import Register, hookimpl
 from radixserve.models.base import CausalLM, ModelFacts
 from radixserve.models.llama import LlamaForCausalLM
 from radixserve.models.mixtral import MixtralForCausalLM
+from radixserve.models.phi3 import Phi3ForCausalLM
 from radixserve.models.qwen2 import Qwen2ForCausalLM
 from radixserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from radixserve.models.qwen3 import Qwen3ForCausalLM
@@ -17,6 +18,7 @@ MODEL_CLASSES: tuple[type, ...] = (
     Qwen3MoeForCausalLM,
     MixtralForCausalLM,
     Qwen2MoeForCausalLM,
+    Phi3ForCausalLM,
 )
 
 
@@ -32,6 +34,7 @@ __all__ = [
     "MODEL_CLASSES",
     "MixtralForCausalLM",
     "ModelFacts",
+    "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
