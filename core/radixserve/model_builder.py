@@ -205,7 +205,9 @@ def build_tokenizer(out_dir: PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> 
     return out
 
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma2", "gemma3_text")
+ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "phi3", "gemma2", "gemma3_text"
+)  # fmt: skip
 
 
 def tiny_config(
@@ -227,9 +229,12 @@ def tiny_config(
     **overrides: Any,
 ):
     """The transformers config of a tiny ``arch`` model. MoE arguments apply to
-    ``qwen3_moe`` only (which defaults to ``norm_topk_prob=True`` like the real
-    models); ``overrides`` are passed to the config as is (e.g.
-    ``mlp_only_layers``, ``attention_bias``)."""
+    the MoE architectures: ``qwen3_moe`` (``norm_topk_prob=True`` like the real
+    models), ``qwen2_moe`` (``norm_topk_prob=False`` like Qwen1.5-MoE; its shared
+    expert is ``intermediate_size`` wide) and ``mixtral`` (whose experts are
+    ``intermediate_size`` wide: ``moe_intermediate_size`` does not apply);
+    ``overrides`` are passed to the config as is (e.g. ``mlp_only_layers``,
+    ``attention_bias``, ``sliding_window``)."""
     from transformers import AutoConfig
 
     if arch not in ARCHITECTURES:
@@ -252,13 +257,17 @@ def tiny_config(
     )
     if rope_scaling is not None:
         kwargs["rope_scaling"] = dict(rope_scaling)
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", "qwen2_moe"):
         kwargs.update(
             num_experts=num_experts,
             num_experts_per_tok=num_experts_per_tok,
             moe_intermediate_size=moe_intermediate_size,
-            norm_topk_prob=True,
+            norm_topk_prob=arch == "qwen3_moe",
         )
+    if arch == "qwen2_moe":
+        kwargs.update(shared_expert_intermediate_size=intermediate_size)
+    if arch == "mixtral":
+        kwargs.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
     kwargs.update(overrides)
     return AutoConfig.for_model(arch, **kwargs)
 

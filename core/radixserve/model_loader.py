@@ -142,6 +142,7 @@ def check_tp_shapes(config: "PretrainedConfig", tp_size: int) -> None:
         "num_attention_heads": config.num_attention_heads,
         "intermediate_size": getattr(config, "intermediate_size", None),
         "moe_intermediate_size": getattr(config, "moe_intermediate_size", None),
+        "shared_expert_intermediate_size": getattr(config, "shared_expert_intermediate_size", None),
     }
     for name, value in fields.items():
         if value and value % tp_size:
@@ -188,7 +189,7 @@ def model_timing_shapes(
     tokens (capped at 1024) per decode step, ``prefill_rows`` tokens per prefill chunk."""
     from radixserve.backend_timing import ModelShapes
 
-    moe_intermediate = getattr(config, "moe_intermediate_size", 0) or 0
+    moe_intermediate = model_facts(config).moe_intermediate_size
     return ModelShapes(
         hidden_size=config.hidden_size,
         intermediate_size=(getattr(config, "intermediate_size", 0) or 0) // tp_size,

@@ -14,7 +14,7 @@ from radixserve.layers.linear import (
     RowParallelLinear,
     linear_layers,
 )
-from radixserve.layers.moe import FusedMoE, MoERouter
+from radixserve.layers.moe import FusedMoE, MoERouter, SparseMoE, expert_weight_name
 from radixserve.layers.norm import GemmaRMSNorm, RMSNorm
 from radixserve.layers.rotary import RotaryEmbedding
 
@@ -33,6 +33,8 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "RowParallelLinear",
+    "SparseMoE",
     "VocabParallelEmbedding",
+    "expert_weight_name",
     "linear_layers",
 ]

@@ -6,7 +6,10 @@ from radixserve.models.base import CausalLM, ModelFacts
 from radixserve.models.gemma2 import Gemma2ForCausalLM
 from radixserve.models.gemma3 import Gemma3ForCausalLM
 from radixserve.models.llama import LlamaForCausalLM
+from radixserve.models.mixtral import MixtralForCausalLM
+from radixserve.models.phi3 import Phi3ForCausalLM
 from radixserve.models.qwen2 import Qwen2ForCausalLM
+from radixserve.models.qwen2_moe import Qwen2MoeForCausalLM
 from radixserve.models.qwen3 import Qwen3ForCausalLM
 from radixserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -17,6 +20,9 @@ MODEL_CLASSES: tuple[type, ...] = (
     Qwen3MoeForCausalLM,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Phi3ForCausalLM,
 )
 
 
@@ -32,8 +38,11 @@ __all__ = [
     "Gemma3ForCausalLM",
     "LlamaForCausalLM",
     "MODEL_CLASSES",
+    "MixtralForCausalLM",
     "ModelFacts",
+    "Phi3ForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen2MoeForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "register_models",

@@ -125,6 +125,7 @@ class ModelRunner:
             tp_rank=self.group.rank,
             tp_size=self.group.size,
             comm=self.group.comm,
+            context_length=args.context_length,
         )
 
     def _timing_shapes(self, hf_config: Any) -> ModelShapes:
