@@ -36,9 +36,7 @@ from radixserve.forward_batch import ForwardBatch
 from radixserve.layers import (
     GemmaRMSNorm,
     MergedColumnParallelLinear,
-    PagedAttention,
     ParallelLMHead,
-    QKVParallelLinear,
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -46,7 +44,13 @@ from radixserve.layers import (
 from radixserve.layers.context import ModelContext
 from radixserve.layers.layer import Layer
 from radixserve.models.base import ModelFacts
-from radixserve.models.llama import LlamaForCausalLM, attention_facts, head_dim_of, layer_window
+from radixserve.models.llama import (
+    AttentionOptions,
+    LlamaAttention,
+    LlamaForCausalLM,
+    attention_facts,
+    head_dim_of,
+)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -90,56 +94,8 @@ class GemmaMLP(Layer):
         return self.down_proj(self.act.gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
-class GemmaAttention(Layer):
-    """Fused QKV, optional per-head q/k norms (Gemma 3), rotary, paged attention
-    with the layer's window, Gemma's scale and the score cap, then o_proj."""
-
-    def __init__(
-        self,
-        config: "PretrainedConfig",
-        layer_id: int,
-        ctx: ModelContext,
-        rotary_emb: RotaryEmbedding,
-        *,
-        qk_norm: bool,
-        logit_softcap: Optional[float],
-    ):
-        super().__init__()
-        head_dim = head_dim_of(config)
-        bias = bool(config.attention_bias)
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, head_dim, config.num_attention_heads, config.num_key_value_heads, ctx, bias=bias
-        )
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size, ctx, bias=bias)
-        if qk_norm:
-            self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, ctx)
-            self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps, ctx)
-        self.qk_norm = qk_norm
-        self.rotary_emb = rotary_emb  # shared by the layers that turn alike
-        self.attn = PagedAttention(
-            layer_id,
-            self.qkv_proj.num_heads,
-            self.qkv_proj.num_kv_heads,
-            head_dim,
-            ctx,
-            scaling=config.query_pre_attn_scalar**-0.5,
-            sliding_window=layer_window(config, layer_id),
-            logit_softcap=logit_softcap,
-        )
-
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        p = self.qkv_proj
-        q, k, v = p(hidden).split([p.q_size, p.kv_size, p.kv_size], dim=-1)
-        q = q.reshape(-1, p.num_heads, p.head_dim)
-        k = k.reshape(-1, p.num_kv_heads, p.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        self.rotary_emb(batch.positions, q, k)  # in place
-        return self.o_proj(self.attn(q, k, v, batch))
-
-
 class GemmaDecoderLayer(Layer):
-    def __init__(self, config: "PretrainedConfig", ctx: ModelContext, attention: GemmaAttention):
+    def __init__(self, config: "PretrainedConfig", ctx: ModelContext, attention: LlamaAttention):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = attention
@@ -195,14 +151,18 @@ class Gemma2ForCausalLM(Layer):
         check_gemma_config(config)
         self.config = config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        softcap = self.attention_logit_softcap(config)
+        bias = bool(config.attention_bias)
+        options = AttentionOptions(
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm=self.qk_norm,
+            norm=GemmaRMSNorm,
+            scaling=config.query_pre_attn_scalar**-0.5,
+            logit_softcap=self.attention_logit_softcap(config),
+        )
         rotary = self.rotary_embeddings(config, ctx)
         layers = (
-            GemmaDecoderLayer(
-                config,
-                ctx,
-                GemmaAttention(config, i, ctx, rotary[i], qk_norm=self.qk_norm, logit_softcap=softcap),
-            )
+            GemmaDecoderLayer(config, ctx, LlamaAttention(config, i, ctx, options, rotary[i]))
             for i in range(config.num_hidden_layers)
         )
         self.model = GemmaModel(config, ctx, layers)

@@ -76,7 +76,10 @@ class AttentionOptions:
 
     qkv_bias: bool = False
     o_bias: bool = False
-    qk_norm: bool = False  # RMSNorm over head_dim on q and k before rotary (Qwen3)
+    qk_norm: bool = False  # a norm over head_dim on q and k before rotary (Qwen3, Gemma 3)
+    norm: type[Layer] = RMSNorm  # the class of those norms (Gemma's for Gemma 3)
+    scaling: Optional[float] = None  # the softmax scale (None: head_dim ** -0.5; Gemma's query_pre_attn_scalar)
+    logit_softcap: Optional[float] = None  # the attention score cap (Gemma 2)
 
 
 class LlamaAttention(Layer):
@@ -102,17 +105,19 @@ class LlamaAttention(Layer):
             config.num_attention_heads * head_dim, config.hidden_size, ctx, bias=options.o_bias
         )
         if options.qk_norm:
-            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, ctx)
-            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, ctx)
+            self.q_norm = options.norm(head_dim, config.rms_norm_eps, ctx)
+            self.k_norm = options.norm(head_dim, config.rms_norm_eps, ctx)
         self.qk_norm = options.qk_norm
-        self.rotary_emb = rotary_emb  # shared by every layer
+        self.rotary_emb = rotary_emb  # shared by the layers that turn alike
         self.attn = PagedAttention(
             layer_id,
             self.qkv_proj.num_heads,
             self.qkv_proj.num_kv_heads,
             head_dim,
             ctx,
+            scaling=options.scaling,
             sliding_window=layer_window(config, layer_id),
+            logit_softcap=options.logit_softcap,
         )
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
