@@ -5,8 +5,8 @@
 
 Each ``check_*`` function builds the contract's cases (random paged KV layouts
 with permuted slots, page sizes 1 and 16, ragged batches, cached prefixes,
-decode, GQA, head dims 64 and 128; several MoE expert counts, top-k and
-renormalization settings; GEMM shapes with and without bias; the quantization
+decode, GQA, head dims 64 and 128; several MoE expert counts, top-k,
+renormalization and group-limited routing settings; GEMM shapes with and without bias; the quantization
 lifecycle; RMSNorm with and without the fused residual, rotary NeoX/GPT-J/partial
 on views of a fused QKV buffer, SiLU-and-mul), runs the backend on ``device`` for every dtype it claims (asked
 through ``unsupported_reasons``) and compares it with the reference backend run
