@@ -201,7 +201,39 @@ def build_tokenizer(out_dir: PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> 
     return out
 
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2")
+
+# DeepSeek-V2-Lite's structure at tiny sizes: multi-head latent attention without
+# query compression (q_lora_rank None), value heads wider than the query/key
+# "nope" part, a dense first layer then MoE layers with 2 shared experts and
+# greedy softmax routing, YaRN x40 with V2-Lite's mscale (the original context
+# scaled down, 4096 -> 32, so that the tiny rotary dims see every branch of the
+# YaRN ramp; the context is the factor times it, 1280, as V2-Lite's is).
+DEEPSEEK_V2_LITE_TINY: dict[str, Any] = dict(
+    q_lora_rank=None,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=24,
+    n_shared_experts=2,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    topk_method="greedy",
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.0,
+    norm_topk_prob=False,
+    scoring_func="softmax",
+    rope_scaling={
+        "type": "yarn",
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+)
 
 
 def tiny_config(
@@ -223,9 +255,13 @@ def tiny_config(
     **overrides: Any,
 ):
     """The transformers config of a tiny ``arch`` model. MoE arguments apply to
-    ``qwen3_moe`` only (which defaults to ``norm_topk_prob=True`` like the real
-    models); ``overrides`` are passed to the config as is (e.g.
-    ``mlp_only_layers``, ``attention_bias``)."""
+    ``qwen3_moe`` (which defaults to ``norm_topk_prob=True`` like the real
+    models) and ``deepseek_v2`` (which starts from :data:`DEEPSEEK_V2_LITE_TINY`;
+    its KV heads are its heads, its head dims are its own and its context
+    follows from its YaRN scaling, so ``num_kv_heads``, ``head_dim`` and
+    ``max_position_embeddings`` do not apply); ``overrides`` are passed to
+    the config as is (e.g. ``mlp_only_layers``, ``attention_bias``,
+    ``q_lora_rank``)."""
     from transformers import AutoConfig
 
     if arch not in ARCHITECTURES:
@@ -255,6 +291,18 @@ def tiny_config(
             moe_intermediate_size=moe_intermediate_size,
             norm_topk_prob=True,
         )
+    if arch == "deepseek_v2":
+        del kwargs["head_dim"]
+        kwargs.update(DEEPSEEK_V2_LITE_TINY, num_key_value_heads=num_heads)
+        kwargs.update(
+            n_routed_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+        )
+        if rope_scaling is not None:
+            kwargs["rope_scaling"] = dict(rope_scaling)
+        yarn = kwargs["rope_scaling"]
+        kwargs["max_position_embeddings"] = yarn["factor"] * yarn["original_max_position_embeddings"]
     kwargs.update(overrides)
     return AutoConfig.for_model(arch, **kwargs)
 

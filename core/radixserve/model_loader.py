@@ -117,6 +117,7 @@ def model_kernel_query(
         quantization=quantization,
         sliding_window=facts.sliding_window,
         logit_softcap=facts.logit_softcap,
+        mla=facts.mla,
     )
 
 

@@ -4,6 +4,7 @@ from radixserve.kernels.attention import AttentionBackend, AttentionLayerSpec, a
 from radixserve.kernels.base import Backend
 from radixserve.kernels.elementwise import ElementwiseBackend
 from radixserve.kernels.gemm import GemmBackend
+from radixserve.kernels.mla import MLAAttentionBackend, MLALayerSpec, latent_pool, mla_reasons
 from radixserve.kernels.moe import MoEBackend, MoERouting, route
 from radixserve.kernels.quantization import QuantizationMethod
 from radixserve.kernels.query import KernelQuery
@@ -15,9 +16,13 @@ __all__ = [
     "ElementwiseBackend",
     "GemmBackend",
     "KernelQuery",
+    "MLAAttentionBackend",
+    "MLALayerSpec",
     "MoEBackend",
     "MoERouting",
     "QuantizationMethod",
     "attention_feature_reasons",
+    "latent_pool",
+    "mla_reasons",
     "route",
 ]

@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from radixserve.cache.memory_pool import LatentKV
+
 
 @dataclass(frozen=True)
 class KernelQuery:
@@ -30,6 +32,9 @@ class KernelQuery:
     # without them refuses the query. Per-layer values are on AttentionLayerSpec.
     sliding_window: Optional[int] = None
     logit_softcap: Optional[float] = None
+    # Multi-head latent attention (DeepSeek-V2): the KV pool holds one latent entry
+    # per token (LatentKV) instead of K and V; only backends that declare MLA serve it.
+    mla: Optional[LatentKV] = None
 
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in self.__dict__.items() if v is not None]

@@ -3,12 +3,19 @@ hook a third-party plugin uses (the registry loads this module as a plugin)."""
 
 from radixserve.hooks import Register, hookimpl
 from radixserve.models.base import CausalLM, ModelFacts
+from radixserve.models.deepseek_v2 import DeepseekV2ForCausalLM
 from radixserve.models.llama import LlamaForCausalLM
 from radixserve.models.qwen2 import Qwen2ForCausalLM
 from radixserve.models.qwen3 import Qwen3ForCausalLM
 from radixserve.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_CLASSES: tuple[type, ...] = (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM)
+MODEL_CLASSES: tuple[type, ...] = (
+    LlamaForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
+    DeepseekV2ForCausalLM,
+)
 
 
 @hookimpl
@@ -19,6 +26,7 @@ def register_models(register: Register) -> None:
 
 __all__ = [
     "CausalLM",
+    "DeepseekV2ForCausalLM",
     "LlamaForCausalLM",
     "MODEL_CLASSES",
     "ModelFacts",

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, ClassVar, Iterable, Optional, Protocol, runtim
 
 import torch
 
+from radixserve.cache.memory_pool import LatentKV
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -32,6 +34,7 @@ class ModelFacts:
     top_k: int = 0  # experts per token
     sliding_window: Optional[int] = None  # the widest window of any windowed layer
     logit_softcap: Optional[float] = None  # attention score cap
+    mla: Optional[LatentKV] = None  # multi-head latent attention: the KV pool's latent entry
 
 
 @runtime_checkable
