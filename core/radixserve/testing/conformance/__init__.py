@@ -66,6 +66,14 @@ from radixserve.testing.conformance.elementwise import (
     run_elementwise_case,
 )
 from radixserve.testing.conformance.gemm import GEMM_CASES, GemmCase, check_gemm_backend
+from radixserve.testing.conformance.mla import (
+    MLA_CASES,
+    MLACase,
+    MLAInputs,
+    check_mla_attention_backend,
+    dense_mla_attention,
+    make_mla_inputs,
+)
 from radixserve.testing.conformance.moe import MOE_CASES, MoECase, check_moe_backend, make_moe_inputs
 from radixserve.testing.conformance.quantization import (
     QUANT_CASES,
@@ -87,6 +95,9 @@ __all__ = [
     "ElementwiseCase",
     "GEMM_CASES",
     "GemmCase",
+    "MLACase",
+    "MLAInputs",
+    "MLA_CASES",
     "MOE_CASES",
     "MoECase",
     "QUANT_CASES",
@@ -97,12 +108,15 @@ __all__ = [
     "check_attention_backend",
     "check_elementwise_backend",
     "check_gemm_backend",
+    "check_mla_attention_backend",
     "check_moe_backend",
     "check_quantization_method",
     "compare",
     "dense_attention",
+    "dense_mla_attention",
     "make_attention_inputs",
     "make_elementwise_inputs",
+    "make_mla_inputs",
     "make_moe_inputs",
     "resolve_backend",
     "run_elementwise_case",
