@@ -9,6 +9,7 @@ entries only; backends without MLA refuse the model by name."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ import torch
 from generation_utils import hf_greedy, make_scheduler, mixed_prompts, run, submit
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from radixserve import Engine
 from radixserve.cache.memory_pool import LatentKV, LatentKVPool
 from radixserve.kernels import KernelQuery, MoERouting, route
 from radixserve.messages import FinishReason
@@ -156,6 +158,25 @@ def test_bfloat16_agrees_with_hf_teacher_forced(reference: Reference, capsys):
     with capsys.disabled():
         print(f"\nbfloat16 vs HF bfloat16 teacher-forced greedy agreement: {same}/{total} = {same / total:.1%}")
     assert same / total >= 0.93
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_backends_end_to_end_in_the_interpreter(tiny_model_factory, monkeypatch):
+    """The Engine on triton_mla (absorbed decode in its kernel) in Triton's
+    interpreter gives HF's greedy tokens, over a cached prefix. (The Triton MoE
+    and elementwise kernels pass their kits with group-limited routing and
+    interleaved rotary; the torch ones keep this run short.)"""
+    model_dir = tiny_model_factory(**MODELS["q-lora"])
+    prompts = mixed_prompts(512, [5, 9], seed=7, shared_prefix=20)
+    reference = [hf_greedy(model_dir, p, 6)[0] for p in prompts]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    backends = dict(attention_backend="triton_mla", moe_backend="torch_native", elementwise_backend="torch_native")
+    with Engine(model_path=str(model_dir), max_total_tokens=1024, log_level="warning", **backends) as engine:
+        assert engine.server_info()["backends"]["attention"] == "triton_mla"
+        params = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+        outputs = [engine.generate(input_ids=p, sampling_params=params) for p in prompts]
+    assert [o["output_ids"] for o in outputs] == reference
+    assert outputs[1]["meta_info"]["cached_tokens"] == 20
 
 
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])

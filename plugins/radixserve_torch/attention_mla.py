@@ -1,10 +1,11 @@
 """``torch_mla``: multi-head latent attention in plain PyTorch, the reference
 every MLA backend is checked against (radixserve/kernels/mla.py has the math).
 
-Extend up-projects. It gathers each request's latent entries (cached prefix and
-new tokens), expands them through ``kv_b_proj`` into per-head keys and values,
-and runs causal attention with ``qk_nope + rope``-wide keys and ``v_head_dim``
--wide values: transformers' own computation, so a prefill rounds as HF's does.
+Extend up-projects (``radixserve.kernels.up_projected_extend``). It gathers each
+request's latent entries (cached prefix and new tokens), expands them through
+``kv_b_proj`` into per-head keys and values, and runs causal attention with
+``qk_nope + rope``-wide keys and ``v_head_dim``-wide values: transformers' own
+computation, so a prefill rounds as HF's does.
 For a prefill chunk of ``n`` new tokens over ``s`` keys this costs
 ``s * kv_lora_rank * heads * (nope + v)`` for the expansion plus
 ``n * s * heads * (nope + rope + v)`` for attention, against
@@ -27,7 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.forward_batch import ForwardBatch
-from radixserve.kernels import KernelQuery, MLAAttentionBackend, MLALayerSpec, latent_pool, mla_reasons
+from radixserve.kernels import (
+    KernelQuery,
+    MLAAttentionBackend,
+    MLALayerSpec,
+    latent_pool,
+    mla_reasons,
+    up_projected_extend,
+)
 
 
 class TorchMLAAttention(MLAAttentionBackend):
@@ -46,30 +54,7 @@ class TorchMLAAttention(MLAAttentionBackend):
         layer: MLALayerSpec,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        entries = latent_pool(batch).get_latent(layer.layer_id)
-        heads, nope, v_dim = layer.num_heads, layer.qk_nope_head_dim, layer.v_head_dim
-        # Every request's keys at once: one gather and one up-projection (HF's kv_b_proj).
-        slots = torch.cat([batch.req_to_token[batch.req_pool_indices[i], :s] for i, s in enumerate(batch.seq_lens_cpu)])
-        context = entries.index_select(0, slots).to(q_nope.dtype)
-        latent, k_rope = context.split([layer.kv_lora_rank, layer.qk_rope_head_dim], dim=-1)
-        kv = F.linear(latent, kv_b_weight.flatten(0, 1)).view(-1, heads, nope + v_dim)
-        k_nope, values = kv.split([nope, v_dim], dim=-1)
-        keys = torch.cat((k_nope, k_rope.unsqueeze(1).expand(-1, heads, -1)), dim=-1)  # [S, H, nope + rope]
-        queries = torch.cat((q_nope, q_rope), dim=-1)  # [T, H, nope + rope]
-        out = q_nope.new_empty((q_nope.shape[0], heads, v_dim))
-        first_key = 0
-        for i, start in enumerate(batch.extend_start_loc):
-            n, seq_len = batch.extend_lens_cpu[i], batch.seq_lens_cpu[i]
-            prefix = seq_len - n
-            # Query j sits at position prefix + j and sees keys 0..prefix + j.
-            mask = torch.ones(n, seq_len, dtype=torch.bool, device=q_nope.device).tril(prefix) if prefix else None
-            q = queries[start : start + n].transpose(0, 1)
-            k = keys[first_key : first_key + seq_len].transpose(0, 1)
-            v = values[first_key : first_key + seq_len].transpose(0, 1)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=layer.scaling)
-            out[start : start + n] = o.transpose(0, 1)
-            first_key += seq_len
-        return out
+        return up_projected_extend(q_nope, q_rope, kv_b_weight, layer, batch)
 
     def forward_mla_decode(
         self,

@@ -4,7 +4,7 @@ from radixserve.kernels.attention import AttentionBackend, AttentionLayerSpec, a
 from radixserve.kernels.base import Backend
 from radixserve.kernels.elementwise import ElementwiseBackend
 from radixserve.kernels.gemm import GemmBackend
-from radixserve.kernels.mla import MLAAttentionBackend, MLALayerSpec, latent_pool, mla_reasons
+from radixserve.kernels.mla import MLAAttentionBackend, MLALayerSpec, latent_pool, mla_reasons, up_projected_extend
 from radixserve.kernels.moe import MoEBackend, MoERouting, route
 from radixserve.kernels.quantization import QuantizationMethod
 from radixserve.kernels.query import KernelQuery
@@ -25,4 +25,5 @@ __all__ = [
     "latent_pool",
     "mla_reasons",
     "route",
+    "up_projected_extend",
 ]

@@ -18,7 +18,9 @@ The same numbers come out of attention over the latent itself ("absorbed"):
 ``out_h = W_UV[h] sum_s p_s c(s)``: one shared entry of ``kv_lora_rank + rope_dim``
 values per key for all heads, at the price of ``kv_lora_rank``-wide dot
 products. Which form a backend computes is its choice (radixserve_torch's
-``torch_mla``: up-projected for extend, absorbed for decode).
+``torch_mla`` and radixserve_triton's ``triton_mla``: up-projected for extend,
+absorbed for decode). ``up_projected_extend`` is the up-projected extend in
+plain torch, shared by backends as ``route`` is by the MoE backends.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from radixserve.cache.memory_pool import LatentKVPool
 from radixserve.forward_batch import ForwardBatch, ForwardMode
@@ -124,3 +127,41 @@ def latent_pool(batch: ForwardBatch) -> LatentKVPool:
     if not isinstance(pool, LatentKVPool):
         raise TypeError(f"multi-head latent attention needs a LatentKVPool, got {type(pool).__name__}")
     return pool
+
+
+def up_projected_extend(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    layer: MLALayerSpec,
+    batch: ForwardBatch,
+) -> torch.Tensor:
+    """An extend step in the up-projected form, in plain torch: every request's
+    entries (cached prefix and new tokens, already stored) are gathered and
+    expanded through ``kv_b_weight`` into per-head keys ``[W_UK c ; k_rope]`` and
+    values ``W_UV c`` (one GEMM for the whole batch, transformers' own
+    ``kv_b_proj``), then each request's new tokens attend to them causally.
+    Returns ``[T, H, v_head_dim]``."""
+    entries = latent_pool(batch).get_latent(layer.layer_id)
+    heads, nope, v_dim = layer.num_heads, layer.qk_nope_head_dim, layer.v_head_dim
+    slots = torch.cat([batch.req_to_token[batch.req_pool_indices[i], :s] for i, s in enumerate(batch.seq_lens_cpu)])
+    context = entries.index_select(0, slots).to(q_nope.dtype)
+    latent, k_rope = context[:, : layer.kv_lora_rank], context[:, layer.kv_lora_rank :]
+    kv = F.linear(latent, kv_b_weight.flatten(0, 1)).view(-1, heads, nope + v_dim)
+    k_nope, values = kv[..., :nope], kv[..., nope:]
+    keys = torch.cat((k_nope, k_rope.unsqueeze(1).expand(-1, heads, -1)), dim=-1)  # [S, H, nope + rope]
+    queries = torch.cat((q_nope, q_rope), dim=-1)  # [T, H, nope + rope]
+    out = q_nope.new_empty((q_nope.shape[0], heads, v_dim))
+    first_key = 0
+    for i, start in enumerate(batch.extend_start_loc):
+        n, seq_len = batch.extend_lens_cpu[i], batch.seq_lens_cpu[i]
+        prefix = seq_len - n
+        # Query j sits at position prefix + j and sees keys 0..prefix + j.
+        mask = torch.ones(n, seq_len, dtype=torch.bool, device=q_nope.device).tril(prefix) if prefix else None
+        q = queries[start : start + n].transpose(0, 1)
+        k = keys[first_key : first_key + seq_len].transpose(0, 1)
+        v = values[first_key : first_key + seq_len].transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=layer.scaling)
+        out[start : start + n] = o.transpose(0, 1)
+        first_key += seq_len
+    return out
