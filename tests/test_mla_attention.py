@@ -1,7 +1,8 @@
 """The multi-head latent attention kit: torch_mla (up-projected extend, absorbed
 decode) passes it and agrees with the kit's independent dense float64 math, and
 deliberately wrong MLA backends fail it, naming the cases; triton_mla passes it
-in Triton's interpreter and its decode kernel compiles for GPU targets."""
+in Triton's interpreter and its decode kernel compiles for GPU targets; auto
+times the usable MLA backends on latent-pool steps."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 
+from radixserve.backend_timing import MeasuredSelection, ModelShapes, TimingCache
+from radixserve.hooks import hookimpl
+from radixserve.registry import PluginRegistry
 from radixserve.testing import MLA_CASES, check_mla_attention_backend, dense_mla_attention, make_mla_inputs
 from radixserve_torch.attention_mla import TorchMLAAttention
+from radixserve_torch.platform import CpuPlatform
 
 
 def test_torch_mla_passes_the_kit():
@@ -152,3 +158,46 @@ def test_triton_mla_kernel_compiles_for_gpu_targets(backend, arch, dt, monkeypat
             pytest.skip(f"{backend} toolchain unavailable: {exc}")
         raise
     assert ("cubin" if backend == "cuda" else "hsaco") in asm
+
+
+# --------------------------------------------------------------------------
+# auto times the usable MLA backends on MLA steps
+
+
+class SlowMLA(TorchMLAAttention):
+    """torch_mla with a 20 ms wait per call, and first by priority."""
+
+    name = "slow_mla"
+    priority = 100
+
+    def forward_mla(self, *args):
+        time.sleep(0.02)
+        return super().forward_mla(*args)
+
+
+def test_auto_times_mla_backends_on_latent_steps(tmp_path):
+    class Plugin:
+        @hookimpl
+        def register_attention_backends(self, register):
+            register(SlowMLA)
+            register(TorchMLAAttention)
+
+    registry = PluginRegistry(load_entry_points=False)
+    registry.register_plugin(Plugin(), "mla")
+    query = MLA_CASES["quick"][0].query("cpu", torch.float32)
+    shapes = ModelShapes(
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=4,
+        head_dim=48,
+        vocab_size=256,
+        decode_rows=4,
+        prefill_rows=32,
+        decode_context=64,
+    )
+    chooser = MeasuredSelection(registry, CpuPlatform(), 0, shapes, cache=TimingCache(tmp_path))
+    assert chooser.select("attention", query) is TorchMLAAttention
+    choice = chooser.choices["attention"]
+    assert set(choice.seconds["slow_mla"]) == set(choice.seconds["torch_mla"]) == {"decode/bs4/ctx64", "extend/t32"}
+    assert choice.scores["torch_mla"] == 1.0 and min(choice.seconds["slow_mla"].values()) >= 0.02
