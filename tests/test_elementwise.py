@@ -19,7 +19,7 @@ import torch
 from helpers_platform import needs_platform
 
 from radixserve.config import ServerArgs
-from radixserve.kernels import KernelQuery
+from radixserve.kernels import MODEL_SPECIFIC_OPS, KernelQuery
 from radixserve.launch import check_startup
 from radixserve.layers.rotary import rope_cos_sin_cache
 from radixserve.registry import PluginError, PluginRegistry
@@ -214,4 +214,6 @@ def test_elementwise_kit_on_cuda(backend):
     """On an NVIDIA GPU (scripts/gpu_check.sh): the full case set, up to 4096 tokens."""
     report = check_elementwise_backend(backend, device="cuda", cases="full")
     print(report)
-    report.raise_for_failures(min_run=3 * len(ELEMENTWISE_CASES["full"]))
+    # triton has no model-specific ops (Gemma's) and skips their cases
+    cases = [c for c in ELEMENTWISE_CASES["full"] if backend == "torch_native" or c.op not in MODEL_SPECIFIC_OPS]
+    report.raise_for_failures(min_run=3 * len(cases))

@@ -3,6 +3,7 @@ streaming, sampling controls, bad input, n>1, and int8 quantization."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -155,6 +156,8 @@ BAD_INPUTS = [
     (dict(prompt="hi", sampling_params={"bogus": 1}), "bogus"),
     (dict(input_ids=list(range(20, 520)) * 3), "input_ids"),
     (dict(input_ids=[5, 6], sampling_params={"max_new_tokens": 1023}), "max_new_tokens"),
+    (dict(prompt="hi", sampling_params={"regex": "[a-", "max_new_tokens": 4}), "regex"),
+    (dict(prompt="hi", sampling_params={"regex": "a+", "json_schema": "{}"}), "sampling_params.json_schema"),
 ]
 
 
@@ -163,6 +166,31 @@ def test_bad_input_raises_naming_the_field_and_engine_keeps_serving(engine, kwar
     with pytest.raises(ValueError, match=field):
         engine.generate(**kwargs)
     assert engine.generate("still alive", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_structured_output_through_the_engine(engine):
+    """SGLang's Engine takes json_schema / regex / ebnf in sampling_params; the babbling
+    tiny model's outputs then parse, match and derive, batched and streamed."""
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    params = [
+        {"json_schema": json.dumps(schema), "max_new_tokens": 200, "temperature": 1.0, "seed": 1},
+        {"regex": "(yes|no)-[0-9]{3}", "max_new_tokens": 16, "temperature": 1.0, "seed": 2},
+        {"ebnf": 'root ::= "a" "b"+', "max_new_tokens": 6, "temperature": 1.0, "seed": 3},
+        {"max_new_tokens": 8, "temperature": 1.0, "seed": 4},
+    ]
+    outs = engine.generate(["x", "y", "z", "w"], params)
+    assert outs[0]["meta_info"]["finish_reason"]["type"] == "stop", outs[0]
+    assert 0 <= json.loads(outs[0]["text"])["n"] <= 99
+    assert re.fullmatch("(yes|no)-[0-9]{3}", outs[1]["text"]), outs[1]["text"]
+    assert re.fullmatch("ab+", outs[2]["text"]), outs[2]["text"]
+    assert outs[3]["meta_info"]["completion_tokens"] == 8
+    streamed = "".join(c["text"] for c in engine.generate("y", params[1], stream=True))
+    assert streamed == outs[1]["text"]
 
 
 def test_the_whole_pool_is_back_after_everything(engine):

@@ -241,7 +241,13 @@ def test_the_simple_policies_spread_over_all_workers(name):
 )
 def test_request_needs_name_the_field(route, payload, needs):
     body = {"model": "m", "messages": [], "prompt": "p", **payload} if route != "generate" else {"text": "t", **payload}
-    assert read_request(route, body, TokenEstimator()).needs == needs
+    assert read_request(route, body, TokenEstimator()).needs == {"generation": "model", **needs}
+
+
+def test_an_embedding_request_needs_embeddings_and_routes_by_its_input():
+    info = read_request("embeddings", {"model": "m", "input": ["a shared prefix", "b"]}, TokenEstimator())
+    assert info.needs == {"embeddings": "model"}
+    assert info.routing.text == "a shared prefix" and info.routing.max_tokens == 1
 
 
 def test_routing_text_of_a_conversation_extends_its_prefix():

@@ -236,6 +236,9 @@ def test_a_compiling_grammar_does_not_delay_other_requests(slow_server: ServerPr
                 timed(chat_text(client, stream=False, seed=1, response_format=_response_format(slow_schema(4, "q1"))))
             )
             await asyncio.sleep(0.3)
+            async with httpx.AsyncClient(base_url=slow_server.url, timeout=30) as http:
+                stats = (await http.get("/server_info")).json()["stats"]
+            assert stats["num_queue_reqs"] == 1 and stats["num_running_reqs"] == 0  # compiling counts as queued
             others = await asyncio.gather(
                 *(timed(_completion(client, stream=s % 2 == 0, seed=s, max_tokens=8)) for s in range(4))
             )

@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU (gloo): tp=2 and tp=4 ranks, each a real process
 joined by torch.distributed, produce what tp=1 produces (greedy tokens equal,
-logprobs within 1e-4) for the dense and the MoE test architectures, under a
+logprobs within 1e-4) for the dense and the MoE test architectures (Qwen2-MoE:
+experts and a shared expert with its gate), under a
 load with queueing, chunked prefill, radix cache hits and aborts; every rank
 samples the same tokens; each rank reads only its shards of the checkpoint; a
 rank that stops answering fails its peer's collective at the timeout."""
@@ -23,7 +24,7 @@ from radixserve.registry import get_registry
 from radixserve.runtime.distributed import RankSpec, Rendezvous, host_store, join_group
 from radixserve.runtime.scheduler import Scheduler
 
-ARCHS = ("llama", "qwen3_moe")
+ARCHS = ("llama", "qwen3_moe", "qwen2_moe")
 
 
 @pytest.fixture(scope="module")

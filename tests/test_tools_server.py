@@ -66,6 +66,7 @@ async def _calls(client: openai.AsyncOpenAI, stream: bool, **kw: Any) -> tuple[l
             for call in choice.delta.tool_calls or []:
                 if call.id is not None:
                     assert call.index not in names and call.type == "function" and call.id.startswith("call_")
+                    assert call.index > 0 or not choice.finish_reason  # streamed as written, not held to the end
                     names[call.index] = call.function.name
                 assert call.index in names
                 arguments[call.index] = arguments.get(call.index, "") + (call.function.arguments or "")
@@ -141,19 +142,23 @@ def test_tool_errors_are_400s_naming_the_field(server: ServerProcess, body: dict
 
 
 def test_reasoning_then_grammar(server: ServerProcess, tiny_tokenizer: Any) -> None:
-    """qwen3: the grammar waits for the reasoning. The tiny tokenizer spells <think> in several tokens:
-    forbidding its first keeps the output out of reasoning (valid JSON content); forcing it opens
-    the reasoning, which then runs free to max_tokens (never valid JSON) and is reasoning_content."""
+    """qwen3: the grammar waits for the reasoning. <think> and </think> are single tokens of the tiny
+    tokenizer (as in Qwen3). Forbidding <think> keeps the output out of reasoning (valid JSON content);
+    forcing it opens the reasoning, which then runs free to max_tokens (never valid JSON) and is
+    reasoning_content; favouring </think> over <think> opens and closes it, then the grammar
+    gives valid JSON content."""
     if not server.reasoning:  # type: ignore[attr-defined]
         pytest.skip("the reasoning server only")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-    first = tiny_tokenizer.encode("<think>", add_special_tokens=False)[0]
+    start, end = (tiny_tokenizer.convert_tokens_to_ids(tag) for tag in ("<think>", "</think>"))
+    assert tiny_tokenizer.encode("<think></think>", add_special_tokens=False) == [start, end]
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    cases = (({start: -100}, "none"), ({start: 100}, "open"), ({start: 50, end: 100}, "closed"))
     for stream in (False, True):
-        for bias, reasoned in ((-100, False), (100, True)):
+        for bias, reasoned in cases:
             args = dict(model="tiny", messages=MESSAGES, max_tokens=40, seed=1, response_format=fmt)
-            args["logit_bias"] = {str(first): bias}
+            args["logit_bias"] = {str(t): b for t, b in bias.items()}
             if stream:
                 reasoning, content = "", ""
                 for chunk in client.chat.completions.create(stream=True, **args):
@@ -163,8 +168,8 @@ def test_reasoning_then_grammar(server: ServerProcess, tiny_tokenizer: Any) -> N
             else:
                 message = client.chat.completions.create(**args).choices[0].message
                 reasoning, content = getattr(message, "reasoning_content", None) or "", message.content or ""
-            if reasoned:
+            if reasoned == "open":
                 assert reasoning and not content
             else:
-                assert not reasoning
+                assert not reasoning, (stream, reasoned, reasoning)
                 jsonschema.validate(json.loads(content), schema)

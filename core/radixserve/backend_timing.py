@@ -262,10 +262,14 @@ def _mla_attention_cases(
 def _elementwise_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -> list[TimingCase]:
     from radixserve.testing.conformance import ElementwiseCase, make_elementwise_inputs, run_elementwise_case
 
+    # the norm and the activation the model calls (Gemma's where it names them)
+    model_ops = query.elementwise_ops or ()
+    norm = "gemma_rms_norm" if "gemma_rms_norm" in model_ops else "rms_norm"
+    act = "gelu_tanh_and_mul" if "gelu_tanh_and_mul" in model_ops else "silu_and_mul"
     cases = []
     for phase, rows in _rows(shapes):
         ops = [
-            ElementwiseCase(f"rms_norm/{phase}/m{rows}", "rms_norm", rows, hidden=shapes.hidden_size, residual=True),
+            ElementwiseCase(f"{norm}/{phase}/m{rows}", norm, rows, hidden=shapes.hidden_size, residual=True),
             ElementwiseCase(
                 f"rotary/{phase}/m{rows}",
                 "rotary",
@@ -277,9 +281,7 @@ def _elementwise_cases(query: KernelQuery, shapes: ModelShapes, device: torch.de
             ),
         ]
         if shapes.intermediate_size:
-            ops.append(
-                ElementwiseCase(f"silu_and_mul/{phase}/m{rows}", "silu_and_mul", rows, hidden=shapes.intermediate_size)
-            )
+            ops.append(ElementwiseCase(f"{act}/{phase}/m{rows}", act, rows, hidden=shapes.intermediate_size))
         for op in ops:
 
             def setup(backend: Any, op=op):

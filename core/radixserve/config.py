@@ -14,10 +14,13 @@ SchedulePolicy = Literal["fcfs", "lpm", "priority"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 BackendSelection = Literal["measure", "priority"]
 LoadBalanceMethod = Literal["round_robin", "shortest_queue", "minimum_tokens"]
+# How an embedding model pools its final hidden states (radixserve/layers/pooler.py).
+PoolingMethod = Literal["last", "mean"]
 SCHEDULE_POLICIES: tuple[str, ...] = typing.get_args(SchedulePolicy)
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 BACKEND_SELECTIONS: tuple[str, ...] = typing.get_args(BackendSelection)
 LOAD_BALANCE_METHODS: tuple[str, ...] = typing.get_args(LoadBalanceMethod)
+POOLING_METHODS: tuple[str, ...] = typing.get_args(PoolingMethod)
 
 
 # --reasoning-parser names (server/reasoning.py).
@@ -42,6 +45,22 @@ class ServerArgs(CliArgs):
     quantization: Optional[str] = _flag("quantization method, e.g. int8 (weight-only, per channel)", default=None)
     chat_template: Optional[str] = _flag("Jinja chat template file overriding the tokenizer's", default=None)
     random_seed: int = _flag("seed for weights-free randomness (sampling without a per-request seed)", default=0)
+    # embeddings (radixserve/embedding_config.py)
+    is_embedding: Optional[bool] = _flag(
+        "serve the model for embeddings (/v1/embeddings; it then generates nothing), as SGLang's --is-embedding; "
+        "unset: when its architecture is a backbone without an LM head (Qwen3Model, LlamaModel, ...) or its "
+        "directory is a sentence-transformers model (modules.json with a Pooling module); --no-is-embedding: never",
+        default=None,
+    )
+    pooling: Optional[PoolingMethod] = _flag(
+        "how an embedding model pools its final hidden states: last (the last token's, as Qwen3-Embedding) or "
+        "mean (over all tokens); unset: as its sentence-transformers files say (1_Pooling/config.json), else last",
+        default=None,
+    )
+    normalize_embeddings: Optional[bool] = _flag(
+        "L2-normalise embeddings; unset: as the sentence-transformers files say (a Normalize module), else on",
+        default=None,
+    )
     # device and backends
     device: str = _flag(
         "platform: auto (the highest-priority usable one), cpu (built in), cuda (with "
@@ -67,7 +86,8 @@ class ServerArgs(CliArgs):
     )
     tool_call_parser: Optional[str] = _flag(
         "how tool calls are read from chat output (tools with tool_choice auto): hermes (Qwen's <tool_call>), "
-        "any registered tool parser; unset: detected from the chat template, else hermes",
+        "llama3_json, mistral, pythonic, or any registered tool parser; unset: detected from the chat template, "
+        "else hermes",
         default=None,
     )
     reasoning_parser: Optional[str] = _flag(
@@ -205,6 +225,11 @@ class ServerArgs(CliArgs):
             bad("schedule_policy", f"must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        if self.pooling is not None and self.pooling not in POOLING_METHODS:
+            bad("pooling", f"must be one of {POOLING_METHODS}, got {self.pooling!r}")
+        if self.is_embedding is False and (self.pooling is not None or self.normalize_embeddings is not None):
+            name = "pooling" if self.pooling is not None else "normalize_embeddings"
+            bad(name, "is for an embedding model, and --no-is-embedding serves this one for generation")
         if self.kv_cache_dtype not in DTYPES:
             bad("kv_cache_dtype", f"must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
         if (

@@ -14,6 +14,7 @@ from radixserve.config import ServerArgs
 from radixserve.messages import ProfileOptions
 from radixserve.model_source import resolve_model_path
 from radixserve.runtime.processes import launch_runtime
+from radixserve.server.structured_output import take_sampling_grammar
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
 
 logger = logging.getLogger(__name__)
@@ -21,6 +22,8 @@ logger = logging.getLogger(__name__)
 Prompt = Union[str, list[str], None]
 InputIds = Union[list[int], list[list[int]], None]
 Params = Union[dict, list[dict], None]
+# What ``encode`` reports of each embedding request.
+_ENCODE_META = ("id", "prompt_tokens", "cached_tokens", "finish_reason")
 
 
 class Engine:
@@ -104,11 +107,14 @@ class Engine:
             params = sampling_params
         else:
             params = [sampling_params] * count
+        params = [dict(p or {}) for p in params]
+        for p in params:
+            take_sampling_grammar(p)  # json_schema / regex / ebnf, as SGLang's Engine takes them
         inputs = [
             GenerateInput(
                 text=texts[i] if texts is not None else None,
                 input_ids=ids[i] if ids is not None else None,
-                sampling_params=dict(params[i] or {}),
+                sampling_params=params[i],
                 return_logprob=return_logprob,
                 top_logprobs_num=top_logprobs_num,
                 logprob_start_len=logprob_start_len,
@@ -127,6 +133,27 @@ class Engine:
             return list(await asyncio.gather(*(self._collect(inp) for inp in inputs)))
 
         results = self._call(run_all())
+        return results if is_batch else results[0]
+
+    def encode(self, prompt: Prompt = None, input_ids: InputIds = None) -> Union[dict, list[dict]]:
+        """Embeddings from an embedding model (``is_embedding``), as ``sglang.Engine.encode``
+        gives them: ``{"embedding": [...], "meta_info": {...}}`` for one prompt, a list
+        for a batch (a list of strings, or of token-id lists)."""
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("prompt: give either prompt or input_ids")
+        is_batch = isinstance(prompt, list) or (bool(input_ids) and isinstance(input_ids[0], list))
+        if prompt is not None:
+            inputs = [GenerateInput(text=text, embed=True) for text in (prompt if is_batch else [prompt])]
+        else:
+            inputs = [GenerateInput(input_ids=ids, embed=True) for ids in (input_ids if is_batch else [input_ids])]
+
+        async def run_all() -> list[dict]:
+            return list(await asyncio.gather(*(self._collect(inp) for inp in inputs)))
+
+        results = [
+            {"embedding": out["embedding"], "meta_info": {k: out["meta_info"][k] for k in _ENCODE_META}}
+            for out in self._call(run_all())
+        ]
         return results if is_batch else results[0]
 
     async def _collect(self, inp: GenerateInput) -> Union[dict, list[dict]]:

@@ -24,10 +24,17 @@ def check_startup(args: ServerArgs) -> KernelQuery:
     """Raise StartupError for what is wrong with ``args`` that can be seen
     without starting a child process or initialising any accelerator: the model
     and tokenizer directories, ``--device``, the backend names (``--grammar-backend`` too), and (for a local model) the
-    model's architecture, dtype, weight files and each forced backend's support
+    model's architecture, dtype, weight files, embedding settings and each forced backend's support
     for it. Returns the query the backends were checked for (the device and
     dtype alone where the model's shapes are not known yet), for ``build_backends``."""
-    from radixserve.model_loader import check_tp_shapes, load_config, model_query_for_args, safetensors_files
+    from radixserve.embedding_config import embedding_config
+    from radixserve.model_loader import (
+        check_tp_shapes,
+        load_config,
+        model_class,
+        model_query_for_args,
+        safetensors_files,
+    )
     from radixserve.model_source import check_model_source, check_tokenizer_source, is_hub_id
     from radixserve.registry import PluginError, get_registry
 
@@ -63,7 +70,8 @@ def check_startup(args: ServerArgs) -> KernelQuery:
         architectures = getattr(config, "architectures", None) or []
         if not architectures:
             raise ValueError(f"model_path: {args.model_path}/config.json names no architectures")
-        registry.model_class(architectures[0])
+        model_class(registry, architectures[0])
+        embedding_config(args, args.model_path, config)  # the flags agree with the model and its pooling is served
         check_tp_shapes(config, args.tp_size)
         safetensors_files(args.model_path)
         query = model_query_for_args(args, config, platform)

@@ -37,6 +37,9 @@ class RequestOptions:
     stream: bool = False
     # Higher is admitted first under --schedule-policy priority.
     priority: int = 0
+    # An embedding request (an embedding model only): its prompt is prefilled and its
+    # final hidden states pooled into ``TokenOutput.embedding``; it generates nothing.
+    embed: bool = False
 
     def options(self) -> dict[str, Any]:
         """These fields as keywords, to pass them on to the next stage."""
@@ -181,6 +184,8 @@ class TokenOutput:
     # Seconds from arrival to first admission; None while the request is queued.
     queue_time: Optional[float] = None
     stream: bool = False
+    # An embedding request's embedding (pooled, normalised as the model is served), in its last message.
+    embedding: Optional[list[float]] = None
 
 
 @dataclass

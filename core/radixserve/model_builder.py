@@ -31,6 +31,8 @@ PAD_TOKEN = "<|pad|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, IM_START, IM_END)
+# Reasoning tags: single added tokens that decoding keeps (not special), as in Qwen3.
+THINK_START, THINK_END = "<think>", "</think>"
 
 DEFAULT_VOCAB_SIZE = 512
 
@@ -164,10 +166,11 @@ def build_tokenizer(out_dir: PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> 
     tokens included) and save it with ``save_pretrained`` into ``out_dir``.
 
     Special tokens: bos ``<|startoftext|>``, eos ``<|endoftext|>``, pad
-    ``<|pad|>``, and ``<|im_start|>``/``<|im_end|>`` for the chat template. No
-    token is added automatically when encoding.
+    ``<|pad|>``, and ``<|im_start|>``/``<|im_end|>`` for the chat template; then
+    ``<think>`` and ``</think>``, added tokens that decoding keeps. No token is
+    added automatically when encoding.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -175,7 +178,7 @@ def build_tokenizer(out_dir: PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> 
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, THINK_START, THINK_END],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -185,6 +188,7 @@ def build_tokenizer(out_dir: PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> 
     tok.train_from_iterator(corpus, trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
         raise ValueError(f"trained vocab has {tok.get_vocab_size()} tokens, wanted {vocab_size}")
+    tok.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in (THINK_START, THINK_END)])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS_TOKEN,
@@ -201,7 +205,10 @@ def build_tokenizer(out_dir: PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> 
     return out
 
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2")
+ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "phi3", "gemma2", "gemma3_text",
+    "deepseek_v2",
+)  # fmt: skip
 
 # DeepSeek-V2-Lite's structure at tiny sizes: multi-head latent attention without
 # query compression (q_lora_rank None), value heads wider than the query/key
@@ -255,13 +262,15 @@ def tiny_config(
     **overrides: Any,
 ):
     """The transformers config of a tiny ``arch`` model. MoE arguments apply to
-    ``qwen3_moe`` (which defaults to ``norm_topk_prob=True`` like the real
-    models) and ``deepseek_v2`` (which starts from :data:`DEEPSEEK_V2_LITE_TINY`;
-    its KV heads are its heads, its head dims are its own and its context
-    follows from its YaRN scaling, so ``num_kv_heads``, ``head_dim`` and
-    ``max_position_embeddings`` do not apply); ``overrides`` are passed to
-    the config as is (e.g. ``mlp_only_layers``, ``attention_bias``,
-    ``q_lora_rank``)."""
+    the MoE architectures: ``qwen3_moe`` (``norm_topk_prob=True`` like the real
+    models), ``qwen2_moe`` (``norm_topk_prob=False`` like Qwen1.5-MoE; its shared
+    expert is ``intermediate_size`` wide), ``mixtral`` (whose experts are
+    ``intermediate_size`` wide: ``moe_intermediate_size`` does not apply) and
+    ``deepseek_v2`` (which starts from :data:`DEEPSEEK_V2_LITE_TINY`; its KV heads
+    are its heads, its head dims are its own and its context follows from its
+    YaRN scaling, so ``num_kv_heads``, ``head_dim`` and ``max_position_embeddings``
+    do not apply either); ``overrides`` are passed to the config as is (e.g.
+    ``mlp_only_layers``, ``attention_bias``, ``sliding_window``, ``q_lora_rank``)."""
     from transformers import AutoConfig
 
     if arch not in ARCHITECTURES:
@@ -284,13 +293,17 @@ def tiny_config(
     )
     if rope_scaling is not None:
         kwargs["rope_scaling"] = dict(rope_scaling)
-    if arch == "qwen3_moe":
+    if arch in ("qwen3_moe", "qwen2_moe"):
         kwargs.update(
             num_experts=num_experts,
             num_experts_per_tok=num_experts_per_tok,
             moe_intermediate_size=moe_intermediate_size,
-            norm_topk_prob=True,
+            norm_topk_prob=arch == "qwen3_moe",
         )
+    if arch == "qwen2_moe":
+        kwargs.update(shared_expert_intermediate_size=intermediate_size)
+    if arch == "mixtral":
+        kwargs.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
     if arch == "deepseek_v2":
         del kwargs["head_dim"]
         kwargs.update(DEEPSEEK_V2_LITE_TINY, num_key_value_heads=num_heads)
@@ -309,7 +322,7 @@ def tiny_config(
 
 def _special_token_ids(vocab_size: int) -> dict[str, int]:
     # The BPE trainer puts special tokens first, in order.
-    if vocab_size < len(SPECIAL_TOKENS) + 256:
+    if vocab_size < len(SPECIAL_TOKENS) + 2 + 256:
         raise ValueError(f"vocab_size {vocab_size} cannot hold the byte alphabet and special tokens")
     return {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
 
@@ -334,6 +347,7 @@ def build_tiny_model(
     rope_scaling: Optional[dict[str, Any]] = None,
     shard: bool = False,
     with_tokenizer: bool = True,
+    backbone: bool = False,
     **overrides: Any,
 ) -> Path:
     """Save a random-weight ``arch`` model to ``out_dir`` and return the path.
@@ -348,10 +362,11 @@ def build_tiny_model(
     checkpoint dtype. ``shard=True`` writes at
     least two safetensors shards plus ``model.safetensors.index.json``. The
     tokenizer (:func:`build_tokenizer`, same ``vocab_size``) is saved alongside
-    unless ``with_tokenizer`` is False. Extra keyword arguments go to
-    :func:`tiny_config`.
+    unless ``with_tokenizer`` is False. ``backbone=True`` saves the model without
+    its LM head (architecture ``Qwen3Model``, ``LlamaModel``...), as embedding
+    models ship. Extra keyword arguments go to :func:`tiny_config`.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModel, AutoModelForCausalLM, GenerationConfig
 
     config = tiny_config(
         arch,
@@ -368,7 +383,7 @@ def build_tiny_model(
         **overrides,
     )
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = (AutoModel if backbone else AutoModelForCausalLM).from_config(config, dtype=torch.float32)
     _randomize(model, seed, weight_scale, lm_head_scale)
     model = model.to(torch_dtype)
     ids = _special_token_ids(vocab_size)
@@ -392,10 +407,10 @@ def build_tiny_model(
 @torch.no_grad()
 def _randomize(model: torch.nn.Module, seed: int, scale: float, lm_head_scale: float) -> None:
     gen = torch.Generator().manual_seed(seed)
-    output_embeddings = model.get_output_embeddings().weight
+    head = model.get_output_embeddings()  # None for a backbone
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-        if param is output_embeddings:
+        if head is not None and param is head.weight:
             param.copy_(lm_head_scale * noise)
         elif "norm" in name:
             param.copy_(1.0 + 0.1 * noise)

@@ -22,10 +22,12 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
 import torch
 from torch import nn
 
+from radixserve.embedding_config import causal_lm_of
 from radixserve.kernels import KernelQuery
 from radixserve.layers.context import ModelContext
 from radixserve.layers.embedding import ParallelLMHead
 from radixserve.layers.linear import linear_layers
+from radixserve.layers.pooler import HiddenStatesHead
 from radixserve.layers.weights import CheckpointTensor
 from radixserve.platform import DtypeChoice
 
@@ -117,6 +119,7 @@ def model_kernel_query(
         quantization=quantization,
         sliding_window=facts.sliding_window,
         logit_softcap=facts.logit_softcap,
+        elementwise_ops=facts.elementwise_ops or None,
         mla=facts.mla,
     )
 
@@ -128,7 +131,7 @@ def model_facts(config: "PretrainedConfig", registry: Any = None) -> "ModelFacts
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
         raise ValueError("config.json names no architectures")
-    return (registry or get_registry()).model_class(architectures[0]).model_facts(config)
+    return model_class(registry or get_registry(), architectures[0]).model_facts(config)
 
 
 def check_tp_shapes(config: "PretrainedConfig", tp_size: int) -> None:
@@ -140,6 +143,7 @@ def check_tp_shapes(config: "PretrainedConfig", tp_size: int) -> None:
         "num_attention_heads": config.num_attention_heads,
         "intermediate_size": getattr(config, "intermediate_size", None),
         "moe_intermediate_size": getattr(config, "moe_intermediate_size", None),
+        "shared_expert_intermediate_size": getattr(config, "shared_expert_intermediate_size", None),
     }
     for name, value in fields.items():
         if value and value % tp_size:
@@ -186,7 +190,7 @@ def model_timing_shapes(
     tokens (capped at 1024) per decode step, ``prefill_rows`` tokens per prefill chunk."""
     from radixserve.backend_timing import ModelShapes
 
-    moe_intermediate = getattr(config, "moe_intermediate_size", 0) or 0
+    moe_intermediate = model_facts(config).moe_intermediate_size
     return ModelShapes(
         hidden_size=config.hidden_size,
         intermediate_size=(getattr(config, "intermediate_size", 0) or 0) // tp_size,
@@ -257,37 +261,75 @@ def iterate_weights(model_path: Union[str, Path]) -> Iterator[tuple[str, Checkpo
                 yield name, CheckpointTensor(source, tuple(source.get_shape()))
 
 
+def model_class(registry: Any, architecture: str) -> type:
+    """The registered class for ``architecture``; a backbone without an LM head
+    (``Qwen3Model``) is served by its family's class (``Qwen3ForCausalLM``), for embeddings."""
+    causal_lm = causal_lm_of(architecture)
+    if architecture not in registry.candidates["model"] and causal_lm in registry.candidates["model"]:
+        return registry.model_class(causal_lm)
+    return registry.model_class(architecture)
+
+
 def load_model(
     model_path: Union[str, Path],
     ctx: ModelContext,
     registry: Any,
     *,
     config: Optional["PretrainedConfig"] = None,
+    embedding: bool = False,
 ) -> tuple[nn.Module, "PretrainedConfig"]:
     """Build the registered class for ``config.architectures[0]`` on ``ctx.device``
     in ``ctx.dtype``, load the safetensors weights (cast to ``ctx.dtype``), let the
     quantization method post-process every linear layer (and the GEMM backend
-    prepare an untied LM head's weight), and return it in eval mode."""
+    prepare an untied LM head's weight), and return it in eval mode. ``embedding``:
+    serve it for embeddings (``replace_lm_heads``)."""
     config = config if config is not None else load_config(model_path)
     architectures = getattr(config, "architectures", None) or []
     if not architectures:
         raise ValueError(f"{model_path}: config.json names no architectures")
-    cls = registry.model_class(architectures[0])
+    cls = model_class(registry, architectures[0])
     start = time.perf_counter()
     with torch.device(ctx.device):
         model = cls(config, ctx)
-    model.load_weights(iterate_weights(model_path))
+    weights: Iterator[tuple[str, Any]] = iterate_weights(model_path)
+    if embedding:
+        # HF's name for the backbone, ``model`` in every family served; a class may say otherwise.
+        weights = backbone_weights(weights, replace_lm_heads(model), getattr(model, "base_model_prefix", "model"))
+    model.load_weights(weights)
     for layer in linear_layers(model):
         layer.quant.process_weights_after_loading(layer)
     for head in (m for m in model.modules() if isinstance(m, ParallelLMHead)):
         head.process_weights_after_loading()
     logger.info(
-        "loaded %s (%s) from %s in %s on %s in %.2f s",
+        "loaded %s (%s) from %s in %s on %s in %.2f s%s",
         architectures[0],
         cls.__name__,
         model_path,
         ctx.dtype,
         ctx.device,
         time.perf_counter() - start,
+        ", for embeddings" if embedding else "",
     )
     return model.eval(), config
+
+
+def replace_lm_heads(model: nn.Module) -> list[str]:
+    """Serve ``model`` for embeddings: each of its LM heads becomes a
+    ``HiddenStatesHead``, so its forward returns the final hidden states
+    (layers/pooler.py). Returns the heads' names."""
+    heads = [name for name, module in model.named_modules() if isinstance(module, ParallelLMHead)]
+    if not heads:
+        raise ValueError(f"{type(model).__name__} has no ParallelLMHead, so it cannot be served for embeddings")
+    for name in heads:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, HiddenStatesHead())
+    return heads
+
+
+def backbone_weights(weights: Iterator[tuple[str, Any]], heads: list[str], prefix: str) -> Iterator[tuple[str, Any]]:
+    """``weights`` without the tensors of the LM ``heads``, and with the backbone's
+    name ``prefix`` put before the names of a backbone checkpoint (``Qwen3Model``'s
+    ``layers.0...`` are ``model.layers.0...`` in the family's class)."""
+    for name, tensor in weights:
+        if not any(name.startswith(head + ".") for head in heads):
+            yield (name if name.startswith(prefix + ".") else f"{prefix}.{name}"), tensor

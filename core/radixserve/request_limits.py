@@ -51,7 +51,8 @@ def request_fit_error(
     """A message naming the field at fault, or None when the request fits."""
     if prompt_len == 0:
         return f"{prompt_field}: the prompt is empty"
-    if prompt_len >= context_length:
+    # A request that generates needs room for a token after its prompt; a prefill alone (an embedding) does not.
+    if prompt_len > context_length - (1 if max_new_tokens > 0 else 0):
         return f"{prompt_field}: the prompt has {prompt_len} tokens; the context length is {context_length}"
     if prompt_len + max_new_tokens > context_length:
         return (

@@ -53,6 +53,9 @@ class ToolParser(ABC):
 
     name: ClassVar[str]
     priority: ClassVar[int] = 0  # detection tries the highest first
+    # The format's markers are special tokens (Mistral's [TOOL_CALLS]): the outputs this parser
+    # reads are decoded keeping special tokens, unless the request sets skip_special_tokens.
+    special_tokens: ClassVar[bool] = False
 
     def __init__(self, tools: list[dict[str, Any]]):
         self.tools = tools

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from radixserve.kernels import ElementwiseBackend, KernelQuery
+from radixserve.kernels import MODEL_SPECIFIC_OPS, ElementwiseBackend, KernelQuery, elementwise_op_reasons
 from radixserve.kernels.elementwise import NormResult
 
 
@@ -26,7 +26,7 @@ class TorchNativeElementwise(ElementwiseBackend):
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        return []
+        return elementwise_op_reasons(query, cls.name, MODEL_SPECIFIC_OPS)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
@@ -59,11 +59,31 @@ class TorchNativeElementwise(ElementwiseBackend):
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gemma_rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
+    ) -> NormResult:
+        if residual is None:
+            return _gemma_normalize(x, weight, eps)
+        residual.add_(x)
+        return _gemma_normalize(residual, weight, eps), residual
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 def _normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
     """``x * rsqrt(mean(x^2) + eps)`` in float32, cast back to ``x.dtype``."""
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _gemma_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Gemma RMSNorm: ``(x * rsqrt(mean(x^2) + eps)) * (1 + weight)`` in
+    float32, one rounding to ``x.dtype`` at the end."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return normed.mul_(1.0 + weight.float()).to(x.dtype)
 
 
 def _joined(q: torch.Tensor, k: torch.Tensor) -> Optional[torch.Tensor]:

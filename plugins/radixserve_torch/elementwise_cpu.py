@@ -50,7 +50,8 @@ class CpuFusedElementwise(TorchNativeElementwise):
             reasons.append(f"a CPU kernel; device is {query.device}")
         if query.dtype not in _DTYPES:
             reasons.append(f"dtype {query.dtype} is not float32, bfloat16 or float16")
-        return reasons + cpu_kernels.unavailable_reasons()
+        # the model-specific ops are the reference's torch code, inherited
+        return reasons + super().unsupported_reasons(query) + cpu_kernels.unavailable_reasons()
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from radixserve.kernels import ElementwiseBackend, KernelQuery
+from radixserve.kernels import ElementwiseBackend, KernelQuery, elementwise_op_reasons
 from radixserve.kernels.elementwise import NormResult
 from radixserve_triton._env import device_reasons, dtype_reasons, interpreter_requested
 
@@ -22,7 +22,7 @@ class TritonElementwise(ElementwiseBackend):
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        return device_reasons(query) + dtype_reasons(query)
+        return device_reasons(query) + dtype_reasons(query) + elementwise_op_reasons(query, cls.name)
 
     def __init__(self, query: KernelQuery):
         super().__init__(query)

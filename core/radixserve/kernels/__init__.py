@@ -2,7 +2,7 @@
 
 from radixserve.kernels.attention import AttentionBackend, AttentionLayerSpec, attention_feature_reasons
 from radixserve.kernels.base import Backend
-from radixserve.kernels.elementwise import ElementwiseBackend
+from radixserve.kernels.elementwise import MODEL_SPECIFIC_OPS, ElementwiseBackend, elementwise_op_reasons
 from radixserve.kernels.gemm import GemmBackend
 from radixserve.kernels.mla import MLAAttentionBackend, MLALayerSpec, latent_pool, mla_reasons, up_projected_extend
 from radixserve.kernels.moe import MoEBackend, MoERouting, route
@@ -18,10 +18,12 @@ __all__ = [
     "KernelQuery",
     "MLAAttentionBackend",
     "MLALayerSpec",
+    "MODEL_SPECIFIC_OPS",
     "MoEBackend",
     "MoERouting",
     "QuantizationMethod",
     "attention_feature_reasons",
+    "elementwise_op_reasons",
     "latent_pool",
     "mla_reasons",
     "route",

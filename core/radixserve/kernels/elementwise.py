@@ -1,5 +1,6 @@
 """Fused elementwise ops of a decoder layer: RMSNorm (with the residual add fused
-in), rotary embedding applied in place, and SiLU-and-mul.
+in), rotary embedding applied in place, and SiLU-and-mul; and the ops only some
+models call (:data:`MODEL_SPECIFIC_OPS`): Gemma's RMSNorm and GELU(tanh)-and-mul.
 
 One backend object serves every layer of a model. The semantics are
 HuggingFace's, so that a model built from these ops generates what transformers
@@ -17,11 +18,22 @@ does:
   ``x[2i]`` with ``x[2i + 1]``. Only the first ``rotary_dim`` dims of each head
   turn (partial rotary); the rest are left alone.
 - ``silu_and_mul``: ``silu(x[..., :I]) * x[..., I:]``, as ``act(gate) * up``.
+- ``gemma_rms_norm``: as ``rms_norm`` (the residual add first, in the model
+  dtype), but the float32 normalised value is multiplied by ``1 + weight`` in
+  float32 and only the product is cast to the model dtype (HF's
+  ``Gemma2RMSNorm``/``Gemma3RMSNorm``: the checkpoint stores the offset from 1).
+- ``gelu_tanh_and_mul``: ``gelu_tanh(x[..., :I]) * x[..., I:]``, the tanh
+  approximation of GELU (``F.gelu(approximate="tanh")``, HF's
+  ``gelu_pytorch_tanh``), rounded to the model dtype before the product.
+
+A model names the model-specific ops it calls in ``ModelFacts.elementwise_ops``,
+which reach selection as ``KernelQuery.elementwise_ops``; a backend that lacks
+one refuses such a query by name (:func:`elementwise_op_reasons`).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 import torch
 
@@ -29,6 +41,10 @@ from radixserve.kernels.base import Backend
 from radixserve.kernels.query import KernelQuery
 
 NormResult = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+#: The ops beyond ``rms_norm``, ``apply_rotary`` and ``silu_and_mul``: only the
+#: models that call them need them (``KernelQuery.elementwise_ops``).
+MODEL_SPECIFIC_OPS = ("gemma_rms_norm", "gelu_tanh_and_mul")
 
 
 class ElementwiseBackend(Backend):
@@ -79,3 +95,29 @@ class ElementwiseBackend(Backend):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., 2 * I] -> [..., I]``: ``silu(gate) * up`` with gate the first half."""
         raise NotImplementedError
+
+    # -- model-specific ops: a backend that has them says so in unsupported_reasons
+
+    def gemma_rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: Optional[torch.Tensor] = None,
+    ) -> NormResult:
+        """``rms_norm`` with Gemma's weight: ``(x * rsqrt(mean(x^2) + eps)) * (1 + weight)``
+        all in float32, then cast to the model dtype. Same shapes, views and
+        residual contract as :meth:`rms_norm`."""
+        raise NotImplementedError
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., 2 * I] -> [..., I]``: ``gelu_tanh(gate) * up`` with gate the first half."""
+        raise NotImplementedError
+
+
+def elementwise_op_reasons(query: KernelQuery, name: str, supported: Iterable[str] = ()) -> list[str]:
+    """Why backend ``name``, which implements the model-specific ops in
+    ``supported`` (of :data:`MODEL_SPECIFIC_OPS`), cannot serve the ops that
+    ``query``'s model calls."""
+    have = set(supported)
+    return [f"{name} has no {op} (the model calls it)" for op in query.elementwise_ops or () if op not in have]

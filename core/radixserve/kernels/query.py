@@ -32,6 +32,9 @@ class KernelQuery:
     # without them refuses the query. Per-layer values are on AttentionLayerSpec.
     sliding_window: Optional[int] = None
     logit_softcap: Optional[float] = None
+    # The elementwise ops beyond the common three that the model calls (names from
+    # kernels.elementwise.MODEL_SPECIFIC_OPS): a backend without one refuses the query.
+    elementwise_ops: Optional[tuple[str, ...]] = None
     # Multi-head latent attention (DeepSeek-V2): the KV pool holds one latent entry
     # per token (LatentKV) instead of K and V; only backends that declare MLA serve it.
     mla: Optional[LatentKV] = None

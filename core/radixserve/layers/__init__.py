@@ -14,13 +14,14 @@ from radixserve.layers.linear import (
     RowParallelLinear,
     linear_layers,
 )
-from radixserve.layers.moe import FusedMoE, MoERouter
-from radixserve.layers.norm import RMSNorm
+from radixserve.layers.moe import FusedMoE, MoERouter, SparseMoE, expert_weight_name
+from radixserve.layers.norm import GemmaRMSNorm, RMSNorm
 from radixserve.layers.rotary import RotaryEmbedding
 
 __all__ = [
     "ColumnParallelLinear",
     "FusedMoE",
+    "GemmaRMSNorm",
     "Layer",
     "LinearBase",
     "MergedColumnParallelLinear",
@@ -32,6 +33,8 @@ __all__ = [
     "RMSNorm",
     "RotaryEmbedding",
     "RowParallelLinear",
+    "SparseMoE",
     "VocabParallelEmbedding",
+    "expert_weight_name",
     "linear_layers",
 ]

@@ -1,5 +1,6 @@
 """Mixture-of-experts layers: a replicated router and stacked expert weights that
-``ctx.moe`` runs (see :class:`radixserve.kernels.moe.MoEBackend`).
+``ctx.moe`` runs (see :class:`radixserve.kernels.moe.MoEBackend`), and
+:class:`SparseMoE`, the two together as HF's sparse blocks name them.
 
 Experts are split by intermediate size across TP ranks: every rank holds every
 expert's slice of gate/up rows and down columns, and the partial outputs are
@@ -8,7 +9,8 @@ all-reduced.
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -115,3 +117,47 @@ class FusedMoE(Layer):
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, top_k={self.routing.top_k}, intermediate_per_rank={self.intermediate}"
+
+
+class SparseMoE(Layer):
+    """A router and its experts, ``experts(x, gate(x))``, with HF's parameter
+    names: ``gate.weight``, ``experts.w13_weight``, ``experts.w2_weight``."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        ctx: ModelContext,
+        renormalize: bool,
+    ):
+        super().__init__()
+        self.gate = MoERouter(hidden_size, num_experts, ctx)
+        self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, ctx, renormalize)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate(x))
+
+
+# transformers 5's in-memory (and some checkpoints') stacked experts: gate_up_proj
+# [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I], FusedMoE's own layout.
+_STACKED_EXPERTS = {"experts.gate_up_proj": "experts.w13_weight", "experts.down_proj": "experts.w2_weight"}
+
+
+def expert_weight_name(name: str, per_expert: re.Pattern, parts: Mapping[str, str]) -> Optional[tuple[str, Any]]:
+    """The :class:`FusedMoE` parameter and shard id of the checkpoint tensor
+    ``name``, or None when it is not an expert weight. ``per_expert`` matches one
+    expert's projection at the end of a name; its two groups are the expert index
+    and the projection's checkpoint name, which ``parts`` maps to ``"gate"``,
+    ``"up"`` or ``"down"`` (Mixtral's ``w1``, ``w3``, ``w2``). Stacked tensors
+    (``experts.gate_up_proj``, ``experts.down_proj``) load whole."""
+    match = per_expert.search(name)
+    if match:
+        part = parts[match.group(2)]
+        param = "experts.w2_weight" if part == "down" else "experts.w13_weight"
+        return f"{name[: match.start()]}.{param}", (int(match.group(1)), part)
+    for suffix, param in _STACKED_EXPERTS.items():
+        if name.endswith("." + suffix):
+            return name[: -len(suffix)] + param, None
+    return None

@@ -1,6 +1,7 @@
 """RMSNorm through ``ctx.elementwise``, with HuggingFace's numerics (see
 :class:`radixserve.kernels.ElementwiseBackend`): the residual add fused in,
-normalise in float32, cast back, then scale."""
+normalise in float32, cast back, then scale; and Gemma's, which scales by
+``1 + weight`` in float32 before the cast."""
 
 from __future__ import annotations
 
@@ -33,3 +34,12 @@ class RMSNorm(Layer):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm (``ElementwiseBackend.gemma_rms_norm``): the checkpoint's
+    weight is an offset from 1, applied in float32 before the cast. Called like
+    :class:`RMSNorm`."""
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> NormResult:
+        return self.backend.gemma_rms_norm(x, self.weight, self.eps, residual)

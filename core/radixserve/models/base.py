@@ -3,6 +3,9 @@
 A model class is an ``nn.Module`` registered through the ``register_models``
 hook. The model loader constructs it on the target device, feeds it the
 checkpoint, then lets the quantization method post-process its linear layers.
+Served for embeddings, its ``ParallelLMHead`` is replaced by one that passes the
+final hidden states through (radixserve/layers/pooler.py), so a forward that
+ends in that head needs nothing more to embed.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ class ModelFacts:
     num_kv_heads: int
     num_experts: int = 0  # 0: a dense model
     top_k: int = 0  # experts per token
+    moe_intermediate_size: int = 0  # each expert's intermediate size (whole, before tensor parallelism)
     sliding_window: Optional[int] = None  # the widest window of any windowed layer
     logit_softcap: Optional[float] = None  # attention score cap
+    elementwise_ops: tuple[str, ...] = ()  # model-specific elementwise ops it calls (kernels.MODEL_SPECIFIC_OPS)
     mla: Optional[LatentKV] = None  # multi-head latent attention: the KV pool's latent entry
 
 

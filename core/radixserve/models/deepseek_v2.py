@@ -31,6 +31,7 @@ tensor parallelism.
 from __future__ import annotations
 
 import math
+import re
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
@@ -45,6 +46,7 @@ from radixserve.layers import (
     ParallelLMHead,
     RMSNorm,
     RowParallelLinear,
+    expert_weight_name,
 )
 from radixserve.layers.context import ModelContext
 from radixserve.layers.layer import Layer
@@ -53,11 +55,12 @@ from radixserve.layers.rotary import rope_cos_sin_cache, rope_inv_freq
 from radixserve.layers.weights import load_named_weights
 from radixserve.models.base import ModelFacts
 from radixserve.models.llama import LlamaMLP, LlamaModel
-from radixserve.models.qwen3_moe import _PART, _PER_EXPERT, _STACKED  # the same expert checkpoint layouts
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 # HF builds the q_a and kv_a norms with DeepseekV2RMSNorm's default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
 TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -254,6 +257,7 @@ class DeepseekV2ForCausalLM(Layer):
             num_kv_heads=config.num_attention_heads,
             num_experts=config.n_routed_experts if sparse else 0,
             top_k=config.num_experts_per_tok if sparse else 0,
+            moe_intermediate_size=config.moe_intermediate_size if sparse else 0,
             mla=LatentKV(kv_lora_rank=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim),
         )
 
@@ -267,14 +271,9 @@ class DeepseekV2ForCausalLM(Layer):
         """HF checkpoint name -> (parameter name, shard id), or None to skip it."""
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return None
-        match = _PER_EXPERT.search(name)
-        if match:
-            expert, proj = int(match.group(1)), match.group(2)
-            param = "experts.w2_weight" if proj == "down_proj" else "experts.w13_weight"
-            return f"{name[: match.start()]}.{param}", (expert, _PART[proj])
-        for suffix, param in _STACKED.items():
-            if name.endswith("." + suffix):
-                return name[: -len(suffix)] + param, None
+        expert = expert_weight_name(name, _PER_EXPERT, _PART)
+        if expert is not None:
+            return expert
         parts = name.split(".")
         for i, part in enumerate(parts):
             if part in self.stacked_params:

@@ -1,6 +1,6 @@
 """``radixserve router``: one OpenAI-compatible endpoint in front of a fleet of workers.
 
-    inference: POST /v1/chat/completions, /v1/completions, /generate, /tokenize, /detokenize
+    inference: POST /v1/chat/completions, /v1/completions, /generate, /v1/embeddings, /tokenize, /detokenize
     models:    GET /v1/models, /v1/models/{id} (the fleet's models, one entry per name)
     probes:    GET /health (503 with no healthy worker), /liveness, /metrics, /get_loads
     admin:     GET/POST /workers, DELETE /workers/{url}, POST /flush_cache
@@ -32,18 +32,19 @@ from radixserve.router.fleet import Fleet
 from radixserve.router.forwarder import Forwarder
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import make_policy
-from radixserve.router.request_info import RequestInfo, TokenEstimator, parse_body, read_request
+from radixserve.router.request_info import ROUTED_BY_TEXT, RequestInfo, TokenEstimator, parse_body, read_request
 from radixserve.server.errors import APIError, error_response, install_error_handlers
 from radixserve.server.listen import base_url, bind_socket
 from radixserve.server.middleware import RequestGuard
 
 logger = logging.getLogger("radixserve.router")
 
-# Path -> route name (the name in metrics; chat, completions and generate are routed by their text).
+# Path -> route name (the name in metrics; the ones read_request reads are routed by their text).
 INFERENCE_ROUTES = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
     "/generate": "generate",
+    "/v1/embeddings": "embeddings",
     "/tokenize": "tokenize",
     "/detokenize": "detokenize",
 }
@@ -106,7 +107,7 @@ def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: N
     async def forward(request: Request, route: str) -> Response:
         body = await request.body()
         payload = parse_body(body)
-        info = read_request(route, payload, estimator) if route in ("chat", "completions", "generate") else None
+        info = read_request(route, payload, estimator) if route in ROUTED_BY_TEXT else None
         return await forwarder.forward(request, route, body, info or _plain(payload))
 
     # ---- inference -------------------------------------------------------------------

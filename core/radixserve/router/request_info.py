@@ -13,6 +13,8 @@ from radixserve.server.errors import APIError
 
 # Output tokens assumed for a request that does not bound them.
 DEFAULT_MAX_TOKENS = 256
+# The routes whose requests the router reads (model, features, routing text).
+ROUTED_BY_TEXT = ("chat", "completions", "generate", "embeddings")
 _GUIDED_FIELDS = ("regex", "ebnf", "json_schema", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
@@ -49,11 +51,14 @@ def parse_body(body: bytes) -> dict[str, Any]:
 
 
 def read_request(route: str, payload: dict[str, Any], estimator: TokenEstimator) -> RequestInfo:
-    """``route``: ``chat``, ``completions`` or ``generate``."""
+    """``route``: one of ``ROUTED_BY_TEXT``."""
     sampling = payload.get("sampling_params") if route == "generate" else payload
     sampling = sampling if isinstance(sampling, dict) else {}
     text = _routing_text(route, payload)
-    max_tokens = _first_int(sampling, ("max_tokens", "max_completion_tokens", "max_new_tokens"))
+    if route == "embeddings":
+        max_tokens: Optional[int] = 1  # a prefill alone
+    else:
+        max_tokens = _first_int(sampling, ("max_tokens", "max_completion_tokens", "max_new_tokens"))
     model = payload.get("model")
     if route != "generate" and not isinstance(model, str):
         raise APIError(400, "model: field required (a string naming a served model)", param="model")
@@ -66,7 +71,10 @@ def read_request(route: str, payload: dict[str, Any], estimator: TokenEstimator)
 
 
 def _needs(route: str, payload: dict[str, Any], sampling: dict[str, Any]) -> dict[str, str]:
-    needs: dict[str, str] = {}
+    """The features (``worker.FEATURES``) a request needs, each with the field that needs it."""
+    if route == "embeddings":
+        return {"embeddings": "model"}
+    needs: dict[str, str] = {"generation": "model"}
     response_format = payload.get("response_format")
     if isinstance(response_format, dict) and response_format.get("type") not in (None, "text"):
         needs["structured_output"] = "response_format"
@@ -94,7 +102,10 @@ def _routing_text(route: str, payload: dict[str, Any]) -> str:
             if isinstance(message, dict):
                 parts.append(f"{message.get('role', '')}\x1f{_content_text(message.get('content'))}\x1e")
         return "".join(parts)
-    source = payload.get("prompt") if route == "completions" else payload.get("text", payload.get("input_ids"))
+    if route == "generate":
+        source = payload.get("text", payload.get("input_ids"))
+    else:
+        source = payload.get("prompt" if route == "completions" else "input")
     if isinstance(source, list) and source and not isinstance(source[0], int):
         source = source[0]  # a batch: its first prompt stands for it
     if isinstance(source, list):

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 CAPACITY_HALF_LIFE_S = 120.0
 # A feature a request may need; a worker that does not report its features (a plain
 # OpenAI server) is assumed to have them all.
-FEATURES = ("structured_output", "tools", "logprobs", "n")
+FEATURES = ("generation", "embeddings", "structured_output", "tools", "logprobs", "n")
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import torch
 
 from radixserve.cache.memory_pool import KVPool, ReqToTokenPool
 from radixserve.forward_batch import ForwardBatch, ForwardMode
+from radixserve.runtime.pooling import EmbedRows
 from radixserve.runtime.req import Req
 from radixserve.transfer import HostTransfer
 
@@ -119,13 +120,15 @@ class PromptLogprobRows:
 @dataclass
 class LogitsRows:
     """Which of a step's token rows get logits: ``indices``, in which the rows from
-    ``sample_rows[i]`` on sample the next token of ``sample_reqs[i]`` and
-    ``prompt`` lists the spans that score prompt tokens (prompt logprobs)."""
+    ``sample_rows[i]`` on sample the next token of ``sample_reqs[i]``, ``prompt``
+    lists the spans that score prompt tokens (prompt logprobs) and ``embed`` the
+    spans that embedding requests pool (runtime/pooling.py)."""
 
     indices: list[int] = field(default_factory=list)
     sample_reqs: list[Req] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     prompt: list[PromptLogprobRows] = field(default_factory=list)
+    embed: list[EmbedRows] = field(default_factory=list)
 
     @classmethod
     def decode(cls, reqs: list[Req]) -> "LogitsRows":
@@ -151,5 +154,9 @@ class LogitsRows:
                 out.sample_reqs.append(req)
                 out.sample_rows.append(len(out.indices))
                 out.indices.append(offset + n - 1)
+            embed = EmbedRows.of(req, start, n)
+            if embed is not None:
+                out.embed.append(embed)
+                out.indices.extend(range(offset + n - embed.count, offset + n))
             offset += n
         return out

@@ -86,6 +86,11 @@ class GrammarQueue:
     def __len__(self) -> int:
         return len(self._pending)
 
+    @property
+    def compiling(self) -> list[Req]:
+        """The requests waiting for their grammar (they count as queued)."""
+        return [p.req for p in self._pending.values()]
+
     def append(self, req: Req) -> None:
         """Start compiling ``req``'s grammar (the intake refused it if structured output is off)."""
         spec = req.sampling_params.grammar

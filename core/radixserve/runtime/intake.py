@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional
 
 from radixserve.config import ServerArgs
+from radixserve.embedding_config import EmbeddingConfig
 from radixserve.messages import FinishReason, GenerateRequest
 from radixserve.request_limits import request_fit_error, token_ids_error
 from radixserve.runtime.req import Req
@@ -14,11 +15,20 @@ from radixserve.sampling.params import SamplingParams
 
 
 class Intake:
-    def __init__(self, args: ServerArgs, vocab_size: int, context_length: int, kv_pool_tokens: int):
+    def __init__(
+        self,
+        args: ServerArgs,
+        vocab_size: int,
+        context_length: int,
+        kv_pool_tokens: int,
+        embedding: Optional[EmbeddingConfig] = None,
+    ):
+        """``embedding``: the model is served for embeddings (then every request must embed)."""
         self.args = args
         self.vocab_size = vocab_size
         self.context_length = context_length
         self.kv_pool_tokens = kv_pool_tokens
+        self.embedding = embedding
 
     def receive(self, msg: GenerateRequest | Req) -> tuple[Req, Optional[FinishReason]]:
         """The request, and a 400 naming what it got wrong if it can never be served."""
@@ -36,9 +46,24 @@ class Intake:
         if error is not None:
             return error
         req.sampling_params.validate(self.vocab_size, self.args)  # stop strings included
+        error = self._embedding_error(req)
+        if error is not None:
+            return error
         if req.sampling_params.grammar is not None and self.args.grammar_backend == "none":
             return (
                 f"{req.sampling_params.grammar.source or 'grammar'}: structured output is off (--grammar-backend none)"
             )
         max_new = req.sampling_params.max_new_tokens
         return request_fit_error(len(ids), max_new, self.context_length, self.kv_pool_tokens, self.args.page_size)
+
+    def _embedding_error(self, req: Req) -> Optional[str]:
+        """An embedding model embeds and a generation model generates; an embedding
+        request is a bare prefill (it gets its model's pooling)."""
+        if self.embedding is None:
+            return "model: the model is served for generation; it computes no embeddings" if req.embed else None
+        if not req.embed:
+            return "model: the model is served for embeddings; it does not generate"
+        if req.sampling_params.max_new_tokens != 0 or req.return_logprob or req.sampling_params.grammar is not None:
+            return "embed: an embedding request generates nothing (max_new_tokens 0, no logprobs, no grammar)"
+        req.pooling = self.embedding.pooling
+        return None

@@ -3,6 +3,7 @@ and runs one forward per step."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Optional
 
@@ -11,6 +12,7 @@ import torch
 from radixserve.backend_timing import AgreedSelection, MeasuredSelection, ModelShapes
 from radixserve.cache.memory_pool import KVPool, LatentKVPool, PagedAllocator, ReqToTokenPool
 from radixserve.config import ServerArgs
+from radixserve.embedding_config import embedding_config
 from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.context import BackendSelector, ModelContext
 from radixserve.model_loader import (
@@ -78,7 +80,10 @@ class ModelRunner:
         if ctx.moe is not None:
             self.backends["moe"] = ctx.moe.name
         self.attention, self.moe = ctx.attention, ctx.moe
-        self.model, self.hf_config = load_model(model_path, ctx, registry, config=hf_config)
+        # Served for embeddings (None: for generation): the model then returns hidden states, not logits.
+        self.embedding = embedding_config(args, model_path, hf_config)
+        embed = self.embedding is not None
+        self.model, self.hf_config = load_model(model_path, ctx, registry, config=hf_config, embedding=embed)
         # The model's own limit (position embeddings, or a sliding window it cannot apply).
         model_context = self.model.max_context_len
         self.context_length = args.context_length or model_context
@@ -120,6 +125,7 @@ class ModelRunner:
             tp_rank=self.group.rank,
             tp_size=self.group.size,
             comm=self.group.comm,
+            context_length=args.context_length,
         )
 
     def _timing_shapes(self, hf_config: Any) -> ModelShapes:
@@ -205,6 +211,8 @@ class ModelRunner:
         backend = None if args.disable_graph else self.platform.graph_backend(self.device)
         if args.disable_graph:
             reasons = ["--disable-graph"]
+        elif self.embedding is not None:
+            reasons = ["an embedding model runs no decode steps"]
         elif backend is None:
             reasons = [f"platform {self.platform.name!r} has no graph capture"]
         else:
@@ -231,9 +239,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Float32 logits for ``batch.logits_indices``. A decode batch that the
-        graphs cover is replayed; its logits are then a view that the next
-        forward overwrites."""
+        """Float32 logits for ``batch.logits_indices`` (for an embedding model, the
+        final hidden states there). A decode batch that the graphs cover is
+        replayed; its logits are then a view that the next forward overwrites."""
         with self.platform.forward_context():
             if self.graph_runner is not None and self.graph_runner.can_run(batch):
                 return self.graph_runner.replay(batch)
@@ -259,4 +267,5 @@ class ModelRunner:
             "page_size": self.args.page_size,
             "vocab_size": self.vocab_size,
             "architecture": (self.hf_config.architectures or ["?"])[0],
+            "embedding": dataclasses.asdict(self.embedding) if self.embedding is not None else None,
         }

@@ -25,6 +25,7 @@ from radixserve.forward_batch import ForwardMode
 from radixserve.grammar import TokenMask
 from radixserve.runtime.batch import BatchPlan, LogitsRows, PromptLogprobRows
 from radixserve.runtime.model_runner import ModelRunner
+from radixserve.runtime.pooling import EmbeddingPooling, EmbedRows
 from radixserve.runtime.req import Req
 from radixserve.runtime.sampler import Sampler
 from radixserve.transfer import HostCopy, HostTransfer
@@ -42,6 +43,7 @@ class StepWork:
     positions: list[int]  # where each new token goes in its request's token row
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
     token_mask: Optional[TokenMask] = None  # grammar constraints of the sampled rows (structured output)
+    embed_rows: list[EmbedRows] = field(default_factory=list)  # what embedding requests pool (runtime/pooling.py)
 
     @classmethod
     def of(cls, batch: BatchPlan, logits: LogitsRows, token_mask: Optional[TokenMask] = None) -> "StepWork":
@@ -52,7 +54,9 @@ class StepWork:
         positions = [r.kv.kv_len for r in reqs]
         output_lens = [p - len(r.origin_input_ids) for r, p in zip(reqs, positions)]
         pool_rows = [r.kv.row for r in reqs]
-        return cls(batch, reqs, logits.sample_rows, pool_rows, output_lens, positions, logits.prompt, token_mask)
+        return cls(
+            batch, reqs, logits.sample_rows, pool_rows, output_lens, positions, logits.prompt, token_mask, logits.embed
+        )
 
 
 @dataclass
@@ -77,6 +81,7 @@ class StepResult:
     chosen_logprobs: Optional[list[float]]
     top_logprobs: list[list[tuple[float, int]]]  # per row, the request's own top_logprobs_num
     prompt_logprobs: list[tuple[list[float], list]]  # per PromptLogprobRows: values, tops
+    embeddings: dict[str, list[float]] = field(default_factory=dict)  # by rid, of the prompts the step ended
 
 
 @dataclass
@@ -88,10 +93,14 @@ class PendingStep:
     copies: Optional[HostCopy] = None  # next ids[, chosen logprobs][, top values, top ids]
     has_chosen: bool = False
     has_top: bool = False
+    embedded: list[Req] = field(default_factory=list)  # whose embeddings are on their way
+    embeddings: Optional[HostCopy] = None
 
     def wait(self) -> StepResult:
+        vectors = self.embeddings.wait()[0].tolist() if self.embeddings is not None else []
+        embeddings = {req.rid: vector for req, vector in zip(self.embedded, vectors)}
         if self.copies is None:
-            return StepResult([], None, [], self.prompt_logprobs)
+            return StepResult([], None, [], self.prompt_logprobs, embeddings)
         host = iter(self.copies.wait())
         next_ids = next(host).tolist()
         chosen = next(host).tolist() if self.has_chosen else None
@@ -102,7 +111,7 @@ class PendingStep:
                 if req.return_logprob:
                     k = req.top_logprobs_num
                     tops[i] = list(zip(values[i][:k], ids[i][:k]))
-        return StepResult(next_ids, chosen, tops, self.prompt_logprobs)
+        return StepResult(next_ids, chosen, tops, self.prompt_logprobs, embeddings)
 
 
 class ModelWorker:
@@ -110,6 +119,7 @@ class ModelWorker:
         self, runner: ModelRunner, sampler: Sampler, pool: ReqToTokenPool, transfer: HostTransfer, overlap: bool
     ):
         self.runner, self.sampler, self.pool, self.transfer = runner, sampler, pool, transfer
+        self.pooling = EmbeddingPooling(runner.embedding, transfer) if runner.embedding is not None else None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-worker") if overlap else None
 
     @property
@@ -135,6 +145,9 @@ class ModelWorker:
             for p in work.prompt_rows
         ]
         pending = PendingStep(work.sample_reqs, prompt)
+        if work.embed_rows:  # an embedding model: the logits are its final hidden states
+            pending.embedded = [rows.req for rows in work.embed_rows if rows.done]
+            pending.embeddings = self.pooling.pool(logits, work.embed_rows)
         if not work.sample_reqs:
             return pending
         to_device = self.transfer.to_device

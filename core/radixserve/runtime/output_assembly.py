@@ -57,6 +57,7 @@ def make_output(req: Req) -> TokenOutput:
         cached_tokens=max(req.cached_tokens, 0),
         queue_time=req.queue_time,
         stream=req.stream,
+        embedding=req.embedding,
     )
     if not req.detokenize_sent:  # once per request: the detokenizer keeps them
         out.detokenize = DetokenizeSettings(

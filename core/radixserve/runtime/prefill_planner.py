@@ -71,8 +71,11 @@ class QueueView:
 
 def match_limit(req: Req) -> int:
     """How much of a request's tokens may come from the cache: all but the last (its
-    logits pick the next token), and none from ``logprob_start_len`` on when prompt
-    logprobs must be computed."""
+    logits pick the next token, or its hidden state is an embedding), none from
+    ``logprob_start_len`` on when prompt logprobs must be computed, and none for a
+    mean-pooled embedding (a cached token has KV but no hidden state to pool)."""
+    if req.pooling == "mean":
+        return 0
     limit = req.seq_len - 1
     if req.wants_input_logprobs:
         limit = min(limit, req.logprob_start_len - 1)
@@ -121,10 +124,11 @@ class PrefillPlanner:
                 break
             if self.ledger.free_rows() <= len(plan.admitted) or min(prefill_left, chunk_left) <= 0:
                 break
-            match = self.ledger.match(req.fill_ids[: match_limit(req)])
+            limit = match_limit(req)
+            match = self.ledger.match(req.fill_ids[:limit])
             prefix = match.num_tokens
             if self.ledger.caches_prefixes and _shares_uncached_prefix(
-                req, prefix, plan.reqs + queues.uncached_prefills
+                req, prefix, limit, plan.reqs + queues.uncached_prefills
             ):
                 continue  # next step it finds that prefix in the cache instead of computing it again
             remaining = req.seq_len - prefix
@@ -167,9 +171,10 @@ class PrefillPlanner:
         return max(n, 0)
 
 
-def _shares_uncached_prefix(req: Req, cached: int, selected: list[Req]) -> bool:
+def _shares_uncached_prefix(req: Req, cached: int, limit: int, selected: list[Req]) -> bool:
+    """Whether ``req`` would find more of its first ``limit`` tokens in the cache after ``selected``."""
     end = cached + IN_BATCH_PREFIX_MIN_TOKENS
-    if req.seq_len < end:
+    if req.seq_len < end or limit <= cached:
         return False
     head = req.fill_ids[:end]
     return any(other.seq_len >= end and other.fill_ids[:end] == head for other in selected)

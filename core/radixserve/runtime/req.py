@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from radixserve.config import PoolingMethod
 from radixserve.grammar import GrammarMatcher
 from radixserve.messages import FinishReason, GenerateRequest, RequestOptions
 from radixserve.sampling.params import SamplingParams
@@ -61,6 +62,12 @@ class Req(RequestOptions):
     # Its place in its grammar (structured output), from its compile until its finish;
     # only runtime/grammar_queue.py sets it.
     grammar: Optional[GrammarMatcher] = None
+    # An embedding request's pooling, set at intake from the model's (None: it generates).
+    pooling: Optional[PoolingMethod] = None
+    # The pooled sum of its prompt's chunks so far (mean pooling; a device tensor):
+    # only the model worker's pooling (runtime/pooling.py) touches it, in step order.
+    pooled: Any = None
+    embedding: Optional[list[float]] = None  # the result, once its prompt is computed
 
     @classmethod
     def from_message(cls, msg: GenerateRequest) -> "Req":

@@ -6,8 +6,8 @@ It keeps the request lifecycle and composes the parts that do the rest: the KV
 ledger (``kv_ledger.py``), the prefill planner (``prefill_planner.py``), the
 model worker, overlapping a step with the host work of the next
 (``model_worker.py``), the batch plan (``batch.py``), the grammar queue
-(structured output: ``grammar_queue.py``), and what is sent and logged
-(``output_assembly.py``, ``scheduler_stats.py``).
+(structured output: ``grammar_queue.py``), embedding pooling (``pooling.py``),
+and what is sent and logged (``output_assembly.py``, ``scheduler_stats.py``).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Scheduler:
         self.ledger = KVLedger(runner.allocator, runner.req_to_token_pool, cache)
         self.max_running = runner.max_running_requests
         self.planner = PrefillPlanner(args, self.ledger, self.max_running)
-        self.intake = Intake(args, runner.vocab_size, runner.context_length, self.ledger.total)
+        self.intake = Intake(args, runner.vocab_size, runner.context_length, self.ledger.total, runner.embedding)
         eos_ids = eos_token_ids(model_path, runner.hf_config, tokenizer)
         self.sampler = Sampler(runner.vocab_size, runner.device, args.random_seed, eos_ids, transfer=runner.transfer)
         self.stop_checker = StopChecker(tokenizer, eos_ids)
@@ -102,9 +102,7 @@ class Scheduler:
         """Abort one request (or all with rid ""), wherever it is; frees its memory."""
         targets = list(self._by_rid.values()) if rid == "" else [self._by_rid[rid]] if rid in self._by_rid else []
         computing = {id(r) for step in (self._in_flight, self._unprocessed) if step is not None for r in step.reqs}
-        for req in targets:
-            if req.finished:
-                continue
+        for req in (r for r in targets if not r.finished):
             self._dequeue(req)
             if id(req) in computing:
                 self.ledger.discard(req)  # its KV of the step still computing is not worth caching
@@ -249,8 +247,8 @@ class Scheduler:
         return LaunchedStep(mode, list(reqs), work, self.worker.launch(work), [r.kv.kv_len for r in reqs])
 
     def _process(self, launched: LaunchedStep) -> None:
-        """Digest a finished step: prompt logprobs, cache the prefilled pages,
-        append the sampled tokens and check stop conditions."""
+        """Digest a finished step: prompt logprobs, cache the prefilled pages, finish
+        prefill-only requests (embeddings), append the sampled tokens and check stop conditions."""
         result, work = launched.result, launched.work
         for rows, (values, tops) in zip(work.prompt_rows, result.prompt_logprobs):
             if not rows.req.finished:
@@ -264,7 +262,8 @@ class Scheduler:
         for req in launched.prompt_done:
             if not req.finished:
                 req.mark_prompt_done()
-                if req.sampling_params.max_new_tokens == 0:  # prefill only (e.g. to warm the cache)
+                if req.sampling_params.max_new_tokens == 0:  # prefill only: to warm the cache, or to embed
+                    req.embedding = result.embeddings.get(req.rid)
                     self._finish_running(req, FinishReason(type="length", matched=None))
         for i, req in enumerate(work.sample_reqs):
             if not req.finished:  # else aborted, or finished by the step before (overlap): the token is dropped
@@ -388,7 +387,8 @@ class Scheduler:
         """``exact``: count the pages whose frees are still on their way to the host
         (waits for the device) and check every lock; the step logs pass False."""
         running = len(self.running) + (1 if self.chunked_req else 0)
-        return SchedulerStats.of(self.totals, self.ledger.counts(exact), running, self.waiting, self.rates)
+        queued = [*self.waiting, *self.grammars.compiling]
+        return SchedulerStats.of(self.totals, self.ledger.counts(exact), running, queued, self.rates)
 
     def check_memory(self) -> bool:
         """The pool invariant: free + held privately by requests + cached == total,

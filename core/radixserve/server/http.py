@@ -1,6 +1,6 @@
 """The HTTP server: FastAPI on uvicorn, hosting the TokenizerManager.
 
-    OpenAI:  POST /v1/chat/completions, POST /v1/completions, GET /v1/models[/{id}]
+    OpenAI:  POST /v1/chat/completions, /v1/completions, /v1/embeddings (an embedding model), GET /v1/models[/{id}]
     native:  POST /generate, /tokenize, /detokenize, /flush_cache, /abort_request, /start_profile, /stop_profile
              GET /health, /health_generate, /server_info, /model_info, /get_load, /metrics
              (and /get_server_info, /get_model_info: SGLang's older names)
@@ -42,6 +42,7 @@ from radixserve.config import ServerArgs
 from radixserve.messages import ProfileOptions
 from radixserve.server import native_serving
 from radixserve.server.access_log import AccessLog
+from radixserve.server.embeddings import create_embeddings
 from radixserve.server.errors import APIError, bad_request, error_body, error_response, install_error_handlers
 from radixserve.server.listen import base_url, bind_socket
 from radixserve.server.middleware import RequestGuard
@@ -50,6 +51,8 @@ from radixserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
+    EmbeddingResponse,
     GenerateRequestBody,
     ModelCard,
     ModelList,
@@ -100,6 +103,10 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await state.ready_openai().completions(body, request)
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> EmbeddingResponse:
+        return await create_embeddings(state.ready_openai(), body, request)
 
     def model_card() -> ModelCard:
         return ModelCard(

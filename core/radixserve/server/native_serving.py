@@ -27,12 +27,13 @@ from radixserve.server.streaming import (
     runtime_errors,
     start_generation,
 )
-from radixserve.server.structured_output import ConstraintError, grammar_spec
+from radixserve.server.structured_output import SAMPLING_PARAMS_FIELDS, ConstraintError, take_sampling_grammar
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
 
 # SGLang's names of the structured output constraints stand for the runtime's ``grammar``.
-_GRAMMAR_FIELDS = ("json_schema", "regex", "ebnf")
-_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"grammar"} | set(_GRAMMAR_FIELDS)
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"grammar"} | set(
+    SAMPLING_PARAMS_FIELDS
+)
 # The runtime names sampling parameters as they are; the API reports them where the request has them.
 RENAMES = {name: f"sampling_params.{name}" for name in _SAMPLING_FIELDS}
 _LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs")
@@ -67,11 +68,9 @@ def _inputs(body: GenerateRequestBody) -> list[GenerateInput]:
         if unknown:
             raise APIError(400, f"sampling_params: unknown parameter(s) {unknown}", param="sampling_params")
         try:
-            grammar = grammar_spec({name: p.pop(name, None) for name in _GRAMMAR_FIELDS}, prefix="sampling_params.")
+            take_sampling_grammar(p)
         except ConstraintError as exc:
             raise APIError(400, str(exc), param=exc.param) from exc
-        if grammar is not None:
-            p["grammar"] = grammar
     if isinstance(body.rid, str) and count > 1:
         rids = [f"{body.rid}-{i}" for i in range(count)]
     else:

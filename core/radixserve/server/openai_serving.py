@@ -49,7 +49,7 @@ from radixserve.server.streaming import (
     start_generation,
 )
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
-from radixserve.server.tool_calls import ChoiceReader, check_tools, tool_grammar
+from radixserve.server.tool_calls import ChoiceReader, check_tools, keeps_special_tokens, tool_grammar
 
 # Without max_tokens a request may use the rest of the context (as in vLLM), up
 # to this many tokens so one request cannot reserve a long model's whole window.
@@ -173,6 +173,8 @@ class OpenAIServing:
             grammar = tool_grammar(req)
             if grammar is not None:
                 params["grammar"] = grammar
+        if keeps_special_tokens(req, self.tool_parser):
+            params["skip_special_tokens"] = False
         if self.gate is not None and params.get("grammar") is not None:
             params["grammar_gate"] = self.gate
         inp = GenerateInput(

@@ -393,6 +393,16 @@ class CompletionRequest(_SamplingRequest):
         return self
 
 
+class EmbeddingRequest(_OpenAIRequest):
+    """POST /v1/embeddings (server/embeddings.py)."""
+
+    model: Optional[str] = None
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[Int] = None  # Matryoshka truncation, where the model is marked for it
+    user: Optional[str] = None  # accepted no-op, as in the other OpenAI requests
+
+
 class GenerateRequestBody(_Request):
     """POST /generate, SGLang's native API: one prompt or a batch."""
 
@@ -561,6 +571,24 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Optional[Usage] = None
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: Union[list[float], str]  # a str: base64 of little-endian float32, as OpenAI's
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelCard(BaseModel):

@@ -188,6 +188,14 @@ class ServerState:
         else:
             logger.info("decode graphs: off (%s)", graphs["reason"])
         logger.info("chat template: %s", template.origin)
+        embedding = self.tm.embedding
+        if embedding is not None:
+            logger.info(
+                "served for embeddings (/v1/embeddings; it does not generate): %s pooling, %snormalised (%s)",
+                embedding.pooling,
+                "" if embedding.normalize else "not ",
+                embedding.source,
+            )
 
     def _on_runtime_death(self, reason: str) -> None:
         if self.status == "dead":
@@ -260,8 +268,13 @@ class ServerState:
             return False
 
     async def generate_one_token(self) -> dict:
+        """The warm-up and ``/health_generate``: one greedy token, or one embedding
+        from an embedding model."""
         tm = self.tm
-        inp = GenerateInput(text="Hello", sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+        if tm.embedding is not None:
+            inp = GenerateInput(text="Hello", embed=True)
+        else:
+            inp = GenerateInput(text="Hello", sampling_params={"max_new_tokens": 1, "temperature": 0.0})
         outs = [out async for out in tm.generate(inp)]
         return outs[-1]
 
@@ -269,7 +282,8 @@ class ServerState:
         """SGLang's shape (the flags at the top level, then the runtime's summary and
         stats, ``internal_states`` per replica, ``version``) plus ours: the flags again
         under ``server_args``, ``worker`` (what a router needs), in-flight requests, pids."""
-        info = await self.ready_tm().control("server_info")
+        tm = self.ready_tm()
+        info = await tm.control("server_info")
         args = dataclasses.asdict(self.args)
         for name in SECRET_ARGS:
             if args.get(name):
@@ -282,8 +296,8 @@ class ServerState:
             "model_path": self.model_path,
             "served_model_name": self.model_name,
             "server_args": args,
-            "worker": worker_facts(info, self.args.dp_size),
-            "num_in_flight": self.tm.num_in_flight,
+            "worker": worker_facts(info, self.args.dp_size, embedding=tm.embedding is not None),
+            "num_in_flight": tm.num_in_flight,
             "pids": {p.name: p.pid for p in self.runtime.processes},
         }
 
@@ -293,7 +307,7 @@ class ServerState:
             "model_path": self.model_path,
             "served_model_name": self.model_name,
             "tokenizer_path": self.runtime.tokenizer_path,
-            "is_generation": True,
+            "is_generation": tm.embedding is None,
             "architecture": self.runtime.summary["architecture"],
             "context_length": tm.context_length,
             "vocab_size": tm.vocab_size,

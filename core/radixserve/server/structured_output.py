@@ -30,6 +30,8 @@ CONSTRAINT_FIELDS: dict[str, GrammarKind] = {
     "guided_choice": "choice",
     "guided_grammar": "ebnf",
 }
+# SGLang's names of the constraints in /generate's (and the Engine's) sampling_params.
+SAMPLING_PARAMS_FIELDS = ("json_schema", "regex", "ebnf")
 # vLLM's structured_outputs keys.
 _STRUCTURED_OUTPUTS: dict[str, GrammarKind] = {
     "json": "json_schema",
@@ -67,6 +69,14 @@ def grammar_spec(fields: dict[str, Any], prefix: str = "") -> Optional[GrammarSp
         names = ", ".join(s.source for s in found)
         raise ConstraintError(found[0].source, f"give one structured output constraint per request, got {names}")
     return found[0] if found else None
+
+
+def take_sampling_grammar(params: dict[str, Any]) -> None:
+    """Replace SGLang's constraint fields of a ``sampling_params`` dict by the
+    runtime's ``grammar`` (a GrammarSpec); ConstraintError names the field."""
+    grammar = grammar_spec({name: params.pop(name, None) for name in SAMPLING_PARAMS_FIELDS}, "sampling_params.")
+    if grammar is not None:
+        params["grammar"] = grammar
 
 
 def _spec(kind: GrammarKind, value: Any, source: str) -> GrammarSpec:

@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from radixserve.config import ServerArgs
+from radixserve.embedding_config import EmbeddingConfig
 from radixserve.ipc import Endpoints, pull_socket, push_socket
 from radixserve.messages import (
     AbortRequest,
@@ -98,6 +99,9 @@ class TokenizerManager:
         self.vocab_size: int = summary["vocab_size"]
         self.kv_pool_tokens: int = summary["max_total_tokens"]
         self.page_size: int = summary["page_size"]
+        # Set when the model is served for embeddings (radixserve/embedding_config.py): it then only embeds.
+        embedding = summary.get("embedding")
+        self.embedding = EmbeddingConfig(**embedding) if embedding is not None else None
         self.metrics = metrics
         self._ctx = zmq.asyncio.Context()
         self._send = push_socket(self._ctx, endpoints.scheduler)
@@ -216,11 +220,19 @@ class TokenizerManager:
             field_name = "text"
         else:
             raise ValueError("text: one of text or input_ids is required")
-        params = (
-            obj.sampling_params
-            if isinstance(obj.sampling_params, SamplingParams)
-            else SamplingParams.from_dict(obj.sampling_params)
-        )
+        if obj.embed != (self.embedding is not None):
+            raise ValueError(
+                "model: the model is served for embeddings (/v1/embeddings, Engine.encode); it does not generate"
+                if self.embedding is not None
+                else "model: the model is served for generation; embeddings need an embedding model "
+                "(radixserve serve --is-embedding)"
+            )
+        if obj.embed:  # a bare prefill: whatever sampling parameters came, it samples nothing
+            params = SamplingParams(max_new_tokens=0)
+        elif isinstance(obj.sampling_params, SamplingParams):
+            params = obj.sampling_params
+        else:
+            params = SamplingParams.from_dict(obj.sampling_params)
         params.validate(self.vocab_size, self.args)  # the request limits are flags
         error = request_fit_error(
             len(ids),
@@ -249,7 +261,8 @@ class TokenizerManager:
         The scheduler sees unique internal request ids; the client's ``rid`` (or
         a fresh one) names them all, for ``abort`` and in ``meta_info["id"]``.
         ``meta_info["finish_reason"]`` is the runtime's ``FinishReason`` (None
-        until the choice ends): each API renders it in its own JSON."""
+        until the choice ends): each API renders it in its own JSON. An
+        embedding request (``embed``) yields one dict, with its ``embedding``."""
         if self.dead_reason:
             raise RuntimeDeadError(self.dead_reason)
         prepared = obj if isinstance(obj, PreparedInput) else self.prepare(obj)
@@ -464,13 +477,16 @@ class _Accumulator:
         if in_lp is not None:
             meta["input_token_logprobs"] = in_lp
             meta["input_top_logprobs"] = in_top
-        return {
+        out = {
             "index": self.index,
             "text": text,
             "output_ids": list(ids),
             "meta_info": meta,
             "finished": t.finish_reason is not None,
         }
+        if t.embedding is not None:  # an embedding request's result
+            out["embedding"] = t.embedding
+        return out
 
 
 async def merge_streams(streams: list[AsyncGenerator[Any, None]]) -> AsyncGenerator[Any, None]:

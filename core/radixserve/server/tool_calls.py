@@ -6,7 +6,9 @@ into ``tool_calls`` (whole or streamed), after the reasoning split.
 - ``required``: the output is constrained to a JSON array of
   ``{"name": <an allowed function>, "parameters": <valid arguments>}`` (one item
   when ``parallel_tool_calls`` is false), the form vLLM uses; it is the same
-  whatever the parser, and any grammar backend compiles it.
+  whatever the parser, and any grammar backend compiles it. ``RequiredCalls``
+  reads it back like a tool parser, so streamed, each call goes out as it is
+  written (its name, then its parameters as they grow).
 - named: the output is constrained to the function's arguments (its
   ``parameters`` schema) and becomes that one call.
 """
@@ -24,6 +26,8 @@ from radixserve.server.errors import APIError
 from radixserve.server.protocol import ChatCompletionRequest
 from radixserve.server.reasoning import ReasoningParser
 from radixserve.tool_parser import ParsedOutput, StreamDelta, ToolCall, ToolCallDelta, ToolParser
+from radixserve.tool_parsers.forms import CallForm, FormToolParser
+from radixserve.tool_parsers.json_calls import JSONCallReader
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -79,6 +83,22 @@ def tool_grammar(req: ChatCompletionRequest) -> Optional[GrammarSpec]:
     return GrammarSpec("json_schema", json.dumps(array), "tool_choice")
 
 
+def keeps_special_tokens(req: ChatCompletionRequest, parser_cls: Optional[type]) -> bool:
+    """Whether the output must be decoded keeping special tokens for the tool parser to
+    read it: tool_choice auto, a parser whose markers are special tokens, and a request
+    that left skip_special_tokens unset."""
+    auto = bool(req.tools) and req.tool_choice in (None, "auto")
+    return auto and getattr(parser_cls, "special_tokens", False) and "skip_special_tokens" not in req.model_fields_set
+
+
+class RequiredCalls(FormToolParser):
+    """The JSON array that ``tool_grammar`` makes tool_choice required write."""
+
+    name = "required"
+    argument_keys = ("parameters",)
+    forms = (CallForm(JSONCallReader, ("[",), at_start=True, separator=",", closing=("]",)),)
+
+
 def tool_call_json(index: Optional[int], call_id_: Optional[str], name: Optional[str], arguments: str) -> dict:
     """A tool call (or a streamed piece of one) as OpenAI writes it."""
     out: dict[str, Any] = {}
@@ -97,10 +117,11 @@ class ChoiceReader:
     def __init__(self, req: ChatCompletionRequest, parser_cls: Optional[type], reasoning: Optional[str]):
         self.reasoning = ReasoningParser(reasoning) if reasoning else None
         self.named = req.named_tool if req.tools else None
-        self.required = bool(req.tools) and req.tool_choice == "required"
-        auto = bool(req.tools) and req.tool_choice in (None, "auto")
-        self.parser: Optional[ToolParser] = parser_cls(tool_dicts(req)) if auto and parser_cls else None
-        self.buffer = ""  # required: the JSON array, read when complete
+        self.parser: Optional[ToolParser] = None
+        if req.tools and req.tool_choice == "required":
+            self.parser = RequiredCalls(tool_dicts(req))
+        elif req.tools and req.tool_choice in (None, "auto") and parser_cls is not None:
+            self.parser = parser_cls(tool_dicts(req))
         self.named_started = False
         self.ids: dict[int, str] = {}
         self.called = False
@@ -126,13 +147,6 @@ class ChoiceReader:
             except ValueError:
                 return ParsedOutput(text)  # cut short (length): not a call
             return ParsedOutput("", [ToolCall(self.named, text)])
-        if self.required:
-            try:
-                items = json.loads(text)
-                calls = [ToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
-            except (ValueError, TypeError, KeyError):
-                return ParsedOutput(text)
-            return ParsedOutput("", calls)
         if self.parser is not None:
             return self.parser.parse(text)
         return ParsedOutput(text)
@@ -164,15 +178,6 @@ class ChoiceReader:
                 out.calls.append(ToolCallDelta(0, name=None if self.named_started else self.named, arguments=text))
                 self.named_started = True
             return out
-        if self.required:
-            self.buffer += text
-            if not final:
-                return StreamDelta()
-            parsed = self._calls(self.buffer)
-            return StreamDelta(
-                parsed.content,
-                [ToolCallDelta(i, name=c.name, arguments=c.arguments) for i, c in enumerate(parsed.calls)],
-            )
         if self.parser is not None:
             out = self.parser.feed(text)
             if final:

@@ -23,7 +23,7 @@ def replica_stats(info: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"dp_rank": r["dp_rank"], **r["stats"]} for r in info["replicas"] if r["stats"] is not None]
 
 
-def worker_facts(info: dict[str, Any], dp_size: int) -> dict[str, Any]:
+def worker_facts(info: dict[str, Any], dp_size: int, embedding: bool) -> dict[str, Any]:
     """The worker's platform (``--device``'s name for it), dtype, backends, parallelism,
     context length, KV pool (tokens, over all replicas), served features and decode
     and prefill throughput (tokens/s over all replicas; None until measured)."""
@@ -36,17 +36,20 @@ def worker_facts(info: dict[str, Any], dp_size: int) -> dict[str, Any]:
         "dp_size": dp_size,
         "context_length": info["context_length"],
         "max_total_num_tokens": stats["max_total_tokens"],
-        "features": features(info),
+        "features": features(info, embedding),
         "decode_tokens_per_s": stats["decode_tokens_per_s"],
         "prefill_tokens_per_s": stats["prefill_tokens_per_s"],
     }
 
 
-def features(info: dict[str, Any]) -> dict[str, bool]:
-    """``protocol.FEATURES``, less structured output when ``--grammar-backend none`` turned it off."""
+def features(info: dict[str, Any], embedding: bool) -> dict[str, bool]:
+    """``protocol.FEATURES``, less structured output when ``--grammar-backend none`` turned it off;
+    an embedding model serves embeddings and nothing of generation."""
     served = dataclasses.asdict(FEATURES)
     served["structured_output"] = FEATURES.structured_output and info.get("grammar_backend") is not None
-    return served
+    if embedding:
+        served = dict.fromkeys(served, False)
+    return {"generation": not embedding, "embeddings": embedding, **served}
 
 
 def internal_states(info: dict[str, Any]) -> list[dict[str, Any]]:

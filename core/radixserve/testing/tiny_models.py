@@ -1,6 +1,7 @@
 """Tiny test models made on the fly, nothing downloaded: the builder of
 ``radixserve.model_builder`` (which builds the demo model too) under the testing
-kit's name, and ``llama3_rope_scaling``, a configuration only tests use."""
+kit's name, and ``llama3_rope_scaling`` and ``longrope_scaling``, configurations
+only tests use."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from radixserve.model_builder import (
     IM_START,
     PAD_TOKEN,
     SPECIAL_TOKENS,
+    THINK_END,
+    THINK_START,
     build_tiny_model,
     build_tokenizer,
     tiny_config,
@@ -25,9 +28,12 @@ __all__ = [
     "IM_START",
     "PAD_TOKEN",
     "SPECIAL_TOKENS",
+    "THINK_END",
+    "THINK_START",
     "build_tiny_model",
     "build_tokenizer",
     "llama3_rope_scaling",
+    "longrope_scaling",
     "tiny_config",
 ]
 
@@ -47,4 +53,17 @@ def llama3_rope_scaling(
         "low_freq_factor": low_freq_factor,
         "high_freq_factor": high_freq_factor,
         "original_max_position_embeddings": original_max_position_embeddings,
+    }
+
+
+def longrope_scaling(head_dim: int = 16) -> dict[str, Any]:
+    """A Phi-3 128k-style LongRoPE ``rope_scaling`` for ``head_dim``: short factors
+    near 1, long factors growing towards the low frequencies, one per frequency.
+    Pair it with a small ``original_max_position_embeddings`` (a config field, as
+    in Phi-3's config.json) so that generation crosses it."""
+    n = head_dim // 2
+    return {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(n)],
+        "long_factor": [1.0 + 0.5 * i * i for i in range(n)],
     }

@@ -1,4 +1,5 @@
-"""The elementwise kit (RMSNorm + residual, rotary, SiLU-and-mul):
+"""The elementwise kit (RMSNorm + residual, rotary, SiLU-and-mul, and the
+model-specific Gemma RMSNorm and GELU(tanh)-and-mul):
 ``ElementwiseCase`` and its case sets, ``make_elementwise_inputs``,
 ``run_elementwise_case`` (one call of the op, its contract checked) and
 ``check_elementwise_backend``."""
@@ -11,7 +12,7 @@ from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 
-from radixserve.kernels import KernelQuery
+from radixserve.kernels import MODEL_SPECIFIC_OPS, KernelQuery
 from radixserve.testing.conformance.base import (
     BackendSpec,
     CaseResult,
@@ -22,7 +23,8 @@ from radixserve.testing.conformance.base import (
     _score,
 )
 
-ELEMENTWISE_OPS = ("rms_norm", "rotary", "silu_and_mul")
+ELEMENTWISE_OPS = ("rms_norm", "rotary", "silu_and_mul") + MODEL_SPECIFIC_OPS
+_NORMS = ("rms_norm", "gemma_rms_norm")
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,9 @@ class ElementwiseCase:
     ``[T, kv_heads, head_dim]``, ``rotary_dim`` (0: all of head_dim), NeoX or
     GPT-J pairs; ``strided`` makes q and k views of one fused QKV buffer (whose
     v part must stay untouched). ``silu_and_mul``: ``hidden`` is ``I``, the
-    input ``[*lead, 2I]``."""
+    input ``[*lead, 2I]``. ``gemma_rms_norm`` and ``gelu_tanh_and_mul`` take
+    the fields of ``rms_norm`` and ``silu_and_mul``; their query names the op
+    (``KernelQuery.elementwise_ops``), so a backend without it skips the case."""
 
     name: str
     op: str
@@ -49,7 +53,7 @@ class ElementwiseCase:
     neox_style: bool = True
     strided: bool = False
     eps: float = 1e-6
-    lead: tuple[int, ...] = ()  # silu_and_mul: extra leading dims before the tokens
+    lead: tuple[int, ...] = ()  # silu_and_mul, gelu_tanh_and_mul: extra leading dims before the tokens
 
     def __post_init__(self):
         if self.op not in ELEMENTWISE_OPS:
@@ -63,7 +67,8 @@ class ElementwiseCase:
 
     def query(self, device: str, dtype: torch.dtype) -> KernelQuery:
         head_dim = self.head_dim if self.op == "rotary" else None
-        return KernelQuery(device=device, dtype=dtype, head_dim=head_dim)
+        ops = (self.op,) if self.op in MODEL_SPECIFIC_OPS else None
+        return KernelQuery(device=device, dtype=dtype, head_dim=head_dim, elementwise_ops=ops)
 
 
 def _norm(name, tokens, hidden, **kw) -> ElementwiseCase:
@@ -78,6 +83,14 @@ def _silu(name, tokens, inter, **kw) -> ElementwiseCase:
     return ElementwiseCase(name, "silu_and_mul", tokens, hidden=inter, **kw)
 
 
+def _gemma_norm(name, tokens, hidden, **kw) -> ElementwiseCase:
+    return ElementwiseCase(name, "gemma_rms_norm", tokens, hidden=hidden, **kw)
+
+
+def _gelu(name, tokens, inter, **kw) -> ElementwiseCase:
+    return ElementwiseCase(name, "gelu_tanh_and_mul", tokens, hidden=inter, **kw)
+
+
 _ELEM_QUICK = (
     _norm("rms_norm/T3/H64", 3, 64),
     _norm("rms_norm/residual/T5/H1000", 5, 1000, residual=True, eps=1e-5),
@@ -88,6 +101,9 @@ _ELEM_QUICK = (
     _rope("rotary/neox/d64/partial32/T4", 4, 3, 1, 64, rotary_dim=32, strided=True),
     _silu("silu_and_mul/T3/I96", 3, 96),
     _silu("silu_and_mul/T5/I1000", 5, 1000),
+    _gemma_norm("gemma_rms_norm/residual/T5/H1000", 5, 1000, residual=True),
+    _gemma_norm("gemma_rms_norm/per-head/T4/4x256", 4, 256, heads=4),
+    _gelu("gelu_tanh_and_mul/T5/I1000", 5, 1000),
 )
 _ELEM_STANDARD = _ELEM_QUICK + (
     _norm("rms_norm/T1/H4096", 1, 4096),
@@ -102,12 +118,18 @@ _ELEM_STANDARD = _ELEM_QUICK + (
     _silu("silu_and_mul/T1/I4096", 1, 4096),
     _silu("silu_and_mul/T300/I1376", 300, 1376),
     _silu("silu_and_mul/3d/2x7/I80", 7, 80, lead=(2,)),
+    _gemma_norm("gemma_rms_norm/T1/H2304", 1, 2304),
+    _gemma_norm("gemma_rms_norm/residual/T300/H3584", 300, 3584, residual=True),
+    _gelu("gelu_tanh_and_mul/T300/I9216", 300, 9216),
+    _gelu("gelu_tanh_and_mul/3d/2x7/I80", 7, 80, lead=(2,)),
 )
 _ELEM_FULL = _ELEM_STANDARD + (
     _norm("rms_norm/residual/T2048/H8192", 2048, 8192, residual=True),
     _norm("rms_norm/residual/T64/H16384", 64, 16384, residual=True),
     _rope("rotary/neox/d128/qkv-view/T4096", 4096, 32, 8, 128, strided=True),
     _silu("silu_and_mul/T2048/I14336", 2048, 14336),
+    _gemma_norm("gemma_rms_norm/residual/T2048/H4608", 2048, 4608, residual=True),
+    _gelu("gelu_tanh_and_mul/T2048/I14336", 2048, 14336),
 )
 ELEMENTWISE_CASES: dict[str, tuple[ElementwiseCase, ...]] = {
     "quick": _ELEM_QUICK,
@@ -131,7 +153,9 @@ def make_elementwise_inputs(
     None); ``rotary``: ``q``, ``k`` (views of ``buffer`` when strided, else
     ``buffer`` is None), ``positions`` (unsorted, with repeats) and
     ``cos_sin_cache`` (built by :func:`radixserve.layers.rotary.rope_cos_sin_cache`,
-    theta 10000); ``silu_and_mul``: ``x``."""
+    theta 10000); ``silu_and_mul``: ``x``. ``gemma_rms_norm`` as ``rms_norm``,
+    its weight an offset from 1 (``N(0, 0.5^2)``); ``gelu_tanh_and_mul`` as
+    ``silu_and_mul``."""
     from radixserve.layers.rotary import rope_cos_sin_cache
 
     gen = torch.Generator().manual_seed(seed)
@@ -143,13 +167,16 @@ def make_elementwise_inputs(
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return put((torch.randn(shape, generator=gen) * scale).to(dtype))
 
-    if case.op == "rms_norm":
+    if case.op in _NORMS:
         if case.heads:  # per head: x is the first heads*hidden columns of a wider row
             buffer = randn(t, (case.heads + 2) * case.hidden)
             x = buffer[:, : case.heads * case.hidden].view(t, case.heads, case.hidden)
         else:
             buffer = x = randn(t, case.hidden, scale=2.0)
-        weight = put((1 + 0.1 * torch.randn(case.hidden, generator=gen)).to(dtype))
+        if case.op == "rms_norm":
+            weight = put((1 + 0.1 * torch.randn(case.hidden, generator=gen)).to(dtype))
+        else:
+            weight = put((0.5 * torch.randn(case.hidden, generator=gen)).to(dtype))
         residual = randn(*x.shape, scale=2.0) if case.residual else None
         return {"buffer": buffer, "x": x, "weight": weight, "residual": residual}
     if case.op == "rotary":
@@ -169,14 +196,15 @@ def make_elementwise_inputs(
 
 def run_elementwise_case(backend: Any, case: ElementwiseCase, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Call the op; return what it produced, by name. A broken contract raises."""
-    if case.op == "rms_norm":
+    if case.op in _NORMS:
+        norm = getattr(backend, case.op)
         if case.residual:
-            out, residual = backend.rms_norm(inputs["x"], inputs["weight"], case.eps, inputs["residual"])
+            out, residual = norm(inputs["x"], inputs["weight"], case.eps, inputs["residual"])
             return {"out": out, "residual": residual}
         before = inputs["buffer"].clone()
-        out = backend.rms_norm(inputs["x"], inputs["weight"], case.eps)
+        out = norm(inputs["x"], inputs["weight"], case.eps)
         if not torch.equal(inputs["buffer"], before):
-            raise AssertionError("rms_norm without a residual modified its input")
+            raise AssertionError(f"{case.op} without a residual modified its input")
         return {"out": out}
     if case.op == "rotary":
         result = backend.apply_rotary(
@@ -187,7 +215,7 @@ def run_elementwise_case(backend: Any, case: ElementwiseCase, inputs: dict[str, 
         if inputs["buffer"] is not None:  # q, k and the v that must stay untouched, all in one
             return {"qkv": inputs["buffer"]}
         return {"q": inputs["q"], "k": inputs["k"]}
-    return {"out": backend.silu_and_mul(inputs["x"])}
+    return {"out": getattr(backend, case.op)(inputs["x"])}
 
 
 def check_elementwise_backend(
@@ -203,8 +231,9 @@ def check_elementwise_backend(
 ) -> ConformanceReport:
     """Run ``rms_norm`` (with and without the fused residual, per head on a
     strided view), ``apply_rotary`` (NeoX and GPT-J, head dims 64 and 128,
-    partial, on views of a fused QKV buffer) and ``silu_and_mul`` on
-    ``backend``. Every output is compared (both of ``rms_norm`` with a
+    partial, on views of a fused QKV buffer), ``silu_and_mul``, and the
+    model-specific ``gemma_rms_norm`` and ``gelu_tanh_and_mul`` (skipped by a
+    backend that refuses them) on ``backend``. Every output is compared (both of ``rms_norm`` with a
     residual; the whole QKV buffer after rotary, so v must be untouched);
     ``rms_norm`` without a residual must leave its input alone."""
     run = _Run.resolve("elementwise", backend, device, dtypes, registry, reference)
