@@ -141,23 +141,43 @@ def test_only_mla_backends_serve_the_model(tiny_model_factory):
 
 
 def test_bfloat16_agrees_with_hf_teacher_forced(reference: Reference, capsys):
-    """Our bfloat16 greedy tokens (prefill, then absorbed decode), each checked
-    against HF bfloat16's top-1 given the same prefix. Measured: 96.9% (lite)
-    and 95.0% (q-lora); HF's own bfloat16 greedy tokens agree with its float32
-    teacher-forced top-1 at 95% and 94% on these models (a bfloat16 rounding
-    that flips a routing choice moves the logits by several units, under
-    routed_scaling_factor 16 most), so the bar is that level, not 100%."""
-    ours = _generate(make_scheduler(reference.model_dir, dtype="bfloat16"), reference.prompts)
+    """bfloat16 against HF bfloat16, position by position on the same prefix.
+
+    Prefill (up-projected: HF's own computation): along HF's float32 greedy
+    continuation, our top-1 at every position (prompt logprobs) against HF
+    bfloat16's; measured 100% on both models. Decode (absorbed): our greedy
+    tokens against HF bfloat16's top-1 given our prefix; measured 96.9% (lite)
+    and 95.0% (q-lora). Absorbing rounds ``q_nope @ W_UK`` where HF rounds
+    ``W_UK c``, and on these MoE models a bfloat16 rounding that flips a routing
+    choice moves the logits by several units (under routed_scaling_factor 16
+    most): HF's own bfloat16 greedy tokens agree with its float32 top-1 at 95%
+    and 94% here, so that is the bar for decode, not 100%."""
+    scheduler = make_scheduler(reference.model_dir, dtype="bfloat16")
     hf = AutoModelForCausalLM.from_pretrained(reference.model_dir, dtype=torch.bfloat16).eval()
-    same = total = 0
-    for prompt, result in zip(reference.prompts, ours):
+
+    def hf_top1(prompt: list[int], continuation: list[int]) -> torch.Tensor:
         with torch.inference_mode():
-            logits = hf(torch.tensor([prompt + result.output_ids])).logits[0, len(prompt) - 1 : -1]
-        same += int((logits.argmax(-1) == torch.tensor(result.output_ids)).sum())
-        total += len(result.output_ids)
+            return hf(torch.tensor([prompt + continuation])).logits[0, len(prompt) - 1 : -1].argmax(-1)
+
+    prefill = decode = total = 0
+    rids = [
+        submit(scheduler, p + ids, return_logprob=True, logprob_start_len=len(p), top_logprobs_num=1, max_new_tokens=1)
+        for p, (ids, _) in zip(reference.prompts, reference.hf)
+    ]
+    tops = run(scheduler)
+    for prompt, rid, (ids, _) in zip(reference.prompts, rids, reference.hf):
+        ours = torch.tensor([top[0][1] for top in tops[rid].input_top_logprobs])
+        prefill += int((ours == hf_top1(prompt, ids)).sum())
+        total += len(ids)
+    for prompt, result in zip(reference.prompts, _generate(scheduler, reference.prompts)):
+        decode += int((torch.tensor(result.output_ids) == hf_top1(prompt, result.output_ids)).sum())
     with capsys.disabled():
-        print(f"\nbfloat16 vs HF bfloat16 teacher-forced greedy agreement: {same}/{total} = {same / total:.1%}")
-    assert same / total >= 0.93
+        print(
+            f"\nbfloat16 vs HF bfloat16, teacher-forced top-1 agreement: prefill {prefill}/{total} = "
+            f"{prefill / total:.1%}, decode {decode}/{total} = {decode / total:.1%}"
+        )
+    assert prefill / total >= 0.99
+    assert decode / total >= 0.93
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
