@@ -126,7 +126,8 @@ def test_kv_pool_holds_latent_entries_only(tiny_model_factory):
         pool.get_kv(0)
 
 
-def test_only_mla_backends_serve_the_model(tiny_model_factory):
+def test_only_mla_backends_serve_the_model(tiny_model_factory, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # on cpu, triton_mla only in the interpreter
     config = AutoConfig.from_pretrained(tiny_model_factory(**MODELS["lite"]))
     registry = get_registry()
     query = model_kernel_query(config, "cpu", torch.float32)
