@@ -61,7 +61,7 @@ def test_torch_plugin_found_through_entry_point():
     report = PluginRegistry().report()
     torch_plugin = next(p for p in report["plugins"] if p["name"] == "torch")
     assert torch_plugin["distribution"] == "radixserve"
-    assert torch_plugin["registered"]["attention"] == ["torch_native", "torch_varlen", "cpu_paged"]
+    assert torch_plugin["registered"]["attention"] == ["torch_native", "torch_varlen", "cpu_paged", "torch_mla"]
     assert {"none", "int8"} <= set(torch_plugin["registered"]["quantization"])
     cpu = next(row for row in report["backends"]["platform"] if row["name"] == "cpu")
     assert cpu == {"name": "cpu", "plugin": "torch", "priority": 0, "usable": True, "reasons": []}

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from radixserve.cache.memory_pool import LatentKV
 from radixserve.kernels import KernelQuery
 from radixserve.registry import Candidate, PluginRegistry
 from radixserve.version import __version__
@@ -160,6 +161,8 @@ def _gemm_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -
 def _attention_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -> list[TimingCase]:
     from radixserve.testing.conformance import AttentionCase, make_attention_inputs, with_kv_layout
 
+    if query.mla is not None:
+        return _mla_attention_cases(query, query.mla, shapes, device)
     context = shapes.decode_context
     steps = [
         AttentionCase(
@@ -195,6 +198,60 @@ def _attention_cases(query: KernelQuery, shapes: ModelShapes, device: torch.devi
             def call():
                 backend.init_forward_metadata(inputs.batch)
                 return backend.forward(q, k, v, inputs.layer, inputs.batch)
+
+            return call
+
+        cases.append(TimingCase(step.name, setup))
+    return cases
+
+
+def _mla_attention_cases(
+    query: KernelQuery, mla: LatentKV, shapes: ModelShapes, device: torch.device
+) -> list[TimingCase]:
+    """The same two steps for multi-head latent attention, over a latent pool
+    (the MLA kit's ``make_mla_inputs``). The value head is timed as wide as the
+    key's non-rotary part (``head_dim - rope_dim``), as in DeepSeek-V2: the
+    query does not carry it, and it sizes only the value side of the latent's
+    up-projection and of the output's ``W_UV`` product."""
+    from radixserve.testing.conformance import MLACase, make_mla_inputs
+
+    nope = shapes.head_dim - mla.rope_dim
+    dims = (mla.kv_lora_rank, nope, mla.rope_dim, nope)
+    context, rows = shapes.decode_context, shapes.decode_rows
+    steps = [
+        MLACase(
+            f"decode/bs{rows}/ctx{context}",
+            "decode",
+            query.page_size,
+            shapes.num_heads,
+            *dims,
+            (context - 1,) * rows,
+            (1,) * rows,
+        ),
+        MLACase(
+            f"extend/t{shapes.prefill_rows}",
+            "extend",
+            query.page_size,
+            shapes.num_heads,
+            *dims,
+            (0,),
+            (shapes.prefill_rows,),
+        ),
+    ]
+    cases = []
+    for step in steps:
+
+        def setup(backend: Any, step: MLACase = step) -> Callable[[], Any]:
+            # The pool in the KV cache dtype; the queries, new entries and weight in the model's dtype.
+            inputs = make_mla_inputs(step, query.kv_dtype or query.dtype, device, layout="contiguous")
+            q_nope, q_rope, latent, k_rope, kv_b = (
+                t.to(query.dtype)
+                for t in (inputs.q_nope, inputs.q_rope, inputs.latent, inputs.k_rope, inputs.kv_b_weight)
+            )
+
+            def call() -> Any:
+                backend.init_forward_metadata(inputs.batch)
+                return backend.forward_mla(q_nope, q_rope, latent, k_rope, kv_b, inputs.layer, inputs.batch)
 
             return call
 

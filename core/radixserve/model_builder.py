@@ -206,8 +206,41 @@ def build_tokenizer(out_dir: PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> 
 
 
 ARCHITECTURES = (
-    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "phi3", "gemma2", "gemma3_text"
+    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "phi3", "gemma2", "gemma3_text",
+    "deepseek_v2",
 )  # fmt: skip
+
+# DeepSeek-V2-Lite's structure at tiny sizes: multi-head latent attention without
+# query compression (q_lora_rank None), value heads wider than the query/key
+# "nope" part, a dense first layer then MoE layers with 2 shared experts and
+# greedy softmax routing, YaRN x40 with V2-Lite's mscale (the original context
+# scaled down, 4096 -> 32, so that the tiny rotary dims see every branch of the
+# YaRN ramp; the context is the factor times it, 1280, as V2-Lite's is).
+DEEPSEEK_V2_LITE_TINY: dict[str, Any] = dict(
+    q_lora_rank=None,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=16,
+    v_head_dim=24,
+    n_shared_experts=2,
+    first_k_dense_replace=1,
+    moe_layer_freq=1,
+    topk_method="greedy",
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.0,
+    norm_topk_prob=False,
+    scoring_func="softmax",
+    rope_scaling={
+        "type": "yarn",
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 32,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    },
+)
 
 
 def tiny_config(
@@ -231,10 +264,13 @@ def tiny_config(
     """The transformers config of a tiny ``arch`` model. MoE arguments apply to
     the MoE architectures: ``qwen3_moe`` (``norm_topk_prob=True`` like the real
     models), ``qwen2_moe`` (``norm_topk_prob=False`` like Qwen1.5-MoE; its shared
-    expert is ``intermediate_size`` wide) and ``mixtral`` (whose experts are
-    ``intermediate_size`` wide: ``moe_intermediate_size`` does not apply);
-    ``overrides`` are passed to the config as is (e.g. ``mlp_only_layers``,
-    ``attention_bias``, ``sliding_window``)."""
+    expert is ``intermediate_size`` wide), ``mixtral`` (whose experts are
+    ``intermediate_size`` wide: ``moe_intermediate_size`` does not apply) and
+    ``deepseek_v2`` (which starts from :data:`DEEPSEEK_V2_LITE_TINY`; its KV heads
+    are its heads, its head dims are its own and its context follows from its
+    YaRN scaling, so ``num_kv_heads``, ``head_dim`` and ``max_position_embeddings``
+    do not apply either); ``overrides`` are passed to the config as is (e.g.
+    ``mlp_only_layers``, ``attention_bias``, ``sliding_window``, ``q_lora_rank``)."""
     from transformers import AutoConfig
 
     if arch not in ARCHITECTURES:
@@ -268,6 +304,18 @@ def tiny_config(
         kwargs.update(shared_expert_intermediate_size=intermediate_size)
     if arch == "mixtral":
         kwargs.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok)
+    if arch == "deepseek_v2":
+        del kwargs["head_dim"]
+        kwargs.update(DEEPSEEK_V2_LITE_TINY, num_key_value_heads=num_heads)
+        kwargs.update(
+            n_routed_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+        )
+        if rope_scaling is not None:
+            kwargs["rope_scaling"] = dict(rope_scaling)
+        yarn = kwargs["rope_scaling"]
+        kwargs["max_position_embeddings"] = yarn["factor"] * yarn["original_max_position_embeddings"]
     kwargs.update(overrides)
     return AutoConfig.for_model(arch, **kwargs)
 

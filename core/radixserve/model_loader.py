@@ -120,6 +120,7 @@ def model_kernel_query(
         sliding_window=facts.sliding_window,
         logit_softcap=facts.logit_softcap,
         elementwise_ops=facts.elementwise_ops or None,
+        mla=facts.mla,
     )
 
 

@@ -5,6 +5,7 @@ truth every other backend is tested against. Registered through the
 from radixserve.hooks import Register, hookimpl
 from radixserve_torch.attention import TorchNativeAttention
 from radixserve_torch.attention_cpu_paged import CpuPagedAttention
+from radixserve_torch.attention_mla import TorchMLAAttention
 from radixserve_torch.attention_varlen import TorchVarlenAttention
 from radixserve_torch.elementwise import TorchNativeElementwise
 from radixserve_torch.elementwise_cpu import CpuFusedElementwise
@@ -24,6 +25,7 @@ def register_attention_backends(register: Register) -> None:
     register(TorchNativeAttention)
     register(TorchVarlenAttention)
     register(CpuPagedAttention)
+    register(TorchMLAAttention)
 
 
 @hookimpl

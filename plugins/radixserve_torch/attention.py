@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.forward_batch import ForwardBatch
-from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
+from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery, attention_feature_reasons
 
 # Under graphs, decode reads each request's whole slot table row (it cannot know
 # the batch's longest context), so graphs are offered only while the captured
@@ -31,7 +31,9 @@ class TorchNativeAttention(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        return grouped_heads_reasons(query)
+        return grouped_heads_reasons(query) + attention_feature_reasons(
+            query, cls.name, sliding_window=True, logit_softcap=True
+        )
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)

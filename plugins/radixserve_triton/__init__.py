@@ -1,4 +1,5 @@
-"""Portable Triton kernels: paged attention (``triton``), fused MoE
+"""Portable Triton kernels: paged attention (``triton``), multi-head latent
+attention decode (``triton_mla``), fused MoE
 (``triton``) and the elementwise ops (``triton``: RMSNorm + residual, rotary,
 SiLU-and-mul). They run on CUDA and ROCm, and on CPU under ``TRITON_INTERPRET=1``
 (Triton's interpreter: slow, for tests). Registered through the ``radixserve``
@@ -23,6 +24,7 @@ from radixserve_triton.config import (
     MoEKernelConfig,
 )
 from radixserve_triton.elementwise import TritonElementwise
+from radixserve_triton.mla import TritonMLAAttention
 from radixserve_triton.moe import TritonMoE
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "MoEKernelConfig",
     "TritonAttention",
     "TritonElementwise",
+    "TritonMLAAttention",
     "TritonMoE",
 ]
 
@@ -39,6 +42,7 @@ __all__ = [
 @hookimpl
 def register_attention_backends(register: Register) -> None:
     register(TritonAttention)
+    register(TritonMLAAttention)
 
 
 @hookimpl

@@ -137,6 +137,77 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+@dataclass(frozen=True)
+class LatentKV:
+    """The KV entry of multi-head latent attention (DeepSeek-V2's MLA), which a
+    model states in its facts (``ModelFacts.mla``, then ``KernelQuery.mla``):
+    per token and layer one entry that every head shares, the compressed latent
+    ``c_kv`` (``kv_lora_rank`` values, already normalised) followed by the key's
+    rotary part (``rope_dim`` values, already rotated), in place of a K and a V
+    per KV head."""
+
+    kv_lora_rank: int
+    rope_dim: int
+
+    @property
+    def entry_dim(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+
+class LatentKVPool(KVPool):
+    """The KV pool of a multi-head latent attention model: per layer one buffer
+    ``[slots, latent.entry_dim]`` (each token's latent, then its rotary key part)
+    and no K or V buffers. Slots, pages and the reserved page 0 mean what they
+    mean in ``KVPool`` and the layout is token-major; the K/V accessors refuse,
+    MLA backends read ``get_latent`` and write ``set_latent``."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        num_layers: int,
+        latent: LatentKV,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.device = device
+        self.layout = KVLayout()
+        self.latent = latent
+        shape = ((num_pages + 1) * page_size, latent.entry_dim)
+        self.latent_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffers: list[torch.Tensor] = []
+        self.v_buffers: list[torch.Tensor] = []
+
+    def get_latent(self, layer_id: int) -> torch.Tensor:
+        """A layer's entries ``[slots, kv_lora_rank + rope_dim]``."""
+        return self.latent_buffers[layer_id]
+
+    def set_latent(self, layer_id: int, loc: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+        """Store ``latent`` ``[n, kv_lora_rank]`` and ``k_rope`` ``[n, rope_dim]`` at slots ``loc`` ``[n]``."""
+        buf = self.latent_buffers[layer_id]
+        buf.index_copy_(0, loc, torch.cat((latent, k_rope), dim=-1).to(self.dtype))
+
+    def _no_kv(self) -> ValueError:
+        return ValueError("this KV pool holds multi-head latent attention entries; read them with get_latent")
+
+    def get_kv(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise self._no_kv()
+
+    def get_kv_pages(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise self._no_kv()
+
+    def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        raise self._no_kv()
+
+    @staticmethod
+    def entry_bytes_per_token(num_layers: int, latent: LatentKV, dtype: torch.dtype) -> int:
+        return num_layers * latent.entry_dim * torch.empty((), dtype=dtype).element_size()
+
+
 class PagedAllocator:
     """Hands out KV slots a page at a time; a request's pages are its own.
 

@@ -4,6 +4,7 @@ from radixserve.kernels.attention import AttentionBackend, AttentionLayerSpec, a
 from radixserve.kernels.base import Backend
 from radixserve.kernels.elementwise import MODEL_SPECIFIC_OPS, ElementwiseBackend, elementwise_op_reasons
 from radixserve.kernels.gemm import GemmBackend
+from radixserve.kernels.mla import MLAAttentionBackend, MLALayerSpec, latent_pool, mla_reasons, up_projected_extend
 from radixserve.kernels.moe import MoEBackend, MoERouting, route
 from radixserve.kernels.quantization import QuantizationMethod
 from radixserve.kernels.query import KernelQuery
@@ -15,11 +16,16 @@ __all__ = [
     "ElementwiseBackend",
     "GemmBackend",
     "KernelQuery",
+    "MLAAttentionBackend",
+    "MLALayerSpec",
     "MODEL_SPECIFIC_OPS",
     "MoEBackend",
     "MoERouting",
     "QuantizationMethod",
     "attention_feature_reasons",
     "elementwise_op_reasons",
+    "latent_pool",
+    "mla_reasons",
     "route",
+    "up_projected_extend",
 ]

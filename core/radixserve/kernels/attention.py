@@ -117,11 +117,15 @@ class AttentionBackend(Backend):
 
 
 def attention_feature_reasons(
-    query: KernelQuery, name: str, *, sliding_window: bool = False, logit_softcap: bool = False
+    query: KernelQuery, name: str, *, sliding_window: bool = False, logit_softcap: bool = False, mla: bool = False
 ) -> list[str]:
     """Why backend ``name``, which supports only the features flagged True,
-    cannot serve the attention features that ``query``'s model uses."""
+    cannot serve the attention features that ``query``'s model uses. ``mla``:
+    multi-head latent attention, which only an ``MLAAttentionBackend`` serves
+    (radixserve/kernels/mla.py)."""
     reasons = []
+    if query.mla is not None and not mla:
+        reasons.append(f"{name} has no multi-head latent attention (the model keeps a latent KV: {query.mla})")
     if query.sliding_window is not None and not sliding_window:
         reasons.append(f"{name} has no sliding-window attention (the model has windowed layers)")
     if query.logit_softcap is not None and not logit_softcap:

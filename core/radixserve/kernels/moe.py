@@ -15,6 +15,13 @@ class MoERouting:
     top_k: int
     renormalize: bool  # divide the top-k weights by their sum
     scoring: str = "softmax"  # softmax over all experts, then top-k
+    # Group-limited routing (DeepSeek-V2's "group_limited_greedy"): the experts form
+    # num_groups equal groups in order, each group scores as its best expert, and the
+    # top-k experts are taken from the topk_groups best groups only. 1: no groups.
+    num_groups: int = 1
+    topk_groups: int = 1
+    # Every chosen expert's weight is multiplied by this (after any renormalization).
+    scaling_factor: float = 1.0
 
 
 class MoEBackend(Backend):
@@ -51,7 +58,15 @@ def route(router_logits: torch.Tensor, routing: MoERouting) -> tuple[torch.Tenso
     if routing.scoring != "softmax":
         raise ValueError(f"unknown MoE scoring function {routing.scoring!r}")
     probs = torch.softmax(router_logits.float(), dim=-1)
+    if routing.num_groups > 1:
+        tokens, experts = probs.shape
+        group_best = probs.view(tokens, routing.num_groups, -1).amax(dim=-1)  # [T, groups]
+        chosen = torch.topk(group_best, routing.topk_groups, dim=-1).indices
+        keep = torch.zeros_like(group_best, dtype=torch.bool).scatter_(1, chosen, True)
+        probs = probs.masked_fill(~keep.repeat_interleave(experts // routing.num_groups, dim=1), 0.0)
     weights, ids = torch.topk(probs, routing.top_k, dim=-1)
     if routing.renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if routing.scaling_factor != 1.0:
+        weights = weights * routing.scaling_factor
     return weights, ids

@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from radixserve.cache.memory_pool import LatentKV
+
 
 @dataclass(frozen=True)
 class KernelQuery:
@@ -33,6 +35,9 @@ class KernelQuery:
     # The elementwise ops beyond the common three that the model calls (names from
     # kernels.elementwise.MODEL_SPECIFIC_OPS): a backend without one refuses the query.
     elementwise_ops: Optional[tuple[str, ...]] = None
+    # Multi-head latent attention (DeepSeek-V2): the KV pool holds one latent entry
+    # per token (LatentKV) instead of K and V; only backends that declare MLA serve it.
+    mla: Optional[LatentKV] = None
 
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in self.__dict__.items() if v is not None]

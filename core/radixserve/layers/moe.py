@@ -43,6 +43,10 @@ class FusedMoE(Layer):
     ``[I, H]`` projection into ``w13_weight``, ``(expert, "down")`` for its
     ``[H, I]`` projection into ``w2_weight``, or ``None`` for a checkpoint that
     already stacks all experts in this layout.
+
+    Routing (``MoERouting``): top-k of the softmax over the router logits,
+    renormalized or not, optionally group-limited (``num_groups``,
+    ``topk_groups``) and scaled (``scaling_factor``).
     """
 
     def __init__(
@@ -53,6 +57,9 @@ class FusedMoE(Layer):
         intermediate_size: int,
         ctx: ModelContext,
         renormalize: bool,
+        num_groups: int = 1,
+        topk_groups: int = 1,
+        scaling_factor: float = 1.0,
     ):
         super().__init__()
         if ctx.moe is None:
@@ -61,7 +68,13 @@ class FusedMoE(Layer):
         self.num_experts = num_experts
         self.intermediate_full = intermediate_size
         self.intermediate = divide(intermediate_size, ctx.tp_size)
-        self.routing = MoERouting(top_k=top_k, renormalize=renormalize)
+        self.routing = MoERouting(
+            top_k=top_k,
+            renormalize=renormalize,
+            num_groups=num_groups,
+            topk_groups=topk_groups,
+            scaling_factor=scaling_factor,
+        )
         self.w13_weight = nn.Parameter(
             torch.empty(num_experts, 2 * self.intermediate, hidden_size, dtype=ctx.dtype), requires_grad=False
         )

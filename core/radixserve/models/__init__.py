@@ -3,6 +3,7 @@ hook a third-party plugin uses (the registry loads this module as a plugin)."""
 
 from radixserve.hooks import Register, hookimpl
 from radixserve.models.base import CausalLM, ModelFacts
+from radixserve.models.deepseek_v2 import DeepseekV2ForCausalLM
 from radixserve.models.gemma2 import Gemma2ForCausalLM
 from radixserve.models.gemma3 import Gemma3ForCausalLM
 from radixserve.models.llama import LlamaForCausalLM
@@ -18,6 +19,7 @@ MODEL_CLASSES: tuple[type, ...] = (
     Qwen2ForCausalLM,
     Qwen3ForCausalLM,
     Qwen3MoeForCausalLM,
+    DeepseekV2ForCausalLM,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     MixtralForCausalLM,
@@ -34,6 +36,7 @@ def register_models(register: Register) -> None:
 
 __all__ = [
     "CausalLM",
+    "DeepseekV2ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "LlamaForCausalLM",

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, ClassVar, Iterable, Optional, Protocol, runtim
 
 import torch
 
+from radixserve.cache.memory_pool import LatentKV
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -37,6 +39,7 @@ class ModelFacts:
     sliding_window: Optional[int] = None  # the widest window of any windowed layer
     logit_softcap: Optional[float] = None  # attention score cap
     elementwise_ops: tuple[str, ...] = ()  # model-specific elementwise ops it calls (kernels.MODEL_SPECIFIC_OPS)
+    mla: Optional[LatentKV] = None  # multi-head latent attention: the KV pool's latent entry
 
 
 @runtime_checkable

@@ -10,7 +10,7 @@ from typing import Any, Optional
 import torch
 
 from radixserve.backend_timing import AgreedSelection, MeasuredSelection, ModelShapes
-from radixserve.cache.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
+from radixserve.cache.memory_pool import KVPool, LatentKVPool, PagedAllocator, ReqToTokenPool
 from radixserve.config import ServerArgs
 from radixserve.embedding_config import embedding_config
 from radixserve.forward_batch import ForwardBatch
@@ -145,7 +145,10 @@ class ModelRunner:
 
     def _init_memory(self) -> None:
         args, q = self.args, self.query
-        per_token = KVPool.bytes_per_token(self.num_layers, q.num_kv_heads, q.head_dim, self.kv_dtype)
+        if q.mla is None:
+            per_token = KVPool.bytes_per_token(self.num_layers, q.num_kv_heads, q.head_dim, self.kv_dtype)
+        else:  # multi-head latent attention: one latent entry per token and layer
+            per_token = LatentKVPool.entry_bytes_per_token(self.num_layers, q.mla, self.kv_dtype)
         max_running = args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
         total = self.platform.total_memory_bytes(self.gpu_id)
         available = self.platform.available_memory_bytes(self.gpu_id)
@@ -164,16 +167,19 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             max_running + 1, self.context_length + args.page_size, self.device, self.transfer
         )
-        self.kv_pool = KVPool(
-            num_pages,
-            args.page_size,
-            self.num_layers,
-            q.num_kv_heads,
-            q.head_dim,
-            self.kv_dtype,
-            self.device,
-            layout=self.attention.kv_layout,
-        )
+        if q.mla is None:
+            self.kv_pool = KVPool(
+                num_pages,
+                args.page_size,
+                self.num_layers,
+                q.num_kv_heads,
+                q.head_dim,
+                self.kv_dtype,
+                self.device,
+                layout=self.attention.kv_layout,
+            )
+        else:
+            self.kv_pool = LatentKVPool(num_pages, args.page_size, self.num_layers, q.mla, self.kv_dtype, self.device)
         self.allocator = PagedAllocator(num_pages, args.page_size, self.device, self.transfer)
         self.max_total_tokens = self.allocator.size
         # The figures the pool was sized from (measured after the weights loaded, before the pool).

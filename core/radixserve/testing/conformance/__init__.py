@@ -5,8 +5,8 @@
 
 Each ``check_*`` function builds the contract's cases (random paged KV layouts
 with permuted slots, page sizes 1 and 16, ragged batches, cached prefixes,
-decode, GQA, head dims 64 and 128; several MoE expert counts, top-k and
-renormalization settings; GEMM shapes with and without bias; the quantization
+decode, GQA, head dims 64 and 128; several MoE expert counts, top-k,
+renormalization and group-limited routing settings; GEMM shapes with and without bias; the quantization
 lifecycle; RMSNorm with and without the fused residual, rotary NeoX/GPT-J/partial
 on views of a fused QKV buffer, SiLU-and-mul), runs the backend on ``device`` for every dtype it claims (asked
 through ``unsupported_reasons``) and compares it with the reference backend run
@@ -66,6 +66,14 @@ from radixserve.testing.conformance.elementwise import (
     run_elementwise_case,
 )
 from radixserve.testing.conformance.gemm import GEMM_CASES, GemmCase, check_gemm_backend
+from radixserve.testing.conformance.mla import (
+    MLA_CASES,
+    MLACase,
+    MLAInputs,
+    check_mla_attention_backend,
+    dense_mla_attention,
+    make_mla_inputs,
+)
 from radixserve.testing.conformance.moe import MOE_CASES, MoECase, check_moe_backend, make_moe_inputs
 from radixserve.testing.conformance.quantization import (
     QUANT_CASES,
@@ -87,6 +95,9 @@ __all__ = [
     "ElementwiseCase",
     "GEMM_CASES",
     "GemmCase",
+    "MLACase",
+    "MLAInputs",
+    "MLA_CASES",
     "MOE_CASES",
     "MoECase",
     "QUANT_CASES",
@@ -97,12 +108,15 @@ __all__ = [
     "check_attention_backend",
     "check_elementwise_backend",
     "check_gemm_backend",
+    "check_mla_attention_backend",
     "check_moe_backend",
     "check_quantization_method",
     "compare",
     "dense_attention",
+    "dense_mla_attention",
     "make_attention_inputs",
     "make_elementwise_inputs",
+    "make_mla_inputs",
     "make_moe_inputs",
     "resolve_backend",
     "run_elementwise_case",

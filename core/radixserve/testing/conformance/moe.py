@@ -22,6 +22,19 @@ class MoECase:
     num_experts: int
     top_k: int
     renormalize: bool
+    # Group-limited routing and the weights' scale (MoERouting); 1, 1, 1.0: plain top-k.
+    num_groups: int = 1
+    topk_groups: int = 1
+    scaling_factor: float = 1.0
+
+    def routing(self) -> MoERouting:
+        return MoERouting(
+            top_k=self.top_k,
+            renormalize=self.renormalize,
+            num_groups=self.num_groups,
+            topk_groups=self.topk_groups,
+            scaling_factor=self.scaling_factor,
+        )
 
     def query(self, device: str, dtype: torch.dtype) -> KernelQuery:
         return KernelQuery(device=device, dtype=dtype, num_experts=self.num_experts, top_k=self.top_k)
@@ -36,6 +49,10 @@ _MOE_STANDARD = _MOE_QUICK + (
     MoECase("E16/k4/renorm/T32", 32, 128, 64, 16, 4, True),
     MoECase("E4/k4/all-experts/T5", 5, 80, 56, 4, 4, False),
     MoECase("E8/k1/renorm/T9", 9, 64, 128, 8, 1, True),
+    # DeepSeek-V2's group-limited routing: 4 groups of 4 experts, the best 2 groups compete, weights x 2.5.
+    MoECase(
+        "E16/k3/plain/groups4-top2/x2.5/T11", 11, 64, 96, 16, 3, False, num_groups=4, topk_groups=2, scaling_factor=2.5
+    ),
 )
 _MOE_FULL = _MOE_STANDARD + (
     MoECase("E64/k6/renorm/T200", 200, 256, 192, 64, 6, True),
@@ -54,7 +71,7 @@ def make_moe_inputs(case: MoECase, dtype: torch.dtype, seed: int = 0):
     logits = (logits - logits.mean(dim=1, keepdim=True).round()).to(dtype)
     w13 = (torch.randn((e, 2 * i, h), generator=gen) / math.sqrt(h)).to(dtype)
     w2 = (torch.randn((e, h, i), generator=gen) / math.sqrt(i)).to(dtype)
-    return hidden, logits, w13, w2, MoERouting(top_k=case.top_k, renormalize=case.renormalize)
+    return hidden, logits, w13, w2, case.routing()
 
 
 def check_moe_backend(
