@@ -1,5 +1,6 @@
-"""Plugins (ours, hardware distributions, the third-party template) import only
-the core's public API, so they are written exactly as an outside author's."""
+"""Plugins (ours, hardware distributions, the third-party templates) import only
+the core's public API, so they are written exactly as an outside author's. A
+model plugin builds on the model classes and layers (docs/models.md)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ PUBLIC = (
     "radixserve.cache.memory_pool",
     "radixserve.communicator",
     "radixserve.testing",
+    "radixserve.models",
+    "radixserve.layers",
 )
 PLUGIN_DIRS = ("plugins", "hardware", "examples")
 
