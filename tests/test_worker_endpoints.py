@@ -150,7 +150,14 @@ def test_sglang_shapes_beside_the_old_names(http):
     assert worker["backends"] == info["backends"] and worker["backends"]["attention"]
     assert (worker["tp_size"], worker["dp_size"], worker["max_total_num_tokens"]) == (1, 1, POOL)
     assert worker["context_length"] == 32768
-    assert worker["features"] == {"structured_output": True, "tools": True, "logprobs": True, "n": True}
+    assert worker["features"] == {
+        "generation": True,
+        "embeddings": False,
+        "structured_output": True,
+        "tools": True,
+        "logprobs": True,
+        "n": True,
+    }
     assert worker["decode_tokens_per_s"] is None  # the warm-up prefilled one token, and nothing decoded since
     # SGLang's shape: the flags at the top level (resolved values where the runtime has them), one
     # internal state per replica, the version; ours (server_args, stats, pids) stays.
