@@ -5,6 +5,7 @@ backend whose build fails is passed over, saying why."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from generation_utils import generate, make_scheduler, mixed_prompts
 
-from radixserve.backend_timing import MeasuredSelection, ModelShapes, TimingCache, report_cached
+from radixserve.backend_timing import MeasuredSelection, ModelShapes, TimingCache, report_cached, timing_cases
 from radixserve.hooks import hookimpl
 from radixserve.kernels import GemmBackend, KernelQuery
 from radixserve.registry import PluginError, PluginRegistry
@@ -129,6 +130,22 @@ def test_the_second_start_reuses_the_cached_measurement(registry, tmp_path):
     assert len(list(tmp_path.glob("*.json"))) == 2
     rows = report_cached(CpuPlatform(), cache=TimingCache(tmp_path))
     assert [row["chosen"] for row in rows] == ["fast_gemm", "fast_gemm"] and rows[0]["kind"] == "gemm"
+
+
+def test_attention_features_are_timed_by_attention_alone(registry, tmp_path):
+    """A model's sliding window and logit cap make another attention measurement
+    (timed on them), not another GEMM one."""
+    windowed = dataclasses.replace(QUERY, sliding_window=16, logit_softcap=30.0)
+    selection(registry, tmp_path).select("gemm", QUERY)
+    again = selection(registry, tmp_path)
+    assert again.select("gemm", windowed) is FastGemm and again.choices["gemm"].how.startswith("cached")
+    names = [case.label for case in timing_cases("attention", windowed, SHAPES, torch.device("cpu"))]
+    assert names == ["decode/bs4/ctx64/window16/softcap30", "extend/t32/window16/softcap30"]
+    chooser = selection(PluginRegistry(), tmp_path)
+    chooser.select("attention", windowed)
+    timed = chooser.choices["attention"]
+    assert timed.how.startswith("measured") and set(timed.seconds["cpu_paged"]) == set(names)
+    assert "torch_native" in timed.seconds and "torch_varlen" in timed.seconds
 
 
 def test_a_corrupt_cache_entry_is_measured_again(registry, tmp_path):

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from radixserve.kernels import KernelQuery, MoERouting
+from radixserve.kernels import KernelQuery, MoERouting, attention_feature_reasons
 from radixserve.registry import PluginRegistry
 from radixserve.testing import (
     ATTENTION_CASES,
@@ -62,7 +62,36 @@ def test_attention_report_covers_the_contract_cases():
     assert any(c.mode == "extend" and any(c.prefix_lens) for c in cases)  # prefix hits
     assert all(r.kv_store == "ok" for r in report.results)
     text = str(report)
-    assert "21/21" not in text and "7/7 cases passed" in text and "decode/p16/gqa4/d128" in text
+    assert "48/48" not in text and "16/16 cases passed" in text and "decode/p16/gqa4/d128" in text
+
+
+def test_attention_cases_cover_windows_and_soft_capping():
+    """Windows shorter and longer than a request's context, in extend (fresh, over
+    cached prefixes, a chunk longer than the window after a long prefix) and
+    decode (down to one key), on pages of 1 and 16; the cap alone and with a
+    window; in every case set."""
+    cases = ATTENTION_CASES["standard"]
+    windowed = [c for c in cases if c.sliding_window is not None]
+    capped = [c for c in cases if c.logit_softcap is not None]
+    seq = lambda c: [p + n for p, n in zip(c.prefix_lens, c.extend_lens)]  # noqa: E731
+    assert any(s > c.sliding_window for c in windowed for s in seq(c))
+    assert any(s <= c.sliding_window for c in windowed for s in seq(c))
+    extend = [c for c in windowed if c.mode == "extend"]
+    assert any(not any(c.prefix_lens) for c in extend)
+    assert any(p > c.sliding_window for c in extend for p in c.prefix_lens)  # prefix keys outside the window
+    assert any(n > c.sliding_window and p > 0 for c in extend for p, n in zip(c.prefix_lens, c.extend_lens))
+    assert {c.mode for c in windowed} == {c.mode for c in capped} == {"extend", "decode"}
+    assert {c.page_size for c in windowed} == {1, 16} and 1 in {c.sliding_window for c in windowed}
+    assert any(c.sliding_window is None for c in capped) and any(c.sliding_window for c in capped)
+    for name in ("quick", "full"):
+        assert {c.mode for c in ATTENTION_CASES[name] if c.sliding_window and c.logit_softcap} == {"extend", "decode"}
+    # The query says so, for unsupported_reasons; a windowed case adds a global layer.
+    query = capped[-1].query("cpu", torch.float32)
+    assert (query.sliding_window, query.logit_softcap) == (capped[-1].sliding_window, capped[-1].logit_softcap)
+    inputs = make_attention_inputs(windowed[0], torch.float32)
+    assert inputs.layer.sliding_window == windowed[0].sliding_window
+    assert inputs.global_layer.sliding_window is None and inputs.global_layer.layer_id == inputs.layer.layer_id + 1
+    assert make_attention_inputs(capped[0], torch.float32).global_layer is None
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
@@ -76,8 +105,30 @@ def test_torch_native_matches_independent_dense_attention(case, layout):
         assert first.tolist() == list(range(case.page_size, case.page_size + len(first)))
     backend = TorchNativeAttention(case.query("cpu", torch.float32))
     backend.init_forward_metadata(inputs.batch)
-    out = backend.forward(inputs.q, inputs.k, inputs.v, inputs.layer, inputs.batch)
-    assert (out.double() - dense_attention(inputs)).abs().max().item() < 2e-6
+    for layer in filter(None, (inputs.layer, inputs.global_layer)):
+        out = backend.forward(inputs.q, inputs.k, inputs.v, layer, inputs.batch)
+        assert (out.double() - dense_attention(inputs, layer)).abs().max().item() < 2e-6
+
+
+def test_dense_attention_windows_and_cap():
+    """The kit's statement itself: a window no shorter than the context is no
+    window, a window of one key returns each query's own value, and a cap changes
+    the result only through the scores (a huge cap is no cap)."""
+    case = next(c for c in ATTENTION_CASES["standard"] if c.name.startswith("extend/window24/prefix"))
+    inputs = make_attention_inputs(case, torch.float32, seed=3)
+    plain = dense_attention(inputs, inputs.global_layer)
+    longest = max(p + n for p, n in zip(case.prefix_lens, case.extend_lens))
+    wide = dataclasses.replace(inputs.layer, sliding_window=longest)
+    assert torch.equal(dense_attention(inputs, wide), plain)
+    assert not torch.allclose(dense_attention(inputs), plain)
+    own = dataclasses.replace(inputs.layer, sliding_window=1)
+    group = case.num_heads // case.num_kv_heads
+    new_values = torch.cat([v[p:] for v, p in zip(inputs.values, case.prefix_lens)]).double()
+    assert torch.allclose(dense_attention(inputs, own), new_values.repeat_interleave(group, dim=1))
+    huge = dataclasses.replace(inputs.global_layer, logit_softcap=1e9)
+    assert torch.allclose(dense_attention(inputs, huge), plain)
+    capped = dataclasses.replace(inputs.global_layer, logit_softcap=1.0)
+    assert not torch.allclose(dense_attention(inputs, capped), plain)
 
 
 def test_paged_layout_is_actually_scattered():
@@ -193,6 +244,76 @@ def test_off_by_one_kv_index_fails_every_case():
     message = _assert_fails_naming(report, all_cases)
     assert "[bfloat16]" in message and "[float32]" in message
     assert all(r.kv_store == "ok" for r in report.results)  # it stores right, reads wrong
+
+
+class IgnoresTheWindow(TorchNativeAttention):
+    name = "no_window"
+
+    def forward(self, q, k, v, layer, batch):
+        return super().forward(q, k, v, dataclasses.replace(layer, sliding_window=None), batch)
+
+
+class IgnoresTheCap(TorchNativeAttention):
+    name = "no_cap"
+
+    def forward(self, q, k, v, layer, batch):
+        return super().forward(q, k, v, dataclasses.replace(layer, logit_softcap=None), batch)
+
+
+class OneWindowPerStep(TorchNativeAttention):
+    """Applies the first window it sees in a step to every later layer (a per-step
+    mask cache keyed on nothing): wrong for a global layer after a windowed one."""
+
+    name = "one_window"
+
+    def init_forward_metadata(self, batch):
+        super().init_forward_metadata(batch)
+        self._window = None
+
+    def forward(self, q, k, v, layer, batch):
+        self._window = self._window or layer.sliding_window
+        return super().forward(q, k, v, dataclasses.replace(layer, sliding_window=self._window), batch)
+
+
+def test_ignoring_the_window_or_the_cap_fails_exactly_those_cases():
+    cases = ATTENTION_CASES["standard"]
+    # A window no shorter than every request's context changes nothing: only the others can fail.
+    longest = lambda c: max(p + n for p, n in zip(c.prefix_lens, c.extend_lens))  # noqa: E731
+    shorter = {c.name for c in cases if c.sliding_window is not None and c.sliding_window < longest(c)}
+    _assert_fails_naming(check_attention_backend(IgnoresTheWindow, dtypes=[torch.float32]), shorter)
+    capped = {c.name for c in cases if c.logit_softcap is not None}
+    _assert_fails_naming(check_attention_backend(IgnoresTheCap, dtypes=[torch.bfloat16]), capped)
+    # The global layer each windowed case runs after its windowed one catches a window kept for the step.
+    _assert_fails_naming(check_attention_backend(OneWindowPerStep, dtypes=[torch.float32]), shorter)
+
+
+def test_backends_without_the_features_skip_their_cases_with_reasons():
+    class NoFeatures(TorchNativeAttention):
+        name = "no_features"
+
+        @classmethod
+        def unsupported_reasons(cls, query):
+            return attention_feature_reasons(query, cls.name)
+
+    class WindowOnly(NoFeatures):
+        name = "window_only"
+
+        @classmethod
+        def unsupported_reasons(cls, query):
+            return attention_feature_reasons(query, cls.name, sliding_window=True)
+
+    cases = ATTENTION_CASES["standard"]
+    report = check_attention_backend(NoFeatures, dtypes=[torch.float32]).raise_for_failures()
+    featured = {c.name for c in cases if c.sliding_window or c.logit_softcap}
+    assert {s.case for s in report.skipped} == featured and report.num_run == len(cases) - len(featured)
+    text = str(report)
+    assert "no_features has no sliding-window attention" in text and "no attention logit soft-capping" in text
+    report = check_attention_backend(WindowOnly, dtypes=[torch.float32]).raise_for_failures()
+    assert {s.case for s in report.skipped} == {c.name for c in cases if c.logit_softcap}
+    assert all(
+        s.reasons == ["window_only has no attention logit soft-capping (the model caps its scores)"]
+        for s in report.skipped
+    )
 
 
 def test_wrong_softmax_scale_fails_every_case():

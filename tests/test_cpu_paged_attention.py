@@ -2,12 +2,15 @@
 
 The conformance kit against torch_native (every dtype, page sizes 1 and 16,
 prefixes, GQA 1-8, head dims 32-256, split long contexts, large ragged
-batches); ``auto`` picks it on cpu, and ``torch_varlen`` when no compiler is
-found; a build failure is a loud error naming the compiler's message; whole
-generations give the same greedy tokens as torch_native. The kernel is built
-once per machine (conftest builds it before the first test)."""
+batches, sliding windows and logit caps on every path); ``auto`` picks it on
+cpu, and ``torch_varlen`` when no compiler is found; a build failure is a loud
+error naming the compiler's message; whole generations give the same greedy
+tokens as torch_native. The kernel is built once per machine (conftest builds it
+before the first test)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -45,6 +48,83 @@ EXTRA_CASES = (
     AttentionCase("extend/prefix1024/p1/gqa2/d64", "extend", 1, 16, 8, 64, (1024, 7, 0), (64, 40, 200)),
     # An odd head_dim: bfloat16 scores without vdpbf16ps pairs (its P.V still pairs keys).
     AttentionCase("extend/d33/p1/gqa2", "extend", 1, 4, 2, 33, (0, 40, 7), (70, 20, 5)),
+    # Windows and caps on the same paths: a windowed long decode split across threads (its
+    # ranges cut from the window's keys), a batch too large to split, key-major scores (groups
+    # of 8), the portable loops, extend tiles whose rows' windows start blocks apart (rows with
+    # no key yet in a block), windows over a long cached prefix, and the unpaired bfloat16 scores.
+    AttentionCase(
+        "decode/split/window1000+softcap/p1/gqa2/d64",
+        "decode",
+        1,
+        16,
+        8,
+        64,
+        (3000,),
+        (1,),
+        sliding_window=1000,
+        logit_softcap=20.0,
+    ),
+    AttentionCase(
+        "decode/ragged40/window200+softcap/p16/gqa4/d64",
+        "decode",
+        16,
+        8,
+        2,
+        64,
+        tuple(s - 1 for s in _lens),
+        (1,) * 40,
+        sliding_window=200,
+        logit_softcap=8.0,
+    ),
+    AttentionCase(
+        "decode/qwen2/window300+softcap/p1/gqa8/d32",
+        "decode",
+        1,
+        16,
+        2,
+        32,
+        (1100, 4, 346, 33, 699),
+        (1,) * 5,
+        sliding_window=300,
+        logit_softcap=10.0,
+    ),
+    AttentionCase(
+        "decode/d40/window50+softcap/p1/gqa2",
+        "decode",
+        1,
+        4,
+        2,
+        40,
+        (90, 16),
+        (1, 1),
+        sliding_window=50,
+        logit_softcap=3.0,
+    ),
+    AttentionCase("extend/window5/long/p1/gqa1/d64", "extend", 1, 2, 2, 64, (0, 100), (300, 150), sliding_window=5),
+    AttentionCase(
+        "extend/window40+softcap/prefix1024/p16/gqa8/d32",
+        "extend",
+        16,
+        16,
+        2,
+        32,
+        (1024, 7, 0),
+        (64, 40, 200),
+        sliding_window=40,
+        logit_softcap=5.0,
+    ),
+    AttentionCase(
+        "extend/d33/window9+softcap/p1/gqa2",
+        "extend",
+        1,
+        4,
+        2,
+        33,
+        (0, 40, 7),
+        (70, 20, 5),
+        sliding_window=9,
+        logit_softcap=2.0,
+    ),
 )
 
 
@@ -175,36 +255,53 @@ def test_float32_model_over_a_bfloat16_pool_matches_torch_native(tiny_llama_dir)
 
 
 def _decode_reference(q, batch, layer) -> torch.Tensor:
-    """Float32 attention of each request's query over its keys read through req_to_token."""
+    """Float32 attention of each request's query over its keys read through
+    req_to_token (the last ``layer.sliding_window`` of them; scores capped)."""
     k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
     out = []
     for i, (row, n) in enumerate(zip(batch.req_pool_indices.tolist(), batch.seq_lens.tolist())):
-        slots = batch.req_to_token[row, :n]
+        slots = batch.req_to_token[row, max(0, n - (layer.sliding_window or n)) : n]
         k = k_buf[slots].float().repeat_interleave(layer.num_heads // layer.num_kv_heads, 1)  # [n, H, D]
         v = v_buf[slots].float().repeat_interleave(layer.num_heads // layer.num_kv_heads, 1)
         scores = torch.einsum("hd,nhd->hn", q[i].float(), k) * layer.scaling
+        if layer.logit_softcap is not None:
+            scores = layer.logit_softcap * torch.tanh(scores / layer.logit_softcap)
         out.append(torch.einsum("hn,nhd->hd", scores.softmax(-1), v))
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 64), (16, 2, 32), (8, 4, 80)])
-def test_decode_over_shared_prefixes_takes_the_cascade_path(dtype, heads, kv_heads, head_dim):
+def _shared_prefix_inputs(dtype, heads, kv_heads, head_dim, **features):
     # Requests 0-5 share request 0's first 200 slots (5 of them also share to 260), 7-10 share
     # request 7's first 96 (10 only 50: the group's common prefix is then 50, below the
     # threshold, and the group is dropped), 6 shares nothing; as the radix cache lays
     # out requests with a common cached prefix.
     lens = [300, 310, 290, 305, 270, 280, 40, 500, 280, 120, 200]
     case = AttentionCase(
-        "decode/shared", "decode", 1, heads, kv_heads, head_dim, tuple(n - 1 for n in lens), (1,) * len(lens)
+        "decode/shared",
+        "decode",
+        1,
+        heads,
+        kv_heads,
+        head_dim,
+        tuple(n - 1 for n in lens),
+        (1,) * len(lens),
+        **features,
     )
     inputs = make_attention_inputs(case, dtype, seed=7)
-    batch, table, rows = inputs.batch, inputs.batch.req_to_token, inputs.batch.req_pool_indices.tolist()
+    table, rows = inputs.batch.req_to_token, inputs.batch.req_pool_indices.tolist()
     for i in (1, 2, 3, 4, 5):
         table[rows[i], :200] = table[rows[0], :200]
     table[rows[5], 200:260] = table[rows[4], 200:260]
     for i, n in ((8, 96), (9, 96), (10, 50)):
         table[rows[i], :n] = table[rows[7], :n]
+    return case, inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 64), (16, 2, 32), (8, 4, 80)])
+def test_decode_over_shared_prefixes_takes_the_cascade_path(dtype, heads, kv_heads, head_dim):
+    case, inputs = _shared_prefix_inputs(dtype, heads, kv_heads, head_dim)
+    batch = inputs.batch
     backend = CpuPagedAttention(case.query("cpu", dtype))
     backend.init_forward_metadata(batch)
     plan = batch.attn_metadata.cascade
@@ -220,6 +317,27 @@ def test_decode_over_shared_prefixes_takes_the_cascade_path(dtype, heads, kv_hea
     torch.testing.assert_close(
         backend.forward_decode(inputs.q, inputs.layer, batch).float(), expected, atol=tol, rtol=tol
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_capped_decode_cascades_and_windowed_decode_does_not(dtype):
+    """A capped layer's shared prefixes go through the cascade kernels, capped in both
+    parts; a windowed layer of the same step decodes every request plainly over its
+    window (the shared prefix lies mostly outside it)."""
+    case, inputs = _shared_prefix_inputs(dtype, 16, 8, 64, sliding_window=120, logit_softcap=4.0)
+    batch = inputs.batch
+    backend = CpuPagedAttention(case.query("cpu", dtype))
+    cascades = []
+    kernels = backend._kernels
+    backend._kernels = dataclasses.replace(kernels, cascade=lambda *a: cascades.append(1) or kernels.cascade(*a))
+    backend.init_forward_metadata(batch)
+    assert batch.attn_metadata.cascade is not None
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for layer in (inputs.global_layer, inputs.layer):  # capped, then capped and windowed
+        before = len(cascades)
+        out = backend.forward(inputs.q, inputs.k, inputs.v, layer, batch)
+        assert len(cascades) - before == (1 if layer.sliding_window is None else 0)
+        torch.testing.assert_close(out.float(), _decode_reference(inputs.q, batch, layer), atol=tol, rtol=tol)
 
 
 def test_cascade_plan_needs_a_long_enough_prefix_and_group():

@@ -1,8 +1,9 @@
 """torch_varlen: the CPU attention backend for ragged paged batches.
 
 The conformance kit against torch_native (every dtype, page sizes 1 and 16,
-prefixes, GQA 1-8, head dims 64/128, plus batches large and ragged enough to be
-split into several buckets); ``auto`` picks it on cpu when cpu_paged cannot
+prefixes, GQA 1-8, head dims 64/128, sliding windows and logit caps, plus
+batches large and ragged enough to be split into several buckets, with and
+without windows and caps); ``auto`` picks it on cpu when cpu_paged cannot
 build (no C++ compiler); whole generations give
 the same greedy tokens as torch_native."""
 
@@ -38,6 +39,34 @@ BUCKETED_CASES = (
     ),
     AttentionCase("extend/bucketed/p1/gqa4/d128", "extend", 1, 8, 2, 128, (0, 0, 64, 5), (200, 31, 150, 90)),
     AttentionCase("extend/one-fresh-prompt/p1/gqa2/d64", "extend", 1, 4, 2, 64, (0,), (300,)),
+    # Windows and caps over several buckets: each bucket's window masks (the fresh-prompt
+    # buckets' too, which take is_causal without one) and the capped float32 paths.
+    AttentionCase(
+        "decode/bucketed/window300+softcap/p1/gqa2/d64",
+        "decode",
+        1,
+        8,
+        4,
+        64,
+        tuple(s - 1 for s in _lens),
+        (1,) * 40,
+        sliding_window=300,
+        logit_softcap=5.0,
+    ),
+    AttentionCase(
+        "extend/bucketed/window100/p16/gqa2/d64",
+        "extend",
+        16,
+        4,
+        2,
+        64,
+        (0, 300, 0, 17, 128, 0, 40),
+        (260, 90, 7, 150, 33, 120, 1),
+        sliding_window=100,
+    ),
+    AttentionCase(
+        "extend/fresh-prompts/softcap/p1/gqa2/d64", "extend", 1, 4, 2, 64, (0, 0), (300, 40), logit_softcap=3.0
+    ),
 )
 
 

@@ -218,9 +218,14 @@ def _lds_bytes(fn, types: dict, constexprs: dict, arch: str, options: dict) -> i
     return kernel.metadata.shared
 
 
-def _attention_lds(config, dt: str, head_dim: int, arch: str, kernels=("store", "decode", "extend")) -> dict:
-    """LDS bytes of each attention kernel as ``config`` launches it (fp16/bf16: same sizes)."""
+def _attention_lds(
+    config, dt: str, head_dim: int, arch: str, kernels=("store", "decode", "extend"), window=0, softcap=0.0
+) -> dict:
+    """LDS bytes of each attention kernel as ``config`` launches it (fp16/bf16: same sizes),
+    for layers with the sliding ``window`` and logit ``softcap`` given (0: none)."""
     from radixserve_triton.ops import attention as A
+
+    features = dict(SLIDING_WINDOW=window, LOGIT_SOFTCAP=softcap)
 
     p, i64, f32, up = f"*{dt}", "*i64", "*fp32", dt == "fp32"
     dtype = torch.float32 if dt == "fp32" else torch.float16
@@ -254,6 +259,7 @@ def _attention_lds(config, dt: str, head_dim: int, arch: str, kernels=("store", 
                 NUM_SPLITS=4,
                 UPCAST=up,
                 RNE_BF16=False,
+                **features,
             ),
             arch,
             config.launch_options(decode=True),
@@ -280,6 +286,7 @@ def _attention_lds(config, dt: str, head_dim: int, arch: str, kernels=("store", 
                 BLOCK_D=head_dim,
                 UPCAST=up,
                 RNE_BF16=False,
+                **features,
             ),
             arch,
             config.launch_options(),
@@ -333,6 +340,10 @@ def test_cdna_configs_compile_within_a_cus_lds(monkeypatch):
             assert max(sizes.values()) <= CDNA_LDS, (arch, dt, head_dim, sizes)
             if dt == "fp16":
                 assert max(sizes.values()) <= CDNA_LDS // 2, sizes
+        # A sliding window and a logit cap (Gemma 2's: 50, in the kernels' base-2 units) fit as well.
+        cap = 50.0 * 1.4426950408889634
+        capped = _attention_lds(CDNA_ATTENTION_CONFIG, "fp32", 128, "gfx942", ("decode", "extend"), 4096, cap)
+        assert max(capped.values()) <= CDNA_LDS, capped
         for arch, dt in (("gfx942", "fp16"), ("gfx942", "fp32"), ("gfx90a", "fp32")):
             moe = _moe_lds(CDNA_MOE_CONFIG, dt, arch)
             assert max(moe.values()) <= CDNA_LDS // 2, (arch, dt, moe)

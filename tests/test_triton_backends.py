@@ -143,13 +143,17 @@ def test_interp_kernels_were_built_for_the_interpreter():
 
 
 @interp
+@pytest.mark.parametrize("window,cap", [(None, None), (40, None), (40, 3.0)])
 @pytest.mark.parametrize("splits", [1, 3, 8])
-def test_interp_decode_split_kv(splits):
-    """Split-KV decode, including splits left empty by short sequences."""
+def test_interp_decode_split_kv(splits, window, cap):
+    """Split-KV decode, including splits left empty by short sequences; with a
+    window the splits cut only the window's keys."""
     from radixserve.testing import AttentionCase, dense_attention
     from radixserve_triton.ops import attention as attn_ops
 
-    case = AttentionCase("decode", "decode", 16, 8, 2, 64, (0, 2, 150, 37), (1, 1, 1, 1))
+    case = AttentionCase(
+        "decode", "decode", 16, 8, 2, 64, (0, 2, 150, 37), (1, 1, 1, 1), sliding_window=window, logit_softcap=cap
+    )
     inputs = _attention_inputs(case, torch.float32, seed=3)
     k_cache, v_cache = inputs.batch.kv_pool.get_kv(case.layer_id)
     attn_ops.store_kv(inputs.k, inputs.v, k_cache, v_cache, inputs.batch.out_cache_loc)
@@ -162,6 +166,8 @@ def test_interp_decode_split_kv(splits):
         inputs.batch.seq_lens,
         case.softmax_scale,
         num_kv_splits=splits,
+        sliding_window=window,
+        logit_softcap=cap,
     )
     assert (out.double() - dense_attention(inputs)).abs().max().item() < 1e-5
 
@@ -281,85 +287,103 @@ def _kernel_specs(dt: str):
 
     p, i64, f32 = f"*{dt}", "*i64", "*fp32"
     up = dt == "fp32"
-    return [
-        (
-            A._store_kv_kernel,
-            dict(K=p, V=p, KCache=p, VCache=p, Loc=i64),
-            dict(HEAD_DIM=128, BLOCK_T=16, BLOCK_D=128, RNE_BF16=False),
-        ),
-        (
-            A._decode_partial_kernel,
-            dict(
-                Q=p,
-                KCache=p,
-                VCache=p,
-                ReqToToken=i64,
-                ReqPoolIdx=i64,
-                SeqLens=i64,
-                PartialO=f32,
-                PartialLse=f32,
-                qk_scale="fp32",
-            ),
-            dict(GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, NUM_SPLITS=4, UPCAST=up, RNE_BF16=False),
-        ),
-        (
-            A._decode_merge_kernel,
-            dict(PartialO=f32, PartialLse=f32, Out=p),
-            dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=4, BLOCK_S=4, RNE_BF16=False),
-        ),
-        (
-            A._extend_kernel,
-            dict(
-                Q=p,
-                KCache=p,
-                VCache=p,
-                Out=p,
-                ReqToToken=i64,
-                ReqPoolIdx=i64,
-                PrefixLens=i64,
-                ExtendLens=i64,
-                ExtendStart=i64,
-                qk_scale="fp32",
-            ),
-            dict(GROUP=2, HEAD_DIM=128, BLOCK_M=32, BLOCK_N=64, BLOCK_D=128, UPCAST=up, RNE_BF16=False),
-        ),
-        (
-            M._moe_gate_up_kernel,
-            dict(X=p, W13=p, Act=p, SortedIds=i64, BlockExpert=i64, NumPadded=i64),
-            dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, UPCAST=up, RNE_BF16=False),
-        ),
-        (
-            M._moe_down_kernel,
-            dict(Act=p, W2=p, Out=f32, TopkWeights=f32, SortedIds=i64, BlockExpert=i64, NumPadded=i64),
-            dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, UPCAST=up),
-        ),
-        (
-            E._rms_norm_kernel,
-            dict(X=p, R=p, W=p, Out=p, eps="fp32"),
-            dict(HAS_RESIDUAL=True, BLOCK_ROWS=1, BLOCK=4096, ONE_BLOCK=True, RNE_BF16=False),
-        ),
-        (
-            E._rms_norm_kernel,
-            dict(X=p, R=p, W=p, Out=p, eps="fp32"),
-            dict(HAS_RESIDUAL=False, BLOCK_ROWS=32, BLOCK=128, ONE_BLOCK=True, RNE_BF16=False),
-        ),
-        (
-            E._rms_norm_kernel,
-            dict(X=p, R=p, W=p, Out=p, eps="fp32"),
-            dict(HAS_RESIDUAL=True, BLOCK_ROWS=1, BLOCK=8192, ONE_BLOCK=False, RNE_BF16=False),
-        ),
-        (
-            E._rotary_kernel,
-            dict(Q=p, K=p, Positions=i64, CosSin=p),
-            dict(HALF=64, BLOCK_ROWS=32, BLOCK_HALF=64, NEOX=True, RNE_BF16=False),
-        ),
-        (
-            E._rotary_kernel,
-            dict(Q=p, K=p, Positions=i64, CosSin=p),
-            dict(HALF=16, BLOCK_ROWS=64, BLOCK_HALF=16, NEOX=False, RNE_BF16=False),
-        ),
-        (E._silu_and_mul_kernel, dict(X=p, Out=p), dict(BLOCK=1024, RNE_BF16=False)),
+    # The attention kernels without a sliding window and logit cap, and with both (Gemma 2's values).
+    attention_features = [
+        dict(SLIDING_WINDOW=0, LOGIT_SOFTCAP=0.0),
+        dict(SLIDING_WINDOW=4096, LOGIT_SOFTCAP=50.0 * A.LOG2E),
     ]
+    return (
+        [
+            (
+                A._store_kv_kernel,
+                dict(K=p, V=p, KCache=p, VCache=p, Loc=i64),
+                dict(HEAD_DIM=128, BLOCK_T=16, BLOCK_D=128, RNE_BF16=False),
+            ),
+            (
+                A._decode_merge_kernel,
+                dict(PartialO=f32, PartialLse=f32, Out=p),
+                dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=4, BLOCK_S=4, RNE_BF16=False),
+            ),
+        ]
+        + [
+            (
+                A._decode_partial_kernel,
+                dict(
+                    Q=p,
+                    KCache=p,
+                    VCache=p,
+                    ReqToToken=i64,
+                    ReqPoolIdx=i64,
+                    SeqLens=i64,
+                    PartialO=f32,
+                    PartialLse=f32,
+                    qk_scale="fp32",
+                ),
+                dict(
+                    GROUP=4, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=64, NUM_SPLITS=4, UPCAST=up, RNE_BF16=False
+                )
+                | features,
+            )
+            for features in attention_features
+        ]
+        + [
+            (
+                A._extend_kernel,
+                dict(
+                    Q=p,
+                    KCache=p,
+                    VCache=p,
+                    Out=p,
+                    ReqToToken=i64,
+                    ReqPoolIdx=i64,
+                    PrefixLens=i64,
+                    ExtendLens=i64,
+                    ExtendStart=i64,
+                    qk_scale="fp32",
+                ),
+                dict(GROUP=2, HEAD_DIM=128, BLOCK_M=32, BLOCK_N=64, BLOCK_D=128, UPCAST=up, RNE_BF16=False) | features,
+            )
+            for features in attention_features
+        ]
+        + [
+            (
+                M._moe_gate_up_kernel,
+                dict(X=p, W13=p, Act=p, SortedIds=i64, BlockExpert=i64, NumPadded=i64),
+                dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, UPCAST=up, RNE_BF16=False),
+            ),
+            (
+                M._moe_down_kernel,
+                dict(Act=p, W2=p, Out=f32, TopkWeights=f32, SortedIds=i64, BlockExpert=i64, NumPadded=i64),
+                dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, UPCAST=up),
+            ),
+            (
+                E._rms_norm_kernel,
+                dict(X=p, R=p, W=p, Out=p, eps="fp32"),
+                dict(HAS_RESIDUAL=True, BLOCK_ROWS=1, BLOCK=4096, ONE_BLOCK=True, RNE_BF16=False),
+            ),
+            (
+                E._rms_norm_kernel,
+                dict(X=p, R=p, W=p, Out=p, eps="fp32"),
+                dict(HAS_RESIDUAL=False, BLOCK_ROWS=32, BLOCK=128, ONE_BLOCK=True, RNE_BF16=False),
+            ),
+            (
+                E._rms_norm_kernel,
+                dict(X=p, R=p, W=p, Out=p, eps="fp32"),
+                dict(HAS_RESIDUAL=True, BLOCK_ROWS=1, BLOCK=8192, ONE_BLOCK=False, RNE_BF16=False),
+            ),
+            (
+                E._rotary_kernel,
+                dict(Q=p, K=p, Positions=i64, CosSin=p),
+                dict(HALF=64, BLOCK_ROWS=32, BLOCK_HALF=64, NEOX=True, RNE_BF16=False),
+            ),
+            (
+                E._rotary_kernel,
+                dict(Q=p, K=p, Positions=i64, CosSin=p),
+                dict(HALF=16, BLOCK_ROWS=64, BLOCK_HALF=16, NEOX=False, RNE_BF16=False),
+            ),
+            (E._silu_and_mul_kernel, dict(X=p, Out=p), dict(BLOCK=1024, RNE_BF16=False)),
+        ]
+    )
 
 
 @has_triton

@@ -28,7 +28,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -164,9 +164,13 @@ def _attention_cases(query: KernelQuery, shapes: ModelShapes, device: torch.devi
     if query.mla is not None:
         return _mla_attention_cases(query, query.mla, shapes, device)
     context = shapes.decode_context
+    # The model's widest sliding window and its logit cap, if it has them (a windowed
+    # decode reads far fewer keys; a cap may take another path).
+    features = dict(sliding_window=query.sliding_window, logit_softcap=query.logit_softcap)
+    suffix = "".join(f"/{k}{v:g}" for k, v in (("window", query.sliding_window), ("softcap", query.logit_softcap)) if v)
     steps = [
         AttentionCase(
-            f"decode/bs{shapes.decode_rows}/ctx{context}",
+            f"decode/bs{shapes.decode_rows}/ctx{context}{suffix}",
             "decode",
             query.page_size,
             shapes.num_heads,
@@ -174,9 +178,10 @@ def _attention_cases(query: KernelQuery, shapes: ModelShapes, device: torch.devi
             shapes.head_dim,
             (context - 1,) * shapes.decode_rows,
             (1,) * shapes.decode_rows,
+            **features,
         ),
         AttentionCase(
-            f"extend/t{shapes.prefill_rows}",
+            f"extend/t{shapes.prefill_rows}{suffix}",
             "extend",
             query.page_size,
             shapes.num_heads,
@@ -184,6 +189,7 @@ def _attention_cases(query: KernelQuery, shapes: ModelShapes, device: torch.devi
             shapes.head_dim,
             (0,),
             (shapes.prefill_rows,),
+            **features,
         ),
     ]
     cases = []
@@ -526,6 +532,8 @@ class MeasuredSelection:
 
     def _key(self, kind: str, query: KernelQuery, usable: list[Candidate]) -> dict[str, Any]:
         plugins = self.registry.plugins
+        if kind != "attention":  # a window or a cap is timed by attention alone
+            query = replace(query, sliding_window=None, logit_softcap=None)
         return {
             "kind": kind,
             "machine": self.platform.timing_fingerprint(self.device_index),

@@ -17,6 +17,13 @@ float32 (flash-attention style):
   across the tile's rows; causal masking only on the diagonal blocks, cached
   prefixes read from the pool like the new keys.
 
+Every kernel takes the layer's sliding window and logit cap (``0``: none). A
+windowed decode starts each request's keys at its window's first key (the
+pages before it are never read) and never takes the cascade path (the shared
+prefix is mostly outside the window); a windowed extend starts each tile at
+its first row's window and masks below the windows; the cap is applied to each
+block of scores before its softmax, in every path.
+
 The pool may hold the compute dtype, or bfloat16/float16 under a float32 model.
 
 The kernels are built on the first construction of the backend in a process
@@ -34,7 +41,7 @@ from typing import Callable, Optional
 import torch
 
 from radixserve.forward_batch import ForwardBatch, ForwardMode
-from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery, attention_feature_reasons
+from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
 from radixserve_torch import cpu_kernels
 from radixserve_torch.attention import grouped_heads_reasons
 
@@ -47,12 +54,13 @@ _KV_DTYPES = {torch.float32: (torch.bfloat16, torch.float16)}
 class CpuPagedKernels:
     """The compiled ops (argument order as csrc/cpu_paged_ops.cpp documents them)."""
 
+    # window: the layer's sliding window (0: none); cap: its logit cap (0.0: none).
     store_kv: Callable[..., None]  # (k, v, loc, k_buf, v_buf)
-    decode: Callable[..., None]  # (q, k_buf, v_buf, req_to_token, rows, lens, scaling, out)
-    decode_with_lse: Callable[..., None]  # (..., scaling, out, lse)
-    extend: Callable[..., None]  # (q, k_buf, v_buf, req_to_token, rows, q_starts, kv_lens, scaling, out)
+    decode: Callable[..., None]  # (q, k_buf, v_buf, req_to_token, rows, lens, scaling, window, cap, out)
+    decode_with_lse: Callable[..., None]  # (..., scaling, window, cap, out, lse)
+    extend: Callable[..., None]  # (q, k_buf, v_buf, req_to_token, rows, q_starts, kv_lens, scaling, window, cap, out)
     cascade: Callable[..., None]  # (q, k_buf, v_buf, req_to_token, rows, group_starts, shared_lens,
-    #                                suffix_out, suffix_lse, scaling, out)
+    #                                suffix_out, suffix_lse, scaling, cap, out)
 
 
 def load_kernel() -> CpuPagedKernels:
@@ -176,7 +184,7 @@ class CpuPagedAttention(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        reasons = grouped_heads_reasons(query) + attention_feature_reasons(query, cls.name)
+        reasons = grouped_heads_reasons(query)
         if query.device != "cpu":
             reasons.append(f"a CPU kernel; device is {query.device}")
         if query.dtype not in _DTYPES:
@@ -210,16 +218,28 @@ class CpuPagedAttention(AttentionBackend):
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         meta: PagedMetadata = batch.attn_metadata
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
+        window, cap = layer.sliding_window or 0, layer.logit_softcap or 0.0
         plan = meta.cascade
-        if plan is None:
+        if plan is None or window:  # a window skips the shared prefix's keys anyway
             q, out = _query_and_out(q)
-            self._kernels.decode(q, k_buf, v_buf, batch.req_to_token, meta.rows, meta.kv_lens, layer.scaling, out)
+            self._kernels.decode(
+                q, k_buf, v_buf, batch.req_to_token, meta.rows, meta.kv_lens, layer.scaling, window, cap, out
+            )
             return out
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         if plan.solo.numel():
             q_solo, out_solo = _query_and_out(q.index_select(0, plan.solo))
             self._kernels.decode(
-                q_solo, k_buf, v_buf, batch.req_to_token, plan.solo_rows, plan.solo_lens, layer.scaling, out_solo
+                q_solo,
+                k_buf,
+                v_buf,
+                batch.req_to_token,
+                plan.solo_rows,
+                plan.solo_lens,
+                layer.scaling,
+                0,
+                cap,
+                out_solo,
             )
             out.index_copy_(0, plan.solo, out_solo)
         # Each grouped request's own keys through the decode kernel (with their
@@ -227,7 +247,17 @@ class CpuPagedAttention(AttentionBackend):
         q_grouped, own = _query_and_out(q.index_select(0, plan.grouped))
         own_lse = torch.empty(q_grouped.shape[:2], dtype=torch.float32, device=q.device)
         self._kernels.decode_with_lse(
-            q_grouped, k_buf, v_buf, plan.suffix_table, plan.suffix_rows, plan.suffix_lens, layer.scaling, own, own_lse
+            q_grouped,
+            k_buf,
+            v_buf,
+            plan.suffix_table,
+            plan.suffix_rows,
+            plan.suffix_lens,
+            layer.scaling,
+            0,
+            cap,
+            own,
+            own_lse,
         )
         out_grouped = torch.empty_like(own)
         self._kernels.cascade(
@@ -241,6 +271,7 @@ class CpuPagedAttention(AttentionBackend):
             own,
             own_lse,
             layer.scaling,
+            cap,
             out_grouped,
         )
         out.index_copy_(0, plan.grouped, out_grouped)
@@ -251,7 +282,17 @@ class CpuPagedAttention(AttentionBackend):
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
         q, out = _query_and_out(q)
         self._kernels.extend(
-            q, k_buf, v_buf, batch.req_to_token, meta.rows, meta.q_starts, meta.kv_lens, layer.scaling, out
+            q,
+            k_buf,
+            v_buf,
+            batch.req_to_token,
+            meta.rows,
+            meta.q_starts,
+            meta.kv_lens,
+            layer.scaling,
+            layer.sliding_window or 0,
+            layer.logit_softcap or 0.0,
+            out,
         )
         return out
 

@@ -25,6 +25,14 @@ cached prefixes (or plain ``is_causal`` when a bucket holds only fresh
 prompts). Measurements and the rejected alternatives: docs/plugins.md and
 benchmarks/bench_cpu_attention.py.
 
+Sliding windows and logit soft-capping are per layer: a windowed layer uses
+masks that also hide the keys before each query's window, made on its first
+use in a step and shared by every layer with that window (the gather still
+reads all keys); a capped layer computes its scores, caps them and takes the
+softmax in float32, from float32 copies of q and K (extend: ``matmul``s instead
+of SDPA, which has no cap).
+Layers with neither run exactly the code above.
+
 Pure torch, so it runs on any torch device; ``auto`` picks it wherever it has
 the highest priority among usable backends (on ``cpu`` by default; the Triton
 backends outrank it where they are usable).
@@ -32,14 +40,14 @@ backends outrank it where they are usable).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from radixserve.forward_batch import ForwardBatch, ForwardMode
-from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery, attention_feature_reasons
+from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
 from radixserve_torch.attention import grouped_heads_reasons
 
 # A new bucket starts when a request's work is less than this fraction of the
@@ -62,13 +70,42 @@ class _Bucket:
     num_queries: int
     kv_offset: int  # first row of this bucket in the gathered [rows, D] workspace
     mask: Optional[torch.Tensor]  # decode: additive [b, 1, S]; extend: bool [b, 1, N, S], None: is_causal
+    # Each query's position ([b, 1] in decode, [b, N] in extend): what a window's mask starts from.
+    query_pos: Optional[torch.Tensor] = None
     query_index: Optional[torch.Tensor] = None  # extend: [b*N] token of each padded query row
     valid_rows: Optional[torch.Tensor] = None  # extend: padded rows that are real tokens
     token_index: Optional[torch.Tensor] = None  # extend: the token each valid row is
+    real: Optional[torch.Tensor] = None  # extend: [b, N] which padded query rows are real tokens
+    # Masks of this step by sliding window (None: full attention), made on first use:
+    # decode additive [b, 1, S] in the compute dtype, extend bool [b, 1, N, S] (never None).
+    masks: dict[Optional[int], torch.Tensor] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
         return self.end - self.start
+
+    def window_mask(self, window: Optional[int], dtype: torch.dtype) -> torch.Tensor:
+        """The mask of a layer with ``window`` (None: full attention, explicit even for
+        fresh prompts), made once per step."""
+        mask = self.masks.get(window)
+        if mask is None:
+            keys = torch.arange(self.seq_len, device=self.query_pos.device)
+            if self.real is None:  # decode: the query is the request's last key
+                visible = keys[None, :] <= self.query_pos
+                if window is not None:
+                    visible &= keys[None, :] > self.query_pos - window
+                mask = torch.zeros(visible.shape, dtype=dtype, device=keys.device).masked_fill_(~visible, float("-inf"))
+                mask = mask[:, None, :]
+            else:
+                pos = self.query_pos[:, :, None]
+                visible = keys[None, None, :] <= pos
+                if window is not None:
+                    visible &= keys[None, None, :] > pos - window
+                visible &= self.real[:, :, None]
+                visible[:, :, 0] |= ~self.real  # padded query rows see one key (their output is dropped)
+                mask = visible[:, None]
+            self.masks[window] = mask
+        return mask
 
 
 @dataclass
@@ -91,7 +128,7 @@ class TorchVarlenAttention(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        return grouped_heads_reasons(query) + attention_feature_reasons(query, cls.name)
+        return grouped_heads_reasons(query)
 
     # -- per step ---------------------------------------------------------------
 
@@ -123,6 +160,8 @@ class TorchVarlenAttention(AttentionBackend):
                 bucket.mask = torch.zeros(visible.shape, dtype=self.query.dtype, device=device).masked_fill_(
                     ~visible, float("-inf")
                 )[:, None, :]
+                bucket.masks[None] = bucket.mask
+                bucket.query_pos = seq_sorted[start:end, None] - 1
             else:
                 self._plan_extend(bucket, [order[i] for i in range(start, end)], starts, batch, device)
             buckets.append(bucket)
@@ -141,6 +180,7 @@ class TorchVarlenAttention(AttentionBackend):
         bucket.query_index = torch.where(real, tokens, 0).flatten()
         bucket.valid_rows = real.flatten().nonzero().flatten()
         bucket.token_index = tokens.flatten().index_select(0, bucket.valid_rows)
+        bucket.query_pos, bucket.real = prefix[:, None] + j[None, :], real
         if not any(batch.prefix_lens_cpu[i] for i in reqs):
             # Fresh prompts only: queries and keys both start at position 0, so the
             # top-left causal mask of ``is_causal`` (which skips masked blocks) is
@@ -153,7 +193,7 @@ class TorchVarlenAttention(AttentionBackend):
         mask = keys[None, None, :] <= (prefix[:, None, None] + j[None, :, None])
         mask &= real[:, :, None]
         mask[:, :, 0] |= ~real  # padded query rows see one key, so their (discarded) softmax stays finite
-        bucket.mask = mask[:, None]
+        bucket.mask = bucket.masks[None] = mask[:, None]
 
     # -- per layer ----------------------------------------------------------------
 
@@ -178,18 +218,26 @@ class TorchVarlenAttention(AttentionBackend):
         k, v = self._gather(layer, batch, q.dtype)
         kvh, d = layer.num_kv_heads, layer.head_dim
         group = layer.num_heads // kvh
-        # Scaling q first keeps the low-precision scores in range.
-        q = (q * layer.scaling).contiguous()
+        window, cap = layer.sliding_window, layer.logit_softcap
+        dtype = q.dtype
+        # Scaling q first keeps the low-precision scores in range; a capped layer's
+        # scores are float32 (large scores are what the cap is for).
+        q = (q * layer.scaling).contiguous() if cap is None else q.float() * layer.scaling
         if meta.order is not None:
             q = q.index_select(0, meta.order)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
         for b in meta.buckets:
             n, s = b.size * kvh, b.seq_len
             keys = k[b.kv_offset : b.kv_offset + n * s].view(n, s, d)
             values = v[b.kv_offset : b.kv_offset + n * s].view(n, s, d)
+            if cap is not None:
+                keys = keys.float()
             scores = torch.bmm(q[b.start : b.end].view(n, group, d), keys.transpose(1, 2))  # [b*KVH, G, S]
-            scores = scores.view(b.size, kvh * group, s).add_(b.mask)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype).view(n, group, s)
+            mask = b.mask if window is None else b.window_mask(window, dtype)
+            if cap is not None:
+                scores = torch.tanh(scores.div_(cap)).mul_(cap)
+            scores = scores.view(b.size, kvh * group, s).add_(mask)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype).view(n, group, s)
             torch.bmm(probs, values, out=out[b.start : b.end].view(n, group, d))
         if meta.order is not None:
             out = torch.empty_like(out).index_copy_(0, meta.order, out)
@@ -199,24 +247,46 @@ class TorchVarlenAttention(AttentionBackend):
         meta: VarlenMetadata = batch.attn_metadata
         k, v = self._gather(layer, batch, q.dtype)
         h, kvh, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        window, cap = layer.sliding_window, layer.logit_softcap
         out = torch.empty_like(q)
         for b in meta.buckets:
             n, s = b.size * kvh, b.seq_len
             keys = k[b.kv_offset : b.kv_offset + n * s].view(b.size, kvh, s, d)
             values = v[b.kv_offset : b.kv_offset + n * s].view(b.size, kvh, s, d)
             queries = q.index_select(0, b.query_index).view(b.size, b.num_queries, h, d).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                queries,
-                keys,
-                values,
-                attn_mask=b.mask,
-                is_causal=b.mask is None,
-                scale=layer.scaling,
-                enable_gqa=h != kvh,
-            )
+            if cap is not None:
+                o = _capped_attention(queries, keys, values, b.window_mask(window, q.dtype), layer)
+            else:
+                mask = b.mask if window is None else b.window_mask(window, q.dtype)
+                o = F.scaled_dot_product_attention(
+                    queries,
+                    keys,
+                    values,
+                    attn_mask=mask,
+                    is_causal=mask is None,
+                    scale=layer.scaling,
+                    enable_gqa=h != kvh,
+                )
             o = o.transpose(1, 2).reshape(b.size * b.num_queries, h, d)
             out.index_copy_(0, b.token_index, o.index_select(0, b.valid_rows))
         return out
+
+
+def _capped_attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, layer: AttentionLayerSpec
+) -> torch.Tensor:
+    """SDPA with the layer's logit cap: queries [b, H, N, D], keys/values
+    [b, KVH, S, D], mask bool [b, 1, N, S] -> [b, H, N, D]. The query heads of a
+    KV head are stacked as rows of one ``matmul``; scores, cap and softmax in
+    float32, the probabilities rounded to the values' dtype for P.V."""
+    b, h, n, d = queries.shape
+    kvh, s = keys.shape[1], keys.shape[2]
+    group = h // kvh
+    scores = torch.matmul(queries.reshape(b, kvh, group * n, d).float(), keys.float().transpose(2, 3))
+    scores = torch.tanh(scores.mul_(layer.scaling / layer.logit_softcap)).mul_(layer.logit_softcap)
+    scores = scores.view(b, kvh, group, n, s).masked_fill_(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(queries.dtype).view(b, kvh, group * n, s)
+    return torch.matmul(probs, values).view(b, h, n, d)
 
 
 def _split(order: list[int], work: list[int], min_work: int) -> list[tuple[int, int]]:

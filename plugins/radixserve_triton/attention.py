@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from radixserve.forward_batch import ForwardBatch, ForwardMode
-from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery, attention_feature_reasons
+from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
 from radixserve_triton._env import device_reasons, dtype_reasons, interpreter_requested
 from radixserve_triton.config import DEFAULT_ATTENTION_CONFIG, AttentionKernelConfig
 
@@ -29,7 +29,9 @@ class TritonAttentionMetadata:
 class TritonAttention(AttentionBackend):
     """Triton kernels: flash-decoding with split KV for decode, a causal
     flash-attention over the cached prefix plus the new tokens for extend, and a
-    scatter kernel that stores the new K/V into the pool.
+    scatter kernel that stores the new K/V into the pool. A layer's sliding
+    window and logit cap are compile-time constants of its kernels (one variant
+    per distinct value; graphs capture each layer's).
 
     Runs on cuda and rocm; on cpu only under ``TRITON_INTERPRET=1`` (the
     interpreter, for tests), where its priority makes ``auto`` pick it over
@@ -43,7 +45,7 @@ class TritonAttention(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        reasons = device_reasons(query) + dtype_reasons(query) + attention_feature_reasons(query, cls.name)
+        reasons = device_reasons(query) + dtype_reasons(query)
         if query.head_dim is not None and not 1 <= query.head_dim <= MAX_HEAD_DIM:
             reasons.append(f"head_dim {query.head_dim} is not supported (1..{MAX_HEAD_DIM})")
         if query.num_heads is not None and query.num_kv_heads:
@@ -137,11 +139,16 @@ class TritonAttention(AttentionBackend):
             meta.max_extend_len,
             layer.scaling,
             config=self.kernel_config,
+            sliding_window=layer.sliding_window,
+            logit_softcap=layer.logit_softcap,
         )
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         meta = self._meta(batch)
         k_cache, v_cache = batch.kv_pool.get_kv(layer.layer_id)
+        splits = meta.num_kv_splits
+        if layer.sliding_window is not None:  # the splits cut the window's keys: no more than it fills
+            splits = min(splits, -(-layer.sliding_window // self.kernel_config.min_keys_per_split))
         return self._kernels.decode_attention(
             q,
             k_cache,
@@ -150,6 +157,8 @@ class TritonAttention(AttentionBackend):
             batch.req_pool_indices,
             batch.seq_lens,
             layer.scaling,
-            num_kv_splits=meta.num_kv_splits,
+            num_kv_splits=splits,
             config=self.kernel_config,
+            sliding_window=layer.sliding_window,
+            logit_softcap=layer.logit_softcap,
         )

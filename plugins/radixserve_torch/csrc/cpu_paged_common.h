@@ -85,6 +85,40 @@ inline __m512 exp16(__m512 x) {
 }
 #endif
 
+// tanh(x) = 1 - 2 / (e^2x + 1), from fast_exp: saturates to +-1 through its clamp;
+// absolute error about 1e-7 (float32's rounding near 1), so a capped score
+// cap * tanh(s / cap) is off by about cap * 1e-7, as its own float32 rounding is.
+inline float fast_tanh(float x) { return 1.0f - 2.0f / (fast_exp(2.0f * x) + 1.0f); }
+
+#if defined(__AVX512F__)
+inline __m512 tanh16(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 e = exp16(_mm512_add_ps(x, x));
+  return _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
+}
+#endif
+
+// The logit cap on n scores: s = outer * tanh(inner * s). On scaled scores inner =
+// 1 / cap and outer = cap; on unscaled ones that are scaled later by `scale`,
+// inner = scale / cap and outer = cap / scale. Not inlined: the score loops keep
+// their register allocation whether or not their layer is capped.
+__attribute__((noinline)) inline void cap_scores(float* s, int64_t n, float inner, float outer) {
+#if defined(__AVX512F__)
+  const __m512 in = _mm512_set1_ps(inner), out = _mm512_set1_ps(outer);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(s + i, _mm512_mul_ps(out, tanh16(_mm512_mul_ps(_mm512_loadu_ps(s + i), in))));
+  if (i < n) {
+    const __mmask16 rest = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m512 x = _mm512_maskz_loadu_ps(rest, s + i);
+    _mm512_mask_storeu_ps(s + i, rest, _mm512_mul_ps(out, tanh16(_mm512_mul_ps(x, in))));
+  }
+#else
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) s[i] = outer * fast_tanh(inner * s[i]);
+#endif
+}
+
 // One row of head_dim values as float32: bfloat16 by a shift, half by its
 // conversion, float32 without a copy.
 
@@ -166,25 +200,35 @@ void dispatch_dtypes(at::ScalarType q_dtype, at::ScalarType kv_dtype, F&& f) {
   TORCH_CHECK(false, "cpu_paged: queries in ", q_dtype, " over a ", kv_dtype, " KV pool are not supported");
 }
 
+// A layer's sliding window and logit cap. window > 0: a query at position p sees only
+// keys p - window + 1 .. p (0: all keys up to p). softcap > 0: scaled scores become
+// softcap * tanh(score / softcap) before the softmax (0: no cap).
+struct ScoreOptions {
+  int64_t window = 0;
+  float softcap = 0.0f;
+};
+
 // Decode: one query per request (q [N, H, D]; rows/lens [N]); with lse (not null) also
-// each (query, head)'s log-sum-exp of its scaled scores, lse[n * H + h].
+// each (query, head)'s log-sum-exp of its scaled (and capped) scores, lse[n * H + h].
+// A windowed query's key range starts at its window's first key.
 void decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                       const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& lens, double scaling,
-                      at::Tensor& out, float* lse = nullptr);
+                      ScoreOptions opts, at::Tensor& out, float* lse = nullptr);
 
 // Extend: request b's queries are q[q_starts[b] : q_starts[b + 1]], with kv_lens[b] keys in all.
 void extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                       const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& q_starts,
-                      const at::Tensor& kv_lens, double scaling, at::Tensor& out);
+                      const at::Tensor& kv_lens, double scaling, ScoreOptions opts, at::Tensor& out);
 
 // Decode over shared prefixes: queries group_starts[g] .. group_starts[g + 1] - 1 share
 // their first shared_lens[g] keys (the same pool slots, those of row rows[group_starts[g]]);
 // suffix_out/suffix_lse hold each query's attention over its own keys after the prefix
-// (from decode_attention); out gets the attention over all of them.
+// (from decode_attention); out gets the attention over all of them. softcap as in
+// ScoreOptions; no window (a windowed layer's decode never shares its prefix).
 void cascade_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                               const at::Tensor& req_to_token, const at::Tensor& rows,
                               const at::Tensor& group_starts, const at::Tensor& shared_lens,
                               const at::Tensor& suffix_out, const at::Tensor& suffix_lse, double scaling,
-                              at::Tensor& out);
+                              float softcap, at::Tensor& out);
 
 }  // namespace radixserve_cpu_paged

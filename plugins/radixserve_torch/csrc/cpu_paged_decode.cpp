@@ -34,6 +34,10 @@
 //   the probabilities rounded to bfloat16 and the two keys' values interleaved.
 // Without AVX-512 (or at another head_dim) plain loops that the compiler
 // vectorises (-O3 -march=native, `omp simd`) do the same per key (attend_plain).
+//
+// A windowed layer's query starts its key range at the first key of its window,
+// so the pages before it are never read; a capped layer caps each block's scores
+// (cap_scores) before its softmax. Neither costs anything when the layer has none.
 
 #include "cpu_paged_common.h"
 
@@ -150,7 +154,7 @@ inline void online_softmax(float* scores, int64_t nb, const Dims& dm, float* m, 
 // key, every head's accumulator takes p * V.
 template <typename T>
 void attend_plain(const T* k_pool, const T* v_pool, const int64_t* slots, int64_t begin, int64_t end, const float* q,
-                  const Dims& dm, float* m, float* l, float* acc, Scratch& sc) {
+                  float cap, const Dims& dm, float* m, float* l, float* acc, Scratch& sc) {
   const int64_t heads = dm.heads, group = dm.group, d = dm.d, row_len = dm.row_len;
   float* scores = sc.scores.data();
   float* row = sc.row.data();
@@ -165,6 +169,8 @@ void attend_plain(const T* k_pool, const T* v_pool, const int64_t* slots, int64_
         scores[h * kBlock + t] = dot(q + h * d, kf + (h / group) * d, d);
       }
     }
+    if (cap > 0.0f)
+      for (int64_t h = 0; h < heads; ++h) cap_scores(scores + h * kBlock, nb, 1.0f / cap, cap);
     online_softmax(scores, nb, dm, m, l, acc);
     const int64_t next = b0 + nb;  // first key of the next block
     for (int64_t t = 0; t < nb; ++t) {
@@ -491,7 +497,7 @@ inline void pv_columns(const T* const* vr, int64_t col, int64_t nb, BlockProbs p
 // block and KV head) or, with kBf16, raw by vdpbf16ps.
 template <bool kBf16, int S, typename T>
 void attend_avx512(const T* k_pool, const T* v_pool, const int64_t* slots, int64_t begin, int64_t end, float scale,
-                   const Dims& dm, float* m, float* l, float* acc, Scratch& sc) {
+                   float cap, const Dims& dm, float* m, float* l, float* acc, Scratch& sc) {
   constexpr int kHeadsPerVec = 8 / S;
   constexpr bool kKeyMajor = S == 1;  // groups of 8 heads: online_softmax_key_major
   const int64_t group = dm.group, d = dm.d, row_len = dm.row_len, kv_heads = dm.heads / dm.group;
@@ -525,6 +531,11 @@ void attend_avx512(const T* k_pool, const T* v_pool, const int64_t* slots, int64
           else
             scores_block8<S, kBf16>(q_lanes + g * ql_head, kr + t0, d, scale, scores + g * kBlock + t0);
         }
+    }
+    if (cap > 0.0f) {  // key-major scores are scaled in the softmax: cap them as they will be
+      if constexpr (kKeyMajor) cap_scores(scores, nb * dm.heads, scale / cap, cap / scale);
+      else
+        for (int64_t h = 0; h < dm.heads; ++h) cap_scores(scores + h * kBlock, nb, 1.0f / cap, cap);
     }
     if constexpr (kKeyMajor) {
       online_softmax_key_major<kBf16>(scores, nb, scale, dm, m, l, acc, sc.p_pairs.data());
@@ -623,13 +634,13 @@ void load_query(const Path& path, const QT* q, int64_t s1, float scale, const Di
 
 template <typename T>
 void attend([[maybe_unused]] const Path& path, const T* k_pool, const T* v_pool, const int64_t* slots,
-            int64_t begin, int64_t end, [[maybe_unused]] float scale, const Dims& dm, float* m, float* l, float* acc,
-            Scratch& sc) {
+            int64_t begin, int64_t end, [[maybe_unused]] float scale, float cap, const Dims& dm, float* m, float* l,
+            float* acc, Scratch& sc) {
 #if defined(__AVX512F__)
   if (path.vector) {
     auto run = [&](auto bf16, auto slices) {
-      attend_avx512<decltype(bf16)::value, decltype(slices)::value>(k_pool, v_pool, slots, begin, end, scale, dm, m,
-                                                                    l, acc, sc);
+      attend_avx512<decltype(bf16)::value, decltype(slices)::value>(k_pool, v_pool, slots, begin, end, scale, cap, dm,
+                                                                    m, l, acc, sc);
     };
     auto with_slices = [&](auto bf16) {
       switch (path.slices) {
@@ -647,13 +658,13 @@ void attend([[maybe_unused]] const Path& path, const T* k_pool, const T* v_pool,
     return with_slices(std::false_type{});
   }
 #endif
-  attend_plain(k_pool, v_pool, slots, begin, end, sc.q.data(), dm, m, l, acc, sc);
+  attend_plain(k_pool, v_pool, slots, begin, end, sc.q.data(), cap, dm, m, l, acc, sc);
 }
 
 template <typename QT, typename T>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                           const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& lens,
-                          double scaling, at::Tensor& out, float* lse) {
+                          double scaling, ScoreOptions opts, at::Tensor& out, float* lse) {
   const int64_t n_queries = q.size(0), heads = q.size(1), d = q.size(2);
   const Dims dm{heads, heads / k_buf.size(1), d, k_buf.size(1) * d};
   const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1), table_stride = req_to_token.stride(0);
@@ -666,23 +677,26 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const at
   QT* out_ptr = out.data_ptr<QT>();
   const float scale = static_cast<float>(scaling);
 
+  // Each query's first key: its window's (0 without one).
+  auto first_key = [&](int64_t len) { return opts.window > 0 ? std::max<int64_t>(0, len - opts.window) : 0; };
   // Split key ranges only when there are too few queries to keep every thread busy.
   const int64_t threads = at::get_num_threads();
   int64_t chunk = std::numeric_limits<int64_t>::max();
   if (n_queries < kItemsPerThread * threads) {
-    const int64_t max_len = *std::max_element(len_ptr, len_ptr + n_queries);
+    int64_t max_keys = 0;
+    for (int64_t n = 0; n < n_queries; ++n) max_keys = std::max(max_keys, len_ptr[n] - first_key(len_ptr[n]));
     const int64_t want = (kItemsPerThread * threads + n_queries - 1) / n_queries;  // splits per query
-    chunk = std::max(kMinSplit, (max_len + want - 1) / want);
+    chunk = std::max(kMinSplit, (max_keys + want - 1) / want);
   }
   std::vector<Item> items;
   std::vector<int64_t> first_split(n_queries + 1, 0);
   for (int64_t n = 0; n < n_queries; ++n) {
-    const int64_t len = len_ptr[n];
+    const int64_t len = len_ptr[n], first = first_key(len), keys = len - first;
     TORCH_CHECK(len >= 1 && len <= req_to_token.size(1), "cpu_paged: key length ", len, " out of range");
-    const int64_t splits = chunk >= len ? 1 : (len + chunk - 1) / chunk;
-    for (int64_t s = 0; s < splits; ++s) {
-      const int64_t begin = s * chunk;
-      items.push_back({n, begin, std::min(len, begin + chunk), first_split[n] + s});
+    const int64_t splits = chunk >= keys ? 1 : (keys + chunk - 1) / chunk;
+    for (int64_t s = 0; s < splits; ++s) {  // (chunk may be INT64_MAX: never added to a key)
+      const int64_t begin = first + s * chunk;
+      items.push_back({n, begin, s + 1 == splits ? len : begin + chunk, first_split[n] + s});
     }
     first_split[n + 1] = first_split[n] + splits;
   }
@@ -707,7 +721,8 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const at
       float* m = split ? part_ml.data() + it.split * heads * 2 : sc.ml.data();
       float* l = m + heads;
       float* a = split ? part_acc.data() + it.split * heads * d : sc.acc.data();
-      attend(path, k_ptr, v_ptr, table + row_ptr[it.query] * table_stride, it.begin, it.end, scale, dm, m, l, a, sc);
+      attend(path, k_ptr, v_ptr, table + row_ptr[it.query] * table_stride, it.begin, it.end, scale, opts.softcap, dm,
+             m, l, a, sc);
       if (!split) {
         QT* dst = out_ptr + it.query * heads * d;
         for (int64_t h = 0; h < heads; ++h) {
@@ -748,9 +763,10 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_buf, const at
 
 void decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                       const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& lens, double scaling,
-                      at::Tensor& out, float* lse) {
+                      ScoreOptions opts, at::Tensor& out, float* lse) {
   dispatch_dtypes(q.scalar_type(), k_buf.scalar_type(), [&](auto qt, auto kvt) {
-    paged_attention_impl<decltype(qt), decltype(kvt)>(q, k_buf, v_buf, req_to_token, rows, lens, scaling, out, lse);
+    paged_attention_impl<decltype(qt), decltype(kvt)>(q, k_buf, v_buf, req_to_token, rows, lens, scaling, opts, out,
+                                                      lse);
   });
 }
 

@@ -20,6 +20,12 @@
 // blocks on a tile's diagonal. A request's K/V (tens of KB per head) stays in L2
 // across its tiles.
 //
+// Sliding window (extend): query j also sees only keys from kv_len - n + j - window + 1
+// on. An item starts at its first row's first visible key, a tile skips the blocks
+// before its rows' windows (and its rows' keys past their ends, as without a window),
+// and the blocks that reach below some row's window start are masked there too. The
+// logit cap is applied to each block's scores in its softmax step.
+//
 // Cascade decode: decode requests whose req_to_token rows start with the same
 // slots (a prefix the radix cache shares, e.g. a system prompt) attend to that
 // shared prefix together: the rows of all members of a group for one KV head form
@@ -97,11 +103,12 @@ constexpr int kTilesPerItem = 4;
 constexpr int kMaxRows = kTilesPerItem * kLanes;
 
 // The rows of one work item: row r (tile r / kLanes, lane r % kLanes) has query q[r]
-// and sees keys [begin, end[r]).
+// and sees keys [begin, end[r]), or with a window [start[r], end[r]) (start[r] >= begin).
 template <typename QT>
 struct TileRows {
   int count = 0;
   const QT* q[kMaxRows];
+  int64_t start[kMaxRows];
   int64_t end[kMaxRows];
 };
 
@@ -289,14 +296,26 @@ inline void tiles_values(int n_tiles, const Lanes* p, int64_t nb, const float* c
 }
 
 // One online-softmax step of a tile over a block of nb keys starting at key k0:
-// scores become probabilities (0 past each row's last key, end), the running max m
-// and sum l move on, and the returned factor rescales the tile's earlier output.
+// scores are capped (cap > 0) and become probabilities (0 outside each row's keys:
+// from its `start` when `below`, i.e. the block reaches below some row's window,
+// up to its `end`), the running max m and sum l move on, and the returned factor
+// rescales the tile's earlier output. Below a window's start a row may have seen
+// no key yet: its max stays -inf, and its exponentials are taken against 0 so they
+// stay 0 (not NaN).
 __attribute__((always_inline)) inline Lanes softmax_block(Lanes* scores, int64_t nb, int64_t k0, int64_t min_end,
-                                                         Lanes end, Lanes& m, Lanes& l) {
+                                                         Lanes end, bool below, Lanes start, float cap, Lanes& m,
+                                                         Lanes& l) {
   const Lanes zero = {};
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const bool masked = k0 + nb > min_end;  // only blocks past some row's last key
-  if (masked) {
+  if (cap > 0.0f) cap_scores(reinterpret_cast<float*>(scores), nb * kLanes, 1.0f / cap, cap);
+  if (below) {
+    for (int64_t t = 0; t < nb; ++t) {
+      const float key = static_cast<float>(k0 + t);
+#pragma omp simd
+      for (int lane = 0; lane < kLanes; ++lane)
+        if (key >= end[lane] || key < start[lane]) scores[t][lane] = neg_inf;
+    }
+  } else if (k0 + nb > min_end) {  // only blocks past some row's last key
     for (int64_t t = 0; t < nb; ++t) {
       const float key = static_cast<float>(k0 + t);
 #pragma omp simd
@@ -304,13 +323,20 @@ __attribute__((always_inline)) inline Lanes softmax_block(Lanes* scores, int64_t
         if (key >= end[lane]) scores[t][lane] = neg_inf;
     }
   }
+  const bool masked = below || k0 + nb > min_end;
   Lanes block_max = scores[0];
   for (int64_t t = 1; t < nb; ++t) block_max = lanes_max(block_max, scores[t]);
   const Lanes m_new = lanes_max(m, block_max);
-  const Lanes alpha = lanes_exp(m - m_new);
+  Lanes m_ref = m_new;
+  if (below) {
+#pragma omp simd
+    for (int lane = 0; lane < kLanes; ++lane)
+      if (m_new[lane] == neg_inf) m_ref[lane] = 0.0f;
+  }
+  const Lanes alpha = lanes_exp(m - m_ref);
   Lanes sum = zero;
   for (int64_t t = 0; t < nb; ++t) {
-    Lanes p = lanes_exp(scores[t] - m_new);
+    Lanes p = lanes_exp(scores[t] - m_ref);
     if (masked) {
 #pragma omp simd
       for (int lane = 0; lane < kLanes; ++lane)
@@ -325,13 +351,15 @@ __attribute__((always_inline)) inline Lanes softmax_block(Lanes* scores, int64_t
 }
 
 // Online softmax of up to kMaxRows rows over keys [begin, their ends) of the key
-// list `slots` (KV head at kv_offset in each pool row). Leaves tile k's
-// unnormalised output in sc.ot[k * d .. k * d + d) and its running max and sum in
-// m[k], l[k]. Every real row must see at least key `begin`; padding lanes see only
-// that key and are to be dropped.
-template <typename QT, typename KVT>
+// list `slots` (KV head at kv_offset in each pool row), or with kWindowed over
+// [their starts, their ends). Leaves tile k's unnormalised output in
+// sc.ot[k * d .. k * d + d) and its running max and sum in m[k], l[k]. Without a
+// window every real row must see key `begin`; with one, begin must be the smallest
+// start. Padding lanes see only key `begin` and are to be dropped.
+template <bool kWindowed, typename QT, typename KVT>
 void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool, const int64_t* slots,
-                  int64_t begin, int64_t kv_offset, const Dims& dm, float scale, Scratch& sc, Lanes* m, Lanes* l) {
+                  int64_t begin, int64_t kv_offset, const Dims& dm, float scale, float cap, Scratch& sc, Lanes* m,
+                  Lanes* l) {
   const int64_t d = dm.d, row_len = dm.row_len;
   const int n_tiles = (rows.count + kLanes - 1) / kLanes;
   Lanes* scores = sc.scores.data();  // [kTilesPerItem][kKeyBlock]: one key's score in every row of a tile
@@ -351,15 +379,17 @@ void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool
     }
   }
 
-  Lanes end[kTilesPerItem];
-  int64_t min_end[kTilesPerItem], max_end[kTilesPerItem], last = begin + 1;
+  Lanes end[kTilesPerItem], start[kTilesPerItem];
+  int64_t min_end[kTilesPerItem], max_end[kTilesPerItem], min_start[kTilesPerItem], max_start[kTilesPerItem];
+  int64_t last = begin + 1;
   for (int k = 0; k < n_tiles; ++k) {
     Lanes* qt = sc.qt.data() + k * d;  // [d]: component i of every row of tile k
     min_end[k] = std::numeric_limits<int64_t>::max();
     max_end[k] = begin + 1;
+    min_start[k] = max_start[k] = begin;
     for (int lane = 0; lane < kLanes; ++lane) {
       const int r = k * kLanes + lane;
-      int64_t e = begin + 1;
+      int64_t e = begin + 1, st = begin;
       if (r < rows.count && paired) {  // qt[p] holds the bf16 pair (q[2p], q[2p + 1]) of each row, unscaled
         e = rows.end[r];
         const uint32_t* pairs = reinterpret_cast<const uint32_t*>(rows.q[r]);
@@ -370,9 +400,13 @@ void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool
       } else {
         for (int64_t i = 0; i < d; ++i) qt[i][lane] = 0.0f;
       }
+      if (kWindowed && r < rows.count) st = rows.start[r];
       min_end[k] = std::min(min_end[k], e);
       max_end[k] = std::max(max_end[k], e);
+      min_start[k] = std::min(min_start[k], st);
+      max_start[k] = std::max(max_start[k], st);
       end[k][lane] = static_cast<float>(e);
+      start[k][lane] = static_cast<float>(st);
     }
     last = std::max(last, max_end[k]);
     m[k] = zero + neg_inf;
@@ -406,12 +440,14 @@ void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool
       Lanes alpha[kTilesPerItem];
       for (int k = 0; k < n_tiles; ++k) {
         Lanes* tile_scores = scores + k * kKeyBlock;
-        if (max_end[k] <= k0) {  // a causal tile that ends before this block: it adds nothing
+        // A causal tile that ends before this block, or whose windows start after it: it adds nothing.
+        if (max_end[k] <= k0 || (kWindowed && min_start[k] >= k0 + block)) {
           alpha[k] = zero + 1.0f;
           for (int64_t t = 0; t < block; ++t) tile_scores[t] = zero;
           continue;
         }
-        alpha[k] = softmax_block(tile_scores, block, k0, min_end[k], end[k], m[k], l[k]);
+        alpha[k] = softmax_block(tile_scores, block, k0, min_end[k], end[k], kWindowed && k0 < max_start[k], start[k],
+                                 cap, m[k], l[k]);
       }
       if constexpr (kPairedValues<QT, KVT>) {  // bfloat16 at an odd head_dim: the scores were not paired
         for (int k = 0; k < n_tiles; ++k)
@@ -423,10 +459,11 @@ void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool
       continue;
     }
     for (int k = 0; k < n_tiles; ++k) {
-      if (max_end[k] <= k0) continue;  // a causal tile that ends before this block
+      if (max_end[k] <= k0 || (kWindowed && min_start[k] >= k0 + block)) continue;  // nothing of this block for the tile
       const int64_t nb = std::min(block, max_end[k] - k0);
       paired_scores(sc.qt.data() + k * d, k_rows, nb, d, scale, scores);
-      const Lanes alpha = softmax_block(scores, nb, k0, min_end[k], end[k], m[k], l[k]);
+      const Lanes alpha =
+          softmax_block(scores, nb, k0, min_end[k], end[k], kWindowed && k0 < max_start[k], start[k], cap, m[k], l[k]);
       if constexpr (kPairedValues<QT, KVT>) {
         paired_values(scores, nb, sc.v_pairs.data(), d, alpha, sc.ot.data() + k * d, sc.p_pairs.data());
       } else {
@@ -479,7 +516,7 @@ void write_rows(const Scratch& sc, const Lanes* l, int count, QT* const* dst, in
 template <typename QT, typename KVT>
 void extend_impl(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                  const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& q_starts,
-                 const at::Tensor& kv_lens, double scaling, at::Tensor& out) {
+                 const at::Tensor& kv_lens, double scaling, ScoreOptions opts, at::Tensor& out) {
   const int64_t n_reqs = rows.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_buf.size(1);
   const Dims dm{heads, heads / kv_heads, d, kv_heads * d};
   const int64_t* row_ptr = rows.data_ptr<int64_t>();
@@ -488,13 +525,15 @@ void extend_impl(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor&
   const int64_t* table = req_to_token.data_ptr<int64_t>();
   const int64_t table_stride = req_to_token.stride(0), q_s0 = q.stride(0), q_s1 = q.stride(1);
 
+  const bool windowed = opts.window > 0;
   std::vector<TileItem> items;
   for (int64_t b = 0; b < n_reqs; ++b) {
     const int64_t n = start_ptr[b + 1] - start_ptr[b], kv_len = len_ptr[b];
     TORCH_CHECK(n >= 0 && n <= kv_len && kv_len <= req_to_token.size(1), "cpu_paged: request ", b, " has ", n,
                 " new tokens and ", kv_len, " keys");
     // (Two vectors per tile, for more FMAs per load, measured slower on fresh prompts and no faster over prefixes.)
-    add_tiles(items, b, n * dm.group, kv_heads, kv_len);
+    // An item's keys: all of them, or under a window about the window and the item's own queries.
+    add_tiles(items, b, n * dm.group, kv_heads, windowed ? std::min(kv_len, opts.window + kMaxRows) : kv_len);
   }
   const QT* q_ptr = q.data_ptr<QT>();
   QT* out_ptr = out.data_ptr<QT>();
@@ -511,10 +550,16 @@ void extend_impl(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor&
       const int64_t h = it.kv_head * dm.group + f % dm.group;
       tile.q[r] = q_ptr + token * q_s0 + h * q_s1;
       tile.end[r] = prefix + f / dm.group + 1;
+      tile.start[r] = windowed ? std::max<int64_t>(0, tile.end[r] - opts.window) : 0;
       dst[r] = out_ptr + (token * heads + h) * d;
     }
     Lanes m[kTilesPerItem], l[kTilesPerItem];
-    attend_tiles(tile, k_ptr, v_ptr, table + row_ptr[b] * table_stride, 0, it.kv_head * d, dm, scale, sc, m, l);
+    // Rows are query-major: the first row's window starts first.
+    const int64_t* slots = table + row_ptr[b] * table_stride;
+    if (windowed)
+      attend_tiles<true>(tile, k_ptr, v_ptr, slots, tile.start[0], it.kv_head * d, dm, scale, opts.softcap, sc, m, l);
+    else
+      attend_tiles<false>(tile, k_ptr, v_ptr, slots, 0, it.kv_head * d, dm, scale, opts.softcap, sc, m, l);
     write_rows(sc, l, tile.count, dst, d);
   });
 }
@@ -523,7 +568,7 @@ template <typename QT, typename KVT>
 void cascade_impl(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                   const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& group_starts,
                   const at::Tensor& shared_lens, const at::Tensor& suffix_out, const at::Tensor& suffix_lse,
-                  double scaling, at::Tensor& out) {
+                  double scaling, float softcap, at::Tensor& out) {
   const int64_t n_queries = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k_buf.size(1);
   const int64_t n_groups = shared_lens.size(0);
   const Dims dm{heads, heads / kv_heads, d, kv_heads * d};
@@ -561,8 +606,8 @@ void cascade_impl(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor
       state[r] = n * heads + h;
     }
     Lanes m[kTilesPerItem], l[kTilesPerItem];
-    attend_tiles(tile, k_ptr, v_ptr, table + row_ptr[group_ptr[g]] * table_stride, 0, it.kv_head * d, dm, scale, sc,
-                 m, l);
+    attend_tiles<false>(tile, k_ptr, v_ptr, table + row_ptr[group_ptr[g]] * table_stride, 0, it.kv_head * d, dm,
+                        scale, softcap, sc, m, l);
     for (int r = 0; r < tile.count; ++r) {
       const int64_t s = state[r];
       const float m1 = m[r / kLanes][r % kLanes], l1 = l[r / kLanes][r % kLanes], lse2 = suffix_lse_ptr[s];
@@ -581,9 +626,10 @@ void cascade_impl(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor
 
 void extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                       const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& q_starts,
-                      const at::Tensor& kv_lens, double scaling, at::Tensor& out) {
+                      const at::Tensor& kv_lens, double scaling, ScoreOptions opts, at::Tensor& out) {
   dispatch_dtypes(q.scalar_type(), k_buf.scalar_type(), [&](auto qt, auto kvt) {
-    extend_impl<decltype(qt), decltype(kvt)>(q, k_buf, v_buf, req_to_token, rows, q_starts, kv_lens, scaling, out);
+    extend_impl<decltype(qt), decltype(kvt)>(q, k_buf, v_buf, req_to_token, rows, q_starts, kv_lens, scaling, opts,
+                                             out);
   });
 }
 
@@ -591,10 +637,10 @@ void cascade_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, cons
                               const at::Tensor& req_to_token, const at::Tensor& rows,
                               const at::Tensor& group_starts, const at::Tensor& shared_lens,
                               const at::Tensor& suffix_out, const at::Tensor& suffix_lse, double scaling,
-                              at::Tensor& out) {
+                              float softcap, at::Tensor& out) {
   dispatch_dtypes(q.scalar_type(), k_buf.scalar_type(), [&](auto qt, auto kvt) {
     cascade_impl<decltype(qt), decltype(kvt)>(q, k_buf, v_buf, req_to_token, rows, group_starts, shared_lens,
-                                              suffix_out, suffix_lse, scaling, out);
+                                              suffix_out, suffix_lse, scaling, softcap, out);
   });
 }
 

@@ -23,6 +23,13 @@ void check_common(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor
               "cpu_paged: req_to_token must be int64 with contiguous rows");
 }
 
+// A layer's window (keys; 0: none) and logit cap (0: none), checked.
+radixserve_cpu_paged::ScoreOptions score_options(int64_t sliding_window, double logit_softcap) {
+  TORCH_CHECK(sliding_window >= 0 && logit_softcap >= 0.0, "cpu_paged: sliding_window ", sliding_window,
+              " and logit_softcap ", logit_softcap, " must be >= 0 (0: none)");
+  return {sliding_window, static_cast<float>(logit_softcap)};
+}
+
 void check_index(const at::Tensor& t, int64_t numel, const char* name) {
   TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kLong && t.numel() == numel, "cpu_paged: ", name,
               " must be a contiguous int64 tensor of ", numel, " elements");
@@ -81,15 +88,17 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& loc, a
 
 // Decode, one query per request. q [N, H, D] (rows and heads may be strided, head_dim
 // contiguous); k_buf/v_buf [slots, KVH, D] contiguous; req_to_token [R, C] int64;
-// rows/lens [N] int64; out [N, H, D] contiguous, q's dtype.
+// rows/lens [N] int64; out [N, H, D] contiguous, q's dtype. Every op takes the layer's
+// softmax scale, sliding window (keys, 0: none) and logit cap (0: none).
 void paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                      const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& lens, double scaling,
-                     at::Tensor out) {
+                     int64_t sliding_window, double logit_softcap, at::Tensor out) {
   check_common(q, k_buf, v_buf, req_to_token, out);
   check_index(rows, q.size(0), "rows");
   check_index(lens, q.size(0), "lens");
+  const auto opts = score_options(sliding_window, logit_softcap);
   if (q.size(0) == 0) return;
-  radixserve_cpu_paged::decode_attention(q, k_buf, v_buf, req_to_token, rows, lens, scaling, out);
+  radixserve_cpu_paged::decode_attention(q, k_buf, v_buf, req_to_token, rows, lens, scaling, opts, out);
 }
 
 // Extend: request b's new queries are q[q_starts[b] : q_starts[b + 1]] and it has
@@ -97,28 +106,32 @@ void paged_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Ten
 // rows/kv_lens [B], q_starts [B + 1] int64.
 void extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                       const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& q_starts,
-                      const at::Tensor& kv_lens, double scaling, at::Tensor out) {
+                      const at::Tensor& kv_lens, double scaling, int64_t sliding_window, double logit_softcap,
+                      at::Tensor out) {
   check_common(q, k_buf, v_buf, req_to_token, out);
   check_index(kv_lens, rows.numel(), "kv_lens");
   check_index(q_starts, rows.numel() + 1, "q_starts");
   check_index(rows, rows.numel(), "rows");
   TORCH_CHECK(q_starts[-1].item<int64_t>() == q.size(0) && q_starts[0].item<int64_t>() == 0,
               "cpu_paged: q_starts must run from 0 to the number of query rows");
+  const auto opts = score_options(sliding_window, logit_softcap);
   if (q.size(0) == 0) return;
-  radixserve_cpu_paged::extend_attention(q, k_buf, v_buf, req_to_token, rows, q_starts, kv_lens, scaling, out);
+  radixserve_cpu_paged::extend_attention(q, k_buf, v_buf, req_to_token, rows, q_starts, kv_lens, scaling, opts, out);
 }
 
 // Decode that also returns each (query, head)'s log-sum-exp: lse [N, H] float32.
 void paged_attention_with_lse(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                               const at::Tensor& req_to_token, const at::Tensor& rows, const at::Tensor& lens,
-                              double scaling, at::Tensor out, at::Tensor lse) {
+                              double scaling, int64_t sliding_window, double logit_softcap, at::Tensor out,
+                              at::Tensor lse) {
   check_common(q, k_buf, v_buf, req_to_token, out);
   check_index(rows, q.size(0), "rows");
   check_index(lens, q.size(0), "lens");
   TORCH_CHECK(lse.is_contiguous() && lse.scalar_type() == at::kFloat && lse.numel() == q.size(0) * q.size(1),
               "cpu_paged: lse must be contiguous float32 [N, H]");
+  const auto opts = score_options(sliding_window, logit_softcap);
   if (q.size(0) == 0) return;
-  radixserve_cpu_paged::decode_attention(q, k_buf, v_buf, req_to_token, rows, lens, scaling, out,
+  radixserve_cpu_paged::decode_attention(q, k_buf, v_buf, req_to_token, rows, lens, scaling, opts, out,
                                          lse.data_ptr<float>());
 }
 
@@ -126,11 +139,12 @@ void paged_attention_with_lse(const at::Tensor& q, const at::Tensor& k_buf, cons
 // the first shared_lens[g] slots of row rows[group_starts[g]] of req_to_token;
 // suffix_out [N, H, D] / suffix_lse [N, H] (paged_attention_with_lse over each query's
 // keys after its group's prefix) are merged in. group_starts [G + 1], shared_lens [G].
+// No sliding window: a windowed layer decodes through paged_attention.
 void cascade_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                               const at::Tensor& req_to_token, const at::Tensor& rows,
                               const at::Tensor& group_starts, const at::Tensor& shared_lens,
                               const at::Tensor& suffix_out, const at::Tensor& suffix_lse, double scaling,
-                              at::Tensor out) {
+                              double logit_softcap, at::Tensor out) {
   check_common(q, k_buf, v_buf, req_to_token, out);
   check_index(rows, q.size(0), "rows");
   check_index(group_starts, shared_lens.numel() + 1, "group_starts");
@@ -139,22 +153,25 @@ void cascade_decode_attention(const at::Tensor& q, const at::Tensor& k_buf, cons
                   suffix_out.scalar_type() == q.scalar_type() && suffix_lse.is_contiguous() &&
                   suffix_lse.scalar_type() == at::kFloat && suffix_lse.numel() == q.size(0) * q.size(1),
               "cpu_paged: suffix_out must be contiguous like q and suffix_lse contiguous float32 [N, H]");
+  const auto opts = score_options(0, logit_softcap);
   if (q.size(0) == 0) return;
   radixserve_cpu_paged::cascade_decode_attention(q, k_buf, v_buf, req_to_token, rows, group_starts, shared_lens,
-                                                 suffix_out, suffix_lse, scaling, out);
+                                                 suffix_out, suffix_lse, scaling, opts.softcap, out);
 }
 
 TORCH_LIBRARY(radixserve_cpu_paged, m) {
   m.def("store_kv(Tensor k, Tensor v, Tensor loc, Tensor(a!) k_buf, Tensor(b!) v_buf) -> ()");
   m.def("paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, Tensor rows, Tensor lens, "
-        "float scaling, Tensor(a!) out) -> ()");
+        "float scaling, int sliding_window, float logit_softcap, Tensor(a!) out) -> ()");
   m.def("extend_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, Tensor rows, "
-        "Tensor q_starts, Tensor kv_lens, float scaling, Tensor(a!) out) -> ()");
+        "Tensor q_starts, Tensor kv_lens, float scaling, int sliding_window, float logit_softcap, "
+        "Tensor(a!) out) -> ()");
   m.def("paged_attention_with_lse(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, Tensor rows, "
-        "Tensor lens, float scaling, Tensor(a!) out, Tensor(b!) lse) -> ()");
+        "Tensor lens, float scaling, int sliding_window, float logit_softcap, Tensor(a!) out, "
+        "Tensor(b!) lse) -> ()");
   m.def("cascade_decode_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor req_to_token, Tensor rows, "
         "Tensor group_starts, Tensor shared_lens, Tensor suffix_out, Tensor suffix_lse, float scaling, "
-        "Tensor(a!) out) -> ()");
+        "float logit_softcap, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu_paged, CPU, m) {

@@ -20,6 +20,13 @@ Three kernels:
 
 Softmax runs in base 2 (``exp2``) with the scale folded in, accumulating in
 float32; probabilities are rounded to the value dtype before the PV product.
+
+A layer's sliding window and logit cap are compile-time constants of both
+attention kernels (``SLIDING_WINDOW``, 0: none; ``LOGIT_SOFTCAP``, 0: none, else
+the cap in base-2 units), so a layer without them compiles to the same code as
+before. A windowed decode splits only its window's keys; a windowed extend block
+starts at its first query's window and masks each row below its own; capped
+scores are ``cap * tanh(score / cap)`` before the mask.
 """
 
 from __future__ import annotations
@@ -130,15 +137,30 @@ def store_kv(
 
 
 @triton.jit
-def _online_softmax_step(s, v, m_i, l_i, acc, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr):
+def _online_softmax_step(
+    s, v, m_i, l_i, acc, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr, EMPTY_ROWS: tl.constexpr = False
+):
     """Fold one block of base-2 scores ``s`` [M, N] and values ``v`` [N, D] into
-    the running max ``m_i``, normalizer ``l_i`` and unnormalized output ``acc``."""
+    the running max ``m_i``, normalizer ``l_i`` and unnormalized output ``acc``.
+    ``EMPTY_ROWS``: a row may have seen no key yet (below a sliding window): its
+    max stays -inf and its exponentials are taken against 0, so they stay 0."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if EMPTY_ROWS:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + mma(cast_to(p, v.dtype, RNE_BF16), v, UPCAST)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _softcap(s, CAP: tl.constexpr):
+    """``CAP * tanh(s / CAP)``, tanh as 1 - 2 / (e^2x + 1) (saturating to +-1)."""
+    e = tl.exp2(s * (2.8853900817779268 / CAP))  # e^(2 s / CAP): 2.885... = 2 * log2(e)
+    return CAP * (1.0 - 2.0 / (e + 1.0))
 
 
 @triton.jit
@@ -172,6 +194,8 @@ def _decode_partial_kernel(
     NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,
     RNE_BF16: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    LOGIT_SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -179,8 +203,13 @@ def _decode_partial_kernel(
 
     seq_len = tl.load(SeqLens + b).to(tl.int32)
     req = tl.load(ReqPoolIdx + b).to(tl.int64)
-    split_len = tl.cdiv(seq_len, NUM_SPLITS)
-    start = split * split_len
+    if SLIDING_WINDOW > 0:  # the splits cut the window's keys only
+        first = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+        split_len = tl.cdiv(seq_len - first, NUM_SPLITS)
+        start = first + split * split_len
+    else:
+        split_len = tl.cdiv(seq_len, NUM_SPLITS)
+        start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     h_off = tl.arange(0, BLOCK_H)
@@ -205,6 +234,8 @@ def _decode_partial_kernel(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(KCache + slot[:, None] * stride_kct + kv_head * stride_kch + d[None, :], mask=kv_mask, other=0.0)
         s = mma(q, tl.trans(k.to(q.dtype)), UPCAST) * qk_scale
+        if LOGIT_SOFTCAP > 0:
+            s = _softcap(s, LOGIT_SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         v = tl.load(VCache + slot[:, None] * stride_vct + kv_head * stride_vch + d[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = _online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, UPCAST, RNE_BF16)
@@ -261,6 +292,11 @@ def _decode_merge_kernel(
     )
 
 
+def _base2_cap(logit_softcap: float | None) -> float:
+    """The kernels' ``LOGIT_SOFTCAP``: the cap on base-2 scores (0.0: none)."""
+    return float(logit_softcap) * LOG2E if logit_softcap else 0.0
+
+
 def choose_num_kv_splits(
     batch_size: int, num_kv_heads: int, max_seq_len: int, config: AttentionKernelConfig = DEFAULT_ATTENTION_CONFIG
 ) -> int:
@@ -280,8 +316,12 @@ def decode_attention(
     num_kv_splits: int = 1,
     out: torch.Tensor | None = None,
     config: AttentionKernelConfig = DEFAULT_ATTENTION_CONFIG,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
-    """``q`` ``[B, H, D]`` (one token per request) -> ``[B, H, D]``."""
+    """``q`` ``[B, H, D]`` (one token per request) -> ``[B, H, D]``; each request
+    attends to its last ``sliding_window`` keys (None: all), scores capped by
+    ``logit_softcap`` (None: none)."""
     q = _rows(q)
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -326,6 +366,8 @@ def decode_attention(
         NUM_SPLITS=splits,
         UPCAST=upcast_dots(q.dtype),
         RNE_BF16=rne_bf16(q.dtype),
+        SLIDING_WINDOW=sliding_window or 0,
+        LOGIT_SOFTCAP=_base2_cap(logit_softcap),
         **config.launch_options(decode=True),
     )
     _decode_merge_kernel[(batch, num_heads)](
@@ -381,6 +423,8 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
     RNE_BF16: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr,
+    LOGIT_SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     head = tl.program_id(1)
@@ -405,22 +449,37 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # Keys this block can see: the prefix and the new tokens up to its last query.
+    # Keys this block can see: the prefix and the new tokens up to its last query
+    # (from its first query's window on, in a windowed layer).
     end = tl.minimum(prefix_len + extend_len, prefix_len + (m_block + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    if SLIDING_WINDOW > 0:
+        lo = tl.maximum(prefix_len + m_block * BLOCK_M - SLIDING_WINDOW + 1, 0)
+    else:
+        lo = 0
+    for n0 in range(lo, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
         slot = tl.load(ReqToToken + req * stride_r2t + n, mask=n_mask, other=0).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(KCache + slot[:, None] * stride_kct + kv_head * stride_kch + d[None, :], mask=kv_mask, other=0.0)
         s = mma(q, tl.trans(k.to(q.dtype)), UPCAST) * qk_scale
-        # Key 0 is visible to every row, so no row is all -inf after the first block.
+        if LOGIT_SOFTCAP > 0:
+            s = _softcap(s, LOGIT_SOFTCAP)
+        # Without a window key 0 is visible to every row, so no row is all -inf after
+        # the first block; with one, a row may see nothing of a block (EMPTY_ROWS).
         visible = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            visible = visible & (n[None, :] > q_pos[:, None] - SLIDING_WINDOW)
         s = tl.where(visible, s, float("-inf"))
         v = tl.load(VCache + slot[:, None] * stride_vct + kv_head * stride_vch + d[None, :], mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _online_softmax_step(s, v.to(q.dtype), m_i, l_i, acc, UPCAST, RNE_BF16)
+        m_i, l_i, acc = _online_softmax_step(
+            s, v.to(q.dtype), m_i, l_i, acc, UPCAST, RNE_BF16, EMPTY_ROWS=SLIDING_WINDOW > 0
+        )
 
-    out = acc / l_i[:, None]
+    if SLIDING_WINDOW > 0:  # padding rows past the last query may have seen no key
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    else:
+        out = acc / l_i[:, None]
     tl.store(
         Out + (q_start + m)[:, None] * stride_ot + head * stride_oh + d[None, :],
         cast_to(out, Out.dtype.element_ty, RNE_BF16),
@@ -441,8 +500,12 @@ def extend_attention(
     scaling: float,
     out: torch.Tensor | None = None,
     config: AttentionKernelConfig = DEFAULT_ATTENTION_CONFIG,
+    sliding_window: int | None = None,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
-    """``q`` ``[T, H, D]`` (the new tokens of all requests, in request order) -> ``[T, H, D]``.
+    """``q`` ``[T, H, D]`` (the new tokens of all requests, in request order) -> ``[T, H, D]``;
+    each query sees its last ``sliding_window`` keys (None: all up to it), scores
+    capped by ``logit_softcap`` (None: none).
 
     The new tokens' K/V must already be in the pool (``store_kv``)."""
     q = _rows(q)
@@ -484,6 +547,8 @@ def extend_attention(
         BLOCK_D=next_pow2(head_dim),
         UPCAST=upcast_dots(q.dtype),
         RNE_BF16=rne_bf16(out.dtype),
+        SLIDING_WINDOW=sliding_window or 0,
+        LOGIT_SOFTCAP=_base2_cap(logit_softcap),
         **config.launch_options(),
     )
     return out

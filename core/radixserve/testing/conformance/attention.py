@@ -1,11 +1,12 @@
 """The attention kit: ``AttentionCase`` and its case sets, the paged or
 contiguous inputs (``make_attention_inputs``), the dense float64 statement of
-the semantics (``dense_attention``), the KV store check, ``with_kv_layout`` and
+the semantics (``dense_attention``: causal, GQA, sliding windows, logit
+soft-capping), the KV store check, ``with_kv_layout`` and
 ``check_attention_backend``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
@@ -19,7 +20,12 @@ from radixserve.testing.conformance.base import BackendSpec, ConformanceReport, 
 @dataclass(frozen=True)
 class AttentionCase:
     """One attention batch: request ``i`` has ``prefix_lens[i]`` tokens already in
-    the pool and ``extend_lens[i]`` new ones (all 1 in decode)."""
+    the pool and ``extend_lens[i]`` new ones (all 1 in decode).
+
+    ``sliding_window`` and ``logit_softcap`` are the layer's (``AttentionLayerSpec``)
+    and the query's: a backend that refuses them skips the case. A windowed case
+    also runs a global layer (no window, the same cap) in the same step, as
+    models that interleave windowed and global layers do."""
 
     name: str
     mode: str  # "extend" or "decode"
@@ -31,6 +37,8 @@ class AttentionCase:
     extend_lens: tuple[int, ...]
     scaling: Optional[float] = None  # None: head_dim ** -0.5
     layer_id: int = 1  # a layer other than 0, in a pool with layer_id + 2 layers
+    sliding_window: Optional[int] = None  # a query at position p sees keys p - window + 1 .. p
+    logit_softcap: Optional[float] = None  # scaled scores -> cap * tanh(scores / cap)
 
     def __post_init__(self):
         if self.mode not in ("extend", "decode"):
@@ -41,6 +49,10 @@ class AttentionCase:
             raise ValueError("decode cases have exactly one new token per request")
         if any(n < 1 for n in self.extend_lens):
             raise ValueError("every request needs at least one new token")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ValueError(f"logit_softcap must be > 0, got {self.logit_softcap}")
 
     @property
     def softmax_scale(self) -> float:
@@ -55,7 +67,14 @@ class AttentionCase:
             num_kv_heads=self.num_kv_heads,
             page_size=self.page_size,
             kv_dtype=dtype,
+            sliding_window=self.sliding_window,
+            logit_softcap=self.logit_softcap,
         )
+
+    @property
+    def global_layer_id(self) -> Optional[int]:
+        """The layer of the full-attention pass a windowed case adds (None: no window)."""
+        return None if self.sliding_window is None else self.layer_id + 1
 
 
 def _decode(name, page_size, heads, kv_heads, head_dim, seq_lens, **kw) -> AttentionCase:
@@ -78,11 +97,34 @@ def _extend(name, page_size, heads, kv_heads, head_dim, prefix_lens, extend_lens
     )
 
 
+# Sliding windows (shorter and longer than the context: fresh prompts, cached
+# prefixes partly outside the window, a chunk longer than the window after a long
+# prefix, decode down to a window of one key) and logit soft-capping (with a
+# larger scale in one case, so the cap saturates), alone and together.
+_WINDOW_SOFTCAP_EXTEND = _extend(
+    "extend/window16+softcap/p16/gqa2/d128", 16, 4, 2, 128, (20, 0), (30, 12), sliding_window=16, logit_softcap=1.5
+)
+_WINDOW_SOFTCAP_DECODE = _decode(
+    "decode/window7+softcap/p1/gqa2/d64", 1, 4, 2, 64, (30, 5, 8), sliding_window=7, logit_softcap=1.0
+)
+_ATTN_FEATURES = (
+    _extend("extend/window8/nocache/p16/gqa2/d64", 16, 4, 2, 64, (0, 0, 0), (5, 30, 17), sliding_window=8),
+    _extend("extend/window24/prefix/p16/gqa4/d128", 16, 4, 1, 128, (16, 40, 0), (9, 20, 33), sliding_window=24),
+    _extend("extend/window5/chunk/p1/gqa1/d64", 1, 2, 2, 64, (37, 3), (40, 2), sliding_window=5),
+    _decode("decode/window20/p16/gqa4/d128", 16, 4, 1, 128, (1, 17, 40, 64, 21), sliding_window=20),
+    _decode("decode/window1/p1/gqa1/d64", 1, 2, 2, 64, (9, 1, 26), sliding_window=1),
+    _extend("extend/softcap/prefix/p16/gqa2/d64", 16, 4, 2, 64, (16, 0), (9, 13), scaling=0.3, logit_softcap=2.0),
+    _decode("decode/softcap/p16/gqa8/d64", 16, 8, 1, 64, (50, 3), logit_softcap=1.5),
+    _WINDOW_SOFTCAP_EXTEND,
+    _WINDOW_SOFTCAP_DECODE,
+)
 _ATTN_QUICK = (
     _extend("extend/prefix/p16/gqa2/d64", 16, 4, 2, 64, (16, 0, 21), (9, 13, 1)),
     _extend("extend/ragged/p1/gqa1/d128", 1, 2, 2, 128, (0, 5), (11, 3)),
     _decode("decode/p16/gqa4/d128", 16, 8, 2, 128, (1, 17, 40)),
     _decode("decode/p1/gqa1/d64", 1, 2, 2, 64, (9, 26)),
+    _WINDOW_SOFTCAP_EXTEND,
+    _WINDOW_SOFTCAP_DECODE,
 )
 _ATTN_STANDARD = (
     _extend("extend/nocache/p1/gqa1/d64", 1, 4, 4, 64, (0, 0, 0), (5, 17, 1)),
@@ -92,7 +134,7 @@ _ATTN_STANDARD = (
     _decode("decode/p16/gqa4/d128", 16, 8, 2, 128, (1, 17, 40, 33)),
     _decode("decode/p1/gqa1/d64", 1, 2, 2, 64, (9, 1, 26), scaling=0.2),
     _decode("decode/p16/gqa8/d64", 16, 8, 1, 64, (50, 3)),
-)
+) + _ATTN_FEATURES
 _ATTN_FULL = _ATTN_STANDARD + (
     _extend("extend/long/p16/gqa4/d128", 16, 16, 4, 128, (128, 0, 37), (100, 300, 64)),
     _extend("extend/many/p1/gqa2/d64", 1, 4, 2, 64, tuple(range(0, 40, 5)), tuple(range(1, 17, 2))),
@@ -100,6 +142,10 @@ _ATTN_FULL = _ATTN_STANDARD + (
     _decode("decode/long/p16/gqa4/d128", 16, 16, 4, 128, (700, 1, 129, 2048)),
     _decode("decode/many/p1/gqa1/d128", 1, 4, 4, 128, tuple(range(1, 200, 9))),
     _decode("decode/d256/p16/gqa2", 16, 4, 2, 256, (33, 64)),
+    _extend("extend/window64/long/p16/gqa4/d128", 16, 16, 4, 128, (128, 0, 37), (100, 300, 64), sliding_window=64),
+    _decode("decode/window256/long/p16/gqa4/d128", 16, 16, 4, 128, (700, 1, 129, 2048), sliding_window=256),
+    _decode("decode/window64/many/p1/gqa1/d128", 1, 4, 4, 128, tuple(range(1, 200, 9)), sliding_window=64),
+    _decode("decode/softcap/long/p16/gqa2/d256", 16, 4, 2, 256, (700, 2048), scaling=0.2, logit_softcap=30.0),
 )
 ATTENTION_CASES: dict[str, tuple[AttentionCase, ...]] = {
     "quick": _ATTN_QUICK,
@@ -121,6 +167,8 @@ class AttentionInputs:
     # Per request, all seq_len keys/values in position order (prefix then new).
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
+    # A windowed case's full-attention layer (same K/V, same cap), run in the same step.
+    global_layer: Optional[AttentionLayerSpec] = None
 
 
 def make_attention_inputs(
@@ -133,7 +181,8 @@ def make_attention_inputs(
     """Random inputs for ``case``: ``layout="paged"`` scatters each request over
     randomly chosen pages (slots permuted, request rows shuffled, unused slots and
     table entries full of garbage); ``"contiguous"`` lays requests out one after
-    another from slot ``page_size`` on, in request slot order."""
+    another from slot ``page_size`` on, in request slot order. A windowed case's
+    prefix is stored in its global layer too."""
     if layout not in ("paged", "contiguous"):
         raise ValueError(f"layout must be 'paged' or 'contiguous', got {layout!r}")
     device = torch.device(device)
@@ -172,13 +221,15 @@ def make_attention_inputs(
         req_to_token = torch.zeros((rows, max_ctx), dtype=torch.int64)
         req_idx = torch.arange(bs)
     keys, values = [], []
+    layer_ids = [case.layer_id] if case.global_layer_id is None else [case.layer_id, case.global_layer_id]
     for i in range(bs):
         req_to_token[req_idx[i], : seq[i]] = req_slots[i]
         keys.append((torch.randn((seq[i], kvh, d), generator=gen)).to(dtype))
         values.append((torch.randn((seq[i], kvh, d), generator=gen)).to(dtype))
-        k_buf, v_buf = pool.get_kv(case.layer_id)
-        k_buf[req_slots[i][: prefix[i]]] = keys[i][: prefix[i]]
-        v_buf[req_slots[i][: prefix[i]]] = values[i][: prefix[i]]
+        for layer_id in layer_ids:
+            k_buf, v_buf = pool.get_kv(layer_id)
+            k_buf[req_slots[i][: prefix[i]]] = keys[i][: prefix[i]]
+            v_buf[req_slots[i][: prefix[i]]] = values[i][: prefix[i]]
 
     k_new = torch.cat([keys[i][prefix[i] :] for i in range(bs)])
     v_new = torch.cat([values[i][prefix[i] :] for i in range(bs)])
@@ -206,8 +257,13 @@ def make_attention_inputs(
         extend_lens_cpu=list(extend),
         logits_indices=(torch.cumsum(t(extend), 0) - 1).to(device),
     )
-    layer = AttentionLayerSpec(case.layer_id, h, kvh, d, case.softmax_scale)
-    return AttentionInputs(case, q.to(device), k_new.to(device), v_new.to(device), layer, batch, keys, values)
+    layer = AttentionLayerSpec(case.layer_id, h, kvh, d, case.softmax_scale, case.sliding_window, case.logit_softcap)
+    global_layer = None
+    if case.global_layer_id is not None:
+        global_layer = replace(layer, layer_id=case.global_layer_id, sliding_window=None)
+    return AttentionInputs(
+        case, q.to(device), k_new.to(device), v_new.to(device), layer, batch, keys, values, global_layer
+    )
 
 
 def _inputs_on_cpu_fp32(inputs: AttentionInputs) -> AttentionInputs:
@@ -247,13 +303,19 @@ def _inputs_on_cpu_fp32(inputs: AttentionInputs) -> AttentionInputs:
         batch,
         [f(x) for x in inputs.keys],
         [f(x) for x in inputs.values],
+        inputs.global_layer,
     )
 
 
-def dense_attention(inputs: AttentionInputs) -> torch.Tensor:
+def dense_attention(inputs: AttentionInputs, layer: Optional[AttentionLayerSpec] = None) -> torch.Tensor:
     """Causal GQA attention computed densely in float64 from the logical K/V,
-    independent of any paging: the kit's own statement of the semantics."""
+    independent of any paging: the kit's own statement of the semantics. The
+    sliding window and logit cap are ``layer``'s (default ``inputs.layer``): a
+    query at position p sees keys p - window + 1 .. p, and the scaled scores
+    become cap * tanh(scores / cap) before the softmax."""
     case = inputs.case
+    layer = layer or inputs.layer
+    window, cap = layer.sliding_window, layer.logit_softcap
     group = case.num_heads // case.num_kv_heads
     outs = []
     start = 0
@@ -263,9 +325,14 @@ def dense_attention(inputs: AttentionInputs) -> torch.Tensor:
         k = inputs.keys[i].to("cpu", torch.float64).repeat_interleave(group, dim=1)  # [S, H, D]
         v = inputs.values[i].to("cpu", torch.float64).repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * case.softmax_scale
+        if cap is not None:
+            scores = cap * torch.tanh(scores / cap)
         q_pos = torch.arange(p, p + n)[:, None]
         k_pos = torch.arange(p + n)[None, :]
-        scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+        hidden = k_pos > q_pos
+        if window is not None:
+            hidden |= k_pos <= q_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v))
     return torch.cat(outs)
 
@@ -273,6 +340,7 @@ def dense_attention(inputs: AttentionInputs) -> torch.Tensor:
 def _check_kv_store(inputs: AttentionInputs, before_k, before_v) -> str:
     pool = inputs.batch.kv_pool
     loc = inputs.batch.out_cache_loc.cpu()
+    written = {inputs.layer.layer_id} | ({inputs.global_layer.layer_id} if inputs.global_layer else set())
     problems = []
     for layer_id in range(pool.num_layers):
         for name, buffers, before, new in (
@@ -280,7 +348,7 @@ def _check_kv_store(inputs: AttentionInputs, before_k, before_v) -> str:
             ("V", pool.v_buffers, before_v, inputs.v),
         ):
             expected = before[layer_id].clone()
-            if layer_id == inputs.layer.layer_id:
+            if layer_id in written:
                 expected[loc] = new.to("cpu", pool.dtype)
             actual = buffers[layer_id].to("cpu")
             if actual.dtype != expected.dtype or not torch.equal(actual, expected):
@@ -289,7 +357,7 @@ def _check_kv_store(inputs: AttentionInputs, before_k, before_v) -> str:
                     continue
                 wrong = (actual != expected).reshape(actual.shape[0], -1).any(dim=1)
                 slots = torch.nonzero(wrong).flatten()
-                new_slots = set(loc.tolist()) if layer_id == inputs.layer.layer_id else set()
+                new_slots = set(loc.tolist()) if layer_id in written else set()
                 missing = sum(1 for s in slots.tolist() if s in new_slots)
                 stray = len(slots) - missing
                 detail = []
@@ -334,7 +402,9 @@ def check_attention_backend(
     seed: int = 0,
 ) -> ConformanceReport:
     """Run the attention cases on ``backend`` and compare with ``reference``. The
-    backend runs on a KV pool in the layout it declares (``kv_layout``)."""
+    backend runs on a KV pool in the layout it declares (``kv_layout``). A
+    windowed case compares both of its layers' outputs (rows of the windowed
+    layer, then of the global one) and checks both layers' stores."""
     run = _Run.resolve("attention", backend, device, dtypes, registry, reference)
     case_list = _cases("attention", cases, ATTENTION_CASES)
 
@@ -343,15 +413,18 @@ def check_attention_backend(
         ref_inputs = _inputs_on_cpu_fp32(inputs)
         before_k = [b.to("cpu", copy=True) for b in inputs.batch.kv_pool.k_buffers]
         before_v = [b.to("cpu", copy=True) for b in inputs.batch.kv_pool.v_buffers]
+        # The case's layer, then (windowed cases) a global layer in the same step.
+        layers = [inputs.layer] + ([inputs.global_layer] if inputs.global_layer is not None else [])
 
         ref = run.ref_cls(run.reference_query(query))
         ref.init_forward_metadata(ref_inputs.batch)
-        expected = ref.forward(ref_inputs.q, ref_inputs.k, ref_inputs.v, ref_inputs.layer, ref_inputs.batch)
+        b = ref_inputs.batch
+        expected = torch.cat([ref.forward(ref_inputs.q, ref_inputs.k, ref_inputs.v, layer, b) for layer in layers])
 
         impl = run.cls(query)
         inputs.batch.kv_pool = with_kv_layout(inputs.batch.kv_pool, run.cls.kv_layout)  # the one it declares
         impl.init_forward_metadata(inputs.batch)
-        out = impl.forward(inputs.q, inputs.k, inputs.v, inputs.layer, inputs.batch)
+        out = torch.cat([impl.forward(inputs.q, inputs.k, inputs.v, layer, inputs.batch) for layer in layers])
         inputs.batch.kv_pool = with_kv_layout(inputs.batch.kv_pool, KVLayout())  # token-major, for the store check
         close = _score(result, out, expected, dtype, tol)
         result.kv_store = _check_kv_store(inputs, before_k, before_v)
