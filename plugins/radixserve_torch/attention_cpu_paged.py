@@ -41,7 +41,7 @@ from typing import Callable, Optional
 import torch
 
 from radixserve.forward_batch import ForwardBatch, ForwardMode
-from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
+from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery, attention_feature_reasons
 from radixserve_torch import cpu_kernels
 from radixserve_torch.attention import grouped_heads_reasons
 
@@ -184,7 +184,9 @@ class CpuPagedAttention(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        reasons = grouped_heads_reasons(query)
+        reasons = grouped_heads_reasons(query) + attention_feature_reasons(
+            query, cls.name, sliding_window=True, logit_softcap=True
+        )
         if query.device != "cpu":
             reasons.append(f"a CPU kernel; device is {query.device}")
         if query.dtype not in _DTYPES:

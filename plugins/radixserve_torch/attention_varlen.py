@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from radixserve.forward_batch import ForwardBatch, ForwardMode
-from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
+from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery, attention_feature_reasons
 from radixserve_torch.attention import grouped_heads_reasons
 
 # A new bucket starts when a request's work is less than this fraction of the
@@ -128,7 +128,9 @@ class TorchVarlenAttention(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        return grouped_heads_reasons(query)
+        return grouped_heads_reasons(query) + attention_feature_reasons(
+            query, cls.name, sliding_window=True, logit_softcap=True
+        )
 
     # -- per step ---------------------------------------------------------------
 

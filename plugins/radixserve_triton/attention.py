@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from radixserve.forward_batch import ForwardBatch, ForwardMode
-from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
+from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery, attention_feature_reasons
 from radixserve_triton._env import device_reasons, dtype_reasons, interpreter_requested
 from radixserve_triton.config import DEFAULT_ATTENTION_CONFIG, AttentionKernelConfig
 
@@ -45,7 +45,11 @@ class TritonAttention(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        reasons = device_reasons(query) + dtype_reasons(query)
+        reasons = (
+            device_reasons(query)
+            + dtype_reasons(query)
+            + attention_feature_reasons(query, cls.name, sliding_window=True, logit_softcap=True)
+        )
         if query.head_dim is not None and not 1 <= query.head_dim <= MAX_HEAD_DIM:
             reasons.append(f"head_dim {query.head_dim} is not supported (1..{MAX_HEAD_DIM})")
         if query.num_heads is not None and query.num_kv_heads:
