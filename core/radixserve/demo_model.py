@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "radixserve-demo"
 # Bump when the recipe changes, so stale caches are not reused.
-_VERSION = "v1"
+_VERSION = "v2"
 _RECIPE = dict(
     arch="llama",
     hidden_size=256,
