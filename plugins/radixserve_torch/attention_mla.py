@@ -1,7 +1,7 @@
 """``torch_mla``: multi-head latent attention in plain PyTorch, the reference
 every MLA backend is checked against (radixserve/kernels/mla.py has the math).
 
-Extend up-projects (``radixserve.kernels.up_projected_extend``). It gathers each
+Extend is the base class's, up-projected (``radixserve.kernels.up_projected_extend``). It gathers each
 request's latent entries (cached prefix and new tokens), expands them through
 ``kv_b_proj`` into per-head keys and values, and runs causal attention with
 ``qk_nope + rope``-wide keys and ``v_head_dim``-wide values: transformers' own
@@ -34,7 +34,6 @@ from radixserve.kernels import (
     MLALayerSpec,
     latent_pool,
     mla_reasons,
-    up_projected_extend,
 )
 
 
@@ -45,16 +44,6 @@ class TorchMLAAttention(MLAAttentionBackend):
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
         return mla_reasons(query, cls.name)
-
-    def forward_mla_extend(
-        self,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        kv_b_weight: torch.Tensor,
-        layer: MLALayerSpec,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
-        return up_projected_extend(q_nope, q_rope, kv_b_weight, layer, batch)
 
     def forward_mla_decode(
         self,

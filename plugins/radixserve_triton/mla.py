@@ -3,7 +3,7 @@
 Decode absorbs (radixserve/kernels/mla.py): ``W_UK`` goes into the query and
 ``W_UV`` into the output as two batched matmuls, and the kernel of
 ``ops/mla.py`` attends over the latent pool directly, each block of entries
-read once for a block of heads. Extend is the up-projected form of the
+read once for a block of heads. Extend is the base class's up-projected form of the
 reference (``radixserve.kernels.up_projected_extend``): after the expansion it
 is attention over keys and values that exist only for this step, not in the
 pool that ``triton``'s extend kernel reads, and its cost is the expansion's
@@ -25,7 +25,6 @@ from radixserve.kernels import (
     MLALayerSpec,
     latent_pool,
     mla_reasons,
-    up_projected_extend,
 )
 from radixserve_triton._env import device_reasons, dtype_reasons, interpreter_requested
 from radixserve_triton.config import DEFAULT_ATTENTION_CONFIG, AttentionKernelConfig
@@ -84,16 +83,6 @@ class TritonMLAAttention(MLAAttentionBackend):
             head_blocks = self._kernels.num_head_blocks(self.query.num_heads or 1)
             splits = self.kernel_config.num_kv_splits(batch.batch_size, head_blocks, max_seq)
         return TritonMLAMetadata(mode=batch.mode, num_kv_splits=splits)
-
-    def forward_mla_extend(
-        self,
-        q_nope: torch.Tensor,
-        q_rope: torch.Tensor,
-        kv_b_weight: torch.Tensor,
-        layer: MLALayerSpec,
-        batch: ForwardBatch,
-    ) -> torch.Tensor:
-        return up_projected_extend(q_nope, q_rope, kv_b_weight, layer, batch)
 
     def forward_mla_decode(
         self,

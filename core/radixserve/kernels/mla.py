@@ -100,7 +100,9 @@ class MLAAttentionBackend(AttentionBackend):
         layer: MLALayerSpec,
         batch: ForwardBatch,
     ) -> torch.Tensor:
-        raise NotImplementedError
+        """By default the up-projected extend (:func:`up_projected_extend`, HF's
+        own computation); a backend with an extend kernel of its own overrides it."""
+        return up_projected_extend(q_nope, q_rope, kv_b_weight, layer, batch)
 
     def forward_mla_decode(
         self,
