@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
+from radixserve.forward_batch import ForwardBatch
 from radixserve.kernels import KernelQuery
 
 DEFAULT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
@@ -364,3 +365,25 @@ def _cases(kind: str, cases, table: dict[str, Sequence[Any]]) -> Sequence[Any]:
             raise ValueError(f"unknown {kind} case set {cases!r}; choose from {sorted(table)} or pass case objects")
         return table[cases]
     return list(cases)
+
+
+def batch_on_cpu(b: ForwardBatch, pool: Any) -> ForwardBatch:
+    """A copy of ``b`` on the CPU over ``pool`` (the reference's float32 copy of
+    the backend's pool): what the kits' reference math reads."""
+    c = lambda x: x.to("cpu", copy=True)  # noqa: E731
+    return ForwardBatch(
+        mode=b.mode,
+        input_ids=c(b.input_ids),
+        positions=c(b.positions),
+        out_cache_loc=c(b.out_cache_loc),
+        req_pool_indices=c(b.req_pool_indices),
+        seq_lens=c(b.seq_lens),
+        prefix_lens=c(b.prefix_lens),
+        extend_lens=c(b.extend_lens),
+        req_to_token=c(b.req_to_token),
+        kv_pool=pool,
+        seq_lens_cpu=list(b.seq_lens_cpu),
+        prefix_lens_cpu=list(b.prefix_lens_cpu),
+        extend_lens_cpu=list(b.extend_lens_cpu),
+        logits_indices=None if b.logits_indices is None else c(b.logits_indices),
+    )

@@ -15,7 +15,15 @@ import torch
 from radixserve.cache.memory_pool import LatentKV, LatentKVPool
 from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.kernels import KernelQuery, MLALayerSpec
-from radixserve.testing.conformance.base import BackendSpec, ConformanceReport, Tolerances, _cases, _Run, _score
+from radixserve.testing.conformance.base import (
+    BackendSpec,
+    ConformanceReport,
+    Tolerances,
+    _cases,
+    _Run,
+    _score,
+    batch_on_cpu,
+)
 
 
 @dataclass(frozen=True)
@@ -236,24 +244,8 @@ def _inputs_on_cpu_fp32(inputs: MLAInputs) -> MLAInputs:
     pool.dtype, pool.device = torch.float32, cpu
     # copy=True: for float32 on cpu ``.to`` would alias the backend's own pool.
     pool.latent_buffers = [x.to(cpu, torch.float32, copy=True) for x in _pool(inputs).latent_buffers]
-    c = lambda x: x.to(cpu, copy=True)  # noqa: E731
     f = lambda x: x.to(cpu, torch.float32, copy=True)  # noqa: E731
-    batch = ForwardBatch(
-        mode=b.mode,
-        input_ids=c(b.input_ids),
-        positions=c(b.positions),
-        out_cache_loc=c(b.out_cache_loc),
-        req_pool_indices=c(b.req_pool_indices),
-        seq_lens=c(b.seq_lens),
-        prefix_lens=c(b.prefix_lens),
-        extend_lens=c(b.extend_lens),
-        req_to_token=c(b.req_to_token),
-        kv_pool=pool,
-        seq_lens_cpu=list(b.seq_lens_cpu),
-        prefix_lens_cpu=list(b.prefix_lens_cpu),
-        extend_lens_cpu=list(b.extend_lens_cpu),
-        logits_indices=None if b.logits_indices is None else c(b.logits_indices),
-    )
+    batch = batch_on_cpu(b, pool)
     return MLAInputs(
         inputs.case,
         f(inputs.q_nope),
