@@ -54,7 +54,7 @@ from radixserve.layers.mla import LatentUpProjection, MultiHeadLatentAttention
 from radixserve.layers.rotary import rope_cos_sin_cache, rope_inv_freq
 from radixserve.layers.weights import load_named_weights
 from radixserve.models.base import ModelFacts
-from radixserve.models.llama import LlamaMLP, LlamaModel
+from radixserve.models.llama import LlamaMLP, LlamaModel, PreNormDecoderLayer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -197,29 +197,14 @@ class DeepseekV2MoE(Layer):
         return self.experts(x, self.gate(x)) + self.shared_experts(x)
 
 
-class DeepseekV2DecoderLayer(Layer):
+class DeepseekV2DecoderLayer(PreNormDecoderLayer):
     def __init__(self, config: "PretrainedConfig", layer_id: int, ctx: ModelContext, rotary: DeepseekV2Rotary):
-        super().__init__()
-        self.self_attn = DeepseekV2Attention(config, layer_id, ctx, rotary)
+        mlp: nn.Module
         if layer_id >= config.first_k_dense_replace:
-            self.mlp: nn.Module = DeepseekV2MoE(config, ctx)
+            mlp = DeepseekV2MoE(config, ctx)
         else:
-            self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, ctx, bias=bool(config.mlp_bias))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
-
-    def forward(
-        self, hidden: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mlp output, residual stream)``, the residual adds fused into the next
-        norm as in the Llama decoder layer."""
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, batch)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            mlp = LlamaMLP(config.hidden_size, config.intermediate_size, ctx, bias=bool(config.mlp_bias))
+        super().__init__(DeepseekV2Attention(config, layer_id, ctx, rotary), mlp, config, ctx)
 
 
 class DeepseekV2ForCausalLM(Layer):

@@ -146,18 +146,13 @@ class LlamaMLP(Layer):
         return self.down_proj(self.gate_up_proj.silu_and_mul(x, self.act))
 
 
-class LlamaDecoderLayer(Layer):
-    def __init__(
-        self,
-        config: "PretrainedConfig",
-        layer_id: int,
-        ctx: ModelContext,
-        options: AttentionOptions,
-        mlp: nn.Module,
-        rotary_emb: RotaryEmbedding,
-    ):
+class PreNormDecoderLayer(Layer):
+    """RMSNorm, attention, RMSNorm, MLP, each with its residual add (Llama's block,
+    and DeepSeek-V2's around its own attention and MLP)."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, config: "PretrainedConfig", ctx: ModelContext):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, ctx, options, rotary_emb)
+        self.self_attn = self_attn
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
@@ -175,6 +170,19 @@ class LlamaDecoderLayer(Layer):
         hidden = self.self_attn(hidden, batch)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+class LlamaDecoderLayer(PreNormDecoderLayer):
+    def __init__(
+        self,
+        config: "PretrainedConfig",
+        layer_id: int,
+        ctx: ModelContext,
+        options: AttentionOptions,
+        mlp: nn.Module,
+        rotary_emb: RotaryEmbedding,
+    ):
+        super().__init__(LlamaAttention(config, layer_id, ctx, options, rotary_emb), mlp, config, ctx)
 
 
 class LlamaModel(Layer):
