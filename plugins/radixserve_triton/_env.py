@@ -1,13 +1,16 @@
-"""Cheap, import-free probes shared by the Triton backends' ``unsupported_reasons``.
+"""Cheap, import-free probes shared by the Triton backends' ``unsupported_reasons``,
+and the one place a backend loads its kernels (``kernel_module``, when it is built).
 
-Nothing here imports triton or initialises a device runtime: these run during
-backend selection in every process.
+Nothing here imports triton at import time or initialises a device runtime: the
+probes run during backend selection in every process.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+from types import ModuleType
 
 import torch
 
@@ -51,3 +54,18 @@ def dtype_reasons(query: KernelQuery) -> list[str]:
     if query.kv_dtype is not None and query.kv_dtype not in FLOAT_DTYPES:
         reasons.append(f"KV cache dtype {query.kv_dtype} is not supported (float32, bfloat16, float16 are)")
     return reasons
+
+
+def kernel_module(query: KernelQuery, what: str, module: str) -> ModuleType:
+    """``radixserve_triton.ops.<module>``, the kernels of the ``what`` backend; a
+    RuntimeError on the cpu unless they run in the interpreter."""
+    if query.device == "cpu" and not interpreter_requested():
+        raise RuntimeError(f"the {what} backend runs on cpu only with {INTERPRET_ENV}=1")
+    ops = importlib.import_module("radixserve_triton.ops")
+    kernels = importlib.import_module(f"radixserve_triton.ops.{module}")
+    if query.device == "cpu" and not ops.INTERPRETED:
+        raise RuntimeError(
+            f"radixserve_triton's kernels were imported before {INTERPRET_ENV}=1 was set, so they were "
+            "built for a GPU; set the variable before the process imports radixserve_triton.ops"
+        )
+    return kernels

@@ -9,7 +9,7 @@ import torch
 
 from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery, attention_feature_reasons
-from radixserve_triton._env import device_reasons, dtype_reasons, interpreter_requested
+from radixserve_triton._env import device_reasons, dtype_reasons, kernel_module
 from radixserve_triton.config import DEFAULT_ATTENTION_CONFIG, AttentionKernelConfig
 
 MAX_HEAD_DIM = 256
@@ -59,17 +59,7 @@ class TritonAttention(AttentionBackend):
 
     def __init__(self, query: KernelQuery):
         super().__init__(query)
-        if query.device == "cpu" and not interpreter_requested():
-            raise RuntimeError("the triton attention backend runs on cpu only with TRITON_INTERPRET=1")
-        from radixserve_triton import ops
-        from radixserve_triton.ops import attention as kernels
-
-        if query.device == "cpu" and not ops.INTERPRETED:
-            raise RuntimeError(
-                "radixserve_triton's kernels were imported before TRITON_INTERPRET=1 was set, so they were "
-                "built for a GPU; set the variable before the process imports radixserve_triton.ops"
-            )
-        self._kernels = kernels
+        self._kernels = kernel_module(query, "triton attention", "attention")
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = self._metadata(batch)

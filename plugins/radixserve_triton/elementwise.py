@@ -9,7 +9,7 @@ import torch
 
 from radixserve.kernels import ElementwiseBackend, KernelQuery, elementwise_op_reasons
 from radixserve.kernels.elementwise import NormResult
-from radixserve_triton._env import device_reasons, dtype_reasons, interpreter_requested
+from radixserve_triton._env import device_reasons, dtype_reasons, kernel_module
 
 
 class TritonElementwise(ElementwiseBackend):
@@ -26,17 +26,7 @@ class TritonElementwise(ElementwiseBackend):
 
     def __init__(self, query: KernelQuery):
         super().__init__(query)
-        if query.device == "cpu" and not interpreter_requested():
-            raise RuntimeError("the triton elementwise backend runs on cpu only with TRITON_INTERPRET=1")
-        from radixserve_triton import ops
-        from radixserve_triton.ops import elementwise as kernels
-
-        if query.device == "cpu" and not ops.INTERPRETED:
-            raise RuntimeError(
-                "radixserve_triton's kernels were imported before TRITON_INTERPRET=1 was set, so they were "
-                "built for a GPU; set the variable before the process imports radixserve_triton.ops"
-            )
-        self._kernels = kernels
+        self._kernels = kernel_module(query, "triton elementwise", "elementwise")
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None

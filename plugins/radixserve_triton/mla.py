@@ -26,7 +26,7 @@ from radixserve.kernels import (
     latent_pool,
     mla_reasons,
 )
-from radixserve_triton._env import device_reasons, dtype_reasons, interpreter_requested
+from radixserve_triton._env import device_reasons, dtype_reasons, kernel_module
 from radixserve_triton.config import DEFAULT_ATTENTION_CONFIG, AttentionKernelConfig
 
 # The kernel holds a whole latent row and rotary row of BLOCK_HEADS heads in registers.
@@ -61,17 +61,7 @@ class TritonMLAAttention(MLAAttentionBackend):
 
     def __init__(self, query: KernelQuery):
         super().__init__(query)
-        if query.device == "cpu" and not interpreter_requested():
-            raise RuntimeError("the triton_mla attention backend runs on cpu only with TRITON_INTERPRET=1")
-        from radixserve_triton import ops
-        from radixserve_triton.ops import mla as kernels
-
-        if query.device == "cpu" and not ops.INTERPRETED:
-            raise RuntimeError(
-                "radixserve_triton's kernels were imported before TRITON_INTERPRET=1 was set, so they were "
-                "built for a GPU; set the variable before the process imports radixserve_triton.ops"
-            )
-        self._kernels = kernels
+        self._kernels = kernel_module(query, "triton_mla attention", "mla")
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = self._metadata(batch)

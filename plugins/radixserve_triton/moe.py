@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 
 from radixserve.kernels import KernelQuery, MoEBackend, MoERouting, route
-from radixserve_triton._env import device_reasons, dtype_reasons, interpreter_requested
+from radixserve_triton._env import device_reasons, dtype_reasons, kernel_module
 from radixserve_triton.config import DEFAULT_MOE_CONFIG, MoEKernelConfig
 
 
@@ -33,17 +33,7 @@ class TritonMoE(MoEBackend):
 
     def __init__(self, query: KernelQuery):
         super().__init__(query)
-        if query.device == "cpu" and not interpreter_requested():
-            raise RuntimeError("the triton MoE backend runs on cpu only with TRITON_INTERPRET=1")
-        from radixserve_triton import ops
-        from radixserve_triton.ops import moe as kernels
-
-        if query.device == "cpu" and not ops.INTERPRETED:
-            raise RuntimeError(
-                "radixserve_triton's kernels were imported before TRITON_INTERPRET=1 was set, so they were "
-                "built for a GPU; set the variable before the process imports radixserve_triton.ops"
-            )
-        self._kernels = kernels
+        self._kernels = kernel_module(query, "triton MoE", "moe")
 
     def forward(self, hidden, router_logits, w13, w2, routing: MoERouting) -> torch.Tensor:
         weights, ids = route(router_logits, routing)
