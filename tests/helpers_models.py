@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from generation_utils import hf_greedy, make_scheduler, mixed_prompts, run, submit
+from generation_utils import generate, hf_greedy, make_scheduler, mixed_prompts, run, submit
 from transformers import AutoModelForCausalLM
 
 from radixserve.messages import FinishReason
@@ -63,12 +63,7 @@ def check_greedy_matches_hf(ref: Reference, config: str, **more_server_args) -> 
 
 
 def _generate(scheduler, prompts: list[list[int]], new_tokens: int) -> list:
-    rids = [
-        submit(scheduler, p, max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True, return_logprob=True)
-        for p in prompts
-    ]
-    results = run(scheduler)
-    return [results[r] for r in rids]
+    return generate(scheduler, prompts, max_new_tokens=new_tokens, ignore_eos=True, return_logprob=True)
 
 
 def bf16_agreement(ref: Reference) -> float:

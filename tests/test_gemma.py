@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from generation_utils import hf_greedy, make_scheduler, mixed_prompts, run, submit
+from generation_utils import generate, hf_greedy, make_scheduler, mixed_prompts, run, submit
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from radixserve.backend_timing import timing_cases
@@ -86,12 +86,7 @@ def reference(request: pytest.FixtureRequest, tiny_model_factory) -> Reference:
 
 
 def _generate(scheduler, prompts: list[list[int]]) -> list:
-    rids = [
-        submit(scheduler, p, max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, return_logprob=True)
-        for p in prompts
-    ]
-    results = run(scheduler)
-    return [results[r] for r in rids]
+    return generate(scheduler, prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True, return_logprob=True)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))

@@ -54,7 +54,7 @@ from radixserve.layers.mla import LatentUpProjection, MultiHeadLatentAttention
 from radixserve.layers.rotary import rope_cos_sin_cache, rope_inv_freq
 from radixserve.layers.weights import load_named_weights
 from radixserve.models.base import ModelFacts
-from radixserve.models.llama import LlamaMLP, LlamaModel, PreNormDecoderLayer
+from radixserve.models.llama import LlamaMLP, LlamaModel, PreNormDecoderLayer, fused_weight_name
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -259,12 +259,7 @@ class DeepseekV2ForCausalLM(Layer):
         expert = expert_weight_name(name, _PER_EXPERT, _PART)
         if expert is not None:
             return expert
-        parts = name.split(".")
-        for i, part in enumerate(parts):
-            if part in self.stacked_params:
-                fused, shard_id = self.stacked_params[part]
-                return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard_id
-        return name, None
+        return fused_weight_name(name, self.stacked_params)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self, weights, self.map_weight_name)

@@ -70,6 +70,17 @@ def attention_facts(config: "PretrainedConfig", **more: Any) -> ModelFacts:
     )
 
 
+def fused_weight_name(name: str, stacked_params: dict[str, tuple[str, Any]]) -> tuple[str, Any]:
+    """``(parameter name, shard id)`` of checkpoint tensor ``name``: a projection
+    in ``stacked_params`` (e.g. ``q_proj``) names its fused parameter and shard."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in stacked_params:
+            fused, shard_id = stacked_params[part]
+            return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard_id
+    return name, None
+
+
 @dataclass(frozen=True)
 class AttentionOptions:
     """What differs between the attention blocks of the Llama family."""
@@ -265,12 +276,7 @@ class LlamaForCausalLM(Layer):
             return None
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return None
-        parts = name.split(".")
-        for i, part in enumerate(parts):
-            if part in self.stacked_params:
-                fused, shard_id = self.stacked_params[part]
-                return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard_id
-        return name, None
+        return fused_weight_name(name, self.stacked_params)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_named_weights(self, weights, self.map_weight_name)
