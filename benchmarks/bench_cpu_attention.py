@@ -4,6 +4,7 @@
     python benchmarks/bench_cpu_attention.py --dtypes bfloat16 --repeats 9 --only decode
     python benchmarks/bench_cpu_attention.py --backends torch_varlen,cpu_paged --timer cpu --threads 1
     python benchmarks/bench_cpu_attention.py --heads 16/2/32 --only decode   # qwen2's shape (GQA 8)
+    python benchmarks/bench_cpu_attention.py --sliding-window 128 --logit-softcap 50   # Gemma 2's features
 
 Model shape of the W1 workload (16 heads, 8 KV heads, head_dim 64; ``--heads``
 picks another, e.g. 16/2/32 for qwen2's), page size 1,
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import random
 import time
+from dataclasses import replace
 from datetime import date
 
 import torch
@@ -76,6 +78,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--heads", default="16/8/64", help="num_heads/num_kv_heads/head_dim (qwen2: 16/2/32)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--sliding-window", type=int, help="every case's layer slides this window")
+    parser.add_argument("--logit-softcap", type=float, help="every case's layer caps its scores at this")
     parser.add_argument(
         "--timer",
         choices=["wall", "cpu"],
@@ -91,7 +95,8 @@ def main() -> None:
     names = args.backends.split(",")
     print(
         f"date {date.today()}  torch {torch.__version__}  threads {torch.get_num_threads()}  "
-        f"heads/kv_heads/head_dim {args.heads}  min of {args.repeats}  {args.timer} time"
+        f"heads/kv_heads/head_dim {args.heads}  min of {args.repeats}  {args.timer} time  "
+        f"window {args.sliding_window}  cap {args.logit_softcap}"
     )
     print(f"{'shape':<28}{'dtype':<10}" + "".join(f"{n:>16}" for n in names) + f"   plan (ms){'':<12}speedup")
     for dtype_name in args.dtypes.split(","):
@@ -99,6 +104,7 @@ def main() -> None:
         for case in shapes(args.seed, args.heads):
             if args.only and case.mode != args.only:
                 continue
+            case = replace(case, sliding_window=args.sliding_window, logit_softcap=args.logit_softcap)
             inputs = make_attention_inputs(case, dtype)
             batch, query = inputs.batch, case.query("cpu", dtype)
             times, plans = [], []
