@@ -152,7 +152,9 @@ def test_a_mixed_workload_all_succeeds_and_the_slow_worker_gets_a_small_share(ro
         for name, w in fleet.items()
     }
     assert sum(routed.values()) == 40
-    assert routed["triton"] < routed["cpu"] and routed["triton"] < routed["example"], routed
+    # The slow worker gets the smallest share, below round robin's third. The two fast ones
+    # may split the rest in any proportion: one that runs 8 streams as fast as 1 takes them all.
+    assert routed["triton"] <= min(routed["cpu"], routed["example"]) and routed["triton"] < 40 / 3, routed
     assert all(w["load"]["router_in_flight"] == 0 for w in workers_of(router.url))  # every hold released
     assert "worker=" + fleet["cpu"].url in router.log  # the access log names the worker
 
