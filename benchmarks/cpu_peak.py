@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Optional
 
 from torch.utils.cpp_extension import load_inline
 
@@ -78,7 +79,23 @@ double run(int64_t kind, int64_t threads, int64_t iters) {
 """
 
 INSTRUCTIONS_PER_ITERATION = 12
-LOOPS = {"bfloat16 (vdpbf16ps)": (0, 64), "float32 (vfmadd)": (1, 32)}  # name: (kind, FLOP per instruction)
+# dtype: (loop kind, FLOP per instruction, instruction)
+LOOPS = {"bfloat16": (0, 64, "vdpbf16ps"), "float32": (1, 32, "vfmadd")}
+
+
+def peaks(threads: int, iterations: int) -> dict[str, Optional[float]]:
+    """GFLOP/s of each dtype's loop on ``threads`` threads; None where it was not
+    compiled for this CPU (bfloat16 without AVX512_BF16)."""
+    module = load_inline(
+        "radixserve_cpu_peak", cpp_sources=SOURCE, functions=["run"], extra_cflags=["-O3", "-march=native"]
+    )
+    rates: dict[str, Optional[float]] = {}
+    for dtype, (kind, flop_per_instruction, _) in LOOPS.items():
+        module.run(kind, threads, iterations // 10)  # wake the cores up to speed first
+        seconds = module.run(kind, threads, iterations)
+        instructions = threads * iterations * INSTRUCTIONS_PER_ITERATION
+        rates[dtype] = instructions * flop_per_instruction / seconds / 1e9 if seconds >= 0 else None
+    return rates
 
 
 def main() -> None:
@@ -86,19 +103,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--iterations", type=int, default=100_000_000)
     args = parser.parse_args()
-    module = load_inline(
-        "radixserve_cpu_peak", cpp_sources=SOURCE, functions=["run"], extra_cflags=["-O3", "-march=native"]
-    )
-    for name, (kind, flop_per_instruction) in LOOPS.items():
-        module.run(kind, args.threads, args.iterations // 10)  # wake the cores up to speed first
-        seconds = module.run(kind, args.threads, args.iterations)
-        if seconds < 0:
-            print(f"{name}: not compiled for this CPU (no AVX512_BF16)")
+    for dtype, rate in peaks(args.threads, args.iterations).items():
+        _, flop_per_instruction, instruction = LOOPS[dtype]
+        if rate is None:
+            print(f"{dtype} ({instruction}): not compiled for this CPU (no AVX512_BF16)")
             continue
-        instructions = args.threads * args.iterations * INSTRUCTIONS_PER_ITERATION
+        per_thread = rate / flop_per_instruction / args.threads
         print(
-            f"{name}: {instructions * flop_per_instruction / seconds / 1e9:.0f} GFLOP/s on {args.threads} threads "
-            f"({instructions / args.threads / seconds / 1e9:.2f} G instructions/s per thread)"
+            f"{dtype} ({instruction}): {rate:.0f} GFLOP/s on {args.threads} threads "
+            f"({per_thread:.2f} G instructions/s per thread)"
         )
 
 
