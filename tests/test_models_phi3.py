@@ -5,7 +5,8 @@ regimes (the long factors when the server's context exceeds
 ``original_max_position_embeddings``, prompts longer than it; the short factors
 with the context cut to it) with every request crossing the window; bfloat16
 teacher-forced agreement; the LongRoPE tables against HF's rotary embedding;
-fused checkpoint projections split across tensor-parallel ranks."""
+fused checkpoint projections split across tensor-parallel ranks; Phi-4-mini's
+partial rotary (a quarter of each head left unturned) with LongRoPE."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ SPEC = dict(
 LONG_PROMPTS = [65, 70, 97, 66, 81]
 # The short factors (context cut to 64): prompt + 24 new tokens within it.
 SHORT_PROMPTS, SHORT_NEW_TOKENS = [7, 1, 23, 40, 12], 24
+# Phi-4-mini's rotary: 3/4 of each head's 16 dimensions turn, LongRoPE over those 12.
+PARTIAL = dict(SPEC, rope_scaling=longrope_scaling(12), partial_rotary_factor=0.75, sliding_window=None)
 BF16_AGREEMENT = 0.95  # teacher-forced greedy agreement with HF in bfloat16, at least (docs/models.md)
 CPU = torch.device("cpu")
 
@@ -139,3 +142,23 @@ def test_fused_checkpoint_projections_split_across_ranks(tp_size: int):
         assert torch.equal(fused_mlp.weight, split_mlp.weight)
         rows = inter // tp_size
         assert torch.equal(fused_mlp.weight[:rows], gate[rank * rows : (rank + 1) * rows])
+
+
+def test_partial_rotary_greedy_matches_hf(tiny_model_factory):
+    model_dir = tiny_model_factory(**PARTIAL)
+    assert load_config(model_dir).rope_parameters["partial_rotary_factor"] == 0.75
+    check_greedy_matches_hf(hf_reference(model_dir, LONG_PROMPTS[:3]), "chunked-prefill")
+
+
+def test_partial_rotary_table_is_hfs_over_the_rotary_dimensions():
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    config = tiny_config("phi3", **{k: v for k, v in PARTIAL.items() if k != "arch"})
+    ctx = ModelContext.create(get_registry(), KernelQuery(device="cpu", dtype=torch.float32), CPU)
+    table = RotaryEmbedding(config, 16, ctx).cos_sin_cache
+    assert table.shape == (256, 12)  # cos and sin of 6 frequencies: dimensions 12-15 never turn
+    ids = torch.tensor([0, 5, 64, 200])
+    ref_cos, ref_sin = Phi3RotaryEmbedding(config)(torch.zeros(1), ids[None])
+    cos, sin = table[ids].chunk(2, dim=-1)
+    torch.testing.assert_close(torch.cat((cos, cos), -1), ref_cos[0], rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat((sin, sin), -1), ref_sin[0], rtol=0, atol=0)

@@ -57,26 +57,39 @@ def rope_parameters(config: PretrainedConfig, layer_type: Optional[str] = None) 
 def rope_inv_freq(
     config: PretrainedConfig, head_dim: int, seq_len: Optional[int] = None, layer_type: Optional[str] = None
 ) -> tuple[torch.Tensor, float]:
-    """``(inv_freq [head_dim // 2] float32, attention_scaling)`` for ``config``
+    """``(inv_freq [rotary_dim // 2] float32, attention_scaling)`` for ``config``
     (for its layers of ``layer_type``, see :func:`rope_parameters`); ``seq_len``:
     the length of the forward call, for the types whose frequencies depend on it
-    (longrope: the long set past the original context)."""
+    (longrope: the long set past the original context). ``rotary_dim`` is
+    ``head_dim`` times the ``partial_rotary_factor`` (Phi-4-mini: 0.75); only
+    the first ``rotary_dim`` dimensions of each head turn."""
     rope_type, params = rope_parameters(config, layer_type)
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise NotImplementedError(f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise NotImplementedError("partial_rotary_factor != 1 is not supported")
+    rotary_dim = rotary_dims(config, head_dim, layer_type)
     if rope_type == "default":
         base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
         return inv_freq, 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # lazy: keeps plugin discovery light
 
     per_type = {"layer_type": layer_type} if layer_type is not None else {}  # transformers 4.x has no layer_type
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, seq_len=seq_len, **per_type)
-    if inv_freq.numel() * 2 != head_dim:
-        raise ValueError(f"rope produced {inv_freq.numel()} frequencies for head_dim {head_dim}")
+    if inv_freq.numel() * 2 != rotary_dim:
+        raise ValueError(f"rope produced {inv_freq.numel()} frequencies for rotary_dim {rotary_dim}")
     return inv_freq.float(), float(scaling)
+
+
+def rotary_dims(config: PretrainedConfig, head_dim: int, layer_type: Optional[str] = None) -> int:
+    """How many of a head's ``head_dim`` dimensions turn: all, or the
+    ``partial_rotary_factor`` of them (in ``rope_parameters`` in transformers 5,
+    a config attribute in 4.x), as HF rounds it down."""
+    _, params = rope_parameters(config, layer_type)
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"partial_rotary_factor {factor} of head_dim {head_dim} gives {rotary_dim} rotary dimensions")
+    return rotary_dim
 
 
 def rope_table(
