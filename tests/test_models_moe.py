@@ -79,3 +79,25 @@ def test_facts_for_backend_selection(tiny_model_factory):
         assert (query.num_experts, query.top_k, query.num_heads, query.num_kv_heads) == (4, 2, 2, 1)
         shapes = model_timing_shapes(config, query, tp_size=2, decode_rows=4, prefill_rows=64, context_length=256)
         assert shapes.moe_intermediate_size == width // 2
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, dense_width",
+    [
+        ("llama", {}, 128),  # every layer's MLP
+        ("mixtral", {}, 0),  # experts only: intermediate_size is theirs
+        ("qwen3_moe", {}, 0),
+        ("qwen2_moe", dict(num_layers=3, mlp_only_layers=[1], shared_expert_intermediate_size=96), 96),  # shared
+        ("qwen2_moe", dict(num_layers=3, mlp_only_layers=[0, 1], shared_expert_intermediate_size=96), 128),  # dense
+    ],
+)
+def test_gemm_timing_covers_the_mlps_the_gemm_backend_runs(tiny_model_factory, arch, overrides, dense_width):
+    """``auto`` times the GEMM backends on the MLP that most layers run through them: the
+    dense MLP, the shared expert beside the routed ones, or none (routed experts are the
+    MoE backend's)."""
+    config = load_config(tiny_model_factory(with_tokenizer=False, arch=arch, **overrides))
+    query = model_kernel_query(config, "cpu", torch.float32, tp_size=2)
+    shapes = model_timing_shapes(config, query, tp_size=2, decode_rows=4, prefill_rows=64, context_length=256)
+    assert shapes.intermediate_size == dense_width // 2
+    projections = {name for name, *_ in shapes.gemm_shapes()}
+    assert ("gate_up_proj" in projections) == (dense_width > 0) == ("down_proj" in projections)

@@ -58,7 +58,7 @@ class ModelShapes:
     """One rank's shapes of the model, and the row counts its steps run at."""
 
     hidden_size: int
-    intermediate_size: int  # the dense MLP's (0: none)
+    intermediate_size: int  # the MLP the GEMM backend runs (ModelFacts.dense_intermediate_size; 0: none)
     num_heads: int
     num_kv_heads: int
     head_dim: int

@@ -190,10 +190,10 @@ def model_timing_shapes(
     tokens (capped at 1024) per decode step, ``prefill_rows`` tokens per prefill chunk."""
     from radixserve.backend_timing import ModelShapes
 
-    moe_intermediate = model_facts(config).moe_intermediate_size
+    facts = model_facts(config)
     return ModelShapes(
         hidden_size=config.hidden_size,
-        intermediate_size=(getattr(config, "intermediate_size", 0) or 0) // tp_size,
+        intermediate_size=facts.dense_intermediate_size // tp_size,
         num_heads=query.num_heads,
         num_kv_heads=query.num_kv_heads,
         head_dim=query.head_dim,
@@ -203,7 +203,7 @@ def model_timing_shapes(
         decode_context=min(context_length, 1024),
         num_experts=query.num_experts or 0,
         top_k=query.top_k or 0,
-        moe_intermediate_size=moe_intermediate // tp_size,
+        moe_intermediate_size=facts.moe_intermediate_size // tp_size,
     )
 
 

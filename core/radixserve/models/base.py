@@ -36,6 +36,9 @@ class ModelFacts:
     num_experts: int = 0  # 0: a dense model
     top_k: int = 0  # experts per token
     moe_intermediate_size: int = 0  # each expert's intermediate size (whole, before tensor parallelism)
+    # The intermediate size of the MLPs the GEMM backend runs in most layers (dense layers'
+    # or shared experts'; whole); 0 when every layer's MLP is routed experts alone (Mixtral).
+    dense_intermediate_size: int = 0
     sliding_window: Optional[int] = None  # the widest window of any windowed layer
     logit_softcap: Optional[float] = None  # attention score cap
     elementwise_ops: tuple[str, ...] = ()  # model-specific elementwise ops it calls (kernels.MODEL_SPECIFIC_OPS)

@@ -243,6 +243,11 @@ class DeepseekV2ForCausalLM(Layer):
             num_experts=config.n_routed_experts if sparse else 0,
             top_k=config.num_experts_per_tok if sparse else 0,
             moe_intermediate_size=config.moe_intermediate_size if sparse else 0,
+            dense_intermediate_size=(
+                config.moe_intermediate_size * (config.n_shared_experts or 0)
+                if 2 * config.first_k_dense_replace < config.num_hidden_layers
+                else config.intermediate_size
+            ),
             mla=LatentKV(kv_lora_rank=config.kv_lora_rank, rope_dim=config.qk_rope_head_dim),
         )
 

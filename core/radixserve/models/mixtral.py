@@ -38,6 +38,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
             num_experts=config.num_local_experts,
             top_k=config.num_experts_per_tok,
             moe_intermediate_size=config.intermediate_size,
+            dense_intermediate_size=0,  # intermediate_size is the experts'
         )
 
     @classmethod

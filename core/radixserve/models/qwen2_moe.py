@@ -44,3 +44,7 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
     @classmethod
     def sparse_block(cls, config: "PretrainedConfig", ctx: ModelContext) -> nn.Module:
         return Qwen2MoeSparseBlock(config, ctx)
+
+    @classmethod
+    def shared_mlp_size(cls, config: "PretrainedConfig") -> int:
+        return config.shared_expert_intermediate_size

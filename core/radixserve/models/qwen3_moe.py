@@ -50,11 +50,27 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     @classmethod
     def model_facts(cls, config: "PretrainedConfig") -> ModelFacts:
+        layers = config.num_hidden_layers
+        sparse = sum(cls.is_sparse_layer(config, i) for i in range(layers))
         return attention_facts(
             config,
             num_experts=num_experts_of(config),
             top_k=config.num_experts_per_tok,
             moe_intermediate_size=config.moe_intermediate_size,
+            dense_intermediate_size=config.intermediate_size if 2 * sparse < layers else cls.shared_mlp_size(config),
+        )
+
+    @classmethod
+    def shared_mlp_size(cls, config: "PretrainedConfig") -> int:
+        """The intermediate size of the dense MLP beside the experts of a sparse layer (0: none)."""
+        return 0
+
+    @classmethod
+    def is_sparse_layer(cls, config: "PretrainedConfig", layer_id: int) -> bool:
+        return (
+            layer_id not in (getattr(config, "mlp_only_layers", None) or [])
+            and num_experts_of(config) > 0
+            and (layer_id + 1) % getattr(config, "decoder_sparse_step", 1) == 0
         )
 
     @classmethod
@@ -63,12 +79,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     @classmethod
     def make_mlp(cls, config: "PretrainedConfig", layer_id: int, ctx: ModelContext) -> nn.Module:
-        sparse = (
-            layer_id not in (getattr(config, "mlp_only_layers", None) or [])
-            and num_experts_of(config) > 0
-            and (layer_id + 1) % getattr(config, "decoder_sparse_step", 1) == 0
-        )
-        if sparse:
+        if cls.is_sparse_layer(config, layer_id):
             return cls.sparse_block(config, ctx)
         return LlamaMLP(config.hidden_size, config.intermediate_size, ctx)
 
