@@ -1,7 +1,8 @@
 """Tensor parallelism on the CPU (gloo): tp=2 and tp=4 ranks, each a real process
 joined by torch.distributed, produce what tp=1 produces (greedy tokens equal,
 logprobs within 1e-4) for the dense and the MoE test architectures (Qwen2-MoE:
-experts and a shared expert with its gate), under a
+experts and a shared expert with its gate; DeepSeek-V2: latent attention with its
+heads split and its latent replicated, a dense layer, experts and shared experts), under a
 load with queueing, chunked prefill, radix cache hits and aborts; every rank
 samples the same tokens; each rank reads only its shards of the checkpoint; a
 rank that stops answering fails its peer's collective at the timeout."""
@@ -24,13 +25,14 @@ from radixserve.registry import get_registry
 from radixserve.runtime.distributed import RankSpec, Rendezvous, host_store, join_group
 from radixserve.runtime.scheduler import Scheduler
 
-ARCHS = ("llama", "qwen3_moe", "qwen2_moe")
+# DeepSeek-V2 with V2's compressed query (q_lora_rank), whose down-projection is replicated too.
+SPECS = (dict(arch="llama"), dict(arch="qwen3_moe"), dict(arch="qwen2_moe"), dict(arch="deepseek_v2", q_lora_rank=24))
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tiny_model_factory):
     # 4 query heads and 2 KV heads: at tp=4 each KV head is replicated on two ranks.
-    return [tiny_model_factory(arch=arch) for arch in ARCHS]
+    return [tiny_model_factory(**spec) for spec in SPECS]
 
 
 @pytest.fixture(scope="module")

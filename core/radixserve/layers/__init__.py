@@ -11,6 +11,7 @@ from radixserve.layers.linear import (
     LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
     linear_layers,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "ParallelLMHead",
     "QKVParallelLinear",
     "RMSNorm",
+    "ReplicatedLinear",
     "RotaryEmbedding",
     "RowParallelLinear",
     "SparseMoE",

@@ -11,6 +11,8 @@ in their ``weight_loader``. All sizes stored on a layer are this rank's.
 - :class:`QKVParallelLinear`: fused q/k/v projection, split by heads; KV heads are
   replicated when there are fewer of them than ranks.
 - :class:`RowParallelLinear`: input features split; partial results all-reduced.
+- :class:`ReplicatedLinear`: the whole weight on every rank (a small projection
+  whose output every rank needs whole: MLA's latent down-projections).
 """
 
 from __future__ import annotations
@@ -192,6 +194,16 @@ class RowParallelLinear(LinearBase):
             return self.quant.apply(self, x, self.bias)
         out = all_reduce(self.quant.apply(self, x, None), self.ctx)
         return out if self.bias is None else out + self.bias
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, ctx: ModelContext, bias: bool = False):
+        super().__init__(in_features, out_features, ctx, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
+        copy_into(param.data, loaded)
 
 
 def linear_layers(module: nn.Module) -> list[LinearBase]:

@@ -22,10 +22,15 @@ compete), no renormalisation, weights times ``routed_scaling_factor``, plus
 the shared experts (one SiLU MLP of ``n_shared_experts * moe_intermediate_size``)
 on every token.
 
+Tensor parallelism splits the heads: each rank holds its heads' rows of
+``q_proj``/``q_b_proj`` and ``kv_b_proj`` and their columns of ``o_proj``
+(all-reduced), while the latent down-projections (``q_a_proj``,
+``kv_a_proj_with_mqa``) are replicated, so every rank caches the whole latent
+of each token; the MLPs and experts split as Llama's and Qwen-MoE's do.
+
 Not served (refused by name): settings that transformers' class ignores but
 DeepSeek's original code applies (``moe_layer_freq`` other than 1,
-``norm_topk_prob``), other scoring functions and top-k methods (V3's), and
-tensor parallelism.
+``norm_topk_prob``), other scoring functions and top-k methods (V3's).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from radixserve.layers import (
     ColumnParallelLinear,
     FusedMoE,
     ParallelLMHead,
+    ReplicatedLinear,
     RMSNorm,
     RowParallelLinear,
     expert_weight_name,
@@ -51,6 +57,7 @@ from radixserve.layers import (
 from radixserve.layers.context import ModelContext
 from radixserve.layers.layer import Layer
 from radixserve.layers.mla import LatentUpProjection, MultiHeadLatentAttention
+from radixserve.layers.parallel import divide
 from radixserve.layers.rotary import rope_cos_sin_cache, rope_inv_freq
 from radixserve.layers.weights import load_named_weights
 from radixserve.models.base import ModelFacts
@@ -126,17 +133,17 @@ class DeepseekV2Attention(Layer):
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.kv_lora_rank = config.kv_lora_rank
-        self.num_heads = heads  # one rank holds them all (tensor parallelism is refused)
+        self.num_heads = divide(heads, ctx.tp_size)  # this rank's
         qk_head_dim = self.nope + self.rope
         bias = bool(config.attention_bias)
         self.q_lora_rank = config.q_lora_rank
         if self.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(hidden, heads * qk_head_dim, ctx)
         else:
-            self.q_a_proj = ColumnParallelLinear(hidden, self.q_lora_rank, ctx, bias=bias)
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, ctx, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, ctx)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, heads * qk_head_dim, ctx)
-        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, self.kv_lora_rank + self.rope, ctx, bias=bias)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.kv_lora_rank + self.rope, ctx, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, ctx)
         self.kv_b_proj = LatentUpProjection(heads, self.nope, config.v_head_dim, self.kv_lora_rank, ctx)
         self.o_proj = RowParallelLinear(heads * config.v_head_dim, hidden, ctx, bias=bias)
@@ -216,10 +223,6 @@ class DeepseekV2ForCausalLM(Layer):
     def __init__(self, config: "PretrainedConfig", ctx: ModelContext):
         super().__init__()
         check_supported(config)
-        if ctx.tp_size > 1:
-            raise NotImplementedError(
-                f"tp_size {ctx.tp_size}: tensor parallelism is not implemented for DeepseekV2ForCausalLM"
-            )
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise NotImplementedError(f"hidden_act {act!r} is not supported (only silu)")
