@@ -160,15 +160,16 @@ def test_wrong_backends_fail_naming_the_cases(backend, failing, message):
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_passes_the_kit_in_the_interpreter():
-    """Every op on the quick cases, all dtypes (a subprocess: TRITON_INTERPRET
-    is read when the kernels are defined)."""
+    """Every op on the quick cases, all dtypes, Gemma's too (a subprocess:
+    TRITON_INTERPRET is read when the kernels are defined)."""
     code = textwrap.dedent("""
         from radixserve.testing import check_elementwise_backend
         report = check_elementwise_backend("triton", device="cpu", cases="quick")
         print(report)
         report.raise_for_failures()
         assert {r.dtype for r in report.results} == {"float32", "bfloat16", "float16"}
-        assert len(report.results) == 27
+        assert len(report.results) == 36
+        assert {"gemma_rms_norm", "gelu_tanh_and_mul"} <= {r.case.split("/")[0] for r in report.results}
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

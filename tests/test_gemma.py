@@ -10,7 +10,13 @@ and unsupported configs are refused."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,13 +26,13 @@ from generation_utils import generate, hf_greedy, make_scheduler, mixed_prompts,
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from radixserve.backend_timing import timing_cases
-from radixserve.kernels import KernelQuery
+from radixserve.kernels import KernelQuery, elementwise_op_reasons
 from radixserve.layers.context import ModelContext
 from radixserve.messages import FinishReason
 from radixserve.model_loader import model_facts, model_kernel_query, model_timing_shapes
 from radixserve.models import Gemma2ForCausalLM
 from radixserve.models.gemma2 import GEMMA_ELEMENTWISE_OPS as GEMMA_OPS
-from radixserve.registry import PluginError, get_registry
+from radixserve.registry import get_registry
 from radixserve.testing.tiny_models import tiny_config
 from radixserve_torch.elementwise import TorchNativeElementwise
 
@@ -113,6 +119,39 @@ def test_greedy_matches_hf(reference: Reference, config: str):
     if "chunked_prefill_size" in server_args:
         for prompt, result in zip(prompts, batch):
             assert result.first_token_step >= math.ceil((len(prompt) - result.cached_tokens) / CHUNK)
+
+
+TRITON_RUN = textwrap.dedent("""
+    import json, sys
+    from generation_utils import generate, make_scheduler
+    scheduler = make_scheduler(sys.argv[1], attention_backend="triton", elementwise_backend="triton")
+    results = generate(scheduler, json.loads(sys.argv[2]), max_new_tokens=int(sys.argv[3]), ignore_eos=True)
+    print(json.dumps({"tokens": [r.output_ids for r in results], "backends": scheduler.runner.backends}))
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_in_the_interpreter_generates_hf_tokens(reference: Reference):
+    """Windows, caps and Gemma's norms and GELU, all through the Triton kernels."""
+    new_tokens = 12  # HF's first 12 greedy tokens of its 64, for two prompts past the window
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [
+        sys.executable,
+        "-c",
+        TRITON_RUN,
+        str(reference.model_dir),
+        json.dumps(reference.prompts[:2]),
+        str(new_tokens),
+    ]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (out["backends"]["attention"], out["backends"]["elementwise"]) == ("triton", "triton")
+    assert out["tokens"] == [tokens[:new_tokens] for tokens, _ in reference.hf[:2]]
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))
@@ -202,12 +241,12 @@ def test_facts_name_the_window_the_cap_and_the_ops():
     facts = model_facts(gemma3)
     assert (facts.sliding_window, facts.logit_softcap, facts.elementwise_ops) == (WINDOW, None, GEMMA_OPS)
 
-    # An elementwise backend without the Gemma ops is refused by name; the reference serves.
+    # An elementwise backend without the Gemma ops refuses the model by name; triton has them.
     query = model_kernel_query(gemma2, "cuda", torch.bfloat16)
     assert query.elementwise_ops == GEMMA_OPS and query.logit_softcap == 2.0
-    with pytest.raises(PluginError, match="triton has no gemma_rms_norm.*triton has no gelu_tanh_and_mul"):
-        registry.forced("elementwise", query, "triton")
-    assert registry.select("elementwise", query).name == "torch_native"
+    assert elementwise_op_reasons(query, "plain") == [f"plain has no {op} (the model calls it)" for op in GEMMA_OPS]
+    assert registry.forced("elementwise", query, "triton").name == "triton"
+    assert registry.select("elementwise", query).name == "triton"
     # auto times the candidates on the ops the model calls
     shapes = model_timing_shapes(gemma2, query, tp_size=1, decode_rows=4, prefill_rows=32, context_length=256)
     labels = [case.label.split("/")[0] for case in timing_cases("elementwise", query, shapes, torch.device("cpu"))]

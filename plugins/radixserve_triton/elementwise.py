@@ -1,5 +1,6 @@
 """``triton``: RMSNorm with the residual add fused in, rotary in place on q and
-k in one launch, and SiLU-and-mul, each one Triton kernel (ops/elementwise.py)."""
+k in one launch, and SiLU-and-mul, each one Triton kernel (ops/elementwise.py);
+Gemma's RMSNorm and GELU(tanh)-and-mul on the same kernels."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from radixserve.kernels import ElementwiseBackend, KernelQuery, elementwise_op_reasons
+from radixserve.kernels import MODEL_SPECIFIC_OPS, ElementwiseBackend, KernelQuery, elementwise_op_reasons
 from radixserve.kernels.elementwise import NormResult
 from radixserve_triton._env import device_reasons, dtype_reasons, kernel_module
 
@@ -22,7 +23,9 @@ class TritonElementwise(ElementwiseBackend):
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        return device_reasons(query) + dtype_reasons(query) + elementwise_op_reasons(query, cls.name)
+        return (
+            device_reasons(query) + dtype_reasons(query) + elementwise_op_reasons(query, cls.name, MODEL_SPECIFIC_OPS)
+        )
 
     def __init__(self, query: KernelQuery):
         super().__init__(query)
@@ -45,3 +48,11 @@ class TritonElementwise(ElementwiseBackend):
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernels.silu_and_mul(x)
+
+    def gemma_rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
+    ) -> NormResult:
+        return self._kernels.rms_norm(x, weight, eps, residual, gemma=True)
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernels.gelu_tanh_and_mul(x)

@@ -9,6 +9,9 @@
   (token, head) rows of q or of k in place, with each row's cos/sin.
 - ``silu_and_mul``: ``silu(gate) * up`` over ``[rows, 2I] -> [rows, I]``, a
   block of output elements per program.
+- ``gemma_rms_norm`` and ``gelu_tanh_and_mul`` (Gemma's): the same kernels with
+  a compile-time switch: the weight applied as ``1 + w`` to the unrounded
+  normalised value; GELU's tanh approximation in place of SiLU.
 
 Numerics follow the torch reference: math in float32, rounded to the model
 dtype where HuggingFace rounds (the new residual, the normalised value before
@@ -38,6 +41,15 @@ def _rows_per_program(rows: int, row_elements: int) -> int:
 
 
 @triton.jit
+def _scaled(normed, w, dtype: tl.constexpr, RNE_BF16: tl.constexpr, GEMMA: tl.constexpr):
+    """The normalised value times the weight, in the model dtype: rounded first, then
+    times ``w`` (Llama's RMSNorm); or times ``1 + w`` in float32, rounded once (Gemma's)."""
+    if GEMMA:
+        return cast_to(normed * (1.0 + w), dtype, RNE_BF16)
+    return cast_to(cast_to(normed, dtype, RNE_BF16).to(tl.float32) * w, dtype, RNE_BF16)
+
+
+@triton.jit
 def _rms_norm_kernel(
     X,
     R,
@@ -57,6 +69,7 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     ONE_BLOCK: tl.constexpr,
     RNE_BF16: tl.constexpr,
+    GEMMA: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = (rows < n_rows)[:, None]
@@ -76,8 +89,7 @@ def _rms_norm_kernel(
             h = h_dtype.to(tl.float32)
         inv_rms = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / hidden + eps)
         w = tl.load(W + cols, mask=cols < hidden, other=0.0).to(tl.float32)
-        normed = cast_to(h * inv_rms[:, None], dtype, RNE_BF16).to(tl.float32)
-        tl.store(o_rows + cols, cast_to(normed * w, dtype, RNE_BF16), mask=mask)
+        tl.store(o_rows + cols, _scaled(h * inv_rms[:, None], w, dtype, RNE_BF16, GEMMA), mask=mask)
     else:  # long rows: sum of squares (and the new residual) first, then normalise
         sum_sq = tl.zeros([BLOCK_ROWS, BLOCK], dtype=tl.float32)
         for start in range(0, hidden, BLOCK):
@@ -100,11 +112,12 @@ def _rms_norm_kernel(
             else:
                 h = tl.load(x_rows + c, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(W + c, mask=c < hidden, other=0.0).to(tl.float32)
-            normed = cast_to(h * inv_rms[:, None], dtype, RNE_BF16).to(tl.float32)
-            tl.store(o_rows + c, cast_to(normed * w, dtype, RNE_BF16), mask=mask)
+            tl.store(o_rows + c, _scaled(h * inv_rms[:, None], w, dtype, RNE_BF16, GEMMA), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, gemma: bool = False
+):
     hidden = x.shape[-1]
     if residual is None:
         # Read x where it lies (e.g. the q heads of a fused QKV output, [T, heads, D]).
@@ -142,6 +155,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             BLOCK=block,
             ONE_BLOCK=one_block,
             RNE_BF16=rne_bf16(x.dtype),
+            GEMMA=gemma,
             num_warps=4 if block_rows * block <= 2048 else 8,
         )
     if residual is None:
@@ -295,8 +309,11 @@ def apply_rotary(
     )
 
 
+GELU_TANH_C = 0.7978845608028654  # sqrt(2 / pi)
+
+
 @triton.jit
-def _silu_and_mul_kernel(
+def _act_and_mul_kernel(
     X,
     Out,
     n_elements,
@@ -305,6 +322,7 @@ def _silu_and_mul_kernel(
     stride_o,
     BLOCK: tl.constexpr,
     RNE_BF16: tl.constexpr,
+    GELU_TANH: tl.constexpr,
 ):
     """Element ``e`` of the output ``[rows, I]``: row ``e // I``, column ``e % I``."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -313,13 +331,26 @@ def _silu_and_mul_kernel(
     dtype = Out.dtype.element_ty
     gate = tl.load(X + row * stride_x + col, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + inter + col, mask=mask, other=0.0).to(tl.float32)
-    act = cast_to(gate / (1.0 + tl.exp(-gate)), dtype, RNE_BF16).to(tl.float32)  # silu rounds, as torch's does
+    if GELU_TANH:  # 0.5 x (1 + tanh(c (x + 0.044715 x^3))), tanh(u) as 1 - 2 / (e^(2u) + 1)
+        u = GELU_TANH_C * (gate + 0.044715 * gate * gate * gate)
+        act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * u) + 1.0))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    act = cast_to(act, dtype, RNE_BF16).to(tl.float32)  # the activation rounds, as torch's does
     tl.store(Out + row * stride_o + col, cast_to(act * up, dtype, RNE_BF16), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _act_and_mul(x, "silu_and_mul", gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    return _act_and_mul(x, "gelu_tanh_and_mul", gelu_tanh=True)
+
+
+def _act_and_mul(x: torch.Tensor, op: str, gelu_tanh: bool) -> torch.Tensor:
     if x.shape[-1] % 2:
-        raise ValueError(f"silu_and_mul needs an even last dimension, got {x.shape[-1]}")
+        raise ValueError(f"{op} needs an even last dimension, got {x.shape[-1]}")
     inter = x.shape[-1] // 2
     out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
     n_elements = out.numel()
@@ -327,7 +358,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     rows_in = _rows(x)
     block = _SILU_BLOCK * _rows_per_program(n_elements, _SILU_BLOCK) if INTERPRETED else _SILU_BLOCK
-    _silu_and_mul_kernel[(triton.cdiv(n_elements, block),)](
+    _act_and_mul_kernel[(triton.cdiv(n_elements, block),)](
         rows_in,
         out,
         n_elements,
@@ -336,6 +367,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         inter,
         BLOCK=block,
         RNE_BF16=rne_bf16(x.dtype),
+        GELU_TANH=gelu_tanh,
         num_warps=4,
     )
     return out
