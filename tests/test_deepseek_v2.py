@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
+import os
+import subprocess
+import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,6 +198,44 @@ def test_triton_backends_end_to_end_in_the_interpreter(tiny_model_factory, monke
         outputs = [engine.generate(input_ids=p, sampling_params=params) for p in prompts]
     assert [o["output_ids"] for o in outputs] == reference
     assert outputs[1]["meta_info"]["cached_tokens"] == 20
+
+
+GRAPH_RUN = textwrap.dedent("""
+    import json, sys
+    from generation_utils import generate, make_scheduler
+    from radixserve.testing.graphs import EagerReplayGraphBackend
+    from radixserve_torch.platform import CpuPlatform
+
+    CpuPlatform.graph_backend = lambda self, device: EagerReplayGraphBackend()
+    scheduler = make_scheduler(sys.argv[1], attention_backend="triton_mla", elementwise_backend="torch_native",
+                               disable_graph=False, graph_max_bs=2)
+    results = generate(scheduler, json.loads(sys.argv[2]), max_new_tokens=int(sys.argv[3]), ignore_eos=True)
+    replays = scheduler.runner.graph_runner.backend.replays
+    print(json.dumps({"tokens": [r.output_ids for r in results], "replays": replays}))
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_triton_mla_decode_graphs_give_hfs_tokens(tiny_model_factory):
+    """triton_mla's graph hooks: decode steps replayed from graphs captured for the
+    longest context (the eager stand-in backend re-runs each captured step on the
+    captured metadata) give HF's tokens. Every layer dense (no MoE backend to
+    capture), V2's compressed query."""
+    model_dir = tiny_model_factory(**{**MODELS["q-lora"], "first_k_dense_replace": 3})
+    prompts = mixed_prompts(512, [5, 9], seed=7)
+    new_tokens = 6
+    reference = [hf_greedy(model_dir, p, new_tokens)[0] for p in prompts]
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [sys.executable, "-c", GRAPH_RUN, str(model_dir), json.dumps(prompts), str(new_tokens)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["tokens"] == reference
+    assert out["replays"].count(2) >= new_tokens - 1  # the two requests decode together from graphs
 
 
 @pytest.mark.parametrize("method", ["greedy", "group_limited_greedy"])

@@ -69,10 +69,33 @@ class TritonMLAAttention(MLAAttentionBackend):
     def _metadata(self, batch: ForwardBatch) -> TritonMLAMetadata:
         splits = 1
         if batch.mode is ForwardMode.DECODE:
-            max_seq = max(batch.seq_lens_cpu or batch.seq_lens.tolist(), default=0)
-            head_blocks = self._kernels.num_head_blocks(self.query.num_heads or 1)
-            splits = self.kernel_config.num_kv_splits(batch.batch_size, head_blocks, max_seq)
+            splits = self._decode_splits(
+                batch.batch_size, max(batch.seq_lens_cpu or batch.seq_lens.tolist(), default=0)
+            )
         return TritonMLAMetadata(mode=batch.mode, num_kv_splits=splits)
+
+    def _decode_splits(self, batch_size: int, max_seq_len: int) -> int:
+        head_blocks = self._kernels.num_head_blocks(self.query.num_heads or 1)
+        return self.kernel_config.num_kv_splits(batch_size, head_blocks, max_seq_len)
+
+    # -- graph capture ----------------------------------------------------------------
+    # As ``triton``'s: decode reads seq_lens, req_pool_indices and req_to_token on the
+    # device (and the absorbing matmuls and the latent store are device work), so the
+    # number of KV splits, fixed per captured size for the longest possible context, is
+    # the only per-batch choice; a short request leaves some of its splits empty.
+
+    def graph_unsupported_reasons(self, max_bs: int, max_context: int) -> list[str]:
+        return []
+
+    def init_graph_state(self, max_bs: int, max_context: int, device: torch.device) -> None:
+        self._graph_context = max_context
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        splits = self._decode_splits(batch.batch_size, self._graph_context)
+        batch.attn_metadata = TritonMLAMetadata(mode=ForwardMode.DECODE, num_kv_splits=splits)
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch) -> None:
+        """Nothing to refresh: the captured metadata holds for every batch of its size."""
 
     def forward_mla_decode(
         self,
