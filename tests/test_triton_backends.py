@@ -381,7 +381,8 @@ def _kernel_specs(dt: str):
                 dict(Q=p, K=p, Positions=i64, CosSin=p),
                 dict(HALF=16, BLOCK_ROWS=64, BLOCK_HALF=16, NEOX=False, RNE_BF16=False),
             ),
-            (E._silu_and_mul_kernel, dict(X=p, Out=p), dict(BLOCK=1024, RNE_BF16=False)),
+            (E._act_and_mul_kernel, dict(X=p, Out=p), dict(BLOCK=1024, RNE_BF16=False, GELU_TANH=False)),
+            (E._act_and_mul_kernel, dict(X=p, Out=p), dict(BLOCK=1024, RNE_BF16=False, GELU_TANH=True)),
         ]
     )
 

@@ -309,7 +309,7 @@ def apply_rotary(
     )
 
 
-GELU_TANH_C = 0.7978845608028654  # sqrt(2 / pi)
+GELU_TANH_C = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
 
 
 @triton.jit
