@@ -7,15 +7,15 @@ per-token cost of constrained decoding against unconstrained at batch 32.
    of a large schema (``--large-properties`` nested properties), then the same spec again
    (the cache), then a spec of the same size the backend has not seen (a warm backend).
 2. Decode cost, through a real server: ``--batch`` streams at once, each ``--output-len``
-   tokens with ``ignore_eos``, with no constraint and with a regex that cannot terminate
-   within them (printable ASCII, 2,048 characters at least), so both generate the same
-   number of tokens; the median of
-   ``--repeats`` alternating rounds of each. The cost is the constrained round's time over
-   the unconstrained one's, minus 1.
-3. The mask's parts, in this process (ms per step for ``--batch`` rows): the backend's fill
-   of the bitmask on the model's tokenizer, and its application to the logits by the core
-   (``apply_token_bitmask``) and by xgrammar's own CPU kernel, at the model's vocabulary
-   and at 151,936 tokens (Qwen's, for scale).
+   tokens with ``ignore_eos``, with no constraint and under each of :data:`GRAMMARS`
+   (printable ASCII that never ends, so every round generates the same number of tokens);
+   the median of ``--repeats`` alternating rounds of each. The cost is a constrained
+   round's time over the unconstrained one's, minus 1.
+3. The grammar's parts, in this process (ms per step for ``--batch`` rows): the backend's
+   fill of the bitmask and its advance by one token (``accept_token``) under each grammar,
+   and the bitmask's application to the logits by the core (``apply_token_bitmask``) and
+   by xgrammar's own CPU kernel, at the model's vocabulary and at 151,936 tokens (Qwen's,
+   for scale).
 
     python benchmarks/bench_structured_output.py --model ~/.cache/radixserve-bench/models/llama
 """
@@ -39,9 +39,12 @@ from radixserve.registry import PluginRegistry
 from radixserve.runtime.grammar_compiler import GrammarCompiler
 from radixserve.runtime.grammar_queue import tokenizer_loader
 
-# Printable ASCII that cannot end before 2,048 characters: the grammar never lets the
-# request stop early (with ignore_eos an EOS the grammar accepts would still end it).
-ASCII_FOREVER = r"[ -~]{2048,}"
+# Printable ASCII without end: the grammar never lets a request stop early (with ignore_eos,
+# an EOS the grammar accepts would still end it). The free-text part of a JSON string or a
+# tool call's argument, as a grammar that cannot close. The counted regex is the same
+# constraint as xgrammar turns it into a repetition of 2,048 items: it shows what a large
+# bounded repetition costs there (the per-token advance, not the mask).
+GRAMMARS = {"ascii, no end (ebnf)": ("ebnf", "root ::= [ -~] root"), "ascii{2048,} (regex)": ("regex", r"[ -~]{2048,}")}
 
 
 def tool_schema(n_tools: int, salt: str = "") -> dict[str, Any]:
@@ -101,10 +104,11 @@ def compile_times(model: str, backend_name: str, large_properties: int) -> dict[
     return out
 
 
-async def one_round(url: str, batch: int, output_len: int, regex: Optional[str]) -> float:
+async def one_round(url: str, batch: int, output_len: int, grammar: Optional[tuple[str, str]]) -> float:
     body: dict[str, Any] = {"model": "bench", "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0}
-    if regex is not None:
-        body["regex"] = regex
+    if grammar is not None:
+        field, text = grammar  # SGLang's completion fields: regex, ebnf
+        body[field] = text
     async with httpx.AsyncClient(timeout=600) as client:
 
         async def one(i: int) -> int:
@@ -131,18 +135,20 @@ def decode_cost(model: str, backend_name: str, batch: int, output_len: int, repe
                 break
         if url is None:
             raise RuntimeError("the server did not start")
-        asyncio.run(one_round(url, batch, 8, ASCII_FOREVER))  # warm: compile and first steps
-        plain, constrained = [], []
+        for grammar in GRAMMARS.values():  # warm: compile and first steps
+            asyncio.run(one_round(url, batch, 8, grammar))
+        rounds: dict[str, list[float]] = {"unconstrained": [], **{name: [] for name in GRAMMARS}}
         for _ in range(repeats):
-            plain.append(asyncio.run(one_round(url, batch, output_len, None)))
-            constrained.append(asyncio.run(one_round(url, batch, output_len, ASCII_FOREVER)))
-        p, c = statistics.median(plain), statistics.median(constrained)
-        return {
-            "unconstrained s": round(p, 3),
-            "constrained s": round(c, 3),
-            "per-token cost": f"{(c / p - 1) * 100:+.1f}%",
-            "rounds": {"unconstrained": plain, "constrained": constrained},
-        }
+            rounds["unconstrained"].append(asyncio.run(one_round(url, batch, output_len, None)))
+            for name, grammar in GRAMMARS.items():
+                rounds[name].append(asyncio.run(one_round(url, batch, output_len, grammar)))
+        plain = statistics.median(rounds["unconstrained"])
+        out: dict[str, Any] = {"unconstrained s": round(plain, 3)}
+        for name in GRAMMARS:
+            constrained = statistics.median(rounds[name])
+            out[f"{name} s"] = round(constrained, 3)
+            out[f"{name} per-token cost"] = f"{(constrained / plain - 1) * 100:+.1f}%"
+        return {**out, "rounds": rounds}
     finally:
         proc.terminate()
         proc.wait(60)
@@ -164,10 +170,29 @@ def mask_costs(model: str, backend_name: str, batch: int) -> dict[str, float]:
     out: dict[str, float] = {}
     load = _loader(model)
     backend = PluginRegistry().grammar_backend(backend_name)(load())
-    matchers = [backend.compile(GrammarSpec("regex", ASCII_FOREVER)).matcher() for _ in range(batch)]
     vocab = load().vocab_size
     bitmask = allocate_token_bitmask(batch, vocab)
-    out[f"fill {batch} rows"] = _ms(lambda: [m.fill_bitmask(bitmask, i) for i, m in enumerate(matchers)])
+    tokenizer = load().tokenizer
+    added = set(tokenizer.get_added_vocab().values())  # special tokens decode to printable text too
+    printable = [
+        t
+        for t in range(len(tokenizer))
+        if t not in added and (s := tokenizer.decode([t])) and all(" " <= c <= "~" for c in s)
+    ]
+    for name, (kind, text) in GRAMMARS.items():
+        compiled = backend.compile(GrammarSpec(kind, text))
+        matchers = [compiled.matcher() for _ in range(batch)]
+        step = iter(range(10**9))
+
+        def fill_and_advance() -> None:
+            """One decode step's grammar work: each row's mask, then its matcher advanced
+            by a printable token (each row and step another one, as sampling gives)."""
+            k = next(step)
+            for i, m in enumerate(matchers):
+                m.fill_bitmask(bitmask, i)
+                assert m.accept_token(printable[(k * batch + i) * 7919 % len(printable)])
+
+        out[f"{name}: fill and advance {batch} rows"] = _ms(fill_and_advance)
     rows = torch.arange(batch)
     for width in (vocab, 151936):
         mask = torch.randint(-(2**31), 2**31 - 1, (batch, (width + 31) // 32), dtype=torch.int32)
