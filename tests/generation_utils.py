@@ -4,6 +4,10 @@ Scheduler, and through HuggingFace transformers for reference."""
 from __future__ import annotations
 
 import itertools
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -145,3 +149,18 @@ class FailingDecode:
 
     def __getattr__(self, name):
         return getattr(self._tokenizer, name)
+
+
+def run_in_triton_interpreter(script: str, *args: str) -> dict:
+    """Run ``script`` (Python source; ``args`` become ``sys.argv[1:]``) in a child
+    process under ``TRITON_INTERPRET=1``, which the Triton kernels read when they are
+    defined, with the tests' helpers importable; the JSON of its last output line."""
+    tests = str(Path(__file__).resolve().parent)
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

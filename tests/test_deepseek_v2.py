@@ -12,16 +12,13 @@ import dataclasses
 import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from generation_utils import generate, hf_greedy, make_scheduler, mixed_prompts, run, submit
+from generation_utils import generate, hf_greedy, make_scheduler, mixed_prompts, run, run_in_triton_interpreter, submit
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from radixserve import Engine
@@ -225,15 +222,7 @@ def test_triton_mla_decode_graphs_give_hfs_tokens(tiny_model_factory):
     prompts = mixed_prompts(512, [5, 9], seed=7)
     new_tokens = 6
     reference = [hf_greedy(model_dir, p, new_tokens)[0] for p in prompts]
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
-    }
-    command = [sys.executable, "-c", GRAPH_RUN, str(model_dir), json.dumps(prompts), str(new_tokens)]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_in_triton_interpreter(GRAPH_RUN, str(model_dir), json.dumps(prompts), str(new_tokens))
     assert out["tokens"] == reference
     assert out["replays"].count(2) >= new_tokens - 1  # the two requests decode together from graphs
 

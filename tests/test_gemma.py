@@ -13,16 +13,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import subprocess
-import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from generation_utils import generate, hf_greedy, make_scheduler, mixed_prompts, run, submit
+from generation_utils import generate, hf_greedy, make_scheduler, mixed_prompts, run, run_in_triton_interpreter, submit
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from radixserve.backend_timing import timing_cases
@@ -134,22 +131,9 @@ TRITON_RUN = textwrap.dedent("""
 def test_triton_in_the_interpreter_generates_hf_tokens(reference: Reference):
     """Windows, caps and Gemma's norms and GELU, all through the Triton kernels."""
     new_tokens = 12  # HF's first 12 greedy tokens of its 64, for two prompts past the window
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
-    }
-    command = [
-        sys.executable,
-        "-c",
-        TRITON_RUN,
-        str(reference.model_dir),
-        json.dumps(reference.prompts[:2]),
-        str(new_tokens),
-    ]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_in_triton_interpreter(
+        TRITON_RUN, str(reference.model_dir), json.dumps(reference.prompts[:2]), str(new_tokens)
+    )
     assert (out["backends"]["attention"], out["backends"]["elementwise"]) == ("triton", "triton")
     assert out["tokens"] == [tokens[:new_tokens] for tokens, _ in reference.hf[:2]]
 

@@ -11,22 +11,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from generation_utils import hf_greedy, make_scheduler, mixed_prompts, run, submit
+from generation_utils import hf_greedy, make_scheduler, mixed_prompts, run, run_in_triton_interpreter, submit
 
 from radixserve.hooks import hookimpl
 from radixserve.registry import PluginRegistry
 from radixserve.testing.graphs import EagerReplayGraphBackend
 from radixserve_torch.platform import CpuPlatform
 
-TESTS = Path(__file__).resolve().parent
 WINDOW = 16
 NEW_TOKENS = 64
 SHARED = 28  # the second prompt's first tokens are the first prompt's: a cached prefix past the window
@@ -136,15 +132,7 @@ TRITON_RUN = textwrap.dedent("""
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_triton_in_the_interpreter_generates_hf_tokens(mistral_dir, prompts, hf_tokens):
     new_tokens = 16  # greedy: HF's first 16 tokens of its 64
-    env = {
-        **os.environ,
-        "TRITON_INTERPRET": "1",
-        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-    }
-    command = [sys.executable, "-c", TRITON_RUN, str(mistral_dir), json.dumps(prompts[:2]), str(new_tokens)]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_in_triton_interpreter(TRITON_RUN, str(mistral_dir), json.dumps(prompts[:2]), str(new_tokens))
     assert out["attention"] == "triton"
     assert out["tokens"] == [tokens[:new_tokens] for tokens in hf_tokens[:2]]
     assert out["cached"][1] == SHARED
