@@ -62,15 +62,13 @@ def attention_facts(config: "PretrainedConfig", **more: Any) -> ModelFacts:
     """The facts of a model whose attention reads ``config`` the Llama way (and, unless
     ``more`` says otherwise, whose every layer has a dense MLP of ``intermediate_size``)."""
     windows = [w for i in range(config.num_hidden_layers) if (w := layer_window(config, i)) is not None]
+    more.setdefault("dense_intermediate_size", config.intermediate_size)
     return ModelFacts(
-        **{
-            "head_dim": head_dim_of(config),
-            "num_heads": config.num_attention_heads,
-            "num_kv_heads": config.num_key_value_heads,
-            "sliding_window": max(windows, default=None),
-            "dense_intermediate_size": config.intermediate_size,
-            **more,
-        }
+        head_dim=head_dim_of(config),
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads,
+        sliding_window=max(windows, default=None),
+        **more,
     )
 
 
