@@ -197,3 +197,24 @@ def test_openai_requests_carry_the_grammar() -> None:
     completion = CompletionRequest.model_validate({"prompt": "x", "extra_body": {"guided_regex": "a+"}})
     assert completion.sampling_params(8)["grammar"] == GrammarSpec("regex", "a+")
     assert "grammar" not in CompletionRequest.model_validate({"prompt": "x"}).sampling_params(8)
+
+
+@pytest.mark.parametrize("backend_cls", BACKENDS, ids=lambda c: c.name)
+def test_json_never_gets_a_raw_control_character(
+    backend_cls: type[GrammarBackend], grammar_tokenizer: GrammarTokenizer
+) -> None:
+    """Inside a JSON string a raw control character makes the text invalid JSON. xgrammar
+    0.2.8 allows them in a string with ``maxLength`` (a call's arguments then fail to
+    parse); the backend forbids every token that holds one wherever the grammar is JSON."""
+    tok = grammar_tokenizer.tokenizer
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    matcher = backend_cls(grammar_tokenizer).compile(GrammarSpec("json_schema", json.dumps(schema))).matcher()
+    for token in tok.encode('{"city": "ab', add_special_tokens=False):
+        assert matcher.accept_token(token)
+    bitmask = allocate_token_bitmask(1, grammar_tokenizer.vocab_size)
+    matcher.fill_bitmask(bitmask, 0)
+    logits = torch.zeros(1, grammar_tokenizer.vocab_size)
+    apply_token_bitmask(logits, bitmask, torch.tensor([0]))
+    allowed = torch.isfinite(logits[0]).nonzero().flatten().tolist()
+    control = [t for t in allowed if t < len(tok) and any(ord(c) < 0x20 for c in tok.decode([t]))]
+    assert control == [] and tok.convert_tokens_to_ids("a") in allowed

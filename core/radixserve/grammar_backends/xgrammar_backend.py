@@ -1,9 +1,14 @@
-"""xgrammar (0.2.x): the default grammar backend."""
+"""xgrammar (0.2.x): the default grammar backend.
+
+JSON grammars (compact: ``any_whitespace=False``) also forbid every token that holds a
+raw control character (U+0000-U+001F): no valid JSON text has one there, yet xgrammar
+0.2.8 allows them inside a string with ``maxLength``, and a call whose arguments hold
+one fails to parse. The forbidden tokens are one bitmask row, ANDed into each fill."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -19,14 +24,17 @@ from radixserve.grammar_backends.common import choices, missing_module, schema_t
 
 
 class XGrammarMatcher(GrammarMatcher):
-    def __init__(self, matcher: Any):
+    def __init__(self, matcher: Any, allowed: Optional[torch.Tensor] = None):
         self._m = matcher
+        self._allowed = allowed  # a bitmask row of the tokens the grammar may ever allow, or None: all
 
     def accept_token(self, token: int) -> bool:
         return bool(self._m.accept_token(token))
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         self._m.fill_next_token_bitmask(bitmask, row)
+        if self._allowed is not None:
+            bitmask[row] &= self._allowed
 
     def is_terminated(self) -> bool:
         return bool(self._m.is_terminated())
@@ -36,13 +44,13 @@ class XGrammarMatcher(GrammarMatcher):
 
 
 class XGrammarCompiled(CompiledGrammar):
-    def __init__(self, compiled: Any):
-        self._compiled = compiled
+    def __init__(self, compiled: Any, allowed: Optional[torch.Tensor] = None):
+        self._compiled, self._allowed = compiled, allowed
 
     def matcher(self) -> GrammarMatcher:
         import xgrammar
 
-        return XGrammarMatcher(xgrammar.GrammarMatcher(self._compiled))
+        return XGrammarMatcher(xgrammar.GrammarMatcher(self._compiled), self._allowed)
 
 
 class XGrammarBackend(GrammarBackend):
@@ -60,10 +68,13 @@ class XGrammarBackend(GrammarBackend):
             tokenizer.tokenizer, vocab_size=tokenizer.vocab_size, stop_token_ids=list(tokenizer.eos_token_ids)
         )
         self._compiler = xgrammar.GrammarCompiler(info)
+        self._no_control = _without_control_characters(info.decoded_vocab, tokenizer.vocab_size)
 
     def compile(self, spec: GrammarSpec) -> CompiledGrammar:
         try:
+            allowed = None
             if spec.kind in ("json_schema", "json_object"):
+                allowed = self._no_control
                 # Strict mode (no properties beyond those listed) would read json_object's {"type": "object"} as {}.
                 strict = spec.kind == "json_schema"
                 compiled = self._compiler.compile_json_schema(
@@ -80,4 +91,16 @@ class XGrammarBackend(GrammarBackend):
             raise
         except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses with the parser's message
             raise GrammarError(str(exc).strip()) from exc
-        return XGrammarCompiled(compiled)
+        return XGrammarCompiled(compiled, allowed)
+
+
+def _without_control_characters(decoded_vocab: list[bytes], vocab_size: int) -> torch.Tensor:
+    """A bitmask row (int32, bit ``t % 32`` of word ``t // 32``) of the tokens whose bytes
+    hold no control character; tokens past the tokenizer's vocabulary stay allowed (the
+    grammar itself never allows them)."""
+    allowed = torch.ones(((vocab_size + 31) // 32) * 32, dtype=torch.bool)
+    for token, text in enumerate(decoded_vocab[:vocab_size]):
+        if any(byte < 0x20 for byte in text):
+            allowed[token] = False
+    bits = allowed.view(-1, 32).to(torch.int64) << torch.arange(32)
+    return bits.sum(dim=1).to(torch.int32)  # wraps to the word's two's-complement value
