@@ -13,9 +13,11 @@ per-token cost of constrained decoding against unconstrained at batch 32.
    round's time over the unconstrained one's, minus 1.
 3. The grammar's parts, in this process (ms per step for ``--batch`` rows): the backend's
    fill of the bitmask and its advance by one token (``accept_token``) under each grammar,
-   and the bitmask's application to the logits by the core (``apply_token_bitmask``) and
-   by xgrammar's own CPU kernel, at the model's vocabulary and at 151,936 tokens (Qwen's,
-   for scale).
+   and the bitmask's application to the logits (random words: none of them all ones, which
+   the kernels skip) by the torch code of ``ElementwiseBackend.apply_token_bitmask``, by
+   ``cpu_fused``'s C++ kernel (what the sampler runs on a CPU that builds it) and by
+   xgrammar's own CPU kernel, at the model's vocabulary and at 151,936 tokens (Qwen's, for
+   scale).
 
     python benchmarks/bench_structured_output.py --model ~/.cache/radixserve-bench/models/llama
 """
@@ -165,7 +167,9 @@ def _ms(fn: Any, repeats: int = 50) -> float:
 def mask_costs(model: str, backend_name: str, batch: int) -> dict[str, float]:
     import torch
 
-    from radixserve.grammar import allocate_token_bitmask, apply_token_bitmask
+    from radixserve.grammar import allocate_token_bitmask
+    from radixserve.kernels import KernelQuery
+    from radixserve.kernels.elementwise import apply_token_bitmask
 
     out: dict[str, float] = {}
     load = _loader(model)
@@ -194,10 +198,17 @@ def mask_costs(model: str, backend_name: str, batch: int) -> dict[str, float]:
 
         out[f"{name}: fill and advance {batch} rows"] = _ms(fill_and_advance)
     rows = torch.arange(batch)
+    query = KernelQuery(device="cpu", dtype=torch.float32)
+    appliers = {
+        "torch code": apply_token_bitmask,
+        "cpu_fused": PluginRegistry().select("elementwise", query, "cpu_fused")(query).apply_token_bitmask,
+    }
     for width in (vocab, 151936):
         mask = torch.randint(-(2**31), 2**31 - 1, (batch, (width + 31) // 32), dtype=torch.int32)
+        mask[mask == -1] = 0
         logits = torch.randn(batch, width)
-        out[f"apply, core, vocab {width}"] = _ms(lambda: apply_token_bitmask(logits, mask, rows))
+        for name, apply in appliers.items():
+            out[f"apply, {name}, vocab {width}"] = _ms(lambda: apply(logits, mask, rows))
         if backend_name == "xgrammar":
             import xgrammar
 

@@ -136,6 +136,26 @@ class SwappedGateUp(TorchNativeElementwise):
         return super().silu_and_mul(torch.cat(x.chunk(2, dim=-1)[::-1], dim=-1))
 
 
+class MaskBitsHighFirst(TorchNativeElementwise):
+    """Reads each bitmask word from its highest bit: token 32w + b from bit 31 - b."""
+
+    name = "mask_bits_high_first"
+
+    def apply_token_bitmask(self, logits, bitmask, rows):
+        shifts = 31 - torch.arange(32, dtype=torch.int32)
+        allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(len(rows), -1)[:, : logits.shape[-1]]
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+class MaskIgnoresRows(TorchNativeElementwise):
+    """Masks logits row i with bitmask row i, whatever ``rows`` says."""
+
+    name = "mask_ignores_rows"
+
+    def apply_token_bitmask(self, logits, bitmask, rows):
+        super().apply_token_bitmask(logits, bitmask, torch.arange(len(rows)))
+
+
 @pytest.mark.parametrize(
     "backend,failing,message",
     [
@@ -144,6 +164,8 @@ class SwappedGateUp(TorchNativeElementwise):
         (RotatesEveryDim, "partial", None),
         (NormInPlace, "rms_norm/(T|per-head)", "modified its input"),
         (SwappedGateUp, "silu_and_mul/", None),
+        (MaskBitsHighFirst, "apply_token_bitmask/", None),
+        (MaskIgnoresRows, "apply_token_bitmask/", None),
     ],
     ids=lambda v: getattr(v, "name", None),
 )
@@ -168,7 +190,7 @@ def test_triton_passes_the_kit_in_the_interpreter():
         print(report)
         report.raise_for_failures()
         assert {r.dtype for r in report.results} == {"float32", "bfloat16", "float16"}
-        assert len(report.results) == 36
+        assert len(report.results) == 39
         assert {"gemma_rms_norm", "gelu_tanh_and_mul"} <= {r.case.split("/")[0] for r in report.results}
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}

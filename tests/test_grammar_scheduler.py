@@ -1,7 +1,8 @@
 """Structured output inside the scheduler (in-process): a constrained request's
 tokens are the same with and without overlap scheduling and after retraction
 (its matcher stays valid: retraction digests the outstanding steps first, and
-the request resumes from prompt + output without sampling them again)."""
+the request resumes from prompt + output without sampling them again), and the
+same whichever elementwise backend applies the mask."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from generation_utils import make_scheduler, mixed_prompts, run, submit
 from transformers import AutoTokenizer
 
 from radixserve.grammar import GrammarSpec
+from radixserve.kernels.elementwise import apply_token_bitmask
 
 REGEX = "[a-z]{6,10}( [a-z]{6,10}){2,3}"
 SPEC = GrammarSpec("regex", REGEX)
@@ -48,3 +50,21 @@ def test_constrained_tokens_survive_overlap_and_retraction(tiny_llama_dir, overl
         assert r.finish_reason.type == "stop"
         assert re.fullmatch(REGEX, tokenizer.decode(r.output_ids, skip_special_tokens=True))
     assert scheduler.grammars.active == 0 and not scheduler.grammars  # every matcher released
+
+
+def test_the_mask_is_the_elementwise_backends_kernel_and_constrains_as_the_torch_code(tiny_llama_dir):  # type: ignore[no-untyped-def]
+    """The sampler masks with the model's elementwise backend (``cpu_fused``: its C++
+    kernel); a scheduler whose sampler is given the torch code instead, the model
+    otherwise the same, samples the same tokens."""
+    prompts = mixed_prompts(512, [30, 25, 20, 35, 28, 22], seed=1)
+    outputs = []
+    for masking in ("kernel", "torch"):
+        scheduler = make_scheduler(tiny_llama_dir, elementwise_backend="cpu_fused")
+        assert scheduler.sampler.mask_logits == scheduler.runner.elementwise.apply_token_bitmask
+        if masking == "torch":
+            scheduler.sampler.mask_logits = apply_token_bitmask
+        results, _ = _generate(scheduler, prompts)
+        outputs.append([r.output_ids for r in results])
+    assert outputs[0] == outputs[1]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    assert all(re.fullmatch(REGEX, tokenizer.decode(ids, skip_special_tokens=True)) for ids in outputs[0][:3])

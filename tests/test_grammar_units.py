@@ -18,24 +18,30 @@ from radixserve.grammar import (
     GrammarSpec,
     GrammarTokenizer,
     allocate_token_bitmask,
-    apply_token_bitmask,
 )
 from radixserve.grammar_backends import LLGuidanceBackend, XGrammarBackend
+from radixserve.kernels import KernelQuery
+from radixserve.kernels.elementwise import apply_token_bitmask
 from radixserve.registry import PluginError, PluginRegistry
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from radixserve.server.structured_output import ConstraintError, grammar_spec
+from radixserve_torch.elementwise_cpu import CpuFusedElementwise
 
 BACKENDS = [XGrammarBackend, LLGuidanceBackend]
 
 
-def test_apply_token_bitmask_masks_only_the_given_rows() -> None:
+@pytest.mark.parametrize("backend", ["torch", "cpu_fused"])
+def test_apply_token_bitmask_masks_only_the_given_rows(backend: str) -> None:
+    """The torch code and the CPU kernel the sampler gets from the ``cpu_fused`` backend."""
+    query = KernelQuery(device="cpu", dtype=torch.float32)
+    apply = apply_token_bitmask if backend == "torch" else CpuFusedElementwise(query).apply_token_bitmask
     logits = torch.zeros(3, 70)
     bitmask = allocate_token_bitmask(2, 70)
     bitmask[0] = 0
     bitmask[0, 0] = 0b101  # tokens 0 and 2
     bitmask[1] = 0
     bitmask[1, 2] = 1 << 3  # token 67
-    apply_token_bitmask(logits, bitmask, torch.tensor([2, 0]))
+    apply(logits, bitmask, torch.tensor([2, 0]))
     assert torch.isfinite(logits[1]).all()  # not constrained
     assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [0, 2]
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [67]

@@ -5,7 +5,8 @@ chosen by ``--grammar-backend``) compiles a ``GrammarSpec`` once into a
 ``CompiledGrammar``; every request constrained by it gets its own
 ``GrammarMatcher`` from there. Each step the scheduler asks the matchers of
 the constrained rows to fill their row of one token bitmask, and the sampler
-applies it to the logits in one call (``apply_token_bitmask``); after sampling
+applies it to the logits in one call (the elementwise backend's
+``apply_token_bitmask``, so that a plugin's kernel does it); after sampling
 each matcher accepts its request's token.
 
 The bitmask layout is xgrammar's and llguidance's: int32 words, bit ``b`` of
@@ -121,15 +122,6 @@ class TokenMask:
 def allocate_token_bitmask(rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
     """A host bitmask of ``rows`` rows for ``vocab_size`` tokens, every token allowed."""
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pin_memory)
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """Set to -inf, in place, every token that row ``i`` of ``bitmask`` forbids in
-    row ``rows[i]`` of ``logits`` ([B, V]); one vectorised pass on the logits' device."""
-    vocab = logits.shape[-1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)[:, :vocab]
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 @dataclass(frozen=True)

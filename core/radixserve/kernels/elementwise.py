@@ -1,6 +1,7 @@
 """Fused elementwise ops of a decoder layer: RMSNorm (with the residual add fused
-in), rotary embedding applied in place, and SiLU-and-mul; and the ops only some
-models call (:data:`MODEL_SPECIFIC_OPS`): Gemma's RMSNorm and GELU(tanh)-and-mul.
+in), rotary embedding applied in place, and SiLU-and-mul; the ops only some
+models call (:data:`MODEL_SPECIFIC_OPS`): Gemma's RMSNorm and GELU(tanh)-and-mul;
+and the sampler's one: a grammar's token bitmask applied to the logits.
 
 One backend object serves every layer of a model. The semantics are
 HuggingFace's, so that a model built from these ops generates what transformers
@@ -113,6 +114,23 @@ class ElementwiseBackend(Backend):
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., 2 * I] -> [..., I]``: ``gelu_tanh(gate) * up`` with gate the first half."""
         raise NotImplementedError
+
+    # -- the sampler's op
+
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+        """Mask ``logits`` ``[B, V]`` in place with ``bitmask`` ``[R, ceil(V / 32)]``
+        (int32) for its rows ``rows`` ``[R]`` (int64, distinct), all on the
+        logits' device (the module docstring gives the semantics)."""
+        apply_token_bitmask(logits, bitmask, rows)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """The torch code of :meth:`ElementwiseBackend.apply_token_bitmask`: one vectorised
+    pass on any device, through an unpacked ``[R, V]`` mask."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)[:, :vocab]
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
 def elementwise_op_reasons(query: KernelQuery, name: str, supported: Iterable[str] = ()) -> list[str]:

@@ -79,7 +79,7 @@ class ModelRunner:
         }
         if ctx.moe is not None:
             self.backends["moe"] = ctx.moe.name
-        self.attention, self.moe = ctx.attention, ctx.moe
+        self.attention, self.moe, self.elementwise = ctx.attention, ctx.moe, ctx.elementwise
         # Served for embeddings (None: for generation): the model then returns hidden states, not logits.
         self.embedding = embedding_config(args, model_path, hf_config)
         embed = self.embedding is not None

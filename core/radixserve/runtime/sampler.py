@@ -10,7 +10,8 @@ Every row follows its own request's SamplingParams, in this order:
 4. ``min_new_tokens``: until that many tokens exist, the tokens that would end
    the request (``stop_token_ids``, and EOS unless ``ignore_eos``) get -inf;
 5. a grammar's token mask (structured output, ``radixserve.grammar``) sets the
-   tokens it forbids to -inf;
+   tokens it forbids to -inf (the elementwise backend's ``apply_token_bitmask``,
+   which the ``Sampler`` is given);
 6. greedy rows take the argmax; the others divide by the temperature, keep the
    ``top_k`` best, then the smallest set reaching ``top_p``, then drop tokens
    below ``min_p`` times the best one's probability, and draw.
@@ -33,13 +34,17 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Protocol, Sequence
+from typing import Callable, Iterable, Optional, Protocol, Sequence
 
 import torch
 
-from radixserve.grammar import TokenMask, apply_token_bitmask
+from radixserve.grammar import TokenMask
+from radixserve.kernels.elementwise import apply_token_bitmask
 from radixserve.sampling.params import SamplingParams
 from radixserve.transfer import HostTransfer
+
+# (logits [B, V], bitmask [R, ceil(V / 32)] int32, rows [R] int64) -> None, in place.
+MaskLogits = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 @dataclass
@@ -152,15 +157,17 @@ def sample(
     return_logprob: bool = False,
     top_logprobs_num: int = 0,
     transfer: Optional[HostTransfer] = None,
+    mask_logits: MaskLogits = apply_token_bitmask,
 ) -> SampleOutput:
     """One token per row of ``logits`` ([B, V], on any device). ``generator``
     drives the unseeded rows (None: torch's default one for that device).
     Logprobs are computed only when asked for; ``top_logprobs_num`` implies
     ``return_logprob``. ``logits`` itself is never modified. ``transfer`` moves
-    the per-row parameters to the device (default: plain synchronous copies)."""
+    the per-row parameters to the device (default: plain synchronous copies).
+    ``mask_logits`` applies ``batch.token_mask`` (default: the torch code)."""
     transfer = transfer or HostTransfer(logits.device)
     raw = logits.float()
-    x = _adjusted_logits(raw, batch, transfer)
+    x = _adjusted_logits(raw, batch, transfer, mask_logits)
     if x is not raw:
         # Extreme penalties may overflow; never let one request's row turn into NaN.
         x = x.nan_to_num(nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
@@ -184,7 +191,9 @@ def sample(
     return out
 
 
-def _adjusted_logits(raw: torch.Tensor, batch: SamplingBatch, transfer: HostTransfer) -> torch.Tensor:
+def _adjusted_logits(
+    raw: torch.Tensor, batch: SamplingBatch, transfer: HostTransfer, mask_logits: MaskLogits = apply_token_bitmask
+) -> torch.Tensor:
     """Steps 1-5 of the module docstring; returns ``raw`` itself when all are no-ops."""
     to_device = transfer.to_device
     bias = [(i, t, b) for i, p in enumerate(batch.params) if p.logit_bias for t, b in p.logit_bias.items()]
@@ -211,7 +220,7 @@ def _adjusted_logits(raw: torch.Tensor, batch: SamplingBatch, transfer: HostTran
         rows, cols = zip(*blocked)
         x[to_device(rows), to_device(cols)] = float("-inf")
     if batch.token_mask is not None:
-        apply_token_bitmask(x, batch.token_mask.bitmask, batch.token_mask.rows)
+        mask_logits(x, batch.token_mask.bitmask, batch.token_mask.rows)
     return x
 
 
@@ -321,8 +330,12 @@ class Sampler:
         random_seed: int = 0,
         eos_token_ids: Iterable[int] = (),
         transfer: Optional[HostTransfer] = None,
+        mask_logits: MaskLogits = apply_token_bitmask,
     ):
+        """``mask_logits``: how grammar masks are applied (the model's elementwise
+        backend's ``apply_token_bitmask``, a kernel where its plugin has one)."""
         self.vocab_size = vocab_size
+        self.mask_logits = mask_logits
         self.device = torch.device(device)
         self.transfer = transfer or HostTransfer(self.device)
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -359,6 +372,7 @@ class Sampler:
             return_logprob=any(r.return_logprob for r in reqs),
             top_logprobs_num=top,
             transfer=self.transfer,
+            mask_logits=self.mask_logits,
         )
         for i, s in enumerate(stats):
             if s is not None:

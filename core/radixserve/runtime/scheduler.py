@@ -59,7 +59,8 @@ class Scheduler:
         self.planner = PrefillPlanner(args, self.ledger, self.max_running)
         self.intake = Intake(args, runner.vocab_size, runner.context_length, self.ledger.total, runner.embedding)
         eos_ids = eos_token_ids(model_path, runner.hf_config, tokenizer)
-        self.sampler = Sampler(runner.vocab_size, runner.device, args.random_seed, eos_ids, transfer=runner.transfer)
+        masking = runner.elementwise.apply_token_bitmask  # a grammar's token mask, by the plugin's kernel
+        self.sampler = Sampler(runner.vocab_size, runner.device, args.random_seed, eos_ids, runner.transfer, masking)
         self.stop_checker = StopChecker(tokenizer, eos_ids)
         self.grammars = GrammarQueue.for_model(args, model_path, runner, eos_ids)
         no_overlap = args.disable_overlap_schedule

@@ -1,7 +1,8 @@
 // Fused elementwise ops of a decoder layer on the CPU: RMSNorm with the residual
 // add fused in, SiLU-and-mul, and rotary embeddings of q and k, one pass over memory
 // each instead of the five to ten torch calls (and as many temporaries) of the
-// reference.
+// reference; and the sampler's grammar mask, which writes -inf over the forbidden
+// tokens of each constrained row in place of the reference's unpacked [R, V] mask.
 //
 // They round where the HuggingFace reference rounds (plugins/radixserve_torch/
 // elementwise.py): the residual sum in the model dtype, the normalised value in the
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "cpu_paged_common.h"
@@ -161,6 +163,47 @@ void rotary_impl(at::Tensor& q, at::Tensor& k, const at::Tensor& positions, cons
   });
 }
 
+// The first n (<= 32) logits of a row at out, as raw bits: those whose bit is
+// clear in `bits` become `forbidden`. Arguments by value, so that the stores
+// cannot alias them and the full word is one vector blend per 16 lanes.
+template <typename Bits>
+inline void mask_word(Bits* out, uint32_t bits, Bits forbidden, int n) {
+  if (n == 32) {
+#pragma omp simd
+    for (int b = 0; b < 32; ++b) out[b] = (bits >> b) & 1u ? out[b] : forbidden;
+  } else {
+    for (int b = 0; b < n; ++b)
+      if (!((bits >> b) & 1u)) out[b] = forbidden;
+  }
+}
+
+// Row rows[r] of logits [B, V] keeps token 32w+b where bit b of bitmask[r][w] is
+// set and gets -inf elsewhere; words of all ones (free text) are skipped.
+template <typename T>
+void apply_token_bitmask_impl(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  using Bits = std::conditional_t<sizeof(T) == 4, uint32_t, uint16_t>;
+  static_assert(sizeof(T) == sizeof(Bits));
+  const int64_t words = bitmask.size(1), vocab = logits.size(1), row_stride = logits.stride(0);
+  const int64_t used = (vocab + 31) / 32;
+  Bits* base = reinterpret_cast<Bits*>(logits.data_ptr<T>());
+  const int32_t* mask = bitmask.data_ptr<int32_t>();
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  const T minus_inf = store<T>(-std::numeric_limits<float>::infinity());
+  Bits forbidden;
+  std::memcpy(&forbidden, &minus_inf, sizeof(Bits));
+  at::parallel_for(0, bitmask.size(0) * used, 2048, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin / used; r * used < end; ++r) {
+      const int64_t first = std::max(begin - r * used, int64_t{0}), last = std::min(end - r * used, used);
+      Bits* row = base + row_ids[r] * row_stride;
+      const int32_t* row_mask = mask + r * words;
+      for (int64_t w = first; w < last; ++w) {
+        const uint32_t bits = static_cast<uint32_t>(row_mask[w]);
+        if (bits != 0xFFFFFFFFu) mask_word(row + w * 32, bits, forbidden, static_cast<int>(std::min<int64_t>(32, vocab - w * 32)));
+      }
+    }
+  });
+}
+
 template <typename F>
 void dispatch(at::ScalarType dtype, F&& f) {
   switch (dtype) {
@@ -223,6 +266,23 @@ void rotary(at::Tensor q, at::Tensor k, const at::Tensor& positions, const at::T
   dispatch(q.scalar_type(), [&](auto t) { rotary_impl<decltype(t)>(q, k, positions, cache, neox); });
 }
 
+// logits [B, V] (each row contiguous), bitmask [R, W] int32 contiguous with
+// 32W >= V, rows [R] int64 of distinct rows in [0, B).
+void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1, "cpu_fused: logits must be [B, V], rows contiguous");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.is_contiguous() && bitmask.scalar_type() == at::kInt &&
+                  bitmask.size(1) * 32 >= logits.size(1),
+              "cpu_fused: bitmask must be contiguous int32 [R, W] with 32 W >= the logits' width");
+  TORCH_CHECK(rows.dim() == 1 && rows.is_contiguous() && rows.scalar_type() == at::kLong &&
+                  rows.size(0) == bitmask.size(0),
+              "cpu_fused: rows must be contiguous int64 [R], one per bitmask row");
+  const int64_t* row_ids = rows.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows.size(0); ++r)
+    TORCH_CHECK(row_ids[r] >= 0 && row_ids[r] < logits.size(0), "cpu_fused: rows[", r, "] = ", row_ids[r],
+                " is outside the logits' ", logits.size(0), " rows");
+  dispatch(logits.scalar_type(), [&](auto t) { apply_token_bitmask_impl<decltype(t)>(logits, bitmask, rows); });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(radixserve_cpu_elementwise, m) {
@@ -230,6 +290,7 @@ TORCH_LIBRARY(radixserve_cpu_elementwise, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor x, Tensor(a!) out) -> ()");
   m.def("rotary(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos_sin_cache, bool neox) -> ()");
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu_elementwise, CPU, m) {
@@ -237,4 +298,5 @@ TORCH_LIBRARY_IMPL(radixserve_cpu_elementwise, CPU, m) {
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("rotary", &rotary);
+  m.impl("apply_token_bitmask", &apply_token_bitmask);
 }

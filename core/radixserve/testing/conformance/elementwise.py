@@ -1,5 +1,6 @@
-"""The elementwise kit (RMSNorm + residual, rotary, SiLU-and-mul, and the
-model-specific Gemma RMSNorm and GELU(tanh)-and-mul):
+"""The elementwise kit (RMSNorm + residual, rotary, SiLU-and-mul, the
+model-specific Gemma RMSNorm and GELU(tanh)-and-mul, and the sampler's grammar
+token mask):
 ``ElementwiseCase`` and its case sets, ``make_elementwise_inputs``,
 ``run_elementwise_case`` (one call of the op, its contract checked) and
 ``check_elementwise_backend``."""
@@ -17,14 +18,16 @@ from radixserve.testing.conformance.base import (
     BackendSpec,
     CaseResult,
     ConformanceReport,
+    Tolerance,
     Tolerances,
     _cases,
     _Run,
     _score,
 )
 
-ELEMENTWISE_OPS = ("rms_norm", "rotary", "silu_and_mul") + MODEL_SPECIFIC_OPS
+ELEMENTWISE_OPS = ("rms_norm", "rotary", "silu_and_mul", "apply_token_bitmask") + MODEL_SPECIFIC_OPS
 _NORMS = ("rms_norm", "gemma_rms_norm")
+EXACT = Tolerance(atol=0.0, rtol=0.0)
 
 
 @dataclass(frozen=True)
@@ -39,7 +42,9 @@ class ElementwiseCase:
     v part must stay untouched). ``silu_and_mul``: ``hidden`` is ``I``, the
     input ``[*lead, 2I]``. ``gemma_rms_norm`` and ``gelu_tanh_and_mul`` take
     the fields of ``rms_norm`` and ``silu_and_mul``; their query names the op
-    (``KernelQuery.elementwise_ops``), so a backend without it skips the case."""
+    (``KernelQuery.elementwise_ops``), so a backend without it skips the case.
+    ``apply_token_bitmask``: logits ``[T, hidden]`` (``hidden`` the vocabulary),
+    masked in the rows ``mask_rows`` (in that order)."""
 
     name: str
     op: str
@@ -54,12 +59,17 @@ class ElementwiseCase:
     strided: bool = False
     eps: float = 1e-6
     lead: tuple[int, ...] = ()  # silu_and_mul, gelu_tanh_and_mul: extra leading dims before the tokens
+    mask_rows: tuple[int, ...] = ()  # apply_token_bitmask: the constrained rows
 
     def __post_init__(self):
         if self.op not in ELEMENTWISE_OPS:
             raise ValueError(f"op must be one of {ELEMENTWISE_OPS}, got {self.op!r}")
         if self.op == "rotary" and (self.rot_dim % 2 or self.rot_dim > self.head_dim):
             raise ValueError(f"rotary_dim {self.rot_dim} must be even and at most head_dim {self.head_dim}")
+        rows = self.mask_rows
+        distinct_rows = len(set(rows)) == len(rows) and set(rows) <= set(range(self.num_tokens))
+        if self.op == "apply_token_bitmask" and not distinct_rows:
+            raise ValueError(f"mask_rows {rows} must be distinct rows of the {self.num_tokens} logits rows")
 
     @property
     def rot_dim(self) -> int:
@@ -91,6 +101,10 @@ def _gelu(name, tokens, inter, **kw) -> ElementwiseCase:
     return ElementwiseCase(name, "gelu_tanh_and_mul", tokens, hidden=inter, **kw)
 
 
+def _mask(name, tokens, vocab, rows) -> ElementwiseCase:
+    return ElementwiseCase(name, "apply_token_bitmask", tokens, hidden=vocab, mask_rows=tuple(rows))
+
+
 _ELEM_QUICK = (
     _norm("rms_norm/T3/H64", 3, 64),
     _norm("rms_norm/residual/T5/H1000", 5, 1000, residual=True, eps=1e-5),
@@ -104,6 +118,7 @@ _ELEM_QUICK = (
     _gemma_norm("gemma_rms_norm/residual/T5/H1000", 5, 1000, residual=True),
     _gemma_norm("gemma_rms_norm/per-head/T4/4x256", 4, 256, heads=4),
     _gelu("gelu_tanh_and_mul/T5/I1000", 5, 1000),
+    _mask("apply_token_bitmask/T3/V100/rows-2-0", 3, 100, (2, 0)),
 )
 _ELEM_STANDARD = _ELEM_QUICK + (
     _norm("rms_norm/T1/H4096", 1, 4096),
@@ -122,6 +137,9 @@ _ELEM_STANDARD = _ELEM_QUICK + (
     _gemma_norm("gemma_rms_norm/residual/T300/H3584", 300, 3584, residual=True),
     _gelu("gelu_tanh_and_mul/T300/I9216", 300, 9216),
     _gelu("gelu_tanh_and_mul/3d/2x7/I80", 7, 80, lead=(2,)),
+    _mask("apply_token_bitmask/T1/V31/all", 1, 31, (0,)),
+    _mask("apply_token_bitmask/T32/V151936/all", 32, 151936, range(32)),
+    _mask("apply_token_bitmask/T12/V32001/5-rows", 12, 32001, (7, 1, 11, 4, 0)),
 )
 _ELEM_FULL = _ELEM_STANDARD + (
     _norm("rms_norm/residual/T2048/H8192", 2048, 8192, residual=True),
@@ -155,7 +173,9 @@ def make_elementwise_inputs(
     ``cos_sin_cache`` (built by :func:`radixserve.layers.rotary.rope_cos_sin_cache`,
     theta 10000); ``silu_and_mul``: ``x``. ``gemma_rms_norm`` as ``rms_norm``,
     its weight an offset from 1 (``N(0, 0.5^2)``); ``gelu_tanh_and_mul`` as
-    ``silu_and_mul``."""
+    ``silu_and_mul``. ``apply_token_bitmask``: ``logits``, ``bitmask`` (its words
+    a mix of all-allowed, all-forbidden, single-token and random ones, as
+    grammars give) and ``rows``."""
     from radixserve.layers.rotary import rope_cos_sin_cache
 
     gen = torch.Generator().manual_seed(seed)
@@ -191,7 +211,20 @@ def make_elementwise_inputs(
         inv_freq = 1.0 / (10000.0 ** (torch.arange(0, case.rot_dim, 2, dtype=torch.float32) / case.rot_dim))
         cache = rope_cos_sin_cache(inv_freq, 1.0, _MAX_POSITIONS, dtype)
         return {"buffer": buffer, "q": q, "k": k, "positions": put(positions), "cos_sin_cache": put(cache)}
+    if case.op == "apply_token_bitmask":
+        return {"logits": randn(t, case.hidden, scale=4.0), **_token_bitmask(case, gen, device)}
     return {"x": randn(*case.lead, t, 2 * case.hidden, scale=2.0)}
+
+
+def _token_bitmask(case: ElementwiseCase, gen: torch.Generator, device: torch.device) -> dict[str, torch.Tensor]:
+    shape = (len(case.mask_rows), (case.hidden + 31) // 32)
+    words = torch.randint(0, 2**32, shape, generator=gen, dtype=torch.int64)  # unsigned 32-bit words
+    single = torch.ones(shape, dtype=torch.int64) << torch.randint(0, 32, shape, generator=gen)
+    kind = torch.randint(0, 4, shape, generator=gen)
+    words = torch.where(kind == 0, 2**32 - 1, torch.where(kind == 1, 0, torch.where(kind == 2, single, words)))
+    bitmask = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # as signed int32
+    rows = torch.tensor(case.mask_rows, dtype=torch.int64)
+    return {"bitmask": bitmask.to(device), "rows": rows.to(device)}
 
 
 def run_elementwise_case(backend: Any, case: ElementwiseCase, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -215,6 +248,13 @@ def run_elementwise_case(backend: Any, case: ElementwiseCase, inputs: dict[str, 
         if inputs["buffer"] is not None:  # q, k and the v that must stay untouched, all in one
             return {"qkv": inputs["buffer"]}
         return {"q": inputs["q"], "k": inputs["k"]}
+    if case.op == "apply_token_bitmask":
+        logits = inputs["logits"]
+        result = backend.apply_token_bitmask(logits, inputs["bitmask"], inputs["rows"])
+        if result is not None:
+            raise AssertionError(f"apply_token_bitmask returned a {type(result).__name__}; it works in place")
+        forbidden = torch.isinf(logits) & (logits < 0)
+        return {"forbidden": forbidden.to(logits.dtype), "kept": logits.masked_fill(forbidden, 0.0)}
     return {"out": getattr(backend, case.op)(inputs["x"])}
 
 
@@ -231,15 +271,19 @@ def check_elementwise_backend(
 ) -> ConformanceReport:
     """Run ``rms_norm`` (with and without the fused residual, per head on a
     strided view), ``apply_rotary`` (NeoX and GPT-J, head dims 64 and 128,
-    partial, on views of a fused QKV buffer), ``silu_and_mul``, and the
+    partial, on views of a fused QKV buffer), ``silu_and_mul``, the
     model-specific ``gemma_rms_norm`` and ``gelu_tanh_and_mul`` (skipped by a
-    backend that refuses them) on ``backend``. Every output is compared (both of ``rms_norm`` with a
+    backend that refuses them) and ``apply_token_bitmask`` (which tokens became
+    -inf, and every other value, exactly) on ``backend``. Every output is compared (both of ``rms_norm`` with a
     residual; the whole QKV buffer after rotary, so v must be untouched);
     ``rms_norm`` without a residual must leave its input alone."""
     run = _Run.resolve("elementwise", backend, device, dtypes, registry, reference)
     case_list = _cases("elementwise", cases, ELEMENTWISE_CASES)
 
     def check_one(case, dtype, query, tol, result, case_seed):
+        if case.op == "apply_token_bitmask":
+            tol = EXACT  # a mask changes no value but the forbidden ones
+            result.atol, result.rtol = tol.atol, tol.rtol
         ref_inputs = make_elementwise_inputs(case, dtype, "cpu", case_seed, as_dtype=torch.float32)
         expected = run_elementwise_case(run.ref_cls(run.reference_query(query)), case, ref_inputs)
         inputs = make_elementwise_inputs(case, dtype, run.torch_device, case_seed)
