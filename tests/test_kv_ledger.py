@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -83,10 +84,12 @@ class LedgerMachine(RuleBasedStateMachine):
             assert self.kv[slot] == tuple(req.fill_ids[: i + 1]), "a cached slot holds another prefix's KV"
 
     @precondition(lambda self: self.admitted)
-    @rule(pick=st.integers(0, 99), chunk=st.integers(1, 40), cache_it=st.booleans())
-    def step(self, pick: int, chunk: int, cache_it: bool) -> None:
+    @rule(pick=st.integers(0, 99), chunk=st.integers(1, 40), cache_it=st.booleans(), fails=st.integers(0, 4))
+    def step(self, pick: int, chunk: int, cache_it: bool, fails: int) -> None:
         """One request computes a prefill chunk (or its one decode token), if it fits;
-        a completed sequence samples its next token."""
+        a completed sequence samples its next token. One time in five the step's batch
+        fails once it has written the slots into the row: the slots go back, and the
+        request is as it was."""
         req = self.admitted[pick % len(self.admitted)]
         span = req.kv
         n = min(chunk, req.seq_len - span.kv_len)
@@ -95,9 +98,20 @@ class LedgerMachine(RuleBasedStateMachine):
         if self.ledger.pages_needed([span.kv_len], [n]) * self.ps > self.ledger.room():
             return
         start = span.kv_len
-        slots = self.ledger.allocate([req], [n])
+
+        def record(slots: list[int]) -> list[int]:  # what the step's batch does with them
+            self.table.write(span.row, start, torch.tensor(slots))
+            if fails == 0:
+                raise RuntimeError("the batch failed")
+            return slots
+
+        if fails == 0:
+            with pytest.raises(RuntimeError, match="the batch failed"):
+                self.ledger.allocate([req], [n], record)
+            assert span.kv_len == start
+            return
+        slots = self.ledger.allocate([req], [n], record)
         assert span.kv_len == start + n
-        self.table.write(span.row, start, torch.tensor(slots))  # what the step's batch records
         for i, slot in enumerate(slots):
             self.kv[slot] = tuple(req.fill_ids[: start + i + 1])
         if cache_it:
@@ -179,8 +193,8 @@ def test_a_leaked_lock_breaks_the_invariant():
         ledger.pin(match)
         ledger.admit(req, match)
         n = req.seq_len - req.kv.kv_len
-        start = req.kv.kv_len
-        table.write(req.kv.row, start, torch.tensor(ledger.allocate([req], [n])))
+        row, start = req.kv.row, req.kv.kv_len
+        ledger.allocate([req], [n], lambda slots: table.write(row, start, torch.tensor(slots)))
         return req
 
     ledger.release(admit_and_compute())  # its pages go to the cache

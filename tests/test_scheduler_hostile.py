@@ -13,6 +13,7 @@ from generation_utils import FailingDecode, generate, make_scheduler, mixed_prom
 from helpers_pool import SchedulerPool, assert_whole_pool_back
 
 from radixserve.messages import GenerateRequest
+from radixserve.runtime.batch import BatchPlan
 from radixserve.sampling.params import SamplingParams
 
 GOOD_TOKENS = 6
@@ -178,3 +179,34 @@ def test_a_failure_while_planning_unpins_and_the_scheduler_goes_on(tiny_llama_di
     scheduler.ledger.admit = admit
     again = [r.output_ids for r in generate(scheduler, prompts, max_new_tokens=GOOD_TOKENS, ignore_eos=True)]
     assert again == alone
+
+
+@pytest.mark.parametrize("failing_launch", [0, 3], ids=["extend", "decode"])
+def test_a_failure_between_allocating_and_launching_frees_exactly_the_new_slots(
+    tiny_llama_dir, prompts, alone, failing_launch, monkeypatch
+):
+    """The step's slots are allocated, then the batch is built on the device; a
+    failure in between (a device out of memory while building the batch, say) must
+    free exactly the slots of that step. The token-table rows were used before
+    (their old entries name slots that others own now), and the pages are 4 wide,
+    so a decode step's slot often lies on a page the request holds already."""
+    scheduler = make_scheduler(tiny_llama_dir, page_size=4)
+    generate(scheduler, prompts, max_new_tokens=GOOD_TOKENS, ignore_eos=True)  # rows and pages used once
+    launch, calls = BatchPlan.launch, {"n": 0}
+
+    def fails_once(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == failing_launch + 1:
+            raise RuntimeError("device out of memory")
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(BatchPlan, "launch", fails_once)
+    first = _submit_good(scheduler, prompts)
+    results = run(scheduler)
+    assert {results[r].finish_reason.status_code for r in first} >= {500}
+    stats = scheduler.stats()
+    assert stats.memory_invariant_ok and stats.private_tokens == 0, stats.memory_error
+    monkeypatch.setattr(BatchPlan, "launch", launch)
+    again = [r.output_ids for r in generate(scheduler, prompts, max_new_tokens=GOOD_TOKENS, ignore_eos=True)]
+    assert again == alone
+    assert_whole_pool_back(SchedulerPool(scheduler))

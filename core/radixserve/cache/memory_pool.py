@@ -278,6 +278,17 @@ class PagedAllocator:
                 n -= take
         return out
 
+    def undo_alloc(self, prefix_lens: list[int], extend_lens: list[int], slots: list[int]) -> None:
+        """Give back the pages that ``alloc_slots(prefix_lens, _, extend_lens)`` took
+        for ``slots`` (those past each request's last partly used page), where they
+        were in the free list."""
+        ps, taken, start = self.page_size, {}, 0  # dict: the pages in the order they were taken
+        for prefix, n in zip(prefix_lens, extend_lens):
+            in_page = min(n, (ps - prefix % ps) % ps)  # the slots that continue the last page
+            taken.update(dict.fromkeys(slot // ps for slot in slots[start + in_page : start + n]))
+            start += n
+        self._free_pages.extend(reversed(taken))
+
     def free(self, slots: torch.Tensor) -> None:
         """Return the pages that ``slots`` lie on. Callers pass whole ownership: every
         slot of a request's page that is not shared with the cache. The slot ids

@@ -3,7 +3,8 @@
 At launch the scheduler fixes the step's batch (``BatchPlan.launch``): the
 lists go to the device and the new tokens' KV slots into the request rows of
 ``req_to_token``, so the scheduler can read a request's slots back from there
-whenever it caches or frees them. The model worker then builds the
+whenever it caches or frees them. The KV ledger calls it with the slots it
+allocated (``KVLedger.allocate``'s ``record``), and takes them back if it fails. The model worker then builds the
 ``ForwardBatch`` (``BatchPlan.build``) just before running it, gathering the
 token ids from the token table (``ReqToTokenPool.token_ids``): with overlap
 scheduling the step before may still be computing at launch, and only the
@@ -54,13 +55,15 @@ class BatchPlan:
         rows: list[int],
         prefix_lens: list[int],
         extend_lens: list[int],
-        out_cache_loc: list[int],
         logits_indices: list[int],
         req_to_token_pool: ReqToTokenPool,
         transfer: HostTransfer,
+        out_cache_loc: list[int],
     ) -> "BatchPlan":
         """The plan of requests at token table ``rows`` with ``prefix_lens`` tokens
-        computed and ``extend_lens`` new; records the new tokens' slots in their rows."""
+        computed and ``extend_lens`` new; records the new tokens' slots
+        ``out_cache_loc`` in their rows (the ledger's ``record``: last, so that a
+        ``partial`` of the others is one)."""
         tensor, device = transfer.to_device, transfer.device
         rows_t, prefix_t, extend_t = tensor(rows), tensor(prefix_lens), tensor(extend_lens)
         slots = tensor(out_cache_loc)

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from radixserve.cache.base import MatchResult, PrefixCache
 from radixserve.cache.memory_pool import PagedAllocator, ReqToTokenPool
 from radixserve.runtime.req import KVSpan, Req
+
+Recorded = TypeVar("Recorded")
 
 
 @dataclass(frozen=True)
@@ -152,9 +154,13 @@ class KVLedger:
         req.kv = KVSpan(row=row, kv_len=prefix, num_cached=prefix, last_node=match.last_node)
         self._holders[row] = req
 
-    def allocate(self, reqs: list[Req], extend_lens: list[int]) -> list[int]:
+    def allocate(self, reqs: list[Req], extend_lens: list[int], record: Callable[[list[int]], Recorded]) -> Recorded:
         """KV slots for ``extend_lens[i]`` new tokens of each request, in request order,
-        evicting the cache as needed; each request's ``kv_len`` then counts them."""
+        evicting the cache as needed. ``record(slots)`` writes them into the requests'
+        token-table rows (the step's batch, in one scatter with its other inputs) and
+        its result is returned; each request's ``kv_len`` then counts them. If
+        ``record`` raises, the slots go back and the requests are as they were, so
+        that ``discard`` never reads a row entry the step did not write."""
         spans = [r.kv for r in reqs]
         kv_lens = [s.kv_len for s in spans]
         need = self.allocator.pages_needed(kv_lens, extend_lens) * self.page_size
@@ -164,10 +170,15 @@ class KVLedger:
         slots = self.allocator.alloc_slots(kv_lens, [s.last_slot for s in spans], extend_lens)
         if slots is None:
             raise RuntimeError("KV pool exhausted after admission; the admission budget is wrong")
+        try:
+            recorded = record(slots)
+        except BaseException:
+            self.allocator.undo_alloc(kv_lens, extend_lens, slots)
+            raise
         for span, n, end in zip(spans, extend_lens, itertools.accumulate(extend_lens)):
             span.kv_len += n
             span.last_slot = slots[end - 1]
-        return slots
+        return recorded
 
     def cache_prefix(self, req: Req, computed: int) -> None:
         """Hand the whole pages of ``req``'s first ``computed`` tokens to the cache, so
