@@ -18,12 +18,14 @@ from helpers_tp import SAMPLED, make_args, run_ranks, run_script
 from transformers import AutoTokenizer
 
 from radixserve.config import ServerArgs
+from radixserve.launch import check_startup
 from radixserve.layers.context import ModelContext
 from radixserve.layers.weights import CheckpointTensor
 from radixserve.model_loader import check_tp_shapes, load_config, load_model, model_kernel_query
 from radixserve.registry import get_registry
 from radixserve.runtime.distributed import RankSpec, Rendezvous, host_store, join_group
 from radixserve.runtime.scheduler import Scheduler
+from radixserve.startup_error import StartupError
 
 # DeepSeek-V2 with V2's compressed query (q_lora_rank), whose down-projection is replicated too.
 SPECS = (dict(arch="llama"), dict(arch="qwen3_moe"), dict(arch="qwen2_moe"), dict(arch="deepseek_v2", q_lora_rank=24))
@@ -97,12 +99,18 @@ def _padding(model) -> int:
 
 
 def test_tp_size_must_split_the_model(tiny_model_factory):
-    config = load_config(tiny_model_factory(arch="llama"))
-    with pytest.raises(ValueError, match="tp_size: 3 ranks cannot split num_attention_heads 4"):
+    model_dir = tiny_model_factory(arch="llama")
+    config = load_config(model_dir)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
+    with pytest.raises(ValueError, match="tp_size: 3 ranks cannot split num_attention_heads 4 .*over 1, 2, 4 ranks$"):
         check_tp_shapes(config, 3)
     with pytest.raises(ValueError, match="tp_size: 8 ranks cannot split num_attention_heads"):
         check_tp_shapes(config, 8)
     check_tp_shapes(config, 4)  # 2 KV heads, each on two ranks
+    # At start-up: the sizes that work, and a hint about --tp-size (not the one about --model).
+    with pytest.raises(StartupError, match="this model splits over 1, 2, 4 ranks") as info:
+        check_startup(ServerArgs(model_path=str(model_dir), device="cpu", tp_size=3))
+    assert "--tp-size" in info.value.hint
     with pytest.raises(ValueError, match="nnodes: must divide tp_size"):
         ServerArgs(tp_size=3, nnodes=2, dist_init_addr="127.0.0.1:1234")
     with pytest.raises(ValueError, match="dist_init_addr: is required"):

@@ -14,6 +14,7 @@ from radixserve.kernels import KernelQuery
 from radixserve.startup_error import StartupError
 
 PLUGINS_HINT = "`radixserve plugins` lists every platform and backend and why each is usable here or not"
+TP_HINT = "--tp-size ranks each hold an equal share of every layer: pick one of the sizes the error lists"
 MODEL_HINT = (
     "--model takes a local HuggingFace model directory (with config.json) or a hub repo id "
     "(org/name); without --model the built-in demo model is served"
@@ -72,7 +73,10 @@ def check_startup(args: ServerArgs) -> KernelQuery:
             raise ValueError(f"model_path: {args.model_path}/config.json names no architectures")
         model_class(registry, architectures[0])
         embedding_config(args, args.model_path, config)  # the flags agree with the model and its pooling is served
-        check_tp_shapes(config, args.tp_size)
+        try:
+            check_tp_shapes(config, args.tp_size)
+        except ValueError as exc:
+            raise StartupError(str(exc), TP_HINT) from exc
         safetensors_files(args.model_path)
         query = model_query_for_args(args, config, platform)
         for kind, name in forced.items():

@@ -135,10 +135,24 @@ def model_facts(config: "PretrainedConfig", registry: Any = None) -> "ModelFacts
 
 
 def check_tp_shapes(config: "PretrainedConfig", tp_size: int) -> None:
-    """ValueError naming ``tp_size`` and the config field that ``tp_size`` ranks
-    cannot split: attention heads, the MLP's and the experts' intermediate sizes
-    must divide evenly; KV heads divide, or are replicated when fewer than the
-    ranks (then the ranks must be a multiple of them). The vocabulary is padded."""
+    """ValueError naming ``tp_size``, the config field that ``tp_size`` ranks
+    cannot split, and the sizes that can (:func:`tp_sizes_that_split`)."""
+    problem = _tp_shape_problem(config, tp_size)
+    if problem:
+        sizes = ", ".join(map(str, tp_sizes_that_split(config)))
+        raise ValueError(f"tp_size: {tp_size} ranks {problem}; this model splits over {sizes} ranks")
+
+
+def tp_sizes_that_split(config: "PretrainedConfig") -> list[int]:
+    """The tensor-parallel sizes (up to the attention heads) that split ``config``."""
+    return [n for n in range(1, config.num_attention_heads + 1) if not _tp_shape_problem(config, n)]
+
+
+def _tp_shape_problem(config: "PretrainedConfig", tp_size: int) -> str:
+    """What ``tp_size`` ranks cannot split (empty: nothing): attention heads, the
+    MLP's and the experts' intermediate sizes must divide evenly; KV heads divide,
+    or are replicated when fewer than the ranks (then the ranks must be a multiple
+    of them). The vocabulary is padded."""
     fields = {
         "num_attention_heads": config.num_attention_heads,
         "intermediate_size": getattr(config, "intermediate_size", None),
@@ -147,13 +161,14 @@ def check_tp_shapes(config: "PretrainedConfig", tp_size: int) -> None:
     }
     for name, value in fields.items():
         if value and value % tp_size:
-            raise ValueError(f"tp_size: {tp_size} ranks cannot split {name} {value} (it must divide it)")
+            return f"cannot split {name} {value} (it must divide it)"
     kv_heads = config.num_key_value_heads
     if kv_heads % tp_size and tp_size % kv_heads:
-        raise ValueError(
-            f"tp_size: {tp_size} ranks cannot share num_key_value_heads {kv_heads} (one must divide the other: "
+        return (
+            f"cannot share num_key_value_heads {kv_heads} (one must divide the other: "
             "fewer KV heads than ranks are replicated)"
         )
+    return ""
 
 
 def model_query_for_args(
