@@ -4,12 +4,12 @@ At launch the scheduler fixes the step's batch (``BatchPlan.launch``): the
 lists go to the device and the new tokens' KV slots into the request rows of
 ``req_to_token``, so the scheduler can read a request's slots back from there
 whenever it caches or frees them. The KV ledger calls it with the slots it
-allocated (``KVLedger.allocate``'s ``record``), and takes them back if it fails. The model worker then builds the
-``ForwardBatch`` (``BatchPlan.build``) just before running it, gathering the
-token ids from the token table (``ReqToTokenPool.token_ids``): with overlap
-scheduling the step before may still be computing at launch, and only the
-worker, which runs steps in launch order, reads the token that step sampled
-where its sampler wrote it.
+allocated (``KVLedger.allocate``'s ``record``) and takes them back if it fails.
+The model worker then builds the ``ForwardBatch`` (``BatchPlan.build``) just
+before running it, gathering the token ids from the token table
+(``ReqToTokenPool.token_ids``): with overlap scheduling the step before may
+still be computing at launch, and only the worker, which runs steps in launch
+order, reads the token that step sampled where its sampler wrote it.
 
 Token ids are read by index, not from the requests' Python lists: a step costs
 a few small host -> device copies (rows, lengths, slots) whatever the requests'

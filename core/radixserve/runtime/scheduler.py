@@ -239,11 +239,10 @@ class Scheduler:
 
     def _launch(self, mode: ForwardMode, reqs: list[Req], extend_lens: list[int]) -> LaunchedStep:
         """Allocate the step's KV slots and hand the step to the worker."""
-        prefix_lens = [r.kv.kv_len for r in reqs]
-        extend = mode is ForwardMode.EXTEND
-        logits = LogitsRows.extend(reqs, prefix_lens, extend_lens) if extend else LogitsRows.decode(reqs)
+        prefix = [r.kv.kv_len for r in reqs]
+        logits = LogitsRows.extend(reqs, prefix, extend_lens) if mode is ForwardMode.EXTEND else LogitsRows.decode(reqs)
         rows, table, transfer = [r.kv.row for r in reqs], self.runner.req_to_token_pool, self.runner.transfer
-        record = partial(BatchPlan.launch, mode, rows, prefix_lens, extend_lens, logits.indices, table, transfer)
+        record = partial(BatchPlan.launch, mode, rows, prefix, extend_lens, logits.indices, table, transfer)
         batch = self.ledger.allocate(reqs, extend_lens, record)  # the slots go into the rows with the batch
         work = StepWork.of(batch, logits, self.grammars.step_mask(logits.sample_reqs))
         return LaunchedStep(mode, list(reqs), work, self.worker.launch(work), [r.kv.kv_len for r in reqs])
