@@ -17,7 +17,7 @@ more than two strided dimensions, other position dtypes) run the reference's
 torch code.
 
 The grammar mask in the reference unpacks the bitmask into a ``[rows, V]`` bool
-tensor and runs torch's ``masked_fill``: 17-19 ms at 32 rows of a 152k
+tensor and runs torch's ``masked_fill``: 17-18 ms at 32 rows of a 152k
 vocabulary on the 2-core EPYC. The kernel skips the words of all ones and
 blends the others into their 32 logits as raw bits (docs/benchmarks.md, P12).
 """
