@@ -96,7 +96,9 @@ def main() -> None:
             del dense
             for rows in (int(r) for r in ns.rows.split(",")):
                 x = torch.randn(rows, in_f).to(dtype)
-                calls = [lambda g=g, ws=ws: [g.linear(x, w) for w in ws] for g, ws in zip(backends, weights)]
+                calls = [
+                    lambda g=g, ws=ws: [g.linear(x, w) for w in ws] for g, ws in zip(backends, weights, strict=False)
+                ]
                 times = [t / copies for t in best_times(calls, ns.repeats if not ns.cold or rows < 512 else 2)]
                 flop = 2 * rows * in_f * out_f
                 print(

@@ -37,10 +37,11 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -219,8 +220,8 @@ class Result:
 
     name: str
     unit: str
-    graphs: Optional[float] = None
-    eager: Optional[float] = None
+    graphs: float | None = None
+    eager: float | None = None
     note: str = ""
 
 
@@ -245,7 +246,8 @@ class EngineRuns:
         self.source = TokenSource(self.engine.tokenizer)
         self._warmup = datasets.warmup_requests(self.source, 2, seed=0)
 
-    def run(self, requests: list[BenchRequest], arrivals: Arrivals = Arrivals()) -> dict:
+    def run(self, requests: list[BenchRequest], arrivals: Arrivals | None = None) -> dict:
+        arrivals = arrivals or Arrivals()
         results, duration, peak = run_offline(self.engine, requests, self._warmup, arrivals, ignore_eos=True)
         self._warmup = []  # once per engine
         summary = summarize(results, duration, peak)
@@ -269,7 +271,7 @@ class EngineRuns:
         requests = [replace(r, output_len=w.ragged_output) for r in requests]  # ragged prompts, fixed outputs
         return self.run(requests)["output_throughput"]
 
-    def shared_prefix(self) -> tuple[float, Optional[float]]:
+    def shared_prefix(self) -> tuple[float, float | None]:
         w = self.workload
         requests = datasets.shared_prefix_requests(
             self.source, w.gsp_groups, w.gsp_per_group, w.gsp_system, w.gsp_question, w.gsp_output, seed=3
@@ -312,7 +314,7 @@ def measure_engine(
         progress(f"engine ({column}): batch-1 latency")
         setattr(latency, column, runs.latency_ms_per_token())
         progress(f"engine ({column}): batch-1 latency {getattr(latency, column):.2f} ms/token")
-        for row, b in zip(batches, w.batches):
+        for row, b in zip(batches, w.batches, strict=False):
             progress(f"engine ({column}): throughput at batch {b}")
             setattr(row, column, runs.throughput(b))
             progress(f"engine ({column}): batch {b}: {getattr(row, column):,.0f} output tok/s")
@@ -352,7 +354,7 @@ def profile_decode(
     workload: Workload,
     attention_backend: str,
     progress: Callable[[str], None],
-) -> list[tuple[int, Optional[DecodeProfile], str]]:
+) -> list[tuple[int, DecodeProfile | None, str]]:
     """Profile, on one warm engine, the batch-1 latency run and the first
     throughput batch: for each, the decode steps at that batch size (None if the
     trace has fewer than two) and the trace's path."""
@@ -377,7 +379,7 @@ def profile_decode(
     return profiles
 
 
-def format_profile(batch: int, prof: Optional[DecodeProfile], path: str) -> str:
+def format_profile(batch: int, prof: DecodeProfile | None, path: str) -> str:
     if prof is None:
         return f"profile: fewer than two decode steps at batch {batch} in {path}"
     busy = (
@@ -441,7 +443,7 @@ def _sync(device: torch.device) -> None:
 # Report
 
 
-def _fmt(value: Optional[float]) -> str:
+def _fmt(value: float | None) -> str:
     if value is None:
         return "-"
     return f"{value:,.2f}" if abs(value) < 100 else f"{value:,.0f}"
@@ -453,14 +455,14 @@ def format_table(rows: list[Result]) -> str:
     widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
 
     def fmt(line: tuple[str, ...]) -> str:  # numbers right-aligned, text left
-        cells = [c.rjust(w) if i in (2, 3) else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths))]
+        cells = [c.rjust(w) if i in (2, 3) else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths, strict=False))]
         return "| " + " | ".join(cells) + " |"
 
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([fmt(header), sep, *map(fmt, body)])
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     parser.add_argument("--device", default="cuda", help="a radixserve platform: cuda, or cpu for the smoke run")

@@ -87,7 +87,7 @@ def main() -> None:
         hf, hf_ids = bench_hf(model_dir, batch, args.output_len, args.dtype)
 
     tokens = args.num_prompts * args.output_len
-    agree = sum(a == b for x, y in zip(our_ids, hf_ids) for a, b in zip(x, y)) / tokens
+    agree = sum(a == b for x, y in zip(our_ids, hf_ids, strict=False) for a, b in zip(x, y, strict=False)) / tokens
     print(
         f"date {date.today()}  machine {platform.machine()} {torch.get_num_threads()} threads  "
         f"torch {torch.__version__}"

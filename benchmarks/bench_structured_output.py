@@ -31,7 +31,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -106,7 +107,7 @@ def compile_times(model: str, backend_name: str, large_properties: int) -> dict[
     return out
 
 
-async def one_round(url: str, batch: int, output_len: int, grammar: Optional[tuple[str, str]]) -> float:
+async def one_round(url: str, batch: int, output_len: int, grammar: tuple[str, str] | None) -> float:
     body: dict[str, Any] = {"model": "bench", "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0}
     if grammar is not None:
         field, text = grammar  # SGLang's completion fields: regex, ebnf
@@ -219,7 +220,7 @@ def mask_costs(model: str, backend_name: str, batch: int) -> dict[str, float]:
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
     p.add_argument("--backends", nargs="+", default=["xgrammar", "llguidance"])

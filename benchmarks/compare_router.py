@@ -43,7 +43,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
@@ -79,7 +79,7 @@ class Processes:
         self.log_dir = log_dir
         self.procs: list[Proc] = []
 
-    def start(self, name: str, cmd: list[str], env: Optional[dict[str, str]] = None) -> Proc:
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Proc:
         log = self.log_dir / f"{name}.log"
         with open(log, "w") as out:
             out.write("$ " + " ".join(cmd) + "\n")
@@ -357,7 +357,7 @@ def fleet_run(ns: argparse.Namespace, spec: str, workers: list[Worker], tokenize
 
 def overhead_runs(ns: argparse.Namespace, cpu: Worker, procs: Processes) -> dict[str, Any]:
     prompt = "Say hello."
-    targets: list[tuple[str, Optional[str]]] = [("direct", None), *((spec, spec) for spec in OVERHEAD_ROUTERS)]
+    targets: list[tuple[str, str | None]] = [("direct", None), *((spec, spec) for spec in OVERHEAD_ROUTERS)]
     results = {}
     for label, spec in targets:
         router = None
@@ -379,7 +379,7 @@ def overhead_runs(ns: argparse.Namespace, cpu: Worker, procs: Processes) -> dict
     return results
 
 
-def fmt(value: Optional[float], digits: int = 1) -> str:
+def fmt(value: float | None, digits: int = 1) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
@@ -431,7 +431,7 @@ def machine() -> dict[str, Any]:
     return facts
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.HelpFormatter)
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="model directory ('' for the built-in demo model)")
     p.add_argument("--max-total-tokens", type=int, default=16384, help="each worker's KV pool")
@@ -466,7 +466,7 @@ def _raise_on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     if not shutil.which("smg") and any(spec.startswith("smg:") for spec in ns.routers):
         sys.exit("smg not found: pip install sglang-router==0.3.2")

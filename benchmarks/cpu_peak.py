@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Optional
 
 from torch.utils.cpp_extension import load_inline
 
@@ -83,13 +82,13 @@ INSTRUCTIONS_PER_ITERATION = 12
 LOOPS = {"bfloat16": (0, 64, "vdpbf16ps"), "float32": (1, 32, "vfmadd")}
 
 
-def peaks(threads: int, iterations: int) -> dict[str, Optional[float]]:
+def peaks(threads: int, iterations: int) -> dict[str, float | None]:
     """GFLOP/s of each dtype's loop on ``threads`` threads; None where it was not
     compiled for this CPU (bfloat16 without AVX512_BF16)."""
     module = load_inline(
         "radixserve_cpu_peak", cpp_sources=SOURCE, functions=["run"], extra_cflags=["-O3", "-march=native"]
     )
-    rates: dict[str, Optional[float]] = {}
+    rates: dict[str, float | None] = {}
     for dtype, (kind, flop_per_instruction, _) in LOOPS.items():
         module.run(kind, threads, iterations // 10)  # wake the cores up to speed first
         seconds = module.run(kind, threads, iterations)

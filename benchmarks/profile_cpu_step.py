@@ -26,9 +26,9 @@ import argparse
 import random
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import date
-from typing import Optional, Sequence
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -90,7 +90,7 @@ def requests(workload: str, vocab: int, seed: int, decode_steps: int) -> list[tu
 
 
 def serve(
-    scheduler: Scheduler, workload: str, seed: int, batch: int, steps: int, prof: Optional[profile] = None
+    scheduler: Scheduler, workload: str, seed: int, batch: int, steps: int, prof: profile | None = None
 ) -> tuple[float, int]:
     """Run one pass of the workload, under ``prof`` from its first profiled step (decode:
     after the prefill) to its last; return those steps' wall seconds and number."""
@@ -129,7 +129,7 @@ def op_times(prof: profile) -> dict[str, OpTime]:
     return times
 
 
-def measured_peak(dtype: str, threads: int) -> Optional[float]:
+def measured_peak(dtype: str, threads: int) -> float | None:
     from cpu_peak import peaks  # beside this script
 
     return peaks(threads, 100_000_000).get(dtype)

@@ -25,7 +25,7 @@ def collective_share(trace: dict, batch: int) -> tuple[int, float, float]:
     if len(steps) < 2:
         raise SystemExit(f"fewer than two decode steps at batch {batch} in the trace")
     start, end = steps[0][0], steps[-1][0]  # from the first step's launch to the last one's
-    periods = [b[0] - a[0] for a, b in zip(steps, steps[1:])]
+    periods = [b[0] - a[0] for a, b in zip(steps, steps[1:], strict=False)]
     names = ("all_reduce", "allreduce", "all_gather", "allgather")
     spans = sorted(
         (e["ts"], e["ts"] + e["dur"])

@@ -24,8 +24,9 @@ What it keeps of torch's behaviour, and only that:
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import torch
 
@@ -34,13 +35,13 @@ import torch
 class StandInStream:
     device_index: int
     name: str
-    waited_for: list["StandInStream"] = field(default_factory=list)
+    waited_for: list[StandInStream] = field(default_factory=list)
 
     @property
     def device(self) -> torch.device:
         return torch.device("cuda", self.device_index)
 
-    def wait_stream(self, other: "StandInStream") -> None:
+    def wait_stream(self, other: StandInStream) -> None:
         self.waited_for.append(other)
 
 
@@ -122,13 +123,13 @@ class StandInCuda:
         self.pools += 1
         return (0, self.pools)
 
-    def CUDAGraph(self) -> "StandInGraph":  # torch's name
+    def CUDAGraph(self) -> StandInGraph:  # torch's name
         graph = StandInGraph(self)
         self.graphs.append(graph)
         return graph
 
     @contextlib.contextmanager
-    def graph(self, graph: "StandInGraph", pool: Any = None, stream: Optional[StandInStream] = None) -> Iterator[None]:
+    def graph(self, graph: StandInGraph, pool: Any = None, stream: StandInStream | None = None) -> Iterator[None]:
         self.synchronize()
         self.empty_cache()
         with self.stream(stream if stream is not None else self.Stream()):
@@ -148,7 +149,7 @@ class StandInCuda:
 class StandInGraph:
     def __init__(self, cuda: StandInCuda):
         self.cuda = cuda
-        self.captured_on: Optional[tuple[int, StandInStream]] = None
+        self.captured_on: tuple[int, StandInStream] | None = None
         self.pool: Any = None
         self.recording = False
         self.replays = 0

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -29,9 +29,9 @@ class Result:
     finish_reason: FinishReason
     cached_tokens: int
     logprobs: list[float]
-    input_logprobs: Optional[list]
-    input_top_logprobs: Optional[list]
-    first_token_step: Optional[int] = None  # the ``run`` step that gave the first token (0: before it)
+    input_logprobs: list | None
+    input_top_logprobs: list | None
+    first_token_step: int | None = None  # the ``run`` step that gave the first token (0: before it)
 
 
 def make_scheduler(model_dir: Path, registry=None, **server_args: Any) -> Scheduler:
@@ -65,7 +65,7 @@ def submit(
 
 
 def run(
-    scheduler: Scheduler, check_every_step: bool = True, earlier: Optional[list[TokenOutput]] = None
+    scheduler: Scheduler, check_every_step: bool = True, earlier: list[TokenOutput] | None = None
 ) -> dict[str, Result]:
     """Step until idle, asserting the memory invariant at every step boundary;
     ``earlier``: outputs of steps the caller ran itself."""
@@ -114,7 +114,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> tuple[
         torch.tensor([prompt]), generation_config=config, output_logits=True, return_dict_in_generate=True
     )
     ids = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, ids)]
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, ids, strict=False)]
     return ids, logprobs
 
 

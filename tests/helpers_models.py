@@ -52,13 +52,13 @@ def check_greedy_matches_hf(ref: Reference, config: str, **more_server_args) -> 
     assert alone[0].output_ids == batch[0].output_ids
     if "disable_radix_cache" not in server_args:
         assert batch[0].cached_tokens > 0, "the repeated prompt should hit the cache"
-    for prompt, result, (ref_ids, ref_logprobs) in zip(ref.prompts, batch, ref.hf):
+    for prompt, result, (ref_ids, ref_logprobs) in zip(ref.prompts, batch, ref.hf, strict=False):
         assert result.output_ids == ref_ids, f"{config}: prompt of {len(prompt)} tokens"
         assert result.finish_reason == FinishReason("length")
-        worst = max(abs(a - b) for a, b in zip(result.logprobs, ref_logprobs))
+        worst = max(abs(a - b) for a, b in zip(result.logprobs, ref_logprobs, strict=False))
         assert worst < LOGPROB_TOL, f"{config}: chosen-token logprob differs from HF by {worst}"
     if "chunked_prefill_size" in server_args:
-        for prompt, result in zip(ref.prompts, batch):
+        for prompt, result in zip(ref.prompts, batch, strict=False):
             assert result.first_token_step >= math.ceil((len(prompt) - result.cached_tokens) / CHUNK)
 
 
@@ -74,7 +74,7 @@ def bf16_agreement(ref: Reference) -> float:
     hf = AutoModelForCausalLM.from_pretrained(ref.model_dir, dtype=torch.bfloat16).eval()
     scheduler = make_scheduler(ref.model_dir, dtype="bfloat16", **PRIORITY)
     same = total = 0
-    for prompt, (continuation, _) in zip(ref.prompts, ref.hf):
+    for prompt, (continuation, _) in zip(ref.prompts, ref.hf, strict=False):
         sequence = prompt + continuation
         with torch.inference_mode():
             theirs = hf(torch.tensor([sequence])).logits[0, :-1].argmax(-1).tolist()
@@ -84,6 +84,6 @@ def bf16_agreement(ref: Reference) -> float:
         tops = run(scheduler)[rid].input_top_logprobs[1:]  # entry i: the top token after sequence[:i + 1]
         ours = [top[0][1] for top in tops]
         assert len(ours) == len(theirs) == len(sequence) - 1
-        same += sum(a == b for a, b in zip(ours, theirs))
+        same += sum(a == b for a, b in zip(ours, theirs, strict=False))
         total += len(ours)
     return same / total

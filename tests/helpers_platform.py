@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
 
 import pytest
 from generation_utils import mixed_prompts
@@ -17,7 +16,7 @@ from radixserve import Engine
 from radixserve.registry import PluginError, get_registry
 
 
-def platform_unavailable(name: str) -> Optional[str]:
+def platform_unavailable(name: str) -> str | None:
     """Why the registered platform ``name`` cannot run on this machine (None: it can)."""
     try:
         get_registry().resolve_platform(name)
@@ -32,7 +31,7 @@ def needs_platform(name: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(reason is not None, reason=reason or "")
 
 
-def plugins_json(env: Optional[dict[str, str]] = None) -> dict:
+def plugins_json(env: dict[str, str] | None = None) -> dict:
     """What `radixserve plugins --json` reports, run in a fresh process (environment ``env``, default this one's)."""
     command = [sys.executable, "-m", "radixserve.cli", "plugins", "--json"]
     return json.loads(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout)

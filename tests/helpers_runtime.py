@@ -5,7 +5,7 @@ chooses, so the order of events is the test's, not the clock's."""
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Optional
+from collections.abc import AsyncIterator
 
 import zmq.asyncio
 
@@ -29,7 +29,7 @@ class ScriptedRuntime:
         self.detokenizer = push_socket(self.ctx, self.endpoints.tokenizer_manager)
         self.tm.start()
 
-    async def reply(self, *outputs: tuple[str, list[int], Optional[FinishReason]], error: Optional[str] = None) -> None:
+    async def reply(self, *outputs: tuple[str, list[int], FinishReason | None], error: str | None = None) -> None:
         """One detokenizer batch: ``(rid, new token ids, finish reason)`` each, the text one "t" a token."""
         await self.detokenizer.send_pyobj(
             TextBatch(

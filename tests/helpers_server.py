@@ -14,9 +14,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,7 +29,7 @@ class ServerProcess:
     def __init__(
         self,
         *cli_args: str,
-        env: Optional[dict[str, str]] = None,
+        env: dict[str, str] | None = None,
         launcher: Sequence[str] = (),
         command: str = "serve",
     ):
@@ -47,7 +47,7 @@ class ServerProcess:
             bufsize=1,
         )
         self.lines: list[str] = []
-        self.url: Optional[str] = None
+        self.url: str | None = None
         key = cli_args[cli_args.index("--api-key") + 1] if "--api-key" in cli_args else None
         self.auth_headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._listening = threading.Event()
@@ -80,7 +80,7 @@ class ServerProcess:
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> str:
         return self._wait(self._ready, "ready", timeout)
 
-    def wait_exit(self, timeout: float) -> Optional[int]:
+    def wait_exit(self, timeout: float) -> int | None:
         """The exit code, with all output read; None if still running."""
         try:
             code = self.proc.wait(timeout)
@@ -96,7 +96,7 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -104,7 +104,7 @@ class ServerProcess:
 
 
 @contextmanager
-def serving(model: Path, *cli_args: str, env: Optional[dict[str, str]] = None) -> Iterator[ServerProcess]:
+def serving(model: Path, *cli_args: str, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
     """A ready server of ``model``, served as "tiny" at warning level; ``cli_args``
     come after those flags, so they may override them."""
     with ServerProcess(

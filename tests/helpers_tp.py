@@ -113,7 +113,7 @@ def run_ranks(model_dirs: list[Path], tp_size: int, timeout: float = 240) -> lis
             procs.append(p)
             pipes.append(recv)
         answers: list[dict] = []
-        for p, recv in zip(procs, pipes):
+        for p, recv in zip(procs, pipes, strict=False):
             if not recv.poll(timeout):
                 raise TimeoutError(f"rank {procs.index(p)} sent nothing within {timeout} s")
             answers.append(recv.recv())

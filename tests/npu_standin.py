@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -80,16 +80,16 @@ class StandInTorchNpu:
         key: torch.Tensor,
         value: torch.Tensor,
         *,
-        block_table: Optional[torch.Tensor] = None,
+        block_table: torch.Tensor | None = None,
         block_size: int = 0,
-        actual_seq_lengths: Optional[list[int]] = None,
-        actual_seq_lengths_kv: Optional[list[int]] = None,
+        actual_seq_lengths: list[int] | None = None,
+        actual_seq_lengths_kv: list[int] | None = None,
         num_heads: int = 1,
         num_key_value_heads: int = 0,
         input_layout: str = "BSH",
         scale: float = 1.0,
         sparse_mode: int = 0,
-        atten_mask: Optional[torch.Tensor] = None,
+        atten_mask: torch.Tensor | None = None,
         **others: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.calls.append(
@@ -195,9 +195,9 @@ class StandInTorchNpu:
         x: list[torch.Tensor],
         weight: list[torch.Tensor],
         *,
-        group_list: Optional[torch.Tensor] = None,
+        group_list: torch.Tensor | None = None,
         split_item: int = 0,
-        group_type: Optional[int] = None,
+        group_type: int | None = None,
         group_list_type: int = 0,
         **others: Any,
     ) -> list[torch.Tensor]:
@@ -220,7 +220,7 @@ class StandInTorchNpu:
         )
         bounds = [0, *group_list.tolist()]
         _require(
-            all(lo <= hi for lo, hi in zip(bounds, bounds[1:])) and bounds[-1] == a.shape[0],
+            all(lo <= hi for lo, hi in zip(bounds, bounds[1:], strict=False)) and bounds[-1] == a.shape[0],
             "group_list must be non-decreasing and end at M",
         )
         y = torch.empty(a.shape[0], w.shape[2], dtype=torch.float32)
@@ -232,7 +232,7 @@ class StandInTorchNpu:
         return sum(1 for called, _ in self.calls if called == name)
 
 
-def install(monkeypatch, standin: Optional[StandInTorchNpu] = None) -> StandInTorchNpu:
+def install(monkeypatch, standin: StandInTorchNpu | None = None) -> StandInTorchNpu:
     """Make radixserve_npu's operator lookup return ``standin`` (for this test only)."""
     import radixserve_npu.ops
 

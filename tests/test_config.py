@@ -138,7 +138,7 @@ def test_types_come_from_resolved_annotations_not_their_spelling():
 
 @pytest.mark.parametrize(
     "annotation",
-    [list[int], Optional[list[int]], typing.Union[int, str, None], Literal["a", 1], Literal[True]],
+    [list[int], Optional[list[int]], typing.Union[int, str, None], Literal["a", 1], Literal[True]],  # noqa: UP007, UP045 (the old spellings)
 )
 def test_an_annotation_without_a_command_line_form_is_an_error_naming_the_field(annotation):
     with pytest.raises(TypeError, match=r"ServerArgs\.extra: no command-line form"):

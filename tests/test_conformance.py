@@ -73,13 +73,15 @@ def test_attention_cases_cover_windows_and_soft_capping():
     cases = ATTENTION_CASES["standard"]
     windowed = [c for c in cases if c.sliding_window is not None]
     capped = [c for c in cases if c.logit_softcap is not None]
-    seq = lambda c: [p + n for p, n in zip(c.prefix_lens, c.extend_lens)]  # noqa: E731
+    seq = lambda c: [p + n for p, n in zip(c.prefix_lens, c.extend_lens, strict=False)]  # noqa: E731
     assert any(s > c.sliding_window for c in windowed for s in seq(c))
     assert any(s <= c.sliding_window for c in windowed for s in seq(c))
     extend = [c for c in windowed if c.mode == "extend"]
     assert any(not any(c.prefix_lens) for c in extend)
     assert any(p > c.sliding_window for c in extend for p in c.prefix_lens)  # prefix keys outside the window
-    assert any(n > c.sliding_window and p > 0 for c in extend for p, n in zip(c.prefix_lens, c.extend_lens))
+    assert any(
+        n > c.sliding_window and p > 0 for c in extend for p, n in zip(c.prefix_lens, c.extend_lens, strict=False)
+    )
     assert {c.mode for c in windowed} == {c.mode for c in capped} == {"extend", "decode"}
     assert {c.page_size for c in windowed} == {1, 16} and 1 in {c.sliding_window for c in windowed}
     assert any(c.sliding_window is None for c in capped) and any(c.sliding_window for c in capped)
@@ -117,13 +119,13 @@ def test_dense_attention_windows_and_cap():
     case = next(c for c in ATTENTION_CASES["standard"] if c.name.startswith("extend/window24/prefix"))
     inputs = make_attention_inputs(case, torch.float32, seed=3)
     plain = dense_attention(inputs, inputs.global_layer)
-    longest = max(p + n for p, n in zip(case.prefix_lens, case.extend_lens))
+    longest = max(p + n for p, n in zip(case.prefix_lens, case.extend_lens, strict=False))
     wide = dataclasses.replace(inputs.layer, sliding_window=longest)
     assert torch.equal(dense_attention(inputs, wide), plain)
     assert not torch.allclose(dense_attention(inputs), plain)
     own = dataclasses.replace(inputs.layer, sliding_window=1)
     group = case.num_heads // case.num_kv_heads
-    new_values = torch.cat([v[p:] for v, p in zip(inputs.values, case.prefix_lens)]).double()
+    new_values = torch.cat([v[p:] for v, p in zip(inputs.values, case.prefix_lens, strict=False)]).double()
     assert torch.allclose(dense_attention(inputs, own), new_values.repeat_interleave(group, dim=1))
     huge = dataclasses.replace(inputs.global_layer, logit_softcap=1e9)
     assert torch.allclose(dense_attention(inputs, huge), plain)
@@ -278,7 +280,7 @@ class OneWindowPerStep(TorchNativeAttention):
 def test_ignoring_the_window_or_the_cap_fails_exactly_those_cases():
     cases = ATTENTION_CASES["standard"]
     # A window no shorter than every request's context changes nothing: only the others can fail.
-    longest = lambda c: max(p + n for p, n in zip(c.prefix_lens, c.extend_lens))  # noqa: E731
+    longest = lambda c: max(p + n for p, n in zip(c.prefix_lens, c.extend_lens, strict=False))  # noqa: E731
     shorter = {c.name for c in cases if c.sliding_window is not None and c.sliding_window < longest(c)}
     _assert_fails_naming(check_attention_backend(IgnoresTheWindow, dtypes=[torch.float32]), shorter)
     capped = {c.name for c in cases if c.logit_softcap is not None}

@@ -259,7 +259,7 @@ def _decode_reference(q, batch, layer) -> torch.Tensor:
     req_to_token (the last ``layer.sliding_window`` of them; scores capped)."""
     k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
     out = []
-    for i, (row, n) in enumerate(zip(batch.req_pool_indices.tolist(), batch.seq_lens.tolist())):
+    for i, (row, n) in enumerate(zip(batch.req_pool_indices.tolist(), batch.seq_lens.tolist(), strict=False)):
         slots = batch.req_to_token[row, max(0, n - (layer.sliding_window or n)) : n]
         k = k_buf[slots].float().repeat_interleave(layer.num_heads // layer.num_kv_heads, 1)  # [n, H, D]
         v = v_buf[slots].float().repeat_interleave(layer.num_heads // layer.num_kv_heads, 1)

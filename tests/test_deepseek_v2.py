@@ -96,15 +96,15 @@ def test_greedy_matches_hf(reference: Reference, config: str):
     alone = _generate(scheduler, prompts[:1])
     batch = _generate(scheduler, prompts)
     assert alone[0].output_ids == batch[0].output_ids
-    for prompt, result, (ref_ids, ref_logprobs) in zip(prompts, batch, reference.hf):
+    for prompt, result, (ref_ids, ref_logprobs) in zip(prompts, batch, reference.hf, strict=False):
         assert result.output_ids == ref_ids, f"{config}: prompt of {len(prompt)} tokens"
         assert result.finish_reason == FinishReason("length")
-        worst = max(abs(a - b) for a, b in zip(result.logprobs, ref_logprobs))
+        worst = max(abs(a - b) for a, b in zip(result.logprobs, ref_logprobs, strict=False))
         assert worst < 1e-3, f"{config}: chosen-token logprob differs from HF by {worst}"
     if config == "default":  # the repeated prompt's prefix came from the cache: latent entries reused
         assert batch[0].cached_tokens > 0
     if "chunked_prefill_size" in server_args:
-        for prompt, result in zip(prompts, batch):
+        for prompt, result in zip(prompts, batch, strict=False):
             assert result.first_token_step >= math.ceil((len(prompt) - result.cached_tokens) / CHUNK)
 
 
@@ -160,14 +160,14 @@ def test_bfloat16_agrees_with_hf_teacher_forced(reference: Reference, capsys):
     prefill = decode = total = 0
     rids = [
         submit(scheduler, p + ids, return_logprob=True, logprob_start_len=len(p), top_logprobs_num=1, max_new_tokens=1)
-        for p, (ids, _) in zip(reference.prompts, reference.hf)
+        for p, (ids, _) in zip(reference.prompts, reference.hf, strict=False)
     ]
     tops = run(scheduler)
-    for prompt, rid, (ids, _) in zip(reference.prompts, rids, reference.hf):
+    for prompt, rid, (ids, _) in zip(reference.prompts, rids, reference.hf, strict=False):
         ours = torch.tensor([top[0][1] for top in tops[rid].input_top_logprobs])
         prefill += int((ours == hf_top1(prompt, ids)).sum())
         total += len(ids)
-    for prompt, result in zip(reference.prompts, _generate(scheduler, reference.prompts)):
+    for prompt, result in zip(reference.prompts, _generate(scheduler, reference.prompts), strict=False):
         decode += int((torch.tensor(result.output_ids) == hf_top1(prompt, result.output_ids)).sum())
     with capsys.disabled():
         print(

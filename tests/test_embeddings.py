@@ -137,10 +137,10 @@ def test_single_and_batched_ragged_inputs_equal_hf(embedder):
     ids = [embedder.tokenizer.encode(t) for t in TEXTS] + mixed_prompts(512, [1, 15, 16, 17, 70], seed=3)
     assert max(len(i) for i in ids) > 3 * CHUNK  # some are prefilled in several chunks
     references = [embedder.reference(i) for i in ids]
-    for text, want in zip(TEXTS, references):
+    for text, want in zip(TEXTS, references, strict=False):
         assert_close(embedder.embed(text)[0], want)
     batched = embedder.embed(TEXTS) + embedder.embed(ids[len(TEXTS) :])  # a batch of strings, one of token ids
-    for got, want in zip(batched, references):
+    for got, want in zip(batched, references, strict=False):
         assert_close(got, want)
     if embedder.normalize:
         assert all(abs(v.norm().item() - 1) < 1e-5 for v in batched)
@@ -177,7 +177,7 @@ def test_through_the_router(embedder):
         assert features["embeddings"] and not features["generation"]
         client = openai.OpenAI(base_url=router.url + "/v1", api_key="none", max_retries=0, timeout=120)
         out = client.embeddings.create(model="tiny", input=TEXTS[:2], encoding_format="float")
-        for got, want in zip(out.data, embedder.embed(TEXTS[:2])):
+        for got, want in zip(out.data, embedder.embed(TEXTS[:2]), strict=False):
             assert_close(torch.tensor(got.embedding), want)
         with pytest.raises(openai.BadRequestError) as err:
             client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
@@ -209,7 +209,9 @@ def test_base64_equals_float_and_usage(embedder):
 def test_token_id_inputs_equal_text(embedder):
     ids = [embedder.tokenizer.encode(t) for t in TEXTS]
     by_text = embedder.embed(TEXTS)
-    for a, b in zip(embedder.embed(ids), by_text):  # a batch is computed alike, not always in the same steps
+    for a, b in zip(
+        embedder.embed(ids), by_text, strict=False
+    ):  # a batch is computed alike, not always in the same steps
         assert_close(a, b)
     assert torch.equal(embedder.embed(ids[1])[0], embedder.embed(TEXTS[1])[0])
 
@@ -279,7 +281,7 @@ def test_sentence_transformers_agrees(embedder):
         pytest.skip("the mean server's model is not a sentence-transformers directory")
     model = st.SentenceTransformer(str(embedder.model_dir), device="cpu")
     want = model.encode(TEXTS, convert_to_tensor=True, batch_size=1).float()
-    for got, ref in zip(embedder.embed(TEXTS), want):
+    for got, ref in zip(embedder.embed(TEXTS), want, strict=False):
         assert_close(got, ref)
 
 
@@ -345,7 +347,7 @@ def test_engine_encode(st_model_dir):
     hf = AutoModel.from_pretrained(st_model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         wants = [F.normalize(hf(torch.tensor([i])).last_hidden_state[0, -1], dim=-1) for i in ids]
-    for result, want in zip([one] + texts + by_ids, wants[:1] + wants + wants):
+    for result, want in zip([one] + texts + by_ids, wants[:1] + wants + wants, strict=False):
         assert_close(torch.tensor(result["embedding"]), want)
 
 

@@ -28,7 +28,7 @@ def test_generate_one_and_batch_match_hf(engine, tiny_llama_dir):
     assert meta["finish_reason"] == {"type": "length", "matched": None}
     batch = engine.generate(input_ids=prompts, sampling_params=GREEDY)
     assert isinstance(batch, list) and len(batch) == 3
-    for prompt, result in zip(prompts, batch):
+    for prompt, result in zip(prompts, batch, strict=False):
         assert result["output_ids"] == hf_greedy(tiny_llama_dir, prompt, 24)[0]
     assert batch[0]["output_ids"] == one["output_ids"]
     assert one["text"] == engine.tokenizer.decode(one["output_ids"])
@@ -139,8 +139,8 @@ def test_logprobs_through_engine(engine, tiny_llama_dir):
     )
     meta = result["meta_info"]
     _, ref = hf_greedy(tiny_llama_dir, prompt, 24)
-    assert max(abs(lp - r) for (lp, _), r in zip(meta["output_token_logprobs"], ref)) < 1e-3
-    for (lp, token), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]):
+    assert max(abs(lp - r) for (lp, _), r in zip(meta["output_token_logprobs"], ref, strict=False)) < 1e-3
+    for (lp, token), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"], strict=False):
         assert len(top) == 3 and top[0][1] == token and abs(top[0][0] - lp) < 1e-6  # greedy: chosen is top-1
         assert top[0][0] >= top[1][0] >= top[2][0]
     assert [t for _, t in meta["input_token_logprobs"]] == prompt
@@ -221,7 +221,7 @@ def test_int8_weight_only_matches_dequantized_reference(tiny_model_factory, tmp_
     # how often is the int8 model's top-1 token the fp32 model's choice?
     scheduler = make_scheduler(model_dir, quantization="int8")
     same = total = 0
-    for prompt, full in zip(prompts, fp32):
+    for prompt, full in zip(prompts, fp32, strict=False):
         rid = submit(
             scheduler,
             prompt + full.output_ids,
@@ -231,7 +231,7 @@ def test_int8_weight_only_matches_dequantized_reference(tiny_model_factory, tmp_
             max_new_tokens=1,
         )
         tops = run(scheduler)[rid].input_top_logprobs
-        same += sum(top[0][1] == token for top, token in zip(tops, full.output_ids))
+        same += sum(top[0][1] == token for top, token in zip(tops, full.output_ids, strict=False))
         total += len(full.output_ids)
     with capsys.disabled():
         print(f"\nint8 vs fp32 teacher-forced greedy agreement: {same}/{total} = {same / total:.1%}")

@@ -95,7 +95,11 @@ def test_bucketed_cases_really_use_several_buckets(case):
     # Each bucket is padded to its own longest request, not the batch's.
     batch = inputs.batch
     seq_lens = batch.seq_lens_cpu
-    work = seq_lens if batch.mode is ForwardMode.DECODE else [n * s for n, s in zip(batch.extend_lens_cpu, seq_lens)]
+    work = (
+        seq_lens
+        if batch.mode is ForwardMode.DECODE
+        else [n * s for n, s in zip(batch.extend_lens_cpu, seq_lens, strict=False)]
+    )
     order = sorted(range(len(seq_lens)), key=lambda i: -work[i])  # the backend's order: most work first
     assert [b.seq_len for b in buckets] == [max(seq_lens[i] for i in order[b.start : b.end]) for b in buckets]
 

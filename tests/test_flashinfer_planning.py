@@ -41,14 +41,14 @@ def make_batch(
     table = torch.zeros((8, 64), dtype=torch.int64)
     for row, slots in rows.items():
         table[row, : len(slots)] = torch.tensor(slots)
-    seq = [p + n for p, n in zip(prefix_lens, extend_lens)]
+    seq = [p + n for p, n in zip(prefix_lens, extend_lens, strict=False)]
     assert seq == [len(s) for s in rows.values()]
     t = lambda xs: torch.tensor(xs, dtype=torch.int64)  # noqa: E731
-    out_loc = torch.cat([t(slots[p:]) for slots, p in zip(rows.values(), prefix_lens)])
+    out_loc = torch.cat([t(slots[p:]) for slots, p in zip(rows.values(), prefix_lens, strict=False)])
     return ForwardBatch(
         mode=mode,
         input_ids=torch.zeros(sum(extend_lens), dtype=torch.int64),
-        positions=torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq)]),
+        positions=torch.cat([torch.arange(p, s) for p, s in zip(prefix_lens, seq, strict=False)]),
         out_cache_loc=out_loc,
         req_pool_indices=t(list(rows)),
         seq_lens=t(seq),
@@ -121,7 +121,7 @@ def test_index_addresses_every_token_of_the_kit_batches(case):
     inputs = make_attention_inputs(case, torch.float32, seed=3)
     batch, ps = inputs.batch, case.page_size
     index = batch_paged_kv_index(batch)
-    for i, (row, seq) in enumerate(zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu)):
+    for i, (row, seq) in enumerate(zip(batch.req_pool_indices.tolist(), batch.seq_lens_cpu, strict=False)):
         pages = index.kv_indices[index.kv_indptr[i] : index.kv_indptr[i + 1]].long()
         assert len(pages) == -(-seq // ps) and 1 <= index.kv_last_page_len[i] <= ps
         assert (len(pages) - 1) * ps + int(index.kv_last_page_len[i]) == seq
@@ -267,7 +267,9 @@ def test_flashinfer_decode_graph_replays_after_replanning():
     for name in ("req_to_token", "req_pool_indices", "seq_lens", "out_cache_loc"):
         getattr(b, name).copy_(getattr(fresh.batch, name))
     for mine, theirs in zip(
-        b.kv_pool.k_buffers + b.kv_pool.v_buffers, fresh.batch.kv_pool.k_buffers + fresh.batch.kv_pool.v_buffers
+        b.kv_pool.k_buffers + b.kv_pool.v_buffers,
+        fresh.batch.kv_pool.k_buffers + fresh.batch.kv_pool.v_buffers,
+        strict=False,
     ):
         mine.copy_(theirs)
     b.seq_lens_cpu = list(fresh.batch.seq_lens_cpu)

@@ -102,10 +102,10 @@ def test_greedy_matches_hf(reference: Reference, config: str):
     alone = _generate(scheduler, prompts[:1])
     batch = _generate(scheduler, prompts)
     assert alone[0].output_ids == batch[0].output_ids
-    for prompt, result, (ref_ids, ref_logprobs) in zip(prompts, batch, reference.hf):
+    for prompt, result, (ref_ids, ref_logprobs) in zip(prompts, batch, reference.hf, strict=False):
         assert result.output_ids == ref_ids, f"{config}: prompt of {len(prompt)} tokens"
         assert result.finish_reason == FinishReason("length")
-        worst = max(abs(a - b) for a, b in zip(result.logprobs, ref_logprobs))
+        worst = max(abs(a - b) for a, b in zip(result.logprobs, ref_logprobs, strict=False))
         assert worst < 1e-3, f"{config}: chosen-token logprob differs from HF by {worst}"
     if "disable_radix_cache" in server_args:
         assert all(r.cached_tokens == 0 for r in batch)
@@ -114,7 +114,7 @@ def test_greedy_matches_hf(reference: Reference, config: str):
         page = server_args.get("page_size", 1)
         assert batch[0].cached_tokens >= WINDOW and batch[4].cached_tokens == 24 // page * page
     if "chunked_prefill_size" in server_args:
-        for prompt, result in zip(prompts, batch):
+        for prompt, result in zip(prompts, batch, strict=False):
             assert result.first_token_step >= math.ceil((len(prompt) - result.cached_tokens) / CHUNK)
 
 
@@ -163,19 +163,19 @@ def test_bf16_teacher_forced_greedy_agrees_with_hf(bf16_reference: Reference, ca
             top_logprobs_num=1,
             max_new_tokens=1,
         )
-        for prompt, (ids, _) in zip(ref.prompts, ref.hf)
+        for prompt, (ids, _) in zip(ref.prompts, ref.hf, strict=False)
     ]
     results = run(scheduler)
     hf = AutoModelForCausalLM.from_pretrained(ref.model_dir, dtype=torch.bfloat16).eval()
     same = ours_fp32 = hf_fp32 = total = 0
-    for prompt, (ids, _), rid in zip(ref.prompts, ref.hf, rids):
+    for prompt, (ids, _), rid in zip(ref.prompts, ref.hf, rids, strict=False):
         ours = [top[0][1] for top in results[rid].input_top_logprobs]
         with torch.inference_mode():
             theirs = hf(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
         assert len(ours) == len(theirs) == len(ids)
-        same += sum(a == b for a, b in zip(ours, theirs))
-        ours_fp32 += sum(a == b for a, b in zip(ours, ids))
-        hf_fp32 += sum(a == b for a, b in zip(theirs, ids))
+        same += sum(a == b for a, b in zip(ours, theirs, strict=False))
+        ours_fp32 += sum(a == b for a, b in zip(ours, ids, strict=False))
+        hf_fp32 += sum(a == b for a, b in zip(theirs, ids, strict=False))
         total += len(ids)
     with capsys.disabled():
         print(

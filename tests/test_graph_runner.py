@@ -113,7 +113,7 @@ def _generate(scheduler, count: int = len(PROMPT_LENS)) -> list[list[int]]:
     prompts = mixed_prompts(512, PROMPT_LENS[:count], seed=71)
     rids = [
         submit(scheduler, p, max_new_tokens=n, temperature=0.0, ignore_eos=True)
-        for p, n in zip(prompts, MAX_NEW[:count])
+        for p, n in zip(prompts, MAX_NEW[:count], strict=False)
     ]
     results = run(scheduler)
     return [results[r].output_ids for r in rids]

@@ -74,21 +74,23 @@ def test_greedy_matches_hf(reference: Reference, config: str):
     alone = _generate(scheduler, prompts[:1], cfg.new_tokens[:1])
     batch = _generate(scheduler, prompts, cfg.new_tokens)
     assert alone[0].output_ids == batch[0].output_ids
-    for prompt, result, wanted, (ref_ids, ref_logprobs) in zip(prompts, batch, cfg.new_tokens, reference.hf):
+    for prompt, result, wanted, (ref_ids, ref_logprobs) in zip(
+        prompts, batch, cfg.new_tokens, reference.hf, strict=False
+    ):
         assert result.output_ids == ref_ids[:wanted], f"prompt of {len(prompt)} tokens"
         assert result.finish_reason == FinishReason("length")
-        worst = max(abs(a - b) for a, b in zip(result.logprobs, ref_logprobs))
+        worst = max(abs(a - b) for a, b in zip(result.logprobs, ref_logprobs, strict=False))
         assert worst < 1e-3, f"{config}: chosen-token logprob differs from HF by {worst}"
     if "chunked_prefill_size" in cfg.server_args:
         # The prompts really were cut: none gives its first token before its last chunk is in.
-        for prompt, result in zip(prompts, batch):
+        for prompt, result in zip(prompts, batch, strict=False):
             assert result.first_token_step >= math.ceil((len(prompt) - result.cached_tokens) / CHUNK)
 
 
 def _generate(scheduler, prompts: list[list[int]], new_tokens: tuple[int, ...]) -> list:
     rids = [
         submit(scheduler, p, max_new_tokens=n, temperature=0.0, ignore_eos=True, return_logprob=True)
-        for p, n in zip(prompts, new_tokens)
+        for p, n in zip(prompts, new_tokens, strict=False)
     ]
     results = run(scheduler)
     return [results[r] for r in rids]

@@ -9,7 +9,7 @@ surrogate or NaN cannot go through a client's own JSON encoder."""
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Union
+from typing import Any
 
 import httpx
 import pytest
@@ -52,12 +52,12 @@ def nest(levels: int) -> Any:
     return value
 
 
-def gen(sampling: Optional[dict] = None, **kw: Any) -> dict:
+def gen(sampling: dict | None = None, **kw: Any) -> dict:
     return {"text": "hi", "sampling_params": {"max_new_tokens": 2, **(sampling or {})}, **kw}
 
 
 # (name, route, body (JSON-able) or raw bytes, expected status, expected param; None: no field to name)
-CASES: list[tuple[str, str, Union[dict, list, bytes], int, Optional[str]]] = [
+CASES: list[tuple[str, str, dict | list | bytes, int, str | None]] = [
     # ---- transport and shape
     ("malformed_json", CHAT, b'{"messages": [', 400, None),
     ("not_utf8", CHAT, b'\xff\xfe{"a": 1}', 400, None),
@@ -357,7 +357,7 @@ def server(tiny_llama_dir):
         assert srv.proc.poll() is None, f"the server died:\n{srv.log}"
 
 
-def send(http: httpx.Client, route: str, body: Union[dict, list, str, bytes]) -> httpx.Response:
+def send(http: httpx.Client, route: str, body: dict | list | str | bytes) -> httpx.Response:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()  # ASCII: "\udc00", NaN, Infinity
     return http.post(route, content=raw, headers={"content-type": "application/json"})
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
@@ -61,7 +60,7 @@ SPECS: dict[str, dict] = {
 
 
 def load(
-    path: Path, dtype: torch.dtype = torch.float32, quantization: Optional[str] = None, gemm: str = "auto"
+    path: Path, dtype: torch.dtype = torch.float32, quantization: str | None = None, gemm: str = "auto"
 ) -> tuple[nn.Module, ModelContext]:
     registry = get_registry()
     config = load_config(path)
@@ -83,7 +82,7 @@ class PagedRunner:
         self.req_pool = ReqToTokenPool(8, max_context, CPU)
         self.lens: dict[int, int] = {}
 
-    def new_request(self, share_prefix_of: Optional[int] = None, prefix_len: int = 0) -> int:
+    def new_request(self, share_prefix_of: int | None = None, prefix_len: int = 0) -> int:
         """A request slot, optionally starting with another request's first
         ``prefix_len`` KV slots (as a radix-cache hit would)."""
         slot = self.req_pool.alloc()
@@ -96,23 +95,23 @@ class PagedRunner:
         self,
         slots: list[int],
         new_tokens: list[list[int]],
-        logits_indices: Optional[torch.Tensor] = None,
+        logits_indices: torch.Tensor | None = None,
         mode: ForwardMode = ForwardMode.EXTEND,
     ) -> torch.Tensor:
         prefix = [self.lens[s] for s in slots]
         ext = [len(t) for t in new_tokens]
-        last = [int(self.req_pool.req_to_token[s, p - 1]) if p else -1 for s, p in zip(slots, prefix)]
+        last = [int(self.req_pool.req_to_token[s, p - 1]) if p else -1 for s, p in zip(slots, prefix, strict=False)]
         loc = alloc_extend(self.alloc, prefix, last, ext)
         start = 0
-        for s, p, n in zip(slots, prefix, ext):
+        for s, p, n in zip(slots, prefix, ext, strict=False):
             self.req_pool.write(s, p, loc[start : start + n])
             self.lens[s] = p + n
             start += n
-        seq = [p + n for p, n in zip(prefix, ext)]
+        seq = [p + n for p, n in zip(prefix, ext, strict=False)]
         batch = ForwardBatch(
             mode=mode,
             input_ids=torch.tensor([t for toks in new_tokens for t in toks]),
-            positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, ext)]),
+            positions=torch.cat([torch.arange(p, p + n) for p, n in zip(prefix, ext, strict=False)]),
             out_cache_loc=loc,
             req_pool_indices=torch.tensor(slots),
             seq_lens=torch.tensor(seq),
@@ -171,7 +170,7 @@ def test_extend_batch_matches_hf(case: Case):
     runner = PagedRunner(case.model, case.ctx)
     logits = runner.step([runner.new_request() for _ in batch], batch)
     assert logits.shape == (33, case.model.config.vocab_size)
-    for toks, ours in zip(batch, logits.split([len(t) for t in batch])):
+    for toks, ours in zip(batch, logits.split([len(t) for t in batch]), strict=False):
         assert_matches(ours, hf_log_probs(case.hf, toks))
 
     # logits_indices selects rows of the same computation
@@ -206,11 +205,11 @@ def test_decode_steps_match_hf(case: Case):
     logits = runner.step(slots, seqs, logits_indices=torch.tensor([5, 14]))
     for _ in range(4):
         next_ids = logits.argmax(-1).tolist()
-        for seq, tok in zip(seqs, next_ids):
+        for seq, tok in zip(seqs, next_ids, strict=False):
             seq.append(tok)
         logits = runner.step(slots, [[t] for t in next_ids], mode=ForwardMode.DECODE)
         assert logits.shape == (2, case.model.config.vocab_size)
-        for seq, ours in zip(seqs, logits):
+        for seq, ours in zip(seqs, logits, strict=False):
             ref = hf_log_probs(case.hf, seq)[-1]
             assert_matches(ours[None], ref[None])
             assert ours.argmax().item() == ref.argmax().item()
@@ -269,7 +268,7 @@ def test_bf16_load(tiny_model_factory):
     logits = runner.step([runner.new_request() for _ in batch], batch)
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     # bf16 rounding alone moves HF's own eager vs sdpa log-probs by ~0.2 here
-    for toks, ours in zip(batch, logits.split([len(t) for t in batch])):
+    for toks, ours in zip(batch, logits.split([len(t) for t in batch]), strict=False):
         ref = hf_log_probs(hf, toks)
         diff = (ours.log_softmax(-1) - ref).abs().max().item()
         assert diff < 0.5, f"bf16 max |log_softmax diff| {diff:.3f}"
@@ -283,7 +282,7 @@ def test_int8_equals_dequantized_reference(tiny_model_factory):
     quantized, qctx = load(path, quantization="int8", gemm="torch")
     reference, rctx = load(path, gemm="torch")
     assert type(qctx.quant).name == "int8"
-    for q_layer, r_layer in zip(linear_layers(quantized), linear_layers(reference)):
+    for q_layer, r_layer in zip(linear_layers(quantized), linear_layers(reference), strict=False):
         assert q_layer.qweight.dtype == torch.int8 and "weight" not in dict(q_layer.named_parameters())
         qweight, scale = quantize_int8_per_channel(r_layer.weight.data)
         r_layer.weight.data.copy_(dequantize_int8(qweight, scale, r_layer.weight.dtype))
@@ -351,7 +350,7 @@ def test_weight_loaders_partition_the_checkpoint(tp_size):
     for rank in range(tp_size):
         ctx = _rank_ctx(rank, tp_size)
         qkv = QKVParallelLinear(hidden, head_dim, heads, kv_heads, ctx)
-        for shard_id, tensor in zip("qkv", (q, k, v)):
+        for shard_id, tensor in zip("qkv", (q, k, v), strict=False):
             qkv.weight.weight_loader(qkv.weight, tensor, shard_id)
         merged = MergedColumnParallelLinear(hidden, [inter, inter], ctx)
         merged.weight.weight_loader(merged.weight, torch.cat([gate, up]))  # fused checkpoint tensor
@@ -368,8 +367,8 @@ def test_weight_loaders_partition_the_checkpoint(tp_size):
             moe.weight_loader(moe.w2_weight, experts_w2[e], (e, "down"))
         sizes = [qkv.q_size, qkv.kv_size, qkv.kv_size]
         for name, tensor in [
-            *zip(("q", "k", "v"), qkv.weight.data.split(sizes)),
-            *zip(("gate", "up"), merged.weight.data.chunk(2)),
+            *zip(("q", "k", "v"), qkv.weight.data.split(sizes), strict=False),
+            *zip(("gate", "up"), merged.weight.data.chunk(2), strict=False),
             ("down", row.weight.data),
             ("col", col.weight.data),
             ("embed", embed.weight.data[: embed.vocab_end - embed.vocab_start]),

@@ -126,7 +126,7 @@ def test_fused_checkpoint_projections_split_across_ranks(tp_size: int):
         ctx = ModelContext.create(get_registry(), query, CPU, tp_rank=rank, tp_size=tp_size)
         fused_qkv, split_qkv = (QKVParallelLinear(hidden, head_dim, heads, kv_heads, ctx) for _ in range(2))
         fused_qkv.weight.weight_loader(fused_qkv.weight, torch.cat([q, k, v]))
-        for shard_id, tensor in zip("qkv", (q, k, v)):
+        for shard_id, tensor in zip("qkv", (q, k, v), strict=False):
             split_qkv.weight.weight_loader(split_qkv.weight, tensor, shard_id)
         assert torch.equal(fused_qkv.weight, split_qkv.weight)
         local_kv = max(1, kv_heads // tp_size)

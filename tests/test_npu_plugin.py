@@ -420,11 +420,11 @@ def test_generation_through_the_npu_attention_matches_torch(monkeypatch, tiny_mo
     reference = scheduler("torch_native")
     forced = generate(
         reference,
-        [p + r.output_ids for p, r in zip(prompts, results)],
+        [p + r.output_ids for p, r in zip(prompts, results, strict=False)],
         max_new_tokens=1,
         return_logprob=True,
         logprob_start_len=min(len(p) for p in prompts),
     )
-    for prompt, result, ref in zip(prompts, results, forced):
+    for prompt, result, ref in zip(prompts, results, forced, strict=False):
         expected = [lp for lp, _ in ref.input_logprobs[len(prompt) - min(len(p) for p in prompts) :]]
         torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(expected), atol=0.05, rtol=0.01)

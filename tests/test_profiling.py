@@ -144,35 +144,37 @@ def test_engine_profile_errors(engine, tmp_path):
 
 def test_server_profile_endpoints(tiny_llama_dir, tmp_path):
     env = {PROFILE_DIR_ENV: str(tmp_path / "default")}
-    with serving(tiny_llama_dir, "--max-total-tokens", "4096", env=env) as srv:
-        with httpx.Client(base_url=srv.url, timeout=60) as http:
-            r = http.post("/stop_profile")
-            assert r.status_code == 400 and "no profile is running" in r.json()["error"]["message"]
-            r = http.post("/start_profile", json={"num_steps": 0})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "num_steps"
-            r = http.post("/start_profile", json={"record_shapes": "yes"})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "record_shapes"
+    with (
+        serving(tiny_llama_dir, "--max-total-tokens", "4096", env=env) as srv,
+        httpx.Client(base_url=srv.url, timeout=60) as http,
+    ):
+        r = http.post("/stop_profile")
+        assert r.status_code == 400 and "no profile is running" in r.json()["error"]["message"]
+        r = http.post("/start_profile", json={"num_steps": 0})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "num_steps"
+        r = http.post("/start_profile", json={"record_shapes": "yes"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "record_shapes"
 
-            r = http.post("/start_profile")  # no body: the defaults, $RADIXSERVE_PROFILE_DIR
-            assert r.status_code == 200, r.text
-            planned = r.json()["trace_path"]
-            assert Path(planned).parent == tmp_path / "default"
-            r = http.post("/start_profile", json={})
-            assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-            assert "already running" in r.json()["error"]["message"]
-            r = http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": GREEDY})
-            assert r.status_code == 200 and len(r.json()["output_ids"]) == 6
-            r = http.post("/stop_profile")
-            assert r.status_code == 200 and r.json() == {"success": True, "trace_path": planned}
-            names = step_names(planned)
-            assert "radixserve.extend[tokens=3]" in names and "radixserve.decode[bs=1]" in names
+        r = http.post("/start_profile")  # no body: the defaults, $RADIXSERVE_PROFILE_DIR
+        assert r.status_code == 200, r.text
+        planned = r.json()["trace_path"]
+        assert Path(planned).parent == tmp_path / "default"
+        r = http.post("/start_profile", json={})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+        assert "already running" in r.json()["error"]["message"]
+        r = http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": GREEDY})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 6
+        r = http.post("/stop_profile")
+        assert r.status_code == 200 and r.json() == {"success": True, "trace_path": planned}
+        names = step_names(planned)
+        assert "radixserve.extend[tokens=3]" in names and "radixserve.decode[bs=1]" in names
 
-            # output_dir is relative to the profile directory (--profile-dir, here $RADIXSERVE_PROFILE_DIR's).
-            r = http.post("/start_profile", json={"output_dir": "given", "num_steps": 2})
-            assert r.status_code == 200 and Path(r.json()["trace_path"]).parent == tmp_path / "default" / "given"
-            r = http.post("/start_profile", json={"output_dir": str(tmp_path / "given")})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "output_dir"
-            assert http.get("/health").status_code == 200
+        # output_dir is relative to the profile directory (--profile-dir, here $RADIXSERVE_PROFILE_DIR's).
+        r = http.post("/start_profile", json={"output_dir": "given", "num_steps": 2})
+        assert r.status_code == 200 and Path(r.json()["trace_path"]).parent == tmp_path / "default" / "given"
+        r = http.post("/start_profile", json={"output_dir": str(tmp_path / "given")})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "output_dir"
+        assert http.get("/health").status_code == 200
 
 
 # ---- bench_gpu.py --profile (on the CPU: no device activity) --------------------------------------

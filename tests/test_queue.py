@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -114,7 +115,7 @@ def test_priority_decides_the_admission_order(server):
 
     async def body(c: httpx.AsyncClient) -> None:
         nonlocal mark
-        waiting = [_generate(p, 2, priority=priority) for p, (priority, _) in zip(prompts, QUEUED)]
+        waiting = [_generate(p, 2, priority=priority) for p, (priority, _) in zip(prompts, QUEUED, strict=False)]
         blocker, queued = await _saturate(c, waiting)
         mark = len(server.lines)
         assert (await c.post("/abort_request", json={"rid": "blocker"})).json() == {"success": True}

@@ -7,8 +7,8 @@ page is free, owned by one running request, or held by the cache (never two).
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 import pytest
 import torch
@@ -44,7 +44,7 @@ class Pool:
         self.cache = cache_cls(self.alloc, page_size)
         self.kv = torch.full(((num_pages + 1) * page_size,), -1, dtype=torch.int64)
 
-    def alloc_for(self, req_len: int, last: int, n: int) -> Optional[torch.Tensor]:
+    def alloc_for(self, req_len: int, last: int, n: int) -> torch.Tensor | None:
         """Slots for ``n`` more tokens, evicting from the cache when the pool is short."""
         slots = alloc_extend(self.alloc, [req_len], [last], [n])
         if slots is None:
@@ -53,7 +53,7 @@ class Pool:
             slots = alloc_extend(self.alloc, [req_len], [last], [n])
         return slots
 
-    def start(self, tokens: list[int]) -> Optional[Req]:
+    def start(self, tokens: list[int]) -> Req | None:
         """Match, lock and allocate the rest, writing the tokens' 'KV'."""
         m = self.cache.match_prefix(tokens)
         assert self.kv[m.slots].tolist() == tokens[: m.num_tokens], "matched prefix has foreign KV"
@@ -414,7 +414,7 @@ def test_random_requests_share_prefixes(ps, num_pages, cache_cls):
     systems = [[rng.randrange(1000) for _ in range(rng.randrange(5, 60))] for _ in range(4)]
     running: list[Req] = []
     hits = 0
-    for step in range(600):
+    for _step in range(600):
         action = rng.random()
         if action < 0.35 or not running:
             prompt = rng.choice(systems)[: rng.randrange(1, 60)] + [

@@ -16,9 +16,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 from urllib.parse import quote
 
 import httpx
@@ -302,7 +303,7 @@ def test_a_killed_worker_loses_no_request_its_breaker_opens_and_it_rejoins_after
         assert metric(router.url, "radixserve_router:retries_total", worker=victim.url) >= 2
         assert not _state(router, victim.url)[0]  # and the health checks took it out
         for pid in children:
-            assert wait_until(lambda: not process_alive(pid), 30), f"worker child {pid} outlived its server"
+            assert wait_until(lambda pid=pid: not process_alive(pid), 30), f"worker child {pid} outlived its server"
 
         port = victim.url.rsplit(":", 1)[1]
         args = victim.proc.args[victim.proc.args.index("serve") + 3 :]  # after "serve --port 0"

@@ -121,7 +121,7 @@ def _run(params_list, steps: int, logits_seq, gen_seed: int) -> list[list[int]]:
     for step in range(steps):
         batch = batch_of(params_list, outputs=outputs)
         ids = sample(logits_seq[step][: len(params_list)], batch, generator=generator).next_token_ids.tolist()
-        for out, token in zip(outputs, ids):
+        for out, token in zip(outputs, ids, strict=False):
             out.append(token)
     return outputs
 
@@ -270,7 +270,7 @@ def expected_distribution(
 
 def chi_square(counts: list[int], probs: list[float]) -> float:
     n = sum(counts)
-    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs) if p > 0)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=False) if p > 0)
 
 
 def chi_square_bound(df: int) -> float:
@@ -281,7 +281,7 @@ def chi_square_bound(df: int) -> float:
 
 
 def assert_drawn_from(counts: list[int], probs: list[float]) -> None:
-    never = [t for t, (c, p) in enumerate(zip(counts, probs)) if p == 0 and c]
+    never = [t for t, (c, p) in enumerate(zip(counts, probs, strict=False)) if p == 0 and c]
     assert not never, f"tokens {never} are outside the kept set but were drawn: {counts}"
     df = sum(p > 0 for p in probs) - 1
     if df:
@@ -358,7 +358,7 @@ def test_logprobs_are_those_of_the_raw_logits():
     assert torch.all(top.values[:, :-1] >= top.values[:, 1:])
     assert torch.allclose(top.values, reference.gather(1, top.ids), atol=1e-5)
     assert torch.equal(top.ids[:, 0], logits.argmax(-1))
-    assert out.top_logprobs_list(1, 2) == list(zip(top.values[1, :2].tolist(), top.ids[1, :2].tolist()))
+    assert out.top_logprobs_list(1, 2) == list(zip(top.values[1, :2].tolist(), top.ids[1, :2].tolist(), strict=False))
     assert sample(logits, batch_of(params)).chosen_logprobs is None
 
 
@@ -407,7 +407,7 @@ def test_sampler_keeps_token_stats_incrementally_and_drops_them_with_the_request
         out = sampler.sample(reqs, logits)
         assert out.next_token_ids[0] == scratch.next_token_ids[0]
         assert out.top_logprobs.values.shape == (2, 2)
-        for r, token in zip(reqs, out.next_token_ids.tolist()):
+        for r, token in zip(reqs, out.next_token_ids.tolist(), strict=False):
             r.output_ids.append(token)
     assert len(sampler._stats) == 1
     del reqs

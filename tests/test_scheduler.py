@@ -67,7 +67,7 @@ def test_policy_decides_admission_order(tiny_llama_dir, policy):
     warm, *tails = mixed_prompts(512, [40, 20, 20, 20], seed=21)
     generate(scheduler, [warm], max_new_tokens=1)  # the cache now holds `warm`
     rids = {}
-    for (name, (cached, priority)), tail in zip(POLICY_REQUESTS.items(), tails):
+    for (name, (cached, priority)), tail in zip(POLICY_REQUESTS.items(), tails, strict=False):
         rids[submit(scheduler, warm[:cached] + tail, priority=priority, max_new_tokens=2, temperature=0.0)] = name
     admitted: list[str] = []
     finished = []
@@ -172,7 +172,7 @@ def test_chunked_prefill_prompt_logprobs_match_unchunked(tiny_llama_dir):
     assert plain.input_logprobs[0] == (None, prompt[0])
     assert [t for _, t in plain.input_logprobs] == prompt
     assert len(chunked.input_logprobs) == len(prompt)
-    for (a, ta), (b, tb) in zip(plain.input_logprobs[1:], chunked.input_logprobs[1:]):
+    for (a, ta), (b, tb) in zip(plain.input_logprobs[1:], chunked.input_logprobs[1:], strict=False):
         assert ta == tb and abs(a - b) < 1e-5
 
 

@@ -355,7 +355,7 @@ def test_native_generate(http):
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert chunks[-1]["text"] == one["text"] and chunks[-1]["output_ids"] == one["output_ids"]
-    assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))  # cumulative
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:], strict=False))  # cumulative
 
 
 def test_priority_is_accepted(client, http):
@@ -473,7 +473,7 @@ def test_64_concurrent_streams(server, tiny_tokenizer):
 
     results = asyncio.run(run_all())
     assert len(results) == 64
-    for i, (text, usage, finishes) in enumerate(results):
+    for i, (_text, usage, finishes) in enumerate(results):
         assert finishes == 1 and usage.completion_tokens == 16
         prompt = tiny_tokenizer.apply_chat_template(messages(i), add_generation_prompt=True, tokenize=False)
         assert usage.prompt_tokens == len(tiny_tokenizer.encode(prompt, add_special_tokens=False))

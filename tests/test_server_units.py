@@ -258,7 +258,7 @@ def bos_tokenizer(tiny_llama_dir):
 
 def _assert_offsets_match(text, logprobs):
     assert logprobs.text_offset[0] == 0
-    for token, offset in zip(logprobs.tokens, logprobs.text_offset):
+    for token, offset in zip(logprobs.tokens, logprobs.text_offset, strict=False):
         assert text[offset : offset + len(token)] == token, (text, logprobs)
     assert "".join(logprobs.tokens) == text
 

@@ -15,8 +15,9 @@ import asyncio
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -87,7 +88,7 @@ def test_json_schema_outputs_validate_over_50_seeds(server: ServerProcess) -> No
                 fmt = _response_format(schema)
                 jobs.append((schema, chat_text(client, stream=seed % 2 == 1, seed=seed, response_format=fmt)))
             outs = await asyncio.gather(*(job for _, job in jobs))
-            return [(schema, text, reason) for (schema, _), (text, reason) in zip(jobs, outs)]
+            return [(schema, text, reason) for (schema, _), (text, reason) in zip(jobs, outs, strict=False)]
 
     for schema, text, reason in asyncio.run(run()):
         assert reason == "stop", text
@@ -108,7 +109,7 @@ def test_regex_ebnf_and_their_aliases_over_50_seeds(server: ServerProcess) -> No
                 extra = ebnf_fields[seed % 3]
                 jobs.append(("ebnf", chat_text(client, stream=seed % 2 == 1, seed=seed, extra_body=extra)))
             outs = await asyncio.gather(*(job for _, job in jobs))
-            return [(kind, text, reason) for (kind, _), (text, reason) in zip(jobs, outs)]
+            return [(kind, text, reason) for (kind, _), (text, reason) in zip(jobs, outs, strict=False)]
 
     for kind, text, reason in asyncio.run(run()):
         assert reason == "stop", text

@@ -5,8 +5,8 @@ proving the interface serves another compiler alike."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import openai
@@ -35,7 +35,7 @@ def test_llguidance_outputs_match_their_constraints(server: ServerProcess) -> No
                 extra = {"schema": {"guided_json": schema}, "regex": {"regex": REGEX}, "ebnf": {"ebnf": EBNF}}[kind]
                 calls.append(chat_text(c, i % 2 == 0, seed=i, extra_body=extra))
             outs = await asyncio.gather(*calls)
-            return [(kind, schema, out) for (kind, schema), out in zip(jobs, outs)]
+            return [(kind, schema, out) for (kind, schema), out in zip(jobs, outs, strict=False)]
 
     for kind, schema, (text, reason) in asyncio.run(run()):
         assert reason == "stop", text

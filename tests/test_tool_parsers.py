@@ -6,7 +6,8 @@ add up to the whole."""
 from __future__ import annotations
 
 import json
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -29,7 +30,7 @@ TOOLS = [
 ]
 Calls = list[tuple[str, Any]]
 # (parser, output, its content (None: all of it), its calls)
-CASES: list[tuple[type[ToolParser], str, Optional[str], Calls]] = [
+CASES: list[tuple[type[ToolParser], str, str | None, Calls]] = [
     (HermesToolParser, "plain text, no call", None, []),
     (
         HermesToolParser,
@@ -263,7 +264,7 @@ def test_random_calls(output, cuts):
     assert whole.content == content
     assert [(c.name, json.loads(c.arguments)) for c in whole.calls] == calls
     at = sorted({c % (len(text) + 1) for c in cuts})
-    assert_streams_as_whole(parser_cls, text, [text[i:j] for i, j in zip([0, *at], [*at, len(text)])])
+    assert_streams_as_whole(parser_cls, text, [text[i:j] for i, j in zip([0, *at], [*at, len(text)], strict=False)])
 
 
 # ---- tool_choice required through the choice reader ---------------------------------------------------

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jsonschema
 import openai
@@ -91,7 +92,7 @@ def test_required_and_named_always_give_valid_calls(server: ServerProcess, tiny_
                 one = {"tool_choice": "required", "parallel_tool_calls": False, "logit_bias": no_think}
                 jobs.append(("one", _calls(client, stream, seed=seed, **one)))
             outs = await asyncio.gather(*(job for _, job in jobs))
-            return [(want, calls, reason) for (want, _), (calls, reason) in zip(jobs, outs)]
+            return [(want, calls, reason) for (want, _), (calls, reason) in zip(jobs, outs, strict=False)]
 
     for want, calls, reason in asyncio.run(run()):
         assert reason == "tool_calls" and calls, (want, calls)

@@ -11,8 +11,9 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import httpx
 import openai
@@ -206,7 +207,7 @@ def test_load_moves_while_requests_run(http):
     assert http.get("/server_info").json()["worker"]["decode_tokens_per_s"] > 0
 
 
-ADMIN_CALLS: list[tuple[str, Optional[dict[str, Any]]]] = [
+ADMIN_CALLS: list[tuple[str, dict[str, Any] | None]] = [
     ("/flush_cache", None),
     ("/abort_request", {"rid": "nothing-runs"}),
     ("/start_profile", {"output_dir": "runs/a"}),
@@ -241,9 +242,11 @@ def test_user_and_admin_keys_open_the_api(server):
                 model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
             )
             assert out.choices[0].finish_reason in ("length", "stop") and out.usage.completion_tokens >= 1
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as client:
-        with pytest.raises(openai.AuthenticationError):
-            client.models.list()
+    with (
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as client,
+        pytest.raises(openai.AuthenticationError),
+    ):
+        client.models.list()
 
 
 def test_profile_output_dir_stays_under_profile_dir(http, profile_root, tmp_path):

@@ -28,9 +28,10 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -420,14 +421,14 @@ class TimingCache:
     """One JSON file per key (its SHA-256) under ``cache_dir()``; a file that cannot
     be read or written is a miss, logged, never an error."""
 
-    def __init__(self, directory: Optional[Path] = None):
+    def __init__(self, directory: Path | None = None):
         self.directory = Path(directory) if directory is not None else cache_dir()
 
     def path(self, key: dict[str, Any]) -> Path:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
         return self.directory / f"{digest}.json"
 
-    def get(self, key: dict[str, Any]) -> Optional[dict[str, Any]]:
+    def get(self, key: dict[str, Any]) -> dict[str, Any] | None:
         path = self.path(key)
         try:
             entry = json.loads(path.read_text())
@@ -486,7 +487,7 @@ class MeasuredSelection:
         platform: Any,
         device_index: int,
         shapes: ModelShapes,
-        cache: Optional[TimingCache] = None,
+        cache: TimingCache | None = None,
         measure_backends: bool = True,
     ):
         self.registry = registry
@@ -559,7 +560,7 @@ class AgreedSelection:
         return self.registry.forced(kind, query, self.choices[kind].chosen)
 
 
-def report_cached(platform: Any, device_index: int = 0, cache: Optional[TimingCache] = None) -> list[dict[str, Any]]:
+def report_cached(platform: Any, device_index: int = 0, cache: TimingCache | None = None) -> list[dict[str, Any]]:
     """The cached choices measured on this machine (same fingerprint), newest first:
     ``{"kind", "query", "chosen", "measured_at", "figures"}`` for ``radixserve plugins``."""
     fingerprint = platform.timing_fingerprint(device_index)

@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import sys
-from typing import Optional
 
 from radixserve.config import ServerArgs
 from radixserve.router.args import RouterArgs
@@ -96,7 +95,7 @@ def _route(args: RouterArgs) -> int:
         return 1
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="radixserve", description="A fast LLM inference server.")
     parser.add_argument("--version", action="version", version=f"radixserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

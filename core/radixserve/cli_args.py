@@ -12,7 +12,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import field
-from typing import Any, Literal, Optional, TypeVar, Union
+from typing import Any, Literal, TypeVar, Union
 
 T = TypeVar("T", bound="CliArgs")
 
@@ -76,7 +76,7 @@ def field_default(owner: str, f: dataclasses.Field[Any]) -> Any:
     raise TypeError(f"{owner}.{f.name} has no default")
 
 
-def cli_type(owner: str, name: str, hint: Any) -> tuple[Any, Optional[tuple[Any, ...]]]:
+def cli_type(owner: str, name: str, hint: Any) -> tuple[Any, tuple[Any, ...] | None]:
     """The argparse type, and the choices (None: any value), of the field ``owner.name``
     whose resolved annotation is ``hint``: ``Optional[X]`` (or ``X | None``) is ``X`` (None
     stays the default's); ``Literal[...]`` of one type is that type with its values as

@@ -4,8 +4,9 @@ server all build it from here."""
 from __future__ import annotations
 
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Literal
 
 from radixserve.cli_args import CliArgs
 from radixserve.cli_args import flag as _flag
@@ -30,34 +31,34 @@ REASONING_PARSERS = ("qwen3", "deepseek-r1")
 @dataclass
 class ServerArgs(CliArgs):
     # model
-    model_path: Optional[str] = _flag(
+    model_path: str | None = _flag(
         "local HuggingFace model directory or hub repo id (org/name); omitted: the built-in demo model "
         "(random weights)",
         default=None,
         cli_names=("--model", "--model-path"),  # --model is the documented spelling
         metavar="MODEL",
     )
-    tokenizer_path: Optional[str] = _flag("tokenizer directory (defaults to --model)", default=None)
-    served_model_name: Optional[str] = _flag("model name reported by the API (defaults to --model)", default=None)
+    tokenizer_path: str | None = _flag("tokenizer directory (defaults to --model)", default=None)
+    served_model_name: str | None = _flag("model name reported by the API (defaults to --model)", default=None)
     dtype: Dtype = _flag("weight and activation dtype", default="auto")
     kv_cache_dtype: Dtype = _flag("KV cache dtype (auto: same as dtype)", default="auto")
-    context_length: Optional[int] = _flag("max tokens per request (defaults to the model's)", default=None)
-    quantization: Optional[str] = _flag("quantization method, e.g. int8 (weight-only, per channel)", default=None)
-    chat_template: Optional[str] = _flag("Jinja chat template file overriding the tokenizer's", default=None)
+    context_length: int | None = _flag("max tokens per request (defaults to the model's)", default=None)
+    quantization: str | None = _flag("quantization method, e.g. int8 (weight-only, per channel)", default=None)
+    chat_template: str | None = _flag("Jinja chat template file overriding the tokenizer's", default=None)
     random_seed: int = _flag("seed for weights-free randomness (sampling without a per-request seed)", default=0)
     # embeddings (radixserve/embedding_config.py)
-    is_embedding: Optional[bool] = _flag(
+    is_embedding: bool | None = _flag(
         "serve the model for embeddings (/v1/embeddings; it then generates nothing), as SGLang's --is-embedding; "
         "unset: when its architecture is a backbone without an LM head (Qwen3Model, LlamaModel, ...) or its "
         "directory is a sentence-transformers model (modules.json with a Pooling module); --no-is-embedding: never",
         default=None,
     )
-    pooling: Optional[PoolingMethod] = _flag(
+    pooling: PoolingMethod | None = _flag(
         "how an embedding model pools its final hidden states: last (the last token's, as Qwen3-Embedding) or "
         "mean (over all tokens); unset: as its sentence-transformers files say (1_Pooling/config.json), else last",
         default=None,
     )
-    normalize_embeddings: Optional[bool] = _flag(
+    normalize_embeddings: bool | None = _flag(
         "L2-normalise embeddings; unset: as the sentence-transformers files say (a Normalize module), else on",
         default=None,
     )
@@ -84,13 +85,13 @@ class ServerArgs(CliArgs):
         "xgrammar), xgrammar, llguidance, any registered one, or none (such requests get a 400)",
         default="auto",
     )
-    tool_call_parser: Optional[str] = _flag(
+    tool_call_parser: str | None = _flag(
         "how tool calls are read from chat output (tools with tool_choice auto): hermes (Qwen's <tool_call>), "
         "llama3_json, mistral, pythonic, or any registered tool parser; unset: detected from the chat template, "
         "else hermes",
         default=None,
     )
-    reasoning_parser: Optional[str] = _flag(
+    reasoning_parser: str | None = _flag(
         "split chat output into reasoning_content and content: qwen3 or deepseek-r1 (<think>...</think>); "
         "a grammar then applies only after the reasoning",
         default=None,
@@ -110,7 +111,7 @@ class ServerArgs(CliArgs):
     node_rank: int = _flag(
         "this node's index among --nnodes (0 serves HTTP, the others run their ranks only)", default=0
     )
-    dist_init_addr: Optional[str] = _flag(
+    dist_init_addr: str | None = _flag(
         "host:port where the ranks of all nodes meet (a TCP store that node 0 serves); required with --nnodes > 1; "
         "read from MASTER_ADDR/MASTER_PORT under torchrun (docs/architecture.md, 'Tensor parallelism')",
         default=None,
@@ -138,17 +139,15 @@ class ServerArgs(CliArgs):
     )
     # memory and cache
     page_size: int = _flag("KV cache page size in tokens", default=1)
-    max_total_tokens: Optional[int] = _flag("KV pool size in tokens (overrides mem_fraction_static)", default=None)
-    mem_fraction_static: Optional[float] = _flag(
+    max_total_tokens: int | None = _flag("KV pool size in tokens (overrides mem_fraction_static)", default=None)
+    mem_fraction_static: float | None = _flag(
         "fraction of the device memory for weights + KV pool (defaults to the platform's)", default=None
     )
     disable_radix_cache: bool = _flag("disable prefix caching", default=False)
     # scheduling
-    max_running_requests: Optional[int] = _flag("max requests decoding at once", default=None)
-    max_queued_requests: Optional[int] = _flag("reject new requests with 503 beyond this many waiting", default=None)
-    chunked_prefill_size: Optional[int] = _flag(
-        "max prompt tokens per prefill chunk; -1 disables chunking", default=2048
-    )
+    max_running_requests: int | None = _flag("max requests decoding at once", default=None)
+    max_queued_requests: int | None = _flag("reject new requests with 503 beyond this many waiting", default=None)
+    chunked_prefill_size: int | None = _flag("max prompt tokens per prefill chunk; -1 disables chunking", default=2048)
     max_prefill_tokens: int = _flag("max new prompt tokens in one prefill batch", default=8192)
     schedule_policy: SchedulePolicy = _flag("waiting-queue order", default="fcfs")
     schedule_conservativeness: float = _flag("scales the reserved decode budget when admitting requests", default=1.0)
@@ -156,21 +155,21 @@ class ServerArgs(CliArgs):
     min_new_token_ratio: float = _flag("floor that the reserved fraction decays to", default=0.1)
     new_token_ratio_decay: float = _flag("decrease of the reserved fraction per decode step", default=0.001)
     stream_interval: int = _flag("send streamed output every N tokens", default=1)
-    disable_overlap_schedule: Optional[bool] = _flag(
+    disable_overlap_schedule: bool | None = _flag(
         "run each step's scheduling and result handling after its forward instead of alongside the next one "
         "(unset: the platform decides; on by default on GPUs, off on the cpu platform; "
         "--no-disable-overlap-schedule overlaps everywhere)",
         default=None,
     )
     decode_log_interval: int = _flag("log a scheduler stats line every N decode steps", default=40)
-    disable_graph: Optional[bool] = _flag(
+    disable_graph: bool | None = _flag(
         "run decode steps eagerly instead of replaying device graphs captured at start-up (unset: graphs "
         "wherever the platform and the attention backend can capture them; --no-disable-graph insists on them: "
         "start-up fails, saying why, where they cannot be captured)",
         default=None,
         aliases=("--disable-cuda-graph",),
     )
-    graph_max_bs: Optional[int] = _flag(
+    graph_max_bs: int | None = _flag(
         "largest decode batch replayed from a graph; larger ones run eagerly (unset: --max-running-requests)",
         default=None,
         aliases=("--cuda-graph-max-bs",),
@@ -178,13 +177,13 @@ class ServerArgs(CliArgs):
     # server
     host: str = _flag("HTTP host", default="127.0.0.1")
     port: int = _flag("HTTP port", default=30000)
-    api_key: Optional[str] = _flag("require this bearer token", default=None)
-    admin_api_key: Optional[str] = _flag(
+    api_key: str | None = _flag("require this bearer token", default=None)
+    admin_api_key: str | None = _flag(
         "require this bearer token on the admin routes (/flush_cache, /abort_request, /start_profile, "
         "/stop_profile), which --api-key then no longer opens; it opens the other routes too",
         default=None,
     )
-    profile_dir: Optional[str] = _flag(
+    profile_dir: str | None = _flag(
         "directory under which /start_profile writes traces (a request's output_dir is a path relative to it); "
         "unset: $RADIXSERVE_PROFILE_DIR, else a temporary directory made at the first profile",
         default=None,
@@ -310,14 +309,14 @@ class ServerArgs(CliArgs):
         return self.tp_size // self.nnodes
 
     @property
-    def chunk_size(self) -> Optional[int]:
+    def chunk_size(self) -> int | None:
         """Effective prefill chunk size, None when chunking is off."""
         if self.chunked_prefill_size in (None, -1):
             return None
         return self.chunked_prefill_size
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> "ServerArgs":
+    def from_kwargs(cls, **kwargs: Any) -> ServerArgs:
         unknown = set(kwargs) - cls.field_names()
         if unknown:
             raise TypeError(f"unknown server argument(s): {sorted(unknown)}")

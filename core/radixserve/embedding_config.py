@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 from radixserve.config import PoolingMethod, ServerArgs
 
@@ -43,10 +43,10 @@ class EmbeddingConfig:
     normalize: bool
     hidden_size: int
     matryoshka: bool = False  # trained for truncation (is_matryoshka or matryoshka_dimensions)
-    matryoshka_dimensions: Optional[tuple[int, ...]] = None  # the sizes it was trained for; None: any
+    matryoshka_dimensions: tuple[int, ...] | None = None  # the sizes it was trained for; None: any
     source: str = "default"  # where pooling and normalize come from, for the log
 
-    def dimensions_error(self, dimensions: int) -> Optional[str]:
+    def dimensions_error(self, dimensions: int) -> str | None:
         """A message naming ``dimensions`` unless the model's embeddings may be cut to that size."""
         if not 1 <= dimensions <= self.hidden_size:
             return f"dimensions: must be in [1, {self.hidden_size}] (the model's embedding size), got {dimensions}"
@@ -66,25 +66,25 @@ class EmbeddingConfig:
 class SentenceTransformersModules:
     """What a sentence-transformers directory says about pooling (None: no Pooling module)."""
 
-    pooling: Optional[PoolingMethod]
+    pooling: PoolingMethod | None
     normalize: bool
 
 
-def causal_lm_of(architecture: str) -> Optional[str]:
+def causal_lm_of(architecture: str) -> str | None:
     """``Qwen3ForCausalLM`` for the backbone ``Qwen3Model`` (HF's naming), None for anything else."""
     if architecture.endswith("Model") and len(architecture) > len("Model"):
         return architecture[: -len("Model")] + "ForCausalLM"
     return None
 
 
-def read_sentence_transformers(model_path: Union[str, Path]) -> Optional[SentenceTransformersModules]:
+def read_sentence_transformers(model_path: str | Path) -> SentenceTransformersModules | None:
     """The pooling of a sentence-transformers directory, None when it is not one. A
     ValueError names what radixserve would not compute as sentence-transformers does."""
     root = Path(model_path)
     path = root / SENTENCE_TRANSFORMERS_MODULES
     if not path.is_file():
         return None
-    pooling: Optional[PoolingMethod] = None
+    pooling: PoolingMethod | None = None
     normalize = False
     for module in json.loads(path.read_text()):
         kind = str(module.get("type", "")).rsplit(".", 1)[-1]
@@ -113,7 +113,7 @@ def _pooling_mode(path: Path) -> PoolingMethod:
     return _POOLING_MODES[modes[0]]
 
 
-def embedding_config(args: ServerArgs, model_path: Union[str, Path], hf_config: Any) -> Optional[EmbeddingConfig]:
+def embedding_config(args: ServerArgs, model_path: str | Path, hf_config: Any) -> EmbeddingConfig | None:
     """The model's embedding settings when it is served for embeddings, else None. A
     ValueError names the flag at odds with the model."""
     architecture = (getattr(hf_config, "architectures", None) or [""])[0]

@@ -4,9 +4,11 @@ server (scheduler, detokenizer, tokenizer manager), without HTTP."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
-from typing import Any, Iterator, Optional, Union
+from collections.abc import Iterator
+from typing import Any
 
 from transformers import AutoTokenizer
 
@@ -19,9 +21,9 @@ from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
 
 logger = logging.getLogger(__name__)
 
-Prompt = Union[str, list[str], None]
-InputIds = Union[list[int], list[list[int]], None]
-Params = Union[dict, list[dict], None]
+Prompt = str | list[str] | None
+InputIds = list[int] | list[list[int]] | None
+Params = dict | list[dict] | None
 # What ``encode`` reports of each embedding request.
 _ENCODE_META = ("id", "prompt_tokens", "cached_tokens", "finish_reason")
 
@@ -30,7 +32,7 @@ class Engine:
     """``Engine(model_path=..., **server_args)``; every ServerArgs field is a keyword
     (``dp_size=N``: N replicas behind the data-parallel controller, as the server)."""
 
-    def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
+    def __init__(self, model_path: str | None = None, **kwargs: Any):
         self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
         self.model_path = resolve_model_path(self.args)
         self._runtime = launch_runtime(self.args, self.model_path)
@@ -64,7 +66,7 @@ class Engine:
         return self._call(self.tokenizer_manager.control("flush_cache"))
 
     def start_profile(
-        self, output_dir: Optional[str] = None, record_shapes: bool = False, num_steps: Optional[int] = None
+        self, output_dir: str | None = None, record_shapes: bool = False, num_steps: int | None = None
     ) -> str:
         """Profile the scheduler process (torch.profiler, the platform's activities)
         from its next step on; returns the path the Chrome trace will be written to:
@@ -87,9 +89,9 @@ class Engine:
         top_logprobs_num: int = 0,
         logprob_start_len: int = -1,
         stream: bool = False,
-        rid: Optional[str] = None,
+        rid: str | None = None,
         priority: int = 0,
-    ) -> Union[dict, list, Iterator[dict]]:
+    ) -> dict | list | Iterator[dict]:
         """A dict for one prompt, a list for a batch (a list per prompt when n > 1);
         with ``stream=True`` an iterator of incremental results (text deltas).
         ``priority``: higher is served first under ``schedule_policy="priority"``."""
@@ -135,7 +137,7 @@ class Engine:
         results = self._call(run_all())
         return results if is_batch else results[0]
 
-    def encode(self, prompt: Prompt = None, input_ids: InputIds = None) -> Union[dict, list[dict]]:
+    def encode(self, prompt: Prompt = None, input_ids: InputIds = None) -> dict | list[dict]:
         """Embeddings from an embedding model (``is_embedding``), as ``sglang.Engine.encode``
         gives them: ``{"embedding": [...], "meta_info": {...}}`` for one prompt, a list
         for a batch (a list of strings, or of token-id lists)."""
@@ -156,7 +158,7 @@ class Engine:
         ]
         return results if is_batch else results[0]
 
-    async def _collect(self, inp: GenerateInput) -> Union[dict, list[dict]]:
+    async def _collect(self, inp: GenerateInput) -> dict | list[dict]:
         outs = [_as_sglang(out) async for out in self.tokenizer_manager.generate(inp)]
         outs.sort(key=lambda o: o["index"])
         return outs[0] if len(outs) == 1 else outs
@@ -192,17 +194,15 @@ class Engine:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.shutdown()
-        except Exception:
-            pass
 
 
 def _as_sglang(out: dict) -> dict:

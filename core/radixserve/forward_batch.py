@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -45,7 +45,7 @@ class ForwardBatch:
     prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_lens_cpu: list[int] = field(default_factory=list)
     # Flat indices (into the new tokens) whose hidden states become logits.
-    logits_indices: Optional[torch.Tensor] = None
+    logits_indices: torch.Tensor | None = None
     # Scratch space an attention backend fills in ``init_forward_metadata``.
     attn_metadata: Any = None
 

@@ -8,7 +8,7 @@ it has. Plugins are found through the ``radixserve`` entry-point group.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pluggy
 

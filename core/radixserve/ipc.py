@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -24,12 +25,12 @@ class Endpoints:
     directory: str  # holds the socket files
 
     @classmethod
-    def fresh(cls) -> "Endpoints":
+    def fresh(cls) -> Endpoints:
         base = tempfile.mkdtemp(prefix="radixserve-")
         names = ("scheduler", "detokenizer", "tokenizer_manager")
         return cls(*(f"ipc://{base}/{name}" for name in names), directory=base)
 
-    def for_replica(self, dp_rank: int) -> "Endpoints":
+    def for_replica(self, dp_rank: int) -> Endpoints:
         """Data-parallel replica ``dp_rank``'s addresses behind the DP controller: it
         PULLs requests on its own address, sends token batches to the shared
         detokenizer, and control replies and finish reports to the controller,
@@ -60,10 +61,8 @@ def pull_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
 def die_with_parent() -> None:
     """In a child process: exit when the parent does, so nothing is orphaned."""
     parent = os.getppid()
-    try:  # Linux: the kernel delivers SIGTERM when the parent dies
+    with contextlib.suppress(OSError, AttributeError):  # Linux: the kernel sends SIGTERM when the parent dies
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
     def watch() -> None:  # portable fallback
         while True:

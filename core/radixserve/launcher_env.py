@@ -18,8 +18,8 @@ process per node).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 from radixserve.config import ServerArgs
 
@@ -43,7 +43,7 @@ class LauncherPlacement:
         )
 
 
-def placement_from_env(environ: Mapping[str, str]) -> Optional[LauncherPlacement]:
+def placement_from_env(environ: Mapping[str, str]) -> LauncherPlacement | None:
     """The placement the launcher's variables give, or None where none is set.
     ValueError (naming the variable) for a partial or inconsistent set."""
     present = [name for name in PLACEMENT_VARS if name in environ]
@@ -74,7 +74,7 @@ def launcher_serves_store(args: ServerArgs, environ: Mapping[str, str]) -> bool:
     return placement is not None and placement.dist_init_addr == args.dist_init_addr
 
 
-def apply_launcher_env(args: ServerArgs, environ: Mapping[str, str]) -> tuple[ServerArgs, Optional[LauncherPlacement]]:
+def apply_launcher_env(args: ServerArgs, environ: Mapping[str, str]) -> tuple[ServerArgs, LauncherPlacement | None]:
     """``args`` with the launcher's placement filled in, and that placement; the
     flags win: with any of them given, the environment is not read."""
     if args.nnodes != 1 or args.node_rank != 0 or args.dist_init_addr is not None:

@@ -19,7 +19,7 @@ imports runtime/ only to start its processes (runtime/processes.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from radixserve.sampling.params import SamplingParams
 
@@ -82,9 +82,9 @@ class ProfileOptions:
     new temporary directory); ``num_steps``: stop by itself after that many
     scheduler steps (default: at ``stop_profile``)."""
 
-    output_dir: Optional[str] = None
+    output_dir: str | None = None
     record_shapes: bool = False
-    num_steps: Optional[int] = None
+    num_steps: int | None = None
 
     def __post_init__(self) -> None:
         if self.output_dir is not None and (not isinstance(self.output_dir, str) or not self.output_dir):
@@ -147,10 +147,10 @@ class FinishReason:
     which turn it into their JSON (``to_dict`` is SGLang's ``meta_info.finish_reason``)."""
 
     type: FinishType
-    matched: Union[int, str, None] = None  # the stop token id or stop string
-    message: Optional[str] = None  # why, for aborts
+    matched: int | str | None = None  # the stop token id or stop string
+    message: str | None = None  # why, for aborts
     # For a request refused at the door: 400 (it can never be served) or 503 (queue full).
-    status_code: Optional[int] = None
+    status_code: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"type": self.type, "matched": self.matched}
@@ -167,7 +167,7 @@ class TokenOutput:
 
     rid: str
     new_token_ids: list[int]
-    finish_reason: Optional[FinishReason] = None  # set in the request's last message
+    finish_reason: FinishReason | None = None  # set in the request's last message
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -177,15 +177,15 @@ class TokenOutput:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     # Prompt logprobs from logprob_start_len, sent once with the first output;
     # the first prompt token's logprob is None.
-    input_token_logprobs: Optional[list[tuple[Optional[float], int]]] = None
-    input_top_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     # Set in the request's first output only (the detokenizer keeps it from there).
-    detokenize: Optional[DetokenizeSettings] = None
+    detokenize: DetokenizeSettings | None = None
     # Seconds from arrival to first admission; None while the request is queued.
-    queue_time: Optional[float] = None
+    queue_time: float | None = None
     stream: bool = False
     # An embedding request's embedding (pooled, normalised as the model is served), in its last message.
-    embedding: Optional[list[float]] = None
+    embedding: list[float] | None = None
 
 
 @dataclass
@@ -202,7 +202,7 @@ class TextOutput:
     # Set when the detokenizer failed on this request: the request ends with this
     # error (``token.finish_reason`` stays the scheduler's: None while it still
     # runs, and the TokenizerManager then aborts it).
-    error: Optional[str] = None
+    error: str | None = None
 
 
 @dataclass

@@ -16,8 +16,9 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -50,13 +51,13 @@ DTYPE_NAMES = {
 }
 
 
-def load_config(model_path: Union[str, Path]) -> "PretrainedConfig":
+def load_config(model_path: str | Path) -> PretrainedConfig:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(model_path))
 
 
-def _as_dtype(value: Any) -> Optional[torch.dtype]:
+def _as_dtype(value: Any) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype):
         return value
     name = str(value).removeprefix("torch.")
@@ -65,12 +66,12 @@ def _as_dtype(value: Any) -> Optional[torch.dtype]:
     return DTYPE_NAMES[name]
 
 
-def checkpoint_dtype(config: "PretrainedConfig") -> Optional[torch.dtype]:
+def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:
     """The dtype the checkpoint was saved in, per its config (None if unstated)."""
     return _as_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
 
 
-def choose_dtype(requested: Union[str, torch.dtype], config: "PretrainedConfig", platform: Any) -> DtypeChoice:
+def choose_dtype(requested: str | torch.dtype, config: PretrainedConfig, platform: Any) -> DtypeChoice:
     """The compute dtype for ``--dtype requested`` on ``platform`` (a Platform class
     or instance), and why. ``auto`` asks the platform (``Platform.auto_dtype``) for
     the checkpoint's dtype: by default a 16-bit checkpoint keeps its dtype where the
@@ -86,20 +87,20 @@ def choose_dtype(requested: Union[str, torch.dtype], config: "PretrainedConfig",
     return DtypeChoice(dtype, f"--dtype {str(dtype).removeprefix('torch.')}")
 
 
-def resolve_dtype(requested: Union[str, torch.dtype], config: "PretrainedConfig", platform: Any) -> torch.dtype:
+def resolve_dtype(requested: str | torch.dtype, config: PretrainedConfig, platform: Any) -> torch.dtype:
     """The dtype of :func:`choose_dtype`."""
     return choose_dtype(requested, config, platform).dtype
 
 
 def model_kernel_query(
-    config: "PretrainedConfig",
+    config: PretrainedConfig,
     device: str,
     dtype: torch.dtype,
     *,
     tp_size: int = 1,
     page_size: int = 1,
-    kv_dtype: Optional[torch.dtype] = None,
-    quantization: Optional[str] = None,
+    kv_dtype: torch.dtype | None = None,
+    quantization: str | None = None,
     registry: Any = None,
 ) -> KernelQuery:
     """The backend-selection query for one TP rank of the model in ``config``,
@@ -124,7 +125,7 @@ def model_kernel_query(
     )
 
 
-def model_facts(config: "PretrainedConfig", registry: Any = None) -> "ModelFacts":
+def model_facts(config: PretrainedConfig, registry: Any = None) -> ModelFacts:
     """What the registered class of ``config.architectures[0]`` says of the model."""
     from radixserve.registry import get_registry
 
@@ -134,7 +135,7 @@ def model_facts(config: "PretrainedConfig", registry: Any = None) -> "ModelFacts
     return model_class(registry or get_registry(), architectures[0]).model_facts(config)
 
 
-def check_tp_shapes(config: "PretrainedConfig", tp_size: int) -> None:
+def check_tp_shapes(config: PretrainedConfig, tp_size: int) -> None:
     """ValueError naming ``tp_size``, the config field that ``tp_size`` ranks
     cannot split, and the sizes that can (:func:`tp_sizes_that_split`)."""
     problem = _tp_shape_problem(config, tp_size)
@@ -143,12 +144,12 @@ def check_tp_shapes(config: "PretrainedConfig", tp_size: int) -> None:
         raise ValueError(f"tp_size: {tp_size} ranks {problem}; this model splits over {sizes} ranks")
 
 
-def tp_sizes_that_split(config: "PretrainedConfig") -> list[int]:
+def tp_sizes_that_split(config: PretrainedConfig) -> list[int]:
     """The tensor-parallel sizes (up to the attention heads) that split ``config``."""
     return [n for n in range(1, config.num_attention_heads + 1) if not _tp_shape_problem(config, n)]
 
 
-def _tp_shape_problem(config: "PretrainedConfig", tp_size: int) -> str:
+def _tp_shape_problem(config: PretrainedConfig, tp_size: int) -> str:
     """What ``tp_size`` ranks cannot split (empty: nothing): attention heads, the
     MLP's and the experts' intermediate sizes must divide evenly; KV heads divide,
     or are replicated when fewer than the ranks (then the ranks must be a multiple
@@ -172,7 +173,7 @@ def _tp_shape_problem(config: "PretrainedConfig", tp_size: int) -> str:
 
 
 def model_query_for_args(
-    args: Any, config: "PretrainedConfig", platform: Any, dtype: Optional[torch.dtype] = None
+    args: Any, config: PretrainedConfig, platform: Any, dtype: torch.dtype | None = None
 ) -> KernelQuery:
     """The query for ``args`` (a ServerArgs: dtype, KV cache dtype, TP size, page
     size, quantization) on ``platform``; what the start-up checks ask the registry.
@@ -192,14 +193,14 @@ def model_query_for_args(
 
 
 def model_timing_shapes(
-    config: "PretrainedConfig",
+    config: PretrainedConfig,
     query: KernelQuery,
     *,
     tp_size: int,
     decode_rows: int,
     prefill_rows: int,
     context_length: int,
-) -> "ModelShapes":
+) -> ModelShapes:
     """One rank's shapes of the model in ``config``, for timing backends on them
     (radixserve/backend_timing.py): ``decode_rows`` requests of ``context_length``
     tokens (capped at 1024) per decode step, ``prefill_rows`` tokens per prefill chunk."""
@@ -222,7 +223,7 @@ def model_timing_shapes(
     )
 
 
-def eos_token_ids(model_path: Union[str, Path], config: "PretrainedConfig", tokenizer: Any) -> set[int]:
+def eos_token_ids(model_path: str | Path, config: PretrainedConfig, tokenizer: Any) -> set[int]:
     """EOS ids from the model config, its generation config (e.g. Llama 3's
     <|eot_id|>) and the tokenizer."""
     from transformers import GenerationConfig
@@ -240,7 +241,7 @@ def eos_token_ids(model_path: Union[str, Path], config: "PretrainedConfig", toke
     return ids
 
 
-def safetensors_files(model_path: Union[str, Path]) -> list[Path]:
+def safetensors_files(model_path: str | Path) -> list[Path]:
     """The checkpoint's safetensors files: the shards named by the index, the single
     ``model.safetensors``, or (failing both) every ``*.safetensors`` file."""
     root = Path(model_path)
@@ -256,7 +257,7 @@ def safetensors_files(model_path: Union[str, Path]) -> list[Path]:
     return files
 
 
-def iterate_weights(model_path: Union[str, Path]) -> Iterator[tuple[str, CheckpointTensor]]:
+def iterate_weights(model_path: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:
     """``(name, tensor)`` for every tensor of the checkpoint, not read yet (a
     ``CheckpointTensor``: the weight loaders read only the rows or columns their
     rank holds), one file open at a time, with a progress bar over the files on
@@ -271,7 +272,7 @@ def iterate_weights(model_path: Union[str, Path]) -> Iterator[tuple[str, Checkpo
     files = safetensors_files(model_path)
     for path in tqdm(files, desc="Loading weights", unit="file", file=sys.stderr, disable=not sys.stderr.isatty()):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f:
                 source = f.get_slice(name)
                 yield name, CheckpointTensor(source, tuple(source.get_shape()))
 
@@ -286,13 +287,13 @@ def model_class(registry: Any, architecture: str) -> type:
 
 
 def load_model(
-    model_path: Union[str, Path],
+    model_path: str | Path,
     ctx: ModelContext,
     registry: Any,
     *,
-    config: Optional["PretrainedConfig"] = None,
+    config: PretrainedConfig | None = None,
     embedding: bool = False,
-) -> tuple[nn.Module, "PretrainedConfig"]:
+) -> tuple[nn.Module, PretrainedConfig]:
     """Build the registered class for ``config.architectures[0]`` on ``ctx.device``
     in ``ctx.dtype``, load the safetensors weights (cast to ``ctx.dtype``), let the
     quantization method post-process every linear layer (and the GEMM backend

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, ContextManager, Iterator, Optional, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch.profiler import ProfilerActivity
@@ -52,7 +53,7 @@ class Platform:
         return []
 
     @classmethod
-    def auto_dtype(cls, saved: Optional[torch.dtype]) -> DtypeChoice:
+    def auto_dtype(cls, saved: torch.dtype | None) -> DtypeChoice:
         """What ``--dtype auto`` serves a checkpoint saved in ``saved`` (None: its config
         does not say) in: a 16-bit checkpoint in its own dtype where the platform
         supports it, anything else in ``default_dtype``. A platform whose fast dtype
@@ -106,12 +107,12 @@ class Platform:
         """Wraps every model step (autocast, stream or graph capture hooks)."""
         yield
 
-    def graph_backend(self, device: torch.device) -> Optional["GraphBackend"]:
+    def graph_backend(self, device: torch.device) -> GraphBackend | None:
         """How this device records and replays a forward (CUDA graphs, HIP graphs
         through the same torch API, ...); None: it cannot, and every step runs eagerly."""
         return None
 
-    def communicator(self, group: "torch.distributed.ProcessGroup", size: int) -> Communicator:
+    def communicator(self, group: torch.distributed.ProcessGroup, size: int) -> Communicator:
         """The collectives of one tensor-parallel rank over ``group`` (made with
         ``dist_backend``, ``size`` ranks): torch.distributed's by default; a platform
         with faster ones of its own returns a ``Communicator`` subclass."""
@@ -154,7 +155,7 @@ class GraphRuntime(Protocol):
     modules spell it (a plugin's, on the builds of torch that have one): what
     :class:`StreamGraphBackend` calls. A plugin passes the module itself."""
 
-    def device(self, device: torch.device, /) -> ContextManager[Any]:
+    def device(self, device: torch.device, /) -> contextlib.AbstractContextManager[Any]:
         """Makes ``device`` the current device for the block (the device guard)."""
         ...
 
@@ -165,7 +166,7 @@ class GraphRuntime(Protocol):
 
     def current_stream(self, device: torch.device, /) -> Any: ...
 
-    def stream(self, stream: Any, /) -> ContextManager[Any]:
+    def stream(self, stream: Any, /) -> contextlib.AbstractContextManager[Any]:
         """Makes ``stream`` the current stream for the block."""
         ...
 
@@ -175,7 +176,7 @@ class GraphRuntime(Protocol):
         """A memory pool that several graphs' captures can share."""
         ...
 
-    def graph(self, graph: Any, /, *, pool: Any, stream: Any) -> ContextManager[Any]:
+    def graph(self, graph: Any, /, *, pool: Any, stream: Any) -> contextlib.AbstractContextManager[Any]:
         """Records into ``graph`` what ``stream`` runs in the block."""
         ...
 

@@ -13,7 +13,7 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import pluggy
 
@@ -50,12 +50,12 @@ class PluginError(RuntimeError):
 @dataclass
 class PluginInfo:
     name: str
-    distribution: Optional[str] = None
-    version: Optional[str] = None
-    module: Optional[str] = None
+    distribution: str | None = None
+    version: str | None = None
+    module: str | None = None
     hooks: list[str] = field(default_factory=list)
     registered: dict[str, list[str]] = field(default_factory=dict)
-    error: Optional[str] = None
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Candidate:
         return getattr(self.cls, "priority", 0)
 
 
-def _allow_list() -> Optional[set[str]]:
+def _allow_list() -> set[str] | None:
     raw = os.environ.get(ALLOW_LIST_ENV)
     if raw is None or raw.strip() == "":
         return None
@@ -85,7 +85,7 @@ class PluginRegistry:
             self.pm.trace.root.setwriter(lambda msg: sys.stderr.write(f"[radixserve plugins] {msg}"))
             self.pm.enable_tracing()
         self.plugins: dict[str, PluginInfo] = {}
-        self._candidates: Optional[dict[str, dict[str, Candidate]]] = None
+        self._candidates: dict[str, dict[str, Candidate]] | None = None
         # The core's own architectures and grammar backends register through the same hooks as anyone's.
         import radixserve.grammar_backends
         import radixserve.models
@@ -320,7 +320,7 @@ class PluginRegistry:
             )
         return cand.cls
 
-    def grammar_backend(self, requested: str = "auto") -> Optional[type]:
+    def grammar_backend(self, requested: str = "auto") -> type | None:
         """The ``GrammarBackend`` class for ``--grammar-backend``: None for ``none``, the
         highest-priority registered one for ``auto``. One that cannot load here is a
         PluginError saying why; there is no fallback to another."""
@@ -345,7 +345,7 @@ class PluginRegistry:
             )
         return cand.cls
 
-    def tool_parser(self, requested: Optional[str] = None, template: Optional[str] = None) -> type:
+    def tool_parser(self, requested: str | None = None, template: str | None = None) -> type:
         """The ``ToolParser`` class for ``--tool-call-parser``; unset: the highest-priority
         one whose ``matches_template`` recognises the chat template, else ``hermes``."""
         table = self.candidates["tool"]
@@ -443,7 +443,7 @@ def _log_plugin_error(what: str, error: str) -> None:
     logger.debug("%s:\n%s", what, error)
 
 
-_registry: Optional[PluginRegistry] = None
+_registry: PluginRegistry | None = None
 
 
 def get_registry() -> PluginRegistry:

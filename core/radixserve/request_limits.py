@@ -6,7 +6,7 @@ scheduler, which guards itself)."""
 from __future__ import annotations
 
 import re
-from typing import Optional, Protocol
+from typing import Protocol
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -33,7 +33,7 @@ class SamplingLimits(Protocol):
     max_stop_chars: int
 
 
-def token_ids_error(ids: list, vocab_size: int, field: str = "input_ids") -> Optional[str]:
+def token_ids_error(ids: list, vocab_size: int, field: str = "input_ids") -> str | None:
     """A message naming ``field`` unless every id is an integer (not a bool) in the vocabulary."""
     if any(type(t) is not int or not 0 <= t < vocab_size for t in ids):
         return f"{field}: every id must be an integer in [0, {vocab_size})"
@@ -47,7 +47,7 @@ def request_fit_error(
     kv_pool_tokens: int,
     page_size: int,
     prompt_field: str = "input_ids",
-) -> Optional[str]:
+) -> str | None:
     """A message naming the field at fault, or None when the request fits."""
     if prompt_len == 0:
         return f"{prompt_field}: the prompt is empty"

@@ -4,13 +4,11 @@ start-up checks (``launch.py``), by the runtime processes' start
 
 from __future__ import annotations
 
-from typing import Optional
-
 
 class StartupError(RuntimeError):
     """The server cannot start. ``str()`` is the one line to show; ``hint`` says
     what to try; a traceback, if any, is logged at debug level where it is caught."""
 
-    def __init__(self, message: str, hint: Optional[str] = None):
+    def __init__(self, message: str, hint: str | None = None):
         super().__init__(message)
         self.hint = hint

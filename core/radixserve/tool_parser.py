@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class ParsedOutput:
 @dataclass(frozen=True)
 class ToolCallDelta:
     index: int
-    name: Optional[str] = None  # set on a call's first delta only
+    name: str | None = None  # set on a call's first delta only
     arguments: str = ""
 
 

@@ -17,7 +17,7 @@ the host) the same calls are plain synchronous copies.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -25,7 +25,7 @@ import torch
 class HostCopy:
     """Host copies of some device tensors, started by ``HostTransfer.to_host``."""
 
-    def __init__(self, tensors: list[torch.Tensor], event: Optional[torch.Event]):
+    def __init__(self, tensors: list[torch.Tensor], event: torch.Event | None):
         self._tensors, self._event = tensors, event
 
     def ready(self) -> bool:

@@ -35,8 +35,8 @@ machine that cannot build them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -107,15 +107,15 @@ class PagedMetadata:
 
     rows: torch.Tensor  # [B] int64: each request's row in req_to_token
     kv_lens: torch.Tensor  # [B] int64: its keys after this step (cached + new)
-    q_starts: Optional[torch.Tensor] = (
+    q_starts: torch.Tensor | None = (
         None  # extend: [B + 1] int64, request b's queries are rows q_starts[b]:q_starts[b+1]
     )
-    cascade: Optional[CascadePlan] = None  # decode: shared-prefix groups, when there are any
+    cascade: CascadePlan | None = None  # decode: shared-prefix groups, when there are any
 
 
 def plan_cascade(
     req_to_token: torch.Tensor, rows: torch.Tensor, seq_lens: list[int], group_size: int
-) -> Optional[CascadePlan]:
+) -> CascadePlan | None:
     """Group decode requests by their first pool slot (the radix cache hands
     requests with a common cached prefix the very same slots), and measure each
     group's common prefix: the leading slots all members' rows agree on, short of
@@ -153,7 +153,7 @@ def plan_cascade(
 
     grouped_t, solo_t = tensor(grouped), tensor(solo)
     grouped_rows = rows.index_select(0, grouped_t)
-    suffix_lens = [seq_lens[i] - s for i, s in zip(grouped, member_shared)]
+    suffix_lens = [seq_lens[i] - s for i, s in zip(grouped, member_shared, strict=True)]
     columns = tensor(member_shared)[:, None] + torch.arange(max(suffix_lens), device=device)[None, :]
     columns.clamp_(max=req_to_token.shape[1] - 1)  # past a request's own keys: never read
     return CascadePlan(

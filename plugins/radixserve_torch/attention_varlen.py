@@ -41,7 +41,6 @@ backends outrank it where they are usable).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -69,22 +68,22 @@ class _Bucket:
     seq_len: int
     num_queries: int
     kv_offset: int  # first row of this bucket in the gathered [rows, D] workspace
-    mask: Optional[torch.Tensor]  # decode: additive [b, 1, S]; extend: bool [b, 1, N, S], None: is_causal
+    mask: torch.Tensor | None  # decode: additive [b, 1, S]; extend: bool [b, 1, N, S], None: is_causal
     # Each query's position ([b, 1] in decode, [b, N] in extend): what a window's mask starts from.
-    query_pos: Optional[torch.Tensor] = None
-    query_index: Optional[torch.Tensor] = None  # extend: [b*N] token of each padded query row
-    valid_rows: Optional[torch.Tensor] = None  # extend: padded rows that are real tokens
-    token_index: Optional[torch.Tensor] = None  # extend: the token each valid row is
-    real: Optional[torch.Tensor] = None  # extend: [b, N] which padded query rows are real tokens
+    query_pos: torch.Tensor | None = None
+    query_index: torch.Tensor | None = None  # extend: [b*N] token of each padded query row
+    valid_rows: torch.Tensor | None = None  # extend: padded rows that are real tokens
+    token_index: torch.Tensor | None = None  # extend: the token each valid row is
+    real: torch.Tensor | None = None  # extend: [b, N] which padded query rows are real tokens
     # Masks of this step by sliding window (None: full attention), made on first use:
     # decode additive [b, 1, S] in the compute dtype, extend bool [b, 1, N, S] (never None).
-    masks: dict[Optional[int], torch.Tensor] = field(default_factory=dict)
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
         return self.end - self.start
 
-    def window_mask(self, window: Optional[int], dtype: torch.dtype) -> torch.Tensor:
+    def window_mask(self, window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """The mask of a layer with ``window`` (None: full attention, explicit even for
         fresh prompts), made once per step."""
         mask = self.masks.get(window)
@@ -114,7 +113,7 @@ class VarlenMetadata:
 
     kv_index: torch.Tensor  # [rows] rows of the pool viewed as [slots * KVH, D], bucket after bucket
     buckets: list[_Bucket]
-    order: Optional[torch.Tensor]  # decode: requests in bucket order (None: already in order)
+    order: torch.Tensor | None  # decode: requests in bucket order (None: already in order)
 
 
 class TorchVarlenAttention(AttentionBackend):
@@ -123,8 +122,8 @@ class TorchVarlenAttention(AttentionBackend):
 
     def __init__(self, query: KernelQuery):
         super().__init__(query)
-        self._k_work: Optional[torch.Tensor] = None
-        self._v_work: Optional[torch.Tensor] = None
+        self._k_work: torch.Tensor | None = None
+        self._v_work: torch.Tensor | None = None
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
@@ -139,7 +138,7 @@ class TorchVarlenAttention(AttentionBackend):
         decode = batch.mode is ForwardMode.DECODE
         seq, ext = batch.seq_lens_cpu, batch.extend_lens_cpu
         # Longest first; decode work per request ~ seq_len, extend work ~ new x seq_len.
-        work = seq if decode else [n * s for n, s in zip(ext, seq)]
+        work = seq if decode else [n * s for n, s in zip(ext, seq, strict=True)]
         order = sorted(range(len(seq)), key=lambda i: -work[i])
         device = batch.req_to_token.device
         order_t = torch.tensor(order, dtype=torch.int64, device=device)

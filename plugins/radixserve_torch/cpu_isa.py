@@ -22,13 +22,12 @@ import functools
 import os
 import platform
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
 
-@functools.lru_cache(maxsize=None)
-def cpu_flags() -> Optional[frozenset[str]]:
+@functools.cache
+def cpu_flags() -> frozenset[str] | None:
     """The CPU's feature flags from ``/proc/cpuinfo`` (Linux, x86), or None where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
@@ -40,7 +39,7 @@ def cpu_flags() -> Optional[frozenset[str]]:
     return frozenset()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cpu_model_name() -> str:
     """``/proc/cpuinfo``'s model name (x86; ``unknown`` where there is none)."""
     try:
@@ -82,9 +81,7 @@ CAPPED_TARGETS: dict[tuple[str, str], tuple[tuple[str, ...], frozenset[str]]] = 
 }
 
 
-def select_target(
-    machine: str, capability: str, capped: bool, flags: Optional[frozenset[str]]
-) -> Optional[BuildTarget]:
+def select_target(machine: str, capability: str, capped: bool, flags: frozenset[str] | None) -> BuildTarget | None:
     """The build target for ATen ``capability`` on ``machine`` (``capped``: set by
     ``ATEN_CPU_CAPABILITY``; ``flags``: the CPU's), or None where there is none."""
     level = capability.upper()
@@ -109,8 +106,8 @@ def aten_capability_capped() -> bool:
     return bool(os.environ.get("ATEN_CPU_CAPABILITY"))
 
 
-@functools.lru_cache(maxsize=None)
-def build_target() -> Optional[BuildTarget]:
+@functools.cache
+def build_target() -> BuildTarget | None:
     """This process's build target (ATen reads its capability once per process, so this is cached)."""
     return select_target(
         platform.machine(), torch.backends.cpu.get_cpu_capability(), aten_capability_capped(), cpu_flags()
@@ -129,7 +126,7 @@ def no_target_reason() -> str:
 ONEDNN_BELOW_BF16 = frozenset({"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"})
 
 
-def onednn_isa_cap() -> Optional[str]:
+def onednn_isa_cap() -> str | None:
     """``ONEDNN_MAX_CPU_ISA`` (or its former name ``DNNL_MAX_CPU_ISA``), upper-case; None when unset."""
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
     return cap.upper() if cap else None

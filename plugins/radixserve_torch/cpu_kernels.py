@@ -27,7 +27,6 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Optional
 
 from radixserve_torch import cpu_isa
 
@@ -47,7 +46,7 @@ SOURCES = [
 
 _lock = threading.Lock()
 _loaded = False
-_build_error: Optional[str] = None
+_build_error: str | None = None
 
 
 class KernelBuildError(RuntimeError):

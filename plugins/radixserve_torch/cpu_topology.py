@@ -13,9 +13,9 @@ node, within the process's cgroup memory limit. All of it is read from
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
 
 import torch
 
@@ -47,7 +47,7 @@ def numa_nodes(sysfs: Path = SYSFS) -> dict[int, frozenset[int]]:
     return nodes
 
 
-def choose_node(allowed: frozenset[int], nodes: dict[int, frozenset[int]]) -> tuple[Optional[int], frozenset[int]]:
+def choose_node(allowed: frozenset[int], nodes: dict[int, frozenset[int]]) -> tuple[int | None, frozenset[int]]:
     """The node holding most of the ``allowed`` CPUs (the lowest on a tie) and those
     CPUs; (None, allowed) where no node holds any."""
     best = max(sorted(nodes), key=lambda n: len(nodes[n] & allowed), default=None)
@@ -71,7 +71,7 @@ def physical_cores(cpus: frozenset[int], sysfs: Path = SYSFS) -> int:
 class CpuPlacement:
     """Where the model process runs (the startup summary shows it)."""
 
-    node: Optional[int]  # its NUMA node; None where the kernel shows none
+    node: int | None  # its NUMA node; None where the kernel shows none
     num_nodes: int  # NUMA nodes on the machine (0: none shown)
     cpus: frozenset[int]  # the CPUs it runs on
     cores: int  # physical cores among them
@@ -149,7 +149,7 @@ def read_meminfo(path: Path) -> dict[str, int]:
     return values
 
 
-def cgroup_memory_limit(proc: Path = PROC, cgroup: Path = CGROUP) -> Optional[tuple[int, int]]:
+def cgroup_memory_limit(proc: Path = PROC, cgroup: Path = CGROUP) -> tuple[int, int] | None:
     """(limit, room left) in bytes under the tightest memory limit of this process's
     cgroup and its ancestors (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``,
     at the paths ``/proc/self/cgroup`` names); None where none is set."""
@@ -190,7 +190,7 @@ class HostMemory:
 
 
 def host_memory(
-    node: Optional[int], num_nodes: int, sysfs: Path = SYSFS, proc: Path = PROC, cgroup: Path = CGROUP
+    node: int | None, num_nodes: int, sysfs: Path = SYSFS, proc: Path = PROC, cgroup: Path = CGROUP
 ) -> HostMemory:
     """The machine's ``MemTotal`` and ``MemAvailable`` (free memory plus the page cache
     the kernel can drop); on a machine of several NUMA nodes, ``node``'s total and its

@@ -11,8 +11,6 @@ output turn together in one pass.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -29,7 +27,7 @@ class TorchNativeElementwise(ElementwiseBackend):
         return elementwise_op_reasons(query, cls.name, MODEL_SPECIFIC_OPS)
 
     def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> NormResult:
         if residual is None:
             return weight * _normalize(x, eps)
@@ -60,7 +58,7 @@ class TorchNativeElementwise(ElementwiseBackend):
         return F.silu(gate) * up
 
     def gemma_rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> NormResult:
         if residual is None:
             return _gemma_normalize(x, weight, eps)
@@ -86,7 +84,7 @@ def _gemma_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     return normed.mul_(1.0 + weight.float()).to(x.dtype)
 
 
-def _joined(q: torch.Tensor, k: torch.Tensor) -> Optional[torch.Tensor]:
+def _joined(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """q and k as one ``[T, heads + kv_heads, D]`` view when k's heads follow q's
     in memory with the same strides (the q and k parts of one fused QKV
     output), so both turn in one pass: half the torch calls at decode."""

@@ -24,8 +24,6 @@ blends the others into their 32 logits as raw bits (docs/benchmarks.md, P12).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from radixserve.kernels import KernelQuery
@@ -60,7 +58,7 @@ class CpuFusedElementwise(TorchNativeElementwise):
         return reasons + super().unsupported_reasons(query) + cpu_kernels.unavailable_reasons()
 
     def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> NormResult:
         if residual is not None:
             if x.dim() == 2 and x.is_contiguous() and residual.is_contiguous():
@@ -115,7 +113,7 @@ class CpuFusedElementwise(TorchNativeElementwise):
             super().apply_token_bitmask(logits, bitmask, rows)
 
 
-def _as_3d(x: torch.Tensor) -> Optional[torch.Tensor]:
+def _as_3d(x: torch.Tensor) -> torch.Tensor | None:
     """``x`` as an ``[A, B, H]`` view with its own strides (last one 1), when it has one."""
     if x.stride(-1) != 1:
         return None

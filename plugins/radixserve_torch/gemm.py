@@ -11,8 +11,6 @@ and oneDNN on a packed weight is faster at every size measured.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -24,7 +22,7 @@ class TorchGemm(GemmBackend):
     name = "torch"
     priority = 0
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
 
@@ -69,7 +67,7 @@ class OneDnnGemm(GemmBackend):
         # weight serves every batch size (hints 1, 32 and 512 showed no consistent difference).
         return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -134,7 +132,7 @@ class CpuPackedGemm(GemmBackend):
             return weight
         return self._ops.pack_weight(weight)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if weight.dim() == 2:
             weight = self.prepare_weight(weight)
             if weight.dim() == 2:  # a shape the kernels do not take
@@ -148,8 +146,8 @@ class CpuPackedGemm(GemmBackend):
         return out
 
     def linear_silu_and_mul(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
-    ) -> Optional[torch.Tensor]:
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """The packed kernel with silu(gate) * up in its epilogue: each register tile
         holds matching gate and up columns, so the projection (twice the width) is
         never written and read back (W2's float32 gate/up and SiLU: 12-20% faster

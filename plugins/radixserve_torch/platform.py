@@ -3,7 +3,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
-from typing import Optional
 
 import torch
 
@@ -68,7 +67,7 @@ class CpuPlatform(Platform):
         logger.info("model process: %s", self.placement.describe())
 
     @classmethod
-    def auto_dtype(cls, saved: Optional[torch.dtype]) -> DtypeChoice:
+    def auto_dtype(cls, saved: torch.dtype | None) -> DtypeChoice:
         """A 16-bit checkpoint in bfloat16 where bfloat16 matmuls are native here
         (float16 too: the fast CPU GEMMs, ``cpu_packed`` and ``onednn``, take bfloat16
         and float32 only), else in float32: emulated bfloat16 widens every product

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -25,12 +23,10 @@ class NoQuantization(QuantizationMethod):
         if prepared is not dense:
             layer.weight = nn.Parameter(prepared, requires_grad=False)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.gemm.linear(x, layer.weight, bias)
 
-    def apply_silu_and_mul(
-        self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]
-    ) -> Optional[torch.Tensor]:
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         return self.gemm.linear_silu_and_mul(x, layer.weight, bias)
 
 
@@ -68,6 +64,6 @@ class Int8WeightOnly(QuantizationMethod):
         layer.register_buffer("qweight", qweight)
         layer.register_buffer("weight_scale", scale)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = dequantize_int8(layer.qweight, layer.weight_scale, x.dtype)
         return self.gemm.linear(x, weight, bias)

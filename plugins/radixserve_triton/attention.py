@@ -52,9 +52,8 @@ class TritonAttention(AttentionBackend):
         )
         if query.head_dim is not None and not 1 <= query.head_dim <= MAX_HEAD_DIM:
             reasons.append(f"head_dim {query.head_dim} is not supported (1..{MAX_HEAD_DIM})")
-        if query.num_heads is not None and query.num_kv_heads:
-            if query.num_heads % query.num_kv_heads:
-                reasons.append(f"num_heads {query.num_heads} is not a multiple of num_kv_heads {query.num_kv_heads}")
+        if query.num_heads is not None and query.num_kv_heads and query.num_heads % query.num_kv_heads:
+            reasons.append(f"num_heads {query.num_heads} is not a multiple of num_kv_heads {query.num_kv_heads}")
         return reasons
 
     def __init__(self, query: KernelQuery):

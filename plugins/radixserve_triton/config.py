@@ -12,7 +12,6 @@ never imports triton.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -35,9 +34,9 @@ class AttentionKernelConfig:
     large_head_dim: int = 128
     extend_block_n_fp32_large_head: int = 16  # fp32 at head_dim 256 stays under ~100 KB of shared memory (sm_86/89)
     num_warps: int = 4
-    decode_num_warps: Optional[int] = None  # None: num_warps
-    num_stages: Optional[int] = None
-    waves_per_eu: Optional[int] = None
+    decode_num_warps: int | None = None  # None: num_warps
+    num_stages: int | None = None
+    waves_per_eu: int | None = None
     # Flash-decoding splits: enough programs to fill the device, each split >= min_keys_per_split keys.
     decode_target_programs: int = 256
     max_kv_splits: int = 16
@@ -83,10 +82,10 @@ class MoEKernelConfig:
     medium_rows: int = 64
     block_n: int = 64
     block_k: int = 32
-    block_k_fp32: Optional[int] = None
+    block_k_fp32: int | None = None
     num_warps: int = 4
-    num_stages: Optional[int] = None
-    waves_per_eu: Optional[int] = None
+    num_stages: int | None = None
+    waves_per_eu: int | None = None
 
     def blocks(self, num_assignments: int, num_experts: int, dtype: torch.dtype) -> tuple[int, int, int]:
         """``(block_m, block_n, block_k)`` for this many (token, expert) assignments."""
@@ -104,7 +103,7 @@ class MoEKernelConfig:
         return _options(self.num_warps, self.num_stages, self.waves_per_eu)
 
 
-def _options(num_warps: int, num_stages: Optional[int], waves_per_eu: Optional[int]) -> dict[str, int]:
+def _options(num_warps: int, num_stages: int | None, waves_per_eu: int | None) -> dict[str, int]:
     options = {"num_warps": num_warps}
     if num_stages is not None:
         options["num_stages"] = num_stages

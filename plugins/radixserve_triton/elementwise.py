@@ -4,8 +4,6 @@ Gemma's RMSNorm and GELU(tanh)-and-mul on the same kernels."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from radixserve.kernels import MODEL_SPECIFIC_OPS, ElementwiseBackend, KernelQuery, elementwise_op_reasons
@@ -32,7 +30,7 @@ class TritonElementwise(ElementwiseBackend):
         self._kernels = kernel_module(query, "triton elementwise", "elementwise")
 
     def rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> NormResult:
         return self._kernels.rms_norm(x, weight, eps, residual)
 
@@ -50,7 +48,7 @@ class TritonElementwise(ElementwiseBackend):
         return self._kernels.silu_and_mul(x)
 
     def gemma_rms_norm(
-        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> NormResult:
         return self._kernels.rms_norm(x, weight, eps, residual, gemma=True)
 

@@ -11,7 +11,6 @@ import platform
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional
 
 from radixserve.bench import datasets
 from radixserve.bench.datasets import BenchRequest, TokenSource
@@ -216,7 +215,7 @@ def _run_offline(ns: argparse.Namespace) -> dict:
     return summary
 
 
-def _load_tokenizer(path: Optional[str]):
+def _load_tokenizer(path: str | None):
     if path is None:
         return None
     from transformers import AutoTokenizer

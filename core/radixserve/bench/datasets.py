@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 
@@ -24,8 +23,8 @@ class BenchRequest:
     """One request: a token-id prompt (``input_ids``) or a text one (``prompt``)."""
 
     output_len: int
-    input_ids: Optional[list[int]] = None
-    prompt: Optional[str] = None
+    input_ids: list[int] | None = None
+    prompt: str | None = None
     prompt_len: int = 0
 
     def to_json(self) -> dict:
@@ -70,7 +69,7 @@ def random_requests(
     rng = np.random.default_rng(seed)
     inputs = _lengths(rng, num_prompts, input_len, range_ratio)
     outputs = _lengths(rng, num_prompts, output_len, range_ratio)
-    return [source.request(source.draw(rng, int(i)), int(o)) for i, o in zip(inputs, outputs)]
+    return [source.request(source.draw(rng, int(i)), int(o)) for i, o in zip(inputs, outputs, strict=True)]
 
 
 def shared_prefix_requests(

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Optional
 
 import numpy as np
 
@@ -20,7 +20,7 @@ Send = Callable[[BenchRequest], Awaitable[RequestResult]]
 @dataclass
 class Arrivals:
     request_rate: float = math.inf  # requests/s, Poisson; inf: all at once
-    max_concurrency: Optional[int] = None  # requests in flight at most
+    max_concurrency: int | None = None  # requests in flight at most
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -39,7 +39,7 @@ class Arrivals:
 
 
 async def run_requests(
-    requests: list[BenchRequest], send: Send, arrivals: Arrivals, progress: Optional[Callable[[], None]] = None
+    requests: list[BenchRequest], send: Send, arrivals: Arrivals, progress: Callable[[], None] | None = None
 ) -> tuple[list[RequestResult], float]:
     """The results in request order and the run's duration (first send -> last finish)."""
     limit = asyncio.Semaphore(arrivals.max_concurrency) if arrivals.max_concurrency else None
@@ -56,7 +56,7 @@ async def run_requests(
 
     start = time.perf_counter()
     tasks = []
-    for request, delay in zip(requests, arrivals.delays(len(requests))):
+    for request, delay in zip(requests, arrivals.delays(len(requests)), strict=True):
         if delay:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one(request)))

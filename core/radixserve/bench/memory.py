@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Optional
 
 
 def rss_bytes(pid: int) -> int:
@@ -24,7 +23,7 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def parent_pid(pid: int) -> Optional[int]:
+def parent_pid(pid: int) -> int | None:
     try:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
     except (OSError, ValueError, IndexError):
@@ -53,7 +52,7 @@ class PeakRSS:
     def __init__(self, pids: list[int], interval: float = 0.25):
         self.pids = pids
         self.interval = interval
-        self.bytes: Optional[int] = None
+        self.bytes: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="peak-rss")
 
@@ -66,7 +65,7 @@ class PeakRSS:
         while not self._stop.wait(self.interval):
             self.sample()
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self.sample()
         self._thread.start()
         return self

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import numpy as np
 
@@ -26,8 +26,8 @@ class RequestResult:
     sent: float = 0.0  # perf_counter when the request was sent
     token_times: list[float] = field(default_factory=list)  # perf_counter of each received token
     output_len: int = 0
-    cached_tokens: Optional[int] = None
-    error: Optional[str] = None
+    cached_tokens: int | None = None
+    error: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -42,7 +42,7 @@ class RequestResult:
         return self.token_times[-1] - self.sent
 
     @property
-    def tpot(self) -> Optional[float]:
+    def tpot(self) -> float | None:
         return (self.e2e - self.ttft) / (self.output_len - 1) if self.output_len > 1 else None
 
     @property
@@ -70,7 +70,7 @@ def _stats(values: list[float], scale: float = 1000.0) -> dict:
     return {"mean": float(arr.mean()), "median": float(np.median(arr)), "p99": float(np.percentile(arr, 99))}
 
 
-def summarize(results: list[RequestResult], duration: float, peak_rss_bytes: Optional[int]) -> dict:
+def summarize(results: list[RequestResult], duration: float, peak_rss_bytes: int | None) -> dict:
     done = [r for r in results if r.ok]
     input_tokens = sum(r.prompt_len for r in done)
     output_tokens = sum(r.output_len for r in done)

@@ -7,7 +7,7 @@ batching decides the rest, as a batch ``Engine.generate`` call would."""
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from radixserve.bench.datasets import BenchRequest
 from radixserve.bench.driver import Arrivals, run_requests
@@ -51,8 +51,8 @@ def run_offline(
     warmup: list[BenchRequest],
     arrivals: Arrivals,
     ignore_eos: bool,
-    progress: Optional[Callable[[], None]] = None,
-) -> tuple[list[RequestResult], float, Optional[int]]:
+    progress: Callable[[], None] | None = None,
+) -> tuple[list[RequestResult], float, int | None]:
     """Results, duration and peak RSS (this process and its children) of one run."""
     send = make_send(engine, ignore_eos)
     if warmup:

@@ -31,7 +31,7 @@ def plot_results(results: list[RequestResult], path: str, title: str) -> None:
         "end-to-end latency (s)": [r.e2e for r in done],
     }
     fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-    for ax, (name, values) in zip(axes.flat, series.items()):
+    for ax, (name, values) in zip(axes.flat, series.items(), strict=False):
         ordered = np.sort(values)
         ax.step(ordered, np.arange(1, len(ordered) + 1) / max(len(ordered), 1), where="post")
         ax.set_xlabel(name)

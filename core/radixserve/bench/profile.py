@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-from typing import Optional
 
 STEP_PREFIX = "radixserve."
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -33,7 +32,7 @@ class DecodeProfile:
     step_ms_median: float  # start to the next step's start
     host_ms_median: float  # the annotation itself: building the batch and launching it
     window_ms: float  # first to last selected step's start
-    device_busy_fraction: Optional[float]  # None: the trace holds no device activity at all
+    device_busy_fraction: float | None  # None: the trace holds no device activity at all
 
 
 def step_annotations(trace: dict) -> list[tuple[str, Interval]]:
@@ -66,7 +65,7 @@ def busy_time(intervals: list[Interval], window: Interval) -> float:
     return total
 
 
-def decode_profile(trace: dict, batch_size: int) -> Optional[DecodeProfile]:
+def decode_profile(trace: dict, batch_size: int) -> DecodeProfile | None:
     """The decode steps of ``batch_size`` in ``trace``; None with fewer than two of them."""
     name = f"{STEP_PREFIX}decode[bs={batch_size}]"
     steps = step_annotations(trace)

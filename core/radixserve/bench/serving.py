@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 from urllib.parse import urlparse
 
 import httpx
@@ -76,11 +76,11 @@ def make_send(client: httpx.AsyncClient, model: str, ignore_eos: bool):
     return send
 
 
-def _headers(api_key: Optional[str]) -> dict:
+def _headers(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def server_info(base_url: str, api_key: Optional[str]) -> Optional[dict]:
+async def server_info(base_url: str, api_key: str | None) -> dict | None:
     """radixserve's ``/get_server_info``; None from servers without it."""
     async with httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=30) as client:
         try:
@@ -90,14 +90,14 @@ async def server_info(base_url: str, api_key: Optional[str]) -> Optional[dict]:
         return response.json() if response.status_code == 200 else None
 
 
-async def first_model(base_url: str, api_key: Optional[str]) -> str:
+async def first_model(base_url: str, api_key: str | None) -> str:
     async with httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=30) as client:
         response = await client.get("/v1/models")
         response.raise_for_status()
         return response.json()["data"][0]["id"]
 
 
-def server_pids(base_url: str, info: Optional[dict]) -> list[int]:
+def server_pids(base_url: str, info: dict | None) -> list[int]:
     """The server's processes (the HTTP process is its children's parent), when it
     runs on this host and says what they are; else none, and memory is n/a."""
     host = urlparse(base_url).hostname or ""
@@ -115,10 +115,10 @@ async def run_serving(
     warmup: list[BenchRequest],
     arrivals: Arrivals,
     ignore_eos: bool,
-    api_key: Optional[str] = None,
-    pids: Optional[list[int]] = None,
-    progress: Optional[Callable[[], None]] = None,
-) -> tuple[list[RequestResult], float, Optional[int]]:
+    api_key: str | None = None,
+    pids: list[int] | None = None,
+    progress: Callable[[], None] | None = None,
+) -> tuple[list[RequestResult], float, int | None]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=None, limits=limits) as client:
         send = make_send(client, model, ignore_eos)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -84,7 +84,7 @@ class PrefixCache(ABC):
         return self.evictable_size() + self.protected_size()
 
     @abstractmethod
-    def lock_mismatch(self, pins: list[Any]) -> Optional[str]:
+    def lock_mismatch(self, pins: list[Any]) -> str | None:
         """None when the locks held are exactly one per entry of ``pins`` (the nodes
         that requests have locked, repeats included); else what differs."""
 

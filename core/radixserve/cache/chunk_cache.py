@@ -6,7 +6,7 @@ empty, ``num_cached`` stays 0 and there is nothing to lock, evict or reset.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -56,7 +56,7 @@ class ChunkCache(PrefixCache):
     def protected_size(self) -> int:
         return 0
 
-    def lock_mismatch(self, pins: list[Any]) -> Optional[str]:
+    def lock_mismatch(self, pins: list[Any]) -> str | None:
         stray = [p for p in pins if p is not None]
         return f"{len(stray)} pins on a cache that locks nothing" if stray else None
 

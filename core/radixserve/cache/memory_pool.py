@@ -8,7 +8,6 @@ running request, or the radix cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -21,7 +20,7 @@ class ReqToTokenPool:
     device, so a step's inputs are gathered there by index, and a sampled token
     is written back there before the host ever looks at it."""
 
-    def __init__(self, size: int, max_context_len: int, device: torch.device, transfer: Optional[HostTransfer] = None):
+    def __init__(self, size: int, max_context_len: int, device: torch.device, transfer: HostTransfer | None = None):
         self.size = size
         self.transfer = transfer or HostTransfer(device)
         self.max_context_len = max_context_len
@@ -32,7 +31,7 @@ class ReqToTokenPool:
     def available_size(self) -> int:
         return len(self._free)
 
-    def alloc(self) -> Optional[int]:
+    def alloc(self) -> int | None:
         return self._free.pop() if self._free else None
 
     def free(self, index: int) -> None:
@@ -216,7 +215,7 @@ class PagedAllocator:
     page-aligned prefix of it can be shared through the radix cache.
     """
 
-    def __init__(self, num_pages: int, page_size: int, device: torch.device, transfer: Optional[HostTransfer] = None):
+    def __init__(self, num_pages: int, page_size: int, device: torch.device, transfer: HostTransfer | None = None):
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = device
@@ -247,9 +246,9 @@ class PagedAllocator:
         ps = self.page_size
         if ps == 1:  # the common case, on every decode step: a page per token
             return sum(extend_lens)
-        return sum(-(-(p + n) // ps) - (-(-p // ps)) for p, n in zip(prefix_lens, extend_lens))
+        return sum(-(-(p + n) // ps) - (-(-p // ps)) for p, n in zip(prefix_lens, extend_lens, strict=True))
 
-    def alloc_slots(self, prefix_lens: list[int], last_locs: list[int], extend_lens: list[int]) -> Optional[list[int]]:
+    def alloc_slots(self, prefix_lens: list[int], last_locs: list[int], extend_lens: list[int]) -> list[int] | None:
         """Slots for ``extend_lens[i]`` new tokens after ``prefix_lens[i]`` tokens whose
         last slot is ``last_locs[i]`` (ignored when the prefix is empty or page aligned),
         in request order, as host ints. Returns None, allocating nothing, when there
@@ -265,7 +264,7 @@ class PagedAllocator:
             del self._free_pages[len(self._free_pages) - need :]
             return out
         out: list[int] = []
-        for prefix, last, n in zip(prefix_lens, last_locs, extend_lens):
+        for prefix, last, n in zip(prefix_lens, last_locs, extend_lens, strict=True):
             in_page = prefix % ps
             if in_page:
                 take = min(n, ps - in_page)
@@ -283,7 +282,7 @@ class PagedAllocator:
         for ``slots`` (those past each request's last partly used page), where they
         were in the free list."""
         ps, taken, start = self.page_size, {}, 0  # dict: the pages in the order they were taken
-        for prefix, n in zip(prefix_lens, extend_lens):
+        for prefix, n in zip(prefix_lens, extend_lens, strict=True):
             in_page = min(n, (ps - prefix % ps) % ps)  # the slots that continue the last page
             taken.update(dict.fromkeys(slot // ps for slot in slots[start + in_page : start + n]))
             start += n

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
 
 import torch
 
@@ -27,7 +27,7 @@ from radixserve.cache.memory_pool import PagedAllocator
 class TreeNode:
     key: list[int]
     value: torch.Tensor  # int64 KV slots of ``key``, one per token
-    parent: Optional[TreeNode]
+    parent: TreeNode | None
     id: int  # creation order; breaks LRU ties deterministically
     last_access: int
     children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
@@ -216,7 +216,7 @@ class RadixCache(PrefixCache):
     def protected_size(self) -> int:
         return self._protected
 
-    def lock_mismatch(self, pins: list[Optional[TreeNode]]) -> Optional[str]:
+    def lock_mismatch(self, pins: list[TreeNode | None]) -> str | None:
         expected: dict[int, int] = {}
         for node in pins:
             while node is not None and node is not self.root:

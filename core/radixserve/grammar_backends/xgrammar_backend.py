@@ -8,7 +8,7 @@ one fails to parse. The forbidden tokens are one bitmask row, ANDed into each fi
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -24,7 +24,7 @@ from radixserve.grammar_backends.common import choices, missing_module, schema_t
 
 
 class XGrammarMatcher(GrammarMatcher):
-    def __init__(self, matcher: Any, allowed: Optional[torch.Tensor] = None):
+    def __init__(self, matcher: Any, allowed: torch.Tensor | None = None):
         self._m = matcher
         self._allowed = allowed  # a bitmask row of the tokens the grammar may ever allow, or None: all
 
@@ -44,7 +44,7 @@ class XGrammarMatcher(GrammarMatcher):
 
 
 class XGrammarCompiled(CompiledGrammar):
-    def __init__(self, compiled: Any, allowed: Optional[torch.Tensor] = None):
+    def __init__(self, compiled: Any, allowed: torch.Tensor | None = None):
         self._compiled, self._allowed = compiled, allowed
 
     def matcher(self) -> GrammarMatcher:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import torch
 
@@ -24,10 +24,10 @@ class AttentionLayerSpec:
     scaling: float  # softmax scale, usually head_dim ** -0.5
     # A query at position p sees only the keys at positions p - sliding_window + 1 .. p
     # (HF's rule; None: all keys up to p). Models interleave windowed and global layers.
-    sliding_window: Optional[int] = None
+    sliding_window: int | None = None
     # Scores become logit_softcap * tanh(scores / logit_softcap) before the softmax
     # (after scaling; Gemma 2). None: no cap.
-    logit_softcap: Optional[float] = None
+    logit_softcap: float | None = None
 
 
 class AttentionBackend(Backend):

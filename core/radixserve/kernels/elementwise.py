@@ -34,14 +34,14 @@ one refuses such a query by name (:func:`elementwise_op_reasons`).
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Union
+from collections.abc import Iterable
 
 import torch
 
 from radixserve.kernels.base import Backend
 from radixserve.kernels.query import KernelQuery
 
-NormResult = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+NormResult = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 #: The ops beyond ``rms_norm``, ``apply_rotary`` and ``silu_and_mul``: only the
 #: models that call them need them (``KernelQuery.elementwise_ops``).
@@ -64,7 +64,7 @@ class ElementwiseBackend(Backend):
         x: torch.Tensor,
         weight: torch.Tensor,
         eps: float,
-        residual: Optional[torch.Tensor] = None,
+        residual: torch.Tensor | None = None,
     ) -> NormResult:
         """RMSNorm over the last dimension of ``x`` ``[..., H]`` (``weight`` ``[H]``).
 
@@ -104,7 +104,7 @@ class ElementwiseBackend(Backend):
         x: torch.Tensor,
         weight: torch.Tensor,
         eps: float,
-        residual: Optional[torch.Tensor] = None,
+        residual: torch.Tensor | None = None,
     ) -> NormResult:
         """``rms_norm`` with Gemma's weight: ``(x * rsqrt(mean(x^2) + eps)) * (1 + weight)``
         all in float32, then cast to the model dtype. Same shapes, views and

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from radixserve.kernels.base import Backend
@@ -25,15 +23,15 @@ class GemmBackend(Backend):
         """
         return weight
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x``: ``[..., in]``; ``weight``: ``[out, in]``, dense or as ``prepare_weight``
         returned it (quantization methods that dequantize per call pass dense
         weights); returns ``[..., out]``."""
         raise NotImplementedError
 
     def linear_silu_and_mul(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
-    ) -> Optional[torch.Tensor]:
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """``silu(gate) * up`` of ``linear(x, weight, bias)``, whose first half of
         out features is ``gate`` and second half ``up`` (an MLP's fused gate/up
         projection), in one kernel that never writes the projection itself

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -46,12 +46,10 @@ class QuantizationMethod(Backend):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
-    def apply_silu_and_mul(
-        self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]
-    ) -> Optional[torch.Tensor]:
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """``silu(gate) * up`` of ``apply``'s output in one fused kernel (see
         ``GemmBackend.linear_silu_and_mul``), or None where the method has none
         (the default)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -20,24 +19,24 @@ class KernelQuery:
 
     device: str
     dtype: torch.dtype
-    head_dim: Optional[int] = None
-    num_heads: Optional[int] = None
-    num_kv_heads: Optional[int] = None
+    head_dim: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
     page_size: int = 1
-    kv_dtype: Optional[torch.dtype] = None
-    num_experts: Optional[int] = None
-    top_k: Optional[int] = None
-    quantization: Optional[str] = None
+    kv_dtype: torch.dtype | None = None
+    num_experts: int | None = None
+    top_k: int | None = None
+    quantization: str | None = None
     # Attention features some layers use (the widest window; the cap): a backend
     # without them refuses the query. Per-layer values are on AttentionLayerSpec.
-    sliding_window: Optional[int] = None
-    logit_softcap: Optional[float] = None
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
     # The elementwise ops beyond the common three that the model calls (names from
     # kernels.elementwise.MODEL_SPECIFIC_OPS): a backend without one refuses the query.
-    elementwise_ops: Optional[tuple[str, ...]] = None
+    elementwise_ops: tuple[str, ...] | None = None
     # Multi-head latent attention (DeepSeek-V2): the KV pool holds one latent entry
     # per token (LatentKV) instead of K and V; only backends that declare MLA serve it.
-    mla: Optional[LatentKV] = None
+    mla: LatentKV | None = None
 
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in self.__dict__.items() if v is not None]

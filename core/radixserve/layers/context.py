@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 
@@ -29,7 +29,7 @@ class ModelContext:
     attention: AttentionBackend
     gemm: GemmBackend
     quant: QuantizationMethod
-    moe: Optional[MoEBackend]
+    moe: MoEBackend | None
     elementwise: ElementwiseBackend  # norms, rotary, the MLP activation
     dtype: torch.dtype
     device: torch.device
@@ -37,10 +37,10 @@ class ModelContext:
     tp_size: int = 1
     # The collectives across the TP ranks (the platform's); None when tp_size is 1,
     # or while a model is only built and loaded (no forward).
-    comm: Optional[Communicator] = None
+    comm: Communicator | None = None
     # The longest sequence the server runs (--context-length); None: the model's own.
     # Positions past it never occur (longrope picks its frequencies by it).
-    context_length: Optional[int] = None
+    context_length: int | None = None
 
     @classmethod
     def create(
@@ -53,12 +53,12 @@ class ModelContext:
         gemm: str = "auto",
         moe: str = "auto",
         elementwise: str = "auto",
-        quantization: Optional[str] = None,
+        quantization: str | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
-        comm: Optional[Communicator] = None,
-        context_length: Optional[int] = None,
-    ) -> "ModelContext":
+        comm: Communicator | None = None,
+        context_length: int | None = None,
+    ) -> ModelContext:
         """Select and instantiate every backend for ``query`` through ``selector``
         (a :class:`radixserve.registry.PluginRegistry`, which selects by priority,
         or a :class:`radixserve.backend_timing.MeasuredSelection`). The MoE backend

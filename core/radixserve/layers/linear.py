@@ -17,8 +17,9 @@ in their ``weight_loader``. All sizes stored on a layer are this rank's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import nn

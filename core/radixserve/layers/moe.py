@@ -10,7 +10,8 @@ all-reduced.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -145,7 +146,7 @@ class SparseMoE(Layer):
 _STACKED_EXPERTS = {"experts.gate_up_proj": "experts.w13_weight", "experts.down_proj": "experts.w2_weight"}
 
 
-def expert_weight_name(name: str, per_expert: re.Pattern, parts: Mapping[str, str]) -> Optional[tuple[str, Any]]:
+def expert_weight_name(name: str, per_expert: re.Pattern, parts: Mapping[str, str]) -> tuple[str, Any] | None:
     """The :class:`FusedMoE` parameter and shard id of the checkpoint tensor
     ``name``, or None when it is not an expert weight. ``per_expert`` matches one
     expert's projection at the end of a name; its two groups are the expert index

@@ -5,8 +5,6 @@ normalise in float32, cast back, then scale; and Gemma's, which scales by
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -29,7 +27,7 @@ class RMSNorm(Layer):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=ctx.dtype), requires_grad=False)
         self.backend = ctx.elementwise
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> NormResult:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> NormResult:
         return self.backend.rms_norm(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str:
@@ -41,5 +39,5 @@ class GemmaRMSNorm(RMSNorm):
     weight is an offset from 1, applied in float32 before the cast. Called like
     :class:`RMSNorm`."""
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> NormResult:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> NormResult:
         return self.backend.gemma_rms_norm(x, self.weight, self.eps, residual)

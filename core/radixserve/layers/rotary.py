@@ -30,7 +30,7 @@ and here has the long set throughout. Both sets share the attention factor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
-def rope_parameters(config: PretrainedConfig, layer_type: Optional[str] = None) -> tuple[str, dict]:
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> tuple[str, dict]:
     """``(rope_type, settings)``: transformers 5 keeps everything in
     rope_parameters; 4.x had rope_scaling + rope_theta. With ``layer_type``,
     those of the layers of that type in a config whose ``rope_parameters`` are
@@ -55,7 +55,7 @@ def rope_parameters(config: PretrainedConfig, layer_type: Optional[str] = None) 
 
 
 def rope_inv_freq(
-    config: PretrainedConfig, head_dim: int, seq_len: Optional[int] = None, layer_type: Optional[str] = None
+    config: PretrainedConfig, head_dim: int, seq_len: int | None = None, layer_type: str | None = None
 ) -> tuple[torch.Tensor, float]:
     """``(inv_freq [rotary_dim // 2] float32, attention_scaling)`` for ``config``
     (for its layers of ``layer_type``, see :func:`rope_parameters`); ``seq_len``:
@@ -80,7 +80,7 @@ def rope_inv_freq(
     return inv_freq.float(), float(scaling)
 
 
-def rotary_dims(config: PretrainedConfig, head_dim: int, layer_type: Optional[str] = None) -> int:
+def rotary_dims(config: PretrainedConfig, head_dim: int, layer_type: str | None = None) -> int:
     """How many of a head's ``head_dim`` dimensions turn: all, or the
     ``partial_rotary_factor`` of them (in ``rope_parameters`` in transformers 5,
     a config attribute in 4.x), as HF rounds it down."""
@@ -96,8 +96,8 @@ def rope_table(
     config: PretrainedConfig,
     head_dim: int,
     dtype: torch.dtype,
-    context_length: Optional[int] = None,
-    layer_type: Optional[str] = None,
+    context_length: int | None = None,
+    layer_type: str | None = None,
 ) -> torch.Tensor:
     """The cos/sin table (:func:`rope_cos_sin_cache`) of every position up to
     ``max_position_embeddings``; ``context_length`` (None: that many) chooses
@@ -130,7 +130,7 @@ class RotaryEmbedding(Layer):
     instance is shared by all layers of a model (of a ``layer_type``, where the
     rope parameters are per layer type)."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, ctx: ModelContext, layer_type: Optional[str] = None):
+    def __init__(self, config: PretrainedConfig, head_dim: int, ctx: ModelContext, layer_type: str | None = None):
         super().__init__()
         table = rope_table(config, head_dim, ctx.dtype, ctx.context_length, layer_type)
         self.register_buffer("cos_sin_cache", table, persistent=False)

@@ -14,7 +14,8 @@ a loader copies them, so each tensor-parallel rank reads its own shards alone.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Optional, Union
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,9 +28,7 @@ class CheckpointTensor:
     its own shard of each weight. Weight loaders treat it as a tensor with those
     operations; ``copy_into`` loads it."""
 
-    def __init__(
-        self, source: Any, full_shape: tuple[int, ...], region: Optional[tuple[Union[int, slice], ...]] = None
-    ):
+    def __init__(self, source: Any, full_shape: tuple[int, ...], region: tuple[int | slice, ...] | None = None):
         self.source = source  # anything indexable like safetensors' PySafeSlice: source[region] -> tensor
         self.full_shape = tuple(full_shape)
         self.region = region if region is not None else tuple(slice(0, n) for n in self.full_shape)
@@ -41,19 +40,19 @@ class CheckpointTensor:
     def dim(self) -> int:
         return len(self.shape)
 
-    def narrow(self, dim: int, start: int, length: int) -> "CheckpointTensor":
+    def narrow(self, dim: int, start: int, length: int) -> CheckpointTensor:
         size = self.shape[dim]
-        if not (0 <= start and length >= 0 and start + length <= size):
+        if not (start >= 0 and length >= 0 and start + length <= size):
             raise ValueError(f"narrow({dim}, {start}, {length}) is outside a dimension of size {size}")
         return self[(slice(None),) * (dim % self.dim()) + (slice(start, start + length),)]
 
-    def __getitem__(self, index: Any) -> "CheckpointTensor":
+    def __getitem__(self, index: Any) -> CheckpointTensor:
         index = index if isinstance(index, tuple) else (index,)
         open_dims = [i for i, s in enumerate(self.region) if isinstance(s, slice)]
         if len(index) > len(open_dims):
             raise IndexError(f"too many indices ({len(index)}) for a tensor of {len(open_dims)} dimensions")
         region = list(self.region)
-        for dim, item in zip(open_dims, index):
+        for dim, item in zip(open_dims, index, strict=False):
             current = region[dim]
             size = current.stop - current.start
             if isinstance(item, int):
@@ -74,7 +73,7 @@ class CheckpointTensor:
         return self.source[self.region]
 
 
-def copy_into(dst: torch.Tensor, src: Union[torch.Tensor, CheckpointTensor], what: str = "weight") -> None:
+def copy_into(dst: torch.Tensor, src: torch.Tensor | CheckpointTensor, what: str = "weight") -> None:
     """``dst.copy_(src)`` (casting dtype and device) after a loud shape check."""
     if dst.shape != src.shape:
         raise ValueError(f"{what}: checkpoint tensor has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
@@ -94,7 +93,7 @@ class CheckpointMismatchError(ValueError):
 def load_named_weights(
     module: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
-    map_name: Callable[[str], Optional[tuple[str, Any]]],
+    map_name: Callable[[str], tuple[str, Any] | None],
 ) -> None:
     """Load checkpoint ``weights`` into ``module``'s parameters.
 

@@ -10,8 +10,9 @@ ends in that head needs nothing more to embed.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Iterable, Optional, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -39,10 +40,10 @@ class ModelFacts:
     # The intermediate size of the MLPs the GEMM backend runs in most layers (dense layers'
     # or shared experts'; whole); 0 when every layer's MLP is routed experts alone (Mixtral).
     dense_intermediate_size: int = 0
-    sliding_window: Optional[int] = None  # the widest window of any windowed layer
-    logit_softcap: Optional[float] = None  # attention score cap
+    sliding_window: int | None = None  # the widest window of any windowed layer
+    logit_softcap: float | None = None  # attention score cap
     elementwise_ops: tuple[str, ...] = ()  # model-specific elementwise ops it calls (kernels.MODEL_SPECIFIC_OPS)
-    mla: Optional[LatentKV] = None  # multi-head latent attention: the KV pool's latent entry
+    mla: LatentKV | None = None  # multi-head latent attention: the KV pool's latent entry
 
 
 @runtime_checkable
@@ -52,14 +53,14 @@ class CausalLM(Protocol):
     #: Longest sequence the model computes exactly like HuggingFace (tokens).
     max_context_len: int
 
-    def __init__(self, config: "PretrainedConfig", ctx: "ModelContext") -> None: ...
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext) -> None: ...
 
     @classmethod
-    def model_facts(cls, config: "PretrainedConfig") -> ModelFacts:
+    def model_facts(cls, config: PretrainedConfig) -> ModelFacts:
         """The facts of the model in ``config`` that kernels depend on."""
         ...
 
-    def forward(self, batch: "ForwardBatch") -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits ``[len(batch.logits_indices), vocab]`` for the flat
         new-token positions in ``batch.logits_indices`` (all new tokens when it is
         None). The attention backend's ``init_forward_metadata(batch)`` must have

@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +74,7 @@ LATENT_NORM_EPS = 1e-6
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
-def check_supported(config: "PretrainedConfig") -> None:
+def check_supported(config: PretrainedConfig) -> None:
     """NotImplementedError naming a setting this model does not serve."""
     if getattr(config, "moe_layer_freq", 1) != 1:
         raise NotImplementedError(
@@ -96,7 +97,7 @@ def yarn_mscale(scale: float, mscale: float) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
-def softmax_scale(config: "PretrainedConfig") -> float:
+def softmax_scale(config: PretrainedConfig) -> float:
     """``qk_head_dim ** -0.5``, times ``mscale ** 2`` with YaRN's ``mscale_all_dim`` (HF's ``yarn_apply_mscale``)."""
     scale = float((config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5)
     params = dict(getattr(config, "rope_parameters", None) or {})
@@ -113,7 +114,7 @@ class DeepseekV2Rotary(Layer):
     runs through ``ctx.elementwise`` on float32 copies (in place in a float32
     model). One instance is shared by all layers."""
 
-    def __init__(self, config: "PretrainedConfig", ctx: ModelContext):
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext):
         super().__init__()
         inv_freq, attention_scaling = rope_inv_freq(config, config.qk_rope_head_dim)
         cache = rope_cos_sin_cache(inv_freq, attention_scaling, config.max_position_embeddings, torch.float32)
@@ -128,7 +129,7 @@ class DeepseekV2Rotary(Layer):
 
 
 class DeepseekV2Attention(Layer):
-    def __init__(self, config: "PretrainedConfig", layer_id: int, ctx: ModelContext, rotary: DeepseekV2Rotary):
+    def __init__(self, config: PretrainedConfig, layer_id: int, ctx: ModelContext, rotary: DeepseekV2Rotary):
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
         self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
@@ -178,7 +179,7 @@ class DeepseekV2Router(Layer):
 
 
 class DeepseekV2MoE(Layer):
-    def __init__(self, config: "PretrainedConfig", ctx: ModelContext):
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext):
         super().__init__()
         grouped = config.topk_method == "group_limited_greedy"
         self.gate = DeepseekV2Router(config.hidden_size, config.n_routed_experts)
@@ -205,7 +206,7 @@ class DeepseekV2MoE(Layer):
 
 
 class DeepseekV2DecoderLayer(PreNormDecoderLayer):
-    def __init__(self, config: "PretrainedConfig", layer_id: int, ctx: ModelContext, rotary: DeepseekV2Rotary):
+    def __init__(self, config: PretrainedConfig, layer_id: int, ctx: ModelContext, rotary: DeepseekV2Rotary):
         mlp: nn.Module
         if layer_id >= config.first_k_dense_replace:
             mlp = DeepseekV2MoE(config, ctx)
@@ -220,7 +221,7 @@ class DeepseekV2ForCausalLM(Layer):
     # checkpoint projection -> (fused parameter, shard id): the dense MLP's and the shared experts'
     stacked_params: dict[str, tuple[str, Any]] = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config: "PretrainedConfig", ctx: ModelContext):
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext):
         super().__init__()
         check_supported(config)
         act = getattr(config, "hidden_act", "silu")
@@ -237,7 +238,7 @@ class DeepseekV2ForCausalLM(Layer):
         self.max_context_len = config.max_position_embeddings
 
     @classmethod
-    def model_facts(cls, config: "PretrainedConfig") -> ModelFacts:
+    def model_facts(cls, config: PretrainedConfig) -> ModelFacts:
         sparse = config.num_hidden_layers > config.first_k_dense_replace
         return ModelFacts(
             head_dim=config.qk_nope_head_dim + config.qk_rope_head_dim,
@@ -260,7 +261,7 @@ class DeepseekV2ForCausalLM(Layer):
             hidden = hidden[batch.logits_indices]
         return self.lm_head(hidden).float()
 
-    def map_weight_name(self, name: str) -> Optional[tuple[str, Any]]:
+    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         """HF checkpoint name -> (parameter name, shard id), or None to skip it."""
         if name == "lm_head.weight" and self.tie_word_embeddings:
             return None

@@ -27,7 +27,8 @@ selection passes over attention backends without them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Iterable, Optional
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
 GEMMA_ELEMENTWISE_OPS = ("gemma_rms_norm", "gelu_tanh_and_mul")
 
 
-def check_gemma_config(config: "PretrainedConfig") -> None:
+def check_gemma_config(config: PretrainedConfig) -> None:
     """Refuse what the Gemma decoder here does not compute as HF would."""
     act = config.hidden_activation
     if act != "gelu_pytorch_tanh":
@@ -95,7 +96,7 @@ class GemmaMLP(Layer):
 
 
 class GemmaDecoderLayer(Layer):
-    def __init__(self, config: "PretrainedConfig", ctx: ModelContext, attention: LlamaAttention):
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext, attention: LlamaAttention):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.self_attn = attention
@@ -106,7 +107,7 @@ class GemmaDecoderLayer(Layer):
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, ctx)
 
     def forward(
-        self, hidden: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(normalised MLP output, residual stream)``: its add is fused into the
         next layer's input norm (or the final norm). ``residual`` is None for the
@@ -121,7 +122,7 @@ class GemmaDecoderLayer(Layer):
 
 
 class GemmaModel(Layer):
-    def __init__(self, config: "PretrainedConfig", ctx: ModelContext, layers: Iterable[nn.Module]):
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext, layers: Iterable[nn.Module]):
         super().__init__()
         self.embed_tokens = GemmaEmbedding(config.vocab_size, config.hidden_size, ctx)
         self.layers = nn.ModuleList(layers)
@@ -146,7 +147,7 @@ class Gemma2ForCausalLM(Layer):
     map_weight_name = LlamaForCausalLM.map_weight_name
     load_weights = LlamaForCausalLM.load_weights
 
-    def __init__(self, config: "PretrainedConfig", ctx: ModelContext):
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext):
         super().__init__()
         check_gemma_config(config)
         self.config = config
@@ -169,21 +170,21 @@ class Gemma2ForCausalLM(Layer):
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, ctx)
         if self.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
-        self.final_logit_softcap: Optional[float] = config.final_logit_softcapping
+        self.final_logit_softcap: float | None = config.final_logit_softcapping
         self.max_context_len = config.max_position_embeddings
 
     @classmethod
-    def model_facts(cls, config: "PretrainedConfig") -> ModelFacts:
+    def model_facts(cls, config: PretrainedConfig) -> ModelFacts:
         return attention_facts(
             config, logit_softcap=cls.attention_logit_softcap(config), elementwise_ops=GEMMA_ELEMENTWISE_OPS
         )
 
     @classmethod
-    def attention_logit_softcap(cls, config: "PretrainedConfig") -> Optional[float]:
+    def attention_logit_softcap(cls, config: PretrainedConfig) -> float | None:
         return config.attn_logit_softcapping
 
     @classmethod
-    def rotary_embeddings(cls, config: "PretrainedConfig", ctx: ModelContext) -> list[RotaryEmbedding]:
+    def rotary_embeddings(cls, config: PretrainedConfig, ctx: ModelContext) -> list[RotaryEmbedding]:
         """Each layer's rotary embedding: one for all of them."""
         return [RotaryEmbedding(config, head_dim_of(config), ctx)] * config.num_hidden_layers
 

@@ -12,7 +12,7 @@ Gemma 2 decoder (models/gemma2.py) with
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Optional
+from typing import TYPE_CHECKING, ClassVar
 
 from radixserve.layers import RotaryEmbedding
 from radixserve.layers.context import ModelContext
@@ -28,11 +28,11 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     qk_norm: ClassVar[bool] = True
 
     @classmethod
-    def attention_logit_softcap(cls, config: "PretrainedConfig") -> Optional[float]:
+    def attention_logit_softcap(cls, config: PretrainedConfig) -> float | None:
         return None
 
     @classmethod
-    def rotary_embeddings(cls, config: "PretrainedConfig", ctx: ModelContext) -> list[RotaryEmbedding]:
+    def rotary_embeddings(cls, config: PretrainedConfig, ctx: ModelContext) -> list[RotaryEmbedding]:
         """Each layer's rotary embedding: one per layer type, from that type's rope parameters."""
         params = getattr(config, "rope_parameters", None) or {}
         missing = sorted(set(config.layer_types) - set(params))

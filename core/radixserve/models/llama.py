@@ -10,8 +10,9 @@ elementwise backend (``ctx.elementwise``), so a plugin's kernels serve them.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -36,11 +37,11 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def head_dim_of(config: "PretrainedConfig") -> int:
+def head_dim_of(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def layer_window(config: "PretrainedConfig", layer_id: int) -> Optional[int]:
+def layer_window(config: PretrainedConfig, layer_id: int) -> int | None:
     """The attention window of layer ``layer_id`` as HF applies it, or None for
     full attention: configs with per-layer ``layer_types`` (Qwen2, Gemma) slide
     where a layer says ``sliding_attention``; otherwise a set ``sliding_window``
@@ -58,7 +59,7 @@ def layer_window(config: "PretrainedConfig", layer_id: int) -> Optional[int]:
     return window
 
 
-def attention_facts(config: "PretrainedConfig", **more: Any) -> ModelFacts:
+def attention_facts(config: PretrainedConfig, **more: Any) -> ModelFacts:
     """The facts of a model whose attention reads ``config`` the Llama way (and, unless
     ``more`` says otherwise, whose every layer has a dense MLP of ``intermediate_size``)."""
     windows = [w for i in range(config.num_hidden_layers) if (w := layer_window(config, i)) is not None]
@@ -91,14 +92,14 @@ class AttentionOptions:
     o_bias: bool = False
     qk_norm: bool = False  # a norm over head_dim on q and k before rotary (Qwen3, Gemma 3)
     norm: type[Layer] = RMSNorm  # the class of those norms (Gemma's for Gemma 3)
-    scaling: Optional[float] = None  # the softmax scale (None: head_dim ** -0.5; Gemma's query_pre_attn_scalar)
-    logit_softcap: Optional[float] = None  # the attention score cap (Gemma 2)
+    scaling: float | None = None  # the softmax scale (None: head_dim ** -0.5; Gemma's query_pre_attn_scalar)
+    logit_softcap: float | None = None  # the attention score cap (Gemma 2)
 
 
 class LlamaAttention(Layer):
     def __init__(
         self,
-        config: "PretrainedConfig",
+        config: PretrainedConfig,
         layer_id: int,
         ctx: ModelContext,
         options: AttentionOptions,
@@ -163,7 +164,7 @@ class PreNormDecoderLayer(Layer):
     """RMSNorm, attention, RMSNorm, MLP, each with its residual add (Llama's block,
     and DeepSeek-V2's around its own attention and MLP)."""
 
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, config: "PretrainedConfig", ctx: ModelContext):
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, config: PretrainedConfig, ctx: ModelContext):
         super().__init__()
         self.self_attn = self_attn
         self.mlp = mlp
@@ -171,7 +172,7 @@ class PreNormDecoderLayer(Layer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
 
     def forward(
-        self, hidden: torch.Tensor, residual: Optional[torch.Tensor], batch: ForwardBatch
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual stream)``: the residual add of each block is
         fused into the norm that follows it (the next layer's input norm, or the
@@ -188,7 +189,7 @@ class PreNormDecoderLayer(Layer):
 class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(
         self,
-        config: "PretrainedConfig",
+        config: PretrainedConfig,
         layer_id: int,
         ctx: ModelContext,
         options: AttentionOptions,
@@ -199,7 +200,7 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
 
 class LlamaModel(Layer):
-    def __init__(self, config: "PretrainedConfig", ctx: ModelContext, layers: Iterable[nn.Module]):
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext, layers: Iterable[nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
         self.layers = nn.ModuleList(layers)
@@ -232,7 +233,7 @@ class LlamaForCausalLM(Layer):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: "PretrainedConfig", ctx: ModelContext):
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext):
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
@@ -252,16 +253,16 @@ class LlamaForCausalLM(Layer):
         self.max_context_len = config.max_position_embeddings
 
     @classmethod
-    def model_facts(cls, config: "PretrainedConfig") -> ModelFacts:
+    def model_facts(cls, config: PretrainedConfig) -> ModelFacts:
         return attention_facts(config)
 
     @classmethod
-    def attention_options(cls, config: "PretrainedConfig") -> AttentionOptions:
+    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
         bias = bool(getattr(config, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias)
 
     @classmethod
-    def make_mlp(cls, config: "PretrainedConfig", layer_id: int, ctx: ModelContext) -> nn.Module:
+    def make_mlp(cls, config: PretrainedConfig, layer_id: int, ctx: ModelContext) -> nn.Module:
         return LlamaMLP(
             config.hidden_size, config.intermediate_size, ctx, bias=bool(getattr(config, "mlp_bias", False))
         )
@@ -272,7 +273,7 @@ class LlamaForCausalLM(Layer):
             hidden = hidden[batch.logits_indices]
         return self.lm_head(hidden).float()
 
-    def map_weight_name(self, name: str) -> Optional[tuple[str, Any]]:
+    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         """HF checkpoint name -> (parameter name, shard id), or None to skip it."""
         if name.endswith("rotary_emb.inv_freq"):
             return None

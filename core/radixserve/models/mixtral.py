@@ -12,7 +12,7 @@ loads too.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -32,7 +32,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     architectures = ("MixtralForCausalLM",)
 
     @classmethod
-    def model_facts(cls, config: "PretrainedConfig") -> ModelFacts:
+    def model_facts(cls, config: PretrainedConfig) -> ModelFacts:
         return attention_facts(
             config,
             num_experts=config.num_local_experts,
@@ -42,7 +42,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         )
 
     @classmethod
-    def make_mlp(cls, config: "PretrainedConfig", layer_id: int, ctx: ModelContext) -> nn.Module:
+    def make_mlp(cls, config: PretrainedConfig, layer_id: int, ctx: ModelContext) -> nn.Module:
         return SparseMoE(
             num_experts=config.num_local_experts,
             top_k=config.num_experts_per_tok,
@@ -52,6 +52,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
             renormalize=True,
         )
 
-    def map_weight_name(self, name: str) -> Optional[tuple[str, Any]]:
+    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         name = name.replace(".block_sparse_moe.", ".mlp.")
         return expert_weight_name(name, _PER_EXPERT, _PART) or super().map_weight_name(name)

@@ -14,5 +14,5 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     architectures = ("Qwen2ForCausalLM",)
 
     @classmethod
-    def attention_options(cls, config: "PretrainedConfig") -> AttentionOptions:
+    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
         return AttentionOptions(qkv_bias=True, o_bias=False)

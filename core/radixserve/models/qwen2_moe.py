@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class Qwen2MoeSparseBlock(Qwen3MoeSparseBlock):
-    def __init__(self, config: "PretrainedConfig", ctx: ModelContext):
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext):
         super().__init__(config, ctx)
         self.shared_expert = LlamaMLP(config.hidden_size, config.shared_expert_intermediate_size, ctx)
         # One output per token, replicated on every rank like the router (never quantized).
@@ -38,13 +38,13 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
     architectures = ("Qwen2MoeForCausalLM",)
 
     @classmethod
-    def attention_options(cls, config: "PretrainedConfig") -> AttentionOptions:
+    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
         return AttentionOptions(qkv_bias=bool(getattr(config, "qkv_bias", True)), o_bias=False)
 
     @classmethod
-    def sparse_block(cls, config: "PretrainedConfig", ctx: ModelContext) -> nn.Module:
+    def sparse_block(cls, config: PretrainedConfig, ctx: ModelContext) -> nn.Module:
         return Qwen2MoeSparseBlock(config, ctx)
 
     @classmethod
-    def shared_mlp_size(cls, config: "PretrainedConfig") -> int:
+    def shared_mlp_size(cls, config: PretrainedConfig) -> int:
         return config.shared_expert_intermediate_size

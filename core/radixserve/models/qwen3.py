@@ -14,6 +14,6 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     architectures = ("Qwen3ForCausalLM",)
 
     @classmethod
-    def attention_options(cls, config: "PretrainedConfig") -> AttentionOptions:
+    def attention_options(cls, config: PretrainedConfig) -> AttentionOptions:
         bias = bool(getattr(config, "attention_bias", False))
         return AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm=True)

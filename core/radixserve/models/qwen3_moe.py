@@ -10,7 +10,7 @@ transformers 5's in-memory layout); both load.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -27,12 +27,12 @@ _PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weig
 _PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 
-def num_experts_of(config: "PretrainedConfig") -> int:
+def num_experts_of(config: PretrainedConfig) -> int:
     return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
 
 
 class Qwen3MoeSparseBlock(SparseMoE):
-    def __init__(self, config: "PretrainedConfig", ctx: ModelContext):
+    def __init__(self, config: PretrainedConfig, ctx: ModelContext):
         super().__init__(
             num_experts=num_experts_of(config),
             top_k=config.num_experts_per_tok,
@@ -49,7 +49,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     architectures = ("Qwen3MoeForCausalLM",)
 
     @classmethod
-    def model_facts(cls, config: "PretrainedConfig") -> ModelFacts:
+    def model_facts(cls, config: PretrainedConfig) -> ModelFacts:
         layers = config.num_hidden_layers
         sparse = sum(cls.is_sparse_layer(config, i) for i in range(layers))
         return attention_facts(
@@ -61,12 +61,12 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         )
 
     @classmethod
-    def shared_mlp_size(cls, config: "PretrainedConfig") -> int:
+    def shared_mlp_size(cls, config: PretrainedConfig) -> int:
         """The intermediate size of the dense MLP beside the experts of a sparse layer (0: none)."""
         return 0
 
     @classmethod
-    def is_sparse_layer(cls, config: "PretrainedConfig", layer_id: int) -> bool:
+    def is_sparse_layer(cls, config: PretrainedConfig, layer_id: int) -> bool:
         return (
             layer_id not in (getattr(config, "mlp_only_layers", None) or [])
             and num_experts_of(config) > 0
@@ -74,14 +74,14 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         )
 
     @classmethod
-    def sparse_block(cls, config: "PretrainedConfig", ctx: ModelContext) -> nn.Module:
+    def sparse_block(cls, config: PretrainedConfig, ctx: ModelContext) -> nn.Module:
         return Qwen3MoeSparseBlock(config, ctx)
 
     @classmethod
-    def make_mlp(cls, config: "PretrainedConfig", layer_id: int, ctx: ModelContext) -> nn.Module:
+    def make_mlp(cls, config: PretrainedConfig, layer_id: int, ctx: ModelContext) -> nn.Module:
         if cls.is_sparse_layer(config, layer_id):
             return cls.sparse_block(config, ctx)
         return LlamaMLP(config.hidden_size, config.intermediate_size, ctx)
 
-    def map_weight_name(self, name: str) -> Optional[tuple[str, Any]]:
+    def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         return expert_weight_name(name, _PER_EXPERT, _PART) or super().map_weight_name(name)

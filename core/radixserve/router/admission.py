@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from radixserve.router.metrics import RouterMetrics
 from radixserve.server.errors import APIError
@@ -22,7 +22,7 @@ class Admission:
     def __init__(
         self,
         max_concurrent: int,
-        rate: Optional[float],
+        rate: float | None,
         queue_size: int,
         queue_timeout: float,
         metrics: RouterMetrics,
@@ -36,7 +36,7 @@ class Admission:
         self.tokens, self.refilled_at = self.burst, clock()
         self.in_flight = 0
         self.waiters: deque[asyncio.Future[None]] = deque()
-        self._timer: Optional[asyncio.TimerHandle] = None
+        self._timer: asyncio.TimerHandle | None = None
 
     @property
     def enabled(self) -> bool:

@@ -16,8 +16,8 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import FrameType
-from typing import AsyncIterator, Awaitable, Callable, Optional
 
 import httpx
 import uvicorn
@@ -202,7 +202,7 @@ def _plain(payload: dict) -> RequestInfo:
 
 
 class _RouterServer(uvicorn.Server):
-    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """As uvicorn's, but the signal is not re-raised at exit: a router that shut down
         as asked exits with code 0. A second SIGINT stops without waiting."""
         if self.should_exit and sig == signal.SIGINT:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import typing
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 from radixserve.cli_args import CliArgs, flag
 
@@ -27,12 +27,12 @@ class RouterArgs(CliArgs):
     )
     host: str = flag("HTTP host", default="127.0.0.1")
     port: int = flag("HTTP port (0 picks a free one)", default=30000)
-    api_key: Optional[str] = flag("require this bearer token on the inference routes", default=None)
-    admin_api_key: Optional[str] = flag(
+    api_key: str | None = flag("require this bearer token on the inference routes", default=None)
+    admin_api_key: str | None = flag(
         "bearer token for /workers and /flush_cache (unset: --api-key opens them too)", default=None
     )
-    worker_api_key: Optional[str] = flag("bearer token the router sends to the workers (their --api-key)", default=None)
-    worker_admin_api_key: Optional[str] = flag(
+    worker_api_key: str | None = flag("bearer token the router sends to the workers (their --api-key)", default=None)
+    worker_admin_api_key: str | None = flag(
         "bearer token the router sends to the workers' admin routes, e.g. /flush_cache (their --admin-api-key; "
         "unset: --worker-api-key)",
         default=None,
@@ -72,7 +72,7 @@ class RouterArgs(CliArgs):
     max_concurrent_requests: int = flag(
         "requests the router forwards at once (-1: no limit); more wait in a queue", default=-1
     )
-    rate_limit_tokens_per_second: Optional[float] = flag(
+    rate_limit_tokens_per_second: float | None = flag(
         "token bucket: requests admitted per second on average, bursts up to --max-concurrent-requests "
         "(unset: no rate limit)",
         default=None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 
@@ -42,7 +42,7 @@ class Fleet:
         self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
 
     # ---- membership ------------------------------------------------------------------
-    async def add(self, url: str) -> Optional[Worker]:
+    async def add(self, url: str) -> Worker | None:
         """Register ``url`` now, or keep it pending (None) when it does not serve yet;
         APIError 409 when its model conflicts with the fleet's."""
         url = normalize_url(url)
@@ -89,7 +89,7 @@ class Fleet:
         return by_model
 
     # ---- routing -----------------------------------------------------------------------
-    def candidates(self, model: Optional[str], needs: dict[str, str], exclude: set[str]) -> list[Worker]:
+    def candidates(self, model: str | None, needs: dict[str, str], exclude: set[str]) -> list[Worker]:
         """The workers that may take a request now; an APIError saying why when none may."""
         serving = self._serving(model)
         for feature, param in needs.items():
@@ -108,7 +108,7 @@ class Fleet:
             return available
         raise APIError(503, f"no healthy worker serves model {model!r} now; retry later", code="no_worker_available")
 
-    def _serving(self, model: Optional[str]) -> list[Worker]:
+    def _serving(self, model: str | None) -> list[Worker]:
         by_model = self.models()
         if model is None:  # /generate names no model: any worker, when the fleet serves one model
             if len(by_model) == 1:
@@ -221,12 +221,12 @@ class Fleet:
 
     def _check_identity(self, url: str, facts: WorkerFacts) -> None:
         for other in self.workers.values():
-            if other.model_id == facts.model_id and other.facts.identity and facts.identity:
-                if dict(other.facts.identity) != dict(facts.identity):
-                    raise APIError(
-                        409,
-                        f"worker {url} serves a different model under the name {facts.model_id!r} "
-                        f"({dict(facts.identity)}; {other.url} has {dict(other.facts.identity)}): refused",
-                        param="url",
-                        code="model_conflict",
-                    )
+            same_name = other.model_id == facts.model_id and other.facts.identity and facts.identity
+            if same_name and dict(other.facts.identity) != dict(facts.identity):
+                raise APIError(
+                    409,
+                    f"worker {url} serves a different model under the name {facts.model_id!r} "
+                    f"({dict(facts.identity)}; {other.url} has {dict(other.facts.identity)}): refused",
+                    param="url",
+                    code="model_conflict",
+                )

@@ -19,8 +19,8 @@ import json
 import logging
 import random
 import time
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Optional
 
 import anyio
 import httpx
@@ -45,7 +45,7 @@ _DROPPED_HEADERS = frozenset({"content-length", "transfer-encoding", "connection
 
 
 class TryFailed(Exception):
-    def __init__(self, kind: str, detail: str, response: Optional[httpx.Response] = None, body: bytes = b""):
+    def __init__(self, kind: str, detail: str, response: httpx.Response | None = None, body: bytes = b""):
         super().__init__(detail)
         self.kind, self.detail, self.response, self.body = kind, detail, response, body
 
@@ -57,7 +57,7 @@ class Answer:
     worker: Worker
     upstream: httpx.Response
     content: bytes  # the whole answer, or its first chunk when it streams
-    rest: Optional[AsyncIterator[bytes]] = None  # the stream's other chunks
+    rest: AsyncIterator[bytes] | None = None  # the stream's other chunks
     held: Work = Work(0, 0)  # the work the stream holds on the worker until it ends
 
     @property
@@ -119,7 +119,7 @@ class Forwarder:
                 self.admission.release()
 
     @staticmethod
-    async def _unless_client_leaves(request: Request, sending: Awaitable[Answer]) -> Optional[Answer]:
+    async def _unless_client_leaves(request: Request, sending: Awaitable[Answer]) -> Answer | None:
         """The answer, or None when the client disconnects first (the try is cancelled,
         which closes its connection to the worker: the worker aborts the request)."""
         send = asyncio.ensure_future(sending)
@@ -175,7 +175,7 @@ class Forwarder:
         stream: until the relay ends), with its ``work``."""
         worker.breaker.on_send()
         self._hold(worker, work, +1)
-        upstream: Optional[httpx.Response] = None
+        upstream: httpx.Response | None = None
         try:
             target = worker.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
             outgoing = self.client.build_request(request.method, target, content=body, headers=self._headers(request))

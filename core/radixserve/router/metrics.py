@@ -60,15 +60,15 @@ class RouterMetrics:
         self.refused = Counter(PREFIX + "admission_refused", "requests refused by admission", ["reason"], registry=r)
         self.queue_depth = Gauge(PREFIX + "admission_queue_depth", "requests waiting for admission", registry=r)
 
-    def worker_joined(self, worker: "Worker") -> None:
+    def worker_joined(self, worker: Worker) -> None:
         self.worker_state(worker)
         self.in_flight.labels(worker.url).set(0)
 
-    def worker_state(self, worker: "Worker") -> None:
+    def worker_state(self, worker: Worker) -> None:
         self.healthy.labels(worker.url).set(1 if worker.healthy else 0)
         self.breaker.labels(worker.url).set(int(worker.breaker.state))
 
-    def worker_left(self, worker: "Worker") -> None:
+    def worker_left(self, worker: Worker) -> None:
         for gauge in (self.healthy, self.breaker, self.in_flight):
             gauge.remove(worker.url)
 

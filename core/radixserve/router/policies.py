@@ -17,8 +17,9 @@ from __future__ import annotations
 import itertools
 import random
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Protocol
 
 from radixserve.router.args import RouterArgs
 from radixserve.router.prefix_tree import PrefixTree
@@ -45,7 +46,7 @@ class Choice:
     cached_tokens: int = 0  # of the request's prompt, as the policy believes the worker caches it
 
     @staticmethod
-    def of(worker: Worker, request: RoutingRequest, matched_chars: int) -> "Choice":
+    def of(worker: Worker, request: RoutingRequest, matched_chars: int) -> Choice:
         share = matched_chars / len(request.text) if request.text else 0.0
         return Choice(worker, int(request.prompt_tokens * share))
 
@@ -145,7 +146,7 @@ class CapacityAware:
         self.tree.remove_worker(url)
 
 
-def _capacities(candidates: Sequence[Worker], rate: Callable[[Worker], Optional[float]]) -> dict[str, float]:
+def _capacities(candidates: Sequence[Worker], rate: Callable[[Worker], float | None]) -> dict[str, float]:
     """Each worker's capacity (tokens/s); one not measured yet counts as the median of the
     others (or all as 1.0), so that it gets traffic and is measured."""
     known = [r for r in map(rate, candidates) if r]
@@ -153,7 +154,7 @@ def _capacities(candidates: Sequence[Worker], rate: Callable[[Worker], Optional[
     return {w.url: rate(w) or default for w in candidates}
 
 
-def make_policy(args: RouterArgs, rng: Optional[random.Random] = None) -> Policy:
+def make_policy(args: RouterArgs, rng: random.Random | None = None) -> Policy:
     rng = rng or random.Random()
     if args.policy == "round_robin":
         return RoundRobin()

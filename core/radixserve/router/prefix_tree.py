@@ -9,13 +9,13 @@ from __future__ import annotations
 import heapq
 import time
 from collections import defaultdict
-from typing import Callable, Optional
+from collections.abc import Callable
 
 
 class _Node:
     __slots__ = ("edge", "children", "parent", "workers")
 
-    def __init__(self, edge: str, parent: Optional["_Node"]):
+    def __init__(self, edge: str, parent: _Node | None):
         self.edge = edge
         self.parent = parent
         self.children: dict[str, _Node] = {}

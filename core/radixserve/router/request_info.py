@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from radixserve.router.policies import RoutingRequest
 from radixserve.server.errors import APIError
@@ -20,7 +20,7 @@ _GUIDED_FIELDS = ("regex", "ebnf", "json_schema", "guided_json", "guided_regex",
 
 @dataclass
 class RequestInfo:
-    model: Optional[str]
+    model: str | None
     stream: bool
     needs: dict[str, str] = field(default_factory=dict)  # feature -> the request field that needs it
     routing: RoutingRequest = RoutingRequest("", 0, 0)
@@ -56,7 +56,7 @@ def read_request(route: str, payload: dict[str, Any], estimator: TokenEstimator)
     sampling = sampling if isinstance(sampling, dict) else {}
     text = _routing_text(route, payload)
     if route == "embeddings":
-        max_tokens: Optional[int] = 1  # a prefill alone
+        max_tokens: int | None = 1  # a prefill alone
     else:
         max_tokens = _first_int(sampling, ("max_tokens", "max_completion_tokens", "max_new_tokens"))
     model = payload.get("model")
@@ -119,7 +119,7 @@ def _content_text(content: Any) -> str:
     return content if isinstance(content, str) else ""
 
 
-def _first_int(where: dict[str, Any], names: tuple[str, ...]) -> Optional[int]:
+def _first_int(where: dict[str, Any], names: tuple[str, ...]) -> int | None:
     for name in names:
         value = where.get(name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 # Seconds for a worker's remembered peak throughput to fade by half (``PeakRate``).
 CAPACITY_HALF_LIFE_S = 120.0
@@ -25,10 +26,10 @@ class WorkerFacts:
     # The model's identity beyond its name (architecture, vocabulary size): two workers
     # with the same name and different identities are refused.
     identity: tuple[tuple[str, Any], ...] = ()
-    device: Optional[str] = None
-    dtype: Optional[str] = None
+    device: str | None = None
+    dtype: str | None = None
     backends: dict[str, str] = field(default_factory=dict)
-    max_total_num_tokens: Optional[int] = None
+    max_total_num_tokens: int | None = None
     features: dict[str, bool] = field(default_factory=dict)
 
     def supports(self, feature: str) -> bool:
@@ -43,12 +44,12 @@ class WorkerLoad:
     num_waiting_reqs: int = 0
     num_tokens: int = 0  # tokens of its running and waiting requests (their whole contexts)
     num_waiting_tokens: int = 0  # tokens its queued requests have yet to prefill
-    decode_tokens_per_s: Optional[float] = None
-    prefill_tokens_per_s: Optional[float] = None
+    decode_tokens_per_s: float | None = None
+    prefill_tokens_per_s: float | None = None
     reported_at: float = 0.0
 
     @classmethod
-    def of(cls, entries: list[dict[str, Any]]) -> "WorkerLoad":
+    def of(cls, entries: list[dict[str, Any]]) -> WorkerLoad:
         """From ``/get_load``: one entry per data-parallel replica (SGLang's shape)."""
         return cls(
             num_reqs=sum(int(e.get("num_reqs", 0)) for e in entries),
@@ -61,7 +62,7 @@ class WorkerLoad:
         )
 
 
-def _total(entries: list[dict[str, Any]], key: str) -> Optional[float]:
+def _total(entries: list[dict[str, Any]], key: str) -> float | None:
     rates = [e[key] for e in entries if e.get(key)]
     return sum(rates) if rates else None
 
@@ -82,10 +83,10 @@ class PeakRate:
     down is believed within minutes; None when not measured (yet, or since a restart)."""
 
     def __init__(self) -> None:
-        self.value: Optional[float] = None
+        self.value: float | None = None
         self._at = 0.0
 
-    def observe(self, rate: Optional[float], at: float) -> None:
+    def observe(self, rate: float | None, at: float) -> None:
         if rate is None or self.value is None:
             self.value = rate
         else:

@@ -59,7 +59,7 @@ class BatchPlan:
         req_to_token_pool: ReqToTokenPool,
         transfer: HostTransfer,
         out_cache_loc: list[int],
-    ) -> "BatchPlan":
+    ) -> BatchPlan:
         """The plan of requests at token table ``rows`` with ``prefix_lens`` tokens
         computed and ``extend_lens`` new; records the new tokens' slots
         ``out_cache_loc`` in their rows (the ledger's ``record``: last, so that a
@@ -104,7 +104,7 @@ class BatchPlan:
             extend_lens=self.extend_t,
             req_to_token=req_to_token_pool.req_to_token,
             kv_pool=kv_pool,
-            seq_lens_cpu=[p + n for p, n in zip(self.prefix_lens, self.extend_lens)],
+            seq_lens_cpu=[p + n for p, n in zip(self.prefix_lens, self.extend_lens, strict=True)],
             prefix_lens_cpu=list(self.prefix_lens),
             extend_lens_cpu=list(self.extend_lens),
             logits_indices=self.logits_indices,
@@ -134,17 +134,17 @@ class LogitsRows:
     embed: list[EmbedRows] = field(default_factory=list)
 
     @classmethod
-    def decode(cls, reqs: list[Req]) -> "LogitsRows":
+    def decode(cls, reqs: list[Req]) -> LogitsRows:
         rows = list(range(len(reqs)))
         return cls(rows, list(reqs), rows)
 
     @classmethod
-    def extend(cls, reqs: list[Req], prefix_lens: list[int], extend_lens: list[int]) -> "LogitsRows":
+    def extend(cls, reqs: list[Req], prefix_lens: list[int], extend_lens: list[int]) -> LogitsRows:
         """Each request computes tokens ``[start, start + n)``; it samples when that ends
         its sequence, and scores the prompt tokens it was asked for."""
         out = cls()
         offset = 0
-        for req, start, n in zip(reqs, prefix_lens, extend_lens):
+        for req, start, n in zip(reqs, prefix_lens, extend_lens, strict=True):
             if req.wants_input_logprobs:
                 # Position p's logits score token p + 1; prompt token t needs row t - 1.
                 # This step's rows score tokens start+1 .. start+n.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
 class TPGroup:
     """This process's place among the tensor-parallel ranks, and their collectives."""
 
-    def __init__(self, rank: int, size: int, local_rank: int, comm: Optional[Communicator], cpu_group: Any):
+    def __init__(self, rank: int, size: int, local_rank: int, comm: Communicator | None, cpu_group: Any):
         self.rank = rank
         self.size = size
         self.local_rank = local_rank
@@ -66,7 +66,7 @@ class TPGroup:
         self._cpu_group = cpu_group
 
     @classmethod
-    def single(cls) -> "TPGroup":
+    def single(cls) -> TPGroup:
         """tp_size 1: no torch.distributed at all."""
         return cls(0, 1, 0, None, None)
 
@@ -96,7 +96,7 @@ class TPGroup:
             dist.destroy_process_group()
 
 
-def join_group(spec: Optional[RankSpec], platform: Platform) -> TPGroup:
+def join_group(spec: RankSpec | None, platform: Platform) -> TPGroup:
     """Join the group ``spec`` describes (None: a group of one, nothing to join)."""
     if spec is None:
         return TPGroup.single()

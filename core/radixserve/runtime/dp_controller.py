@@ -41,8 +41,9 @@ import itertools
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import zmq
 
@@ -75,7 +76,7 @@ class _Replica:
     dp_rank: int
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     dispatched_total: int = 0
-    down_reason: Optional[str] = None  # set once it died
+    down_reason: str | None = None  # set once it died
 
 
 @dataclass

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Optional
 
 from radixserve.grammar import CompiledGrammar, GrammarBackend, GrammarSpec, GrammarTokenizer
 
@@ -25,7 +25,7 @@ class GrammarCompiler:
     def __init__(self, backend_cls: type[GrammarBackend], load_tokenizer: Callable[[], GrammarTokenizer]):
         self.backend_cls = backend_cls
         self._load_tokenizer = load_tokenizer
-        self._backend: Optional[GrammarBackend] = None
+        self._backend: GrammarBackend | None = None
         self._backend_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="grammar-compile")
         self._cache: OrderedDict[tuple[str, str, str], Future[CompiledGrammar]] = OrderedDict()

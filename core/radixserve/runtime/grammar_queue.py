@@ -19,9 +19,9 @@ a request's matcher by its sampled token after the step.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
 
 from radixserve.config import ServerArgs
 from radixserve.grammar import (
@@ -53,7 +53,7 @@ class _Pending:
 class GrammarQueue:
     def __init__(
         self,
-        backend: Optional[type[GrammarBackend]],
+        backend: type[GrammarBackend] | None,
         load_tokenizer: Callable[[], GrammarTokenizer],
         compile_timeout: float,
         vocab_size: int,
@@ -66,9 +66,7 @@ class GrammarQueue:
         self.active = 0  # requests holding a matcher
 
     @classmethod
-    def for_model(
-        cls, args: ServerArgs, model_path: str, runner: ModelRunner, eos_ids: Iterable[int]
-    ) -> "GrammarQueue":
+    def for_model(cls, args: ServerArgs, model_path: str, runner: ModelRunner, eos_ids: Iterable[int]) -> GrammarQueue:
         """The queue of a scheduler serving ``model_path``: ``--grammar-backend`` (a
         PluginError if it cannot load), the model's tokenizer loaded at the first compile."""
         backend = runner.registry.grammar_backend(args.grammar_backend)
@@ -77,7 +75,7 @@ class GrammarQueue:
         return cls(backend, load, timeout, runner.vocab_size, runner.transfer, runner.group)
 
     @property
-    def backend_name(self) -> Optional[str]:
+    def backend_name(self) -> str | None:
         return None if self.compiler is None else self.compiler.name
 
     def __bool__(self) -> bool:
@@ -122,7 +120,7 @@ class GrammarQueue:
             if p.future.done() or now - p.since > self.compile_timeout
         }
 
-    def _settle(self, pending: _Pending, timed_out: bool) -> tuple[Req, Optional[FinishReason]]:
+    def _settle(self, pending: _Pending, timed_out: bool) -> tuple[Req, FinishReason | None]:
         req = pending.req
         spec = req.sampling_params.grammar
         assert spec is not None
@@ -153,7 +151,7 @@ class GrammarQueue:
     def constrains(self, reqs: list[Req]) -> bool:
         return self.active > 0 and any(r.grammar is not None for r in reqs)
 
-    def step_mask(self, reqs: list[Req]) -> Optional[TokenMask]:
+    def step_mask(self, reqs: list[Req]) -> TokenMask | None:
         """The bitmask of the constrained requests among ``reqs`` (a step's sampled
         rows, in order) on the device; None when none is constrained."""
         if not self.active:
@@ -167,7 +165,7 @@ class GrammarQueue:
         return TokenMask(bitmask.to(self.transfer.device, non_blocking=True), self.transfer.to_device(rows))
 
     @staticmethod
-    def accept(req: Req, token: int, reason: Optional[FinishReason]) -> Optional[FinishReason]:
+    def accept(req: Req, token: int, reason: FinishReason | None) -> FinishReason | None:
         """Advance ``req``'s matcher by its new token; ``reason`` is the stop check's
         verdict. A terminated grammar finishes the request ("stop")."""
         if req.grammar is None:

@@ -42,8 +42,8 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import torch
 
@@ -66,7 +66,7 @@ def capture_batch_sizes(max_bs: int) -> list[int]:
     return sizes + [max_bs]
 
 
-def padded_batch_size(sizes: list[int], n: int) -> Optional[int]:
+def padded_batch_size(sizes: list[int], n: int) -> int | None:
     """The smallest captured size that holds ``n`` requests (None: ``n`` is above them all)."""
     i = bisect.bisect_left(sizes, n)
     return sizes[i] if i < len(sizes) else None

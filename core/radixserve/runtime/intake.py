@@ -4,8 +4,6 @@ malformed, can take it down."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 from radixserve.config import ServerArgs
 from radixserve.embedding_config import EmbeddingConfig
 from radixserve.messages import FinishReason, GenerateRequest
@@ -21,7 +19,7 @@ class Intake:
         vocab_size: int,
         context_length: int,
         kv_pool_tokens: int,
-        embedding: Optional[EmbeddingConfig] = None,
+        embedding: EmbeddingConfig | None = None,
     ):
         """``embedding``: the model is served for embeddings (then every request must embed)."""
         self.args = args
@@ -30,7 +28,7 @@ class Intake:
         self.kv_pool_tokens = kv_pool_tokens
         self.embedding = embedding
 
-    def receive(self, msg: GenerateRequest | Req) -> tuple[Req, Optional[FinishReason]]:
+    def receive(self, msg: GenerateRequest | Req) -> tuple[Req, FinishReason | None]:
         """The request, and a 400 naming what it got wrong if it can never be served."""
         try:
             req = msg if isinstance(msg, Req) else Req.from_message(msg)
@@ -40,7 +38,7 @@ class Intake:
             error = f"{exc}" if isinstance(exc, ValueError) else f"invalid request: {type(exc).__name__}: {exc}"
         return req, None if error is None else FinishReason(type="abort", message=error, status_code=400)
 
-    def _error(self, req: Req) -> Optional[str]:
+    def _error(self, req: Req) -> str | None:
         ids = req.origin_input_ids
         error = token_ids_error(ids, self.vocab_size)
         if error is not None:
@@ -56,7 +54,7 @@ class Intake:
         max_new = req.sampling_params.max_new_tokens
         return request_fit_error(len(ids), max_new, self.context_length, self.kv_pool_tokens, self.args.page_size)
 
-    def _embedding_error(self, req: Req) -> Optional[str]:
+    def _embedding_error(self, req: Req) -> str | None:
         """An embedding model embeds and a generation model generates; an embedding
         request is a bare prefill (it gets its model's pooling)."""
         if self.embedding is None:

@@ -26,8 +26,9 @@ pins account for (so a lock leaked by an abort shows, even while its pages are
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, TypeVar
 
 from radixserve.cache.base import MatchResult, PrefixCache
 from radixserve.cache.memory_pool import PagedAllocator, ReqToTokenPool
@@ -45,7 +46,7 @@ class PoolCounts:
     private: int
     cached_locked: int
     cached_evictable: int
-    lock_error: Optional[str]  # None when the cache's locks are exactly the holders' and pins'
+    lock_error: str | None  # None when the cache's locks are exactly the holders' and pins'
     rows_unaccounted: int  # token table rows neither free, nor held, nor waiting to be reused
 
     @property
@@ -175,7 +176,7 @@ class KVLedger:
         except BaseException:
             self.allocator.undo_alloc(kv_lens, extend_lens, slots)
             raise
-        for span, n, end in zip(spans, extend_lens, itertools.accumulate(extend_lens)):
+        for span, n, end in zip(spans, extend_lens, itertools.accumulate(extend_lens), strict=True):
             span.kv_len += n
             span.last_slot = slots[end - 1]
         return recorded

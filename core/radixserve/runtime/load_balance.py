@@ -12,8 +12,8 @@ a time) are used in turn rather than the first one always.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 from radixserve.config import LoadBalanceMethod
 from radixserve.messages import GenerateRequest

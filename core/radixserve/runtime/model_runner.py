@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -50,7 +50,7 @@ class ModelRunner:
     rank 0 chooses the dtype and the backends and the others take its choices;
     the KV pool is the smallest any rank can hold."""
 
-    def __init__(self, args: ServerArgs, model_path: str, registry: PluginRegistry, rank: Optional[RankSpec] = None):
+    def __init__(self, args: ServerArgs, model_path: str, registry: PluginRegistry, rank: RankSpec | None = None):
         self.args = args
         self.registry = registry
         self.platform = registry.resolve_platform(args.device)()
@@ -203,7 +203,7 @@ class ModelRunner:
 
     # -- graphs (runtime/graph_runner.py) ---------------------------------------
 
-    def _init_graphs(self) -> tuple[Optional[GraphRunner], dict]:
+    def _init_graphs(self) -> tuple[GraphRunner | None, dict]:
         """Capture the decode graphs, or say why not: ``disable_graph`` None means
         wherever possible, False insists (an error if impossible), True is off."""
         args = self.args

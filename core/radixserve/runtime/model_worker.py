@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional
 
 from radixserve.cache.memory_pool import ReqToTokenPool
 from radixserve.forward_batch import ForwardMode
@@ -42,17 +41,17 @@ class StepWork:
     output_lens: list[int]  # tokens each of them generated before this one
     positions: list[int]  # where each new token goes in its request's token row
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
-    token_mask: Optional[TokenMask] = None  # grammar constraints of the sampled rows (structured output)
+    token_mask: TokenMask | None = None  # grammar constraints of the sampled rows (structured output)
     embed_rows: list[EmbedRows] = field(default_factory=list)  # what embedding requests pool (runtime/pooling.py)
 
     @classmethod
-    def of(cls, batch: BatchPlan, logits: LogitsRows, token_mask: Optional[TokenMask] = None) -> "StepWork":
+    def of(cls, batch: BatchPlan, logits: LogitsRows, token_mask: TokenMask | None = None) -> StepWork:
         """The work of a launched batch, whose requests' ``kv_len`` already counts its
         tokens: a sampled token goes to position ``kv_len`` of its request (the first
         not yet computed), and the tokens generated before it are the ones past the prompt."""
         reqs = logits.sample_reqs
         positions = [r.kv.kv_len for r in reqs]
-        output_lens = [p - len(r.origin_input_ids) for r, p in zip(reqs, positions)]
+        output_lens = [p - len(r.origin_input_ids) for r, p in zip(reqs, positions, strict=True)]
         pool_rows = [r.kv.row for r in reqs]
         return cls(
             batch, reqs, logits.sample_rows, pool_rows, output_lens, positions, logits.prompt, token_mask, logits.embed
@@ -70,7 +69,7 @@ class LaunchedStep:
     future: Future
     kv_after: list[int]
     prompt_done: list[Req] = field(default_factory=list)  # whose prompt this step completes
-    result: Optional[StepResult] = None
+    result: StepResult | None = None
 
 
 @dataclass
@@ -78,7 +77,7 @@ class StepResult:
     """A step's outcome on the host, row ``i`` for ``StepWork.sample_reqs[i]``."""
 
     next_token_ids: list[int]
-    chosen_logprobs: Optional[list[float]]
+    chosen_logprobs: list[float] | None
     top_logprobs: list[list[tuple[float, int]]]  # per row, the request's own top_logprobs_num
     prompt_logprobs: list[tuple[list[float], list]]  # per PromptLogprobRows: values, tops
     embeddings: dict[str, list[float]] = field(default_factory=dict)  # by rid, of the prompts the step ended
@@ -90,15 +89,15 @@ class PendingStep:
 
     sample_reqs: list[Req]
     prompt_logprobs: list[tuple[list[float], list]]
-    copies: Optional[HostCopy] = None  # next ids[, chosen logprobs][, top values, top ids]
+    copies: HostCopy | None = None  # next ids[, chosen logprobs][, top values, top ids]
     has_chosen: bool = False
     has_top: bool = False
     embedded: list[Req] = field(default_factory=list)  # whose embeddings are on their way
-    embeddings: Optional[HostCopy] = None
+    embeddings: HostCopy | None = None
 
     def wait(self) -> StepResult:
         vectors = self.embeddings.wait()[0].tolist() if self.embeddings is not None else []
-        embeddings = {req.rid: vector for req, vector in zip(self.embedded, vectors)}
+        embeddings = {req.rid: vector for req, vector in zip(self.embedded, vectors, strict=True)}
         if self.copies is None:
             return StepResult([], None, [], self.prompt_logprobs, embeddings)
         host = iter(self.copies.wait())
@@ -110,7 +109,7 @@ class PendingStep:
             for i, req in enumerate(self.sample_reqs):
                 if req.return_logprob:
                     k = req.top_logprobs_num
-                    tops[i] = list(zip(values[i][:k], ids[i][:k]))
+                    tops[i] = list(zip(values[i][:k], ids[i][:k], strict=True))
         return StepResult(next_ids, chosen, tops, self.prompt_logprobs, embeddings)
 
 

@@ -4,7 +4,7 @@ and finish, assembled from the request's state."""
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from radixserve.messages import DetokenizeSettings, TokenOutput
 from radixserve.runtime.req import Req
@@ -101,5 +101,5 @@ def add_input_logprobs(req: Req, values: list[float], tops: list, targets: list[
             # The first prompt token has nothing before it to be scored against.
             req.input_token_logprobs.append((None, req.origin_input_ids[0]))
             req.input_top_logprobs.append(None)
-    req.input_token_logprobs.extend(zip(values, targets))
+    req.input_token_logprobs.extend(zip(values, targets, strict=True))
     req.input_top_logprobs.extend(tops)

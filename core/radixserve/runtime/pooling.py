@@ -15,7 +15,6 @@ which then finishes like any prefill-only request, freeing its KV.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -37,7 +36,7 @@ class EmbedRows:
     done: bool
 
     @classmethod
-    def of(cls, req: Req, start: int, n: int) -> Optional["EmbedRows"]:
+    def of(cls, req: Req, start: int, n: int) -> EmbedRows | None:
         """The rows its pooling reads of ``req`` computing its tokens ``[start, start + n)``;
         None when it reads none of them (or generates)."""
         done = start + n == req.seq_len
@@ -53,7 +52,7 @@ class EmbeddingPooling:
         self.pooler = Pooler(config.pooling, config.normalize)
         self.transfer = transfer
 
-    def pool(self, hidden: torch.Tensor, rows: list[EmbedRows]) -> Optional[HostCopy]:
+    def pool(self, hidden: torch.Tensor, rows: list[EmbedRows]) -> HostCopy | None:
         """Pool a step's ``hidden`` rows (its logits rows: ``rows``' and no others,
         the scheduler admits nothing else to an embedding model); the embeddings of
         the prompts it ends, in order, on their way to the host (None: it ends none)."""

@@ -14,7 +14,6 @@ and evictable KV left after the running requests' own expected decode tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from radixserve.cache.base import MatchResult
 from radixserve.config import ServerArgs
@@ -50,8 +49,8 @@ class PrefillPlan:
     reqs: list[Req] = field(default_factory=list)
     extend_lens: list[int] = field(default_factory=list)
     admitted: list[Admission] = field(default_factory=list)
-    chunked: Optional[Req] = None
-    out_of_memory: Optional[Req] = None
+    chunked: Req | None = None
+    out_of_memory: Req | None = None
 
     def add(self, req: Req, extend_len: int) -> None:
         self.reqs.append(req)
@@ -64,7 +63,7 @@ class QueueView:
 
     waiting: list[Req]
     running: list[Req]
-    chunked: Optional[Req]
+    chunked: Req | None
     uncached_prefills: list[Req]  # requests of prefill steps not digested yet: their prompts are not cached yet
     new_token_ratio: float
 

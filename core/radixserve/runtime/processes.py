@@ -18,10 +18,11 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import zmq
 
@@ -84,10 +85,10 @@ class SchedulerGroup:
     first being rank 0 on node 0, which takes the requests on
     ``endpoints.scheduler``); with --dp-size > 1, one replica."""
 
-    dp_rank: Optional[int]  # None without data parallelism
+    dp_rank: int | None  # None without data parallelism
     endpoints: Endpoints
     processes: list[mp.Process]
-    store: Optional[Any] = None  # the TCP store its ranks meet at, when this process serves it
+    store: Any | None = None  # the TCP store its ranks meet at, when this process serves it
 
     @property
     def name(self) -> str:
@@ -194,7 +195,7 @@ def launch_runtime(args: ServerArgs, model_path: str) -> RuntimeProcesses:
     return runtime
 
 
-def rank_specs(args: ServerArgs) -> tuple[list[Optional[RankSpec]], Optional[Any]]:
+def rank_specs(args: ServerArgs) -> tuple[list[RankSpec | None], Any | None]:
     """This node's ranks of one group (``[None]`` at tp_size 1), and the TCP store
     this process serves for them (None where another node or the launcher serves
     it). One node alone serves it on 127.0.0.1 at a port the OS picks (one store
@@ -209,7 +210,7 @@ def rank_specs(args: ServerArgs) -> tuple[list[Optional[RankSpec]], Optional[Any
         serve = args.node_rank == 0 and not launcher_serves_store(args, os.environ)
         store = host_store(host, port, args.dist_timeout) if serve else None
     first = args.node_rank * args.ranks_per_node
-    specs: list[Optional[RankSpec]] = [
+    specs: list[RankSpec | None] = [
         RankSpec(first + i, args.tp_size, i, Rendezvous(host, port), args.dist_timeout)
         for i in range(args.ranks_per_node)
     ]
@@ -217,7 +218,7 @@ def rank_specs(args: ServerArgs) -> tuple[list[Optional[RankSpec]], Optional[Any
 
 
 def spawn_group(
-    ctx: Any, args: ServerArgs, model_path: str, endpoints: Endpoints, dp_rank: Optional[int]
+    ctx: Any, args: ServerArgs, model_path: str, endpoints: Endpoints, dp_rank: int | None
 ) -> tuple[SchedulerGroup, list[Connection]]:
     """Start this node's ranks of one scheduler group on ``endpoints``; returns it
     with the pipes its ranks report on. Replica ``dp_rank`` starts at device
@@ -300,7 +301,7 @@ def wait_until_ready(runtime: RuntimeProcesses, ready_pipes: list[Connection]) -
     ``runtime.summary`` from the first); on the first failure stop the processes
     and raise StartupError naming the rank."""
     ranks = runtime.ranks
-    pending = dict(zip(ready_pipes, ranks))
+    pending = dict(zip(ready_pipes, ranks, strict=True))
     statuses: dict[str, dict] = {}
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     try:
@@ -312,7 +313,7 @@ def wait_until_ready(runtime: RuntimeProcesses, ready_pipes: list[Connection]) -
             for conn in ready:
                 process = pending.pop(conn)
                 try:
-                    status: Optional[dict] = conn.recv()
+                    status: dict | None = conn.recv()
                 except EOFError:
                     status = None
                 if not status or "error" in status:
@@ -324,7 +325,7 @@ def wait_until_ready(runtime: RuntimeProcesses, ready_pipes: list[Connection]) -
     runtime.summary = statuses[ranks[0].name]["summary"]
 
 
-def _startup_failure(process: mp.Process, status: Optional[dict]) -> str:
+def _startup_failure(process: mp.Process, status: dict | None) -> str:
     if status:
         logger.debug("the %s's traceback:\n%s", process.name, status["error"])
         return f"the {process.name} failed to start: {exception_summary(status['error'])}"

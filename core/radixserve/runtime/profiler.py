@@ -20,9 +20,9 @@ import contextlib
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Callable, ContextManager, Optional
 
 import torch
 from torch.profiler import ProfilerActivity
@@ -38,7 +38,7 @@ class ProfileError(ValueError):
     """A start or stop the profiler refuses (the message names the field where one is at fault)."""
 
 
-def trace_file_name(rank: int, now: Optional[datetime] = None) -> str:
+def trace_file_name(rank: int, now: datetime | None = None) -> str:
     stamp = (now or datetime.now()).strftime("%Y%m%d-%H%M%S-%f")
     return f"radixserve-{stamp}-rank{rank}.trace.json"
 
@@ -50,10 +50,10 @@ class StepProfiler:
     def __init__(self, activities: list[ProfilerActivity], rank: int = 0):
         self.activities = activities
         self.rank = rank
-        self._prof: Optional[torch.profiler.profile] = None
-        self._path: Optional[Path] = None  # the trace of the last start, until stop() hands it out
-        self._error: Optional[str] = None  # why that trace could not be written
-        self._num_steps: Optional[int] = None
+        self._prof: torch.profiler.profile | None = None
+        self._path: Path | None = None  # the trace of the last start, until stop() hands it out
+        self._error: str | None = None  # why that trace could not be written
+        self._num_steps: int | None = None
         self._steps = 0
 
     def start(self, options: ProfileOptions) -> str:
@@ -83,7 +83,7 @@ class StepProfiler:
         )
         return str(self._path)
 
-    def step_scope(self, name: Callable[[], str]) -> ContextManager:
+    def step_scope(self, name: Callable[[], str]) -> contextlib.AbstractContextManager[None]:
         """The context a step's launch runs in: ``record_function("radixserve." + name())``
         while profiling, else a null context."""
         if self._prof is None:

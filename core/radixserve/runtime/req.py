@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from radixserve.config import PoolingMethod
 from radixserve.grammar import GrammarMatcher
@@ -40,37 +40,37 @@ class Req(RequestOptions):
     arrival: int = field(default_factory=lambda: next(_arrival))
     arrival_time: float = field(default_factory=time.perf_counter)
     # Seconds from arrival to first admission (None until admitted).
-    queue_time: Optional[float] = None
+    queue_time: float | None = None
 
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: Optional[FinishReason] = None
+    finish_reason: FinishReason | None = None
 
     # The request's hold on KV memory (None while it holds none); only the KV ledger
     # (runtime/kv_ledger.py) writes it.
-    kv: Optional[KVSpan] = None
+    kv: KVSpan | None = None
     # Prompt tokens served from the cache when the request was first scheduled.
     cached_tokens: int = -1
 
     # Logprob accumulators and streaming bookkeeping.
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    input_token_logprobs: Optional[list] = None
-    input_top_logprobs: Optional[list] = None
+    input_token_logprobs: list | None = None
+    input_top_logprobs: list | None = None
     sent_len: int = 0
     input_logprobs_done: bool = False
     detokenize_sent: bool = False  # the detokenizer has this request's DetokenizeSettings
     # Its place in its grammar (structured output), from its compile until its finish;
     # only runtime/grammar_queue.py sets it.
-    grammar: Optional[GrammarMatcher] = None
+    grammar: GrammarMatcher | None = None
     # An embedding request's pooling, set at intake from the model's (None: it generates).
-    pooling: Optional[PoolingMethod] = None
+    pooling: PoolingMethod | None = None
     # The pooled sum of its prompt's chunks so far (mean pooling; a device tensor):
     # only the model worker's pooling (runtime/pooling.py) touches it, in step order.
     pooled: Any = None
-    embedding: Optional[list[float]] = None  # the result, once its prompt is computed
+    embedding: list[float] | None = None  # the result, once its prompt is computed
 
     @classmethod
-    def from_message(cls, msg: GenerateRequest) -> "Req":
+    def from_message(cls, msg: GenerateRequest) -> Req:
         return cls(
             rid=msg.rid, origin_input_ids=list(msg.input_ids), sampling_params=msg.sampling_params, **msg.options()
         )

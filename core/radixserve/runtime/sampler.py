@@ -33,8 +33,9 @@ running request's token statistics between steps.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Protocol, Sequence
+from typing import Protocol
 
 import torch
 
@@ -54,26 +55,26 @@ class TopLogprobs:
 
     def tolist(self) -> list[list[tuple[float, int]]]:
         """Per row, the (logprob, token id) pairs, best first (one device->host copy)."""
-        return [list(zip(v, i)) for v, i in zip(self.values.tolist(), self.ids.tolist())]
+        return [list(zip(v, i, strict=True)) for v, i in zip(self.values.tolist(), self.ids.tolist(), strict=True)]
 
 
 @dataclass
 class SampleOutput:
     next_token_ids: torch.Tensor  # [B] int64
-    chosen_logprobs: Optional[torch.Tensor] = None  # [B] float32, raw logprob of each chosen token
-    top_logprobs: Optional[TopLogprobs] = None  # [B, k], k = the largest number asked for
+    chosen_logprobs: torch.Tensor | None = None  # [B] float32, raw logprob of each chosen token
+    top_logprobs: TopLogprobs | None = None  # [B, k], k = the largest number asked for
 
     def top_logprobs_list(self, row: int, k: int) -> list[tuple[float, int]]:
         """The ``k`` best (logprob, token id) of one row, best first."""
         if self.top_logprobs is None or k <= 0:
             return []
         values = self.top_logprobs.values[row, :k].tolist()
-        return list(zip(values, self.top_logprobs.ids[row, :k].tolist()))
+        return list(zip(values, self.top_logprobs.ids[row, :k].tolist(), strict=True))
 
 
 def compute_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, top_k: int = 0
-) -> tuple[torch.Tensor, Optional[TopLogprobs]]:
+) -> tuple[torch.Tensor, TopLogprobs | None]:
     """``log_softmax(logits)[i, token_ids[i]]`` for each row, and the ``top_k``
     best of each row when asked; the ``[N, V]`` log_softmax is never built.
 
@@ -123,9 +124,9 @@ class SamplingBatch:
 
     params: list[SamplingParams]
     output_lens: list[int]  # tokens each request has generated so far
-    token_stats: list[Optional[TokenStats]]  # up to date for rows with penalties, else None
+    token_stats: list[TokenStats | None]  # up to date for rows with penalties, else None
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
-    token_mask: Optional[TokenMask] = None  # the constrained rows' grammar masks
+    token_mask: TokenMask | None = None  # the constrained rows' grammar masks
 
     @classmethod
     def build(
@@ -137,10 +138,10 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device | str = "cpu",
         eos_token_ids: Iterable[int] = (),
-    ) -> "SamplingBatch":
+    ) -> SamplingBatch:
         """From scratch, counting every token (``Sampler`` keeps the counts instead)."""
-        stats: list[Optional[TokenStats]] = []
-        for p, prompt, output in zip(params, prompt_ids, output_ids):
+        stats: list[TokenStats | None] = []
+        for p, prompt, output in zip(params, prompt_ids, output_ids, strict=True):
             s = None
             if p.has_penalties:
                 s = TokenStats(prompt, vocab_size, device)
@@ -153,10 +154,10 @@ def sample(
     logits: torch.Tensor,
     batch: SamplingBatch,
     *,
-    generator: Optional[torch.Generator] = None,
+    generator: torch.Generator | None = None,
     return_logprob: bool = False,
     top_logprobs_num: int = 0,
-    transfer: Optional[HostTransfer] = None,
+    transfer: HostTransfer | None = None,
     mask_logits: MaskLogits = apply_token_bitmask,
 ) -> SampleOutput:
     """One token per row of ``logits`` ([B, V], on any device). ``generator``
@@ -200,7 +201,7 @@ def _adjusted_logits(
     penalized = [i for i, s in enumerate(batch.token_stats) if s is not None]
     blocked = [
         (i, t)
-        for i, (p, n) in enumerate(zip(batch.params, batch.output_lens))
+        for i, (p, n) in enumerate(zip(batch.params, batch.output_lens, strict=True))
         if n < p.min_new_tokens
         for t in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else batch.eos_token_ids))
     ]
@@ -208,7 +209,7 @@ def _adjusted_logits(
         return raw
     x = raw.clone()
     if bias:
-        rows, cols, values = zip(*bias)
+        rows, cols, values = zip(*bias, strict=True)
         index = (to_device(rows), to_device(cols))
         x.index_put_(index, to_device(values, x.dtype), accumulate=True)
     if penalized:
@@ -217,7 +218,7 @@ def _adjusted_logits(
             x[rows_t], [batch.params[i] for i in penalized], [batch.token_stats[i] for i in penalized], transfer
         )
     if blocked:
-        rows, cols = zip(*blocked)
+        rows, cols = zip(*blocked, strict=True)
         x[to_device(rows), to_device(cols)] = float("-inf")
     if batch.token_mask is not None:
         mask_logits(x, batch.token_mask.bitmask, batch.token_mask.rows)
@@ -247,7 +248,7 @@ def _draw(
     x: torch.Tensor,
     params: list[SamplingParams],
     steps: list[int],
-    generator: Optional[torch.Generator],
+    generator: torch.Generator | None,
     transfer: HostTransfer,
 ) -> torch.Tensor:
     """Temperature, top_k, top_p, min_p, then one draw per row."""
@@ -329,7 +330,7 @@ class Sampler:
         device: torch.device | str,
         random_seed: int = 0,
         eos_token_ids: Iterable[int] = (),
-        transfer: Optional[HostTransfer] = None,
+        transfer: HostTransfer | None = None,
         mask_logits: MaskLogits = apply_token_bitmask,
     ):
         """``mask_logits``: how grammar masks are applied (the model's elementwise
@@ -347,8 +348,8 @@ class Sampler:
         self,
         reqs: Sequence[SamplingRequest],
         logits: torch.Tensor,
-        output_lens: Optional[Sequence[int]] = None,
-        token_mask: Optional[TokenMask] = None,
+        output_lens: Sequence[int] | None = None,
+        token_mask: TokenMask | None = None,
     ) -> SampleOutput:
         """One token for each request from its row of ``logits`` ([len(reqs), V]).
         ``output_lens``: tokens each request has generated before this one
@@ -388,7 +389,7 @@ class Sampler:
         values, top = compute_logprobs(logits, ids, top_logprobs_num)
         return values.tolist(), top.tolist() if top is not None else [[] for _ in target_ids]
 
-    def _token_stats(self, req: SamplingRequest) -> Optional[TokenStats]:
+    def _token_stats(self, req: SamplingRequest) -> TokenStats | None:
         if not req.sampling_params.has_penalties:
             return None
         key = id(req)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Optional
 
 from radixserve.cache.chunk_cache import ChunkCache
 from radixserve.cache.radix_cache import RadixCache
@@ -47,8 +46,8 @@ class Scheduler:
         args: ServerArgs,
         model_path: str,
         tokenizer,
-        registry: Optional[PluginRegistry] = None,
-        rank: Optional[RankSpec] = None,
+        registry: PluginRegistry | None = None,
+        rank: RankSpec | None = None,
     ):
         """``rank``: this process's tensor-parallel rank (tp_size > 1); every rank
         runs a Scheduler on the same messages, so they schedule alike."""
@@ -72,13 +71,13 @@ class Scheduler:
 
         self.waiting: list[Req] = []
         self.running: list[Req] = []
-        self.chunked_req: Optional[Req] = None  # admitted, its prompt not all prefilled yet
+        self.chunked_req: Req | None = None  # admitted, its prompt not all prefilled yet
         self.new_token_ratio = args.init_new_token_ratio
         self._by_rid: dict[str, Req] = {}
         self.outbox = Outbox(args.stream_interval)
-        self._launching: Optional[list[Req]] = None  # the requests of the step being launched
-        self._in_flight: Optional[LaunchedStep] = None  # launched, not awaited yet (overlap)
-        self._unprocessed: Optional[LaunchedStep] = None  # awaited, tokens not digested yet
+        self._launching: list[Req] | None = None  # the requests of the step being launched
+        self._in_flight: LaunchedStep | None = None  # launched, not awaited yet (overlap)
+        self._unprocessed: LaunchedStep | None = None  # awaited, tokens not digested yet
 
     # ---- intake ------------------------------------------------------------
     def add_request(self, msg: GenerateRequest | Req) -> None:
@@ -161,7 +160,7 @@ class Scheduler:
         """Outputs pending without a model step (aborted or rejected requests)."""
         return self._collect_outputs()
 
-    def _launch_next(self) -> Optional[LaunchedStep]:
+    def _launch_next(self) -> LaunchedStep | None:
         if self.grammars.constrains(self.running):  # their masks need the last step's tokens: no overlap
             self._digest_outstanding()
         # Requests of a prefill still computing or not digested: their prompts are not cached yet.
@@ -233,7 +232,7 @@ class Scheduler:
             self.oplog.prefill(len(plan.reqs), sum(plan.extend_lens), cached, self.stats(exact=False))
         launched = self._launch(ForwardMode.EXTEND, plan.reqs, plan.extend_lens)
         self.totals.count_extend(sum(plan.extend_lens))
-        launched.prompt_done = [r for r, kv in zip(plan.reqs, launched.kv_after) if kv == r.seq_len]
+        launched.prompt_done = [r for r, kv in zip(plan.reqs, launched.kv_after, strict=True) if kv == r.seq_len]
         self.running.extend(launched.work.sample_reqs)  # they decode from the next step on
         return launched
 
@@ -251,11 +250,11 @@ class Scheduler:
         """Digest a finished step: prompt logprobs, cache the prefilled pages, finish
         prefill-only requests (embeddings), append the sampled tokens and check stop conditions."""
         result, work = launched.result, launched.work
-        for rows, (values, tops) in zip(work.prompt_rows, result.prompt_logprobs):
+        for rows, (values, tops) in zip(work.prompt_rows, result.prompt_logprobs, strict=True):
             if not rows.req.finished:
                 add_input_logprobs(rows.req, values, tops, rows.targets)
         if launched.mode is ForwardMode.EXTEND:
-            for req, kv in zip(launched.reqs, launched.kv_after):
+            for req, kv in zip(launched.reqs, launched.kv_after, strict=True):
                 if not req.finished:
                     # Prefilled pages go to the cache now, not at the finish, so that waiting
                     # requests with the same prefix (deferred by the planner) match them.
@@ -271,7 +270,7 @@ class Scheduler:
                 self._append(req, result, i)
 
     # ---- decode ----------------------------------------------------------------
-    def _launch_decode(self) -> Optional[LaunchedStep]:
+    def _launch_decode(self) -> LaunchedStep | None:
         self._make_room_for_decode()
         if not self.running:
             return None

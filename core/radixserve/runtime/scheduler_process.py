@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import traceback
 from multiprocessing.connection import Connection
-from typing import Optional
 
 import zmq
 
@@ -35,7 +34,7 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 50
 
 
-def scheduler_process_name(rank: Optional[RankSpec], dp_rank: Optional[int] = None) -> str:
+def scheduler_process_name(rank: RankSpec | None, dp_rank: int | None = None) -> str:
     """``scheduler``, ``scheduler-tp1``, ``scheduler-dp0``, ``scheduler-dp1-tp1``..."""
     parts = ["scheduler"]
     if dp_rank is not None:
@@ -50,8 +49,8 @@ def run_scheduler_process(
     model_path: str,
     endpoints: Endpoints,
     ready: Connection,
-    rank: Optional[RankSpec] = None,
-    dp_rank: Optional[int] = None,
+    rank: RankSpec | None = None,
+    dp_rank: int | None = None,
 ) -> None:
     """Load the model and serve until a ShutdownRequest. ``rank``: this process's
     tensor-parallel rank (None at tp_size 1). ``dp_rank``: its group's
@@ -119,7 +118,7 @@ def run_scheduler_process(
                 logger.error("KV memory invariant broken while idle: %s", scheduler.stats())
 
 
-def _dispatch(scheduler, msg, to_tm: Optional[zmq.Socket]) -> None:
+def _dispatch(scheduler, msg, to_tm: zmq.Socket | None) -> None:
     """Handle one message; ``to_tm`` (rank 0's) gets control replies, other ranks only act."""
     if isinstance(msg, GenerateRequest):
         scheduler.add_request(msg)

@@ -9,8 +9,8 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
 
 from radixserve.runtime.kv_ledger import PoolCounts
 from radixserve.runtime.req import Req
@@ -64,7 +64,7 @@ class StepRate:
             self._tokens -= old_tokens
 
     @property
-    def tokens_per_s(self) -> Optional[float]:
+    def tokens_per_s(self) -> float | None:
         if not self._tokens or self._seconds <= 0:
             return None
         return self._tokens / self._seconds
@@ -98,8 +98,8 @@ class SchedulerStats:
     num_running_reqs: int
     num_queue_reqs: int
     num_waiting_tokens: int  # tokens the waiting requests have to prefill
-    decode_tokens_per_s: Optional[float]  # StepRates'
-    prefill_tokens_per_s: Optional[float]
+    decode_tokens_per_s: float | None  # StepRates'
+    prefill_tokens_per_s: float | None
     token_usage: float
     tokens_in_use: int  # held by requests or locked in the cache (free and evictable ones are not)
     cache_hit_rate: float
@@ -113,12 +113,12 @@ class SchedulerStats:
     locked_cached_tokens: int  # cached tokens some request reads (the rest are evictable)
     private_tokens: int
     memory_invariant_ok: bool
-    memory_error: Optional[str]  # what breaks the invariant, when it is broken
+    memory_error: str | None  # what breaks the invariant, when it is broken
 
     @classmethod
     def of(
         cls, totals: ServingTotals, pool: PoolCounts, num_running: int, waiting: Sequence[Req], rates: StepRates
-    ) -> "SchedulerStats":
+    ) -> SchedulerStats:
         in_use = pool.total - pool.free - pool.cached_evictable
         return cls(
             num_running_reqs=num_running,
@@ -143,7 +143,7 @@ class SchedulerStats:
         )
 
 
-def _memory_error(pool: PoolCounts) -> Optional[str]:
+def _memory_error(pool: PoolCounts) -> str | None:
     if pool.lock_error is not None:
         return f"prefix cache locks: {pool.lock_error}"
     if pool.rows_unaccounted:

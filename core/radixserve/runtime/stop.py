@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import bisect
 import os
-from typing import Any, Iterable, Optional, Sequence, Union
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from radixserve.messages import FinishReason
 from radixserve.sampling.params import SamplingParams
@@ -35,7 +36,7 @@ class StopChecker:
         self.tokenizer = tokenizer  # a HF tokenizer; None is fine without stop strings
         self.eos_token_ids = frozenset(eos_token_ids)
 
-    def check(self, params: SamplingParams, output_ids: Sequence[int]) -> Optional[FinishReason]:
+    def check(self, params: SamplingParams, output_ids: Sequence[int]) -> FinishReason | None:
         n = len(output_ids)
         if n and n >= params.min_new_tokens:
             last = output_ids[-1]
@@ -49,7 +50,7 @@ class StopChecker:
             return FinishReason("length")
         return None
 
-    def _stop_string(self, params: SamplingParams, output_ids: Sequence[int]) -> Optional[str]:
+    def _stop_string(self, params: SamplingParams, output_ids: Sequence[int]) -> str | None:
         if self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer")
         # Each token carries at least one byte of text (special tokens aside), so
@@ -60,7 +61,7 @@ class StopChecker:
         if not any(s in tail for s in params.stop):
             return None
         new_from = len(os.path.commonprefix([self._decode(window[:-1], params), tail]))
-        best: Optional[str] = None
+        best: str | None = None
         best_end = 0
         for s in params.stop:
             start = tail.find(s, max(new_from - len(s) + 1, 0))
@@ -86,7 +87,7 @@ def out_of_memory() -> FinishReason:
     return FinishReason(type="abort", matched=None, message="out of KV cache memory for a single request")
 
 
-def drop_stop_token(ids: list[int], matched: Union[int, str, None], no_stop_trim: bool) -> list[int]:
+def drop_stop_token(ids: list[int], matched: int | str | None, no_stop_trim: bool) -> list[int]:
     """The ids whose text the user sees, from a finished request's last ids:
     a matched stop/EOS token (``matched`` an int) is left out unless ``no_stop_trim``."""
     if no_stop_trim or not isinstance(matched, int) or not ids or ids[-1] != matched:
@@ -120,7 +121,7 @@ class StopHoldback:
         return 0
 
 
-def trim_stop_string(text: str, matched: Union[int, str, None], no_stop_trim: bool, start: int = 0) -> str:
+def trim_stop_string(text: str, matched: int | str | None, no_stop_trim: bool, start: int = 0) -> str:
     """A finished request's text, cut before the stop string ``matched`` (unless
     ``no_stop_trim``): at its first occurrence from ``start``. Pass as ``start``
     the length of text already streamed under ``StopHoldback``: the matched

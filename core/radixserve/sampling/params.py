@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any
 
 from radixserve.grammar import GrammarSpec, ReasoningGate
 from radixserve.request_limits import SamplingLimits, has_lone_surrogate
@@ -33,10 +33,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
-    logit_bias: Optional[dict[int, float]] = None
-    seed: Optional[int] = None
-    stop: Union[str, list[str], None] = field(default_factory=list)  # a list after __post_init__
-    stop_token_ids: Optional[list[int]] = field(default_factory=list)  # a list after __post_init__
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = field(default_factory=list)  # a list after __post_init__
+    stop_token_ids: list[int] | None = field(default_factory=list)  # a list after __post_init__
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -44,9 +44,9 @@ class SamplingParams:
     n: int = 1
     # Structured output: what the output must match (the API layers build it from
     # response_format, regex, json_schema, ebnf and their aliases).
-    grammar: Optional[GrammarSpec] = None
+    grammar: GrammarSpec | None = None
     # With a reasoning parser: the grammar applies only after the reasoning (grammar.GatedMatcher).
-    grammar_gate: Optional[ReasoningGate] = None
+    grammar_gate: ReasoningGate | None = None
 
     def __post_init__(self) -> None:
         # Normalize only what has the right shape; validate() reports the rest.
@@ -64,7 +64,7 @@ class SamplingParams:
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
 
     @classmethod
-    def from_dict(cls, d: Optional[dict[str, Any]]) -> "SamplingParams":
+    def from_dict(cls, d: dict[str, Any] | None) -> SamplingParams:
         """Build from a request's JSON object; unknown keys are an error."""
         d = d or {}
         known = {f.name for f in dataclasses.fields(cls)}
@@ -82,7 +82,7 @@ class SamplingParams:
         """Whether sampling needs the request's token history."""
         return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
-    def validate(self, vocab_size: Optional[int] = None, limits: Optional[SamplingLimits] = None) -> None:
+    def validate(self, vocab_size: int | None = None, limits: SamplingLimits | None = None) -> None:
         """Raise ValueError naming the first bad field; ``vocab_size`` bounds token
         ids, ``limits`` (the server's flags) bound ``n`` and the stop strings."""
         _int("max_new_tokens", self.max_new_tokens, low=0)
@@ -177,7 +177,7 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _int(name: str, value: Any, low: Optional[int] = None) -> None:
+def _int(name: str, value: Any, low: int | None = None) -> None:
     if not _is_int(value):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if not INT64_MIN <= value <= INT64_MAX:
@@ -191,7 +191,7 @@ def _float(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be a finite number, got {value!r}")
 
 
-def _token_id(name: str, value: Any, vocab_size: Optional[int]) -> None:
+def _token_id(name: str, value: Any, vocab_size: int | None) -> None:
     if not _is_int(value):
         raise ValueError(f"{name} must hold integer token ids, got {value!r}")
     if value < 0 or (vocab_size is not None and value >= vocab_size):

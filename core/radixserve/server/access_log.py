@@ -21,7 +21,6 @@ import contextvars
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -51,13 +50,13 @@ class RequestRecord:
             self.finish_reasons[internal] = out.finish_reason.type
 
 
-current_request: contextvars.ContextVar[Optional[RequestRecord]] = contextvars.ContextVar(
+current_request: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(
     "radixserve_current_request", default=None
 )
 
 
 class AccessLog:
-    def __init__(self, app: ASGIApp, metrics: Optional[ServerMetrics] = None, log_bodies: bool = False):
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics | None = None, log_bodies: bool = False):
         self.app = app
         self.metrics = metrics
         self.log_bodies = log_bodies
@@ -69,7 +68,7 @@ class AccessLog:
         started = time.perf_counter()
         record = RequestRecord()
         current_request.set(record)  # this task's context: the request's own
-        status: Optional[int] = None
+        status: int | None = None
         complete = disconnected = False
         body = bytearray()
 

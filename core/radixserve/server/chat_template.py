@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from jinja2 import TemplateError
 
@@ -12,10 +12,10 @@ from radixserve.server.protocol import ChatCompletionRequest
 
 
 class ChatTemplate:
-    def __init__(self, tokenizer: Any, override_path: Optional[str] = None):
+    def __init__(self, tokenizer: Any, override_path: str | None = None):
         self.tokenizer = tokenizer
         if override_path is not None:
-            self.source: Optional[str] = Path(override_path).read_text()
+            self.source: str | None = Path(override_path).read_text()
             self.origin = override_path
         else:
             self.source = getattr(tokenizer, "chat_template", None) or None

@@ -16,7 +16,6 @@ import base64
 import math
 import struct
 import uuid
-from typing import Optional, Union
 
 from fastapi import Request
 
@@ -30,7 +29,7 @@ from radixserve.server.tokenizer_manager import GenerateInput
 RENAMES = {"text": "input", "input_ids": "input"}
 
 
-def inputs_of(value: Union[str, list]) -> list[Union[str, list[int]]]:
+def inputs_of(value: str | list) -> list[str | list[int]]:
     """``input`` as a list of prompts: strings or lists of token ids."""
     if isinstance(value, str):
         return [value]
@@ -41,7 +40,7 @@ def inputs_of(value: Union[str, list]) -> list[Union[str, list[int]]]:
     return list(value)
 
 
-def truncate(vector: list[float], dimensions: Optional[int], normalize: bool) -> list[float]:
+def truncate(vector: list[float], dimensions: int | None, normalize: bool) -> list[float]:
     """The first ``dimensions`` values, L2-normalised again when ``normalize``."""
     if dimensions is None or dimensions >= len(vector):
         return vector
@@ -50,7 +49,7 @@ def truncate(vector: list[float], dimensions: Optional[int], normalize: bool) ->
     return [x / norm for x in cut] if norm > 0 else cut
 
 
-def encode(vector: list[float], encoding_format: str) -> Union[list[float], str]:
+def encode(vector: list[float], encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
     return vector

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,25 +31,25 @@ _TYPES = {
 class APIError(Exception):
     """An error to answer with; raise it anywhere below a route."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {
         "error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}
     }
 
 
-def error_response(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
 _LEADING_NAME = re.compile(r"^([A-Za-z_][\w.\[\]]*)(?::| must| token id)")
 
 
-def bad_request(exc: ValueError, renames: Optional[dict[str, str]] = None) -> APIError:
+def bad_request(exc: ValueError, renames: dict[str, str] | None = None) -> APIError:
     """A 400 for a ValueError from the runtime's validation, whose message starts
     with the offending field's name (``"top_p must be in (0, 1]"``,
     ``"max_new_tokens: prompt ... exceeds"``). ``renames`` maps the runtime's
@@ -72,7 +72,7 @@ def _is_type_tag(part: str) -> bool:
     return "[" in part or part.startswith(("function-", "constrained-")) or part in _TYPE_TAGS
 
 
-def _loc_to_param(loc: tuple[Any, ...]) -> Optional[str]:
+def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
     """``("body", "messages", 0, "role")`` -> ``"messages[0].role"``."""
     parts = [p for p in loc if p not in ("body", "query", "path")]
     param = ""
@@ -84,7 +84,7 @@ def _loc_to_param(loc: tuple[Any, ...]) -> Optional[str]:
     return param or None
 
 
-def _error_param(error: dict) -> Optional[str]:
+def _error_param(error: dict) -> str | None:
     """The field at fault: named by the validator in ``ctx["param"]`` when the
     error's location cannot say it (a check of the whole body), else its location."""
     ctx = error.get("ctx") or {}
@@ -93,7 +93,7 @@ def _error_param(error: dict) -> Optional[str]:
     return _loc_to_param(tuple(error.get("loc", ())))
 
 
-def validation_summary(errors: list[dict]) -> tuple[Optional[str], str]:
+def validation_summary(errors: list[dict]) -> tuple[str | None, str]:
     """The param and message of a 400 for pydantic's errors. A value that matches
     no member of a union gets one error per member; the deepest location is the
     most specific (``messages[0].content[0].type`` over ``messages[0].content``),
@@ -104,7 +104,7 @@ def validation_summary(errors: list[dict]) -> tuple[Optional[str], str]:
     depth = [len(re.findall(r"[.\[]", p)) + 1 if p else 0 for p in params]
     chosen = params[depth.index(max(depth))]
     messages: list[str] = []
-    for error, param in zip(errors, params):
+    for error, param in zip(errors, params, strict=True):
         if param == chosen:
             message = "field required" if error.get("type") == "missing" else error.get("msg", "invalid value")
             if message not in messages:

@@ -27,8 +27,8 @@ import dataclasses
 import json
 import logging
 import signal
+from collections.abc import AsyncIterator, Callable
 from types import FrameType
-from typing import AsyncIterator, Callable, Optional
 
 import h11
 import uvicorn
@@ -187,7 +187,7 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
         return {"success": True}
 
     @app.post("/start_profile")
-    async def start_profile(body: Optional[StartProfileBody] = None) -> dict:
+    async def start_profile(body: StartProfileBody | None = None) -> dict:
         body = body or StartProfileBody()
         tm = state.ready_tm()
         try:
@@ -283,9 +283,9 @@ class _Server(uvicorn.Server):
         self.state, self.shutdown_timeout = state, shutdown_timeout
         self.draining = False
         self.cut_short = False
-        self._drain_task: Optional[asyncio.Task] = None
+        self._drain_task: asyncio.Task | None = None
 
-    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded in _captured_signals: uvicorn would re-raise it at exit,
         # and the process would end by the signal instead of with exit code 0.
         loop = self.state.loop

@@ -7,12 +7,13 @@ replacement characters, so it is readable but not always exact.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from radixserve.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
-Pair = tuple[Optional[float], int]  # (logprob, token id); the first prompt token has no logprob
+Pair = tuple[float | None, int]  # (logprob, token id); the first prompt token has no logprob
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -27,7 +28,7 @@ def _byte_decoder() -> dict[str, int]:
             byte_values.append(b)
             code_points.append(256 + shifted)
             shifted += 1
-    return {chr(c): b for b, c in zip(byte_values, code_points)}
+    return {chr(c): b for b, c in zip(byte_values, code_points, strict=True)}
 
 
 class TokenTexts:
@@ -74,7 +75,7 @@ def chat_logprobs(texts: TokenTexts, tokens: Sequence[Pair], tops: Sequence[Sequ
 
 
 def completion_logprobs(
-    texts: TokenTexts, tokens: Sequence[Pair], tops: Sequence[Optional[Sequence[Pair]]], text_offset: int
+    texts: TokenTexts, tokens: Sequence[Pair], tops: Sequence[Sequence[Pair] | None], text_offset: int
 ) -> tuple[CompletionLogprobs, int]:
     """The legacy shape; ``text_offset`` is where the first token starts in the
     choice's text. Returns the logprobs and the offset after the last token.

@@ -10,7 +10,6 @@ admin key when an API key is set, else anyone."""
 from __future__ import annotations
 
 import hmac
-from typing import Optional
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -23,7 +22,7 @@ ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/start_profile", "/s
 HTTP_VERSIONS = frozenset({"1.0", "1.1"})
 
 
-def _bearer(key: Optional[str]) -> Optional[bytes]:
+def _bearer(key: str | None) -> bytes | None:
     return f"Bearer {key}".encode() if key else None
 
 
@@ -31,8 +30,8 @@ class RequestGuard:
     def __init__(
         self,
         app: ASGIApp,
-        api_key: Optional[str],
-        admin_api_key: Optional[str],
+        api_key: str | None,
+        admin_api_key: str | None,
         max_payload_size: int,
         admin_paths: frozenset[str] = ADMIN_PATHS,
     ):
@@ -81,7 +80,7 @@ class RequestGuard:
         given = dict(scope["headers"]).get(b"authorization", b"")
         return any(hmac.compare_digest(given, key) for key in keys)
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> Optional[list[Message]]:
+    async def _read_body(self, scope: Scope, receive: Receive) -> list[Message] | None:
         """The body's messages, or None when it is too large. Buffering it here
         means an oversized (even chunked) upload never reaches a route."""
         declared = dict(scope["headers"]).get(b"content-length")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, AsyncIterator, Union
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -108,7 +109,7 @@ def _output(out: dict, return_logprob: bool, started: float) -> dict:
 
 async def generate(
     tm: TokenizerManager, body: GenerateRequestBody, request: Request
-) -> Union[dict, list, StreamingResponse]:
+) -> dict | list | StreamingResponse:
     started = time.perf_counter()
     inputs = _inputs(body)
     is_batch = len(inputs) > 1

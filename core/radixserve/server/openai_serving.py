@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -70,9 +70,9 @@ class Echo:
     trail: int = 0
 
 
-def finish_fields(meta: dict) -> tuple[Optional[str], MatchedStop]:
+def finish_fields(meta: dict) -> tuple[str | None, MatchedStop]:
     """The runtime's ``FinishReason`` as OpenAI's ``finish_reason`` and our ``matched_stop``."""
-    reason: Optional[FinishReason] = meta["finish_reason"]
+    reason: FinishReason | None = meta["finish_reason"]
     if reason is None:
         return None, None
     return reason.type, reason.matched if reason.type == "stop" else None
@@ -112,8 +112,8 @@ class OpenAIServing:
         tm: TokenizerManager,
         model_name: str,
         chat_template: ChatTemplate,
-        tool_parser: Optional[type] = None,
-        reasoning_parser: Optional[str] = None,
+        tool_parser: type | None = None,
+        reasoning_parser: str | None = None,
     ):
         self.tm = tm
         self.model_name = model_name
@@ -121,7 +121,7 @@ class OpenAIServing:
         self.texts = TokenTexts(tm.tokenizer)
         self.tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
-        self.gate: Optional[ReasoningGate] = None
+        self.gate: ReasoningGate | None = None
         if reasoning_parser is not None:
             style = STYLES[reasoning_parser]
             encode = tm.tokenizer.encode
@@ -131,7 +131,7 @@ class OpenAIServing:
                 style.starts_in_reasoning,
             )
 
-    def check_model(self, model: Optional[str]) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(
                 404,
@@ -140,12 +140,12 @@ class OpenAIServing:
                 code="model_not_found",
             )
 
-    def _check_request(self, req: Union[ChatCompletionRequest, CompletionRequest]) -> None:
+    def _check_request(self, req: ChatCompletionRequest | CompletionRequest) -> None:
         self.check_model(req.model)
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options")
 
-    def _max_tokens(self, requested: Optional[int], prompt_len: int) -> int:
+    def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
         if requested is not None:
             return requested
         # The rest of the context, within what the KV pool can hold for one request.
@@ -153,9 +153,7 @@ class OpenAIServing:
         return max(min(room - prompt_len, DEFAULT_MAX_TOKENS_CAP), 0)
 
     # ---- chat --------------------------------------------------------------------
-    async def chat(
-        self, req: ChatCompletionRequest, request: Request
-    ) -> Union[ChatCompletionResponse, StreamingResponse]:
+    async def chat(self, req: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | StreamingResponse:
         self._check_request(req)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
@@ -223,7 +221,7 @@ class OpenAIServing:
     ) -> AsyncIterator[ChatCompletionChunk]:
         created = int(time.time())
 
-        def chunk(choices: list[ChatStreamChoice], usage: Optional[Usage] = None) -> ChatCompletionChunk:
+        def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
 
         for index in range(req.n):
@@ -260,7 +258,7 @@ class OpenAIServing:
 
     # ---- completions ---------------------------------------------------------------
     @staticmethod
-    def _raw_prompts(req: CompletionRequest) -> list[Union[str, list[int]]]:
+    def _raw_prompts(req: CompletionRequest) -> list[str | list[int]]:
         """The prompt(s) as given: strings or lists of token ids."""
         prompt = req.prompt
         if isinstance(prompt, str):
@@ -273,7 +271,7 @@ class OpenAIServing:
             raise APIError(400, "prompt: must not be empty", param="prompt")
         return prompts
 
-    def _echo(self, given: Union[str, list[int]], ids: list[int]) -> Echo:
+    def _echo(self, given: str | list[int], ids: list[int]) -> Echo:
         """What ``echo`` shows of a prompt: the prompt as given (a text prompt
         verbatim, token ids decoded as they are), and for a text prompt the
         counts of tokens the tokenizer added around it (a BOS, say), which are
@@ -288,9 +286,7 @@ class OpenAIServing:
                     return Echo(given, lead, extra - lead)
         return Echo(given)
 
-    async def completions(
-        self, req: CompletionRequest, request: Request
-    ) -> Union[CompletionResponse, StreamingResponse]:
+    async def completions(self, req: CompletionRequest, request: Request) -> CompletionResponse | StreamingResponse:
         self._check_request(req)
         given = self._raw_prompts(req)
         # Text is tokenized like the native API does.
@@ -311,7 +307,7 @@ class OpenAIServing:
             for p, ids in enumerate(prompts)
         ]
         results = start_generation(self.tm, inputs, COMPLETION_RENAMES)
-        echoes = [self._echo(g, ids) if req.echo else Echo("") for g, ids in zip(given, prompts)]
+        echoes = [self._echo(g, ids) if req.echo else Echo("") for g, ids in zip(given, prompts, strict=True)]
         if req.stream:
             results = await first_and_rest(results, request, COMPLETION_RENAMES)
             return EventStreamResponse(self._completion_chunks(req, rid, results, echoes))
@@ -337,7 +333,7 @@ class OpenAIServing:
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage.total())
 
-    def _completion_logprobs(self, meta: dict, echo: Optional[Echo], offset: int) -> tuple[CompletionLogprobs, int]:
+    def _completion_logprobs(self, meta: dict, echo: Echo | None, offset: int) -> tuple[CompletionLogprobs, int]:
         """Logprobs of the new tokens, preceded with ``echo`` by those of the echoed
         prompt (without the tokens the tokenizer added, which the echo lacks)."""
         tokens, tops = list(meta["output_token_logprobs"]), list(meta["output_top_logprobs"])

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Optional
 
 from radixserve.messages import PROFILE_DIR_ENV
 
 
 class ProfileDir:
-    def __init__(self, configured: Optional[str]):
+    def __init__(self, configured: str | None):
         self._configured = configured or os.environ.get(PROFILE_DIR_ENV)
-        self._root: Optional[str] = None
+        self._root: str | None = None
 
     @property
     def root(self) -> str:
@@ -25,7 +24,7 @@ class ProfileDir:
             self._root = os.path.realpath(self._configured or tempfile.mkdtemp(prefix="radixserve-profile-"))
         return self._root
 
-    def resolve(self, output_dir: Optional[str]) -> str:
+    def resolve(self, output_dir: str | None) -> str:
         """The absolute directory for a request's ``output_dir`` (None: the root); a
         ValueError naming ``output_dir`` when it is absolute or leads outside."""
         if output_dir is None:

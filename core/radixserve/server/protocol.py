@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -53,7 +53,7 @@ logger = logging.getLogger(__name__)
 MAX_JSON_DEPTH = 64
 
 
-def find_bad_json(value: Any) -> Optional[tuple[str, str]]:
+def find_bad_json(value: Any) -> tuple[str, str] | None:
     """``(path, problem)`` for the first place in a parsed JSON body that nothing
     downstream may see: a string holding a lone surrogate (JSON can carry
     ``"\\udc00"``, which no tokenizer or UTF-8 encoder accepts), or nesting
@@ -161,50 +161,50 @@ TokenIds = list[Int]
 class _SamplingRequest(_OpenAIRequest):
     """Fields common to chat and text completions."""
 
-    model: Optional[str] = None
-    max_tokens: Optional[Int] = None
+    model: str | None = None
+    max_tokens: Int | None = None
     n: Int = 1
-    temperature: Optional[StrictFloat] = None
-    top_p: Optional[StrictFloat] = None
-    stop: Union[str, list[str], None] = None
-    seed: Optional[Int] = None
-    presence_penalty: Optional[StrictFloat] = None
-    frequency_penalty: Optional[StrictFloat] = None
-    logit_bias: Optional[dict[str, StrictFloat]] = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    stop: str | list[str] | None = None
+    seed: Int | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: dict[str, StrictFloat] | None = None
     stream: StrictBool = False
-    stream_options: Optional[StreamOptions] = None
+    stream_options: StreamOptions | None = None
     # Accepted no-ops: they only label or route the request at OpenAI.
-    user: Optional[str] = None
-    metadata: Optional[dict[str, Any]] = None
-    store: Optional[StrictBool] = None
-    service_tier: Optional[str] = None
-    safety_identifier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None  # radixserve's prefix cache needs no key
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: StrictBool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None  # radixserve's prefix cache needs no key
     # Extras (SGLang / vLLM).
-    top_k: Optional[Int] = None
-    min_p: Optional[StrictFloat] = None
-    repetition_penalty: Optional[StrictFloat] = None
-    min_tokens: Optional[Int] = None
-    stop_token_ids: Optional[TokenIds] = None
+    top_k: Int | None = None
+    min_p: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None
+    min_tokens: Int | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     # Scheduling priority (SGLang / vLLM extra): higher is served first under
     # --schedule-policy priority; other policies ignore it.
     priority: Int = 0
     # Structured output (server/structured_output.py): OpenAI's, then SGLang's and vLLM's extras.
-    response_format: Optional[dict[str, Any]] = None
-    regex: Optional[str] = None
-    json_schema: Union[str, dict[str, Any], None] = None
-    ebnf: Optional[str] = None
-    guided_json: Union[str, dict[str, Any], None] = None
-    guided_regex: Optional[str] = None
-    guided_choice: Optional[list[str]] = None
-    guided_grammar: Optional[str] = None
-    structured_outputs: Optional[dict[str, Any]] = None
-    _grammar: Optional[GrammarSpec] = PrivateAttr(default=None)
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    ebnf: str | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    _grammar: GrammarSpec | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
-    def _read_constraint(self) -> "_SamplingRequest":
+    def _read_constraint(self) -> _SamplingRequest:
         try:
             self._grammar = grammar_spec({name: getattr(self, name) for name in _CONSTRAINT_NAMES})
         except ConstraintError as exc:
@@ -251,7 +251,7 @@ class TextPart(BaseModel):
     """A part of a message's content; only text exists for now."""
 
     type: str
-    text: Optional[str] = None
+    text: str | None = None
 
     @field_validator("type")
     @classmethod
@@ -265,7 +265,7 @@ class TextPart(BaseModel):
         return kind
 
     @model_validator(mode="after")
-    def _has_text(self) -> "TextPart":
+    def _has_text(self) -> TextPart:
         if self.text is None:
             raise ValueError("a text part needs its 'text'")
         return self
@@ -275,19 +275,19 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # e.g. reasoning fields some templates read
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
-    tool_call_id: Optional[str] = None
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class FunctionDefinition(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     name: str = Field(min_length=1)
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
-    strict: Optional[StrictBool] = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
 
 
 class NamedFunction(BaseModel):
@@ -314,36 +314,36 @@ class Tool(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[Int] = None
+    max_completion_tokens: Int | None = None
     logprobs: StrictBool = False
-    top_logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
-    tools: Optional[list[Tool]] = None
+    top_logprobs: Int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = None
     # Unset: auto with tools, none without.
-    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
-    parallel_tool_calls: Optional[StrictBool] = None  # false: tool_choice required makes one call
-    functions: Optional[list[dict[str, Any]]] = None
-    function_call: Union[str, dict[str, Any], None] = None
-    audio: Optional[dict[str, Any]] = None
-    modalities: Optional[list[str]] = None
-    reasoning_effort: Optional[str] = None
-    verbosity: Optional[str] = None
-    web_search_options: Optional[dict[str, Any]] = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None  # false: tool_choice required makes one call
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
     # Predicted output only speeds generation up where it is implemented; the output is the same without it.
-    prediction: Optional[dict[str, Any]] = None
+    prediction: dict[str, Any] | None = None
     # Extras.
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    echo: Optional[StrictBool] = None  # vLLM's; refused when true
-    _named_tool: Optional[str] = PrivateAttr(default=None)
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: StrictBool | None = None  # vLLM's; refused when true
+    _named_tool: str | None = PrivateAttr(default=None)
 
     @property
-    def named_tool(self) -> Optional[str]:
+    def named_tool(self) -> str | None:
         """The function a named tool_choice names."""
         return self._named_tool
 
     @model_validator(mode="after")
-    def _refuse_unserved(self) -> "ChatCompletionRequest":
+    def _refuse_unserved(self) -> ChatCompletionRequest:
         """OpenAI options that radixserve does not implement are a 400, never ignored."""
         if isinstance(self.tool_choice, dict):
             try:
@@ -372,18 +372,18 @@ class ChatCompletionRequest(_SamplingRequest):
         return self
 
 
-Prompt = Union[str, list[str], TokenIds, list[TokenIds]]
+Prompt = str | list[str] | TokenIds | list[TokenIds]
 
 
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
-    logprobs: Optional[Int] = Field(default=None, ge=0, le=20)
+    logprobs: Int | None = Field(default=None, ge=0, le=20)
     echo: StrictBool = False
-    best_of: Optional[Int] = None  # only best_of == n (no extra candidates) is served
-    suffix: Optional[str] = None  # insertion is not served; refused unless empty
+    best_of: Int | None = None  # only best_of == n (no extra candidates) is served
+    suffix: str | None = None  # insertion is not served; refused unless empty
 
     @model_validator(mode="after")
-    def _refuse_unserved(self) -> "CompletionRequest":
+    def _refuse_unserved(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
             raise unsupported(
                 "best_of", f"best_of must equal n ({self.n}): choosing the best of extra candidates is not supported"
@@ -396,36 +396,36 @@ class CompletionRequest(_SamplingRequest):
 class EmbeddingRequest(_OpenAIRequest):
     """POST /v1/embeddings (server/embeddings.py)."""
 
-    model: Optional[str] = None
+    model: str | None = None
     input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[Int] = None  # Matryoshka truncation, where the model is marked for it
-    user: Optional[str] = None  # accepted no-op, as in the other OpenAI requests
+    dimensions: Int | None = None  # Matryoshka truncation, where the model is marked for it
+    user: str | None = None  # accepted no-op, as in the other OpenAI requests
 
 
 class GenerateRequestBody(_Request):
     """POST /generate, SGLang's native API: one prompt or a batch."""
 
-    text: Union[str, list[str], None] = None
-    input_ids: Union[TokenIds, list[TokenIds], None] = None
-    sampling_params: Union[dict[str, Any], list[dict[str, Any]], None] = None
+    text: str | list[str] | None = None
+    input_ids: TokenIds | list[TokenIds] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
     stream: StrictBool = False
     return_logprob: StrictBool = False
     top_logprobs_num: Int = 0
     logprob_start_len: Int = -1
-    rid: Union[str, list[str], None] = None
+    rid: str | list[str] | None = None
     # Higher is served first under --schedule-policy priority; one for all prompts or one per prompt.
-    priority: Union[Int, list[Int]] = 0
+    priority: Int | list[Int] = 0
 
 
 class TokenizeRequest(_Request):
-    model: Optional[str] = None
-    prompt: Union[str, list[str]]
+    model: str | None = None
+    prompt: str | list[str]
     add_special_tokens: StrictBool = True
 
 
 class DetokenizeRequest(_Request):
-    model: Optional[str] = None
+    model: str | None = None
     tokens: TokenIds
     skip_special_tokens: StrictBool = True
 
@@ -437,9 +437,9 @@ class AbortRequestBody(_Request):
 class StartProfileBody(_Request):
     """POST /start_profile (the body is optional): ``ProfileOptions``' fields."""
 
-    output_dir: Optional[str] = None
+    output_dir: str | None = None
     record_shapes: StrictBool = False
-    num_steps: Optional[Int] = None
+    num_steps: Int | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -477,9 +477,9 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: Optional[str]
-    reasoning_content: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer
     def _skip_absent(self) -> dict[str, Any]:
@@ -491,17 +491,17 @@ class AssistantMessage(BaseModel):
         return out
 
 
-MatchedStop = Union[int, str, None]
+MatchedStop = int | str | None
 
 
-ChatFinishType = Union[FinishType, Literal["tool_calls"]]
+ChatFinishType = FinishType | Literal["tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[ChatFinishType]
+    logprobs: ChatLogprobs | None = None
+    finish_reason: ChatFinishType | None
     matched_stop: MatchedStop = None
 
 
@@ -515,10 +515,10 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Optional[Literal["assistant"]] = None
-    content: Optional[str] = None
-    reasoning_content: Optional[str] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer
     def _present_fields_only(self) -> dict[str, Any]:
@@ -535,8 +535,8 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: Optional[ChatLogprobs] = None
-    finish_reason: Optional[ChatFinishType] = None
+    logprobs: ChatLogprobs | None = None
+    finish_reason: ChatFinishType | None = None
     matched_stop: MatchedStop = None
 
 
@@ -546,21 +546,21 @@ class ChatCompletionChunk(BaseModel):
     created: int
     model: str
     choices: list[ChatStreamChoice]
-    usage: Optional[Usage] = None
+    usage: Usage | None = None
 
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[Optional[float]] = Field(default_factory=list)
-    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: Optional[CompletionLogprobs] = None
-    finish_reason: Optional[FinishType] = None
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishType | None = None
     matched_stop: MatchedStop = None
 
 
@@ -570,13 +570,13 @@ class CompletionResponse(BaseModel):
     created: int = Field(default_factory=_now)
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
+    usage: Usage | None = None
 
 
 class EmbeddingData(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: Union[list[float], str]  # a str: base64 of little-endian float32, as OpenAI's
+    embedding: list[float] | str  # a str: base64 of little-endian float32, as OpenAI's
 
 
 class EmbeddingUsage(BaseModel):

@@ -12,7 +12,6 @@ split (``feed`` then ``finish``) concatenates to exactly the non-streamed one
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from radixserve.config import REASONING_PARSERS
 
@@ -47,7 +46,7 @@ class ReasoningParser:
         self.phase = "start"  # start (undecided), reasoning, content
         self.buffer = ""
 
-    def parse(self, text: str) -> tuple[Optional[str], str]:
+    def parse(self, text: str) -> tuple[str | None, str]:
         """``(reasoning_content, content)``; reasoning is None when the output did not reason."""
         style = self.style
         stripped = text.lstrip()

@@ -19,7 +19,8 @@ import asyncio
 import dataclasses
 import logging
 import threading
-from typing import Any, Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from radixserve.config import ServerArgs
 from radixserve.demo_model import DEMO_MODEL_NAME
@@ -57,7 +58,7 @@ async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 
-    def settle(result: Any, error: Optional[BaseException]) -> None:
+    def settle(result: Any, error: BaseException | None) -> None:
         if not future.done():  # the awaiting coroutine may have been cancelled
             future.set_result(result) if error is None else future.set_exception(error)
 
@@ -79,11 +80,11 @@ class ServerState:
         self.metrics = ServerMetrics(self.model_name)
         self.request_exit = request_exit
         self.status = "starting"  # -> ready | failed | dead | draining
-        self.loop: Optional[asyncio.AbstractEventLoop] = None  # the serving loop, set by the app's lifespan
-        self.model_path: Optional[str] = None
-        self.runtime: Optional[RuntimeProcesses] = None
-        self.tm: Optional[TokenizerManager] = None
-        self.openai: Optional[OpenAIServing] = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, set by the app's lifespan
+        self.model_path: str | None = None
+        self.runtime: RuntimeProcesses | None = None
+        self.tm: TokenizerManager | None = None
+        self.openai: OpenAIServing | None = None
         self.on_ready: Callable[[], None] = lambda: None
         self.profile_dir = ProfileDir(args.profile_dir)
         self._drain_cut_short = False

@@ -13,7 +13,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Any, AsyncIterator, Awaitable, Iterator, Optional, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -38,7 +39,7 @@ Tagged = tuple[int, dict]  # (prompt index, result dict of the TokenizerManager)
 
 
 @contextlib.contextmanager
-def runtime_errors(renames: Optional[dict[str, str]] = None) -> Iterator[None]:
+def runtime_errors(renames: dict[str, str] | None = None) -> Iterator[None]:
     """Map the runtime's exceptions to API errors (used before a response starts)."""
     try:
         yield
@@ -53,7 +54,7 @@ def runtime_errors(renames: Optional[dict[str, str]] = None) -> Iterator[None]:
 
 
 def start_generation(
-    tm: TokenizerManager, inputs: list[GenerateInput], renames: Optional[dict[str, str]] = None
+    tm: TokenizerManager, inputs: list[GenerateInput], renames: dict[str, str] | None = None
 ) -> AsyncIterator[Tagged]:
     """Validate every prompt up front (a 400 before anything runs), then run
     them all, yielding ``(prompt index, result)`` as results arrive."""
@@ -92,7 +93,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
 
 
-def raise_if_rejected(out: dict, renames: Optional[dict[str, str]] = None) -> None:
+def raise_if_rejected(out: dict, renames: dict[str, str] | None = None) -> None:
     """The scheduler refuses a prompt it cannot hold (e.g. larger than the KV
     pool) by aborting it at once with a message that names the field: a 400."""
     meta = out["meta_info"]
@@ -103,7 +104,7 @@ def raise_if_rejected(out: dict, renames: Optional[dict[str, str]] = None) -> No
             raise error
 
 
-async def collect(results: AsyncIterator[Tagged], renames: Optional[dict[str, str]] = None) -> list[Tagged]:
+async def collect(results: AsyncIterator[Tagged], renames: dict[str, str] | None = None) -> list[Tagged]:
     async with contextlib.aclosing(results):
         items = [item async for item in results]
     for _, out in items:
@@ -112,7 +113,7 @@ async def collect(results: AsyncIterator[Tagged], renames: Optional[dict[str, st
 
 
 async def first_and_rest(
-    results: AsyncIterator[Tagged], request: Request, renames: Optional[dict[str, str]] = None
+    results: AsyncIterator[Tagged], request: Request, renames: dict[str, str] | None = None
 ) -> AsyncIterator[Tagged]:
     """Wait for the first result before a stream's headers go out, so that a
     full queue, a dead runtime or a rejected prompt still get their status.

@@ -16,7 +16,7 @@ a schema, regex or grammar is valid is the compiler's to say (in the scheduler).
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+from typing import Any
 
 from radixserve.grammar import GrammarKind, GrammarSpec
 
@@ -49,7 +49,7 @@ class ConstraintError(ValueError):
         self.param, self.detail = param, detail
 
 
-def grammar_spec(fields: dict[str, Any], prefix: str = "") -> Optional[GrammarSpec]:
+def grammar_spec(fields: dict[str, Any], prefix: str = "") -> GrammarSpec | None:
     """The constraint among ``fields`` (a request's set fields; None counts as
     unset), or None; ``prefix`` is put before field names in messages
     (``sampling_params.``)."""
@@ -91,7 +91,7 @@ def _spec(kind: GrammarKind, value: Any, source: str) -> GrammarSpec:
     return GrammarSpec(kind, value, source)
 
 
-def _response_format(value: Any, source: str) -> Optional[GrammarSpec]:
+def _response_format(value: Any, source: str) -> GrammarSpec | None:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "text":
         return None

@@ -11,8 +11,9 @@ import itertools
 import logging
 import time
 import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, AsyncIterator, Optional, Union
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -57,10 +58,10 @@ class RequestFailedError(RuntimeError):
 class GenerateInput(RequestOptions):
     """One prompt as the native API takes it (SGLang's field names)."""
 
-    text: Optional[str] = None
-    input_ids: Optional[list[int]] = None
-    sampling_params: Union[dict, SamplingParams, None] = None
-    rid: Optional[str] = None
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict | SamplingParams | None = None
+    rid: str | None = None
 
 
 @dataclass
@@ -80,13 +81,13 @@ class _Pending:
     (or died): the tokens it makes after its client left, until the abort
     lands, still count in the metrics."""
 
-    queue: Optional[asyncio.Queue]  # None once the consumer has gone
+    queue: asyncio.Queue | None  # None once the consumer has gone
     scheduler_done: bool = False
     observe: bool = True  # counted in the metrics (warm-ups are not)
     created: float = field(default_factory=time.perf_counter)
     admitted: bool = False
-    first_token_at: Optional[float] = None
-    last_token_at: Optional[float] = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
     abort_sent: bool = False
 
 
@@ -111,8 +112,8 @@ class TokenizerManager:
         self._internal_ids = itertools.count()
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
-        self._loop_task: Optional[asyncio.Task] = None
-        self.dead_reason: Optional[str] = None
+        self._loop_task: asyncio.Task | None = None
+        self.dead_reason: str | None = None
 
     # ---- lifecycle ---------------------------------------------------------
     def start(self) -> None:
@@ -253,7 +254,7 @@ class TokenizerManager:
         return PreparedInput(obj, ids, params)
 
     # ---- generation --------------------------------------------------------------
-    async def generate(self, obj: Union[GenerateInput, PreparedInput]) -> AsyncIterator[dict]:
+    async def generate(self, obj: GenerateInput | PreparedInput) -> AsyncIterator[dict]:
         """Yield results for one prompt: a dict per streamed delta (``stream``) or
         one per finished choice. With ``n > 1`` every dict carries its ``index``.
         A cancelled consumer (client gone) aborts the request and frees its KV.

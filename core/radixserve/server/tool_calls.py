@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 import jsonschema
 
@@ -58,7 +58,7 @@ def check_tools(req: ChatCompletionRequest) -> None:
         raise APIError(400, f"tool_choice: names the function {name!r}, which is not among the tools", "tool_choice")
 
 
-def tool_grammar(req: ChatCompletionRequest) -> Optional[GrammarSpec]:
+def tool_grammar(req: ChatCompletionRequest) -> GrammarSpec | None:
     """The grammar of tool_choice required or named; None otherwise."""
     tools = {t.function.name: t.function.parameters or ANY_OBJECT for t in req.tools or []}
     name = req.named_tool
@@ -83,7 +83,7 @@ def tool_grammar(req: ChatCompletionRequest) -> Optional[GrammarSpec]:
     return GrammarSpec("json_schema", json.dumps(array), "tool_choice")
 
 
-def keeps_special_tokens(req: ChatCompletionRequest, parser_cls: Optional[type]) -> bool:
+def keeps_special_tokens(req: ChatCompletionRequest, parser_cls: type | None) -> bool:
     """Whether the output must be decoded keeping special tokens for the tool parser to
     read it: tool_choice auto, a parser whose markers are special tokens, and a request
     that left skip_special_tokens unset."""
@@ -99,7 +99,7 @@ class RequiredCalls(FormToolParser):
     forms = (CallForm(JSONCallReader, ("[",), at_start=True, separator=",", closing=("]",)),)
 
 
-def tool_call_json(index: Optional[int], call_id_: Optional[str], name: Optional[str], arguments: str) -> dict:
+def tool_call_json(index: int | None, call_id_: str | None, name: str | None, arguments: str) -> dict:
     """A tool call (or a streamed piece of one) as OpenAI writes it."""
     out: dict[str, Any] = {}
     if index is not None:
@@ -114,10 +114,10 @@ def tool_call_json(index: Optional[int], call_id_: Optional[str], name: Optional
 class ChoiceReader:
     """One choice's output read back: reasoning split off, then tool calls."""
 
-    def __init__(self, req: ChatCompletionRequest, parser_cls: Optional[type], reasoning: Optional[str]):
+    def __init__(self, req: ChatCompletionRequest, parser_cls: type | None, reasoning: str | None):
         self.reasoning = ReasoningParser(reasoning) if reasoning else None
         self.named = req.named_tool if req.tools else None
-        self.parser: Optional[ToolParser] = None
+        self.parser: ToolParser | None = None
         if req.tools and req.tool_choice == "required":
             self.parser = RequiredCalls(tool_dicts(req))
         elif req.tools and req.tool_choice in (None, "auto") and parser_cls is not None:
@@ -127,7 +127,7 @@ class ChoiceReader:
         self.called = False
 
     # ---- whole output -----------------------------------------------------------------
-    def read(self, text: str) -> tuple[Optional[str], Optional[str], list[dict]]:
+    def read(self, text: str) -> tuple[str | None, str | None, list[dict]]:
         """``(reasoning_content, content, tool_calls)``."""
         reasoning = None
         if self.reasoning is not None:
@@ -135,7 +135,7 @@ class ChoiceReader:
         parsed = self._calls(text)
         calls = [tool_call_json(None, call_id(), c.name, c.arguments) for c in parsed.calls]
         self.called = bool(calls)
-        content: Optional[str] = parsed.content
+        content: str | None = parsed.content
         if calls and not (content or "").strip():
             content = None
         return reasoning, content, calls

@@ -10,7 +10,7 @@ subclass of the ``cpu`` platform."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -18,7 +18,7 @@ from radixserve.platform import DeviceGraph, GraphBackend
 
 
 class EagerReplayGraph(DeviceGraph):
-    def __init__(self, fn: Callable[[], torch.Tensor], output: torch.Tensor, backend: "EagerReplayGraphBackend"):
+    def __init__(self, fn: Callable[[], torch.Tensor], output: torch.Tensor, backend: EagerReplayGraphBackend):
         self.fn, self.output, self.backend = fn, output, backend
 
     def replay(self) -> None:

@@ -27,7 +27,7 @@ import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar
 
 from radixserve.tool_parser import ParsedOutput, StreamDelta, ToolCall, ToolCallDelta, ToolParser
 
@@ -55,7 +55,7 @@ def held_prefix(text: str, tag: str) -> int:
     return 0
 
 
-def match(text: str, pos: int, token: str) -> tuple[Optional[bool], int]:
+def match(text: str, pos: int, token: str) -> tuple[bool | None, int]:
     """``token`` at ``pos`` after optional whitespace: ``(True, its end)``,
     ``(None, pos)`` while the text ends before telling, ``(False, pos)``."""
     at = skip_ws(text, pos)
@@ -69,9 +69,9 @@ def match(text: str, pos: int, token: str) -> tuple[Optional[bool], int]:
 class Reading:
     """What a ``CallReader`` can tell of its call so far."""
 
-    ok: Optional[bool] = None  # True: a complete call; False: not a call; None: not known yet
-    end: Optional[int] = None  # ok: where the call ends; not ok: where reading it stopped, if known
-    name: Optional[str] = None  # once known, and a known function
+    ok: bool | None = None  # True: a complete call; False: not a call; None: not known yet
+    end: int | None = None  # ok: where the call ends; not ok: where reading it stopped, if known
+    name: str | None = None  # once known, and a known function
     arguments: str = ""  # the arguments' JSON text so far: a prefix of the final one, all of it when ok
 
 
@@ -93,7 +93,7 @@ class CallForm:
     reader: type[CallReader]
     opening: tuple[str, ...]
     at_start: bool = False
-    separator: Optional[str] = None
+    separator: str | None = None
     closing: tuple[str, ...] = ()
 
 
@@ -112,12 +112,12 @@ class FormToolParser(ToolParser):
         self.markers = {f.opening[0] for f in self.forms if not f.at_start}
         self.scan_from = 0  # where to look for the next marker
         # The open run: its form, where reading goes on, its calls so far, what comes next.
-        self.form: Optional[CallForm] = None
+        self.form: CallForm | None = None
         self.cursor = 0
         self.count = 0
         self.expect = "call"  # or "next" (a separator or the closing), "closing"
         self.closed = 0  # closing tokens matched
-        self.reader: Optional[CallReader] = None
+        self.reader: CallReader | None = None
         # Calls told: how many, and of the one being read, whether it was and how much of its arguments.
         self.calls = 0
         self.told = False
@@ -176,7 +176,7 @@ class FormToolParser(ToolParser):
         self.scan_from = at + 1
         return True
 
-    def _open(self, form: CallForm, at: int) -> Optional[bool]:
+    def _open(self, form: CallForm, at: int) -> bool | None:
         """Opens a run of ``form`` at ``at`` if its opening is there (None: can't tell yet)."""
         pos = at
         for token in form.opening:

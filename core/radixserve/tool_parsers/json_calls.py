@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Optional
 
 from radixserve.tool_parsers.forms import CallReader, FormToolParser, Reading, run_end, skip_ws
 
@@ -28,12 +27,12 @@ class ValueExtent:
 
     def __init__(self, start: int):
         self.start = start
-        self.end: Optional[int] = None
+        self.end: int | None = None
         self.pos = start  # where reading goes on
         self.depth = 0
         self.in_string = False
 
-    def read(self, text: str) -> Optional[int]:
+    def read(self, text: str) -> int | None:
         """The value's end (exclusive) once the text holds all of it."""
         if self.end is not None or self.pos >= len(text):
             return self.end
@@ -80,12 +79,12 @@ class ObjectMembers:
 
     def __init__(self, start: int):
         self.members: dict[str, ValueExtent] = {}
-        self.end: Optional[int] = None
-        self.error: Optional[int] = None
+        self.end: int | None = None
+        self.error: int | None = None
         self.pos = start + 1
         self.state = "key"  # then "colon", "value", "next" (a comma or the closing brace)
         self.key = ""
-        self.value: Optional[ValueExtent] = None
+        self.value: ValueExtent | None = None
 
     def read(self, text: str) -> None:
         while self.end is None and self.error is None:
@@ -138,7 +137,7 @@ class JSONCallReader(CallReader):
             return Reading(ok=False)
         obj = self.object
         obj.read(text)
-        name: Optional[str] = None
+        name: str | None = None
         extent = obj.members.get("name")
         if extent is not None and extent.end is not None:
             try:

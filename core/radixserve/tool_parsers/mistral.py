@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Optional
 
 from radixserve.tool_parsers.forms import CallForm, CallReader, FormToolParser, Reading, match, run_end, skip_ws
 from radixserve.tool_parsers.json_calls import JSONCallReader, ValueExtent
@@ -22,7 +21,7 @@ class CompactCallReader(CallReader):
 
     def __init__(self, parser: FormToolParser, start: int):
         super().__init__(parser, start)
-        self.extent: Optional[ValueExtent] = None
+        self.extent: ValueExtent | None = None
 
     def read(self, text: str) -> Reading:
         end = run_end(_NAME, text, self.start)

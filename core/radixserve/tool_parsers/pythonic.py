@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 import json
 import re
-from typing import Any, Optional
+from typing import Any
 
 from radixserve.tool_parsers.forms import CallForm, CallReader, FormToolParser, Reading, run_end, skip_ws
 
@@ -48,7 +48,7 @@ def literal(node: ast.expr) -> Any:
         keys = [None if k is None else literal(k) for k in node.keys]
         if not all(isinstance(k, str) for k in keys):
             raise ValueError("a dict's keys must be strings")
-        return dict(zip(keys, map(literal, node.values)))
+        return dict(zip(keys, map(literal, node.values), strict=True))
     raise ValueError(f"not a literal: {ast.dump(node)}")
 
 
@@ -58,12 +58,12 @@ class ValueExtent:
 
     def __init__(self, start: int):
         self.start = start
-        self.end: Optional[int] = None
+        self.end: int | None = None
         self.pos = start  # where reading goes on
         self.depth = 0
         self.quote = ""  # of the string being read
 
-    def read(self, text: str) -> Optional[int]:
+    def read(self, text: str) -> int | None:
         i = self.pos
         while self.end is None:
             if self.quote:
@@ -104,10 +104,10 @@ class PythonCallReader(CallReader):
         self.name = ""
         self.key = ""
         self.members: dict[str, str] = {}  # key: the value's JSON text
-        self.value: Optional[ValueExtent] = None
+        self.value: ValueExtent | None = None
         self.broken = False  # not a call after all, read on to its end
 
-    def so_far(self, ok: Optional[bool] = None, end: Optional[int] = None) -> Reading:
+    def so_far(self, ok: bool | None = None, end: int | None = None) -> Reading:
         if not (self.members or ok):
             return Reading(ok, end)
         members = ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {v}" for k, v in self.members.items())

@@ -10,7 +10,6 @@ does (``get_device_capability`` initialises the CUDA runtime of this process).
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
 
 import torch
 
@@ -19,7 +18,7 @@ from radixserve_cuda.visibility import VisibleDevices, cuda_visible_devices
 Capability = tuple[int, int]
 
 
-def _nvml_capabilities(visible: VisibleDevices) -> Optional[list[Capability]]:
+def _nvml_capabilities(visible: VisibleDevices) -> list[Capability] | None:
     """Capabilities of the visible devices through NVML, or None when NVML cannot tell."""
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")

@@ -23,7 +23,7 @@ import importlib.util
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -61,7 +61,7 @@ class PagedKVIndex:
     kv_indptr: torch.Tensor  # [B + 1] host
     kv_indices: torch.Tensor  # [kv_indptr[-1]] on the slot table's device
     kv_last_page_len: torch.Tensor  # [B] host
-    qo_indptr: Optional[torch.Tensor] = None  # [B + 1] host, extend only
+    qo_indptr: torch.Tensor | None = None  # [B + 1] host, extend only
 
 
 def build_paged_kv_index(
@@ -70,7 +70,7 @@ def build_paged_kv_index(
     seq_lens: torch.Tensor,
     seq_lens_cpu: list[int],
     page_size: int,
-    extend_lens_cpu: Optional[list[int]] = None,
+    extend_lens_cpu: list[int] | None = None,
 ) -> PagedKVIndex:
     """Page lists for requests ``req_pool_indices`` holding ``seq_lens`` tokens.
 
@@ -174,9 +174,8 @@ class FlashInferAttention(AttentionBackend):
         if query.head_dim is not None and query.head_dim not in SUPPORTED_HEAD_DIMS:
             dims = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
             reasons.append(f"head_dim {query.head_dim} is not supported ({dims} are)")
-        if query.num_heads is not None and query.num_kv_heads:
-            if query.num_heads % query.num_kv_heads:
-                reasons.append(f"num_heads {query.num_heads} is not a multiple of num_kv_heads {query.num_kv_heads}")
+        if query.num_heads is not None and query.num_kv_heads and query.num_heads % query.num_kv_heads:
+            reasons.append(f"num_heads {query.num_heads} is not a multiple of num_kv_heads {query.num_kv_heads}")
         return reasons
 
     def __init__(self, query: KernelQuery):
@@ -186,13 +185,13 @@ class FlashInferAttention(AttentionBackend):
         except ImportError as exc:
             raise RuntimeError(f"the flashinfer attention backend needs flashinfer ({INSTALL_HINT}): {exc}") from exc
         self._flashinfer = flashinfer
-        self._workspace: Optional[torch.Tensor] = None
+        self._workspace: torch.Tensor | None = None
         self._prefill = None
         self._decode = None
         group = (query.num_heads or 1) // (query.num_kv_heads or 1)
         self._decode_tensor_cores = group not in CUDA_CORE_DECODE_GROUPS
-        self._graph: Optional[_GraphBuffers] = None
-        self._planned: Optional[torch.cuda.Event] = None  # after the last plan's copies to the device
+        self._graph: _GraphBuffers | None = None
+        self._planned: torch.cuda.Event | None = None  # after the last plan's copies to the device
 
     # -- wrappers -----------------------------------------------------------
 

@@ -19,7 +19,7 @@ row-wise (``[M, 1]`` and ``[1, N]``; a per-tensor weight scale is broadcast to
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -58,7 +58,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_linear(
-    x: torch.Tensor, qweight: torch.Tensor, scale_b: torch.Tensor, bias: Optional[torch.Tensor]
+    x: torch.Tensor, qweight: torch.Tensor, scale_b: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``x`` ``[..., K]`` -> ``[..., N]`` with ``qweight`` e4m3 ``[N, K]`` and its
     float32 row-wise scale ``scale_b`` ``[1, N]``."""
@@ -110,7 +110,7 @@ class Fp8W8A8(QuantizationMethod):
         layer.register_buffer("qweight", qweight)
         layer.register_buffer("weight_scale", scale.expand(out_features).reshape(1, out_features).contiguous())
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_linear(x, layer.qweight, layer.weight_scale, bias)
 
 

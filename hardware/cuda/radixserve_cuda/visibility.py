@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional, Union
 
 ENV = "CUDA_VISIBLE_DEVICES"
-DeviceId = Union[int, str]
+DeviceId = int | str
 _ORDINAL = re.compile(r"\d+")
 _UUID_PREFIXES = ("GPU-", "MIG-")
 
@@ -31,8 +31,8 @@ class VisibleDevices:
     """
 
     variable: str
-    value: Optional[str]
-    ids: Optional[tuple[DeviceId, ...]]
+    value: str | None
+    ids: tuple[DeviceId, ...] | None
 
     @property
     def hides_all(self) -> bool:
@@ -52,7 +52,7 @@ class VisibleDevices:
         return f"{self.variable}={self.value!r}"
 
 
-def parse_device_list(value: Optional[str]) -> Optional[tuple[DeviceId, ...]]:
+def parse_device_list(value: str | None) -> tuple[DeviceId, ...] | None:
     """The identifiers a CUDA-style visibility value selects (None: unset, all visible)."""
     if value is None:
         return None

@@ -38,7 +38,6 @@ What the operator does not take, and where it goes:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -164,7 +163,7 @@ class NpuFusedAttention(AttentionBackend):
 
     def __init__(self, query: KernelQuery):
         super().__init__(query)
-        self._causal_mask: Optional[torch.Tensor] = None
+        self._causal_mask: torch.Tensor | None = None
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = build_metadata(batch)

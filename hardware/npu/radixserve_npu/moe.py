@@ -16,7 +16,7 @@ experts (the reference semantics), checked once per backend.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +58,7 @@ class NpuGroupedMoE(MoEBackend):
 
     def __init__(self, query: KernelQuery):
         super().__init__(query)
-        self._gmm: Optional[Callable] = None
+        self._gmm: Callable | None = None
 
     def _grouped_matmul(self, x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor) -> torch.Tensor:
         if self._gmm is None:

@@ -9,8 +9,9 @@ documented operators in torch.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any
 
 
 def load_torch_npu() -> ModuleType:
@@ -30,6 +31,6 @@ def op(name: str) -> Callable[..., Any]:
     return found
 
 
-def find_op(name: str) -> Optional[Callable[..., Any]]:
+def find_op(name: str) -> Callable[..., Any] | None:
     """``torch_npu.<name>``, or None when this torch_npu build does not have it."""
     return getattr(load_torch_npu(), name, None)

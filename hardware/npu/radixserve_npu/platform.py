@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Optional
 
 import torch
 
@@ -15,7 +14,7 @@ VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
 TORCH_NPU_MISSING = "torch_npu is not installed (install the torch_npu build matching your CANN toolkit)"
 
 
-def parse_visible_devices(value: Optional[str]) -> Optional[list[int]]:
+def parse_visible_devices(value: str | None) -> list[int] | None:
     """The physical NPU ids that ``ASCEND_RT_VISIBLE_DEVICES`` exposes, in the order
     the runtime numbers them (logical ``npu:i`` is the ``i``-th); None when the
     variable is unset (every device is visible), ``[]`` when it is set but empty.

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional, Union
 
 ROCR_ENV = "ROCR_VISIBLE_DEVICES"
 HIP_ENVS = ("HIP_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")  # the first one set applies
-DeviceId = Union[int, str]
+DeviceId = int | str
 _ORDINAL = re.compile(r"\d+")
 
 
-def parse_device_list(value: Optional[str]) -> Optional[tuple[DeviceId, ...]]:
+def parse_device_list(value: str | None) -> tuple[DeviceId, ...] | None:
     """The ordinals or UUIDs one variable lists (None: unset, no restriction)."""
     if value is None:
         return None
@@ -41,9 +41,7 @@ def parse_device_list(value: Optional[str]) -> Optional[tuple[DeviceId, ...]]:
     return tuple(ids)
 
 
-def compose(
-    rocr: Optional[tuple[DeviceId, ...]], hip: Optional[tuple[DeviceId, ...]]
-) -> Optional[tuple[DeviceId, ...]]:
+def compose(rocr: tuple[DeviceId, ...] | None, hip: tuple[DeviceId, ...] | None) -> tuple[DeviceId, ...] | None:
     """HIP's selection applied to what ROCr left: an ordinal indexes ROCr's list (one past
     its end ends the selection); a UUID names a physical device directly."""
     if hip is None or rocr is None:
@@ -65,7 +63,7 @@ class RocmVisibleDevices:
     (None: no variable restricts them; empty: none is visible)."""
 
     settings: tuple[tuple[str, str], ...]  # the variables that apply, with their values
-    ids: Optional[tuple[DeviceId, ...]]
+    ids: tuple[DeviceId, ...] | None
 
     @property
     def hides_all(self) -> bool:

@@ -145,10 +145,7 @@ def _online_softmax_step(
     ``EMPTY_ROWS``: a row may have seen no key yet (below a sliding window): its
     max stays -inf and its exponentials are taken against 0, so they stay 0."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    if EMPTY_ROWS:
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:
-        m_ref = m_new
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new) if EMPTY_ROWS else m_new
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -452,10 +449,7 @@ def _extend_kernel(
     # Keys this block can see: the prefix and the new tokens up to its last query
     # (from its first query's window on, in a windowed layer).
     end = tl.minimum(prefix_len + extend_len, prefix_len + (m_block + 1) * BLOCK_M)
-    if SLIDING_WINDOW > 0:
-        lo = tl.maximum(prefix_len + m_block * BLOCK_M - SLIDING_WINDOW + 1, 0)
-    else:
-        lo = 0
+    lo = tl.maximum(prefix_len + m_block * BLOCK_M - SLIDING_WINDOW + 1, 0) if SLIDING_WINDOW > 0 else 0
     for n0 in range(lo, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < end
@@ -476,7 +470,7 @@ def _extend_kernel(
             s, v.to(q.dtype), m_i, l_i, acc, UPCAST, RNE_BF16, EMPTY_ROWS=SLIDING_WINDOW > 0
         )
 
-    if SLIDING_WINDOW > 0:  # padding rows past the last query may have seen no key
+    if SLIDING_WINDOW > 0:  # noqa: SIM108 (a constexpr branch, compiled away)  padding rows past the last query may have seen no key
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     else:
         out = acc / l_i[:, None]

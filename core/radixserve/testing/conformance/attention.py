@@ -6,8 +6,8 @@ soft-capping), the KV store check, ``with_kv_layout`` and
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -43,10 +43,10 @@ class AttentionCase:
     head_dim: int
     prefix_lens: tuple[int, ...]
     extend_lens: tuple[int, ...]
-    scaling: Optional[float] = None  # None: head_dim ** -0.5
+    scaling: float | None = None  # None: head_dim ** -0.5
     layer_id: int = 1  # a layer other than 0, in a pool with layer_id + 2 layers
-    sliding_window: Optional[int] = None  # a query at position p sees keys p - window + 1 .. p
-    logit_softcap: Optional[float] = None  # scaled scores -> cap * tanh(scores / cap)
+    sliding_window: int | None = None  # a query at position p sees keys p - window + 1 .. p
+    logit_softcap: float | None = None  # scaled scores -> cap * tanh(scores / cap)
 
     def __post_init__(self):
         if self.mode not in ("extend", "decode"):
@@ -80,7 +80,7 @@ class AttentionCase:
         )
 
     @property
-    def global_layer_id(self) -> Optional[int]:
+    def global_layer_id(self) -> int | None:
         """The layer of the full-attention pass a windowed case adds (None: no window)."""
         return None if self.sliding_window is None else self.layer_id + 1
 
@@ -176,13 +176,13 @@ class AttentionInputs:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     # A windowed case's full-attention layer (same K/V, same cap), run in the same step.
-    global_layer: Optional[AttentionLayerSpec] = None
+    global_layer: AttentionLayerSpec | None = None
 
 
 def make_attention_inputs(
     case: AttentionCase,
     dtype: torch.dtype,
-    device: Union[str, torch.device] = "cpu",
+    device: str | torch.device = "cpu",
     seed: int = 0,
     layout: str = "paged",
 ) -> AttentionInputs:
@@ -197,7 +197,7 @@ def make_attention_inputs(
     gen = torch.Generator().manual_seed(seed)
     ps = case.page_size
     prefix, extend = list(case.prefix_lens), list(case.extend_lens)
-    seq = [p + n for p, n in zip(prefix, extend)]
+    seq = [p + n for p, n in zip(prefix, extend, strict=True)]
     bs = len(seq)
     kvh, d, h = case.num_kv_heads, case.head_dim, case.num_heads
     paged = layout == "paged"
@@ -207,7 +207,7 @@ def make_attention_inputs(
     num_pages = sum(pages_per_req) + spare
     page_ids = (torch.randperm(num_pages, generator=gen) + 1) if paged else torch.arange(1, num_pages + 1)
     req_slots, cursor = [], 0
-    for s, npages in zip(seq, pages_per_req):
+    for s, npages in zip(seq, pages_per_req, strict=True):
         pages = page_ids[cursor : cursor + npages]
         cursor += npages
         pos = torch.arange(s)
@@ -299,7 +299,7 @@ def _inputs_on_cpu_fp32(inputs: AttentionInputs) -> AttentionInputs:
     )
 
 
-def dense_attention(inputs: AttentionInputs, layer: Optional[AttentionLayerSpec] = None) -> torch.Tensor:
+def dense_attention(inputs: AttentionInputs, layer: AttentionLayerSpec | None = None) -> torch.Tensor:
     """Causal GQA attention computed densely in float64 from the logical K/V,
     independent of any paging: the kit's own statement of the semantics. The
     sliding window and logit cap are ``layer``'s (default ``inputs.layer``): a
@@ -311,7 +311,7 @@ def dense_attention(inputs: AttentionInputs, layer: Optional[AttentionLayerSpec]
     group = case.num_heads // case.num_kv_heads
     outs = []
     start = 0
-    for i, (p, n) in enumerate(zip(case.prefix_lens, case.extend_lens)):
+    for i, (p, n) in enumerate(zip(case.prefix_lens, case.extend_lens, strict=True)):
         q = inputs.q[start : start + n].to("cpu", torch.float64)  # [n, H, D]
         start += n
         k = inputs.keys[i].to("cpu", torch.float64).repeat_interleave(group, dim=1)  # [S, H, D]
@@ -385,10 +385,10 @@ def with_kv_layout(pool: KVPool, layout: KVLayout) -> KVPool:
 def check_attention_backend(
     backend: BackendSpec,
     device: str = "cpu",
-    dtypes: Optional[Iterable[torch.dtype]] = None,
+    dtypes: Iterable[torch.dtype] | None = None,
     registry=None,
     *,
-    cases: Union[str, Sequence[AttentionCase]] = "standard",
+    cases: str | Sequence[AttentionCase] = "standard",
     reference: BackendSpec = "torch_native",
     tolerances: Tolerances = None,
     seed: int = 0,

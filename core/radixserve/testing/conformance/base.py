@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -33,8 +34,8 @@ DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2),
 }
 
-BackendSpec = Union[str, type]
-Tolerances = Optional[dict[torch.dtype, Tolerance]]
+BackendSpec = str | type
+Tolerances = dict[torch.dtype, Tolerance] | None
 
 
 # ---------------------------------------------------------------------------
@@ -51,7 +52,7 @@ class CaseResult:
     atol: float = float("nan")
     rtol: float = float("nan")
     kv_store: str = "-"  # attention only: "ok", or what was wrong
-    error: Optional[str] = None  # exception or contract violation
+    error: str | None = None  # exception or contract violation
 
     def describe(self) -> str:
         what = []
@@ -131,7 +132,7 @@ class ConformanceReport:
             lines.append(f"  problem: {p}")
         return "\n".join(lines)
 
-    def raise_for_failures(self, min_run: int = 0) -> "ConformanceReport":
+    def raise_for_failures(self, min_run: int = 0) -> ConformanceReport:
         """Raise ``AssertionError`` naming every failing case, or saying how few ran
         when fewer than ``min_run`` (case, dtype) pairs did: a backend that declines
         a case passes it trivially, so a caller that knows how many it must run
@@ -158,7 +159,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> tuple[float, float, bool, Optional[str]]:
+def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> tuple[float, float, bool, str | None]:
     """``(max_abs, max_rel, passed, problem)`` for ``out`` against ``ref``."""
     if tuple(out.shape) != tuple(ref.shape):
         return float("nan"), float("nan"), False, f"shape {tuple(out.shape)} != expected {tuple(ref.shape)}"
@@ -226,7 +227,7 @@ def _tolerance(dtype: torch.dtype, tolerances: Tolerances) -> Tolerance:
     return DEFAULT_TOLERANCES.get(dtype, Tolerance(atol=2e-2, rtol=2e-2))
 
 
-def _f32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     """A float32 copy for the reference (never an alias of the backend's input); None stays None."""
     return None if t is None else t.to(torch.float32, copy=True)
 
@@ -261,7 +262,7 @@ class _Run:
         self.torch_device = _torch_device(device, registry)
 
     @classmethod
-    def resolve(cls, kind, backend, device, dtypes, registry, reference) -> "_Run":
+    def resolve(cls, kind, backend, device, dtypes, registry, reference) -> _Run:
         name, impl = resolve_backend(kind, backend, registry)
         ref_name, ref_cls = resolve_backend(kind, reference, registry)
         return cls(kind, name, impl, ref_name, ref_cls, device, dtypes, registry)
@@ -271,7 +272,7 @@ class _Run:
         of the cases' queries (``queries(dtype)``)."""
         out = []
         for dtype in self.dtypes:
-            first_reasons: Optional[list[str]] = None
+            first_reasons: list[str] | None = None
             try:
                 for query in queries(dtype):
                     reasons = _reasons(self.cls, query)
@@ -324,7 +325,7 @@ class _Run:
         tolerances: Tolerances,
         seed: int,
         check_one: CaseBody,
-        shared_query: Optional[Callable[[torch.dtype], KernelQuery]] = None,
+        shared_query: Callable[[torch.dtype], KernelQuery] | None = None,
     ) -> ConformanceReport:
         """Run ``check_one`` on every case for every claimed dtype and return the report.
 

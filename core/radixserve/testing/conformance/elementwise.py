@@ -8,8 +8,9 @@ token mask):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any
 
 import torch
 
@@ -161,9 +162,9 @@ _MAX_POSITIONS = 4096  # rows of the rotary cases' cos/sin table
 def make_elementwise_inputs(
     case: ElementwiseCase,
     dtype: torch.dtype,
-    device: Union[str, torch.device] = "cpu",
+    device: str | torch.device = "cpu",
     seed: int = 0,
-    as_dtype: Optional[torch.dtype] = None,
+    as_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """The op's inputs, drawn on CPU and rounded to ``dtype``, then put on
     ``device`` as ``as_dtype`` (default ``dtype``; the reference gets float32).
@@ -261,10 +262,10 @@ def run_elementwise_case(backend: Any, case: ElementwiseCase, inputs: dict[str, 
 def check_elementwise_backend(
     backend: BackendSpec,
     device: str = "cpu",
-    dtypes: Optional[Iterable[torch.dtype]] = None,
+    dtypes: Iterable[torch.dtype] | None = None,
     registry=None,
     *,
-    cases: Union[str, Sequence[ElementwiseCase]] = "standard",
+    cases: str | Sequence[ElementwiseCase] = "standard",
     reference: BackendSpec = "torch_native",
     tolerances: Tolerances = None,
     seed: int = 0,

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -69,10 +69,10 @@ def _gemm_inputs(case: GemmCase, dtype: torch.dtype, seed: int):
 def check_gemm_backend(
     backend: BackendSpec,
     device: str = "cpu",
-    dtypes: Optional[Iterable[torch.dtype]] = None,
+    dtypes: Iterable[torch.dtype] | None = None,
     registry=None,
     *,
-    cases: Union[str, Sequence[GemmCase]] = "standard",
+    cases: str | Sequence[GemmCase] = "standard",
     reference: BackendSpec = "torch",
     tolerances: Tolerances = None,
     seed: int = 0,

@@ -7,8 +7,8 @@ up-projected per head, then causal attention), the latent store check and
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -41,7 +41,7 @@ class MLACase:
     v_head_dim: int
     prefix_lens: tuple[int, ...]
     extend_lens: tuple[int, ...]
-    scaling: Optional[float] = None  # None: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+    scaling: float | None = None  # None: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
     layer_id: int = 1  # a layer other than 0, in a pool with layer_id + 2 layers
 
     def __post_init__(self):
@@ -139,7 +139,7 @@ class MLAInputs:
 def make_mla_inputs(
     case: MLACase,
     dtype: torch.dtype,
-    device: Union[str, torch.device] = "cpu",
+    device: str | torch.device = "cpu",
     seed: int = 0,
     layout: str = "paged",
 ) -> MLAInputs:
@@ -154,7 +154,7 @@ def make_mla_inputs(
     gen = torch.Generator().manual_seed(seed)
     ps = case.page_size
     prefix, extend = list(case.prefix_lens), list(case.extend_lens)
-    seq = [p + n for p, n in zip(prefix, extend)]
+    seq = [p + n for p, n in zip(prefix, extend, strict=True)]
     bs = len(seq)
     h, rank, nope, rope, v = (
         case.num_heads,
@@ -169,7 +169,7 @@ def make_mla_inputs(
     num_pages = sum(pages_per_req) + (3 if paged else 0)
     page_ids = (torch.randperm(num_pages, generator=gen) + 1) if paged else torch.arange(1, num_pages + 1)
     req_slots, cursor = [], 0
-    for s, npages in zip(seq, pages_per_req):
+    for s, npages in zip(seq, pages_per_req, strict=True):
         pages = page_ids[cursor : cursor + npages]
         cursor += npages
         pos = torch.arange(s)
@@ -276,7 +276,7 @@ def dense_mla_attention(inputs: MLAInputs) -> torch.Tensor:
     w_uk, w_uv = w[:, :nope], w[:, nope:]
     outs = []
     start = 0
-    for i, (p, n) in enumerate(zip(case.prefix_lens, case.extend_lens)):
+    for i, (p, n) in enumerate(zip(case.prefix_lens, case.extend_lens, strict=True)):
         q = torch.cat((inputs.q_nope[start : start + n], inputs.q_rope[start : start + n]), dim=-1)
         q = q.to("cpu", torch.float64)  # [n, H, nope + rope]
         start += n
@@ -321,10 +321,10 @@ def _check_latent_store(inputs: MLAInputs, before: list[torch.Tensor]) -> str:
 def check_mla_attention_backend(
     backend: BackendSpec,
     device: str = "cpu",
-    dtypes: Optional[Iterable[torch.dtype]] = None,
+    dtypes: Iterable[torch.dtype] | None = None,
     registry=None,
     *,
-    cases: Union[str, Sequence[MLACase]] = "standard",
+    cases: str | Sequence[MLACase] = "standard",
     reference: BackendSpec = "torch_mla",
     tolerances: Tolerances = None,
     seed: int = 0,

@@ -4,8 +4,8 @@ router logits) and ``check_moe_backend``."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -77,10 +77,10 @@ def make_moe_inputs(case: MoECase, dtype: torch.dtype, seed: int = 0):
 def check_moe_backend(
     backend: BackendSpec,
     device: str = "cpu",
-    dtypes: Optional[Iterable[torch.dtype]] = None,
+    dtypes: Iterable[torch.dtype] | None = None,
     registry=None,
     *,
-    cases: Union[str, Sequence[MoECase]] = "standard",
+    cases: str | Sequence[MoECase] = "standard",
     reference: BackendSpec = "torch_native",
     tolerances: Tolerances = None,
     seed: int = 0,

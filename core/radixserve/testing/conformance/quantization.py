@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +26,11 @@ from radixserve.testing.conformance.base import (
 )
 
 
-def _dense_semantics(weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _dense_semantics(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x, weight, bias)
 
 
-def _int8_semantics(weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _int8_semantics(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """Symmetric per-output-channel int8 weights (scale = max|w| / 127), round half to even."""
     scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
     q = torch.clamp(torch.round(weight / scale[:, None]), -127, 127)
@@ -52,7 +52,7 @@ def _fp8_semantics(per_channel_weight: bool):
         quotient = (t.double() / scale.double()).float()
         return quotient.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
 
-    def semantics(weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    def semantics(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w_max = weight.abs().amax(dim=1, keepdim=True) if per_channel_weight else weight.abs().amax()
         w_scale = w_max.clamp(min=1e-12) / 448.0
         x_scale = x.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 448.0
@@ -61,7 +61,7 @@ def _fp8_semantics(per_channel_weight: bool):
     return semantics
 
 
-QuantReference = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+QuantReference = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 # The reference semantics of the methods the core documents, in float32:
 # ``f(weight, x, bias) -> y`` from the float checkpoint weight. ``fp8`` and
@@ -113,12 +113,12 @@ def _quant_inputs(case: QuantCase, dtype: torch.dtype, seed: int):
 def check_quantization_method(
     method: BackendSpec,
     device: str = "cpu",
-    dtypes: Optional[Iterable[torch.dtype]] = None,
+    dtypes: Iterable[torch.dtype] | None = None,
     registry=None,
     *,
     gemm: BackendSpec = "torch",
-    reference: Optional[QuantReference] = None,
-    cases: Union[str, Sequence[QuantCase]] = "standard",
+    reference: QuantReference | None = None,
+    cases: str | Sequence[QuantCase] = "standard",
     tolerances: Tolerances = None,
     seed: int = 0,
 ) -> ConformanceReport:

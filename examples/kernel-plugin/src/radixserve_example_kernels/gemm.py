@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from radixserve.kernels import GemmBackend, KernelQuery
@@ -19,7 +17,7 @@ class ExampleGemm(GemmBackend):
             return [f"device {query.device!r} is not cpu or cuda"]
         return []
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         y = torch.matmul(x.float(), weight.float().t())
         if bias is not None:
             y = y + bias.float()

@@ -23,7 +23,7 @@ class ExampleLlamaForCausalLM(LlamaForCausalLM):
     architectures = ("ExampleLlamaForCausalLM",)
 
     @classmethod
-    def model_facts(cls, config: "PretrainedConfig") -> ModelFacts:
+    def model_facts(cls, config: PretrainedConfig) -> ModelFacts:
         """What backend selection must know before the model is built: the
         attention's shape and window (and, for a mixture of experts, the experts:
         ``attention_facts(config, num_experts=..., top_k=..., moe_intermediate_size=...)``)."""
