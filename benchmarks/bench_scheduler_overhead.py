@@ -27,8 +27,8 @@ from transformers import AutoTokenizer
 
 from radixserve.config import ServerArgs
 from radixserve.messages import GenerateRequest
-from radixserve.runtime.model_worker import ModelWorker
-from radixserve.runtime.scheduler import Scheduler
+from radixserve.runtime.execution.model_worker import ModelWorker
+from radixserve.runtime.scheduling.scheduler import Scheduler
 from radixserve.sampling.params import SamplingParams
 from radixserve.testing.tiny_models import build_tiny_model
 

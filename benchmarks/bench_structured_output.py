@@ -36,11 +36,11 @@ from typing import Any
 
 import httpx
 
-from radixserve.grammar import GrammarSpec, GrammarTokenizer
-from radixserve.model_loader import eos_token_ids
+from radixserve.checkpoints.loader import eos_token_ids
 from radixserve.registry import PluginRegistry
-from radixserve.runtime.grammar_compiler import GrammarCompiler
-from radixserve.runtime.grammar_queue import tokenizer_loader
+from radixserve.structured_output.backend import GrammarSpec, GrammarTokenizer
+from radixserve.structured_output.grammar_compiler import GrammarCompiler
+from radixserve.structured_output.grammar_queue import tokenizer_loader
 
 # Printable ASCII without end: the grammar never lets a request stop early (with ignore_eos,
 # an EOS the grammar accepts would still end it). The free-text part of a JSON string or a
@@ -168,9 +168,9 @@ def _ms(fn: Any, repeats: int = 50) -> float:
 def mask_costs(model: str, backend_name: str, batch: int) -> dict[str, float]:
     import torch
 
-    from radixserve.grammar import allocate_token_bitmask
     from radixserve.kernels import KernelQuery
     from radixserve.kernels.elementwise import apply_token_bitmask
+    from radixserve.structured_output.backend import allocate_token_bitmask
 
     out: dict[str, float] = {}
     load = _loader(model)

@@ -21,10 +21,10 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from radixserve.checkpoints.random_model import build_tiny_model
 from radixserve.config import ServerArgs
 from radixserve.messages import GenerateRequest
-from radixserve.model_builder import build_tiny_model
-from radixserve.runtime.scheduler import Scheduler
+from radixserve.runtime.scheduling.scheduler import Scheduler
 from radixserve.sampling.params import SamplingParams
 
 ARCHITECTURES = {"llama": dict(arch="llama"), "qwen2": dict(arch="qwen2"), "qwen3_moe": dict(arch="qwen3_moe")}

@@ -36,7 +36,7 @@ from transformers import AutoTokenizer
 
 from radixserve.config import ServerArgs
 from radixserve.messages import GenerateRequest
-from radixserve.runtime.scheduler import Scheduler
+from radixserve.runtime.scheduling.scheduler import Scheduler
 from radixserve.sampling.params import SamplingParams
 
 # GEMM operators, with which input holds the weight and its layout ("nk": [out, in], as

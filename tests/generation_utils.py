@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from radixserve.config import ServerArgs
 from radixserve.messages import FinishReason, GenerateRequest, TokenOutput
-from radixserve.runtime.scheduler import Scheduler
+from radixserve.runtime.scheduling.scheduler import Scheduler
 from radixserve.sampling.params import SamplingParams
 
 _rids = itertools.count()

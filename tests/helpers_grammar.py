@@ -92,7 +92,7 @@ SLOW_BACKEND = '''
     import json
     import time
 
-    from radixserve.grammar_backends.xgrammar_backend import XGrammarBackend
+    from radixserve.structured_output.xgrammar_backend import XGrammarBackend
     from radixserve.hooks import hookimpl
 
 

@@ -16,8 +16,8 @@ from transformers import AutoTokenizer
 
 from radixserve.config import ServerArgs
 from radixserve.messages import GenerateRequest, TokenOutput
-from radixserve.runtime.distributed import RankSpec, Rendezvous, host_store
-from radixserve.runtime.scheduler import Scheduler
+from radixserve.runtime.execution.distributed import RankSpec, Rendezvous, host_store
+from radixserve.runtime.scheduling.scheduler import Scheduler
 from radixserve.sampling.params import SamplingParams
 
 # The load: more requests than may run at once (some wait), prompts sharing a prefix

@@ -11,7 +11,7 @@ import pytest
 import torch
 from generation_utils import make_scheduler
 
-from radixserve.model_loader import choose_dtype
+from radixserve.checkpoints.loader import choose_dtype
 from radixserve.platform import DtypeChoice, Platform
 from radixserve.testing.tiny_models import tiny_config
 from radixserve_torch import cpu_isa, cpu_topology

@@ -18,7 +18,7 @@ from test_cli_startup import assert_short_failure, run_cli
 
 from radixserve.cache.memory_pool import KVPool
 from radixserve.registry import PluginError, PluginRegistry, get_registry
-from radixserve.runtime.model_runner import kv_pool_tokens
+from radixserve.runtime.execution.model_runner import kv_pool_tokens
 from radixserve.testing import check_quantization_method
 from radixserve.testing.conformance import QUANT_REFERENCES
 from radixserve_cuda.capability import capability_reasons, visible_capabilities
@@ -296,7 +296,7 @@ def test_fp8_kit_on_cuda(method):
 @needs_cuda
 def test_cuda_pool_sized_from_free_memory(tiny_model_factory):
     from radixserve.config import ServerArgs
-    from radixserve.runtime.model_runner import ModelRunner
+    from radixserve.runtime.execution.model_runner import ModelRunner
 
     model = str(tiny_model_factory(arch="llama", num_kv_heads=4, head_dim=64))  # 4 KiB of KV per token in fp32
     args = ServerArgs(

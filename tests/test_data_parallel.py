@@ -20,6 +20,7 @@ from helpers_server import metric, serving, wait_until
 
 from radixserve import Engine
 from radixserve.config import ServerArgs
+from radixserve.load_balance import LoadBalancer, ReplicaLoad
 from radixserve.messages import (
     AbortRequest,
     ControlReply,
@@ -29,8 +30,7 @@ from radixserve.messages import (
     ReplicaFinished,
     TokenBatch,
 )
-from radixserve.runtime.dp_controller import DPController, total_stats
-from radixserve.runtime.load_balance import LoadBalancer, ReplicaLoad
+from radixserve.runtime.processes.dp_controller import DPController, total_stats
 from radixserve.sampling.params import SamplingParams
 
 PROMPTS = [f"the number {i} is" for i in range(8)]

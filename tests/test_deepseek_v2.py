@@ -23,9 +23,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from radixserve import Engine
 from radixserve.cache.memory_pool import LatentKV, LatentKVPool
+from radixserve.checkpoints.loader import model_kernel_query
 from radixserve.kernels import KernelQuery, MoERouting, route
 from radixserve.messages import FinishReason
-from radixserve.model_loader import model_kernel_query
 from radixserve.models.deepseek_v2 import check_supported
 from radixserve.registry import get_registry
 from radixserve.testing import MOE_CASES, check_moe_backend

@@ -17,9 +17,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from radixserve.messages import DetokenizeSettings, FinishReason, TokenBatch, TokenOutput
-from radixserve.runtime.detokenizer import DetokenizerState
-from radixserve.runtime.incremental_detokenizer import IncrementalDetokenizer
-from radixserve.runtime.stop import StopHoldback
+from radixserve.runtime.processes.detokenizer import DetokenizerState
+from radixserve.runtime.processes.incremental_detokenizer import IncrementalDetokenizer
+from radixserve.runtime.scheduling.stop import StopHoldback
 from radixserve.testing.tiny_models import build_tokenizer
 
 CORPUS = [

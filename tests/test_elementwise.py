@@ -20,9 +20,9 @@ from helpers_platform import needs_platform
 
 from radixserve.config import ServerArgs
 from radixserve.kernels import MODEL_SPECIFIC_OPS, KernelQuery
-from radixserve.launch import check_startup
 from radixserve.layers.rotary import rope_cos_sin_cache
 from radixserve.registry import PluginError, PluginRegistry
+from radixserve.startup_checks import check_startup
 from radixserve.startup_error import StartupError
 from radixserve.testing import ELEMENTWISE_CASES, check_elementwise_backend
 from radixserve_torch.elementwise import TorchNativeElementwise

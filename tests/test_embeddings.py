@@ -38,8 +38,8 @@ from helpers_server import ServerProcess, serving, wait_until
 from transformers import AutoModel, AutoTokenizer
 
 from radixserve import Engine
+from radixserve.checkpoints.embedding import EmbeddingConfig, embedding_config
 from radixserve.config import ServerArgs
-from radixserve.embedding_config import EmbeddingConfig, embedding_config
 from radixserve.messages import GenerateRequest
 from radixserve.sampling.params import SamplingParams
 

@@ -23,10 +23,10 @@ from generation_utils import generate, hf_greedy, make_scheduler, mixed_prompts,
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from radixserve.backend_timing import timing_cases
+from radixserve.checkpoints.loader import model_facts, model_kernel_query, model_timing_shapes
 from radixserve.kernels import KernelQuery, elementwise_op_reasons
 from radixserve.layers.context import ModelContext
 from radixserve.messages import FinishReason
-from radixserve.model_loader import model_facts, model_kernel_query, model_timing_shapes
 from radixserve.models import Gemma2ForCausalLM
 from radixserve.models.gemma2 import GEMMA_ELEMENTWISE_OPS as GEMMA_OPS
 from radixserve.registry import get_registry

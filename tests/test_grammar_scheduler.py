@@ -13,8 +13,8 @@ import pytest
 from generation_utils import make_scheduler, mixed_prompts, run, submit
 from transformers import AutoTokenizer
 
-from radixserve.grammar import GrammarSpec
 from radixserve.kernels.elementwise import apply_token_bitmask
+from radixserve.structured_output.backend import GrammarSpec
 
 REGEX = "[a-z]{6,10}( [a-z]{6,10}){2,3}"
 SPEC = GrammarSpec("regex", REGEX)
@@ -40,7 +40,7 @@ def test_constrained_tokens_survive_overlap_and_retraction(tiny_llama_dir, overl
         min_new_token_ratio=0.05,
         disable_overlap_schedule=not overlap,
     )
-    with caplog.at_level(logging.INFO, logger="radixserve.runtime.scheduler"):
+    with caplog.at_level(logging.INFO, logger="radixserve.runtime.scheduling.scheduler"):
         results, constrained = _generate(scheduler, prompts)
     retracted = set(re.findall(r"retracted (\S+) after", caplog.text))
     assert retracted & set(constrained), "a constrained request was meant to be retracted"

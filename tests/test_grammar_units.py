@@ -12,19 +12,19 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from radixserve.grammar import (
+from radixserve.kernels import KernelQuery
+from radixserve.kernels.elementwise import apply_token_bitmask
+from radixserve.registry import PluginError, PluginRegistry
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.structured_output.backend import (
     GrammarBackend,
     GrammarError,
     GrammarSpec,
     GrammarTokenizer,
     allocate_token_bitmask,
 )
-from radixserve.grammar_backends import LLGuidanceBackend, XGrammarBackend
-from radixserve.kernels import KernelQuery
-from radixserve.kernels.elementwise import apply_token_bitmask
-from radixserve.registry import PluginError, PluginRegistry
-from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from radixserve.server.structured_output import ConstraintError, grammar_spec
+from radixserve.structured_output.builtin import LLGuidanceBackend, XGrammarBackend
+from radixserve.structured_output.request_specs import ConstraintError, grammar_spec
 from radixserve_torch.elementwise_cpu import CpuFusedElementwise
 
 BACKENDS = [XGrammarBackend, LLGuidanceBackend]

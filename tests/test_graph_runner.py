@@ -1,4 +1,4 @@
-"""Decode graphs (runtime/graph_runner.py) on a CPU, through a stand-in graph
+"""Decode graphs (runtime/execution/graph_runner.py) on a CPU, through a stand-in graph
 backend that replays by rerunning the captured callable eagerly
 (radixserve.testing.graphs): the batch-size table and padding, the static
 buffers, the attention backends' capture/replay hooks, and greedy tokens equal
@@ -26,8 +26,8 @@ from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardBatch
 from radixserve.hooks import hookimpl
 from radixserve.registry import PluginRegistry
-from radixserve.runtime.graph_runner import capture_batch_sizes, padded_batch_size
-from radixserve.runtime.model_runner import ModelRunner
+from radixserve.runtime.execution.graph_runner import capture_batch_sizes, padded_batch_size
+from radixserve.runtime.execution.model_runner import ModelRunner
 from radixserve.testing.graphs import EagerReplayGraphBackend
 from radixserve_torch.attention import TorchNativeAttention
 from radixserve_torch.platform import CpuPlatform

@@ -34,8 +34,8 @@ from hypothesis.stateful import (
 from radixserve.cache.chunk_cache import ChunkCache
 from radixserve.cache.memory_pool import PagedAllocator, ReqToTokenPool
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.runtime.kv_ledger import KVLedger
-from radixserve.runtime.req import Req
+from radixserve.runtime.execution.request import Req
+from radixserve.runtime.scheduling.kv_ledger import KVLedger
 from radixserve.sampling.params import SamplingParams
 
 CPU = torch.device("cpu")

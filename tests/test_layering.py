@@ -56,6 +56,8 @@ def module_files() -> dict[str, Path]:
 def entry_matches(entry: str, module: str) -> bool:
     if entry == "__init__.py":
         return module == PACKAGE
+    if entry.endswith("/__init__.py"):
+        return module == f"{PACKAGE}.{entry.removesuffix('/__init__.py').replace('/', '.')}"
     if entry.endswith("/"):
         package = f"{PACKAGE}.{entry[:-1].replace('/', '.')}"
         return module == package or module.startswith(package + ".")
@@ -90,22 +92,29 @@ def graph() -> dict[str, set[str]]:
     return {name: imports_of(name, path, modules) for name, path in modules.items()}
 
 
+def homes(module: str, layers: list[list[str]]) -> list[tuple[int, str]]:
+    """The (layer, entry) pairs that hold ``module``: the entries naming it most
+    specifically (a module's own entry wins over a folder entry that holds it)."""
+    found = [(i, e) for i, entries in enumerate(layers) for e in entries if entry_matches(e, module)]
+    best = max((_specificity(e) for _, e in found), default=0)
+    return [(i, e) for i, e in found if _specificity(e) == best]
+
+
+def _specificity(entry: str) -> int:
+    return entry.count("/") * 2 + (0 if entry.endswith("/") else 1)
+
+
 def layer_of() -> dict[str, int]:
     layers = layer_table()
-    return {
-        module: i
-        for module in module_files()
-        for i, entries in enumerate(layers)
-        if any(entry_matches(entry, module) for entry in entries)
-    }
+    return {module: found[0][0] for module in module_files() if (found := homes(module, layers))}
 
 
 def test_every_module_is_in_exactly_one_layer_and_every_entry_names_one():
     layers = layer_table()
     modules = module_files()
     assert len(layers) > 5, f"docs/architecture.md's Layers block did not parse: {layers}"
-    homes = {m: [e for entries in layers for e in entries if entry_matches(e, m)] for m in modules}
-    assert {m: h for m, h in homes.items() if len(h) != 1} == {}, "modules without a layer, or with several"
+    placed = {m: homes(m, layers) for m in modules}
+    assert {m: h for m, h in placed.items() if len(h) != 1} == {}, "modules without a layer, or with several"
     stale = [e for entries in layers for e in entries if not any(entry_matches(e, m) for m in modules)]
     assert stale == [], "layer entries that name no module"
 

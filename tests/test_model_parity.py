@@ -14,6 +14,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from radixserve.cache.memory_pool import KVPool, PagedAllocator, ReqToTokenPool
+from radixserve.checkpoints.loader import iterate_weights, load_config, load_model, model_kernel_query, resolve_dtype
 from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.kernels import KernelQuery
 from radixserve.layers import (
@@ -29,7 +30,6 @@ from radixserve.layers import (
 )
 from radixserve.layers.context import ModelContext
 from radixserve.layers.weights import CheckpointMismatchError
-from radixserve.model_loader import iterate_weights, load_config, load_model, model_kernel_query, resolve_dtype
 from radixserve.models import MODEL_CLASSES
 from radixserve.registry import get_registry
 from radixserve.testing.tiny_models import (

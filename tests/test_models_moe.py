@@ -10,9 +10,9 @@ import torch
 from helpers_models import SCHEDULER_CONFIGS, Reference, bf16_agreement, check_greedy_matches_hf, hf_reference
 from transformers import AutoModelForCausalLM
 
+from radixserve.checkpoints.loader import iterate_weights, load_config, model_kernel_query, model_timing_shapes
 from radixserve.layers import SparseMoE
 from radixserve.layers.context import ModelContext
-from radixserve.model_loader import iterate_weights, load_config, model_kernel_query, model_timing_shapes
 from radixserve.models import MixtralForCausalLM, Qwen2MoeForCausalLM
 from radixserve.registry import get_registry
 

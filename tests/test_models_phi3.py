@@ -14,10 +14,10 @@ import pytest
 import torch
 from helpers_models import SCHEDULER_CONFIGS, Reference, bf16_agreement, check_greedy_matches_hf, hf_reference
 
+from radixserve.checkpoints.loader import load_config, model_kernel_query
 from radixserve.kernels import KernelQuery
 from radixserve.layers import MergedColumnParallelLinear, PagedAttention, QKVParallelLinear, RotaryEmbedding
 from radixserve.layers.context import ModelContext
-from radixserve.model_loader import load_config, model_kernel_query
 from radixserve.models import Phi3ForCausalLM
 from radixserve.registry import get_registry
 from radixserve.testing.tiny_models import longrope_scaling, tiny_config

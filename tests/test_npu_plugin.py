@@ -24,7 +24,7 @@ from radixserve.forward_batch import ForwardMode
 from radixserve.hooks import hookimpl
 from radixserve.kernels import KernelQuery
 from radixserve.registry import PluginError, PluginRegistry
-from radixserve.runtime.model_runner import kv_pool_tokens
+from radixserve.runtime.execution.model_runner import kv_pool_tokens
 from radixserve.testing import ATTENTION_CASES, MOE_CASES, check_attention_backend, check_moe_backend
 from radixserve.testing.conformance import AttentionCase, make_attention_inputs
 from radixserve_npu.attention import NpuFusedAttention, build_block_table, build_padding_index, choose_route

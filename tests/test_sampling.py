@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from radixserve.messages import FinishReason
-from radixserve.runtime.sampler import Sampler, SamplingBatch, _adjusted_logits, compute_logprobs, sample
-from radixserve.runtime.stop import (
+from radixserve.runtime.execution.sampler import Sampler, SamplingBatch, _adjusted_logits, compute_logprobs, sample
+from radixserve.runtime.scheduling.stop import (
     StopChecker,
     StopHoldback,
     drop_stop_token,

@@ -13,7 +13,7 @@ from generation_utils import FailingDecode, generate, make_scheduler, mixed_prom
 from helpers_pool import SchedulerPool, assert_whole_pool_back
 
 from radixserve.messages import GenerateRequest
-from radixserve.runtime.batch import BatchPlan
+from radixserve.runtime.execution.batch import BatchPlan
 from radixserve.sampling.params import SamplingParams
 
 GOOD_TOKENS = 6

@@ -18,10 +18,10 @@ from pydantic import ValidationError
 from tokenizers import processors
 from transformers import AutoTokenizer
 
-from radixserve import demo_model
+from radixserve.checkpoints import demo as demo_model
+from radixserve.checkpoints.source import resolve_model_path
 from radixserve.config import ServerArgs
 from radixserve.messages import FinishReason
-from radixserve.model_source import resolve_model_path
 from radixserve.sampling.params import SamplingParams
 from radixserve.server import native_serving
 from radixserve.server.chat_template import ChatTemplate
@@ -166,7 +166,7 @@ def test_demo_model_concurrent_first_runs_share_one_build(tmp_path, monkeypatch)
         Path(out_dir, "config.json").write_text("{}")
         return Path(out_dir)
 
-    monkeypatch.setattr("radixserve.model_builder.build_tiny_model", fake_build)
+    monkeypatch.setattr("radixserve.checkpoints.random_model.build_tiny_model", fake_build)
     results: list[Path] = []
     threads = [threading.Thread(target=lambda: results.append(demo_model.demo_model_path())) for _ in range(2)]
     for t in threads:

@@ -1,5 +1,5 @@
 """The step path that never waits for the device (radixserve/transfer.py,
-runtime/batch.py, runtime/model_worker.py): launch order with overlap
+runtime/execution/batch.py, runtime/execution/model_worker.py): launch order with overlap
 scheduling, results read only when digested, and KV pages freed while the
 device may still compute, through a transfer whose copies land only when the
 test says so (the CPU has no asynchronous copies to wait for)."""

@@ -17,14 +17,14 @@ import torch
 from helpers_tp import SAMPLED, make_args, run_ranks, run_script
 from transformers import AutoTokenizer
 
+from radixserve.checkpoints.loader import check_tp_shapes, load_config, load_model, model_kernel_query
 from radixserve.config import ServerArgs
-from radixserve.launch import check_startup
 from radixserve.layers.context import ModelContext
 from radixserve.layers.weights import CheckpointTensor
-from radixserve.model_loader import check_tp_shapes, load_config, load_model, model_kernel_query
 from radixserve.registry import get_registry
-from radixserve.runtime.distributed import RankSpec, Rendezvous, host_store, join_group
-from radixserve.runtime.scheduler import Scheduler
+from radixserve.runtime.execution.distributed import RankSpec, Rendezvous, host_store, join_group
+from radixserve.runtime.scheduling.scheduler import Scheduler
+from radixserve.startup_checks import check_startup
 from radixserve.startup_error import StartupError
 
 # DeepSeek-V2 with V2's compressed query (q_lora_rank), whose down-projection is replicated too.

@@ -13,12 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.grammar import GatedMatcher, GrammarMatcher, ReasoningGate, allocate_token_bitmask
 from radixserve.registry import PluginRegistry
 from radixserve.server.protocol import ChatCompletionRequest
 from radixserve.server.reasoning import ReasoningParser
 from radixserve.server.tool_calls import ChoiceReader, RequiredCalls, keeps_special_tokens
-from radixserve.tool_parser import ToolParser
+from radixserve.structured_output.backend import GatedMatcher, GrammarMatcher, ReasoningGate, allocate_token_bitmask
+from radixserve.tool_parsers.base import ToolParser
 from radixserve.tool_parsers.hermes import HermesToolParser
 from radixserve.tool_parsers.llama3_json import Llama3JSONToolParser
 from radixserve.tool_parsers.mistral import MistralToolParser

@@ -21,7 +21,7 @@ import pytest
 from helpers_server import ServerProcess, serving, wait_until
 
 from radixserve.config import ServerArgs
-from radixserve.runtime.scheduler_stats import ServingTotals, StepRates
+from radixserve.runtime.scheduling.stats import ServingTotals, StepRates
 from radixserve.server.profile_dir import ProfileDir
 
 USER_KEY = "user-key"

@@ -58,10 +58,10 @@ def _serve(args: ServerArgs) -> int:
     """Check what can be checked here, then serve (node 0) or run this node's
     ranks (``--node-rank`` > 0); a start-up error is a line and a hint on stderr
     (the traceback too with ``--log-level debug``)."""
-    from radixserve.launch import build_backends, check_startup
     from radixserve.logging_utils import configure_logging
-    from radixserve.runtime.worker_node import serve_worker_node
+    from radixserve.runtime.processes.worker_node import serve_worker_node
     from radixserve.server.http import run_server
+    from radixserve.startup_checks import build_backends, check_startup
     from radixserve.startup_error import StartupError
 
     configure_logging(args.log_level, prefix="server" if args.node_rank == 0 else f"node{args.node_rank}")
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             router.error(str(exc))
         return _route(router_args)
     if ns.command == "serve":
-        from radixserve.launcher_env import apply_launcher_env
+        from radixserve.multinode_env import apply_launcher_env
 
         try:
             args, placement = apply_launcher_env(ServerArgs.from_cli_args(ns), os.environ)

@@ -12,12 +12,12 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from radixserve.checkpoints.source import resolve_model_path
 from radixserve.config import ServerArgs
 from radixserve.messages import ProfileOptions
-from radixserve.model_source import resolve_model_path
-from radixserve.runtime.processes import launch_runtime
-from radixserve.server.structured_output import take_sampling_grammar
+from radixserve.runtime.processes.spawn import launch_runtime
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
+from radixserve.structured_output.request_specs import take_sampling_grammar
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The batch a model forward sees: flat new tokens plus the paged KV layout.
 
 It sits in the contract layer because attention backends read it. The runtime
-builds one per step from a ScheduleBatch (see runtime/batch.py).
+builds one per step from a ScheduleBatch (see runtime/execution/batch.py).
 """
 
 from __future__ import annotations

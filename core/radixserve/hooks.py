@@ -60,11 +60,11 @@ def register_models(register: Register) -> None:
 
 @hookspec
 def register_grammar_backends(register: Register) -> None:
-    """Register :class:`radixserve.grammar.GrammarBackend` subclasses (structured
+    """Register :class:`radixserve.structured_output.backend.GrammarBackend` subclasses (structured
     output; chosen by ``--grammar-backend``)."""
 
 
 @hookspec
 def register_tool_parsers(register: Register) -> None:
-    """Register :class:`radixserve.tool_parser.ToolParser` subclasses (tool calling;
+    """Register :class:`radixserve.tool_parsers.base.ToolParser` subclasses (tool calling;
     chosen by ``--tool-call-parser`` or detected from the chat template)."""

@@ -13,7 +13,7 @@ their ControlReplies); replicas report finished requests to it
 process watcher tells it of a dead replica (ReplicaDown).
 
 server/ and runtime/ both import this; runtime/ never imports server/, and server/
-imports runtime/ only to start its processes (runtime/processes.py).
+imports runtime/ only to start its processes (runtime/processes/spawn.py).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class ControlRequest:
     args: Any = None
 
 
-# Where a profile's trace goes when nothing else says (runtime/profiler.py); the
+# Where a profile's trace goes when nothing else says (runtime/execution/profiler.py); the
 # server's --profile-dir defaults to it too.
 PROFILE_DIR_ENV = "RADIXSERVE_PROFILE_DIR"
 

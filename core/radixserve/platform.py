@@ -125,7 +125,7 @@ class Platform:
         return [ProfilerActivity.CPU]
 
 
-# -- graph capture and replay (the platform's side; runtime/graph_runner.py drives it) --
+# -- graph capture and replay (the platform's side; runtime/execution/graph_runner.py drives it) --
 
 
 class DeviceGraph(abc.ABC):

@@ -87,13 +87,13 @@ class PluginRegistry:
         self.plugins: dict[str, PluginInfo] = {}
         self._candidates: dict[str, dict[str, Candidate]] | None = None
         # The core's own architectures and grammar backends register through the same hooks as anyone's.
-        import radixserve.grammar_backends
         import radixserve.models
-        import radixserve.tool_parsers
+        import radixserve.structured_output.builtin
+        import radixserve.tool_parsers.builtin
 
         self.register_plugin(radixserve.models, BUILTIN_MODELS_PLUGIN)
-        self.register_plugin(radixserve.grammar_backends, BUILTIN_GRAMMAR_PLUGIN)
-        self.register_plugin(radixserve.tool_parsers, BUILTIN_TOOL_PLUGIN)
+        self.register_plugin(radixserve.structured_output.builtin, BUILTIN_GRAMMAR_PLUGIN)
+        self.register_plugin(radixserve.tool_parsers.builtin, BUILTIN_TOOL_PLUGIN)
         if load_entry_points:
             self.load_entry_points()
 

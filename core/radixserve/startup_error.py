@@ -1,6 +1,6 @@
 """The error that stops the server or the Engine from starting: raised by the
-start-up checks (``launch.py``), by the runtime processes' start
-(``runtime/processes.py``) and by the HTTP server (``server/http.py``)."""
+start-up checks (``startup_checks.py``), by the runtime processes' start
+(``runtime/processes/spawn.py``) and by the HTTP server (``server/http.py``)."""
 
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ class AttentionBackend(Backend):
     ``[num_tokens, num_kv_heads, head_dim]``; returns
     ``[num_tokens, num_heads, head_dim]``.
 
-    Graph capture (decode only, see runtime/graph_runner.py): a backend that can
+    Graph capture (decode only, see runtime/execution/graph_runner.py): a backend that can
     run a decode step with shapes fixed by the batch size alone and without
     reading anything on the host answers ``graph_unsupported_reasons`` with no
     reason and implements the three other ``*graph*`` hooks. The other backends

@@ -1,7 +1,7 @@
 """Tensor-parallel arithmetic and the two collectives the layers need.
 
 Collectives go through ``ctx.comm``, the ``Communicator`` the platform made
-for the TP ranks (runtime/distributed.py), so nothing here is device specific.
+for the TP ranks (runtime/execution/distributed.py), so nothing here is device specific.
 With ``tp_size == 1`` they are no-ops.
 """
 

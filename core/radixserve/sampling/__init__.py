@@ -1,4 +1,4 @@
-"""Per-request sampling parameters (the batched sampler is runtime/sampler.py)."""
+"""Per-request sampling parameters (the batched sampler is runtime/execution/sampler.py)."""
 
 from radixserve.sampling.params import SamplingParams
 

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from radixserve.grammar import GrammarSpec, ReasoningGate
 from radixserve.request_limits import SamplingLimits, has_lone_surrogate
+from radixserve.structured_output.backend import GrammarSpec, ReasoningGate
 
 # Temperatures below this sample from a distribution so peaked that argmax is
 # the only sensible reading, and dividing by them overflows float32.

@@ -2,7 +2,7 @@
 
 ``input`` is a string, a list of strings, a list of token ids or a list of
 them; each is one embedding request (a prefill whose final hidden states the
-scheduler pools: runtime/pooling.py), run together, so the scheduler batches
+scheduler pools: runtime/execution/pooling.py), run together, so the scheduler batches
 them with whatever else is waiting. ``encoding_format`` ``base64`` is the
 little-endian float32 bytes of each vector, as OpenAI's; ``dimensions`` keeps
 the first that many values and normalises them again (when the model's

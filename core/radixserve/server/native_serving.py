@@ -28,8 +28,8 @@ from radixserve.server.streaming import (
     runtime_errors,
     start_generation,
 )
-from radixserve.server.structured_output import SAMPLING_PARAMS_FIELDS, ConstraintError, take_sampling_grammar
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
+from radixserve.structured_output.request_specs import SAMPLING_PARAMS_FIELDS, ConstraintError, take_sampling_grammar
 
 # SGLang's names of the structured output constraints stand for the runtime's ``grammar``.
 _SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"grammar"} | set(

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from radixserve.grammar import ReasoningGate
 from radixserve.messages import FinishReason
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError
@@ -50,6 +49,7 @@ from radixserve.server.streaming import (
 )
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
 from radixserve.server.tool_calls import ChoiceReader, check_tools, keeps_special_tokens, tool_grammar
+from radixserve.structured_output.backend import ReasoningGate
 
 # Without max_tokens a request may use the rest of the context (as in vLLM), up
 # to this many tokens so one request cannot reserve a long model's whole window.

@@ -36,11 +36,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from radixserve.grammar import GrammarSpec
 from radixserve.messages import FinishType
 from radixserve.request_limits import has_lone_surrogate
 from radixserve.sampling.params import INT64_MAX, INT64_MIN
-from radixserve.server.structured_output import CONSTRAINT_FIELDS, ConstraintError, grammar_spec
+from radixserve.structured_output.backend import GrammarSpec
+from radixserve.structured_output.request_specs import CONSTRAINT_FIELDS, ConstraintError, grammar_spec
 
 logger = logging.getLogger(__name__)
 

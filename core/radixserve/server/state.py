@@ -22,11 +22,11 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from radixserve.checkpoints.demo import DEMO_MODEL_NAME
+from radixserve.checkpoints.source import resolve_model_path
 from radixserve.config import ServerArgs
-from radixserve.demo_model import DEMO_MODEL_NAME
-from radixserve.model_source import resolve_model_path
 from radixserve.registry import get_registry
-from radixserve.runtime.processes import RuntimeProcesses, spawn_runtime, wait_until_ready
+from radixserve.runtime.processes.spawn import RuntimeProcesses, spawn_runtime, wait_until_ready
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import ServerMetrics

@@ -18,8 +18,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from radixserve.checkpoints.embedding import EmbeddingConfig
 from radixserve.config import ServerArgs
-from radixserve.embedding_config import EmbeddingConfig
 from radixserve.ipc import Endpoints, pull_socket, push_socket
 from radixserve.messages import (
     AbortRequest,

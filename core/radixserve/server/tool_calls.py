@@ -21,11 +21,11 @@ from typing import Any
 
 import jsonschema
 
-from radixserve.grammar import GrammarSpec
 from radixserve.server.errors import APIError
 from radixserve.server.protocol import ChatCompletionRequest
 from radixserve.server.reasoning import ReasoningParser
-from radixserve.tool_parser import ParsedOutput, StreamDelta, ToolCall, ToolCallDelta, ToolParser
+from radixserve.structured_output.backend import GrammarSpec
+from radixserve.tool_parsers.base import ParsedOutput, StreamDelta, ToolCall, ToolCallDelta, ToolParser
 from radixserve.tool_parsers.forms import CallForm, FormToolParser
 from radixserve.tool_parsers.json_calls import JSONCallReader
 

@@ -1,5 +1,5 @@
 """Tiny test models made on the fly, nothing downloaded: the builder of
-``radixserve.model_builder`` (which builds the demo model too) under the testing
+``radixserve.checkpoints.random_model`` (which builds the demo model too) under the testing
 kit's name, and ``llama3_rope_scaling`` and ``longrope_scaling``, configurations
 only tests use."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from radixserve.model_builder import (
+from radixserve.checkpoints.random_model import (
     BOS_TOKEN,
     EOS_TOKEN,
     IM_END,

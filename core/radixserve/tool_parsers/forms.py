@@ -29,7 +29,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
-from radixserve.tool_parser import ParsedOutput, StreamDelta, ToolCall, ToolCallDelta, ToolParser
+from radixserve.tool_parsers.base import ParsedOutput, StreamDelta, ToolCall, ToolCallDelta, ToolParser
 
 WHITESPACE = " \t\r\n"
 

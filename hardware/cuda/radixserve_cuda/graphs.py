@@ -1,4 +1,4 @@
-"""CUDA graphs for radixserve's graph runner (``radixserve.runtime.graph_runner``).
+"""CUDA graphs for radixserve's graph runner (``radixserve.runtime.execution.graph_runner``).
 
 The capture procedure (device guard for ``--base-gpu-id``, side stream, warm-up
 runs, one memory pool shared by every graph) is the core's

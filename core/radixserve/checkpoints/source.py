@@ -1,0 +1,105 @@
+"""Where the weights come from: a local directory, a HuggingFace hub repo id
+(downloaded, or found in the hub cache when ``HF_HUB_OFFLINE=1``), or, with no
+model given, the built-in demo model."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+from radixserve.config import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# "name" or "org/name", as the hub spells repo ids; anything else is a path.
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+# Any one of these makes a directory loadable by AutoTokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "tekken.json")
+# Files a model directory needs; the rest of a repo (other formats, images) is skipped.
+_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
+
+
+def resolve_model_path(args: ServerArgs) -> str:
+    if args.model_path is None:
+        from radixserve.checkpoints.demo import demo_model_path
+
+        path = str(demo_model_path())
+        logger.warning(
+            "no --model given: serving the built-in demo model from %s. It has RANDOM weights "
+            "(its output is gibberish); pass --model PATH_OR_HUB_ID for a real one.",
+            path,
+        )
+        return path
+    if is_hub_id(args.model_path):
+        return check_model_dir(_download(args.model_path))
+    check_model_source(args.model_path)
+    return args.model_path
+
+
+def is_hub_id(model_path: str) -> bool:
+    return bool(_REPO_ID.match(model_path)) and not os.path.exists(model_path)
+
+
+def check_model_source(model_path: str) -> None:
+    """A ValueError naming the problem unless ``model_path`` is a local model
+    directory or looks like a hub repo id (checked once downloaded). Cheap, so
+    it runs before the server starts listening."""
+    if is_hub_id(model_path):
+        return
+    if not os.path.exists(model_path):
+        raise ValueError(f"model_path: {model_path!r} is not a directory (it does not exist)")
+    if not os.path.isdir(model_path):
+        raise ValueError(f"model_path: {model_path!r} is not a directory")
+    check_model_dir(model_path)
+
+
+def check_model_dir(path: str) -> str:
+    """A model directory must hold a HuggingFace config.json; checked before
+    anything reads it, so an empty directory is not reported as a tokenizer problem."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model_path: {path!r} has no config.json; it is not a HuggingFace model directory")
+    return path
+
+
+def check_tokenizer_source(path: str) -> None:
+    """A ValueError unless ``path`` (``--tokenizer-path``, or the model's
+    directory) is a hub repo id or a local directory with tokenizer files."""
+    if is_hub_id(path):
+        return
+    if not os.path.isdir(path):
+        raise ValueError(f"tokenizer_path: {path!r} is not a directory")
+    if not any(os.path.isfile(os.path.join(path, name)) for name in _TOKENIZER_FILES):
+        raise ValueError(
+            f"tokenizer_path: {path!r} has no tokenizer files (one of {', '.join(_TOKENIZER_FILES)}); "
+            f"pass --tokenizer-path"
+        )
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _download(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = _offline()
+    logger.info("fetching %s from the HuggingFace hub%s", repo_id, " cache (HF_HUB_OFFLINE is set)" if offline else "")
+    try:
+        return snapshot_download(repo_id, allow_patterns=_ALLOW_PATTERNS, local_files_only=offline)
+    except LocalEntryNotFoundError as exc:
+        if offline:
+            raise ValueError(
+                f"model_path: {repo_id!r} is not in the HuggingFace cache and HF_HUB_OFFLINE is set; "
+                f"download it once online, or pass a local directory"
+            ) from exc
+        raise ValueError(
+            f"model_path: could not reach the HuggingFace hub for {repo_id!r} and it is not cached: {exc}"
+        ) from exc
+    except GatedRepoError as exc:
+        raise ValueError(
+            f"model_path: {repo_id!r} is gated; accept its terms on huggingface.co and log in (HF_TOKEN)"
+        ) from exc
+    except RepositoryNotFoundError as exc:
+        raise ValueError(f"model_path: {repo_id!r} is neither a local directory nor a HuggingFace repo") from exc

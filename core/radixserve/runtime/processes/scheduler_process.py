@@ -1,0 +1,149 @@
+"""The scheduler process: receive requests, step the Scheduler, send token batches.
+
+With tensor parallelism one such process runs per rank. Rank 0 alone has the
+ZMQ sockets: each loop iteration it passes the messages it received (possibly
+none) to every rank (``TPGroup.broadcast``), so all ranks handle the same
+messages in the same order, step identical Schedulers and run the same
+collectives; only rank 0 sends token batches and control replies.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from multiprocessing.connection import Connection
+
+import zmq
+
+from radixserve.config import ServerArgs
+from radixserve.ipc import Endpoints, die_with_parent, pull_socket, push_socket
+from radixserve.logging_utils import configure_logging
+from radixserve.messages import (
+    AbortRequest,
+    ControlReply,
+    ControlRequest,
+    GenerateRequest,
+    ReplicaFinished,
+    ShutdownRequest,
+    TokenBatch,
+)
+from radixserve.runtime.execution.distributed import RankSpec
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_MS = 50
+
+
+def scheduler_process_name(rank: RankSpec | None, dp_rank: int | None = None) -> str:
+    """``scheduler``, ``scheduler-tp1``, ``scheduler-dp0``, ``scheduler-dp1-tp1``..."""
+    parts = ["scheduler"]
+    if dp_rank is not None:
+        parts.append(f"dp{dp_rank}")
+    if rank is not None:
+        parts.append(f"tp{rank.rank}")
+    return "-".join(parts)
+
+
+def run_scheduler_process(
+    args: ServerArgs,
+    model_path: str,
+    endpoints: Endpoints,
+    ready: Connection,
+    rank: RankSpec | None = None,
+    dp_rank: int | None = None,
+) -> None:
+    """Load the model and serve until a ShutdownRequest. ``rank``: this process's
+    tensor-parallel rank (None at tp_size 1). ``dp_rank``: its group's
+    data-parallel rank behind the DP controller (None without one);
+    ``endpoints.tokenizer_manager`` is then the controller's, which also gets the
+    ids of the requests that finished (``ReplicaFinished``) after their outputs
+    went to the detokenizer."""
+    die_with_parent()
+    configure_logging(args.log_level, prefix=scheduler_process_name(rank, dp_rank))
+    if rank is not None and rank.rank > 0:  # rank 0's stats lines speak for the group
+        logging.getLogger("radixserve.runtime.scheduling.stats").setLevel(logging.WARNING)
+    try:
+        from transformers import AutoTokenizer
+
+        from radixserve.runtime.scheduling.scheduler import Scheduler
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path)
+        scheduler = Scheduler(args, model_path, tokenizer, rank=rank)
+    except Exception:
+        ready.send({"error": traceback.format_exc()})
+        return
+    ready.send({"summary": scheduler.runner.summary()})
+    group = scheduler.runner.group
+    ctx = zmq.Context()
+    to_detok = to_tm = poller = recv = None
+    if group.is_leader:
+        recv = pull_socket(ctx, endpoints.scheduler)
+        to_detok = push_socket(ctx, endpoints.detokenizer)
+        to_tm = push_socket(ctx, endpoints.tokenizer_manager)
+        poller = zmq.Poller()
+        poller.register(recv, zmq.POLLIN)
+    checked_idle = False
+    while True:
+        messages = []
+        if group.is_leader:
+            if not scheduler.has_work():
+                poller.poll(IDLE_POLL_MS)
+            while True:
+                try:
+                    messages.append(recv.recv_pyobj(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+        # The other ranks wait here for rank 0's messages (at most IDLE_POLL_MS when idle).
+        for msg in group.broadcast(messages):
+            if isinstance(msg, ShutdownRequest):
+                logger.info("shutting down")
+                ctx.destroy(linger=0)
+                group.destroy()
+                return
+            checked_idle = False
+            try:
+                _dispatch(scheduler, msg, to_tm)
+            except Exception:  # one bad message must not stop the server
+                logger.exception("failed to handle a %s message", type(msg).__name__)
+        outputs = scheduler.step() if scheduler.has_work() else scheduler.step_outputs()
+        scheduler.profiler.after_step()
+        if outputs and to_detok is not None:
+            to_detok.send_pyobj(TokenBatch(outputs))
+            finished = [out.rid for out in outputs if out.finish_reason is not None]
+            if dp_rank is not None and finished:
+                to_tm.send_pyobj(ReplicaFinished(dp_rank, finished))
+        if not scheduler.has_work() and not checked_idle:
+            checked_idle = True
+            if not scheduler.check_memory():
+                logger.error("KV memory invariant broken while idle: %s", scheduler.stats())
+
+
+def _dispatch(scheduler, msg, to_tm: zmq.Socket | None) -> None:
+    """Handle one message; ``to_tm`` (rank 0's) gets control replies, other ranks only act."""
+    if isinstance(msg, GenerateRequest):
+        scheduler.add_request(msg)
+    elif isinstance(msg, AbortRequest):
+        scheduler.abort(msg.rid)
+    elif isinstance(msg, ControlRequest):
+        payload = _control(scheduler, msg.kind, msg.args)
+        if to_tm is not None:
+            to_tm.send_pyobj(ControlReply(msg.kind, msg.call_id, payload))
+    else:
+        logger.error("unknown message %r", type(msg).__name__)
+
+
+def _control(scheduler, kind: str, args):
+    if kind == "server_info":
+        summary = scheduler.runner.summary()
+        return {"stats": scheduler.stats().__dict__, **summary, "grammar_backend": scheduler.grammars.backend_name}
+    if kind == "flush_cache":
+        return scheduler.flush_cache()
+    if kind == "health":
+        return True
+    if kind in ("start_profile", "stop_profile"):
+        try:
+            path = scheduler.profiler.start(args) if kind == "start_profile" else scheduler.profiler.stop()
+        except ValueError as exc:  # the profiler's refusals (ProfileError)
+            return {"error": str(exc)}
+        return {"trace_path": path}
+    return {"error": f"unknown control request {kind!r}"}

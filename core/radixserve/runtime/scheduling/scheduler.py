@@ -1,0 +1,399 @@
+"""The scheduler: waiting queue -> prefill plan or decode batch -> model ->
+sampler -> results. Usable in-process, one ``step()`` at a time, and inside the
+scheduler process loop (``runtime/processes/scheduler_process.py``).
+
+It keeps the request lifecycle and composes the parts that do the rest: the KV
+ledger (``kv_ledger.py``), the prefill planner (``prefill_planner.py``), the
+model worker, overlapping a step with the host work of the next
+(``model_worker.py``), the batch plan (``batch.py``), the grammar queue
+(structured output: ``grammar_queue.py``), embedding pooling (``pooling.py``),
+and what is sent and logged (``outbox.py``, ``stats.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+from radixserve.cache.chunk_cache import ChunkCache
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.checkpoints.loader import eos_token_ids
+from radixserve.config import ServerArgs
+from radixserve.forward_batch import ForwardMode
+from radixserve.messages import FinishReason, GenerateRequest, TokenOutput
+from radixserve.registry import PluginRegistry, get_registry
+from radixserve.runtime.execution.batch import BatchPlan, LogitsRows
+from radixserve.runtime.execution.distributed import RankSpec
+from radixserve.runtime.execution.model_runner import ModelRunner
+from radixserve.runtime.execution.model_worker import LaunchedStep, ModelWorker, StepResult, StepWork
+from radixserve.runtime.execution.profiler import StepProfiler
+from radixserve.runtime.execution.request import Req
+from radixserve.runtime.execution.sampler import Sampler
+from radixserve.runtime.scheduling.intake import Intake
+from radixserve.runtime.scheduling.kv_ledger import KVLedger
+from radixserve.runtime.scheduling.outbox import Outbox, add_input_logprobs
+from radixserve.runtime.scheduling.prefill_planner import PrefillPlan, PrefillPlanner, QueueView
+from radixserve.runtime.scheduling.stats import OperatorLog, SchedulerStats, ServingTotals, StepRates
+from radixserve.runtime.scheduling.stop import StopChecker, internal_error, out_of_memory
+from radixserve.structured_output.grammar_queue import GrammarQueue
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        args: ServerArgs,
+        model_path: str,
+        tokenizer,
+        registry: PluginRegistry | None = None,
+        rank: RankSpec | None = None,
+    ):
+        """``rank``: this process's tensor-parallel rank (tp_size > 1); every rank
+        runs a Scheduler on the same messages, so they schedule alike."""
+        self.args = args
+        self.runner = runner = ModelRunner(args, model_path, registry or get_registry(), rank)
+        cache = (ChunkCache if args.disable_radix_cache else RadixCache)(runner.allocator, args.page_size)
+        self.ledger = KVLedger(runner.allocator, runner.req_to_token_pool, cache)
+        self.max_running = runner.max_running_requests
+        self.planner = PrefillPlanner(args, self.ledger, self.max_running)
+        self.intake = Intake(args, runner.vocab_size, runner.context_length, self.ledger.total, runner.embedding)
+        eos_ids = eos_token_ids(model_path, runner.hf_config, tokenizer)
+        masking = runner.elementwise.apply_token_bitmask  # a grammar's token mask, by the plugin's kernel
+        self.sampler = Sampler(runner.vocab_size, runner.device, args.random_seed, eos_ids, runner.transfer, masking)
+        self.stop_checker = StopChecker(tokenizer, eos_ids)
+        self.grammars = GrammarQueue.for_model(args, model_path, runner, eos_ids)
+        no_overlap = args.disable_overlap_schedule
+        overlap = runner.platform.overlap_schedule if no_overlap is None else not no_overlap
+        self.worker = ModelWorker(runner, self.sampler, runner.req_to_token_pool, runner.transfer, overlap=overlap)
+        self.profiler = StepProfiler(runner.platform.profiler_activities(), rank=runner.group.rank)
+        self.totals, self.rates, self.oplog = ServingTotals(), StepRates(), OperatorLog(args.decode_log_interval)
+
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None  # admitted, its prompt not all prefilled yet
+        self.new_token_ratio = args.init_new_token_ratio
+        self._by_rid: dict[str, Req] = {}
+        self.outbox = Outbox(args.stream_interval)
+        self._launching: list[Req] | None = None  # the requests of the step being launched
+        self._in_flight: LaunchedStep | None = None  # launched, not awaited yet (overlap)
+        self._unprocessed: LaunchedStep | None = None  # awaited, tokens not digested yet
+
+    # ---- intake ------------------------------------------------------------
+    def add_request(self, msg: GenerateRequest | Req) -> None:
+        """Queue a request, or finish it at once: a 400 if it can never be served or
+        names something wrong (``Intake``), a 503 if the queue is full."""
+        req, refusal = self.intake.receive(msg)
+        self._by_rid[req.rid] = req
+        if refusal is None and self._queue_full():
+            message = f"too many queued requests; --max-queued-requests is {self.args.max_queued_requests}"
+            refusal = FinishReason(type="abort", status_code=503, message=message)
+        if refusal is not None:
+            self._finish(req, refusal)
+        else:  # a request with a grammar waits in the grammar queue until it is compiled
+            (self.waiting if req.sampling_params.grammar is None else self.grammars).append(req)
+
+    def _queue_full(self) -> bool:
+        """Waiting requests beyond the free running slots are the queue."""
+        limit = self.args.max_queued_requests
+        free_slots = self.max_running - len(self.running) - (1 if self.chunked_req else 0)
+        return limit is not None and len(self.waiting) - max(free_slots, 0) >= limit
+
+    def abort(self, rid: str) -> None:
+        """Abort one request (or all with rid ""), wherever it is; frees its memory."""
+        targets = list(self._by_rid.values()) if rid == "" else [self._by_rid[rid]] if rid in self._by_rid else []
+        computing = {id(r) for step in (self._in_flight, self._unprocessed) if step is not None for r in step.reqs}
+        for req in (r for r in targets if not r.finished):
+            self._dequeue(req)
+            if id(req) in computing:
+                self.ledger.discard(req)  # its KV of the step still computing is not worth caching
+            else:
+                self.ledger.release(req)
+            self._finish(req, FinishReason(type="abort", matched=None, message="aborted"))
+
+    # ---- the step pipeline ---------------------------------------------------
+    def has_work(self) -> bool:
+        return self._busy() or bool(self.grammars)
+
+    def _busy(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req or self._in_flight or self._unprocessed)
+
+    def step(self) -> list[TokenOutput]:
+        """Launch one model step (an extend batch if one can be formed, else a
+        decode batch) and return the outputs to stream.
+
+        Without overlap a step is launched, awaited and digested in one call.
+        With overlap, this call's step is launched while the one launched in
+        the previous call may still be computing, so the device finds the next
+        step queued behind it; then the previous step is awaited and its tokens
+        digested while the new one computes. A request that finished in the
+        previous step has therefore run one step too many, whose token is dropped.
+
+        A failure inside a step (a bug, a kernel error) ends the requests of
+        that batch with an error and frees their memory; the scheduler goes on."""
+        with self.rates.measure(self.totals):
+            self.grammars.poll(not self._busy(), ready=self.waiting.append, refused=self._finish)
+            self._launching = None
+            # Rows released so far may still be read by the step in flight: reuse them once it is done.
+            held = self.ledger.take_released_rows()
+            if self._in_flight is None:
+                self.ledger.reuse_rows(held)
+                held = []
+            try:
+                launched = self._launch_next()
+            except Exception as exc:
+                self.ledger.drop_pins()
+                self._step_failed("launching a step", self._launching or self.ledger.holders(), exc)
+                launched = None
+            self._settle_in_flight()
+            self.ledger.reuse_rows(held)
+            if launched is not None and self.worker.overlaps:
+                self._in_flight = launched
+                launched = None
+            self._drain()
+            if launched is not None:
+                self._settle(launched)
+                self._drain()
+            return self._collect_outputs()
+
+    def step_outputs(self) -> list[TokenOutput]:
+        """Outputs pending without a model step (aborted or rejected requests)."""
+        return self._collect_outputs()
+
+    def _launch_next(self) -> LaunchedStep | None:
+        if self.grammars.constrains(self.running):  # their masks need the last step's tokens: no overlap
+            self._digest_outstanding()
+        # Requests of a prefill still computing or not digested: their prompts are not cached yet.
+        prefills = [s for s in (self._in_flight, self._unprocessed) if s is not None and s.mode is ForwardMode.EXTEND]
+        uncached = [r for step in prefills for r in step.reqs]
+        plan = self.planner.plan(
+            QueueView(self.waiting, self.running, self.chunked_req, uncached, self.new_token_ratio)
+        )
+        self._apply(plan)
+        if plan.reqs:
+            self._launching = list(plan.reqs)
+            with self.profiler.step_scope(lambda: f"extend[tokens={sum(plan.extend_lens)}]"):
+                return self._launch_extend(plan)
+        if self.running:
+            with self.profiler.step_scope(lambda: f"decode[bs={len(self.running)}]"):
+                return self._launch_decode()
+        return None
+
+    def _settle_in_flight(self) -> None:
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._settle(previous)
+
+    def _settle(self, launched: LaunchedStep) -> None:
+        """Wait for a launched step; it becomes the one to digest, or, if it
+        failed, its requests end with the error."""
+        try:
+            launched.result = launched.future.result().wait()
+        except Exception as exc:
+            self._step_failed("a model step", launched.reqs, exc)
+            return
+        self._unprocessed = launched
+
+    def _drain(self) -> None:
+        """Digest the settled step, if any."""
+        launched, self._unprocessed = self._unprocessed, None
+        if launched is None:
+            return
+        try:
+            self._process(launched)
+        except Exception as exc:  # host work, alike on every rank: ends its requests even with tp > 1
+            self._step_failed("digesting a model step", launched.reqs, exc, every_rank_alike=True)
+
+    def _step_failed(self, what: str, reqs: list[Req], exc: Exception, every_rank_alike: bool = False) -> None:
+        """End the requests of a failed step with the error; the scheduler goes on. With
+        tensor-parallel ranks a device failure ends the process (and its group) instead:
+        ranks that failed differently would no longer run the same collectives."""
+        if self.runner.group.size > 1 and not every_rank_alike:
+            raise exc
+        logger.exception("%s failed; ending its requests with an error", what)
+        self._fail(reqs, exc)
+
+    # ---- extend ----------------------------------------------------------------
+    def _apply(self, plan: PrefillPlan) -> None:
+        """Admit the plan's new requests and take them off the waiting queue."""
+        for admission in plan.admitted:
+            req = admission.req
+            self.ledger.admit(req, admission.match)
+            self.waiting.remove(req)
+            if req.first_admission(admission.match.num_tokens):  # not a retracted request coming back
+                self.totals.count_admission(len(req.origin_input_ids), req.cached_tokens)
+        self.chunked_req = plan.chunked
+        if plan.out_of_memory is not None:
+            self._finish_running(plan.out_of_memory, out_of_memory())
+
+    def _launch_extend(self, plan: PrefillPlan) -> LaunchedStep:
+        if OperatorLog.enabled():
+            cached = sum(r.kv.kv_len for r in plan.reqs)
+            self.oplog.prefill(len(plan.reqs), sum(plan.extend_lens), cached, self.stats(exact=False))
+        launched = self._launch(ForwardMode.EXTEND, plan.reqs, plan.extend_lens)
+        self.totals.count_extend(sum(plan.extend_lens))
+        launched.prompt_done = [r for r, kv in zip(plan.reqs, launched.kv_after, strict=True) if kv == r.seq_len]
+        self.running.extend(launched.work.sample_reqs)  # they decode from the next step on
+        return launched
+
+    def _launch(self, mode: ForwardMode, reqs: list[Req], extend_lens: list[int]) -> LaunchedStep:
+        """Allocate the step's KV slots and hand the step to the worker."""
+        prefix = [r.kv.kv_len for r in reqs]
+        logits = LogitsRows.extend(reqs, prefix, extend_lens) if mode is ForwardMode.EXTEND else LogitsRows.decode(reqs)
+        rows, table, transfer = [r.kv.row for r in reqs], self.runner.req_to_token_pool, self.runner.transfer
+        record = partial(BatchPlan.launch, mode, rows, prefix, extend_lens, logits.indices, table, transfer)
+        batch = self.ledger.allocate(reqs, extend_lens, record)  # the slots go into the rows with the batch
+        work = StepWork.of(batch, logits, self.grammars.step_mask(logits.sample_reqs))
+        return LaunchedStep(mode, list(reqs), work, self.worker.launch(work), [r.kv.kv_len for r in reqs])
+
+    def _process(self, launched: LaunchedStep) -> None:
+        """Digest a finished step: prompt logprobs, cache the prefilled pages, finish
+        prefill-only requests (embeddings), append the sampled tokens and check stop conditions."""
+        result, work = launched.result, launched.work
+        for rows, (values, tops) in zip(work.prompt_rows, result.prompt_logprobs, strict=True):
+            if not rows.req.finished:
+                add_input_logprobs(rows.req, values, tops, rows.targets)
+        if launched.mode is ForwardMode.EXTEND:
+            for req, kv in zip(launched.reqs, launched.kv_after, strict=True):
+                if not req.finished:
+                    # Prefilled pages go to the cache now, not at the finish, so that waiting
+                    # requests with the same prefix (deferred by the planner) match them.
+                    self.ledger.cache_prefix(req, kv)
+        for req in launched.prompt_done:
+            if not req.finished:
+                req.mark_prompt_done()
+                if req.sampling_params.max_new_tokens == 0:  # prefill only: to warm the cache, or to embed
+                    req.embedding = result.embeddings.get(req.rid)
+                    self._finish_running(req, FinishReason(type="length", matched=None))
+        for i, req in enumerate(work.sample_reqs):
+            if not req.finished:  # else aborted, or finished by the step before (overlap): the token is dropped
+                self._append(req, result, i)
+
+    # ---- decode ----------------------------------------------------------------
+    def _launch_decode(self) -> LaunchedStep | None:
+        self._make_room_for_decode()
+        if not self.running:
+            return None
+        self._launching = list(self.running)
+        launched = self._launch(ForwardMode.DECODE, self._launching, [1] * len(self._launching))
+        args = self.args
+        self.new_token_ratio = max(self.new_token_ratio - args.new_token_ratio_decay, args.min_new_token_ratio)
+        self.totals.decode_steps += 1
+        if self.oplog.due(self.totals.decode_steps) and OperatorLog.enabled():
+            self.oplog.decode(self.stats(exact=False))
+        return launched
+
+    def _make_room_for_decode(self) -> None:
+        """Retract (the chunked prefill first, then the newest requests) until
+        every running request can take one more token."""
+        while self.running:
+            need = self.ledger.pages_needed([r.kv.kv_len for r in self.running], [1] * len(self.running))
+            if need <= self.ledger.room() // self.ledger.page_size:
+                return
+            if self._in_flight is not None or self._unprocessed is not None:
+                # Digest the last step first: its finished requests free memory, and
+                # a retracted request must not have a token still on its way (nor has
+                # its grammar matcher: it stays valid, having accepted every output token).
+                self._digest_outstanding()
+                continue
+            if self.chunked_req is not None:
+                # A prompt still being prefilled holds pages the decoders need; it steps back first.
+                victim, self.chunked_req = self.chunked_req, None
+                self._retract(victim)
+                continue
+            if len(self.running) == 1:
+                self._finish_running(self.running[0], out_of_memory())
+                return
+            victim = max(self.running, key=lambda r: r.arrival)
+            self.running.remove(victim)
+            self._retract(victim)
+
+    def _digest_outstanding(self) -> None:
+        """Wait for and digest every step launched so far."""
+        self._drain()
+        self._settle_in_flight()
+        self._drain()
+
+    def _retract(self, req: Req) -> None:
+        """Give back a running request's memory; it requeues first in line and
+        resumes from prompt + output so far, producing the same tokens."""
+        self.ledger.release(req)
+        if not req.input_logprobs_done:  # a partly prefilled prompt recomputes them from the start
+            req.input_token_logprobs = req.input_top_logprobs = None
+        self.totals.retracted_reqs += 1
+        self.waiting.insert(0, req)
+        self.new_token_ratio = self.args.init_new_token_ratio
+        logger.info("retracted %s after %d tokens (KV pool full)", req.rid, len(req.output_ids))
+
+    # ---- results -----------------------------------------------------------------
+    def _append(self, req: Req, result: StepResult, row: int) -> None:
+        token = result.next_token_ids[row]
+        req.output_ids.append(token)
+        self.totals.generation_tokens += 1
+        if req.return_logprob:
+            req.output_token_logprobs.append((result.chosen_logprobs[row], token))
+            if req.top_logprobs_num > 0:
+                req.output_top_logprobs.append(result.top_logprobs[row])
+        try:
+            reason = self.grammars.accept(req, token, self.stop_checker.check(req.sampling_params, req.output_ids))
+        except Exception as exc:  # this request's own fault: end it alone
+            logger.exception("stop check failed for %s", req.rid)
+            reason = internal_error(exc)
+        if reason is not None:
+            self._finish_running(req, reason)
+        else:
+            self.outbox.touch(req)
+
+    def _finish_running(self, req: Req, reason: FinishReason) -> None:
+        self._dequeue(req)
+        self.ledger.release(req)
+        self._finish(req, reason)
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        self.grammars.drop(req)
+        req.finish_reason = reason
+        self.outbox.touch(req)
+
+    def _fail(self, reqs: list[Req], exc: Exception) -> None:
+        """End ``reqs`` with an internal error after a failed step. Their KV of this
+        step may be half written, so none of it goes to the prefix cache."""
+        reason = internal_error(exc)
+        for req in (r for r in reqs if not r.finished):
+            self._dequeue(req)
+            self.ledger.discard(req)
+            self._finish(req, reason)
+
+    def _dequeue(self, req: Req) -> None:
+        """Take a request out of whichever queue holds it."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+
+    def _collect_outputs(self) -> list[TokenOutput]:
+        outputs = self.outbox.collect(self._fail_output)
+        for out in (o for o in outputs if o.finish_reason is not None):
+            self._by_rid.pop(out.rid, None)
+        return outputs
+
+    def _fail_output(self, req: Req, exc: Exception) -> None:
+        self._fail([req], exc)
+        req.finish_reason = internal_error(exc)
+
+    # ---- introspection ---------------------------------------------------------
+    def stats(self, exact: bool = True) -> SchedulerStats:
+        """``exact``: count the pages whose frees are still on their way to the host
+        (waits for the device) and check every lock; the step logs pass False."""
+        running = len(self.running) + (1 if self.chunked_req else 0)
+        queued = [*self.waiting, *self.grammars.compiling]
+        return SchedulerStats.of(self.totals, self.ledger.counts(exact), running, queued, self.rates)
+
+    def check_memory(self) -> bool:
+        """The pool invariant: free + held privately by requests + cached == total,
+        and the cache's locks are exactly those of the requests holding KV."""
+        return self.stats().memory_invariant_ok
+
+    def flush_cache(self) -> bool:
+        return not self.has_work() and self.ledger.flush()
