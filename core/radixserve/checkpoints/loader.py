@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -30,13 +30,14 @@ from radixserve.layers.embedding import ParallelLMHead
 from radixserve.layers.linear import linear_layers
 from radixserve.layers.pooler import HiddenStatesHead
 from radixserve.layers.weights import CheckpointTensor
-from radixserve.platform import DtypeChoice
+from radixserve.platform import DtypeChoice, Platform
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from radixserve.backend_timing import ModelShapes
     from radixserve.models import ModelFacts
+    from radixserve.models.base import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ DTYPE_NAMES = {
 def load_config(model_path: str | Path) -> PretrainedConfig:
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(model_path))
+    config: PretrainedConfig = AutoConfig.from_pretrained(str(model_path))
+    return config
 
 
 def _as_dtype(value: Any) -> torch.dtype | None:
@@ -71,7 +73,9 @@ def checkpoint_dtype(config: PretrainedConfig) -> torch.dtype | None:
     return _as_dtype(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
 
 
-def choose_dtype(requested: str | torch.dtype, config: PretrainedConfig, platform: Any) -> DtypeChoice:
+def choose_dtype(
+    requested: str | torch.dtype, config: PretrainedConfig, platform: Platform | type[Platform]
+) -> DtypeChoice:
     """The compute dtype for ``--dtype requested`` on ``platform`` (a Platform class
     or instance), and why. ``auto`` asks the platform (``Platform.auto_dtype``) for
     the checkpoint's dtype: by default a 16-bit checkpoint keeps its dtype where the
@@ -82,7 +86,7 @@ def choose_dtype(requested: str | torch.dtype, config: PretrainedConfig, platfor
     if requested == "auto":
         return platform.auto_dtype(checkpoint_dtype(config))
     dtype = _as_dtype(requested)
-    if dtype not in platform.supported_dtypes:
+    if dtype is None or dtype not in platform.supported_dtypes:
         raise ValueError(f"dtype {dtype} is not supported by platform {platform.name!r}: {platform.supported_dtypes}")
     return DtypeChoice(dtype, f"--dtype {str(dtype).removeprefix('torch.')}")
 
@@ -207,6 +211,7 @@ def model_timing_shapes(
     from radixserve.backend_timing import ModelShapes
 
     facts = model_facts(config)
+    assert query.num_heads is not None and query.num_kv_heads is not None and query.head_dim is not None
     return ModelShapes(
         hidden_size=config.hidden_size,
         intermediate_size=facts.dense_intermediate_size // tp_size,
@@ -272,18 +277,19 @@ def iterate_weights(model_path: str | Path) -> Iterator[tuple[str, CheckpointTen
     files = safetensors_files(model_path)
     for path in tqdm(files, desc="Loading weights", unit="file", file=sys.stderr, disable=not sys.stderr.isatty()):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f:
+            for name in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
                 source = f.get_slice(name)
                 yield name, CheckpointTensor(source, tuple(source.get_shape()))
 
 
-def model_class(registry: Any, architecture: str) -> type:
+def model_class(registry: Any, architecture: str) -> type[CausalLM]:
     """The registered class for ``architecture``; a backbone without an LM head
     (``Qwen3Model``) is served by its family's class (``Qwen3ForCausalLM``), for embeddings."""
     causal_lm = causal_lm_of(architecture)
-    if architecture not in registry.candidates["model"] and causal_lm in registry.candidates["model"]:
-        return registry.model_class(causal_lm)
-    return registry.model_class(architecture)
+    known = registry.candidates["model"]
+    if causal_lm is not None and architecture not in known and causal_lm in known:
+        architecture = causal_lm
+    return cast("type[CausalLM]", registry.model_class(architecture))
 
 
 def load_model(
@@ -306,12 +312,12 @@ def load_model(
     cls = model_class(registry, architectures[0])
     start = time.perf_counter()
     with torch.device(ctx.device):
-        model = cls(config, ctx)
+        model = cast(nn.Module, cls(config, ctx))  # every model class is a module
     weights: Iterator[tuple[str, Any]] = iterate_weights(model_path)
     if embedding:
         # HF's name for the backbone, ``model`` in every family served; a class may say otherwise.
         weights = backbone_weights(weights, replace_lm_heads(model), getattr(model, "base_model_prefix", "model"))
-    model.load_weights(weights)
+    cast("CausalLM", model).load_weights(weights)
     for layer in linear_layers(model):
         layer.quant.process_weights_after_loading(layer)
     for head in (m for m in model.modules() if isinstance(m, ParallelLMHead)):

@@ -5,32 +5,29 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from radixserve.backend_timing import AgreedSelection, MeasuredSelection, ModelShapes
+from radixserve.backend_timing import AgreedSelection
 from radixserve.cache.memory_pool import KVPool, LatentKVPool, PagedAllocator, ReqToTokenPool
 from radixserve.checkpoints.embedding import embedding_config
-from radixserve.checkpoints.loader import (
-    check_tp_shapes,
-    choose_dtype,
-    load_config,
-    load_model,
-    model_query_for_args,
-    model_timing_shapes,
-)
+from radixserve.checkpoints.loader import load_model
 from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.context import BackendSelector, ModelContext
 from radixserve.registry import PluginRegistry
 from radixserve.runtime.execution.distributed import RankSpec, join_group
 from radixserve.runtime.execution.graph_runner import GraphRunner
+from radixserve.runtime.execution.model_plan import (
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    ModelPlan,
+    choose_backends,
+    plan_model,
+)
 from radixserve.transfer import HostTransfer
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_RUNNING_REQUESTS = 128
 
 
 def kv_pool_tokens(
@@ -45,12 +42,21 @@ def kv_pool_tokens(
 
 
 class ModelRunner:
-    """One tensor-parallel rank's model and KV memory. With ``rank`` (tp_size > 1)
-    it joins its group first, and the ranks agree on every start-up decision:
-    rank 0 chooses the dtype and the backends and the others take its choices;
-    the KV pool is the smallest any rank can hold."""
+    """One tensor-parallel rank's model and KV memory, built from the model plan
+    (``model_plan.py``) made before the ranks started. With ``rank`` (tp_size > 1)
+    it joins its group first; rank 0 chooses the backends (``choose_backends``)
+    and every rank takes rank 0's completed plan. A rank built without a plan (the
+    ranks of other nodes, or a runner built directly) gets rank 0's, which rank 0
+    makes itself if it has none. The KV pool is the smallest any rank can hold."""
 
-    def __init__(self, args: ServerArgs, model_path: str, registry: PluginRegistry, rank: RankSpec | None = None):
+    def __init__(
+        self,
+        args: ServerArgs,
+        model_path: str,
+        registry: PluginRegistry,
+        rank: RankSpec | None = None,
+        plan: ModelPlan | None = None,
+    ):
         self.args = args
         self.registry = registry
         self.platform = registry.resolve_platform(args.device)()
@@ -61,16 +67,25 @@ class ModelRunner:
         self.device = self.platform.device(self.gpu_id)
         self.platform.bind_device(self.device)
         self.transfer = HostTransfer(self.device, self.platform.pinned_host_staging)
-        hf_config = load_config(model_path)
-        check_tp_shapes(hf_config, args.tp_size)
+        if self.group.is_leader:
+            plan = plan or plan_model(args, model_path, type(self.platform))
+            plan.check_device(self.platform)
+            plan = choose_backends(plan, args, registry, self.platform, self.gpu_id)
+        if self.group.size > 1:
+            plan = self.group.broadcast(plan if self.group.is_leader else None)
+            assert plan is not None  # rank 0's, which it always has
+            plan.check_device(self.platform)
+        assert plan is not None
+        self.plan = plan
+        hf_config = plan.hf_config
         self.num_layers = hf_config.num_hidden_layers
         self.vocab_size = hf_config.vocab_size
-        dtype_choice = self.group.broadcast(choose_dtype(args.dtype, hf_config, self.platform))
-        self.query = model_query_for_args(args, hf_config, self.platform, dtype=dtype_choice.dtype)
-        self.dtype, self.kv_dtype = self.query.dtype, self.query.kv_dtype or self.query.dtype
-        self.dtype_reason = dtype_choice.reason
+        self.query = plan.query
+        self.dtype, self.kv_dtype = plan.dtype, plan.kv_dtype
+        self.dtype_reason = plan.dtype_choice.reason
+        self.backend_choices = plan.backend_choices
         logger.info("dtype %s: %s", str(self.dtype).removeprefix("torch."), self.dtype_reason)
-        ctx = self._select_backends(hf_config)
+        ctx = self._context(AgreedSelection(registry, plan.backend_choices))
         self.backends = {
             "attention": ctx.attention.name,
             "gemm": ctx.gemm.name,
@@ -85,31 +100,12 @@ class ModelRunner:
         embed = self.embedding is not None
         self.model, self.hf_config = load_model(model_path, ctx, registry, config=hf_config, embedding=embed)
         # The model's own limit (position embeddings, or a sliding window it cannot apply).
-        model_context = self.model.max_context_len
+        model_context = cast(int, self.model.max_context_len)
         self.context_length = args.context_length or model_context
         if self.context_length > model_context:
             raise ValueError(f"context_length: {self.context_length} exceeds what the model supports ({model_context})")
         self._init_memory()
         self.graph_runner, self.graphs = self._init_graphs()
-
-    def _select_backends(self, hf_config: Any) -> ModelContext:
-        """The model's backends: rank 0 selects them (timing them under ``auto``),
-        the other ranks take rank 0's choices."""
-        leader = self.group.is_leader
-        measured = None
-        if leader:
-            measured = MeasuredSelection(
-                self.registry,
-                self.platform,
-                self.gpu_id,
-                self._timing_shapes(hf_config),
-                measure_backends=self.args.backend_selection == "measure",
-            )
-            ctx = self._context(measured)
-        self.backend_choices = self.group.broadcast(measured.choices if leader else None)
-        if not leader:
-            ctx = self._context(AgreedSelection(self.registry, self.backend_choices))
-        return ctx
 
     def _context(self, selector: BackendSelector) -> ModelContext:
         args = self.args
@@ -128,24 +124,10 @@ class ModelRunner:
             context_length=args.context_length,
         )
 
-    def _timing_shapes(self, hf_config: Any) -> ModelShapes:
-        """The shapes backends are timed on: a decode step of up to 32 requests and a
-        prefill chunk of up to 1024 tokens (larger ones rank the kernels alike and
-        cost more start-up time)."""
-        args = self.args
-        chunk = args.chunked_prefill_size if args.chunked_prefill_size not in (None, -1) else 2048
-        return model_timing_shapes(
-            hf_config,
-            self.query,
-            tp_size=args.tp_size,
-            decode_rows=min(args.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS, 32),
-            prefill_rows=min(chunk, 1024),
-            context_length=args.context_length or getattr(hf_config, "max_position_embeddings", 2048),
-        )
-
     def _init_memory(self) -> None:
         args, q = self.args, self.query
         if q.mla is None:
+            assert q.num_kv_heads is not None and q.head_dim is not None  # a model's query names both
             per_token = KVPool.bytes_per_token(self.num_layers, q.num_kv_heads, q.head_dim, self.kv_dtype)
         else:  # multi-head latent attention: one latent entry per token and layer
             per_token = LatentKVPool.entry_bytes_per_token(self.num_layers, q.mla, self.kv_dtype)
@@ -167,7 +149,9 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             max_running + 1, self.context_length + args.page_size, self.device, self.transfer
         )
+        self.kv_pool: KVPool | LatentKVPool
         if q.mla is None:
+            assert q.num_kv_heads is not None and q.head_dim is not None
             self.kv_pool = KVPool(
                 num_pages,
                 args.page_size,
@@ -203,7 +187,7 @@ class ModelRunner:
 
     # -- graphs (runtime/execution/graph_runner.py) ---------------------------------------
 
-    def _init_graphs(self) -> tuple[GraphRunner | None, dict]:
+    def _init_graphs(self) -> tuple[GraphRunner | None, dict[str, Any]]:
         """Capture the decode graphs, or say why not: ``disable_graph`` None means
         wherever possible, False insists (an error if impossible), True is off."""
         args = self.args
@@ -224,6 +208,7 @@ class ModelRunner:
                 raise ValueError(f"disable_graph: graphs were asked for, but {'; '.join(reasons)}")
             logger.info("graphs: off (%s); decode steps run eagerly", "; ".join(reasons))
             return None, {"backend": None, "reason": "; ".join(reasons)}
+        assert backend is not None  # no reasons: the platform has graph capture
         runner = GraphRunner(
             self.model, self.attention, backend, max_bs, self.req_to_token_pool.req_to_token, self.kv_pool, self.device
         )
@@ -246,9 +231,10 @@ class ModelRunner:
             if self.graph_runner is not None and self.graph_runner.can_run(batch):
                 return self.graph_runner.replay(batch)
             self.attention.init_forward_metadata(batch)
-            return self.model(batch)
+            logits: torch.Tensor = self.model(batch)
+            return logits
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {
             "device": self.platform.describe(self.gpu_id),
             "platform": self.platform.name,

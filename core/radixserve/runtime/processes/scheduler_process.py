@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import traceback
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -28,6 +29,9 @@ from radixserve.messages import (
     TokenBatch,
 )
 from radixserve.runtime.execution.distributed import RankSpec
+
+if TYPE_CHECKING:  # the plan's module imports transformers: the child imports it when it builds the model
+    from radixserve.runtime.execution.model_plan import ModelPlan
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +55,15 @@ def run_scheduler_process(
     ready: Connection,
     rank: RankSpec | None = None,
     dp_rank: int | None = None,
+    plan: ModelPlan | None = None,
 ) -> None:
     """Load the model and serve until a ShutdownRequest. ``rank``: this process's
     tensor-parallel rank (None at tp_size 1). ``dp_rank``: its group's
     data-parallel rank behind the DP controller (None without one);
     ``endpoints.tokenizer_manager`` is then the controller's, which also gets the
     ids of the requests that finished (``ReplicaFinished``) after their outputs
-    went to the detokenizer."""
+    went to the detokenizer. ``plan``: the model plan the spawning process made
+    (None on a node other than the first: rank 0 hands its own)."""
     die_with_parent()
     configure_logging(args.log_level, prefix=scheduler_process_name(rank, dp_rank))
     if rank is not None and rank.rank > 0:  # rank 0's stats lines speak for the group
@@ -68,7 +74,7 @@ def run_scheduler_process(
         from radixserve.runtime.scheduling.scheduler import Scheduler
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path)
-        scheduler = Scheduler(args, model_path, tokenizer, rank=rank)
+        scheduler = Scheduler(args, model_path, tokenizer, rank=rank, plan=plan)
     except Exception:
         ready.send({"error": traceback.format_exc()})
         return

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -36,6 +36,10 @@ from radixserve.runtime.processes.detokenizer import run_detokenizer_process
 from radixserve.runtime.processes.dp_controller import run_dp_controller_process
 from radixserve.runtime.processes.scheduler_process import run_scheduler_process, scheduler_process_name
 from radixserve.startup_error import StartupError
+
+if TYPE_CHECKING:  # the plan's module imports transformers; this module is imported before it is needed
+    from radixserve.platform import Platform
+    from radixserve.runtime.execution.model_plan import ModelPlan
 
 logger = logging.getLogger(__name__)
 
@@ -218,11 +222,16 @@ def rank_specs(args: ServerArgs) -> tuple[list[RankSpec | None], Any | None]:
 
 
 def spawn_group(
-    ctx: Any, args: ServerArgs, model_path: str, endpoints: Endpoints, dp_rank: int | None
+    ctx: Any,
+    args: ServerArgs,
+    model_path: str,
+    endpoints: Endpoints,
+    dp_rank: int | None,
+    plan: ModelPlan | None,
 ) -> tuple[SchedulerGroup, list[Connection]]:
-    """Start this node's ranks of one scheduler group on ``endpoints``; returns it
-    with the pipes its ranks report on. Replica ``dp_rank`` starts at device
-    ``--base-gpu-id + dp_rank * --tp-size``."""
+    """Start this node's ranks of one scheduler group on ``endpoints``, each handed
+    ``plan``; returns the group with the pipes its ranks report on. Replica
+    ``dp_rank`` starts at device ``--base-gpu-id + dp_rank * --tp-size``."""
     if dp_rank is not None:
         args = dataclasses.replace(args, base_gpu_id=args.base_gpu_id + dp_rank * args.tp_size)
     specs, store = rank_specs(args)
@@ -233,7 +242,7 @@ def spawn_group(
         rank = ctx.Process(
             target=_run_child,
             name=scheduler_process_name(spec, dp_rank),
-            args=(run_scheduler_process, args, model_path, endpoints, ready_send, spec, dp_rank),
+            args=(run_scheduler_process, args, model_path, endpoints, ready_send, spec, dp_rank, plan),
             daemon=True,
         )
         rank.start()
@@ -254,11 +263,14 @@ def spawn_runtime(args: ServerArgs, model_path: str) -> tuple[RuntimeProcesses, 
     runtime = RuntimeProcesses(args, model_path, tokenizer_path, endpoints, summary={})
     pipes: list[Connection] = []
     platform = get_registry().resolve_platform(args.device)
+    plan = _plan(args, model_path, platform) if runtime.leads else None  # other nodes' ranks take rank 0's
     with _environment(platform.process_environment(args.ranks_per_node * args.dp_size)):
         if args.dp_size == 1:
-            spawned = [spawn_group(ctx, args, model_path, endpoints, None)]
+            spawned = [spawn_group(ctx, args, model_path, endpoints, None, plan)]
         else:
-            spawned = [spawn_group(ctx, args, model_path, endpoints.for_replica(k), k) for k in range(args.dp_size)]
+            spawned = [
+                spawn_group(ctx, args, model_path, endpoints.for_replica(k), k, plan) for k in range(args.dp_size)
+            ]
     for group, group_pipes in spawned:
         runtime.groups.append(group)
         runtime.processes += group.processes
@@ -279,6 +291,17 @@ def spawn_runtime(args: ServerArgs, model_path: str) -> tuple[RuntimeProcesses, 
         detokenizer.start()
         runtime.processes.append(detokenizer)
     return runtime, pipes
+
+
+def _plan(args: ServerArgs, model_path: str, platform: type[Platform]) -> ModelPlan:
+    """The model plan every rank (of every replica) is handed; what is wrong with the
+    model for these arguments is a start-up error here, before any rank starts."""
+    from radixserve.runtime.execution.model_plan import plan_model
+
+    try:
+        return plan_model(args, model_path, platform)
+    except (ValueError, OSError, KeyError) as exc:
+        raise StartupError(f"{type(exc).__name__}: {exc}") from exc
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ from radixserve.messages import FinishReason, GenerateRequest, TokenOutput
 from radixserve.registry import PluginRegistry, get_registry
 from radixserve.runtime.execution.batch import BatchPlan, LogitsRows
 from radixserve.runtime.execution.distributed import RankSpec
+from radixserve.runtime.execution.model_plan import ModelPlan
 from radixserve.runtime.execution.model_runner import ModelRunner
 from radixserve.runtime.execution.model_worker import LaunchedStep, ModelWorker, StepResult, StepWork
 from radixserve.runtime.execution.profiler import StepProfiler
@@ -48,11 +49,13 @@ class Scheduler:
         tokenizer,
         registry: PluginRegistry | None = None,
         rank: RankSpec | None = None,
+        plan: ModelPlan | None = None,
     ):
         """``rank``: this process's tensor-parallel rank (tp_size > 1); every rank
-        runs a Scheduler on the same messages, so they schedule alike."""
+        runs a Scheduler on the same messages, so they schedule alike. ``plan``:
+        the model plan made before the ranks started (``model_plan.py``)."""
         self.args = args
-        self.runner = runner = ModelRunner(args, model_path, registry or get_registry(), rank)
+        self.runner = runner = ModelRunner(args, model_path, registry or get_registry(), rank, plan)
         cache = (ChunkCache if args.disable_radix_cache else RadixCache)(runner.allocator, args.page_size)
         self.ledger = KVLedger(runner.allocator, runner.req_to_token_pool, cache)
         self.max_running = runner.max_running_requests
