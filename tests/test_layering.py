@@ -109,7 +109,7 @@ def layer_of() -> dict[str, int]:
     return {module: found[0][0] for module in module_files() if (found := homes(module, layers))}
 
 
-def test_every_module_is_in_exactly_one_layer_and_every_entry_names_one():
+def test_every_module_is_in_exactly_one_layer_and_every_entry_names_one() -> None:
     layers = layer_table()
     modules = module_files()
     assert len(layers) > 5, f"docs/architecture.md's Layers block did not parse: {layers}"
@@ -119,7 +119,7 @@ def test_every_module_is_in_exactly_one_layer_and_every_entry_names_one():
     assert stale == [], "layer entries that name no module"
 
 
-def test_imports_point_down():
+def test_imports_point_down() -> None:
     layers, level = layer_table(), layer_of()
     upward = [
         f"{m} (layer {', '.join(layers[level[m]])}) imports {t} (layer {', '.join(layers[level[t]])})"
@@ -130,7 +130,45 @@ def test_imports_point_down():
     assert upward == [], "imports that point up:\n" + "\n".join(upward)
 
 
-def test_core_imports_no_plugin():
+def test_nothing_outside_the_kit_imports_the_kit() -> None:
+    """The plugin-author kit (``radixserve.testing``: the conformance kit, tiny
+    models) is for tests: no module of the package outside it imports it, lazily
+    or by name (``importlib.import_module``), so the serving path never loads it.
+    What the serving path shares with the kit (the cases ``auto`` times) lives in
+    ``radixserve.kernels.cases``."""
+    kit = f"{PACKAGE}.testing"
+
+    def in_kit(name: str) -> bool:
+        return name == kit or name.startswith(kit + ".")
+
+    modules = module_files()
+    assert kit in modules, f"{kit} is gone: update this test"
+    offenders = sorted(
+        f"{m} imports {t}" for m, targets in graph().items() if not in_kit(m) for t in targets if in_kit(t)
+    )
+    offenders += [
+        f"{m} imports {name} by name"
+        for m, path in sorted(modules.items())
+        if not in_kit(m)
+        for name in _dynamic_imports(path)
+        if in_kit(name)
+    ]
+    assert offenders == [], "modules outside the kit that import it:\n" + "\n".join(offenders)
+
+
+def _dynamic_imports(path: Path) -> set[str]:
+    """The string constants passed to ``import_module(...)`` or ``__import__(...)``."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                names.add(node.args[0].value)
+    return names
+
+
+def test_core_imports_no_plugin() -> None:
     plugins = [
         f"{m} imports {t}"
         for m, path in module_files().items()
@@ -150,7 +188,7 @@ def _top_level_imports(path: Path) -> set[str]:
     return names
 
 
-def test_no_import_cycles():
+def test_no_import_cycles() -> None:
     edges = graph()
     state: dict[str, str] = {}  # "open" while on the DFS path, then "done"
     path: list[str] = []

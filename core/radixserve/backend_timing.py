@@ -11,6 +11,9 @@ decode and an extend step in the pool's layout, the elementwise ops and the MoE
 layer at both row counts. A candidate's score is the geometric mean, over those
 cases, of its time relative to the fastest candidate's; candidates within
 ``TIE_MARGIN`` of the best score are tied and priority breaks the tie.
+The case classes and the inputs they make come from radixserve.kernels.cases,
+which the conformance kit builds its cases from too (the serving path never
+imports the kit, radixserve.testing).
 
 Results are kept in the user's cache directory, keyed by the platform's
 fingerprint (CPU model and ISA flags or device name, threads, library
@@ -31,12 +34,24 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from radixserve.cache.memory_pool import LatentKV
-from radixserve.kernels import KernelQuery
+from radixserve.kernels import Backend, KernelQuery
+from radixserve.kernels.cases import (
+    AttentionCase,
+    ElementwiseCase,
+    MLACase,
+    MoECase,
+    make_attention_inputs,
+    make_elementwise_inputs,
+    make_mla_inputs,
+    make_moe_inputs,
+    run_elementwise_case,
+    with_kv_layout,
+)
 from radixserve.registry import Candidate, PluginRegistry
 from radixserve.version import __version__
 
@@ -144,7 +159,9 @@ def _gemm_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -
     for name, out_features, in_features, decode_only in shapes.gemm_shapes():
         for phase, rows in _rows(shapes)[:1] if decode_only else _rows(shapes):
 
-            def setup(backend: Any, rows=rows, out_features=out_features, in_features=in_features):
+            def setup(
+                backend: Any, rows: int = rows, out_features: int = out_features, in_features: int = in_features
+            ) -> Callable[[], Any]:
                 gen = torch.Generator().manual_seed(rows + out_features)
                 x = torch.randn((rows, in_features), generator=gen).to(device, query.dtype)
                 w = torch.randn((out_features, in_features), generator=gen) / math.sqrt(in_features)
@@ -160,14 +177,12 @@ def _gemm_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -
 
 
 def _attention_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -> list[TimingCase]:
-    from radixserve.testing.conformance import AttentionCase, make_attention_inputs, with_kv_layout
-
     if query.mla is not None:
         return _mla_attention_cases(query, query.mla, shapes, device)
     context = shapes.decode_context
     # The model's widest sliding window and its logit cap, if it has them (a windowed
     # decode reads far fewer keys; a cap may take another path).
-    features = dict(sliding_window=query.sliding_window, logit_softcap=query.logit_softcap)
+    features: dict[str, Any] = dict(sliding_window=query.sliding_window, logit_softcap=query.logit_softcap)
     suffix = "".join(f"/{k}{v:g}" for k, v in (("window", query.sliding_window), ("softcap", query.logit_softcap)) if v)
     steps = [
         AttentionCase(
@@ -196,13 +211,13 @@ def _attention_cases(query: KernelQuery, shapes: ModelShapes, device: torch.devi
     cases = []
     for step in steps:
 
-        def setup(backend: Any, step=step):
+        def setup(backend: Any, step: AttentionCase = step) -> Callable[[], Any]:
             # The pool in the KV cache dtype and the layout the backend reads; q, k, v in the model's dtype.
             inputs = make_attention_inputs(step, query.kv_dtype or query.dtype, device, layout="contiguous")
             inputs.batch.kv_pool = with_kv_layout(inputs.batch.kv_pool, backend.kv_layout)
             q, k, v = (t.to(query.dtype) for t in (inputs.q, inputs.k, inputs.v))
 
-            def call():
+            def call() -> Any:
                 backend.init_forward_metadata(inputs.batch)
                 return backend.forward(q, k, v, inputs.layer, inputs.batch)
 
@@ -216,12 +231,10 @@ def _mla_attention_cases(
     query: KernelQuery, mla: LatentKV, shapes: ModelShapes, device: torch.device
 ) -> list[TimingCase]:
     """The same two steps for multi-head latent attention, over a latent pool
-    (the MLA kit's ``make_mla_inputs``). The value head is timed as wide as the
-    key's non-rotary part (``head_dim - rope_dim``), as in DeepSeek-V2: the
-    query does not carry it, and it sizes only the value side of the latent's
-    up-projection and of the output's ``W_UV`` product."""
-    from radixserve.testing.conformance import MLACase, make_mla_inputs
-
+    (``make_mla_inputs`` of radixserve/kernels/cases/mla.py). The value head is
+    timed as wide as the key's non-rotary part (``head_dim - rope_dim``), as in
+    DeepSeek-V2: the query does not carry it, and it sizes only the value side
+    of the latent's up-projection and of the output's ``W_UV`` product."""
     nope = shapes.head_dim - mla.rope_dim
     dims = (mla.kv_lora_rank, nope, mla.rope_dim, nope)
     context, rows = shapes.decode_context, shapes.decode_rows
@@ -267,8 +280,6 @@ def _mla_attention_cases(
 
 
 def _elementwise_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -> list[TimingCase]:
-    from radixserve.testing.conformance import ElementwiseCase, make_elementwise_inputs, run_elementwise_case
-
     # the norm and the activation the model calls (Gemma's where it names them)
     model_ops = query.elementwise_ops or ()
     norm = "gemma_rms_norm" if "gemma_rms_norm" in model_ops else "rms_norm"
@@ -291,7 +302,7 @@ def _elementwise_cases(query: KernelQuery, shapes: ModelShapes, device: torch.de
             ops.append(ElementwiseCase(f"{act}/{phase}/m{rows}", act, rows, hidden=shapes.intermediate_size))
         for op in ops:
 
-            def setup(backend: Any, op=op):
+            def setup(backend: Any, op: ElementwiseCase = op) -> Callable[[], Any]:
                 inputs = make_elementwise_inputs(op, query.dtype, device)
                 return lambda: run_elementwise_case(backend, op, inputs)
 
@@ -300,8 +311,6 @@ def _elementwise_cases(query: KernelQuery, shapes: ModelShapes, device: torch.de
 
 
 def _moe_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -> list[TimingCase]:
-    from radixserve.testing.conformance import MoECase, make_moe_inputs
-
     cases = []
     for phase, rows in _rows(shapes):
         case = MoECase(
@@ -314,7 +323,7 @@ def _moe_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) ->
             True,
         )
 
-        def setup(backend: Any, case=case):
+        def setup(backend: Any, case: MoECase = case) -> Callable[[], Any]:
             hidden, logits, w13, w2, routing = (
                 t.to(device) if isinstance(t, torch.Tensor) else t for t in make_moe_inputs(case, query.dtype)
             )
@@ -336,7 +345,8 @@ def time_call(call: Callable[[], Any], synchronize: Callable[[], None], give_up_
     than ``give_up_after``."""
     call()
     synchronize()
-    calls_per_sample, samples, spent = 1, [], 0.0
+    calls_per_sample, spent = 1, 0.0
+    samples: list[float] = []
     while len(samples) < MIN_SAMPLES or (spent < MIN_SECONDS and len(samples) < MAX_SAMPLES):
         start = time.perf_counter()
         for _ in range(calls_per_sample):
@@ -502,7 +512,7 @@ class MeasuredSelection:
     def select(self, kind: str, query: KernelQuery, requested: str = "auto") -> type:
         if requested != "auto":
             cls = self.registry.forced(kind, query, requested)
-            self.choices[kind] = KindChoice(kind, cls.name, "named")
+            self.choices[kind] = KindChoice(kind, cast("type[Backend]", cls).name, "named")
             return cls
         usable = self.registry.usable(kind, query)
         # A negative priority keeps a backend out of the race: it is chosen by name, or when nothing else serves.

@@ -12,9 +12,8 @@ does:
   to the model dtype, and multiply by ``weight``.
 - ``apply_rotary``: ``cos_sin_cache[p]`` holds ``cos(p * f_i)`` for the
   ``rotary_dim / 2`` frequencies ``f_i``, then ``sin(p * f_i)`` (already scaled
-  and rounded to the model dtype; :func:`radixserve.layers.rotary.rope_cos_sin_cache`
-  builds it). Pair ``i`` of a head, ``(x1, x2)``, becomes
-  ``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``. NeoX style pairs ``x[i]`` with
+  and rounded to the model dtype; :func:`rope_cos_sin_cache` builds it). Pair
+  ``i`` of a head, ``(x1, x2)``, becomes ``(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``. NeoX style pairs ``x[i]`` with
   ``x[i + rotary_dim / 2]`` (HF Llama's "rotate half"); otherwise (GPT-J style)
   ``x[2i]`` with ``x[2i + 1]``. Only the first ``rotary_dim`` dims of each head
   turn (partial rotary); the rest are left alone.
@@ -131,6 +130,21 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)[:, :vocab]
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def rope_cos_sin_cache(
+    inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[max_positions, 2 * len(inv_freq)]``: per position, the cosines then the
+    sines of ``position * inv_freq``, scaled, in ``dtype``: the layout
+    :meth:`ElementwiseBackend.apply_rotary` reads. Every value is computed as HF
+    computes it per step (float32 angles, cos/sin, scale, cast), so the table
+    holds exactly HF's numbers. The model's rotary layer
+    (radixserve/layers/rotary.py) builds its table with it, from the rope
+    frequencies of its config; the elementwise cases (``kernels/cases``) too."""
+    positions = torch.arange(max_positions, device=inv_freq.device, dtype=torch.int64)
+    freqs = positions[:, None].float() * inv_freq[None, :]
+    return torch.cat(((freqs.cos() * attention_scaling).to(dtype), (freqs.sin() * attention_scaling).to(dtype)), dim=-1)
 
 
 def elementwise_op_reasons(query: KernelQuery, name: str, supported: Iterable[str] = ()) -> list[str]:

@@ -30,10 +30,11 @@ and here has the long set throughout. Both sets share the attention factor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixserve.kernels.elementwise import rope_cos_sin_cache as rope_cos_sin_cache  # re-exported (models, tests)
 from radixserve.layers.context import ModelContext
 from radixserve.layers.layer import Layer
 
@@ -43,12 +44,14 @@ if TYPE_CHECKING:
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
-def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> tuple[str, dict]:
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> tuple[str, dict[str, Any]]:
     """``(rope_type, settings)``: transformers 5 keeps everything in
     rope_parameters; 4.x had rope_scaling + rope_theta. With ``layer_type``,
     those of the layers of that type in a config whose ``rope_parameters`` are
     per layer type (Gemma 3: local and global layers turn at different frequencies)."""
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params: dict[str, Any] = dict(
+        getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    )
     if layer_type is not None:
         params = dict(params[layer_type])
     return params.get("rope_type", params.get("type", "default")), params
@@ -111,24 +114,13 @@ def rope_table(
     return rope_cos_sin_cache(inv_freq, attention_scaling, max_positions, dtype)
 
 
-def rope_cos_sin_cache(
-    inv_freq: torch.Tensor, attention_scaling: float, max_positions: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """``[max_positions, 2 * len(inv_freq)]``: per position, the cosines then the
-    sines of ``position * inv_freq``, scaled, in ``dtype``: the layout
-    :meth:`ElementwiseBackend.apply_rotary` reads. Every value is computed as HF
-    computes it per step (float32 angles, cos/sin, scale, cast), so the table
-    holds exactly HF's numbers."""
-    positions = torch.arange(max_positions, device=inv_freq.device, dtype=torch.int64)
-    freqs = positions[:, None].float() * inv_freq[None, :]
-    return torch.cat(((freqs.cos() * attention_scaling).to(dtype), (freqs.sin() * attention_scaling).to(dtype)), dim=-1)
-
-
 class RotaryEmbedding(Layer):
     """Rotates q and k in place through ``ctx.elementwise`` with a cos/sin table
     of every position the model serves (``max_position_embeddings``). One
     instance is shared by all layers of a model (of a ``layer_type``, where the
     rope parameters are per layer type)."""
+
+    cos_sin_cache: torch.Tensor  # a buffer (register_buffer)
 
     def __init__(self, config: PretrainedConfig, head_dim: int, ctx: ModelContext, layer_type: str | None = None):
         super().__init__()

@@ -30,20 +30,33 @@ interpreter), ``"standard"`` (the default), ``"full"`` (more shapes, for real
 devices), or an explicit sequence of case objects.
 
 Layout (as radixserve.kernels): ``base`` holds the tolerances, results, report,
-``compare`` and the shared driver; ``attention``, ``moe``, ``gemm``,
-``elementwise`` and ``quantization`` hold each kind's cases, input builders and
-``check_*`` function. Import from this package; the names below are its API.
+``compare`` and the shared driver; ``attention``, ``mla``, ``moe``, ``gemm``,
+``elementwise`` and ``quantization`` hold each kind's case sets, reference
+checks and ``check_*`` function. The case classes and the functions that make a
+case's inputs (``AttentionCase``, ``make_attention_inputs``, ``with_kv_layout``,
+``MLACase``, ``make_mla_inputs``, ``ElementwiseCase``,
+``make_elementwise_inputs``, ``run_elementwise_case``, ``MoECase``,
+``make_moe_inputs``) live beside the kernel interfaces, in
+``radixserve.kernels.cases``, where ``auto``'s timing uses them too; they are
+re-exported here. Import from this package; the names below are its API.
 """
 
-from radixserve.testing.conformance.attention import (
-    ATTENTION_CASES,
+from radixserve.kernels.cases import (
+    ELEMENTWISE_OPS,  # noqa: F401  (public names outside __all__, importable from here as before)
     AttentionCase,
     AttentionInputs,
-    check_attention_backend,
-    dense_attention,
+    ElementwiseCase,
+    MLACase,
+    MLAInputs,
+    MoECase,
     make_attention_inputs,
+    make_elementwise_inputs,
+    make_mla_inputs,
+    make_moe_inputs,
+    run_elementwise_case,
     with_kv_layout,
 )
+from radixserve.testing.conformance.attention import ATTENTION_CASES, check_attention_backend, dense_attention
 from radixserve.testing.conformance.base import (
     DEFAULT_DTYPES,
     DEFAULT_TOLERANCES,
@@ -57,24 +70,10 @@ from radixserve.testing.conformance.base import (
     compare,
     resolve_backend,
 )
-from radixserve.testing.conformance.elementwise import (
-    ELEMENTWISE_CASES,
-    ELEMENTWISE_OPS,  # noqa: F401
-    ElementwiseCase,
-    check_elementwise_backend,
-    make_elementwise_inputs,
-    run_elementwise_case,
-)
+from radixserve.testing.conformance.elementwise import ELEMENTWISE_CASES, check_elementwise_backend
 from radixserve.testing.conformance.gemm import GEMM_CASES, GemmCase, check_gemm_backend
-from radixserve.testing.conformance.mla import (
-    MLA_CASES,
-    MLACase,
-    MLAInputs,
-    check_mla_attention_backend,
-    dense_mla_attention,
-    make_mla_inputs,
-)
-from radixserve.testing.conformance.moe import MOE_CASES, MoECase, check_moe_backend, make_moe_inputs
+from radixserve.testing.conformance.mla import MLA_CASES, check_mla_attention_backend, dense_mla_attention
+from radixserve.testing.conformance.moe import MOE_CASES, check_moe_backend
 from radixserve.testing.conformance.quantization import (
     QUANT_CASES,
     QUANT_REFERENCES,

@@ -1,21 +1,25 @@
 """What every kit has in common: tolerances, the case results and the report,
 ``compare``, backend resolution and the shared driver (``_Run``) that picks the
-dtypes a backend claims and runs each case. The kits (attention.py, moe.py,
-gemm.py, elementwise.py, quantization.py) import this module and nothing else of
-the package."""
+dtypes a backend claims and runs each case. The kits (attention.py, mla.py,
+moe.py, gemm.py, elementwise.py, quantization.py) import this module and nothing
+else of the kit; the case classes and input builders they share with ``auto``'s
+timing come from radixserve.kernels.cases."""
 
 from __future__ import annotations
 
 import math
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 import torch
 
 from radixserve.forward_batch import ForwardBatch
 from radixserve.kernels import KernelQuery
+
+if TYPE_CHECKING:
+    from radixserve.registry import PluginRegistry
 
 DEFAULT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -36,6 +40,7 @@ DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {
 
 BackendSpec = str | type
 Tolerances = dict[torch.dtype, Tolerance] | None
+C = TypeVar("C")  # a case class
 
 
 # ---------------------------------------------------------------------------
@@ -181,7 +186,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tol: Tolerance) -> tuple[float
 # Resolution
 
 
-def _registry(registry):
+def _registry(registry: PluginRegistry | None) -> PluginRegistry:
     if registry is not None:
         return registry
     from radixserve.registry import get_registry
@@ -189,7 +194,7 @@ def _registry(registry):
     return get_registry()
 
 
-def resolve_backend(kind: str, backend: BackendSpec, registry=None) -> tuple[str, type]:
+def resolve_backend(kind: str, backend: BackendSpec, registry: PluginRegistry | None = None) -> tuple[str, type]:
     """A backend class from its registered name (entry points) or the class itself."""
     if isinstance(backend, type):
         return getattr(backend, "name", backend.__name__), backend
@@ -203,12 +208,13 @@ def resolve_backend(kind: str, backend: BackendSpec, registry=None) -> tuple[str
     return cand.name, cand.cls
 
 
-def _torch_device(device: str, registry) -> torch.device:
+def _torch_device(device: str, registry: PluginRegistry | None) -> torch.device:
     """The torch device of a registered platform; an unknown or unusable one fails loudly."""
-    return _registry(registry).resolve_platform(device)().device()
+    torch_device: torch.device = _registry(registry).resolve_platform(device)().device()
+    return torch_device
 
 
-def _reasons(cls: type, query: KernelQuery) -> list[str]:
+def _reasons(cls: Any, query: KernelQuery) -> list[str]:  # cls: a backend class
     reasons = cls.unsupported_reasons(query)
     if not isinstance(reasons, list) or not all(isinstance(r, str) for r in reasons):
         raise TypeError(f"{cls.__name__}.unsupported_reasons must return a list of str, got {reasons!r}")
@@ -227,6 +233,12 @@ def _tolerance(dtype: torch.dtype, tolerances: Tolerances) -> Tolerance:
     return DEFAULT_TOLERANCES.get(dtype, Tolerance(atol=2e-2, rtol=2e-2))
 
 
+@overload
+def _f32(t: torch.Tensor) -> torch.Tensor: ...
+@overload
+def _f32(t: None) -> None: ...
+@overload
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None: ...
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     """A float32 copy for the reference (never an alias of the backend's input); None stays None."""
     return None if t is None else t.to(torch.float32, copy=True)
@@ -251,7 +263,17 @@ CaseBody = Callable[[Any, torch.dtype, KernelQuery, Tolerance, CaseResult, int],
 class _Run:
     """Shared driver: dtype selection from ``unsupported_reasons`` and per-case bookkeeping."""
 
-    def __init__(self, kind, name, cls, ref_name, ref_cls, device, dtypes, registry):
+    def __init__(
+        self,
+        kind: str,
+        name: str,
+        cls: Any,  # the backend class
+        ref_name: str,
+        ref_cls: Any,  # the reference backend class; None for quantization (a function is its reference)
+        device: str,
+        dtypes: Iterable[torch.dtype] | None,
+        registry: PluginRegistry | None,
+    ) -> None:
         self.kind = kind
         self.name, self.cls = name, cls
         self.ref_name, self.ref_cls = ref_name, ref_cls
@@ -262,7 +284,15 @@ class _Run:
         self.torch_device = _torch_device(device, registry)
 
     @classmethod
-    def resolve(cls, kind, backend, device, dtypes, registry, reference) -> _Run:
+    def resolve(
+        cls,
+        kind: str,
+        backend: BackendSpec,
+        device: str,
+        dtypes: Iterable[torch.dtype] | None,
+        registry: PluginRegistry | None,
+        reference: BackendSpec,
+    ) -> _Run:
         name, impl = resolve_backend(kind, backend, registry)
         ref_name, ref_cls = resolve_backend(kind, reference, registry)
         return cls(kind, name, impl, ref_name, ref_cls, device, dtypes, registry)
@@ -270,7 +300,7 @@ class _Run:
     def claimed_dtypes(self, queries: Callable[[torch.dtype], list[KernelQuery]]) -> list[torch.dtype]:
         """The dtypes the backend claims: those for which it accepts at least one
         of the cases' queries (``queries(dtype)``)."""
-        out = []
+        out: list[torch.dtype] = []
         for dtype in self.dtypes:
             first_reasons: list[str] | None = None
             try:
@@ -340,12 +370,14 @@ class _Run:
             claim = lambda dt: [shared_query(dt)]  # noqa: E731
         for dtype in self.claimed_dtypes(claim):
             tol = _tolerance(dtype, tolerances)
-            query = None if shared_query is None else shared_query(dtype)
+            shared = None if shared_query is None else shared_query(dtype)
             for index, case in enumerate(case_list):
-                if shared_query is None:
+                if shared is None:
                     query = case.query(self.device, dtype)
                     if not self.case_supported(case.name, dtype, query):
                         continue
+                else:
+                    query = shared
                 result = CaseResult(case.name, _dtype_name(dtype), False, atol=tol.atol, rtol=tol.rtol)
                 self.report.results.append(result)
                 try:
@@ -360,7 +392,7 @@ class _Run:
         return self.report
 
 
-def _cases(kind: str, cases, table: dict[str, Sequence[Any]]) -> Sequence[Any]:
+def _cases(kind: str, cases: str | Sequence[C], table: Mapping[str, Sequence[C]]) -> Sequence[C]:
     if isinstance(cases, str):
         if cases not in table:
             raise ValueError(f"unknown {kind} case set {cases!r}; choose from {sorted(table)} or pass case objects")
@@ -371,7 +403,10 @@ def _cases(kind: str, cases, table: dict[str, Sequence[Any]]) -> Sequence[Any]:
 def batch_on_cpu(b: ForwardBatch, pool: Any) -> ForwardBatch:
     """A copy of ``b`` on the CPU over ``pool`` (the reference's float32 copy of
     the backend's pool): what the kits' reference math reads."""
-    c = lambda x: x.to("cpu", copy=True)  # noqa: E731
+
+    def c(x: torch.Tensor) -> torch.Tensor:
+        return x.to("cpu", copy=True)
+
     return ForwardBatch(
         mode=b.mode,
         input_ids=c(b.input_ids),

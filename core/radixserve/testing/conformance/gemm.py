@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +14,10 @@ import torch.nn.functional as F
 from radixserve.kernels import KernelQuery
 from radixserve.testing.conformance.base import (
     BackendSpec,
+    CaseResult,
     ConformanceReport,
     SkippedCase,
+    Tolerance,
     Tolerances,
     _cases,
     _dtype_name,
@@ -22,6 +25,9 @@ from radixserve.testing.conformance.base import (
     _Run,
     _score,
 )
+
+if TYPE_CHECKING:
+    from radixserve.registry import PluginRegistry
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,9 @@ _GEMM_FULL = _GEMM_STANDARD + (
 GEMM_CASES: dict[str, tuple[GemmCase, ...]] = {"quick": _GEMM_QUICK, "standard": _GEMM_STANDARD, "full": _GEMM_FULL}
 
 
-def _gemm_inputs(case: GemmCase, dtype: torch.dtype, seed: int):
+def _gemm_inputs(
+    case: GemmCase, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn((*case.batch_shape, case.in_features), generator=gen).to(dtype)
     w = (torch.randn((case.out_features, case.in_features), generator=gen) / math.sqrt(case.in_features)).to(dtype)
@@ -70,7 +78,7 @@ def check_gemm_backend(
     backend: BackendSpec,
     device: str = "cpu",
     dtypes: Iterable[torch.dtype] | None = None,
-    registry=None,
+    registry: PluginRegistry | None = None,
     *,
     cases: str | Sequence[GemmCase] = "standard",
     reference: BackendSpec = "torch",
@@ -83,7 +91,14 @@ def check_gemm_backend(
     run = _Run.resolve("gemm", backend, device, dtypes, registry, reference)
     case_list = _cases("gemm", cases, GEMM_CASES)
 
-    def check_one(case, dtype, query, tol, result, case_seed):
+    def check_one(
+        case: GemmCase,
+        dtype: torch.dtype,
+        query: KernelQuery,
+        tol: Tolerance,
+        result: CaseResult,
+        case_seed: int,
+    ) -> None:
         x, w, b = _gemm_inputs(case, dtype, case_seed)
         ref = run.ref_cls(run.reference_query(query))
         expected = ref.linear(_f32(x), _f32(w), _f32(b))

@@ -1,44 +1,30 @@
-"""The MoE kit: ``MoECase`` and its case sets, ``make_moe_inputs`` (tie-free
-router logits) and ``check_moe_backend``."""
+"""The MoE kit: ``MoECase``'s case sets and ``check_moe_backend``. The case
+class and ``make_moe_inputs`` (tie-free router logits) live in
+radixserve/kernels/cases/moe.py, which ``auto``'s timing uses too."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from radixserve.kernels import KernelQuery, MoERouting
-from radixserve.testing.conformance.base import BackendSpec, ConformanceReport, Tolerances, _cases, _f32, _Run, _score
+from radixserve.kernels import KernelQuery
+from radixserve.kernels.cases.moe import MoECase, make_moe_inputs
+from radixserve.testing.conformance.base import (
+    BackendSpec,
+    CaseResult,
+    ConformanceReport,
+    Tolerance,
+    Tolerances,
+    _cases,
+    _f32,
+    _Run,
+    _score,
+)
 
-
-@dataclass(frozen=True)
-class MoECase:
-    name: str
-    num_tokens: int
-    hidden: int
-    intermediate: int
-    num_experts: int
-    top_k: int
-    renormalize: bool
-    # Group-limited routing and the weights' scale (MoERouting); 1, 1, 1.0: plain top-k.
-    num_groups: int = 1
-    topk_groups: int = 1
-    scaling_factor: float = 1.0
-
-    def routing(self) -> MoERouting:
-        return MoERouting(
-            top_k=self.top_k,
-            renormalize=self.renormalize,
-            num_groups=self.num_groups,
-            topk_groups=self.topk_groups,
-            scaling_factor=self.scaling_factor,
-        )
-
-    def query(self, device: str, dtype: torch.dtype) -> KernelQuery:
-        return KernelQuery(device=device, dtype=dtype, num_experts=self.num_experts, top_k=self.top_k)
-
+if TYPE_CHECKING:
+    from radixserve.registry import PluginRegistry
 
 _MOE_QUICK = (
     MoECase("E8/k2/renorm/T13", 13, 64, 96, 8, 2, True),
@@ -61,24 +47,11 @@ _MOE_FULL = _MOE_STANDARD + (
 MOE_CASES: dict[str, tuple[MoECase, ...]] = {"quick": _MOE_QUICK, "standard": _MOE_STANDARD, "full": _MOE_FULL}
 
 
-def make_moe_inputs(case: MoECase, dtype: torch.dtype, seed: int = 0):
-    """``(hidden, router_logits, w13, w2, routing)`` on CPU. Router logits are
-    distinct multiples of 0.5 per token, exact in every dtype, so top-k has no ties."""
-    gen = torch.Generator().manual_seed(seed)
-    t, h, i, e = case.num_tokens, case.hidden, case.intermediate, case.num_experts
-    hidden = torch.randn((t, h), generator=gen).to(dtype)
-    logits = torch.stack([torch.randperm(e, generator=gen) for _ in range(t)]).float() * 0.5
-    logits = (logits - logits.mean(dim=1, keepdim=True).round()).to(dtype)
-    w13 = (torch.randn((e, 2 * i, h), generator=gen) / math.sqrt(h)).to(dtype)
-    w2 = (torch.randn((e, h, i), generator=gen) / math.sqrt(i)).to(dtype)
-    return hidden, logits, w13, w2, case.routing()
-
-
 def check_moe_backend(
     backend: BackendSpec,
     device: str = "cpu",
     dtypes: Iterable[torch.dtype] | None = None,
-    registry=None,
+    registry: PluginRegistry | None = None,
     *,
     cases: str | Sequence[MoECase] = "standard",
     reference: BackendSpec = "torch_native",
@@ -89,7 +62,14 @@ def check_moe_backend(
     run = _Run.resolve("moe", backend, device, dtypes, registry, reference)
     case_list = _cases("moe", cases, MOE_CASES)
 
-    def check_one(case, dtype, query, tol, result, case_seed):
+    def check_one(
+        case: MoECase,
+        dtype: torch.dtype,
+        query: KernelQuery,
+        tol: Tolerance,
+        result: CaseResult,
+        case_seed: int,
+    ) -> None:
         hidden, logits, w13, w2, routing = make_moe_inputs(case, dtype, seed=case_seed)
         ref = run.ref_cls(run.reference_query(query))
         expected = ref.forward(_f32(hidden), _f32(logits), _f32(w13), _f32(w2), routing)

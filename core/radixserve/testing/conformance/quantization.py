@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,9 @@ from torch import nn
 from radixserve.kernels import KernelQuery
 from radixserve.testing.conformance.base import (
     BackendSpec,
+    CaseResult,
     ConformanceReport,
+    Tolerance,
     Tolerances,
     _cases,
     _f32,
@@ -24,6 +27,9 @@ from radixserve.testing.conformance.base import (
     _score,
     resolve_backend,
 )
+
+if TYPE_CHECKING:
+    from radixserve.registry import PluginRegistry
 
 
 def _dense_semantics(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -37,7 +43,7 @@ def _int8_semantics(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | 
     return F.linear(x, q * scale[:, None], bias)
 
 
-def _fp8_semantics(per_channel_weight: bool):
+def _fp8_semantics(per_channel_weight: bool) -> QuantReference:
     """w8a8 float8 e4m3: weights scaled per output channel (or per tensor), activations
     per token, ``scale = max|t| / 448``, values clamped to +-448 and rounded to e4m3
     (nearest even), product of the dequantized values. An all-zero token or matrix
@@ -99,7 +105,9 @@ QUANT_CASES: dict[str, tuple[QuantCase, ...]] = {
 }
 
 
-def _quant_inputs(case: QuantCase, dtype: torch.dtype, seed: int):
+def _quant_inputs(
+    case: QuantCase, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(weight, x, bias)``: the float checkpoint weight, the input and the optional bias."""
     gen = torch.Generator().manual_seed(seed)
     weight = (torch.randn((case.out_features, case.in_features), generator=gen) / math.sqrt(case.in_features)).to(dtype)
@@ -114,7 +122,7 @@ def check_quantization_method(
     method: BackendSpec,
     device: str = "cpu",
     dtypes: Iterable[torch.dtype] | None = None,
-    registry=None,
+    registry: PluginRegistry | None = None,
     *,
     gemm: BackendSpec = "torch",
     reference: QuantReference | None = None,
@@ -143,7 +151,14 @@ def check_quantization_method(
         return report
     case_list = _cases("quantization", cases, QUANT_CASES)
 
-    def check_one(case, dtype, query, tol, result, case_seed):
+    def check_one(
+        case: QuantCase,
+        dtype: torch.dtype,
+        query: KernelQuery,
+        tol: Tolerance,
+        result: CaseResult,
+        case_seed: int,
+    ) -> None:
         weight, x, bias = _quant_inputs(case, dtype, case_seed)
         expected = semantics(_f32(weight), _f32(x), _f32(bias))
 
