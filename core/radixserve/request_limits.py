@@ -6,7 +6,7 @@ scheduler, which guards itself)."""
 from __future__ import annotations
 
 import re
-from typing import Protocol
+from typing import Any, Protocol
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -33,7 +33,7 @@ class SamplingLimits(Protocol):
     max_stop_chars: int
 
 
-def token_ids_error(ids: list, vocab_size: int, field: str = "input_ids") -> str | None:
+def token_ids_error(ids: list[Any], vocab_size: int, field: str = "input_ids") -> str | None:
     """A message naming ``field`` unless every id is an integer (not a bool) in the vocabulary."""
     if any(type(t) is not int or not 0 <= t < vocab_size for t in ids):
         return f"{field}: every id must be an integer in [0, {vocab_size})"

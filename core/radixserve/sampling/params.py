@@ -49,17 +49,20 @@ class SamplingParams:
     grammar_gate: ReasoningGate | None = None
 
     def __post_init__(self) -> None:
-        # Normalize only what has the right shape; validate() reports the rest.
-        if self.stop is None:
+        # Normalize only what has the right shape; validate() reports the rest. Callers
+        # (JSON, Python) may pass any value, a tuple say, whatever the annotations say.
+        stop: object = self.stop
+        if stop is None:
             self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        elif isinstance(self.stop, tuple):
-            self.stop = list(self.stop)
-        if self.stop_token_ids is None:
+        elif isinstance(stop, str):
+            self.stop = [stop]
+        elif isinstance(stop, tuple):
+            self.stop = list(stop)
+        stop_token_ids: object = self.stop_token_ids
+        if stop_token_ids is None:
             self.stop_token_ids = []
-        elif isinstance(self.stop_token_ids, tuple):
-            self.stop_token_ids = list(self.stop_token_ids)
+        elif isinstance(stop_token_ids, tuple):
+            self.stop_token_ids = list(stop_token_ids)
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
 
@@ -144,18 +147,18 @@ class SamplingParams:
         if self.grammar_gate is not None and not isinstance(self.grammar_gate, ReasoningGate):
             raise ValueError(f"grammar_gate must be a ReasoningGate, got {type(self.grammar_gate).__name__}")
         if limits is not None:
-            _check_limits(self, limits)
+            _check_limits(self.n, self.stop, limits)
 
 
-def _check_limits(params: SamplingParams, limits: SamplingLimits) -> None:
-    if params.n > limits.max_n:
-        raise ValueError(f"n must be <= {limits.max_n} (the server's --max-n), got {params.n}")
-    if len(params.stop) > limits.max_stop_strings:
+def _check_limits(n: int, stop: list[str], limits: SamplingLimits) -> None:
+    if n > limits.max_n:
+        raise ValueError(f"n must be <= {limits.max_n} (the server's --max-n), got {n}")
+    if len(stop) > limits.max_stop_strings:
         raise ValueError(
             f"stop must hold at most {limits.max_stop_strings} strings (the server's "
-            f"--max-stop-strings), got {len(params.stop)}"
+            f"--max-stop-strings), got {len(stop)}"
         )
-    chars = sum(len(s) for s in params.stop)
+    chars = sum(len(s) for s in stop)
     if chars > limits.max_stop_chars:
         raise ValueError(
             f"stop must total at most {limits.max_stop_chars} characters over all its strings (the "

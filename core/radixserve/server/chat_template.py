@@ -8,7 +8,7 @@ from typing import Any
 
 from jinja2 import TemplateError
 
-from radixserve.server.protocol import ChatCompletionRequest
+from radixserve.server.protocol import ChatCompletionRequest, ChatMessage
 
 
 class ChatTemplate:
@@ -34,7 +34,7 @@ class ChatTemplate:
             )
         messages = [_message_dict(m) for m in req.messages]
         try:
-            return self.tokenizer.apply_chat_template(
+            prompt: str = self.tokenizer.apply_chat_template(
                 messages,
                 chat_template=self.source,
                 tools=[tool.model_dump(exclude_unset=True) for tool in req.tools] if req.tools else None,
@@ -47,17 +47,19 @@ class ChatTemplate:
             raise ValueError(f"messages: the chat template rejected them: {exc}") from exc
         except TypeError as exc:  # a kwarg clashing with apply_chat_template's own
             raise ValueError(f"chat_template_kwargs: {exc}") from exc
+        return prompt
 
     def encode(self, req: ChatCompletionRequest) -> list[int]:
         # The template writes any BOS itself.
-        return self.tokenizer.encode(self.render(req), add_special_tokens=False)
+        ids: list[int] = self.tokenizer.encode(self.render(req), add_special_tokens=False)
+        return ids
 
 
-def _message_dict(message: Any) -> dict[str, Any]:
+def _message_dict(message: ChatMessage) -> dict[str, Any]:
     """A message as templates expect it: text parts joined by newlines (as vLLM does)."""
     d = message.model_dump(exclude_none=True)
     if isinstance(message.content, list):
-        d["content"] = "\n".join(part.text for part in message.content)
+        d["content"] = "\n".join(part.text or "" for part in message.content)  # a TextPart always has its text
     elif message.content is None:
         d["content"] = ""
     return d

@@ -16,12 +16,14 @@ import base64
 import math
 import struct
 import uuid
+from typing import Any
 
 from fastapi import Request
 
 from radixserve.server.errors import APIError
 from radixserve.server.openai_serving import OpenAIServing
-from radixserve.server.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from radixserve.server.protocol import EmbeddingRequest
+from radixserve.server.response_models import EmbeddingData, EmbeddingResponse, EmbeddingUsage
 from radixserve.server.streaming import cancel_on_disconnect, collect, runtime_errors, start_generation
 from radixserve.server.tokenizer_manager import GenerateInput
 
@@ -29,7 +31,7 @@ from radixserve.server.tokenizer_manager import GenerateInput
 RENAMES = {"text": "input", "input_ids": "input"}
 
 
-def inputs_of(value: str | list) -> list[str | list[int]]:
+def inputs_of(value: str | list[Any]) -> list[str | list[int]]:
     """``input`` as a list of prompts: strings or lists of token ids."""
     if isinstance(value, str):
         return [value]

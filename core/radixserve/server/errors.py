@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -31,12 +32,12 @@ _TYPES = {
 class APIError(Exception):
     """An error to answer with; raise it anywhere below a route."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
 
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {
         "error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param, "code": code}
     }
@@ -84,16 +85,17 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
     return param or None
 
 
-def _error_param(error: dict) -> str | None:
+def _error_param(error: Mapping[str, Any]) -> str | None:
     """The field at fault: named by the validator in ``ctx["param"]`` when the
     error's location cannot say it (a check of the whole body), else its location."""
     ctx = error.get("ctx") or {}
-    if isinstance(ctx.get("param"), str):
-        return ctx["param"]
+    param = ctx.get("param")
+    if isinstance(param, str):
+        return param
     return _loc_to_param(tuple(error.get("loc", ())))
 
 
-def validation_summary(errors: list[dict]) -> tuple[str | None, str]:
+def validation_summary(errors: Sequence[Mapping[str, Any]]) -> tuple[str | None, str]:
     """The param and message of a 400 for pydantic's errors. A value that matches
     no member of a union gets one error per member; the deepest location is the
     most specific (``messages[0].content[0].type`` over ``messages[0].content``),

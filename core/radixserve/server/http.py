@@ -29,11 +29,12 @@ import logging
 import signal
 from collections.abc import AsyncIterator, Callable
 from types import FrameType
+from typing import Any, cast
 
 import h11
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -52,12 +53,16 @@ from radixserve.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
-    EmbeddingResponse,
     GenerateRequestBody,
-    ModelCard,
-    ModelList,
     StartProfileBody,
     TokenizeRequest,
+)
+from radixserve.server.response_models import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    EmbeddingResponse,
+    ModelCard,
+    ModelList,
 )
 from radixserve.server.state import HEALTH_GENERATE_TIMEOUT_S, ServerState
 from radixserve.server.worker_info import load_entries
@@ -96,12 +101,15 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
     install_error_handlers(app)
 
     # ---- OpenAI ----------------------------------------------------------------------
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    # response_model=None: a stream is a StreamingResponse, which FastAPI cannot take for a model.
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(
+        body: ChatCompletionRequest, request: Request
+    ) -> ChatCompletionResponse | StreamingResponse:
         return await state.ready_openai().chat(body, request)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> CompletionResponse | StreamingResponse:
         return await state.ready_openai().completions(body, request)
 
     @app.post("/v1/embeddings")
@@ -125,12 +133,14 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
         return model_card()
 
     # ---- native ----------------------------------------------------------------------
-    @app.post("/generate")
-    async def generate(body: GenerateRequestBody, request: Request):
+    @app.post("/generate", response_model=None)
+    async def generate(
+        body: GenerateRequestBody, request: Request
+    ) -> dict[str, Any] | list[dict[str, Any]] | StreamingResponse:
         return await native_serving.generate(state.ready_tm(), body, request)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         tm = state.ready_tm()
         state.ready_openai().check_model(body.model)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
@@ -140,7 +150,7 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
         return {"tokens": tokens, "count": [len(t) for t in tokens], "max_model_len": tm.context_length}
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         tm = state.ready_tm()
         state.ready_openai().check_model(body.model)
         if any(not 0 <= t < tm.vocab_size for t in body.tokens):
@@ -148,7 +158,7 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
         return {"text": tm.tokenizer.decode(body.tokens, skip_special_tokens=body.skip_special_tokens)}
 
     @app.get("/version")
-    async def version() -> dict:
+    async def version() -> dict[str, Any]:
         return {"version": __version__}
 
     @app.get("/health")
@@ -159,35 +169,35 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
-        state.ready_tm()
+        tm = state.ready_tm()
         try:
-            out = await asyncio.wait_for(state.generate_one_token(), HEALTH_GENERATE_TIMEOUT_S)
+            out = await asyncio.wait_for(state.generate_one_token(tm), HEALTH_GENERATE_TIMEOUT_S)
         except (asyncio.TimeoutError, RuntimeError) as exc:
             return error_response(503, f"a one-token generation failed: {type(exc).__name__}: {exc}")
         return JSONResponse({"status": "ok", "output_ids": out["output_ids"]})
 
     @app.get("/server_info")
     @app.get("/get_server_info")
-    async def server_info() -> dict:
+    async def server_info() -> dict[str, Any]:
         return await state.server_info()
 
     @app.get("/model_info")
     @app.get("/get_model_info")
-    async def model_info() -> dict:
+    async def model_info() -> dict[str, Any]:
         return state.model_info()
 
     @app.get("/get_load")
-    async def get_load() -> list[dict]:
+    async def get_load() -> list[dict[str, Any]]:
         return load_entries(await state.ready_tm().control("server_info"))
 
     @app.post("/flush_cache")
-    async def flush_cache() -> dict:
+    async def flush_cache() -> dict[str, Any]:
         if not await state.ready_tm().control("flush_cache"):
             raise APIError(400, "the cache cannot be flushed while requests are running")
         return {"success": True}
 
     @app.post("/start_profile")
-    async def start_profile(body: StartProfileBody | None = None) -> dict:
+    async def start_profile(body: StartProfileBody | None = None) -> dict[str, Any]:
         body = body or StartProfileBody()
         tm = state.ready_tm()
         try:
@@ -199,7 +209,7 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
         return {"success": True, "trace_path": path}
 
     @app.post("/stop_profile")
-    async def stop_profile() -> dict:
+    async def stop_profile() -> dict[str, Any]:
         tm = state.ready_tm()
         try:
             path = await tm.stop_profile()
@@ -208,7 +218,7 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
         return {"success": True, "trace_path": path}
 
     @app.post("/abort_request")
-    async def abort_request(body: AbortRequestBody) -> dict:
+    async def abort_request(body: AbortRequestBody) -> dict[str, Any]:
         await state.ready_tm().abort(body.rid)
         return {"success": True}
 
@@ -217,7 +227,7 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI
         if state.status == "ready":
             # A runtime that just died still leaves the histograms worth scraping.
             with contextlib.suppress(RuntimeError, asyncio.TimeoutError):
-                state.metrics.update(await state.tm.control("server_info", timeout=5))
+                state.metrics.update(await state.ready_tm().control("server_info", timeout=5))
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -248,8 +258,14 @@ class _EnvelopeH11Protocol(H11Protocol):
     envelope rather than plain text: 431 (RFC 6585's status for it; h11 hints it
     too) when the headers exceed ``--max-header-size``, 400 otherwise."""
 
+    _lingering = False  # once answered: the rest of the request is dropped
+
+    def data_received(self, data: bytes) -> None:
+        if not self._lingering:
+            super().data_received(data)
+
     def send_400_response(self, msg: str) -> None:
-        limit = self.config.h11_max_incomplete_event_size
+        limit = cast(int, self.config.h11_max_incomplete_event_size)  # run_server sets it
         if len(self.conn.trailing_data[0]) > limit:
             status, message, code = header_too_large(limit)
         else:
@@ -267,7 +283,7 @@ class _EnvelopeH11Protocol(H11Protocol):
     def _linger(self) -> None:
         """Close after the client stops sending (or LINGER_S): closing a socket with
         unread input resets the connection, and the client would lose the answer."""
-        self.data_received = lambda data: None  # the rest of the request is dropped
+        self._lingering = True  # the rest of the request is dropped
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.loop.call_later(LINGER_S, self.transport.close)
@@ -278,12 +294,12 @@ class _Server(uvicorn.Server):
     stops accepting and closes connections; a second signal ends the requests in
     flight at once (each still gets its error), a third stops without cleanup."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float):
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.state, self.shutdown_timeout = state, shutdown_timeout
         self.draining = False
         self.cut_short = False
-        self._drain_task: asyncio.Task | None = None
+        self._drain_task: asyncio.Task[None] | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded in _captured_signals: uvicorn would re-raise it at exit,

@@ -11,9 +11,10 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-from radixserve.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from radixserve.server.response_models import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
 
-Pair = tuple[float | None, int]  # (logprob, token id); the first prompt token has no logprob
+Pair = tuple[float, int]  # (logprob, token id)
+PromptPair = tuple[float | None, int]  # the first prompt token has no logprob
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -44,7 +45,8 @@ class TokenTexts:
             piece = self.tokenizer.convert_ids_to_tokens(token_id)
             if piece is not None and all(ch in self._byte_map for ch in piece):
                 return bytes(self._byte_map[ch] for ch in piece)
-        return self.tokenizer.decode([token_id]).encode()
+        text: str = self.tokenizer.decode([token_id])
+        return text.encode()
 
     def bytes(self, token_id: int) -> bytes:
         return self._bytes_of(token_id)
@@ -75,7 +77,7 @@ def chat_logprobs(texts: TokenTexts, tokens: Sequence[Pair], tops: Sequence[Sequ
 
 
 def completion_logprobs(
-    texts: TokenTexts, tokens: Sequence[Pair], tops: Sequence[Sequence[Pair] | None], text_offset: int
+    texts: TokenTexts, tokens: Sequence[PromptPair], tops: Sequence[Sequence[Pair] | None], text_offset: int
 ) -> tuple[CompletionLogprobs, int]:
     """The legacy shape; ``text_offset`` is where the first token starts in the
     choice's text. Returns the logprobs and the offset after the last token.

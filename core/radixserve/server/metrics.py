@@ -173,7 +173,7 @@ class ServerMetrics:
         self.num_request_errors.labels(self.model_name, str(status)).inc()
 
     # ---- scrape ---------------------------------------------------------------------
-    def update(self, info: dict) -> None:
+    def update(self, info: dict[str, Any]) -> None:
         """Refresh the gauges from ``control("server_info")``: its ``stats`` (the
         replicas' totals with data parallelism) and its ``replicas``, if any."""
         stats = info["stats"]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator
+from typing import Any, cast
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -40,7 +40,7 @@ RENAMES = {name: f"sampling_params.{name}" for name in _SAMPLING_FIELDS}
 _LOGPROB_KEYS = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs")
 
 
-def _per_prompt(value: Any, count: int, name: str) -> list:
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
     """A value given once for all prompts, or as a list with one per prompt."""
     if not isinstance(value, list):
         return [value] * count
@@ -92,11 +92,11 @@ def _inputs(body: GenerateRequestBody) -> list[GenerateInput]:
     ]
 
 
-def _as_list(value: Any, batch: bool) -> list:
+def _as_list(value: Any, batch: bool) -> list[Any]:
     return value if batch else [value]
 
 
-def _output(out: dict, return_logprob: bool, started: float) -> dict:
+def _output(out: dict[str, Any], return_logprob: bool, started: float) -> dict[str, Any]:
     meta = dict(out["meta_info"])
     reason = meta["finish_reason"]
     meta["finish_reason"] = None if reason is None else reason.to_dict()
@@ -109,7 +109,7 @@ def _output(out: dict, return_logprob: bool, started: float) -> dict:
 
 async def generate(
     tm: TokenizerManager, body: GenerateRequestBody, request: Request
-) -> dict | list | StreamingResponse:
+) -> dict[str, Any] | list[dict[str, Any]] | StreamingResponse:
     started = time.perf_counter()
     inputs = _inputs(body)
     is_batch = len(inputs) > 1
@@ -118,7 +118,8 @@ async def generate(
         results = await first_and_rest(results, request, RENAMES)
         firsts = [0]  # global index of each prompt's first choice
         for inp in inputs:
-            firsts.append(firsts[-1] + int(inp.sampling_params.get("n", 1)))
+            sampling_params = cast(dict[str, Any], inp.sampling_params)  # _inputs gives every prompt a dict
+            firsts.append(firsts[-1] + int(sampling_params.get("n", 1)))
         return EventStreamResponse(_chunks(results, firsts, body.return_logprob, started))
     with runtime_errors(RENAMES):
         outs = await cancel_on_disconnect(request, collect(results, RENAMES))
@@ -128,10 +129,10 @@ async def generate(
 
 
 async def _chunks(
-    results: AsyncIterator[Tagged], firsts: list[int], return_logprob: bool, started: float
-) -> AsyncIterator[dict]:
+    results: AsyncGenerator[Tagged, None], firsts: list[int], return_logprob: bool, started: float
+) -> AsyncGenerator[dict[str, Any], None]:
     """Turn the runtime's deltas into SGLang's cumulative chunks."""
-    so_far: dict[int, dict] = {}
+    so_far: dict[int, dict[str, Any]] = {}
     async for p, out in results:
         index = firsts[p] + out["index"]
         acc = so_far.setdefault(index, {"text": "", "output_ids": [], **{k: [] for k in _LOGPROB_KEYS}})

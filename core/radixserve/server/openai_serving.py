@@ -11,33 +11,35 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
+from typing import Any, cast
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from radixserve.messages import FinishReason
+from radixserve.messages import FinishReason, FinishType
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError
 from radixserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from radixserve.server.protocol import (
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.reasoning import STYLES
+from radixserve.server.response_models import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatFinishType,
+    ChatLogprobs,
     ChatStreamChoice,
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     DeltaMessage,
     MatchedStop,
     PromptTokensDetails,
     Usage,
 )
-from radixserve.server.reasoning import STYLES
 from radixserve.server.streaming import (
     EventStreamResponse,
     Tagged,
@@ -50,6 +52,7 @@ from radixserve.server.streaming import (
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
 from radixserve.server.tool_calls import ChoiceReader, check_tools, keeps_special_tokens, tool_grammar
 from radixserve.structured_output.backend import ReasoningGate
+from radixserve.tool_parsers.base import ToolParser
 
 # Without max_tokens a request may use the rest of the context (as in vLLM), up
 # to this many tokens so one request cannot reserve a long model's whole window.
@@ -70,7 +73,7 @@ class Echo:
     trail: int = 0
 
 
-def finish_fields(meta: dict) -> tuple[str | None, MatchedStop]:
+def finish_fields(meta: dict[str, Any]) -> tuple[FinishType | None, MatchedStop]:
     """The runtime's ``FinishReason`` as OpenAI's ``finish_reason`` and our ``matched_stop``."""
     reason: FinishReason | None = meta["finish_reason"]
     if reason is None:
@@ -88,7 +91,7 @@ class UsageCounter:
         self.cached: dict[int, int] = {}
         self.completion: dict[int, int] = {}
 
-    def add(self, prompt_index: int, choice_index: int, meta: dict) -> None:
+    def add(self, prompt_index: int, choice_index: int, meta: dict[str, Any]) -> None:
         self.prompt[prompt_index] = meta["prompt_tokens"]
         self.cached[prompt_index] = min(self.cached.get(prompt_index, math.inf), meta["cached_tokens"])
         self.completion[choice_index] = meta["completion_tokens"]
@@ -112,7 +115,7 @@ class OpenAIServing:
         tm: TokenizerManager,
         model_name: str,
         chat_template: ChatTemplate,
-        tool_parser: type | None = None,
+        tool_parser: type[ToolParser] | None = None,
         reasoning_parser: str | None = None,
     ):
         self.tm = tm
@@ -192,6 +195,7 @@ class OpenAIServing:
             outs = await cancel_on_disconnect(request, collect(results, CHAT_RENAMES))
         usage = UsageCounter()
         choices = []
+        finish: ChatFinishType | None
         for _, out in sorted(outs, key=lambda item: item[1]["index"]):
             meta = out["meta_info"]
             usage.add(0, out["index"], meta)
@@ -213,12 +217,12 @@ class OpenAIServing:
     def _reader(self, req: ChatCompletionRequest) -> ChoiceReader:
         return ChoiceReader(req, self.tool_parser, self.reasoning_parser)
 
-    def _chat_logprobs(self, meta: dict):
+    def _chat_logprobs(self, meta: dict[str, Any]) -> ChatLogprobs:
         return chat_logprobs(self.texts, meta["output_token_logprobs"], meta["output_top_logprobs"])
 
     async def _chat_chunks(
-        self, req: ChatCompletionRequest, rid: str, results: AsyncIterator[Tagged]
-    ) -> AsyncIterator[ChatCompletionChunk]:
+        self, req: ChatCompletionRequest, rid: str, results: AsyncGenerator[Tagged, None]
+    ) -> AsyncGenerator[ChatCompletionChunk, None]:
         created = int(time.time())
 
         def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> ChatCompletionChunk:
@@ -228,6 +232,7 @@ class OpenAIServing:
             yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         usage = UsageCounter()
         readers: dict[int, ChoiceReader] = {}
+        finish: ChatFinishType | None
         async for _, out in results:
             meta = out["meta_info"]
             usage.add(0, out["index"], meta)
@@ -262,11 +267,11 @@ class OpenAIServing:
         """The prompt(s) as given: strings or lists of token ids."""
         prompt = req.prompt
         if isinstance(prompt, str):
-            prompts: list = [prompt]
+            prompts: list[str | list[int]] = [prompt]
         elif prompt and all(isinstance(p, int) for p in prompt):
-            prompts = [prompt]
+            prompts = [cast(list[int], prompt)]  # every item an int: one prompt of token ids
         else:
-            prompts = list(prompt)
+            prompts = list(cast(list[str] | list[list[int]], prompt))  # a batch
         if not prompts:
             raise APIError(400, "prompt: must not be empty", param="prompt")
         return prompts
@@ -333,7 +338,9 @@ class OpenAIServing:
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage.total())
 
-    def _completion_logprobs(self, meta: dict, echo: Echo | None, offset: int) -> tuple[CompletionLogprobs, int]:
+    def _completion_logprobs(
+        self, meta: dict[str, Any], echo: Echo | None, offset: int
+    ) -> tuple[CompletionLogprobs, int]:
         """Logprobs of the new tokens, preceded with ``echo`` by those of the echoed
         prompt (without the tokens the tokenizer added, which the echo lacks)."""
         tokens, tops = list(meta["output_token_logprobs"]), list(meta["output_top_logprobs"])
@@ -345,8 +352,8 @@ class OpenAIServing:
         return completion_logprobs(self.texts, tokens, tops, offset)
 
     async def _completion_chunks(
-        self, req: CompletionRequest, rid: str, results: AsyncIterator[Tagged], echoes: list[Echo]
-    ) -> AsyncIterator[CompletionResponse]:
+        self, req: CompletionRequest, rid: str, results: AsyncGenerator[Tagged, None], echoes: list[Echo]
+    ) -> AsyncGenerator[CompletionResponse, None]:
         created = int(time.time())
         usage = UsageCounter()
         started: set[int] = set()  # choices that sent their first chunk (with the echo)

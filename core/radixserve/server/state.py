@@ -56,7 +56,7 @@ async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
     ``asyncio.to_thread``, does not hold up the exit of a server stopped
     mid-boot (its child processes die with us)."""
     loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
+    future: asyncio.Future[T] = loop.create_future()
 
     def settle(result: Any, error: BaseException | None) -> None:
         if not future.done():  # the awaiting coroutine may have been cancelled
@@ -74,7 +74,7 @@ async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
 
 
 class ServerState:
-    def __init__(self, args: ServerArgs, request_exit: Callable[[int], None]):
+    def __init__(self, args: ServerArgs, request_exit: Callable[[int], None]) -> None:
         self.args = args
         self.model_name = args.served_model_name or args.model_path or DEMO_MODEL_NAME
         self.metrics = ServerMetrics(self.model_name)
@@ -123,24 +123,29 @@ class ServerState:
         self.model_path = await _in_daemon_thread(resolve_model_path, args)
         # Spawned from this (the event loop's) thread, which lives as long as the server.
         self.runtime, ready = spawn_runtime(args, self.model_path)
-        await _in_daemon_thread(wait_until_ready, self.runtime, ready)
+        runtime = self.runtime
+        await _in_daemon_thread(wait_until_ready, runtime, ready)
         loop = asyncio.get_running_loop()
-        self.runtime.watch(lambda reason: loop.call_soon_threadsafe(self._on_runtime_death, reason))
-        tokenizer = await _in_daemon_thread(AutoTokenizer.from_pretrained, self.runtime.tokenizer_path)
-        summary = self.runtime.summary
-        self.tm = TokenizerManager(args, tokenizer, self.runtime.endpoints, summary)
-        self.tm.start()
+
+        def on_death(reason: str) -> None:
+            loop.call_soon_threadsafe(self._on_runtime_death, reason)
+
+        runtime.watch(on_death)
+        tokenizer = await _in_daemon_thread(AutoTokenizer.from_pretrained, runtime.tokenizer_path)
+        summary = runtime.summary
+        self.tm = tm = TokenizerManager(args, tokenizer, runtime.endpoints, summary)
+        tm.start()
         template = ChatTemplate(tokenizer, args.chat_template)
         tool_parser = get_registry().tool_parser(args.tool_call_parser, template.source)
-        self.openai = OpenAIServing(self.tm, self.model_name, template, tool_parser, args.reasoning_parser)
-        self._log_summary(template)
+        self.openai = OpenAIServing(tm, self.model_name, template, tool_parser, args.reasoning_parser)
+        self._log_summary(template, summary, tm)
         if not args.skip_server_warmup:
-            await self.generate_one_token()
-        await self.tm.control("health", timeout=HEALTH_TIMEOUT_S)
-        self.tm.metrics = self.metrics  # after the warm-up, which is not traffic
+            await self.generate_one_token(tm)
+        await tm.control("health", timeout=HEALTH_TIMEOUT_S)
+        tm.metrics = self.metrics  # after the warm-up, which is not traffic
 
-    def _log_summary(self, template: ChatTemplate) -> None:
-        s, args = self.runtime.summary, self.args
+    def _log_summary(self, template: ChatTemplate, s: dict[str, Any], tm: TokenizerManager) -> None:
+        args = self.args
         demo = " (the built-in demo model: RANDOM weights)" if args.model_path is None else ""
         logger.info(
             "model: %s%s, served as %r, architecture %s", self.model_path, demo, self.model_name, s["architecture"]
@@ -189,7 +194,7 @@ class ServerState:
         else:
             logger.info("decode graphs: off (%s)", graphs["reason"])
         logger.info("chat template: %s", template.origin)
-        embedding = self.tm.embedding
+        embedding = tm.embedding
         if embedding is not None:
             logger.info(
                 "served for embeddings (/v1/embeddings; it does not generate): %s pooling, %snormalised (%s)",
@@ -251,7 +256,7 @@ class ServerState:
             message = {
                 "starting": "the server is starting up",
                 "failed": "the server failed to start",
-                "dead": self.tm.dead_reason if self.tm else "the runtime is down",
+                "dead": (self.tm.dead_reason if self.tm else None) or "the runtime is down",
                 "draining": SHUTDOWN_REASON,
             }[self.status]
             raise APIError(503, message)
@@ -259,6 +264,7 @@ class ServerState:
 
     def ready_openai(self) -> OpenAIServing:
         self.ready_tm()
+        assert self.openai is not None  # set by the boot, before the server is ready
         return self.openai
 
     async def healthy(self) -> bool:
@@ -268,10 +274,10 @@ class ServerState:
         except (asyncio.TimeoutError, RuntimeError):
             return False
 
-    async def generate_one_token(self) -> dict:
+    @staticmethod
+    async def generate_one_token(tm: TokenizerManager) -> dict[str, Any]:
         """The warm-up and ``/health_generate``: one greedy token, or one embedding
         from an embedding model."""
-        tm = self.tm
         if tm.embedding is not None:
             inp = GenerateInput(text="Hello", embed=True)
         else:
@@ -279,11 +285,12 @@ class ServerState:
         outs = [out async for out in tm.generate(inp)]
         return outs[-1]
 
-    async def server_info(self) -> dict:
+    async def server_info(self) -> dict[str, Any]:
         """SGLang's shape (the flags at the top level, then the runtime's summary and
         stats, ``internal_states`` per replica, ``version``) plus ours: the flags again
         under ``server_args``, ``worker`` (what a router needs), in-flight requests, pids."""
         tm = self.ready_tm()
+        runtime = self._runtime()
         info = await tm.control("server_info")
         args = dataclasses.asdict(self.args)
         for name in SECRET_ARGS:
@@ -299,21 +306,27 @@ class ServerState:
             "server_args": args,
             "worker": worker_facts(info, self.args.dp_size, embedding=tm.embedding is not None),
             "num_in_flight": tm.num_in_flight,
-            "pids": {p.name: p.pid for p in self.runtime.processes},
+            "pids": {p.name: p.pid for p in runtime.processes},
         }
 
-    def model_info(self) -> dict:
+    def model_info(self) -> dict[str, Any]:
         tm = self.ready_tm()
+        runtime = self._runtime()
         return {
             "model_path": self.model_path,
             "served_model_name": self.model_name,
-            "tokenizer_path": self.runtime.tokenizer_path,
+            "tokenizer_path": runtime.tokenizer_path,
             "is_generation": tm.embedding is None,
-            "architecture": self.runtime.summary["architecture"],
+            "architecture": runtime.summary["architecture"],
             "context_length": tm.context_length,
             "vocab_size": tm.vocab_size,
-            "has_chat_template": self.openai.chat_template.available,
+            "has_chat_template": self.ready_openai().chat_template.available,
         }
+
+    def _runtime(self) -> RuntimeProcesses:
+        """The runtime's processes, once ``ready_tm`` found the server ready."""
+        assert self.runtime is not None  # spawned by the boot, before the server is ready
+        return self.runtime
 
 
 def _version() -> str:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Iterator
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -35,7 +35,7 @@ from radixserve.server.tokenizer_manager import (
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Tagged = tuple[int, dict]  # (prompt index, result dict of the TokenizerManager)
+Tagged = tuple[int, dict[str, Any]]  # (prompt index, result dict of the TokenizerManager)
 
 
 @contextlib.contextmanager
@@ -55,13 +55,13 @@ def runtime_errors(renames: dict[str, str] | None = None) -> Iterator[None]:
 
 def start_generation(
     tm: TokenizerManager, inputs: list[GenerateInput], renames: dict[str, str] | None = None
-) -> AsyncIterator[Tagged]:
+) -> AsyncGenerator[Tagged, None]:
     """Validate every prompt up front (a 400 before anything runs), then run
     them all, yielding ``(prompt index, result)`` as results arrive."""
     with runtime_errors(renames):
         prepared = [tm.prepare(inp) for inp in inputs]
 
-    async def tagged(i: int, inp: PreparedInput) -> AsyncIterator[Tagged]:
+    async def tagged(i: int, inp: PreparedInput) -> AsyncGenerator[Tagged, None]:
         async with contextlib.aclosing(tm.generate(inp)) as results:
             async for out in results:
                 yield i, out
@@ -93,7 +93,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
         watcher.cancel()
 
 
-def raise_if_rejected(out: dict, renames: dict[str, str] | None = None) -> None:
+def raise_if_rejected(out: dict[str, Any], renames: dict[str, str] | None = None) -> None:
     """The scheduler refuses a prompt it cannot hold (e.g. larger than the KV
     pool) by aborting it at once with a message that names the field: a 400."""
     meta = out["meta_info"]
@@ -104,7 +104,7 @@ def raise_if_rejected(out: dict, renames: dict[str, str] | None = None) -> None:
             raise error
 
 
-async def collect(results: AsyncIterator[Tagged], renames: dict[str, str] | None = None) -> list[Tagged]:
+async def collect(results: AsyncGenerator[Tagged, None], renames: dict[str, str] | None = None) -> list[Tagged]:
     async with contextlib.aclosing(results):
         items = [item async for item in results]
     for _, out in items:
@@ -113,8 +113,8 @@ async def collect(results: AsyncIterator[Tagged], renames: dict[str, str] | None
 
 
 async def first_and_rest(
-    results: AsyncIterator[Tagged], request: Request, renames: dict[str, str] | None = None
-) -> AsyncIterator[Tagged]:
+    results: AsyncGenerator[Tagged, None], request: Request, renames: dict[str, str] | None = None
+) -> AsyncGenerator[Tagged, None]:
     """Wait for the first result before a stream's headers go out, so that a
     full queue, a dead runtime or a rejected prompt still get their status.
     Returns an iterator over all results, the first included."""
@@ -126,7 +126,7 @@ async def first_and_rest(
         await results.aclose()
         raise
 
-    async def chained() -> AsyncIterator[Tagged]:
+    async def chained() -> AsyncGenerator[Tagged, None]:
         try:
             yield first
             async for item in results:
@@ -142,7 +142,7 @@ def sse(payload: Any) -> str:
     return f"data: {body}\n\n"
 
 
-async def sse_stream(events: AsyncIterator[Any]) -> AsyncIterator[str]:
+async def sse_stream(events: AsyncGenerator[Any, None]) -> AsyncGenerator[str, None]:
     """Frame events as server-sent events ending with ``data: [DONE]``. An error
     after the stream started can only be reported in band, as an error event."""
     try:
@@ -163,11 +163,12 @@ class EventStreamResponse(StreamingResponse):
     response ends in any way, so that a client gone mid-send aborts its
     requests at once."""
 
-    def __init__(self, events: AsyncIterator[Any]):
-        super().__init__(sse_stream(events), media_type="text/event-stream")
+    def __init__(self, events: AsyncGenerator[Any, None]) -> None:
+        self._stream = sse_stream(events)
+        super().__init__(self._stream, media_type="text/event-stream")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            await self._stream.aclose()

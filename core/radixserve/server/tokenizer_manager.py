@@ -11,9 +11,9 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
 import zmq.asyncio
@@ -36,7 +36,12 @@ from radixserve.request_limits import has_lone_surrogate, request_fit_error, tok
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.access_log import current_request
 
+if TYPE_CHECKING:
+    from radixserve.server.metrics import ServerMetrics
+
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # Writing a long trace with device events takes a while.
 STOP_PROFILE_TIMEOUT_S = 300.0
@@ -60,7 +65,7 @@ class GenerateInput(RequestOptions):
 
     text: str | None = None
     input_ids: list[int] | None = None
-    sampling_params: dict | SamplingParams | None = None
+    sampling_params: dict[str, Any] | SamplingParams | None = None
     rid: str | None = None
 
 
@@ -81,7 +86,7 @@ class _Pending:
     (or died): the tokens it makes after its client left, until the abort
     lands, still count in the metrics."""
 
-    queue: asyncio.Queue | None  # None once the consumer has gone
+    queue: asyncio.Queue[TextOutput | Exception] | None  # None once the consumer has gone
     scheduler_done: bool = False
     observe: bool = True  # counted in the metrics (warm-ups are not)
     created: float = field(default_factory=time.perf_counter)
@@ -92,7 +97,14 @@ class _Pending:
 
 
 class TokenizerManager:
-    def __init__(self, args: ServerArgs, tokenizer, endpoints: Endpoints, summary: dict, metrics: Any = None):
+    def __init__(
+        self,
+        args: ServerArgs,
+        tokenizer: Any,
+        endpoints: Endpoints,
+        summary: dict[str, Any],
+        metrics: ServerMetrics | None = None,
+    ) -> None:
         """``summary`` is the scheduler's startup summary (ModelRunner.summary())."""
         self.args = args
         self.tokenizer = tokenizer
@@ -110,9 +122,9 @@ class TokenizerManager:
         self._pending: dict[str, _Pending] = {}  # by internal request id
         self._aliases: dict[str, list[str]] = {}  # client rid -> the internal ids it started
         self._internal_ids = itertools.count()
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count(1)
-        self._loop_task: asyncio.Task | None = None
+        self._loop_task: asyncio.Task[None] | None = None
         self.dead_reason: str | None = None
 
     # ---- lifecycle ---------------------------------------------------------
@@ -200,7 +212,8 @@ class TokenizerManager:
 
     # ---- validation ------------------------------------------------------------
     def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+        ids: list[int] = self.tokenizer.encode(text)
+        return ids
 
     def prepare(self, obj: GenerateInput) -> PreparedInput:
         """Validate one prompt; ValueError names the offending field."""
@@ -254,7 +267,7 @@ class TokenizerManager:
         return PreparedInput(obj, ids, params)
 
     # ---- generation --------------------------------------------------------------
-    async def generate(self, obj: GenerateInput | PreparedInput) -> AsyncIterator[dict]:
+    async def generate(self, obj: GenerateInput | PreparedInput) -> AsyncGenerator[dict[str, Any], None]:
         """Yield results for one prompt: a dict per streamed delta (``stream``) or
         one per finished choice. With ``n > 1`` every dict carries its ``index``.
         A cancelled consumer (client gone) aborts the request and frees its KV.
@@ -312,25 +325,27 @@ class TokenizerManager:
         obj: GenerateInput,
         index: int,
         observe: bool = True,
-    ) -> AsyncIterator[dict]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         internal = f"{rid}#{next(self._internal_ids)}"
         group.append(internal)
-        pending = self._pending[internal] = _Pending(asyncio.Queue(), observe=observe)
+        queue: asyncio.Queue[TextOutput | Exception] = asyncio.Queue()
+        self._pending[internal] = _Pending(queue, observe=observe)
         self._send.send_pyobj(GenerateRequest(rid=internal, input_ids=ids, sampling_params=params, **obj.options()))
         result = _Accumulator(rid, index, obj.stream)
         record = current_request.get() if observe else None  # the HTTP request's, for the access log
         try:
             while True:
-                item = await pending.queue.get()
+                item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
                 if item.error is not None:
                     raise RequestFailedError(item.error)
                 if record is not None:
                     record.update(rid, internal, item.token)
-                finished = item.token.finish_reason is not None
-                if finished:
-                    _raise_if_rejected(item.token.finish_reason)
+                finish = item.token.finish_reason
+                finished = finish is not None
+                if finish is not None:
+                    _raise_if_rejected(finish)
                 chunk = result.add(item)
                 if obj.stream or finished:
                     yield chunk
@@ -367,7 +382,7 @@ class TokenizerManager:
             self.metrics.record_admitted(t.queue_time, t.prompt_tokens, t.cached_tokens)
         n_new = len(t.new_token_ids)
         if n_new:
-            if pending.first_token_at is None:
+            if pending.last_token_at is None:  # the first token (first_token_at is set with it)
                 self.metrics.record_first_token(now - pending.created)
                 pending.first_token_at = now
             else:
@@ -408,10 +423,11 @@ class TokenizerManager:
         return _trace_path(await self.control("stop_profile", timeout=STOP_PROFILE_TIMEOUT_S))
 
 
-def _trace_path(reply: dict) -> str:
+def _trace_path(reply: dict[str, Any]) -> str:
     if "error" in reply:
         raise ValueError(reply["error"])
-    return reply["trace_path"]
+    path: str = reply["trace_path"]
+    return path
 
 
 def _raise_if_rejected(finish: FinishReason) -> None:
@@ -441,12 +457,12 @@ class _Accumulator:
         self.rid, self.index, self.stream = rid, index, stream
         self.text = ""
         self.output_ids: list[int] = []
-        self.output_token_logprobs: list = []
-        self.output_top_logprobs: list = []
-        self.input_token_logprobs = None
-        self.input_top_logprobs = None
+        self.output_token_logprobs: list[tuple[float, int]] = []
+        self.output_top_logprobs: list[list[tuple[float, int]]] = []
+        self.input_token_logprobs: list[tuple[float | None, int]] | None = None
+        self.input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
 
-    def add(self, item: TextOutput) -> dict:
+    def add(self, item: TextOutput) -> dict[str, Any]:
         t = item.token
         self.text += item.new_text
         self.output_ids += t.new_token_ids
@@ -454,7 +470,7 @@ class _Accumulator:
         self.output_top_logprobs += t.output_top_logprobs
         if t.input_token_logprobs is not None:
             self.input_token_logprobs, self.input_top_logprobs = t.input_token_logprobs, t.input_top_logprobs
-        meta = {
+        meta: dict[str, Any] = {
             "id": self.rid,
             "prompt_tokens": t.prompt_tokens,
             "completion_tokens": t.completion_tokens,
@@ -478,7 +494,7 @@ class _Accumulator:
         if in_lp is not None:
             meta["input_token_logprobs"] = in_lp
             meta["input_top_logprobs"] = in_top
-        out = {
+        out: dict[str, Any] = {
             "index": self.index,
             "text": text,
             "output_ids": list(ids),
@@ -490,15 +506,15 @@ class _Accumulator:
         return out
 
 
-async def merge_streams(streams: list[AsyncGenerator[Any, None]]) -> AsyncGenerator[Any, None]:
+async def merge_streams(streams: list[AsyncGenerator[T, None]]) -> AsyncGenerator[T, None]:
     """Interleave several async generators as their items arrive. The first
     error in any of them is raised here. However the merged generator ends, it
     cancels the streams still running and waits for them, so every stream's
     cleanup (aborting its request) has run when it is closed."""
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue[Any] = asyncio.Queue()
     done = object()
 
-    async def drain(stream: AsyncGenerator[Any, None]) -> None:
+    async def drain(stream: AsyncGenerator[T, None]) -> None:
         try:
             async with contextlib.aclosing(stream):
                 async for item in stream:

@@ -83,7 +83,7 @@ def tool_grammar(req: ChatCompletionRequest) -> GrammarSpec | None:
     return GrammarSpec("json_schema", json.dumps(array), "tool_choice")
 
 
-def keeps_special_tokens(req: ChatCompletionRequest, parser_cls: type | None) -> bool:
+def keeps_special_tokens(req: ChatCompletionRequest, parser_cls: type[ToolParser] | None) -> bool:
     """Whether the output must be decoded keeping special tokens for the tool parser to
     read it: tool_choice auto, a parser whose markers are special tokens, and a request
     that left skip_special_tokens unset."""
@@ -99,7 +99,7 @@ class RequiredCalls(FormToolParser):
     forms = (CallForm(JSONCallReader, ("[",), at_start=True, separator=",", closing=("]",)),)
 
 
-def tool_call_json(index: int | None, call_id_: str | None, name: str | None, arguments: str) -> dict:
+def tool_call_json(index: int | None, call_id_: str | None, name: str | None, arguments: str) -> dict[str, Any]:
     """A tool call (or a streamed piece of one) as OpenAI writes it."""
     out: dict[str, Any] = {}
     if index is not None:
@@ -114,7 +114,7 @@ def tool_call_json(index: int | None, call_id_: str | None, name: str | None, ar
 class ChoiceReader:
     """One choice's output read back: reasoning split off, then tool calls."""
 
-    def __init__(self, req: ChatCompletionRequest, parser_cls: type | None, reasoning: str | None):
+    def __init__(self, req: ChatCompletionRequest, parser_cls: type[ToolParser] | None, reasoning: str | None):
         self.reasoning = ReasoningParser(reasoning) if reasoning else None
         self.named = req.named_tool if req.tools else None
         self.parser: ToolParser | None = None
@@ -127,7 +127,7 @@ class ChoiceReader:
         self.called = False
 
     # ---- whole output -----------------------------------------------------------------
-    def read(self, text: str) -> tuple[str | None, str | None, list[dict]]:
+    def read(self, text: str) -> tuple[str | None, str | None, list[dict[str, Any]]]:
         """``(reasoning_content, content, tool_calls)``."""
         reasoning = None
         if self.reasoning is not None:
@@ -152,7 +152,7 @@ class ChoiceReader:
         return ParsedOutput(text)
 
     # ---- streamed -------------------------------------------------------------------------
-    def feed(self, text: str, final: bool) -> tuple[str, str, list[dict]]:
+    def feed(self, text: str, final: bool) -> tuple[str, str, list[dict[str, Any]]]:
         """``(reasoning delta, content delta, tool call deltas)`` for the next piece of output."""
         reasoning, content = "", text
         if self.reasoning is not None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,8 +17,11 @@ from radixserve.structured_output.backend import (
 )
 from radixserve.structured_output.common import choices, missing_module, schema_text
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 # JSON without free whitespace, as the xgrammar backend emits it.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_OPTIONS: JsonCompileOptions = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class LLGuidanceMatcher(GrammarMatcher):
