@@ -30,7 +30,7 @@ and here has the long set throughout. Both sets share the attention factor
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -43,15 +43,18 @@ if TYPE_CHECKING:
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 
-def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> tuple[str, dict]:
+def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> tuple[str, dict[str, Any]]:
     """``(rope_type, settings)``: transformers 5 keeps everything in
     rope_parameters; 4.x had rope_scaling + rope_theta. With ``layer_type``,
     those of the layers of that type in a config whose ``rope_parameters`` are
     per layer type (Gemma 3: local and global layers turn at different frequencies)."""
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params: dict[str, Any] = dict(
+        getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    )
     if layer_type is not None:
         params = dict(params[layer_type])
-    return params.get("rope_type", params.get("type", "default")), params
+    rope_type: str = params.get("rope_type", params.get("type", "default"))
+    return rope_type, params
 
 
 def rope_inv_freq(
@@ -129,6 +132,8 @@ class RotaryEmbedding(Layer):
     of every position the model serves (``max_position_embeddings``). One
     instance is shared by all layers of a model (of a ``layer_type``, where the
     rope parameters are per layer type)."""
+
+    cos_sin_cache: torch.Tensor  # a buffer
 
     def __init__(self, config: PretrainedConfig, head_dim: int, ctx: ModelContext, layer_type: str | None = None):
         super().__init__()
