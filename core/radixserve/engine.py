@@ -7,10 +7,10 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import AsyncGenerator, Coroutine, Iterator, Sequence
+from typing import Any, TypeVar, cast
 
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from radixserve.checkpoints.source import resolve_model_path
 from radixserve.config import ServerArgs
@@ -23,7 +23,9 @@ logger = logging.getLogger(__name__)
 
 Prompt = str | list[str] | None
 InputIds = list[int] | list[list[int]] | None
-Params = dict | list[dict] | None
+Params = dict[str, Any] | list[dict[str, Any]] | None
+Result = dict[str, Any]
+T = TypeVar("T")
 # What ``encode`` reports of each embedding request.
 _ENCODE_META = ("id", "prompt_tokens", "cached_tokens", "finish_reason")
 
@@ -45,7 +47,11 @@ class Engine:
             self._runtime.shutdown()
             self._loop.call_soon_threadsafe(self._loop.stop)
             raise
-        self._runtime.watch(lambda reason: self._loop.call_soon_threadsafe(self.tokenizer_manager.fail_all, reason))
+
+        def on_death(reason: str) -> None:
+            self._loop.call_soon_threadsafe(self.tokenizer_manager.fail_all, reason)
+
+        self._runtime.watch(on_death)
         self._closed = False
 
     async def _make_tokenizer_manager(self) -> TokenizerManager:
@@ -56,14 +62,17 @@ class Engine:
         return tm
 
     @property
-    def tokenizer(self):
-        return self.tokenizer_manager.tokenizer
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        tokenizer: PreTrainedTokenizerBase = self.tokenizer_manager.tokenizer
+        return tokenizer
 
-    def server_info(self) -> dict:
-        return self._call(self.tokenizer_manager.control("server_info"))
+    def server_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = self._call(self.tokenizer_manager.control("server_info"))
+        return info
 
     def flush_cache(self) -> bool:
-        return self._call(self.tokenizer_manager.control("flush_cache"))
+        flushed: bool = self._call(self.tokenizer_manager.control("flush_cache"))
+        return flushed
 
     def start_profile(
         self, output_dir: str | None = None, record_shapes: bool = False, num_steps: int | None = None
@@ -91,7 +100,7 @@ class Engine:
         stream: bool = False,
         rid: str | None = None,
         priority: int = 0,
-    ) -> dict | list | Iterator[dict]:
+    ) -> Result | list[Any] | Iterator[Result]:
         """A dict for one prompt, a list for a batch (a list per prompt when n > 1);
         with ``stream=True`` an iterator of incremental results (text deltas).
         ``priority``: higher is served first under ``schedule_policy="priority"``."""
@@ -101,15 +110,16 @@ class Engine:
             isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
         )
         texts = (prompt if isinstance(prompt, list) else [prompt]) if prompt is not None else None
-        ids = (input_ids if is_batch else [input_ids]) if input_ids is not None else None
+        ids = _id_lists(input_ids, is_batch) if input_ids is not None else None
         count = len(texts if texts is not None else ids if ids is not None else [None])
+        given: Sequence[dict[str, Any] | None]
         if isinstance(sampling_params, list):
             if len(sampling_params) != count:
                 raise ValueError(f"sampling_params: {len(sampling_params)} given for {count} prompts")
-            params = sampling_params
+            given = sampling_params
         else:
-            params = [sampling_params] * count
-        params = [dict(p or {}) for p in params]
+            given = [sampling_params] * count
+        params = [dict(p or {}) for p in given]
         for p in params:
             take_sampling_grammar(p)  # json_schema / regex / ebnf, as SGLang's Engine takes them
         inputs = [
@@ -131,26 +141,31 @@ class Engine:
                 raise ValueError("stream: streaming takes a single prompt")
             return self._stream(inputs[0])
 
-        async def run_all() -> list:
+        async def run_all() -> list[Result | list[Result]]:
             return list(await asyncio.gather(*(self._collect(inp) for inp in inputs)))
 
         results = self._call(run_all())
         return results if is_batch else results[0]
 
-    def encode(self, prompt: Prompt = None, input_ids: InputIds = None) -> dict | list[dict]:
+    def encode(self, prompt: Prompt = None, input_ids: InputIds = None) -> Result | list[Result]:
         """Embeddings from an embedding model (``is_embedding``), as ``sglang.Engine.encode``
         gives them: ``{"embedding": [...], "meta_info": {...}}`` for one prompt, a list
         for a batch (a list of strings, or of token-id lists)."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("prompt: give either prompt or input_ids")
-        is_batch = isinstance(prompt, list) or (bool(input_ids) and isinstance(input_ids[0], list))
-        if prompt is not None:
-            inputs = [GenerateInput(text=text, embed=True) for text in (prompt if is_batch else [prompt])]
-        else:
-            inputs = [GenerateInput(input_ids=ids, embed=True) for ids in (input_ids if is_batch else [input_ids])]
+        is_batch = isinstance(prompt, list) or (
+            isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+        )
+        if input_ids is not None:
+            inputs = [GenerateInput(input_ids=ids, embed=True) for ids in _id_lists(input_ids, is_batch)]
+        else:  # a prompt: is_batch is whether it is a list
+            inputs = [
+                GenerateInput(text=text, embed=True) for text in (prompt if isinstance(prompt, list) else [prompt])
+            ]
 
-        async def run_all() -> list[dict]:
-            return list(await asyncio.gather(*(self._collect(inp) for inp in inputs)))
+        async def run_all() -> list[Result]:
+            # An embedding request has a single output: ``_collect`` gives its dict.
+            return cast("list[Result]", list(await asyncio.gather(*(self._collect(inp) for inp in inputs))))
 
         results = [
             {"embedding": out["embedding"], "meta_info": {k: out["meta_info"][k] for k in _ENCODE_META}}
@@ -158,13 +173,14 @@ class Engine:
         ]
         return results if is_batch else results[0]
 
-    async def _collect(self, inp: GenerateInput) -> dict | list[dict]:
+    async def _collect(self, inp: GenerateInput) -> Result | list[Result]:
         outs = [_as_sglang(out) async for out in self.tokenizer_manager.generate(inp)]
         outs.sort(key=lambda o: o["index"])
         return outs[0] if len(outs) == 1 else outs
 
-    def _stream(self, inp: GenerateInput) -> Iterator[dict]:
-        agen = self.tokenizer_manager.generate(inp)
+    def _stream(self, inp: GenerateInput) -> Iterator[Result]:
+        # ``generate`` is an async generator function (annotated as returning an AsyncIterator).
+        agen = cast("AsyncGenerator[Result, None]", self.tokenizer_manager.generate(inp))
         try:
             while True:
                 try:
@@ -174,13 +190,13 @@ class Engine:
         finally:
             self._call(agen.aclose())
 
-    def run_coroutine(self, coro):
+    def run_coroutine(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the engine's event loop, where ``tokenizer_manager`` lives, and
         return its result: for callers that drive many requests themselves
         (``radixserve bench offline`` streams each one to time its tokens)."""
         return self._call(coro)
 
-    def _call(self, coro):
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         if getattr(self, "_closed", False):
             raise RuntimeError("the engine is shut down")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
@@ -205,7 +221,13 @@ class Engine:
             self.shutdown()
 
 
-def _as_sglang(out: dict) -> dict:
+def _id_lists(input_ids: list[int] | list[list[int]], is_batch: bool) -> list[list[int]]:
+    """``input_ids`` as a list of prompts' ids: itself for a batch, else wrapped."""
+    # ``is_batch`` holds the check that ``input_ids`` is a list of lists (or a prompt list came).
+    return cast("list[list[int]]", input_ids) if is_batch else [cast("list[int]", input_ids)]
+
+
+def _as_sglang(out: Result) -> Result:
     """A result as ``sglang.Engine`` gives it: ``meta_info["finish_reason"]`` a dict."""
     reason = out["meta_info"]["finish_reason"]
     out["meta_info"]["finish_reason"] = None if reason is None else reason.to_dict()

@@ -12,13 +12,17 @@ import logging
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from radixserve import hooks
 from radixserve.kernels.query import KernelQuery
+
+if TYPE_CHECKING:
+    from radixserve.platform import Platform
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +66,9 @@ class PluginInfo:
 class Candidate:
     kind: str
     name: str
-    cls: type
+    # A platform, backend, model, grammar backend or tool parser class, per ``kind``:
+    # each kind has its own contract, reached by its class attributes.
+    cls: type[Any]
     plugin: str
 
     @property
@@ -168,20 +174,25 @@ class PluginRegistry:
             # Call each plugin's implementation separately so every class is
             # attributed to the plugin that registered it.
             for impl in reversed(caller.get_hookimpls()):
-                info = self.plugins.get(impl.plugin_name)
-                if info is None or info.error:
+                plugin = self.plugins.get(impl.plugin_name)
+                if plugin is None or plugin.error:
                     continue
                 try:
-                    impl.function(register=self._register_callback(kind, info, found[kind]))
+                    impl.function(register=self._register_callback(kind, plugin, found[kind]))
                 except Exception:
-                    info.error = traceback.format_exc(limit=4).strip()
-                    _log_plugin_error(f"plugin {info.name} failed in {hook_name}", info.error)
+                    plugin.error = traceback.format_exc(limit=4).strip()
+                    _log_plugin_error(f"plugin {plugin.name} failed in {hook_name}", plugin.error)
         return found
 
-    def _register_callback(self, kind: str, info: PluginInfo, table: dict[str, Candidate]):
-        def register(cls: type) -> None:
-            names = list(getattr(cls, "architectures", ())) if kind == "model" else [getattr(cls, "name", None)]
-            if not names or any(not isinstance(n, str) or not n for n in names):
+    def _register_callback(
+        self, kind: str, info: PluginInfo, table: dict[str, Candidate]
+    ) -> Callable[[type[Any]], None]:
+        def register(cls: type[Any]) -> None:
+            given: list[object] = (
+                list(getattr(cls, "architectures", ())) if kind == "model" else [getattr(cls, "name", None)]
+            )
+            names = [n for n in given if isinstance(n, str) and n]
+            if not names or len(names) != len(given):
                 raise TypeError(f"{kind} class {cls!r} has no name")
             for name in names:
                 previous = table.get(name)
@@ -204,7 +215,7 @@ class PluginRegistry:
         lines = [f"  plugin {name!r} failed: {err.splitlines()[-1]}" for name, err in errors.items()]
         return "\nPlugins that failed to load (run `radixserve plugins` for details):\n" + "\n".join(lines)
 
-    def resolve_platform(self, device: str = "auto"):
+    def resolve_platform(self, device: str = "auto") -> type[Platform]:
         """The Platform class for ``--device``; never falls back silently."""
         platforms = self.candidates["platform"]
         if device == "auto":
@@ -224,20 +235,20 @@ class PluginRegistry:
             if not usable:
                 raise PluginError("no usable device platform registered" + self._load_error_note())
             return usable[0].cls
-        cand = platforms.get(device)
-        if cand is None:
+        named = platforms.get(device)
+        if named is None:
             raise PluginError(
                 f"--device {device!r} is not a registered platform; available: {self._platform_summary()}"
                 + self._load_error_note()
             )
-        reasons = cand.cls.unavailable_reasons()
+        reasons = named.cls.unavailable_reasons()
         if reasons:
             raise PluginError(
-                f"--device {device!r} (plugin {cand.plugin!r}) is not usable here: "
+                f"--device {device!r} (plugin {named.plugin!r}) is not usable here: "
                 + "; ".join(reasons)
                 + f"\nAvailable: {self._platform_summary()}"
             )
-        return cand.cls
+        return named.cls
 
     def _platform_summary(self) -> str:
         parts = []

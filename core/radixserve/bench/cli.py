@@ -11,11 +11,15 @@ import platform
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from radixserve.bench import datasets
 from radixserve.bench.datasets import BenchRequest, TokenSource
 from radixserve.bench.driver import Arrivals
-from radixserve.bench.metrics import format_report, summarize
+from radixserve.bench.metrics import BenchSummary, RequestResult, format_report, summarize
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DATASETS = ("random", "generated-shared-prefix", "jsonl")
 
@@ -83,7 +87,7 @@ def _add_common_args(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--label", default=None, help="free text kept in the JSON line, to tell runs apart")
 
 
-def add_bench_parser(sub) -> None:
+def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``radixserve bench``: called by ``radixserve.cli`` with its subparsers."""
     from radixserve.config import ServerArgs
 
@@ -106,7 +110,9 @@ def add_bench_parser(sub) -> None:
     serving.add_argument("--api-key", default=None)
 
 
-def build_requests(ns: argparse.Namespace, tokenizer) -> tuple[list[BenchRequest], list[BenchRequest]]:
+def build_requests(
+    ns: argparse.Namespace, tokenizer: PreTrainedTokenizerBase | None
+) -> tuple[list[BenchRequest], list[BenchRequest]]:
     """The measured requests and the warm-up ones."""
 
     def need_tokenizer() -> TokenSource:
@@ -159,7 +165,7 @@ class _Progress:
         self.bar.close()
 
 
-def _record(ns: argparse.Namespace, summary: dict, results, extra: dict) -> None:
+def _record(ns: argparse.Namespace, summary: BenchSummary, results: list[RequestResult], extra: dict[str, Any]) -> None:
     title = f"radixserve bench {ns.bench_mode} ({ns.dataset})"
     print(format_report(title, summary))
     if ns.output_file:
@@ -184,7 +190,7 @@ def _record(ns: argparse.Namespace, summary: dict, results, extra: dict) -> None
         plot_results(results, ns.plot, title)
 
 
-def _run_offline(ns: argparse.Namespace) -> dict:
+def _run_offline(ns: argparse.Namespace) -> BenchSummary:
     from radixserve import Engine
     from radixserve.bench.offline import run_offline
     from radixserve.config import ServerArgs
@@ -215,7 +221,7 @@ def _run_offline(ns: argparse.Namespace) -> dict:
     return summary
 
 
-def _load_tokenizer(path: str | None):
+def _load_tokenizer(path: str | None) -> PreTrainedTokenizerBase | None:
     if path is None:
         return None
     from transformers import AutoTokenizer
@@ -223,7 +229,7 @@ def _load_tokenizer(path: str | None):
     return AutoTokenizer.from_pretrained(path)
 
 
-def _run_serving(ns: argparse.Namespace) -> dict:
+def _run_serving(ns: argparse.Namespace) -> BenchSummary:
     from radixserve.bench.serving import first_model, run_serving, server_info, server_pids
 
     base_url = ns.base_url.rstrip("/")
@@ -251,7 +257,7 @@ def _run_serving(ns: argparse.Namespace) -> dict:
     finally:
         progress.close()
     summary = summarize(results, duration, peak)
-    is_radixserve = bool(info) and "pids" in info and "served_model_name" in info
+    is_radixserve = info is not None and "pids" in info and "served_model_name" in info
     _record(
         ns,
         summary,

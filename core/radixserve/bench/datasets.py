@@ -12,8 +12,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
+import numpy.typing as npt
+from transformers import PreTrainedTokenizerBase
 
 PROMPT_FORMATS = ("ids", "text")
 
@@ -27,15 +30,15 @@ class BenchRequest:
     prompt: str | None = None
     prompt_len: int = 0
 
-    def to_json(self) -> dict:
-        body = {"input_ids": self.input_ids} if self.input_ids is not None else {"prompt": self.prompt}
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"input_ids": self.input_ids} if self.input_ids is not None else {"prompt": self.prompt}
         return {**body, "output_len": self.output_len}
 
 
 class TokenSource:
     """Draws token ids from a tokenizer's vocabulary, and turns them into text when asked."""
 
-    def __init__(self, tokenizer, prompt_format: str = "ids"):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_format: str = "ids"):
         if prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format: must be one of {PROMPT_FORMATS}, got {prompt_format!r}")
         self.tokenizer = tokenizer
@@ -44,18 +47,19 @@ class TokenSource:
         self.vocab = np.array([i for i in range(len(tokenizer)) if i not in special], dtype=np.int64)
 
     def draw(self, rng: np.random.Generator, n: int) -> list[int]:
-        return self.vocab[rng.integers(0, len(self.vocab), size=n)].tolist()
+        ids: list[int] = self.vocab[rng.integers(0, len(self.vocab), size=n)].tolist()
+        return ids
 
     def request(self, ids: list[int], output_len: int) -> BenchRequest:
         if self.prompt_format == "ids":
             return BenchRequest(output_len=output_len, input_ids=ids, prompt_len=len(ids))
-        text = self.tokenizer.decode(ids)
+        text = cast(str, self.tokenizer.decode(ids))  # one sequence's ids decode to one string
         return BenchRequest(
             output_len=output_len, prompt=text, prompt_len=len(self.tokenizer.encode(text, add_special_tokens=False))
         )
 
 
-def _lengths(rng: np.random.Generator, n: int, full: int, range_ratio: float) -> np.ndarray:
+def _lengths(rng: np.random.Generator, n: int, full: int, range_ratio: float) -> npt.NDArray[np.int64]:
     """``n`` lengths uniform in [full * range_ratio, full] (at least 1)."""
     if not 0 <= range_ratio <= 1:
         raise ValueError(f"random_range_ratio: must be in [0, 1], got {range_ratio}")
@@ -94,7 +98,9 @@ def shared_prefix_requests(
     return [requests[i] for i in order]
 
 
-def load_jsonl(path: str, default_output_len: int, tokenizer=None) -> list[BenchRequest]:
+def load_jsonl(
+    path: str, default_output_len: int, tokenizer: PreTrainedTokenizerBase | None = None
+) -> list[BenchRequest]:
     """One JSON object a line: ``{"prompt": str}`` or ``{"input_ids": [int, ...]}``,
     with an optional ``"output_len"`` (else ``default_output_len``)."""
     requests = []

@@ -16,6 +16,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import numpy as np
 
@@ -47,7 +48,8 @@ class RequestResult:
 
     @property
     def itls(self) -> list[float]:
-        return np.diff(self.token_times).tolist()
+        gaps: list[float] = np.diff(self.token_times).tolist()
+        return gaps
 
     def add_tokens(self, count: int, now: float) -> None:
         """``count`` new tokens arrived at ``now``; spread them over the gap since the last."""
@@ -63,19 +65,48 @@ class RequestResult:
         self.output_len = len(self.token_times)
 
 
-def _stats(values: list[float], scale: float = 1000.0) -> dict:
+class LatencyStats(TypedDict):
+    """One latency's distribution, in milliseconds; None without samples."""
+
+    mean: float | None
+    median: float | None
+    p99: float | None
+
+
+class BenchSummary(TypedDict):
+    """A run's summary: what the report prints and the JSON line holds."""
+
+    completed: int
+    failed: int
+    errors: list[str]
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    input_throughput: float
+    output_throughput: float
+    total_throughput: float
+    ttft_ms: LatencyStats
+    tpot_ms: LatencyStats
+    itl_ms: LatencyStats
+    e2e_latency_ms: LatencyStats
+    cache_hit_rate: float | None
+    peak_rss_mib: float | None
+
+
+def _stats(values: list[float], scale: float = 1000.0) -> LatencyStats:
     if not values:
         return {"mean": None, "median": None, "p99": None}
     arr = np.asarray(values) * scale
     return {"mean": float(arr.mean()), "median": float(np.median(arr)), "p99": float(np.percentile(arr, 99))}
 
 
-def summarize(results: list[RequestResult], duration: float, peak_rss_bytes: int | None) -> dict:
+def summarize(results: list[RequestResult], duration: float, peak_rss_bytes: int | None) -> BenchSummary:
     done = [r for r in results if r.ok]
     input_tokens = sum(r.prompt_len for r in done)
     output_tokens = sum(r.output_len for r in done)
-    cached = [r.cached_tokens for r in done]
-    hit_rate = (sum(cached) / input_tokens) if done and input_tokens and None not in cached else None
+    cached = [r.cached_tokens for r in done if r.cached_tokens is not None]
+    hit_rate = (sum(cached) / input_tokens) if done and input_tokens and len(cached) == len(done) else None
     duration = max(duration, 1e-9)
     return {
         "completed": len(done),
@@ -97,7 +128,7 @@ def summarize(results: list[RequestResult], duration: float, peak_rss_bytes: int
     }
 
 
-def _fmt(value) -> str:
+def _fmt(value: object) -> str:
     if value is None:
         return "n/a"
     if isinstance(value, float):
@@ -105,8 +136,8 @@ def _fmt(value) -> str:
     return str(value)
 
 
-def format_report(title: str, summary: dict) -> str:
-    rows = [
+def format_report(title: str, summary: BenchSummary) -> str:
+    rows: list[tuple[str, object]] = [
         ("Successful requests", summary["completed"]),
         ("Failed requests", summary["failed"]),
         ("Benchmark duration (s)", summary["duration_s"]),
@@ -119,9 +150,15 @@ def format_report(title: str, summary: dict) -> str:
         ("Cache hit rate", summary["cache_hit_rate"]),
         ("Peak RSS (MiB)", summary["peak_rss_mib"]),
     ]
-    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E latency", "e2e_latency_ms")):
-        stats = summary[key]
-        rows += [(f"{name} {stat} (ms)", stats[stat]) for stat in ("mean", "median", "p99")]
+    latencies = (
+        ("TTFT", summary["ttft_ms"]),
+        ("TPOT", summary["tpot_ms"]),
+        ("ITL", summary["itl_ms"]),
+        ("E2E latency", summary["e2e_latency_ms"]),
+    )
+    for name, stats in latencies:
+        ordered = (("mean", stats["mean"]), ("median", stats["median"]), ("p99", stats["p99"]))
+        rows += [(f"{name} {stat} (ms)", value) for stat, value in ordered]
     width = max(len(name) for name, _ in rows) + 2
     lines = [f"{'=' * 16} {title} {'=' * 16}"]
     lines += [f"{name:<{width}}{_fmt(value):>14}" for name, value in rows]

@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from radixserve.bench.datasets import BenchRequest
-from radixserve.bench.driver import Arrivals, run_requests
+from radixserve.bench.driver import Arrivals, Send, run_requests
 from radixserve.bench.memory import PeakRSS, engine_pids
 from radixserve.bench.metrics import RequestResult
 from radixserve.server.tokenizer_manager import GenerateInput
 
+if TYPE_CHECKING:
+    from radixserve.engine import Engine
 
-def sampling_params(request: BenchRequest, ignore_eos: bool) -> dict:
+
+def sampling_params(request: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
     return {"max_new_tokens": request.output_len, "temperature": 0.0, "ignore_eos": ignore_eos}
 
 
-def make_send(engine, ignore_eos: bool):
+def make_send(engine: Engine, ignore_eos: bool) -> Send:
     tm = engine.tokenizer_manager
 
     async def send(request: BenchRequest) -> RequestResult:
@@ -46,7 +50,7 @@ def make_send(engine, ignore_eos: bool):
 
 
 def run_offline(
-    engine,
+    engine: Engine,
     requests: list[BenchRequest],
     warmup: list[BenchRequest],
     arrivals: Arrivals,

@@ -3,12 +3,14 @@ throughput over the run. Needs matplotlib (``pip install "radixserve[bench]"``).
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
 
 from radixserve.bench.metrics import RequestResult
 
 
-def require_matplotlib():
+def require_matplotlib() -> ModuleType:
     """pyplot, or a ValueError naming the flag (checked before a run, not after it)."""
     try:
         import matplotlib
@@ -23,7 +25,9 @@ def require_matplotlib():
 
 
 def plot_results(results: list[RequestResult], path: str, title: str) -> None:
-    plt = require_matplotlib()
+    require_matplotlib()
+    import matplotlib.pyplot as plt
+
     done = [r for r in results if r.ok]
     series = {
         "TTFT (ms)": [1000 * r.ttft for r in done],

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+from typing import Any
 
 STEP_PREFIX = "radixserve."
 DEVICE_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
@@ -35,7 +36,7 @@ class DecodeProfile:
     device_busy_fraction: float | None  # None: the trace holds no device activity at all
 
 
-def step_annotations(trace: dict) -> list[tuple[str, Interval]]:
+def step_annotations(trace: dict[str, Any]) -> list[tuple[str, Interval]]:
     """Every scheduler step in the trace, in time order: (name, (start, end))."""
     steps = [
         (e["name"], (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))))
@@ -45,7 +46,7 @@ def step_annotations(trace: dict) -> list[tuple[str, Interval]]:
     return sorted(steps, key=lambda s: s[1][0])
 
 
-def device_intervals(trace: dict) -> list[Interval]:
+def device_intervals(trace: dict[str, Any]) -> list[Interval]:
     return [
         (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
         for e in trace.get("traceEvents", [])
@@ -65,7 +66,7 @@ def busy_time(intervals: list[Interval], window: Interval) -> float:
     return total
 
 
-def decode_profile(trace: dict, batch_size: int) -> DecodeProfile | None:
+def decode_profile(trace: dict[str, Any], batch_size: int) -> DecodeProfile | None:
     """The decode steps of ``batch_size`` in ``trace``; None with fewer than two of them."""
     name = f"{STEP_PREFIX}decode[bs={batch_size}]"
     steps = step_annotations(trace)

@@ -13,17 +13,18 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlparse
 
 import httpx
 
 from radixserve.bench.datasets import BenchRequest
-from radixserve.bench.driver import Arrivals, run_requests
+from radixserve.bench.driver import Arrivals, Send, run_requests
 from radixserve.bench.memory import PeakRSS, parent_pid
 from radixserve.bench.metrics import RequestResult
 
 
-def completion_body(model: str, request: BenchRequest, ignore_eos: bool) -> dict:
+def completion_body(model: str, request: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
     return {
         "model": model,
         "prompt": request.input_ids if request.input_ids is not None else request.prompt,
@@ -35,7 +36,7 @@ def completion_body(model: str, request: BenchRequest, ignore_eos: bool) -> dict
     }
 
 
-def _apply_chunk(result: RequestResult, chunk: dict, now: float) -> None:
+def _apply_chunk(result: RequestResult, chunk: dict[str, Any], now: float) -> None:
     usage = chunk.get("usage")
     choices = chunk.get("choices") or []
     if usage and usage.get("completion_tokens") is not None:
@@ -48,7 +49,7 @@ def _apply_chunk(result: RequestResult, chunk: dict, now: float) -> None:
         result.add_tokens(1, now)
 
 
-def make_send(client: httpx.AsyncClient, model: str, ignore_eos: bool):
+def make_send(client: httpx.AsyncClient, model: str, ignore_eos: bool) -> Send:
     async def send(request: BenchRequest) -> RequestResult:
         result = RequestResult(prompt_len=request.prompt_len)
         result.sent = time.perf_counter()
@@ -76,11 +77,11 @@ def make_send(client: httpx.AsyncClient, model: str, ignore_eos: bool):
     return send
 
 
-def _headers(api_key: str | None) -> dict:
+def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-async def server_info(base_url: str, api_key: str | None) -> dict | None:
+async def server_info(base_url: str, api_key: str | None) -> dict[str, Any] | None:
     """radixserve's ``/get_server_info``; None from servers without it."""
     async with httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=30) as client:
         try:
@@ -94,17 +95,18 @@ async def first_model(base_url: str, api_key: str | None) -> str:
     async with httpx.AsyncClient(base_url=base_url, headers=_headers(api_key), timeout=30) as client:
         response = await client.get("/v1/models")
         response.raise_for_status()
-        return response.json()["data"][0]["id"]
+        model: str = response.json()["data"][0]["id"]
+        return model
 
 
-def server_pids(base_url: str, info: dict | None) -> list[int]:
+def server_pids(base_url: str, info: dict[str, Any] | None) -> list[int]:
     """The server's processes (the HTTP process is its children's parent), when it
     runs on this host and says what they are; else none, and memory is n/a."""
     host = urlparse(base_url).hostname or ""
     if not info or "pids" not in info or host not in ("127.0.0.1", "localhost", "::1"):
         return []
-    children = list(info["pids"].values())
-    parents = {parent_pid(pid) for pid in children} - {None, 1}
+    children: list[int] = list(info["pids"].values())
+    parents = {ppid for ppid in map(parent_pid, children) if ppid is not None and ppid != 1}
     return sorted(parents) + children
 
 

@@ -15,13 +15,30 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TypedDict
 
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "radixserve-demo"
 # Bump when the recipe changes, so stale caches are not reused.
 _VERSION = "v2"
-_RECIPE = dict(
+
+
+class _Recipe(TypedDict):
+    """``build_tiny_model``'s arguments for the demo model."""
+
+    arch: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    seed: int
+
+
+_RECIPE = _Recipe(
     arch="llama",
     hidden_size=256,
     num_layers=4,

@@ -20,9 +20,12 @@ import contextlib
 import random
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 PathLike = str | Path
 
@@ -191,7 +194,7 @@ def build_tokenizer(out_dir: PathLike, vocab_size: int = DEFAULT_VOCAB_SIZE) -> 
     if tok.get_vocab_size() != vocab_size:
         raise ValueError(f"trained vocab has {tok.get_vocab_size()} tokens, wanted {vocab_size}")
     tok.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in (THINK_START, THINK_END)])
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]  # transformers leaves its __init__ unannotated
         tokenizer_object=tok,
         bos_token=BOS_TOKEN,
         eos_token=EOS_TOKEN,
@@ -262,7 +265,7 @@ def tiny_config(
     num_experts_per_tok: int = 2,
     moe_intermediate_size: int = 64,
     **overrides: Any,
-):
+) -> PretrainedConfig:
     """The transformers config of a tiny ``arch`` model. MoE arguments apply to
     the MoE architectures: ``qwen3_moe`` (``norm_topk_prob=True`` like the real
     models), ``qwen2_moe`` (``norm_topk_prob=False`` like Qwen1.5-MoE; its shared
@@ -385,11 +388,13 @@ def build_tiny_model(
         **overrides,
     )
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-    model = (AutoModel if backbone else AutoModelForCausalLM).from_config(config, dtype=torch.float32)
+    # transformers leaves from_config and GenerationConfig.__init__ unannotated.
+    auto = AutoModel if backbone else AutoModelForCausalLM
+    model = auto.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     _randomize(model, seed, weight_scale, lm_head_scale)
     model = model.to(torch_dtype)
     ids = _special_token_ids(vocab_size)
-    model.generation_config = GenerationConfig(
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         bos_token_id=ids[BOS_TOKEN],
         eos_token_id=[ids[EOS_TOKEN], ids[IM_END]],
         pad_token_id=ids[PAD_TOKEN],
@@ -407,9 +412,9 @@ def build_tiny_model(
 
 
 @torch.no_grad()
-def _randomize(model: torch.nn.Module, seed: int, scale: float, lm_head_scale: float) -> None:
+def _randomize(model: PreTrainedModel, seed: int, scale: float, lm_head_scale: float) -> None:
     gen = torch.Generator().manual_seed(seed)
-    head = model.get_output_embeddings()  # None for a backbone
+    head = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers; None for a backbone
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
         if head is not None and param is head.weight:
@@ -427,12 +432,12 @@ def _quiet_progress_bars() -> Iterator[None]:
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
     try:
         yield
     finally:
         if was_enabled:
-            hf_logging.enable_progress_bar()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
 
 
 def _total_bytes(model: torch.nn.Module) -> int:

@@ -15,7 +15,7 @@ from torch import nn
 from radixserve.layers.context import ModelContext
 from radixserve.layers.layer import Layer
 from radixserve.layers.parallel import all_gather_last_dim, all_reduce
-from radixserve.layers.weights import copy_into
+from radixserve.layers.weights import copy_into, set_weight_loader
 
 
 class VocabParallelEmbedding(Layer):
@@ -27,7 +27,7 @@ class VocabParallelEmbedding(Layer):
         self.vocab_start = ctx.tp_rank * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
         self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size, dtype=ctx.dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id is not None:

@@ -24,10 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixserve.kernels import ElementwiseBackend
 from radixserve.layers.context import ModelContext
 from radixserve.layers.layer import Layer
 from radixserve.layers.parallel import all_reduce, divide
-from radixserve.layers.weights import copy_into
+from radixserve.layers.weights import copy_into, set_shard_ids, set_weight_loader
 
 
 class LinearBase(Layer):
@@ -43,7 +44,7 @@ class LinearBase(Layer):
         out_features: int,
         ctx: ModelContext,
         bias: bool,
-        shard_ids: tuple = (None,),
+        shard_ids: tuple[Any, ...] = (None,),
     ):
         super().__init__()
         self.in_features = in_features
@@ -53,11 +54,11 @@ class LinearBase(Layer):
         self.quant.create_weights(self, in_features, out_features, ctx.dtype, self.weight_loader)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=ctx.dtype), requires_grad=False)
-            self.bias.weight_loader = self.weight_loader
+            set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
         for param in self.parameters(recurse=False):
-            param.shard_ids = shard_ids
+            set_shard_ids(param, shard_ids)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         raise NotImplementedError
@@ -106,9 +107,9 @@ class _FusedColumnLinear(LinearBase):
             if loaded.shape[0] != total:
                 raise ValueError(f"fused checkpoint tensor has {loaded.shape[0]} rows, expected {total}")
             start = 0
-            for shard in self.shards:
-                self.weight_loader(param, loaded.narrow(0, start, shard.full_size), shard.id)
-                start += shard.full_size
+            for part in self.shards:
+                self.weight_loader(param, loaded.narrow(0, start, part.full_size), part.id)
+                start += part.full_size
             return
         shard = self._shard_by_id.get(shard_id)
         if shard is None:
@@ -132,7 +133,7 @@ class MergedColumnParallelLinear(_FusedColumnLinear):
             offset += size
         super().__init__(in_features, shards, ctx, bias)
 
-    def silu_and_mul(self, x: torch.Tensor, elementwise) -> torch.Tensor:
+    def silu_and_mul(self, x: torch.Tensor, elementwise: ElementwiseBackend) -> torch.Tensor:
         """``silu(gate) * up`` of a (gate, up) projection: one fused kernel where the
         quantization method and GEMM backend have one, else this projection and then
         ``elementwise.silu_and_mul``."""

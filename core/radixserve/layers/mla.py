@@ -13,7 +13,7 @@ from radixserve.kernels import MLAAttentionBackend, MLALayerSpec
 from radixserve.layers.context import ModelContext
 from radixserve.layers.layer import Layer
 from radixserve.layers.parallel import divide
-from radixserve.layers.weights import copy_into
+from radixserve.layers.weights import copy_into, set_weight_loader
 
 
 class LatentUpProjection(Layer):
@@ -31,7 +31,7 @@ class LatentUpProjection(Layer):
         self.weight = nn.Parameter(
             torch.empty(self.num_heads * self.head_rows, kv_lora_rank, dtype=ctx.dtype), requires_grad=False
         )
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if shard_id is not None:

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from radixserve.kernels import MoERouting
+from radixserve.kernels import MoEBackend, MoERouting
 from radixserve.layers.context import ModelContext
 from radixserve.layers.layer import Layer
 from radixserve.layers.parallel import all_reduce, divide
-from radixserve.layers.weights import copy_into
+from radixserve.layers.weights import copy_into, set_shard_ids, set_weight_loader
 
 
 class MoERouter(Layer):
@@ -66,6 +66,7 @@ class FusedMoE(Layer):
         if ctx.moe is None:
             raise ValueError("the model has MoE layers but the ModelContext has no MoE backend")
         self.ctx = ctx
+        self.moe: MoEBackend = ctx.moe
         self.num_experts = num_experts
         self.intermediate_full = intermediate_size
         self.intermediate = divide(intermediate_size, ctx.tp_size)
@@ -82,10 +83,10 @@ class FusedMoE(Layer):
         self.w2_weight = nn.Parameter(
             torch.empty(num_experts, hidden_size, self.intermediate, dtype=ctx.dtype), requires_grad=False
         )
-        self.w13_weight.weight_loader = self.weight_loader
-        self.w13_weight.shard_ids = tuple((e, part) for e in range(num_experts) for part in ("gate", "up"))
-        self.w2_weight.weight_loader = self.weight_loader
-        self.w2_weight.shard_ids = tuple((e, "down") for e in range(num_experts))
+        set_weight_loader(self.w13_weight, self.weight_loader)
+        set_shard_ids(self.w13_weight, tuple((e, part) for e in range(num_experts) for part in ("gate", "up")))
+        set_weight_loader(self.w2_weight, self.weight_loader)
+        set_shard_ids(self.w2_weight, tuple((e, "down") for e in range(num_experts)))
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         full, local, start = self.intermediate_full, self.intermediate, self.ctx.tp_rank * self.intermediate
@@ -113,7 +114,7 @@ class FusedMoE(Layer):
             )
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        out = self.ctx.moe.forward(hidden, router_logits, self.w13_weight, self.w2_weight, self.routing)
+        out = self.moe.forward(hidden, router_logits, self.w13_weight, self.w2_weight, self.routing)
         return all_reduce(out, self.ctx)
 
     def extra_repr(self) -> str:
@@ -138,7 +139,8 @@ class SparseMoE(Layer):
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, ctx, renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x))
+        out: torch.Tensor = self.experts(x, self.gate(x))
+        return out
 
 
 # transformers 5's in-memory (and some checkpoints') stacked experts: gate_up_proj
@@ -146,7 +148,7 @@ class SparseMoE(Layer):
 _STACKED_EXPERTS = {"experts.gate_up_proj": "experts.w13_weight", "experts.down_proj": "experts.w2_weight"}
 
 
-def expert_weight_name(name: str, per_expert: re.Pattern, parts: Mapping[str, str]) -> tuple[str, Any] | None:
+def expert_weight_name(name: str, per_expert: re.Pattern[str], parts: Mapping[str, str]) -> tuple[str, Any] | None:
     """The :class:`FusedMoE` parameter and shard id of the checkpoint tensor
     ``name``, or None when it is not an expert weight. ``per_expert`` matches one
     expert's projection at the end of a name; its two groups are the expert index

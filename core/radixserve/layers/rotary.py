@@ -54,7 +54,8 @@ def rope_parameters(config: PretrainedConfig, layer_type: str | None = None) -> 
     )
     if layer_type is not None:
         params = dict(params[layer_type])
-    return params.get("rope_type", params.get("type", "default")), params
+    rope_type: str = params.get("rope_type", params.get("type", "default"))
+    return rope_type, params
 
 
 def rope_inv_freq(

@@ -15,10 +15,13 @@ a loader copies them, so each tensor-parallel rank reads its own shards alone.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from radixserve.kernels.quantization import WeightLoader
 
 
 class CheckpointTensor:
@@ -48,12 +51,11 @@ class CheckpointTensor:
 
     def __getitem__(self, index: Any) -> CheckpointTensor:
         index = index if isinstance(index, tuple) else (index,)
-        open_dims = [i for i, s in enumerate(self.region) if isinstance(s, slice)]
+        open_dims = [(i, s) for i, s in enumerate(self.region) if isinstance(s, slice)]
         if len(index) > len(open_dims):
             raise IndexError(f"too many indices ({len(index)}) for a tensor of {len(open_dims)} dimensions")
         region = list(self.region)
-        for dim, item in zip(open_dims, index, strict=False):
-            current = region[dim]
+        for (dim, current), item in zip(open_dims, index, strict=False):
             size = current.stop - current.start
             if isinstance(item, int):
                 if not -size <= item < size:
@@ -70,7 +72,22 @@ class CheckpointTensor:
 
     def load(self) -> torch.Tensor:
         """Read the selected region (only it) from the checkpoint."""
-        return self.source[self.region]
+        tensor: torch.Tensor = self.source[self.region]
+        return tensor
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    """Give ``param`` its ``weight_loader`` (an attribute torch's Parameter does not declare)."""
+    _set_attribute(param, "weight_loader", loader)
+
+
+def set_shard_ids(param: nn.Parameter, shard_ids: tuple[Any, ...]) -> None:
+    """Give ``param`` its ``shard_ids``: the shard ids that together fill it."""
+    _set_attribute(param, "shard_ids", shard_ids)
+
+
+def _set_attribute(param: nn.Parameter, name: str, value: object) -> None:
+    setattr(param, name, value)
 
 
 def copy_into(dst: torch.Tensor, src: torch.Tensor | CheckpointTensor, what: str = "weight") -> None:
@@ -103,7 +120,7 @@ def load_named_weights(
     errors, reported together.
     """
     params = dict(module.named_parameters())
-    filled: dict[str, set] = {name: set() for name in params}
+    filled: dict[str, set[Any]] = {name: set() for name in params}
     unexpected: list[str] = []
     for ckpt_name, tensor in weights:
         target = map_name(ckpt_name)

@@ -114,6 +114,8 @@ class DeepseekV2Rotary(Layer):
     runs through ``ctx.elementwise`` on float32 copies (in place in a float32
     model). One instance is shared by all layers."""
 
+    cos_sin_cache: torch.Tensor  # a buffer
+
     def __init__(self, config: PretrainedConfig, ctx: ModelContext):
         super().__init__()
         inv_freq, attention_scaling = rope_inv_freq(config, config.qk_rope_head_dim)
@@ -162,7 +164,8 @@ class DeepseekV2Attention(Layer):
         latent, k_rope = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_rope, k_rope = self.rotary(batch.positions, q_rope, k_rope)
-        return self.o_proj(self.attn(q_nope, q_rope, latent, k_rope, self.kv_b_proj.per_head(), batch))
+        out: torch.Tensor = self.o_proj(self.attn(q_nope, q_rope, latent, k_rope, self.kv_b_proj.per_head(), batch))
+        return out
 
 
 class DeepseekV2Router(Layer):
@@ -202,7 +205,8 @@ class DeepseekV2MoE(Layer):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x)) + self.shared_experts(x)
+        out: torch.Tensor = self.experts(x, self.gate(x)) + self.shared_experts(x)
+        return out
 
 
 class DeepseekV2DecoderLayer(PreNormDecoderLayer):
@@ -259,7 +263,8 @@ class DeepseekV2ForCausalLM(Layer):
         hidden = self.model(batch)
         if batch.logits_indices is not None:
             hidden = hidden[batch.logits_indices]
-        return self.lm_head(hidden).float()
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         """HF checkpoint name -> (parameter name, shard id), or None to skip it."""

@@ -72,6 +72,8 @@ class GemmaEmbedding(VocabParallelEmbedding):
     """The token embedding times ``sqrt(hidden_size)``, the factor rounded to the
     model dtype first and the product taken in it, as HF's scaled embedding."""
 
+    embed_scale: torch.Tensor  # a buffer
+
     def __init__(self, vocab_size: int, hidden_size: int, ctx: ModelContext):
         super().__init__(vocab_size, hidden_size, ctx)
         scale = torch.tensor(hidden_size**0.5, dtype=torch.float32).to(ctx.dtype)
@@ -92,7 +94,8 @@ class GemmaMLP(Layer):
         self.act = ctx.elementwise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act.gelu_tanh_and_mul(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.act.gelu_tanh_and_mul(self.gate_up_proj(x)))
+        return out
 
 
 class GemmaDecoderLayer(Layer):
@@ -132,7 +135,8 @@ class GemmaModel(Layer):
         hidden, residual = self.embed_tokens(batch.input_ids), None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch)
-        return self.norm(hidden, residual)[0]
+        out: torch.Tensor = self.norm(hidden, residual)[0]
+        return out
 
 
 class Gemma2ForCausalLM(Layer):
@@ -181,7 +185,8 @@ class Gemma2ForCausalLM(Layer):
 
     @classmethod
     def attention_logit_softcap(cls, config: PretrainedConfig) -> float | None:
-        return config.attn_logit_softcapping
+        softcap: float | None = config.attn_logit_softcapping
+        return softcap
 
     @classmethod
     def rotary_embeddings(cls, config: PretrainedConfig, ctx: ModelContext) -> list[RotaryEmbedding]:
@@ -192,7 +197,7 @@ class Gemma2ForCausalLM(Layer):
         hidden = self.model(batch)
         if batch.logits_indices is not None:
             hidden = hidden[batch.logits_indices]
-        logits = self.lm_head(hidden)
+        logits: torch.Tensor = self.lm_head(hidden)
         cap = self.final_logit_softcap
         if cap is not None:
             logits = (logits / cap).tanh_().mul_(cap)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return head_dim
 
 
 def layer_window(config: PretrainedConfig, layer_id: int) -> int | None:
@@ -47,7 +48,7 @@ def layer_window(config: PretrainedConfig, layer_id: int) -> int | None:
     where a layer says ``sliding_attention``; otherwise a set ``sliding_window``
     applies to every layer (Mistral). A window no shorter than the context is
     no window."""
-    window = getattr(config, "sliding_window", None)
+    window: int | None = getattr(config, "sliding_window", None)
     if not window or window >= config.max_position_embeddings:
         return None
     layer_types = getattr(config, "layer_types", None)
@@ -142,7 +143,8 @@ class LlamaAttention(Layer):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         self.rotary_emb(batch.positions, q, k)  # in place
-        return self.o_proj(self.attn(q, k, v, batch))
+        out: torch.Tensor = self.o_proj(self.attn(q, k, v, batch))
+        return out
 
 
 class LlamaMLP(Layer):
@@ -157,7 +159,8 @@ class LlamaMLP(Layer):
         self.act = ctx.elementwise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x, self.act))
+        out: torch.Tensor = self.down_proj(self.gate_up_proj.silu_and_mul(x, self.act))
+        return out
 
 
 class PreNormDecoderLayer(Layer):
@@ -211,8 +214,10 @@ class LlamaModel(Layer):
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, batch)
         if residual is None:
-            return self.norm(hidden)
-        return self.norm(hidden, residual)[0]
+            out: torch.Tensor = self.norm(hidden)
+            return out
+        out = self.norm(hidden, residual)[0]
+        return out
 
 
 class LlamaForCausalLM(Layer):
@@ -222,7 +227,7 @@ class LlamaForCausalLM(Layer):
     extend :meth:`map_weight_name` for extra checkpoint layouts.
     """
 
-    architectures = ("LlamaForCausalLM", "MistralForCausalLM")
+    architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM", "MistralForCausalLM")
 
     # checkpoint projection -> (fused parameter, shard id)
     stacked_params: dict[str, tuple[str, Any]] = {
@@ -271,7 +276,8 @@ class LlamaForCausalLM(Layer):
         hidden = self.model(batch)
         if batch.logits_indices is not None:
             hidden = hidden[batch.logits_indices]
-        return self.lm_head(hidden).float()
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         """HF checkpoint name -> (parameter name, shard id), or None to skip it."""

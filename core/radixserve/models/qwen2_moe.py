@@ -31,7 +31,8 @@ class Qwen2MoeSparseBlock(Qwen3MoeSparseBlock):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.experts(x, self.gate(x)) + shared
+        out: torch.Tensor = self.experts(x, self.gate(x)) + shared
+        return out
 
 
 class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
@@ -47,4 +48,5 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
 
     @classmethod
     def shared_mlp_size(cls, config: PretrainedConfig) -> int:
-        return config.shared_expert_intermediate_size
+        size: int = config.shared_expert_intermediate_size
+        return size

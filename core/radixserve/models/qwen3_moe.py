@@ -28,7 +28,10 @@ _PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 
 def num_experts_of(config: PretrainedConfig) -> int:
-    return getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0)
+    num_experts: int | None = getattr(config, "num_experts", None)
+    if not num_experts:  # Mixtral's name
+        num_experts = getattr(config, "num_local_experts", 0)
+    return num_experts
 
 
 class Qwen3MoeSparseBlock(SparseMoE):
