@@ -11,8 +11,12 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import zmq
+
+# A socket of the context's kind (zmq.asyncio's in the tokenizer manager, plain zmq's elsewhere).
+SocketT = TypeVar("SocketT", bound="zmq.Socket[Any]")
 
 
 @dataclass(frozen=True)
@@ -27,8 +31,9 @@ class Endpoints:
     @classmethod
     def fresh(cls) -> Endpoints:
         base = tempfile.mkdtemp(prefix="radixserve-")
-        names = ("scheduler", "detokenizer", "tokenizer_manager")
-        return cls(*(f"ipc://{base}/{name}" for name in names), directory=base)
+        return cls(
+            f"ipc://{base}/scheduler", f"ipc://{base}/detokenizer", f"ipc://{base}/tokenizer_manager", directory=base
+        )
 
     def for_replica(self, dp_rank: int) -> Endpoints:
         """Data-parallel replica ``dp_rank``'s addresses behind the DP controller: it
@@ -44,14 +49,14 @@ class Endpoints:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def push_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+def push_socket(ctx: zmq.Context[SocketT], address: str) -> SocketT:
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     return sock
 
 
-def pull_socket(ctx: zmq.Context, address: str) -> zmq.Socket:
+def pull_socket(ctx: zmq.Context[SocketT], address: str) -> SocketT:
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(address)

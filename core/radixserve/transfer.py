@@ -47,7 +47,7 @@ class HostTransfer:
         self.device = device
         self.pinned_staging = pinned_staging
 
-    def to_device(self, values: Sequence, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    def to_device(self, values: Sequence[float], dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """``torch.tensor(values, dtype=dtype)`` on the device, without waiting for it."""
         if not self.pinned_staging:
             return torch.tensor(values, dtype=dtype, device=self.device)

@@ -88,6 +88,7 @@ class KVPool:
         self.dtype = dtype
         self.device = device
         self.layout = layout
+        shape: tuple[int, ...]
         if layout.head_major:
             shape = (num_pages + 1, num_kv_heads, page_size, head_dim)
         else:
@@ -263,7 +264,7 @@ class PagedAllocator:
             out = self._free_pages[len(self._free_pages) - need :][::-1]
             del self._free_pages[len(self._free_pages) - need :]
             return out
-        out: list[int] = []
+        out = []
         for prefix, last, n in zip(prefix_lens, last_locs, extend_lens, strict=True):
             in_page = prefix % ps
             if in_page:

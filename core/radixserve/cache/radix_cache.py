@@ -16,6 +16,7 @@ import heapq
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 
@@ -27,7 +28,7 @@ from radixserve.cache.memory_pool import PagedAllocator
 class TreeNode:
     key: list[int]
     value: torch.Tensor  # int64 KV slots of ``key``, one per token
-    parent: TreeNode | None
+    parent: TreeNode | None  # None for the root only
     id: int  # creation order; breaks LRU ties deterministically
     last_access: int
     children: dict[tuple[int, ...], TreeNode] = field(default_factory=dict)
@@ -126,7 +127,7 @@ class RadixCache(PrefixCache):
             last_access=node.last_access,
             lock_ref=node.lock_ref,
         )
-        node.parent.children[self._page(node.key, 0)] = upper
+        cast(TreeNode, node.parent).children[self._page(node.key, 0)] = upper  # a match never splits the root
         node.key, node.value, node.parent = node.key[n:], node.value[n:], upper
         upper.children[self._page(node.key, 0)] = node
         return upper
@@ -139,7 +140,7 @@ class RadixCache(PrefixCache):
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
             node.lock_ref += 1
-            node = node.parent
+            node = cast(TreeNode, node.parent)  # not the root: it has one
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         while node is not self.root:
@@ -149,7 +150,7 @@ class RadixCache(PrefixCache):
             if node.lock_ref == 0:
                 self._protected -= len(node.key)
                 self._evictable += len(node.key)
-            node = node.parent
+            node = cast(TreeNode, node.parent)  # not the root: it has one
 
     # ---------------------------------------------------------- request level
 
@@ -194,7 +195,7 @@ class RadixCache(PrefixCache):
             self.allocator.free(node.value)
             freed += len(node.key)
             self._evictable -= len(node.key)
-            parent = node.parent
+            parent = cast(TreeNode, node.parent)  # a leaf, not the root
             del parent.children[self._page(node.key, 0)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
@@ -246,6 +247,7 @@ class RadixCache(PrefixCache):
             n = len(node.key)
             assert n > 0 and n % ps == 0, f"node key of {n} tokens is not whole pages"
             assert node.value.numel() == n, "key and value lengths differ"
+            assert node.parent is not None, "node without a parent"
             assert node.parent.children.get(self._page(node.key, 0)) is node, "child indexed under the wrong page"
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), "child locked more than parent"
             rows = node.value.view(-1, ps)

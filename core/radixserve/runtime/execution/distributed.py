@@ -15,13 +15,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from radixserve.communicator import Communicator
 from radixserve.platform import Platform
+
+if TYPE_CHECKING:
+    # Where torch defines them: torch.distributed re-exports them without marking them public.
+    from torch._C._distributed_c10d import TCPStore
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +53,13 @@ class RankSpec:
     timeout_s: float
 
 
-def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+def host_store(host: str, port: int, timeout_s: float) -> TCPStore:
     """Serve the group's TCPStore from this process (``port`` 0: one the OS picks,
     then read ``.port``); keep the object alive while the ranks run."""
-    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    # torch.distributed's public name, not marked exported in its type information:
+    return dist.TCPStore(  # type: ignore[attr-defined]
+        host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s)
+    )
 
 
 class TPGroup:
@@ -110,13 +117,17 @@ def join_group(spec: RankSpec | None, platform: Platform) -> TPGroup:
         platform.dist_backend,
         spec.timeout_s,
     )
-    client = dist.TCPStore(spec.rendezvous.host, spec.rendezvous.port, is_master=False, timeout=timeout)
-    store = dist.PrefixStore(spec.rendezvous.prefix, client)
+    # torch.distributed's public names, not marked exported in its type information:
+    client = dist.TCPStore(  # type: ignore[attr-defined]
+        spec.rendezvous.host, spec.rendezvous.port, is_master=False, timeout=timeout
+    )
+    store = dist.PrefixStore(spec.rendezvous.prefix, client)  # type: ignore[attr-defined]
     dist.init_process_group(
         backend=platform.dist_backend, store=store, rank=spec.rank, world_size=spec.size, timeout=timeout
     )
     # The host group is separate even where the device backend is gloo: with overlap
     # scheduling the model's collectives run on the worker thread while the loop broadcasts.
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
-    comm = platform.communicator(dist.group.WORLD, spec.size)
+    world = cast(dist.ProcessGroup, dist.group.WORLD)  # set by init_process_group
+    comm = platform.communicator(world, spec.size)
     return TPGroup(spec.rank, spec.size, spec.local_rank, comm, cpu_group)

@@ -44,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -131,9 +132,13 @@ class GraphRunner:
             disable=not sys.stderr.isatty(),
         ):
             batch = self._static_batch(bs)
+
+            def forward(b: ForwardBatch = batch) -> torch.Tensor:
+                return self.model(b)
+
             try:
                 self.attention.init_forward_metadata_capture(batch)
-                graph, logits = self.backend.capture(lambda b=batch: self.model(b))
+                graph, logits = self.backend.capture(forward)
             except Exception as exc:
                 raise RuntimeError(
                     f"graph capture failed at decode batch size {bs} ({self.backend.name}, attention backend "
@@ -165,7 +170,7 @@ class GraphRunner:
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits ``[batch.batch_size, vocab]`` for a batch that ``can_run``."""
         n = batch.batch_size
-        bs = padded_batch_size(self.batch_sizes, n)
+        bs = cast(int, padded_batch_size(self.batch_sizes, n))  # can_run: n fits a captured size
         for static, name, pad in self._inputs:
             static[:n].copy_(getattr(batch, name))
             if bs > n:
@@ -179,7 +184,7 @@ class GraphRunner:
         captured.graph.replay()
         return captured.logits[:n]
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         return {
             "backend": self.backend.name,
             "batch_sizes": list(self.batch_sizes),

@@ -18,16 +18,20 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import cast
 
 from radixserve.cache.memory_pool import ReqToTokenPool
 from radixserve.forward_batch import ForwardMode
 from radixserve.runtime.execution.batch import BatchPlan, LogitsRows, PromptLogprobRows
 from radixserve.runtime.execution.model_runner import ModelRunner
 from radixserve.runtime.execution.pooling import EmbeddingPooling, EmbedRows
-from radixserve.runtime.execution.request import Req
+from radixserve.runtime.execution.request import HoldsKV, Req
 from radixserve.runtime.execution.sampler import Sampler
 from radixserve.structured_output.backend import TokenMask
 from radixserve.transfer import HostCopy, HostTransfer
+
+# One PromptLogprobRows' logprobs: the targets' values and, per row, the top (logprob, token id) pairs.
+PromptLogprobs = tuple[list[float], list[list[tuple[float, int]]]]
 
 
 @dataclass
@@ -52,9 +56,10 @@ class StepWork:
         tokens: a sampled token goes to position ``kv_len`` of its request (the first
         not yet computed), and the tokens generated before it are the ones past the prompt."""
         reqs = logits.sample_reqs
-        positions = [r.kv.kv_len for r in reqs]
+        held = cast("list[HoldsKV]", reqs)  # launched requests hold KV
+        positions = [r.kv.kv_len for r in held]
         output_lens = [p - len(r.origin_input_ids) for r, p in zip(reqs, positions, strict=True)]
-        pool_rows = [r.kv.row for r in reqs]
+        pool_rows = [r.kv.row for r in held]
         return cls(
             batch, reqs, logits.sample_rows, pool_rows, output_lens, positions, logits.prompt, token_mask, logits.embed
         )
@@ -68,7 +73,7 @@ class LaunchedStep:
     mode: ForwardMode
     reqs: list[Req]
     work: StepWork
-    future: Future
+    future: Future[PendingStep]
     kv_after: list[int]
     prompt_done: list[Req] = field(default_factory=list)  # whose prompt this step completes
     result: StepResult | None = None
@@ -81,7 +86,7 @@ class StepResult:
     next_token_ids: list[int]
     chosen_logprobs: list[float] | None
     top_logprobs: list[list[tuple[float, int]]]  # per row, the request's own top_logprobs_num
-    prompt_logprobs: list[tuple[list[float], list]]  # per PromptLogprobRows: values, tops
+    prompt_logprobs: list[PromptLogprobs]  # per PromptLogprobRows: values, tops
     embeddings: dict[str, list[float]] = field(default_factory=dict)  # by rid, of the prompts the step ended
 
 
@@ -90,7 +95,7 @@ class PendingStep:
     """A queued step's outcome: its sampled tokens (and logprobs) on their way to the host."""
 
     sample_reqs: list[Req]
-    prompt_logprobs: list[tuple[list[float], list]]
+    prompt_logprobs: list[PromptLogprobs]
     copies: HostCopy | None = None  # next ids[, chosen logprobs][, top values, top ids]
     has_chosen: bool = False
     has_top: bool = False
@@ -127,11 +132,11 @@ class ModelWorker:
     def overlaps(self) -> bool:
         return self._thread is not None
 
-    def launch(self, work: StepWork) -> Future:
+    def launch(self, work: StepWork) -> Future[PendingStep]:
         """Queue the step; its ``PendingStep`` (or exception) arrives through the future."""
         if self._thread is not None:
             return self._thread.submit(self._run, work)
-        future: Future = Future()
+        future: Future[PendingStep] = Future()
         try:
             future.set_result(self._run(work))
         except Exception as exc:
@@ -148,7 +153,8 @@ class ModelWorker:
         pending = PendingStep(work.sample_reqs, prompt)
         if work.embed_rows:  # an embedding model: the logits are its final hidden states
             pending.embedded = [rows.req for rows in work.embed_rows if rows.done]
-            pending.embeddings = self.pooling.pool(logits, work.embed_rows)
+            pooling = cast(EmbeddingPooling, self.pooling)  # set for an embedding model
+            pending.embeddings = pooling.pool(logits, work.embed_rows)
         if not work.sample_reqs:
             return pending
         to_device = self.transfer.to_device

@@ -110,11 +110,13 @@ class StepProfiler:
     def _finish(self) -> None:
         """Stop and write the trace; a failure is kept for ``stop`` to report."""
         prof, self._prof = self._prof, None
-        tmp = self._path.with_name(self._path.name + ".tmp")
+        path = self._path
+        assert prof is not None and path is not None, "_finish runs only while profiling"
+        tmp = path.with_name(path.name + ".tmp")
         try:
             prof.stop()  # synchronises the device, so the last step's kernels are in
             prof.export_chrome_trace(str(tmp))
-            os.replace(tmp, self._path)
+            os.replace(tmp, path)
         except Exception as exc:  # noqa: BLE001 - the scheduler goes on; stop() reports it
             logger.exception("writing the profile failed")
             self._error = f"writing the trace failed: {type(exc).__name__}: {exc}"

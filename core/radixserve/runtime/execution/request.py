@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from radixserve.config import PoolingMethod
 from radixserve.messages import FinishReason, GenerateRequest, RequestOptions
@@ -32,6 +32,15 @@ class KVSpan:
     last_slot: int = -1
 
 
+class HoldsKV(Protocol):
+    """A request while it holds KV (``kv`` is set: from the ledger's ``admit`` to its
+    ``release``/``discard``), for type checking only: a loop over such requests reads
+    ``cast("list[HoldsKV]", reqs)``, which narrows ``r.kv`` at no cost per request."""
+
+    @property
+    def kv(self) -> KVSpan: ...
+
+
 @dataclass(kw_only=True)
 class Req(RequestOptions):
     rid: str
@@ -54,8 +63,8 @@ class Req(RequestOptions):
     # Logprob accumulators and streaming bookkeeping.
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    input_token_logprobs: list | None = None
-    input_top_logprobs: list | None = None
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     sent_len: int = 0
     input_logprobs_done: bool = False
     detokenize_sent: bool = False  # the detokenizer has this request's DetokenizeSettings

@@ -35,7 +35,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 
@@ -203,7 +203,7 @@ def _adjusted_logits(
         (i, t)
         for i, (p, n) in enumerate(zip(batch.params, batch.output_lens, strict=True))
         if n < p.min_new_tokens
-        for t in sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else batch.eos_token_ids))
+        for t in sorted(set(cast("Iterable[int]", p.stop_token_ids)) | (set() if p.ignore_eos else batch.eos_token_ids))
     ]
     if not (bias or penalized or blocked or batch.token_mask is not None):
         return raw
@@ -215,7 +215,10 @@ def _adjusted_logits(
     if penalized:
         rows_t = to_device(penalized)
         x[rows_t] = _penalize(
-            x[rows_t], [batch.params[i] for i in penalized], [batch.token_stats[i] for i in penalized], transfer
+            x[rows_t],
+            [batch.params[i] for i in penalized],
+            cast("list[TokenStats]", [batch.token_stats[i] for i in penalized]),  # the rows whose stats are set
+            transfer,
         )
     if blocked:
         rows, cols = zip(*blocked, strict=True)
@@ -342,7 +345,7 @@ class Sampler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(random_seed)
-        self._stats: dict[int, tuple[weakref.ref, TokenStats]] = {}
+        self._stats: dict[int, tuple[weakref.ref[SamplingRequest], TokenStats]] = {}
 
     def sample(
         self,
@@ -395,7 +398,11 @@ class Sampler:
         key = id(req)
         entry = self._stats.get(key)
         if entry is None or entry[0]() is not req:
-            ref = weakref.ref(req, lambda _, key=key: self._stats.pop(key, None))
+
+            def forget(_: weakref.ref[SamplingRequest], key: int = key) -> None:
+                self._stats.pop(key, None)
+
+            ref = weakref.ref(req, forget)
             entry = self._stats[key] = (ref, TokenStats(req.origin_input_ids, self.vocab_size, self.device))
             entry[1].update(req.output_ids)  # outputs from before (a request resumed after retraction)
         return entry[1]

@@ -65,8 +65,9 @@ class IncrementalDetokenizer:
         )
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(
+        text: str = self.tokenizer.decode(
             ids,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
+        return text

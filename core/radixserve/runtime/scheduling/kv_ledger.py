@@ -26,13 +26,13 @@ pins account for (so a lock leaked by an abort shows, even while its pages are
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from radixserve.cache.base import MatchResult, PrefixCache
 from radixserve.cache.memory_pool import PagedAllocator, ReqToTokenPool
-from radixserve.runtime.execution.request import KVSpan, Req
+from radixserve.runtime.execution.request import HoldsKV, KVSpan, Req
 
 Recorded = TypeVar("Recorded")
 
@@ -101,12 +101,13 @@ class KVLedger:
     def private_tokens(self) -> int:
         """Slots owned by requests themselves (whole pages), not by the cache."""
         ps = self.page_size
-        return sum((-(-r.kv.kv_len // ps) - r.kv.num_cached // ps) * ps for r in self._holders.values())
+        holders = cast("Iterable[HoldsKV]", self._holders.values())
+        return sum((-(-r.kv.kv_len // ps) - r.kv.num_cached // ps) * ps for r in holders)
 
     def counts(self, exact: bool = True) -> PoolCounts:
         """``exact`` waits for the frees still on their way to the host and checks
         every lock of the cache; the step logs pass False and never wait."""
-        pins = [r.kv.last_node for r in self._holders.values()] + self._pins
+        pins = [r.kv.last_node for r in cast("Iterable[HoldsKV]", self._holders.values())] + self._pins
         return PoolCounts(
             total=self.total,
             free=self.allocator.available_size(wait=exact),
@@ -162,7 +163,7 @@ class KVLedger:
         its result is returned; each request's ``kv_len`` then counts them. If
         ``record`` raises, the slots go back and the requests are as they were, so
         that ``discard`` never reads a row entry the step did not write."""
-        spans = [r.kv for r in reqs]
+        spans = cast("list[KVSpan]", [r.kv for r in reqs])  # admitted requests: every kv is set
         kv_lens = [s.kv_len for s in spans]
         need = self.allocator.pages_needed(kv_lens, extend_lens) * self.page_size
         # Before evicting the cache, wait for the frees still on their way to the host.
@@ -186,7 +187,7 @@ class KVLedger:
         its next chunk and other requests can share them."""
         if not self.caches_prefixes:
             return
-        span = req.kv
+        span = cast(KVSpan, req.kv)  # an admitted request's
         slots = self.token_table.req_to_token[span.row, :computed].clone()
         match = self.cache.cache_unfinished_req(req.fill_ids[:computed], slots, span.last_node, span.num_cached)
         self.token_table.write(span.row, 0, match.slots)
@@ -200,7 +201,7 @@ class KVLedger:
             return
         slots = self.token_table.req_to_token[span.row, : span.kv_len].clone()
         self.cache.cache_finished_req(req.fill_ids[: span.kv_len], slots, span.last_node, span.num_cached)
-        self._end(req)
+        self._end(req, span)
 
     def discard(self, req: Req) -> None:
         """An aborted or failed request frees its own pages uncached (their KV may be
@@ -211,7 +212,7 @@ class KVLedger:
         self.allocator.free(self.token_table.req_to_token[span.row, span.num_cached : span.kv_len].clone())
         if span.last_node is not None:
             self.cache.dec_lock_ref(span.last_node)
-        self._end(req)
+        self._end(req, span)
 
     def take_released_rows(self) -> list[int]:
         """Rows given back since the last call; ``reuse_rows`` them once no launched
@@ -234,7 +235,8 @@ class KVLedger:
         except ValueError:
             raise ValueError("this match was not pinned") from None
 
-    def _end(self, req: Req) -> None:
-        del self._holders[req.kv.row]
-        self._released_rows.append(req.kv.row)
+    def _end(self, req: Req, span: KVSpan) -> None:
+        """``span``: ``req.kv``, which it gives up."""
+        del self._holders[span.row]
+        self._released_rows.append(span.row)
         req.kv = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import cast
 
 from radixserve.messages import DetokenizeSettings, TokenOutput
 from radixserve.runtime.execution.request import Req
@@ -93,7 +94,7 @@ def error_output(req: Req) -> TokenOutput:
     return out
 
 
-def add_input_logprobs(req: Req, values: list[float], tops: list, targets: list[int]) -> None:
+def add_input_logprobs(req: Req, values: list[float], tops: list[list[tuple[float, int]]], targets: list[int]) -> None:
     """Append one step's prompt logprobs (of ``targets``) to the request's."""
     if req.input_token_logprobs is None:
         req.input_token_logprobs, req.input_top_logprobs = [], []
@@ -102,4 +103,5 @@ def add_input_logprobs(req: Req, values: list[float], tops: list, targets: list[
             req.input_token_logprobs.append((None, req.origin_input_ids[0]))
             req.input_top_logprobs.append(None)
     req.input_token_logprobs.extend(zip(values, targets, strict=True))
-    req.input_top_logprobs.extend(tops)
+    top_logprobs = cast("list[list[tuple[float, int]] | None]", req.input_top_logprobs)  # set with the values
+    top_logprobs.extend(tops)

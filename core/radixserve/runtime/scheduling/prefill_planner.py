@@ -14,10 +14,11 @@ and evictable KV left after the running requests' own expected decode tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 from radixserve.cache.base import MatchResult
 from radixserve.config import ServerArgs
-from radixserve.runtime.execution.request import Req
+from radixserve.runtime.execution.request import KVSpan, Req
 from radixserve.runtime.scheduling.kv_ledger import KVLedger
 from radixserve.runtime.scheduling.policy import order_waiting
 
@@ -100,8 +101,9 @@ class PrefillPlanner:
 
         if queues.chunked is not None:
             req = queues.chunked
-            extend_len = self._chunk_len(req.seq_len - req.kv.kv_len, chunk_left)
-            pages = self.ledger.pages_needed([req.kv.kv_len], [extend_len]) * self.ledger.page_size
+            span = cast(KVSpan, req.kv)  # admitted when its first chunk was planned
+            extend_len = self._chunk_len(req.seq_len - span.kv_len, chunk_left)
+            pages = self.ledger.pages_needed([span.kv_len], [extend_len]) * self.ledger.page_size
             if pages > self.ledger.room():
                 # Already admitted, so it waits for room rather than being judged
                 # against new-request budgets; alone, it can never fit.
@@ -112,7 +114,7 @@ class PrefillPlanner:
             prefill_left -= extend_len
             committed += pages
             plan.add(req, extend_len)
-            if req.kv.kv_len + extend_len < req.seq_len:
+            if span.kv_len + extend_len < req.seq_len:
                 return plan
             plan.chunked = None
             if chunk_left <= 0:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from typing import Any, cast
 
 from radixserve.cache.chunk_cache import ChunkCache
 from radixserve.cache.radix_cache import RadixCache
@@ -28,7 +29,7 @@ from radixserve.runtime.execution.model_plan import ModelPlan
 from radixserve.runtime.execution.model_runner import ModelRunner
 from radixserve.runtime.execution.model_worker import LaunchedStep, ModelWorker, StepResult, StepWork
 from radixserve.runtime.execution.profiler import StepProfiler
-from radixserve.runtime.execution.request import Req
+from radixserve.runtime.execution.request import HoldsKV, Req
 from radixserve.runtime.execution.sampler import Sampler
 from radixserve.runtime.scheduling.intake import Intake
 from radixserve.runtime.scheduling.kv_ledger import KVLedger
@@ -46,7 +47,7 @@ class Scheduler:
         self,
         args: ServerArgs,
         model_path: str,
-        tokenizer,
+        tokenizer: Any,
         registry: PluginRegistry | None = None,
         rank: RankSpec | None = None,
         plan: ModelPlan | None = None,
@@ -231,7 +232,7 @@ class Scheduler:
 
     def _launch_extend(self, plan: PrefillPlan) -> LaunchedStep:
         if OperatorLog.enabled():
-            cached = sum(r.kv.kv_len for r in plan.reqs)
+            cached = sum(r.kv.kv_len for r in cast("list[HoldsKV]", plan.reqs))
             self.oplog.prefill(len(plan.reqs), sum(plan.extend_lens), cached, self.stats(exact=False))
         launched = self._launch(ForwardMode.EXTEND, plan.reqs, plan.extend_lens)
         self.totals.count_extend(sum(plan.extend_lens))
@@ -241,18 +242,19 @@ class Scheduler:
 
     def _launch(self, mode: ForwardMode, reqs: list[Req], extend_lens: list[int]) -> LaunchedStep:
         """Allocate the step's KV slots and hand the step to the worker."""
-        prefix = [r.kv.kv_len for r in reqs]
+        held = cast("list[HoldsKV]", reqs)  # admitted: each holds KV
+        prefix = [r.kv.kv_len for r in held]
         logits = LogitsRows.extend(reqs, prefix, extend_lens) if mode is ForwardMode.EXTEND else LogitsRows.decode(reqs)
-        rows, table, transfer = [r.kv.row for r in reqs], self.runner.req_to_token_pool, self.runner.transfer
+        rows, table, transfer = [r.kv.row for r in held], self.runner.req_to_token_pool, self.runner.transfer
         record = partial(BatchPlan.launch, mode, rows, prefix, extend_lens, logits.indices, table, transfer)
         batch = self.ledger.allocate(reqs, extend_lens, record)  # the slots go into the rows with the batch
         work = StepWork.of(batch, logits, self.grammars.step_mask(logits.sample_reqs))
-        return LaunchedStep(mode, list(reqs), work, self.worker.launch(work), [r.kv.kv_len for r in reqs])
+        return LaunchedStep(mode, list(reqs), work, self.worker.launch(work), [r.kv.kv_len for r in held])
 
     def _process(self, launched: LaunchedStep) -> None:
         """Digest a finished step: prompt logprobs, cache the prefilled pages, finish
         prefill-only requests (embeddings), append the sampled tokens and check stop conditions."""
-        result, work = launched.result, launched.work
+        result, work = cast(StepResult, launched.result), launched.work  # set by _settle
         for rows, (values, tops) in zip(work.prompt_rows, result.prompt_logprobs, strict=True):
             if not rows.req.finished:
                 add_input_logprobs(rows.req, values, tops, rows.targets)
@@ -290,7 +292,8 @@ class Scheduler:
         """Retract (the chunked prefill first, then the newest requests) until
         every running request can take one more token."""
         while self.running:
-            need = self.ledger.pages_needed([r.kv.kv_len for r in self.running], [1] * len(self.running))
+            kv_lens = [r.kv.kv_len for r in cast("list[HoldsKV]", self.running)]
+            need = self.ledger.pages_needed(kv_lens, [1] * len(self.running))
             if need <= self.ledger.room() // self.ledger.page_size:
                 return
             if self._in_flight is not None or self._unprocessed is not None:
@@ -334,7 +337,8 @@ class Scheduler:
         req.output_ids.append(token)
         self.totals.generation_tokens += 1
         if req.return_logprob:
-            req.output_token_logprobs.append((result.chosen_logprobs[row], token))
+            chosen = cast("list[float]", result.chosen_logprobs)  # present when a request returns logprobs
+            req.output_token_logprobs.append((chosen[row], token))
             if req.top_logprobs_num > 0:
                 req.output_top_logprobs.append(result.top_logprobs[row])
         try:

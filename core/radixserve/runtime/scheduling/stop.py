@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from radixserve.messages import FinishReason
 from radixserve.sampling.params import SamplingParams
@@ -40,7 +40,9 @@ class StopChecker:
         n = len(output_ids)
         if n and n >= params.min_new_tokens:
             last = output_ids[-1]
-            if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+            if last in cast("Sequence[int]", params.stop_token_ids) or (
+                not params.ignore_eos and last in self.eos_token_ids
+            ):
                 return FinishReason("stop", last)
             if params.stop:
                 matched = self._stop_string(params, output_ids)
@@ -56,25 +58,27 @@ class StopChecker:
         # Each token carries at least one byte of text (special tokens aside), so
         # this many tokens cover the longest stop string plus a token straddling
         # its start and one whose own decoding may be cut short at the window edge.
-        window = list(output_ids[-(max(len(s.encode()) for s in params.stop) + 2) :])
+        stops = cast("Sequence[str]", params.stop)  # a list once the params are constructed
+        window = list(output_ids[-(max(len(s.encode()) for s in stops) + 2) :])
         tail = self._decode(window, params)
-        if not any(s in tail for s in params.stop):
+        if not any(s in tail for s in stops):
             return None
         new_from = len(os.path.commonprefix([self._decode(window[:-1], params), tail]))
         best: str | None = None
         best_end = 0
-        for s in params.stop:
+        for s in stops:
             start = tail.find(s, max(new_from - len(s) + 1, 0))
             if start >= 0 and (best is None or start + len(s) < best_end):
                 best, best_end = s, start + len(s)
         return best
 
     def _decode(self, ids: list[int], params: SamplingParams) -> str:
-        return self.tokenizer.decode(
+        text: str = self.tokenizer.decode(
             ids,
             skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens,
         )
+        return text
 
 
 def internal_error(exc: Exception) -> FinishReason:
