@@ -15,6 +15,7 @@ from radixserve.config import ServerArgs
 from radixserve.embedding_config import embedding_config
 from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.context import BackendSelector, ModelContext
+from radixserve.layers.rotary import LongRope
 from radixserve.model_loader import (
     check_tp_shapes,
     choose_dtype,
@@ -84,6 +85,7 @@ class ModelRunner:
         self.embedding = embedding_config(args, model_path, hf_config)
         embed = self.embedding is not None
         self.model, self.hf_config = load_model(model_path, ctx, registry, config=hf_config, embedding=embed)
+        self.long_rope = LongRope.of(hf_config)  # its two rotary sets, if it has them (layers/rotary.py)
         # The model's own limit (position embeddings, or a sliding window it cannot apply).
         model_context = self.model.max_context_len
         self.context_length = args.context_length or model_context
@@ -125,7 +127,6 @@ class ModelRunner:
             tp_rank=self.group.rank,
             tp_size=self.group.size,
             comm=self.group.comm,
-            context_length=args.context_length,
         )
 
     def _timing_shapes(self, hf_config: Any) -> ModelShapes:
@@ -224,9 +225,9 @@ class ModelRunner:
                 raise ValueError(f"disable_graph: graphs were asked for, but {'; '.join(reasons)}")
             logger.info("graphs: off (%s); decode steps run eagerly", "; ".join(reasons))
             return None, {"backend": None, "reason": "; ".join(reasons)}
-        runner = GraphRunner(
-            self.model, self.attention, backend, max_bs, self.req_to_token_pool.req_to_token, self.kv_pool, self.device
-        )
+        table = self.req_to_token_pool.req_to_token
+        rope_rows = self.long_rope is not None
+        runner = GraphRunner(self.model, self.attention, backend, max_bs, table, self.kv_pool, self.device, rope_rows)
         with torch.inference_mode(), self.platform.forward_context():
             runner.capture()
         logger.info(
