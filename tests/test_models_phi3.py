@@ -1,12 +1,13 @@
 """Phi-3 against HF transformers on a tiny random-weight model with LongRoPE and
 a sliding window: greedy generation and logprobs through the scheduler (alone,
-ragged batches, radix cache on and off, chunked prefill) in both LongRoPE
-regimes (the long factors when the server's context exceeds
-``original_max_position_embeddings``, prompts longer than it; the short factors
-with the context cut to it) with every request crossing the window; bfloat16
-teacher-forced agreement; the LongRoPE tables against HF's rotary embedding;
-fused checkpoint projections split across tensor-parallel ranks; Phi-4-mini's
-partial rotary (a quarter of each head left unturned) with LongRoPE."""
+ragged batches, radix cache on and off, chunked prefill) with both LongRoPE
+sets (the long factors for prompts longer than
+``original_max_position_embeddings``, the short factors for sequences within
+it) with every request crossing the window; bfloat16 teacher-forced agreement;
+the LongRoPE tables against HF's rotary embedding; fused checkpoint projections
+split across tensor-parallel ranks; Phi-4-mini's partial rotary (a quarter of
+each head left unturned) with LongRoPE. tests/test_longrope.py has sequences
+that grow past the original context and the prefix cache's namespaces."""
 
 from __future__ import annotations
 
@@ -32,10 +33,10 @@ SPEC = dict(
     original_max_position_embeddings=ORIGINAL_CONTEXT,
     sliding_window=WINDOW,
 )
-# The long factors (context 256): prompts past the original context, as HF runs
-# them all with the long factors from the first call (layers/rotary.py).
+# The long factors: prompts past the original context, as HF runs them all with
+# the long factors from the first call (layers/rotary.py).
 LONG_PROMPTS = [65, 70, 97, 66, 81]
-# The short factors (context cut to 64): prompt + 24 new tokens within it.
+# The short factors: prompt + 24 new tokens within the original context.
 SHORT_PROMPTS, SHORT_NEW_TOKENS = [7, 1, 23, 40, 12], 24
 # Phi-4-mini's rotary: 3/4 of each head's 16 dimensions turn, LongRoPE over those 12.
 PARTIAL = dict(SPEC, rope_scaling=longrope_scaling(12), partial_rotary_factor=0.75, sliding_window=None)
@@ -70,7 +71,7 @@ def test_greedy_matches_hf_long_factors(long_reference: Reference, config: str):
 
 def test_greedy_matches_hf_short_factors(model_dir):
     reference = hf_reference(model_dir, SHORT_PROMPTS, new_tokens=SHORT_NEW_TOKENS)
-    check_greedy_matches_hf(reference, "chunked-prefill", context_length=ORIGINAL_CONTEXT)
+    check_greedy_matches_hf(reference, "chunked-prefill")
 
 
 def test_bf16_teacher_forced_agreement(long_reference: Reference, capsys):
@@ -90,27 +91,25 @@ def test_every_layer_attends_through_the_window(model_dir):
 
 
 def test_longrope_tables_match_hf():
-    """The server's context picks the set: past the original context the long
-    factors, else the short ones, each with the attention factor; HF's numbers
-    exactly, as HF computes them for a call of that length."""
+    """The table holds the short factors' rows, then the long factors' (each with
+    the attention factor): HF's numbers exactly, as HF computes them for a call
+    within the original context and for one past it."""
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
     config = tiny_config("phi3", **{k: v for k, v in SPEC.items() if k != "arch"})
     hf = Phi3RotaryEmbedding(config)
     assert hf.attention_scaling > 1.0
-    tables = {}
-    for context_length, positions in ((None, [0, 1, 63, 64, 100, 255]), (ORIGINAL_CONTEXT, [0, 1, 30, 63])):
-        query = KernelQuery(device="cpu", dtype=torch.float32)
-        ctx = ModelContext.create(get_registry(), query, CPU, context_length=context_length)
-        table = tables[context_length] = RotaryEmbedding(config, 16, ctx).cos_sin_cache
-        assert table.shape == (256, 16)
+    ctx = ModelContext.create(get_registry(), KernelQuery(device="cpu", dtype=torch.float32), CPU)
+    table = RotaryEmbedding(config, 16, ctx).cos_sin_cache
+    assert table.shape == (2 * 256, 16)
+    for first_row, positions in ((0, [0, 1, 30, 63]), (256, [0, 1, 63, 64, 100, 255])):
         ids = torch.tensor(positions)
         ref_cos, ref_sin = hf(torch.zeros(1), ids[None])  # the call's last position picks HF's set
-        cos, sin = table[ids].chunk(2, dim=-1)
+        cos, sin = table[first_row + ids].chunk(2, dim=-1)
         torch.testing.assert_close(torch.cat((cos, cos), -1), ref_cos[0], rtol=0, atol=0)
         torch.testing.assert_close(torch.cat((sin, sin), -1), ref_sin[0], rtol=0, atol=0)
     # The two sets really differ.
-    assert not torch.allclose(tables[None][1:64], tables[ORIGINAL_CONTEXT][1:64], atol=0.1)
+    assert not torch.allclose(table[1:64], table[257:320], atol=0.1)
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
@@ -156,9 +155,9 @@ def test_partial_rotary_table_is_hfs_over_the_rotary_dimensions():
     config = tiny_config("phi3", **{k: v for k, v in PARTIAL.items() if k != "arch"})
     ctx = ModelContext.create(get_registry(), KernelQuery(device="cpu", dtype=torch.float32), CPU)
     table = RotaryEmbedding(config, 16, ctx).cos_sin_cache
-    assert table.shape == (256, 12)  # cos and sin of 6 frequencies: dimensions 12-15 never turn
+    assert table.shape == (2 * 256, 12)  # cos and sin of 6 frequencies: dimensions 12-15 never turn
     ids = torch.tensor([0, 5, 64, 200])
-    ref_cos, ref_sin = Phi3RotaryEmbedding(config)(torch.zeros(1), ids[None])
-    cos, sin = table[ids].chunk(2, dim=-1)
+    ref_cos, ref_sin = Phi3RotaryEmbedding(config)(torch.zeros(1), ids[None])  # past the original: long
+    cos, sin = table[256 + ids].chunk(2, dim=-1)
     torch.testing.assert_close(torch.cat((cos, cos), -1), ref_cos[0], rtol=0, atol=0)
     torch.testing.assert_close(torch.cat((sin, sin), -1), ref_sin[0], rtol=0, atol=0)

@@ -103,14 +103,10 @@ def pages(slots: torch.Tensor, ps: int) -> list[int]:
 
 
 def tree_pages(cache: PrefixCache) -> list[int]:
+    """The pages of every namespace's tree."""
     if not isinstance(cache, RadixCache):
         return []
-    out, stack = [], list(cache.root.children.values())
-    while stack:
-        node = stack.pop()
-        out += pages(node.value, cache.page_size)
-        stack += node.children.values()
-    return out
+    return [page for node in cache._nodes() for page in pages(node.value, cache.page_size)]
 
 
 def insert_fresh(pool: Pool, tokens: list[int]) -> torch.Tensor:
@@ -206,6 +202,41 @@ def test_lock_accounting():
         cache.dec_lock_ref(b)
     cache.inc_lock_ref(cache.root)  # the empty match: a no-op
     assert cache.protected_size() == 0
+    pool.check()
+
+
+def test_namespaces_keep_equal_tokens_apart():
+    """The same tokens in two namespaces (KV computed differently: LongRoPE's two
+    sets) never match each other; each namespace matches, caches and locks its own,
+    while the sizes, eviction and reset span them all."""
+    pool = Pool(page_size=2)
+    cache = pool.cache
+    plain = insert_fresh(pool, [1, 2, 3, 4])
+    other = alloc_tokens(pool.alloc, 6)
+    pool.kv[other] = torch.tensor([1, 2, 3, 4, 5, 6])
+    assert cache.insert([1, 2, 3, 4, 5, 6], other, "other") == 0  # nothing of it was cached there
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6]).slots.tolist() == plain.tolist()
+    assert cache.match_prefix([1, 2, 3, 4, 5, 6], "other").slots.tolist() == other.tolist()
+    empty = cache.match_prefix([1, 2, 3, 4], "third")
+    assert empty.num_tokens == 0 and empty.last_node.parent is None and empty.last_node is not cache.root
+    assert cache.total_size() == 10
+
+    locked = cache.match_prefix([1, 2, 3, 4], "other").last_node
+    cache.inc_lock_ref(locked)
+    assert (cache.protected_size(), cache.evictable_size()) == (4, 6)
+    assert cache.evict(100) == 6  # the plain tree and the unlocked tail of the other
+    assert cache.match_prefix([1, 2, 3, 4], "other").num_tokens == 4
+    pool.check()
+
+    # A request of the other namespace caches its pages there, not in the plain tree.
+    slots = torch.cat([cache.match_prefix([1, 2, 3, 4], "other").slots, alloc_tokens(pool.alloc, 2)])
+    pool.kv[slots[4:]] = torch.tensor([7, 8])
+    match = cache.cache_unfinished_req([1, 2, 3, 4, 7, 8], slots, locked, 4, "other")
+    assert match.num_tokens == 6 and cache.match_prefix([1, 2, 3, 4, 7, 8]).num_tokens == 0
+    assert cache.reset() is False  # still locked
+    cache.dec_lock_ref(match.last_node)
+    assert cache.reset() and cache.total_size() == 0
+    assert cache.match_prefix([1, 2, 3, 4], "other").num_tokens == 0
     pool.check()
 
 

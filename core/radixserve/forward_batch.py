@@ -48,6 +48,15 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None
     # Scratch space an attention backend fills in ``init_forward_metadata``.
     attn_metadata: Any = None
+    # [num_tokens] int64: each new token's row of the rotary table where that is not
+    # its position (a LongRoPE request on the long set reads the table's second half,
+    # layers/rotary.py); None: every token's row is its position.
+    rope_table_rows: torch.Tensor | None = None
+
+    @property
+    def rope_rows(self) -> torch.Tensor:
+        """Each new token's row of the rotary table."""
+        return self.positions if self.rope_table_rows is None else self.rope_table_rows
 
     @property
     def batch_size(self) -> int:

@@ -7,11 +7,18 @@ that at all times
 
     allocator.available_size() + requests' own slots (whole pages)
         + cache.total_size() == allocator.size
+
+Prefixes are shared within a *namespace* only: equal tokens whose KV was
+computed differently (LongRoPE's two sets of frequencies, layers/rotary.py;
+later, a LoRA adapter) must never match each other. Every lookup and insert
+names the request's namespace (``Req.cache_namespace``: any hashable; None, the
+default, is the plain one), and each namespace is a prefix tree of its own.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +44,8 @@ class PrefixCache(ABC):
     caches_prefixes: bool = True
 
     @abstractmethod
-    def match_prefix(self, token_ids: list[int]) -> MatchResult:
-        """The longest cached page-aligned prefix of ``token_ids`` (not locked)."""
+    def match_prefix(self, token_ids: list[int], namespace: Hashable = None) -> MatchResult:
+        """The longest cached page-aligned prefix of ``token_ids`` in ``namespace`` (not locked)."""
 
     @abstractmethod
     def inc_lock_ref(self, node: Any) -> None:
@@ -49,14 +56,17 @@ class PrefixCache(ABC):
         """Undo one ``inc_lock_ref(node)``."""
 
     @abstractmethod
-    def cache_finished_req(self, token_ids: list[int], slots: torch.Tensor, last_node: Any, num_cached: int) -> None:
+    def cache_finished_req(
+        self, token_ids: list[int], slots: torch.Tensor, last_node: Any, num_cached: int, namespace: Hashable = None
+    ) -> None:
         """A request is done. ``slots[i]`` is the KV slot of ``token_ids[i]``; the first
-        ``num_cached`` came from the cache and are locked through ``last_node``. Keeps
-        what is worth caching, frees the rest of the request's slots, and unlocks."""
+        ``num_cached`` came from the cache (of ``namespace``, the request's) and are
+        locked through ``last_node``. Keeps what is worth caching, frees the rest of
+        the request's slots, and unlocks."""
 
     @abstractmethod
     def cache_unfinished_req(
-        self, token_ids: list[int], slots: torch.Tensor, last_node: Any, num_cached: int
+        self, token_ids: list[int], slots: torch.Tensor, last_node: Any, num_cached: int, namespace: Hashable = None
     ) -> MatchResult:
         """Cache a running request's KV so far (chunked prefill). Returns the request's new
         cached prefix, already locked (the old ``last_node`` is unlocked): its slots

@@ -6,6 +6,7 @@ empty, ``num_cached`` stays 0 and there is nothing to lock, evict or reset.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ class ChunkCache(PrefixCache):
     def _empty(self) -> MatchResult:
         return MatchResult(slots=torch.empty(0, dtype=torch.int64, device=self.allocator.device), last_node=None)
 
-    def match_prefix(self, token_ids: list[int]) -> MatchResult:
+    def match_prefix(self, token_ids: list[int], namespace: Hashable = None) -> MatchResult:
         return self._empty()
 
     def inc_lock_ref(self, node: Any) -> None:
@@ -35,11 +36,13 @@ class ChunkCache(PrefixCache):
     def dec_lock_ref(self, node: Any) -> None:
         pass
 
-    def cache_finished_req(self, token_ids: list[int], slots: torch.Tensor, last_node: Any, num_cached: int) -> None:
+    def cache_finished_req(
+        self, token_ids: list[int], slots: torch.Tensor, last_node: Any, num_cached: int, namespace: Hashable = None
+    ) -> None:
         self.allocator.free(slots)
 
     def cache_unfinished_req(
-        self, token_ids: list[int], slots: torch.Tensor, last_node: Any, num_cached: int
+        self, token_ids: list[int], slots: torch.Tensor, last_node: Any, num_cached: int, namespace: Hashable = None
     ) -> MatchResult:
         """The request keeps all its slots; its row stays as it is and none of it is cached."""
         return self._empty()

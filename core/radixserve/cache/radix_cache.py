@@ -8,13 +8,16 @@ their first page of token ids, so a lookup costs one dict probe per level.
 A node is *protected* while its ``lock_ref`` is positive (a running request
 reads its KV, or that of a descendant) and *evictable* otherwise; eviction
 takes unlocked leaves in least-recently-used order.
+
+Each cache namespace (cache/base.py) has a tree of its own, its root made on
+first use; eviction and the sizes span them all.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -46,18 +49,32 @@ class RadixCache(PrefixCache):
         self._new_tree()
 
     def _new_tree(self) -> None:
-        empty = torch.empty(0, dtype=torch.int64, device=self.allocator.device)
-        self.root = TreeNode(key=[], value=empty, parent=None, id=next(self._ids), last_access=next(self._clock))
+        self._roots: dict[Hashable, TreeNode] = {}
         self._evictable = 0
         self._protected = 0
 
+    def _root(self, namespace: Hashable) -> TreeNode:
+        """The root of ``namespace``'s tree (a root has no parent, and is never locked or evicted)."""
+        root = self._roots.get(namespace)
+        if root is None:
+            empty = torch.empty(0, dtype=torch.int64, device=self.allocator.device)
+            root = TreeNode(key=[], value=empty, parent=None, id=next(self._ids), last_access=next(self._clock))
+            self._roots[namespace] = root
+        return root
+
+    @property
+    def root(self) -> TreeNode:
+        """The root of the default namespace's tree."""
+        return self._root(None)
+
     # ------------------------------------------------------------------ lookup
 
-    def match_prefix(self, token_ids: list[int]) -> MatchResult:
-        """Longest cached page-aligned prefix. A match ending inside a node splits it, so
-        that ``last_node`` covers exactly the matched tokens and can be locked alone."""
+    def match_prefix(self, token_ids: list[int], namespace: Hashable = None) -> MatchResult:
+        """Longest cached page-aligned prefix in ``namespace``. A match ending inside a node splits
+        it, so that ``last_node`` covers exactly the matched tokens and can be locked alone."""
         now = next(self._clock)
-        node, pos, values = self.root, 0, []
+        root = self._root(namespace)
+        node, pos, values = root, 0, []
         node.last_access = now
         while len(token_ids) - pos >= self.page_size:
             child = node.children.get(self._page(token_ids, pos))
@@ -69,18 +86,18 @@ class RadixCache(PrefixCache):
             child.last_access = now
             values.append(child.value)
             node, pos = child, pos + n
-        slots = torch.cat(values) if values else self.root.value
+        slots = torch.cat(values) if values else root.value
         return MatchResult(slots=slots, last_node=node)
 
-    def insert(self, token_ids: list[int], slots: torch.Tensor) -> int:
-        """Store the page-aligned part of ``token_ids`` with ``slots`` (one per token).
-        Returns how many leading tokens were already cached: the caller's slots for
-        those are duplicates the tree did not take. The rest now belong to the tree."""
+    def insert(self, token_ids: list[int], slots: torch.Tensor, namespace: Hashable = None) -> int:
+        """Store the page-aligned part of ``token_ids`` with ``slots`` (one per token) in
+        ``namespace``. Returns how many leading tokens were already cached: the caller's
+        slots for those are duplicates the tree did not take. The rest now belong to the tree."""
         if slots.numel() != len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens but {slots.numel()} slots")
         end = len(token_ids) - len(token_ids) % self.page_size
         now = next(self._clock)
-        node, pos = self.root, 0
+        node, pos = self._root(namespace), 0
         node.last_access = now
         while pos < end:
             page = self._page(token_ids, pos)
@@ -135,7 +152,7 @@ class RadixCache(PrefixCache):
     # ----------------------------------------------------------------- locking
 
     def inc_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref == 0:
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
@@ -143,7 +160,7 @@ class RadixCache(PrefixCache):
             node = cast(TreeNode, node.parent)  # not the root: it has one
 
     def dec_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
+        while node.parent is not None:
             if node.lock_ref <= 0:
                 raise RuntimeError("dec_lock_ref on an unlocked node")
             node.lock_ref -= 1
@@ -155,30 +172,40 @@ class RadixCache(PrefixCache):
     # ---------------------------------------------------------- request level
 
     def cache_finished_req(
-        self, token_ids: list[int], slots: torch.Tensor, last_node: TreeNode, num_cached: int
+        self,
+        token_ids: list[int],
+        slots: torch.Tensor,
+        last_node: TreeNode,
+        num_cached: int,
+        namespace: Hashable = None,
     ) -> None:
-        aligned = self._insert_req(token_ids, slots, num_cached)
+        aligned = self._insert_req(token_ids, slots, num_cached, namespace)
         self.allocator.free(slots[aligned:])  # the partial last page is never cached
         self.dec_lock_ref(last_node)
 
     def cache_unfinished_req(
-        self, token_ids: list[int], slots: torch.Tensor, last_node: TreeNode, num_cached: int
+        self,
+        token_ids: list[int],
+        slots: torch.Tensor,
+        last_node: TreeNode,
+        num_cached: int,
+        namespace: Hashable = None,
     ) -> MatchResult:
-        aligned = self._insert_req(token_ids, slots, num_cached)
-        match = self.match_prefix(token_ids[:aligned])
+        aligned = self._insert_req(token_ids, slots, num_cached, namespace)
+        match = self.match_prefix(token_ids[:aligned], namespace)
         assert match.num_tokens == aligned, "nothing can evict between insert and match"
         self.inc_lock_ref(match.last_node)
         self.dec_lock_ref(last_node)
         return match
 
-    def _insert_req(self, token_ids: list[int], slots: torch.Tensor, num_cached: int) -> int:
+    def _insert_req(self, token_ids: list[int], slots: torch.Tensor, num_cached: int, namespace: Hashable) -> int:
         """Insert a request's page-aligned tokens and free its slots the tree already had.
         Returns the aligned length. Slots ``[num_cached, present)`` are whole pages the
         request allocated itself (its cached prefix and its own pages are page aligned)."""
         if num_cached % self.page_size or num_cached > len(token_ids):
             raise ValueError(f"num_cached={num_cached} must be page aligned and <= {len(token_ids)} tokens")
         aligned = len(token_ids) - len(token_ids) % self.page_size
-        present = self.insert(token_ids[:aligned], slots[:aligned])
+        present = self.insert(token_ids[:aligned], slots[:aligned], namespace)
         self.allocator.free(slots[num_cached:present])
         return aligned
 
@@ -197,7 +224,7 @@ class RadixCache(PrefixCache):
             self._evictable -= len(node.key)
             parent = cast(TreeNode, node.parent)  # a leaf, not the root
             del parent.children[self._page(node.key, 0)]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
@@ -220,7 +247,7 @@ class RadixCache(PrefixCache):
     def lock_mismatch(self, pins: list[TreeNode | None]) -> str | None:
         expected: dict[int, int] = {}
         for node in pins:
-            while node is not None and node is not self.root:
+            while node is not None and node.parent is not None:
                 expected[id(node)] = expected.get(id(node), 0) + 1
                 node = node.parent
         for node in self._nodes():
@@ -232,8 +259,8 @@ class RadixCache(PrefixCache):
         return None
 
     def _nodes(self) -> Iterator[TreeNode]:
-        """Every node but the root, parents before children."""
-        stack = list(self.root.children.values())
+        """Every node but the roots, parents before children."""
+        stack = [child for root in self._roots.values() for child in root.children.values()]
         while stack:
             node = stack.pop()
             yield node

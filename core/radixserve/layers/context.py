@@ -38,9 +38,6 @@ class ModelContext:
     # The collectives across the TP ranks (the platform's); None when tp_size is 1,
     # or while a model is only built and loaded (no forward).
     comm: Communicator | None = None
-    # The longest sequence the server runs (--context-length); None: the model's own.
-    # Positions past it never occur (longrope picks its frequencies by it).
-    context_length: int | None = None
 
     @classmethod
     def create(
@@ -57,7 +54,6 @@ class ModelContext:
         tp_rank: int = 0,
         tp_size: int = 1,
         comm: Communicator | None = None,
-        context_length: int | None = None,
     ) -> ModelContext:
         """Select and instantiate every backend for ``query`` through ``selector``
         (a :class:`radixserve.registry.PluginRegistry`, which selects by priority,
@@ -77,7 +73,6 @@ class ModelContext:
             tp_rank=tp_rank,
             tp_size=tp_size,
             comm=comm,
-            context_length=context_length,
         )
 
     def communicator(self) -> Communicator:

@@ -12,24 +12,25 @@ within that length it equals the default, which is what is computed here (serve
 such models with a context length no larger than ``max_position_embeddings``).
 
 LongRoPE (Phi-3 128k) has two sets of frequencies, ``short_factor`` and
-``long_factor``. HF picks one per forward call, the long set when the sequence
-is longer than ``original_max_position_embeddings``, and in ``generate``
-recomputes a sequence's whole KV cache with the long set once it grows past
-that length (Phi3ForCausalLM.prepare_inputs_for_generation), so every token a
-long sequence attends to is rotated with the long set. A static table cannot
-switch a request's cached keys, so the set is fixed per server, as vLLM fixes
-it: the long set when the server's context (``ModelContext.context_length``,
-i.e. ``--context-length``, else ``max_position_embeddings``) exceeds the
-original one, else the short set. That equals HF exactly for every sequence
-when the context is the original one or less; with a longer context, for every
-request whose prompt is longer than the original context, while a shorter one
-HF runs with the short set (recomputing it with the long set if it grows past)
-and here has the long set throughout. Both sets share the attention factor
-(``attention_factor``, else ``sqrt(1 + ln(factor) / ln(original))``).
+``long_factor``. HF picks one per forward call by the call's sequence length
+(its last position + 1): the long set past ``original_max_position_embeddings``,
+else the short set. In ``generate`` (Phi3ForCausalLM.prepare_inputs_for_generation)
+the step at which a sequence first grows past the original context drops the
+KV cache and recomputes the whole sequence, so at every step all of a
+sequence's keys are rotated with the set of its current length. The table
+here holds both sets, the short one in rows ``[0, max_position_embeddings)``
+and the long one after it (:class:`LongRope`), and each token reads the rows
+of its request's set (``ForwardBatch.rope_rows``). The scheduler reproduces
+``generate``: a request (re)computed from its first token takes the set of its
+length, and a request on the short set whose next decode step would take it
+past the original context is computed again on the long set (its KV, and the
+prefix cache's, are kept apart by ``Req.cache_namespace``). Both sets share the
+attention factor (``attention_factor``, else ``sqrt(1 + ln(factor) / ln(original))``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -97,41 +98,67 @@ def rotary_dims(config: PretrainedConfig, head_dim: int, layer_type: str | None 
 
 
 def rope_table(
-    config: PretrainedConfig,
-    head_dim: int,
-    dtype: torch.dtype,
-    context_length: int | None = None,
-    layer_type: str | None = None,
+    config: PretrainedConfig, head_dim: int, dtype: torch.dtype, layer_type: str | None = None
 ) -> torch.Tensor:
     """The cos/sin table (:func:`rope_cos_sin_cache`) of every position up to
-    ``max_position_embeddings``; ``context_length`` (None: that many) chooses
-    longrope's set of frequencies."""
+    ``max_position_embeddings``; for longrope, the short set's table followed by
+    the long set's (:class:`LongRope`)."""
     max_positions = config.max_position_embeddings
     rope_type, params = rope_parameters(config, layer_type)
-    seq_len = None
-    if rope_type == "longrope" and (context_length or max_positions) > params["original_max_position_embeddings"]:
-        seq_len = params["original_max_position_embeddings"] + 1  # any longer call takes the long set
-    inv_freq, attention_scaling = rope_inv_freq(config, head_dim, seq_len=seq_len, layer_type=layer_type)
-    return rope_cos_sin_cache(inv_freq, attention_scaling, max_positions, dtype)
+    if rope_type != "longrope":
+        return rope_cos_sin_cache(*rope_inv_freq(config, head_dim, layer_type=layer_type), max_positions, dtype)
+    if layer_type is not None:
+        raise NotImplementedError("longrope in per-layer-type rope parameters is not supported")
+    original = params["original_max_position_embeddings"]
+    # HF's sets for a call of the original context (short) and of one token more (long).
+    sets = (rope_inv_freq(config, head_dim, seq_len=n) for n in (original, original + 1))
+    return torch.cat([rope_cos_sin_cache(inv_freq, scaling, max_positions, dtype) for inv_freq, scaling in sets])
+
+
+@dataclass(frozen=True)
+class LongRope:
+    """Where a longrope model's two sets of frequencies are and which one a
+    request uses. Set 0 (short) is rows ``[0, table_rows)`` of the rotary table,
+    set 1 (long) the next ``table_rows``; a token at position ``p`` of a request
+    on set ``s`` reads row ``s * table_rows + p``."""
+
+    original_context: int  # original_max_position_embeddings
+    table_rows: int  # max_position_embeddings: the rows of one set
+
+    @classmethod
+    def of(cls, config: PretrainedConfig) -> LongRope | None:
+        """The model's LongRoPE layout, or None when it does not use longrope (one set)."""
+        rope_type, params = rope_parameters(config)
+        if rope_type != "longrope":
+            return None
+        return cls(params["original_max_position_embeddings"], config.max_position_embeddings)
+
+    def set_for(self, seq_len: int) -> int:
+        """The set of a sequence of ``seq_len`` tokens, all of whose keys are computed
+        with it (as HF computes a forward of that length): 1 (long) past the original context."""
+        return int(seq_len > self.original_context)
 
 
 class RotaryEmbedding(Layer):
     """Rotates q and k in place through ``ctx.elementwise`` with a cos/sin table
-    of every position the model serves (``max_position_embeddings``). One
-    instance is shared by all layers of a model (of a ``layer_type``, where the
-    rope parameters are per layer type)."""
+    of every position the model serves (``max_position_embeddings``; for
+    longrope, of each set: :class:`LongRope`). One instance is shared by all
+    layers of a model (of a ``layer_type``, where the rope parameters are per
+    layer type)."""
 
     cos_sin_cache: torch.Tensor  # a buffer (register_buffer)
 
     def __init__(self, config: PretrainedConfig, head_dim: int, ctx: ModelContext, layer_type: str | None = None):
         super().__init__()
-        table = rope_table(config, head_dim, ctx.dtype, ctx.context_length, layer_type)
+        table = rope_table(config, head_dim, ctx.dtype, layer_type)
         self.register_buffer("cos_sin_cache", table, persistent=False)
         self.backend = ctx.elementwise
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
-        """Rotate q ``[T, heads, D]`` and k ``[T, kv_heads, D]`` for ``positions`` ``[T]``, in place."""
-        self.backend.apply_rotary(q, k, positions, self.cos_sin_cache, neox_style=True)
+    def forward(self, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Rotate q ``[T, heads, D]`` and k ``[T, kv_heads, D]`` in place, token ``t``
+        by row ``rows[t]`` of the table (``ForwardBatch.rope_rows``: its position,
+        in its request's set for longrope)."""
+        self.backend.apply_rotary(q, k, rows, self.cos_sin_cache, neox_style=True)
 
     def extra_repr(self) -> str:
-        return f"max_positions={self.cos_sin_cache.shape[0]}, rotary_dim={self.cos_sin_cache.shape[1]}"
+        return f"rows={self.cos_sin_cache.shape[0]}, rotary_dim={self.cos_sin_cache.shape[1]}"

@@ -142,7 +142,7 @@ class LlamaAttention(Layer):
         k = k.reshape(-1, p.num_kv_heads, p.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        self.rotary_emb(batch.positions, q, k)  # in place
+        self.rotary_emb(batch.rope_rows, q, k)  # in place
         out: torch.Tensor = self.o_proj(self.attn(q, k, v, batch))
         return out
 

@@ -47,6 +47,7 @@ class BatchPlan:
     positions: torch.Tensor  # per new token: its position in the request
     out_cache_loc: torch.Tensor
     logits_indices: torch.Tensor
+    rope_rows: torch.Tensor | None = None  # per new token, its row of the rotary table (None: its position)
 
     @classmethod
     def launch(
@@ -56,6 +57,7 @@ class BatchPlan:
         prefix_lens: list[int],
         extend_lens: list[int],
         logits_indices: list[int],
+        rope_offsets: list[int] | None,
         req_to_token_pool: ReqToTokenPool,
         transfer: HostTransfer,
         out_cache_loc: list[int],
@@ -63,19 +65,26 @@ class BatchPlan:
         """The plan of requests at token table ``rows`` with ``prefix_lens`` tokens
         computed and ``extend_lens`` new; records the new tokens' slots
         ``out_cache_loc`` in their rows (the ledger's ``record``: last, so that a
-        ``partial`` of the others is one)."""
+        ``partial`` of the others is one). ``rope_offsets``: per request, the first
+        row of its set in the rotary table (LongRoPE; None or all 0: one set)."""
         tensor, device = transfer.to_device, transfer.device
         rows_t, prefix_t, extend_t = tensor(rows), tensor(prefix_lens), tensor(extend_lens)
         slots = tensor(out_cache_loc)
+        num_tokens = len(out_cache_loc)
         if mode is ForwardMode.DECODE:
             token_rows, positions = rows_t, prefix_t
         else:
-            num_tokens = len(out_cache_loc)
             token_rows = rows_t.repeat_interleave(extend_t, output_size=num_tokens)
             # Position of each new token: its request's prefix length plus its index among the new ones.
             first = extend_t.cumsum(0) - extend_t
             within = torch.arange(num_tokens, device=device) - first.repeat_interleave(extend_t, output_size=num_tokens)
             positions = prefix_t.repeat_interleave(extend_t, output_size=num_tokens) + within
+        rope_rows = None
+        if rope_offsets and any(rope_offsets):  # LongRoPE: the rows of each request's set
+            offsets = tensor(rope_offsets)
+            if mode is ForwardMode.EXTEND:
+                offsets = offsets.repeat_interleave(extend_t, output_size=num_tokens)
+            rope_rows = positions + offsets
         # The new tokens' KV slots go into their rows in one scatter.
         req_to_token_pool.req_to_token.index_put_((token_rows, positions), slots)
         return cls(
@@ -89,6 +98,7 @@ class BatchPlan:
             positions,
             slots,
             tensor(logits_indices),
+            rope_rows,
         )
 
     def build(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool) -> ForwardBatch:
@@ -108,6 +118,7 @@ class BatchPlan:
             prefix_lens_cpu=list(self.prefix_lens),
             extend_lens_cpu=list(self.extend_lens),
             logits_indices=self.logits_indices,
+            rope_table_rows=self.rope_rows,
         )
 
 

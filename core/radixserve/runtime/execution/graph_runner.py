@@ -15,9 +15,10 @@ handful of copies and one launch instead of hundreds.
 - **Static buffers**, sized for the largest batch and shared by every graph:
   ``input_ids``, ``positions`` (also the prefix lengths: in decode a request's
   new token sits right after its cached ones), ``out_cache_loc``,
-  ``req_pool_indices``, ``seq_lens``, ``extend_lens`` (all ones). Each captured
-  size sees the first rows of them, and the attention backend keeps its own
-  static metadata (``init_graph_state``).
+  ``req_pool_indices``, ``seq_lens``, ``extend_lens`` (all ones), and for a
+  LongRoPE model ``rope_rows`` (each token's row of the rotary table, in its
+  request's set). Each captured size sees the first rows of them, and the
+  attention backend keeps its own static metadata (``init_graph_state``).
 - **Padding**: rows past the real batch read request row 0 with ``seq_len`` 1
   at position 0 and write their K/V to slot 0, in the reserved KV page 0, so
   they touch nothing a request owns; their logits are sliced off.
@@ -82,7 +83,9 @@ class _Captured:
 
 class GraphRunner:
     """Captures the decode forward at every size of ``capture_batch_sizes(max_bs)``
-    and replays it for the decode batches that fit."""
+    and replays it for the decode batches that fit. ``rope_rows``: the model's
+    batches may read rotary rows other than their positions (LongRoPE), so the
+    graphs read them from a buffer of their own."""
 
     def __init__(
         self,
@@ -93,6 +96,7 @@ class GraphRunner:
         req_to_token: torch.Tensor,
         kv_pool: KVPool,
         device: torch.device,
+        rope_rows: bool = False,
     ):
         self.model, self.attention, self.backend = model, attention, backend
         self.batch_sizes = capture_batch_sizes(max_bs)
@@ -111,6 +115,9 @@ class GraphRunner:
             (self.req_pool_indices, "req_pool_indices", 0),
             (self.seq_lens, "seq_lens", 1),
         )
+        self.rope_rows = buffer(0) if rope_rows else None
+        if self.rope_rows is not None:
+            self._inputs += ((self.rope_rows, "rope_rows", 0),)
         self._graphs: dict[int, _Captured] = {}
         self.capture_seconds = 0.0
 
@@ -119,7 +126,7 @@ class GraphRunner:
         Call under ``torch.inference_mode()`` and the platform's forward context."""
         from tqdm import tqdm
 
-        if not hasattr(tqdm, "_lock"):  # as in model_loader: no multiprocessing lock to leak
+        if not hasattr(tqdm, "_lock"):  # as in checkpoints.loader: no multiprocessing lock to leak
             tqdm.set_lock(threading.RLock())
         start = time.perf_counter()
         self.attention.init_graph_state(self.max_bs, self.req_to_token.shape[1], self.device)
@@ -159,6 +166,7 @@ class GraphRunner:
             extend_lens=self.extend_lens[:bs],
             req_to_token=self.req_to_token,
             kv_pool=self.kv_pool,
+            rope_table_rows=self.rope_rows[:bs] if self.rope_rows is not None else None,
         )
 
     def can_run(self, batch: ForwardBatch) -> bool:

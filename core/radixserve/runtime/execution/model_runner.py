@@ -16,6 +16,7 @@ from radixserve.checkpoints.loader import load_model
 from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardBatch
 from radixserve.layers.context import BackendSelector, ModelContext
+from radixserve.layers.rotary import LongRope
 from radixserve.registry import PluginRegistry
 from radixserve.runtime.execution.distributed import RankSpec, join_group
 from radixserve.runtime.execution.graph_runner import GraphRunner
@@ -99,6 +100,7 @@ class ModelRunner:
         self.embedding = embedding_config(args, model_path, hf_config)
         embed = self.embedding is not None
         self.model, self.hf_config = load_model(model_path, ctx, registry, config=hf_config, embedding=embed)
+        self.long_rope = LongRope.of(hf_config)  # its two rotary sets, if it has them (layers/rotary.py)
         # The model's own limit (position embeddings, or a sliding window it cannot apply).
         model_context = cast(int, self.model.max_context_len)
         self.context_length = args.context_length or model_context
@@ -121,7 +123,6 @@ class ModelRunner:
             tp_rank=self.group.rank,
             tp_size=self.group.size,
             comm=self.group.comm,
-            context_length=args.context_length,
         )
 
     def _init_memory(self) -> None:
@@ -209,9 +210,9 @@ class ModelRunner:
             logger.info("graphs: off (%s); decode steps run eagerly", "; ".join(reasons))
             return None, {"backend": None, "reason": "; ".join(reasons)}
         assert backend is not None  # no reasons: the platform has graph capture
-        runner = GraphRunner(
-            self.model, self.attention, backend, max_bs, self.req_to_token_pool.req_to_token, self.kv_pool, self.device
-        )
+        table = self.req_to_token_pool.req_to_token
+        rope_rows = self.long_rope is not None
+        runner = GraphRunner(self.model, self.attention, backend, max_bs, table, self.kv_pool, self.device, rope_rows)
         with torch.inference_mode(), self.platform.forward_context():
             runner.capture()
         logger.info(

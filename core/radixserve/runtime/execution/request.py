@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -59,6 +60,9 @@ class Req(RequestOptions):
     kv: KVSpan | None = None
     # Prompt tokens served from the cache when the request was first scheduled.
     cached_tokens: int = -1
+    # The rotary set its KV is computed with: LongRoPE's long factors are set 1, else 0
+    # (layers/rotary.py). Only runtime/rope_sets.py writes it.
+    rope_set: int = 0
 
     # Logprob accumulators and streaming bookkeeping.
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
@@ -98,6 +102,18 @@ class Req(RequestOptions):
         self.input_logprobs_done = True
         if self.return_logprob and self.input_token_logprobs is None and self.logprob_start_len >= 0:
             self.input_token_logprobs, self.input_top_logprobs = [], []
+
+    @property
+    def cache_namespace(self) -> Hashable:
+        """What its KV depends on besides its tokens: the prefix cache shares prefixes
+        only within a namespace (cache/base.py). None for the plain KV; LongRoPE's long
+        set has a namespace of its own, so no prefix computed for a long sequence serves
+        a short one, nor the reverse. Within each, every cached key is right for any
+        request that matches it: a request on the short set never computes a position at
+        or past the original context (it is computed again on the long set first), so
+        the short namespace holds only what a short sequence computes, and every key in
+        the long one is a long-set key, as HF computes every longer sequence."""
+        return ("rope_set", self.rope_set) if self.rope_set else None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -26,7 +26,7 @@ pins account for (so a lock leaked by an abort shows, even while its pages are
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -81,8 +81,8 @@ class KVLedger:
     def caches_prefixes(self) -> bool:
         return self.cache.caches_prefixes
 
-    def match(self, token_ids: list[int]) -> MatchResult:
-        return self.cache.match_prefix(token_ids)
+    def match(self, token_ids: list[int], namespace: Hashable = None) -> MatchResult:
+        return self.cache.match_prefix(token_ids, namespace)
 
     def room(self) -> int:
         """Slots a step could take: free ones plus the cache's evictable ones."""
@@ -189,7 +189,9 @@ class KVLedger:
             return
         span = cast(KVSpan, req.kv)  # an admitted request's
         slots = self.token_table.req_to_token[span.row, :computed].clone()
-        match = self.cache.cache_unfinished_req(req.fill_ids[:computed], slots, span.last_node, span.num_cached)
+        match = self.cache.cache_unfinished_req(
+            req.fill_ids[:computed], slots, span.last_node, span.num_cached, req.cache_namespace
+        )
         self.token_table.write(span.row, 0, match.slots)
         span.num_cached, span.last_node = match.num_tokens, match.last_node
 
@@ -200,7 +202,8 @@ class KVLedger:
         if span is None:
             return
         slots = self.token_table.req_to_token[span.row, : span.kv_len].clone()
-        self.cache.cache_finished_req(req.fill_ids[: span.kv_len], slots, span.last_node, span.num_cached)
+        namespace = req.cache_namespace
+        self.cache.cache_finished_req(req.fill_ids[: span.kv_len], slots, span.last_node, span.num_cached, namespace)
         self._end(req, span)
 
     def discard(self, req: Req) -> None:

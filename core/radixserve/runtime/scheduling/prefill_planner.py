@@ -126,7 +126,7 @@ class PrefillPlanner:
             if self.ledger.free_rows() <= len(plan.admitted) or min(prefill_left, chunk_left) <= 0:
                 break
             limit = match_limit(req)
-            match = self.ledger.match(req.fill_ids[:limit])
+            match = self.ledger.match(req.fill_ids[:limit], req.cache_namespace)
             prefix = match.num_tokens
             if self.ledger.caches_prefixes and _shares_uncached_prefix(
                 req, prefix, limit, plan.reqs + queues.uncached_prefills
@@ -157,7 +157,7 @@ class PrefillPlanner:
         return plan
 
     def _prefix_len(self, req: Req) -> int:
-        return self.ledger.match(req.fill_ids[: match_limit(req)]).num_tokens
+        return self.ledger.match(req.fill_ids[: match_limit(req)], req.cache_namespace).num_tokens
 
     def _reserved_decode_tokens(self, queues: QueueView) -> float:
         reqs = queues.running + ([queues.chunked] if queues.chunked else [])
@@ -178,4 +178,7 @@ def _shares_uncached_prefix(req: Req, cached: int, limit: int, selected: list[Re
     if req.seq_len < end or limit <= cached:
         return False
     head = req.fill_ids[:end]
-    return any(other.seq_len >= end and other.fill_ids[:end] == head for other in selected)
+    return any(
+        other.seq_len >= end and other.cache_namespace == req.cache_namespace and other.fill_ids[:end] == head
+        for other in selected
+    )

@@ -35,6 +35,7 @@ from radixserve.runtime.scheduling.intake import Intake
 from radixserve.runtime.scheduling.kv_ledger import KVLedger
 from radixserve.runtime.scheduling.outbox import Outbox, add_input_logprobs
 from radixserve.runtime.scheduling.prefill_planner import PrefillPlan, PrefillPlanner, QueueView
+from radixserve.runtime.scheduling.rope_sets import RopeSets
 from radixserve.runtime.scheduling.stats import OperatorLog, SchedulerStats, ServingTotals, StepRates
 from radixserve.runtime.scheduling.stop import StopChecker, internal_error, out_of_memory
 from radixserve.structured_output.grammar_queue import GrammarQueue
@@ -71,6 +72,7 @@ class Scheduler:
         overlap = runner.platform.overlap_schedule if no_overlap is None else not no_overlap
         self.worker = ModelWorker(runner, self.sampler, runner.req_to_token_pool, runner.transfer, overlap=overlap)
         self.profiler = StepProfiler(runner.platform.profiler_activities(), rank=runner.group.rank)
+        self.rope_sets = RopeSets(runner.long_rope)
         self.totals, self.rates, self.oplog = ServingTotals(), StepRates(), OperatorLog(args.decode_log_interval)
 
         self.waiting: list[Req] = []
@@ -89,6 +91,7 @@ class Scheduler:
         names something wrong (``Intake``), a 503 if the queue is full."""
         req, refusal = self.intake.receive(msg)
         self._by_rid[req.rid] = req
+        self.rope_sets.choose(req)
         if refusal is None and self._queue_full():
             message = f"too many queued requests; --max-queued-requests is {self.args.max_queued_requests}"
             refusal = FinishReason(type="abort", status_code=503, message=message)
@@ -167,6 +170,8 @@ class Scheduler:
     def _launch_next(self) -> LaunchedStep | None:
         if self.grammars.constrains(self.running):  # their masks need the last step's tokens: no overlap
             self._digest_outstanding()
+        if self.rope_sets.outgrown(self.running):
+            self._recompute_outgrown()
         # Requests of a prefill still computing or not digested: their prompts are not cached yet.
         prefills = [s for s in (self._in_flight, self._unprocessed) if s is not None and s.mode is ForwardMode.EXTEND]
         uncached = [r for step in prefills for r in step.reqs]
@@ -246,7 +251,8 @@ class Scheduler:
         prefix = [r.kv.kv_len for r in held]
         logits = LogitsRows.extend(reqs, prefix, extend_lens) if mode is ForwardMode.EXTEND else LogitsRows.decode(reqs)
         rows, table, transfer = [r.kv.row for r in held], self.runner.req_to_token_pool, self.runner.transfer
-        record = partial(BatchPlan.launch, mode, rows, prefix, extend_lens, logits.indices, table, transfer)
+        rope = self.rope_sets.row_offsets(reqs)
+        record = partial(BatchPlan.launch, mode, rows, prefix, extend_lens, logits.indices, rope, table, transfer)
         batch = self.ledger.allocate(reqs, extend_lens, record)  # the slots go into the rows with the batch
         work = StepWork.of(batch, logits, self.grammars.step_mask(logits.sample_reqs))
         return LaunchedStep(mode, list(reqs), work, self.worker.launch(work), [r.kv.kv_len for r in held])
@@ -330,6 +336,18 @@ class Scheduler:
         self.waiting.insert(0, req)
         self.new_token_ratio = self.args.init_new_token_ratio
         logger.info("retracted %s after %d tokens (KV pool full)", req.rid, len(req.output_ids))
+
+    def _recompute_outgrown(self) -> None:
+        """LongRoPE: requests on the short set about to grow past the original context
+        give back their KV (it stays cached in their namespace) and requeue first in
+        line, to be computed again from the first token on the long set, as HF does."""
+        self._digest_outstanding()  # their last tokens on the host, and which of them finished
+        outgrown = self.rope_sets.outgrown(self.running)
+        for req in outgrown:
+            self.running.remove(req)
+            self.ledger.release(req)
+            self.rope_sets.choose(req)
+        self.waiting[:0] = outgrown
 
     # ---- results -----------------------------------------------------------------
     def _append(self, req: Req, result: StepResult, row: int) -> None:
