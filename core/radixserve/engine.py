@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncGenerator, Coroutine, Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any, TypeVar, cast
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -179,8 +179,7 @@ class Engine:
         return outs[0] if len(outs) == 1 else outs
 
     def _stream(self, inp: GenerateInput) -> Iterator[Result]:
-        # ``generate`` is an async generator function (annotated as returning an AsyncIterator).
-        agen = cast("AsyncGenerator[Result, None]", self.tokenizer_manager.generate(inp))
+        agen = self.tokenizer_manager.generate(inp)
         try:
             while True:
                 try:

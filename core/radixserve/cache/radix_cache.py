@@ -157,7 +157,7 @@ class RadixCache(PrefixCache):
                 self._evictable -= len(node.key)
                 self._protected += len(node.key)
             node.lock_ref += 1
-            node = cast(TreeNode, node.parent)  # not the root: it has one
+            node = node.parent
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         while node.parent is not None:
@@ -167,7 +167,7 @@ class RadixCache(PrefixCache):
             if node.lock_ref == 0:
                 self._protected -= len(node.key)
                 self._evictable += len(node.key)
-            node = cast(TreeNode, node.parent)  # not the root: it has one
+            node = node.parent
 
     # ---------------------------------------------------------- request level
 

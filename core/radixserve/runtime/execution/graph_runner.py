@@ -108,7 +108,7 @@ class GraphRunner:
 
         self.input_ids, self.positions, self.out_cache_loc = buffer(0), buffer(0), buffer(0)
         self.req_pool_indices, self.seq_lens, self.extend_lens = buffer(0), buffer(1), buffer(1)
-        self._inputs = (  # (static buffer, field of the real batch, padding value)
+        self._inputs: tuple[tuple[torch.Tensor, str, int], ...] = (  # (static buffer, batch field, padding)
             (self.input_ids, "input_ids", 0),
             (self.positions, "positions", 0),
             (self.out_cache_loc, "out_cache_loc", 0),

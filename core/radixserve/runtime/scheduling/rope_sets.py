@@ -31,7 +31,7 @@ class RopeSets:
         rope = self.long_rope
         if rope is None:
             return []
-        return [r for r in running if r.rope_set < rope.set_for(r.kv.kv_len + 1)]
+        return [r for r in running if r.kv is not None and r.rope_set < rope.set_for(r.kv.kv_len + 1)]
 
     def row_offsets(self, reqs: list[Req]) -> list[int] | None:
         """Per request, the first row of its set in the rotary table (None: one set)."""
