@@ -24,10 +24,6 @@ LOAD_BALANCE_METHODS: tuple[str, ...] = typing.get_args(LoadBalanceMethod)
 POOLING_METHODS: tuple[str, ...] = typing.get_args(PoolingMethod)
 
 
-# --reasoning-parser names (server/reasoning.py).
-REASONING_PARSERS = ("qwen3", "deepseek-r1")
-
-
 @dataclass
 class ServerArgs(CliArgs):
     # model
@@ -92,8 +88,8 @@ class ServerArgs(CliArgs):
         default=None,
     )
     reasoning_parser: str | None = _flag(
-        "split chat output into reasoning_content and content: qwen3 or deepseek-r1 (<think>...</think>); "
-        "a grammar then applies only after the reasoning",
+        "split chat output into reasoning_content and content: qwen3 or deepseek-r1 (<think>...</think>), or any "
+        "registered reasoning parser; a grammar then applies only after the reasoning",
         default=None,
     )
     grammar_compile_timeout: float = _flag(
@@ -266,8 +262,6 @@ class ServerArgs(CliArgs):
             bad("admin_api_key", "must differ from api_key (else every client could use the admin routes)")
         if not (isinstance(self.grammar_compile_timeout, (int, float)) and self.grammar_compile_timeout > 0):
             bad("grammar_compile_timeout", f"must be > 0 seconds, got {self.grammar_compile_timeout}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            bad("reasoning_parser", f"must be one of {list(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.max_header_size < 1024:
             bad("max_header_size", f"must be >= 1024 bytes, got {self.max_header_size}")
 
