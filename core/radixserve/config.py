@@ -10,17 +10,16 @@ from typing import Any, Literal
 
 from radixserve.cli_args import CliArgs
 from radixserve.cli_args import flag as _flag
+from radixserve.load_balance import LoadBalanceMethod, describe, policy_error
 
 SchedulePolicy = Literal["fcfs", "lpm", "priority"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 BackendSelection = Literal["measure", "priority"]
-LoadBalanceMethod = Literal["round_robin", "shortest_queue", "minimum_tokens"]
 # How an embedding model pools its final hidden states (radixserve/layers/pooler.py).
 PoolingMethod = Literal["last", "mean"]
 SCHEDULE_POLICIES: tuple[str, ...] = typing.get_args(SchedulePolicy)
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 BACKEND_SELECTIONS: tuple[str, ...] = typing.get_args(BackendSelection)
-LOAD_BALANCE_METHODS: tuple[str, ...] = typing.get_args(LoadBalanceMethod)
 POOLING_METHODS: tuple[str, ...] = typing.get_args(PoolingMethod)
 
 
@@ -123,8 +122,7 @@ class ServerArgs(CliArgs):
         default=1,
     )
     load_balance_method: LoadBalanceMethod = _flag(
-        "how the data-parallel controller picks a replica: round_robin, shortest_queue (fewest unfinished "
-        "requests) or minimum_tokens (fewest unfinished prompt + max_new_tokens tokens); ties go round robin",
+        "how the data-parallel controller picks a replica (ties in turn): " + describe("dp"),
         default="round_robin",
     )
     base_gpu_id: int = _flag(
@@ -289,8 +287,9 @@ class ServerArgs(CliArgs):
             bad("dp_size", f"must be >= 1, got {self.dp_size}")
         if self.dp_size > 1 and self.nnodes > 1:
             bad("dp_size", "replicas over several nodes are not built yet: with --nnodes > 1, --dp-size must be 1")
-        if self.load_balance_method not in LOAD_BALANCE_METHODS:
-            bad("load_balance_method", f"must be one of {LOAD_BALANCE_METHODS}, got {self.load_balance_method!r}")
+        problem = policy_error(self.load_balance_method, "dp")
+        if problem is not None:
+            bad("load_balance_method", problem)
 
     @property
     def dist_init_host_port(self) -> tuple[str, int]:
