@@ -99,6 +99,13 @@ def test_unknown_grammar_backend():
     assert_short_failure(code, output, "unknown grammar backend 'nope'", "xgrammar", "llguidance")
 
 
+def test_unknown_reasoning_parser():
+    code, output = run_cli("serve", "--reasoning-parser", "nope")
+    assert_short_failure(
+        code, output, "--reasoning-parser 'nope' is not a registered reasoning parser", "deepseek-r1, qwen3"
+    )
+
+
 def test_backend_that_cannot_serve_the_model(tiny_llama_dir):
     if torch.cuda.is_available():
         pytest.skip("triton can serve here")

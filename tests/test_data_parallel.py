@@ -6,6 +6,7 @@ the death of one replica."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import threading
@@ -20,7 +21,7 @@ from helpers_server import metric, serving, wait_until
 
 from radixserve import Engine
 from radixserve.config import ServerArgs
-from radixserve.load_balance import LoadBalancer, ReplicaLoad
+from radixserve.load_balance import DP_POLICIES, POLICIES, Load, LoadBalancer
 from radixserve.messages import (
     AbortRequest,
     ControlReply,
@@ -43,7 +44,7 @@ LONG = 900  # tokens: seconds of decoding, so the requests still run when the te
 
 def test_round_robin_cycles_over_the_live_replicas():
     lb = LoadBalancer("round_robin")
-    loads = {k: ReplicaLoad(requests=k) for k in range(3)}
+    loads = {k: Load(requests=k) for k in range(3)}
     assert [lb.choose(loads) for _ in range(4)] == [0, 1, 2, 0]
     del loads[2]  # replica 2 died
     assert [lb.choose(loads) for _ in range(3)] == [1, 0, 1]
@@ -52,15 +53,31 @@ def test_round_robin_cycles_over_the_live_replicas():
 
 
 def test_shortest_queue_and_minimum_tokens_with_ties_in_turn():
-    loads = {0: ReplicaLoad(requests=3, tokens=10), 1: ReplicaLoad(requests=1, tokens=900), 2: ReplicaLoad(2, 50)}
+    loads = {0: Load(requests=3, tokens=10), 1: Load(requests=1, tokens=900), 2: Load(2, 50)}
     assert LoadBalancer("shortest_queue").choose(loads) == 1
     assert LoadBalancer("minimum_tokens").choose(loads) == 0
-    idle = {0: ReplicaLoad(), 1: ReplicaLoad()}
+    idle = {0: Load(), 1: Load()}
     for method in ("shortest_queue", "minimum_tokens"):
         lb = LoadBalancer(method)
         assert [lb.choose(idle) for _ in range(4)] == [0, 1, 0, 1]  # equals are used in turn
     with pytest.raises(ValueError, match="load_balance_method"):
-        LoadBalancer("random")  # type: ignore[arg-type]
+        LoadBalancer("random")
+
+
+def test_the_dp_methods_are_the_shared_policies_the_dp_controller_has():
+    """--load-balance-method takes its choices from load_balance.POLICIES: SGLang's three names, each a
+    policy the router has too; a router-only name is refused saying where it belongs."""
+    assert DP_POLICIES == ("round_robin", "shortest_queue", "minimum_tokens")
+    assert all(POLICIES[name].dp and POLICIES[name].router for name in DP_POLICIES)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    action = next(a for a in parser._actions if a.dest == "load_balance_method")
+    assert tuple(action.choices or ()) == DP_POLICIES
+    assert all(f"{name} (" in (action.help or "") for name in DP_POLICIES)  # each with its meaning
+    for name in DP_POLICIES:
+        assert ServerArgs.from_cli_args(parser.parse_args(["--load-balance-method", name])).load_balance_method == name
+    with pytest.raises(ValueError, match=r"load_balance_method: .*got 'power_of_two' \(only radixserve router"):
+        ServerArgs(load_balance_method="power_of_two")  # type: ignore[arg-type]
 
 
 class _Wires:

@@ -4,6 +4,7 @@ workers, is tests/test_router.py."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 from collections import Counter
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from radixserve.load_balance import DP_POLICIES, POLICIES, ROUTER_POLICIES, Load, LoadBalancer
 from radixserve.router.admission import Admission
 from radixserve.router.args import RouterArgs
 from radixserve.router.metrics import RouterMetrics
@@ -210,12 +212,43 @@ def test_cache_aware_follows_the_prefix_and_balances_when_imbalanced():
     assert policy.choose(RoutingRequest("shared prefix / three", 5, 5), workers).worker is b
 
 
-@pytest.mark.parametrize("name", ["round_robin", "random", "power_of_two"])
+@pytest.mark.parametrize("name", ["round_robin", "shortest_queue", "minimum_tokens", "random", "power_of_two"])
 def test_the_simple_policies_spread_over_all_workers(name):
     policy = make_policy(RouterArgs(policy=name), random.Random(0))
     workers = [_worker(u) for u in "abc"]
     seen = Counter(policy.choose(RoutingRequest("x", 1, 1), workers).worker.url for _ in range(300))
     assert set(seen) == {"a", "b", "c"} and min(seen.values()) > 50
+
+
+def test_one_vocabulary_for_the_router_and_the_dp_controller():
+    """--policy takes its choices from load_balance.POLICIES, SGLang's gateway's names (cache_aware,
+    round_robin, random, power_of_two) and the DP controller's (round_robin, shortest_queue,
+    minimum_tokens) among them, each help line with its meaning."""
+    assert set(ROUTER_POLICIES) == set(POLICIES) and set(DP_POLICIES) <= set(ROUTER_POLICIES)
+    assert {"cache_aware", "round_robin", "random", "power_of_two"} <= set(ROUTER_POLICIES)
+    parser = argparse.ArgumentParser()
+    RouterArgs.add_cli_args(parser)
+    action = next(a for a in parser._actions if a.dest == "policy")
+    assert tuple(action.choices or ()) == ROUTER_POLICIES
+    assert all(f"{name} ({POLICIES[name].meaning})" in (action.help or "") for name in ROUTER_POLICIES)
+    for name in ROUTER_POLICIES:
+        assert RouterArgs.from_cli_args(parser.parse_args(["--policy", name])).policy == name
+    with pytest.raises(ValueError, match=r"^policy: must be one of capacity_aware, .*got 'fastest'"):
+        RouterArgs(policy="fastest")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", DP_POLICIES)
+def test_a_shared_policy_picks_for_the_router_what_it_picks_for_the_dp_controller(name):
+    """The same loads (requests, tokens) give the same picks, ties in turn included."""
+    load_sets = [[(3, 10), (1, 900), (2, 50)], [(0, 0), (0, 0), (0, 0)], [(2, 40), (2, 30), (5, 5)]]
+    policy, balancer = make_policy(RouterArgs(policy=name)), LoadBalancer(name)
+    workers = [_worker(u) for u in "abc"]
+    for loads in load_sets * 2:
+        for worker, (requests, tokens) in zip(workers, loads, strict=True):
+            worker.in_flight, worker.in_flight_work = requests, Work(tokens, 0)
+        routed = policy.choose(RoutingRequest("x", 1, 1), workers).worker.url
+        dispatched = balancer.choose({k: Load(r, t) for k, (r, t) in enumerate(loads)})
+        assert routed == "abc"[dispatched], (name, loads)
 
 
 # ---- reading requests ----------------------------------------------------------------

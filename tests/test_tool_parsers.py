@@ -1,7 +1,7 @@
-"""Tool parsers, the tool_choice required reader and reasoning parsers on
-fixed strings and on random ones (hypothesis): read whole, and streamed cut at
-every position, char by char and in random chunks, the streamed pieces must
-add up to the whole."""
+"""Tool parsers and the tool_choice required reader on fixed strings and on
+random ones (hypothesis): read whole, and streamed cut at every position, char
+by char and in random chunks, the streamed pieces must add up to the whole; the
+grammar's reasoning gate (reasoning parsers: tests/test_reasoning_parsers.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from radixserve.registry import PluginRegistry
 from radixserve.server.protocol import ChatCompletionRequest
-from radixserve.server.reasoning import ReasoningParser
 from radixserve.server.tool_calls import ChoiceReader, RequiredCalls, keeps_special_tokens
 from radixserve.structured_output.backend import GatedMatcher, GrammarMatcher, ReasoningGate, allocate_token_bitmask
 from radixserve.tool_parsers.base import ToolParser
@@ -312,32 +311,6 @@ def test_required_streams_each_call_as_it_is_written():
     cut = REQUIRED[: REQUIRED.index('"y"')]
     _, content, calls = required_reader().read(cut)
     assert content == cut[first:] and len(calls) == 1
-
-
-def chunks(text: str, size: int) -> list[str]:
-    return [text[i : i + size] for i in range(0, len(text), size)] or [""]
-
-
-REASONING = [
-    ("qwen3", "<think>\nhmm</think>\n\n{}", "\nhmm", "\n\n{}"),
-    ("qwen3", "  <think>a</think>b", "a", "b"),
-    ("qwen3", "no reasoning <think>x</think>", None, "no reasoning <think>x</think>"),
-    ("qwen3", "<think>unfinished", "unfinished", ""),
-    ("qwen3", "<thi", None, "<thi"),
-    ("deepseek-r1", "reasoned</think>answer", "reasoned", "answer"),
-    ("deepseek-r1", "<think>r</think>a</think>", "r", "a</think>"),
-    ("deepseek-r1", "still thinking </thi", "still thinking </thi", ""),
-]
-
-
-@pytest.mark.parametrize("name,text,reasoning,content", REASONING)
-@pytest.mark.parametrize("size", [1, 4, 1000])
-def test_reasoning_split(name, text, reasoning, content, size):
-    assert ReasoningParser(name).parse(text) == (reasoning, content)
-    parser = ReasoningParser(name)
-    pieces = [parser.feed(p) for p in chunks(text, size)] + [parser.finish()]
-    assert "".join(r for r, _ in pieces) == (reasoning or "")
-    assert "".join(c for _, c in pieces) == content
 
 
 class Digits(GrammarMatcher):

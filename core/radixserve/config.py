@@ -10,22 +10,17 @@ from typing import Any, Literal
 
 from radixserve.cli_args import CliArgs
 from radixserve.cli_args import flag as _flag
+from radixserve.load_balance import LoadBalanceMethod, describe, policy_error
 
 SchedulePolicy = Literal["fcfs", "lpm", "priority"]
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 BackendSelection = Literal["measure", "priority"]
-LoadBalanceMethod = Literal["round_robin", "shortest_queue", "minimum_tokens"]
 # How an embedding model pools its final hidden states (radixserve/layers/pooler.py).
 PoolingMethod = Literal["last", "mean"]
 SCHEDULE_POLICIES: tuple[str, ...] = typing.get_args(SchedulePolicy)
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 BACKEND_SELECTIONS: tuple[str, ...] = typing.get_args(BackendSelection)
-LOAD_BALANCE_METHODS: tuple[str, ...] = typing.get_args(LoadBalanceMethod)
 POOLING_METHODS: tuple[str, ...] = typing.get_args(PoolingMethod)
-
-
-# --reasoning-parser names (server/reasoning.py).
-REASONING_PARSERS = ("qwen3", "deepseek-r1")
 
 
 @dataclass
@@ -92,8 +87,8 @@ class ServerArgs(CliArgs):
         default=None,
     )
     reasoning_parser: str | None = _flag(
-        "split chat output into reasoning_content and content: qwen3 or deepseek-r1 (<think>...</think>); "
-        "a grammar then applies only after the reasoning",
+        "split chat output into reasoning_content and content: qwen3 or deepseek-r1 (<think>...</think>), or any "
+        "registered reasoning parser; a grammar then applies only after the reasoning",
         default=None,
     )
     grammar_compile_timeout: float = _flag(
@@ -127,8 +122,7 @@ class ServerArgs(CliArgs):
         default=1,
     )
     load_balance_method: LoadBalanceMethod = _flag(
-        "how the data-parallel controller picks a replica: round_robin, shortest_queue (fewest unfinished "
-        "requests) or minimum_tokens (fewest unfinished prompt + max_new_tokens tokens); ties go round robin",
+        "how the data-parallel controller picks a replica (ties in turn): " + describe("dp"),
         default="round_robin",
     )
     base_gpu_id: int = _flag(
@@ -266,8 +260,6 @@ class ServerArgs(CliArgs):
             bad("admin_api_key", "must differ from api_key (else every client could use the admin routes)")
         if not (isinstance(self.grammar_compile_timeout, (int, float)) and self.grammar_compile_timeout > 0):
             bad("grammar_compile_timeout", f"must be > 0 seconds, got {self.grammar_compile_timeout}")
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            bad("reasoning_parser", f"must be one of {list(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         if self.max_header_size < 1024:
             bad("max_header_size", f"must be >= 1024 bytes, got {self.max_header_size}")
 
@@ -295,8 +287,9 @@ class ServerArgs(CliArgs):
             bad("dp_size", f"must be >= 1, got {self.dp_size}")
         if self.dp_size > 1 and self.nnodes > 1:
             bad("dp_size", "replicas over several nodes are not built yet: with --nnodes > 1, --dp-size must be 1")
-        if self.load_balance_method not in LOAD_BALANCE_METHODS:
-            bad("load_balance_method", f"must be one of {LOAD_BALANCE_METHODS}, got {self.load_balance_method!r}")
+        problem = policy_error(self.load_balance_method, "dp")
+        if problem is not None:
+            bad("load_balance_method", problem)
 
     @property
     def dist_init_host_port(self) -> tuple[str, int]:

@@ -68,3 +68,9 @@ def register_grammar_backends(register: Register) -> None:
 def register_tool_parsers(register: Register) -> None:
     """Register :class:`radixserve.tool_parsers.base.ToolParser` subclasses (tool calling;
     chosen by ``--tool-call-parser`` or detected from the chat template)."""
+
+
+@hookspec
+def register_reasoning_parsers(register: Register) -> None:
+    """Register :class:`radixserve.reasoning_parsers.base.ReasoningParser` subclasses (reasoning
+    split from content; chosen by ``--reasoning-parser``)."""

@@ -20,6 +20,7 @@ import pluggy
 
 from radixserve import hooks
 from radixserve.kernels.query import KernelQuery
+from radixserve.reasoning_parsers.base import ReasoningParser
 
 if TYPE_CHECKING:
     from radixserve.platform import Platform
@@ -37,6 +38,7 @@ KIND_HOOKS: dict[str, str] = {
     "model": "register_models",
     "grammar": "register_grammar_backends",
     "tool": "register_tool_parsers",
+    "reasoning": "register_reasoning_parsers",
 }
 SELECTABLE_KINDS = ("attention", "gemm", "moe", "elementwise", "quantization")
 ALLOW_LIST_ENV = "RADIXSERVE_PLUGINS"
@@ -44,6 +46,7 @@ TRACE_ENV = "RADIXSERVE_TRACE_PLUGINS"
 BUILTIN_MODELS_PLUGIN = "radixserve-models"
 BUILTIN_GRAMMAR_PLUGIN = "radixserve-grammar"
 BUILTIN_TOOL_PLUGIN = "radixserve-tool-parsers"
+BUILTIN_REASONING_PLUGIN = "radixserve-reasoning-parsers"
 DEFAULT_TOOL_PARSER = "hermes"
 
 
@@ -94,12 +97,14 @@ class PluginRegistry:
         self._candidates: dict[str, dict[str, Candidate]] | None = None
         # The core's own architectures and grammar backends register through the same hooks as anyone's.
         import radixserve.models
+        import radixserve.reasoning_parsers.builtin
         import radixserve.structured_output.builtin
         import radixserve.tool_parsers.builtin
 
         self.register_plugin(radixserve.models, BUILTIN_MODELS_PLUGIN)
         self.register_plugin(radixserve.structured_output.builtin, BUILTIN_GRAMMAR_PLUGIN)
         self.register_plugin(radixserve.tool_parsers.builtin, BUILTIN_TOOL_PLUGIN)
+        self.register_plugin(radixserve.reasoning_parsers.builtin, BUILTIN_REASONING_PLUGIN)
         if load_entry_points:
             self.load_entry_points()
 
@@ -372,6 +377,19 @@ class PluginRegistry:
             )
         return table[requested].cls
 
+    def reasoning_parser(self, requested: str) -> type[ReasoningParser]:
+        """The ``ReasoningParser`` class for ``--reasoning-parser``."""
+        table = self.candidates["reasoning"]
+        if requested not in table:
+            raise PluginError(
+                f"--reasoning-parser {requested!r} is not a registered reasoning parser; registered: "
+                f"{', '.join(sorted(table)) or 'none'}" + self._load_error_note()
+            )
+        cand = table[requested]
+        if not issubclass(cand.cls, ReasoningParser):
+            raise PluginError(f"reasoning parser {requested!r} (plugin {cand.plugin!r}) is not a ReasoningParser")
+        return cand.cls
+
     def report(self) -> dict[str, Any]:
         """What ``radixserve plugins`` prints: plugins, their backends, and usability here."""
         candidates = self.candidates
@@ -420,6 +438,16 @@ class PluginRegistry:
         backends["tool"] = [
             {"name": c.name, "plugin": c.plugin, "priority": c.priority}
             for c in sorted(candidates["tool"].values(), key=lambda c: (-c.priority, c.name))
+        ]
+        backends["reasoning"] = [
+            {
+                "name": c.name,
+                "plugin": c.plugin,
+                "start": getattr(c.cls, "start", None),
+                "end": getattr(c.cls, "end", None),
+                "starts_in_reasoning": getattr(c.cls, "starts_in_reasoning", None),
+            }
+            for c in sorted(candidates["reasoning"].values(), key=lambda c: c.name)
         ]
         backends["model"] = [{"name": c.name, "plugin": c.plugin} for c in candidates["model"].values()]
         plugins = [

@@ -24,7 +24,8 @@ MODEL_HINT = (
 def check_startup(args: ServerArgs) -> KernelQuery:
     """Raise StartupError for what is wrong with ``args`` that can be seen
     without starting a child process or initialising any accelerator: the model
-    and tokenizer directories, ``--device``, the backend names (``--grammar-backend`` too), and (for a local model) the
+    and tokenizer directories, ``--device``, the backend and parser names (``--grammar-backend``,
+    ``--tool-call-parser`` and ``--reasoning-parser`` too), and (for a local model) the
     model's architecture, dtype, weight files, embedding settings and each forced backend's support
     for it. Returns the query the backends were checked for (the device and
     dtype alone where the model's shapes are not known yet), for ``build_backends``."""
@@ -51,6 +52,8 @@ def check_startup(args: ServerArgs) -> KernelQuery:
         registry.grammar_backend(args.grammar_backend)  # one that cannot load is an error, never a fallback
         if args.tool_call_parser is not None:
             registry.tool_parser(args.tool_call_parser)
+        if args.reasoning_parser is not None:
+            registry.reasoning_parser(args.reasoning_parser)
     except PluginError as exc:
         raise StartupError(str(exc), PLUGINS_HINT) from exc
     forced = {kind: name for kind, name in _forced_backends(args).items() if name != "auto"}

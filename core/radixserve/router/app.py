@@ -18,6 +18,7 @@ import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from types import FrameType
+from typing import Any
 
 import httpx
 import uvicorn
@@ -121,15 +122,15 @@ def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: N
         app.add_api_route(path, forwarding(route), methods=["POST"], name=route)
 
     # ---- models ----------------------------------------------------------------------
-    def card(model_id: str) -> dict:
+    def card(model_id: str) -> dict[str, Any]:
         return {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "radixserve"}
 
     @app.get("/v1/models")
-    async def list_models() -> dict:
+    async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [card(m) for m in sorted(fleet.models())]}
 
     @app.get("/v1/models/{model_id:path}")
-    async def get_model(model_id: str) -> dict:
+    async def get_model(model_id: str) -> dict[str, Any]:
         if model_id not in fleet.models():
             raise APIError(404, f"model {model_id!r} is not served here", param="model", code="model_not_found")
         return card(model_id)
@@ -143,7 +144,7 @@ def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: N
         return JSONResponse({"status": "ok", "healthy_workers": healthy, "workers": len(fleet.workers)})
 
     @app.get("/liveness")
-    async def liveness() -> dict:
+    async def liveness() -> dict[str, Any]:
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -151,12 +152,12 @@ def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: N
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/get_loads")
-    async def get_loads() -> dict:
+    async def get_loads() -> dict[str, Any]:
         return {"workers": [{"url": w.url, **w.describe()["load"]} for w in fleet.workers.values()]}
 
     # ---- admin -----------------------------------------------------------------------
     @app.get("/workers")
-    async def list_workers() -> dict:
+    async def list_workers() -> dict[str, Any]:
         return {
             "workers": [w.describe() for w in fleet.workers.values()],
             "pending": sorted(fleet.pending),
@@ -174,13 +175,13 @@ def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: N
         return JSONResponse({"status": "added", "worker": worker.describe()})
 
     @app.delete("/workers/{url:path}")
-    async def remove_worker(url: str) -> dict:
+    async def remove_worker(url: str) -> dict[str, Any]:
         if not fleet.remove(url):
             raise APIError(404, f"no worker {url!r} in the fleet", param="url")
         return {"status": "removed", "url": url}
 
     @app.post("/flush_cache")
-    async def flush_cache() -> dict:
+    async def flush_cache() -> dict[str, Any]:
         async def flush(url: str) -> tuple[str, int]:
             try:
                 response = await client.post(url + "/flush_cache", headers=fleet.admin_headers, timeout=30)
@@ -195,7 +196,7 @@ def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: N
     return app
 
 
-def _plain(payload: dict) -> RequestInfo:
+def _plain(payload: dict[str, Any]) -> RequestInfo:
     """A request without routing text (tokenize, detokenize): any worker of its model."""
     model = payload.get("model")
     return RequestInfo(model=model if isinstance(model, str) else None, stream=False)

@@ -4,14 +4,10 @@ where it has the same setting (``--worker-urls``, ``--policy``, ``--cache-thresh
 
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass
-from typing import Literal
 
 from radixserve.cli_args import CliArgs, flag
-
-PolicyName = Literal["capacity_aware", "cache_aware", "round_robin", "power_of_two", "random"]
-POLICIES: tuple[str, ...] = typing.get_args(PolicyName)
+from radixserve.load_balance import RouterPolicy, describe, policy_error
 
 
 @dataclass
@@ -19,10 +15,9 @@ class RouterArgs(CliArgs):
     worker_urls: list[str] = flag(
         "worker base URLs (http://host:port); more can be added at runtime with POST /workers", default=[]
     )
-    policy: PolicyName = flag(
-        "how a worker is chosen: capacity_aware (least expected wait: queued tokens over measured throughput, "
-        "less the prompt tokens a worker already caches), cache_aware (longest cached prefix above "
-        "--cache-threshold unless the load is imbalanced), round_robin, power_of_two, random",
+    policy: RouterPolicy = flag(
+        "how a worker is chosen (the names a worker's --load-balance-method takes mean the same here; ties go "
+        "in turn): " + describe("router"),
         default="capacity_aware",
     )
     host: str = flag("HTTP host", default="127.0.0.1")
@@ -90,8 +85,9 @@ class RouterArgs(CliArgs):
             raise ValueError(f"{name}: {msg}")
 
         self.worker_urls = [normalize_url(url) for url in self.worker_urls]
-        if self.policy not in POLICIES:
-            bad("policy", f"must be one of {POLICIES}, got {self.policy!r}")
+        problem = policy_error(self.policy, "router")
+        if problem is not None:
+            bad("policy", problem)
         if not 0 <= self.cache_threshold <= 1:
             bad("cache_threshold", f"must be in [0, 1], got {self.cache_threshold}")
         if not 0 <= self.port <= 65535:

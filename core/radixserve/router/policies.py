@@ -6,21 +6,24 @@ supporting what the request needs) gets a request.
   (``PrefixTree``), divided by its measured decode throughput. A worker half as fast gets
   half the traffic at equal queues; a long prompt goes where the queue is short or its
   prefix is cached.
-- ``cache_aware``: SGLang's rule. Unless the load is imbalanced (then the least loaded),
-  the worker with the longest cached prefix when it covers ``cache_threshold`` of the
-  request, else the worker credited with the least text (spreading new prefixes).
-- ``round_robin``, ``power_of_two`` (the less loaded of two at random), ``random``.
+- ``cache_aware``: SGLang's rule. Unless the load is imbalanced (then ``shortest_queue``'s
+  pick), the worker with the longest cached prefix when it covers ``cache_threshold`` of
+  the request, else the worker credited with the least text (spreading new prefixes).
+- ``round_robin``, ``shortest_queue``, ``minimum_tokens``: the rules the data-parallel
+  controller uses for its replicas (``load_balance.py``), over each worker's ``Load``
+  as the router knows it (``worker_load``); ties in turn.
+- ``power_of_two`` (of two at random, the one ``minimum_tokens`` would pick), ``random``.
 """
 
 from __future__ import annotations
 
-import itertools
 import random
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from radixserve.load_balance import LOAD_KEYS, Load, least_loaded
 from radixserve.router.args import RouterArgs
 from radixserve.router.prefix_tree import PrefixTree
 from radixserve.router.worker import Work, Worker
@@ -69,12 +72,24 @@ class _Forgetful:
         pass
 
 
-class RoundRobin(_Forgetful):
-    def __init__(self) -> None:
-        self._counter = itertools.count()
+def worker_load(worker: Worker) -> Load:
+    """A worker's unfinished requests and tokens, as the router knows them (``Worker.queued_*``)."""
+    return Load(worker.queued_requests(), worker.queued_tokens())
+
+
+class InTurn(_Forgetful):
+    """``round_robin``, ``shortest_queue`` or ``minimum_tokens`` (``load_balance.LOAD_KEYS``):
+    the least loaded candidate, the first of equals counting from the one after the
+    last chosen (as the DP controller does with its replicas)."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._next = 0  # the candidate's place to try first
 
     def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Choice:
-        return Choice(candidates[next(self._counter) % len(candidates)])
+        chosen = least_loaded([worker_load(w) for w in candidates], self.policy, self._next % len(candidates))
+        self._next = chosen + 1
+        return Choice(candidates[chosen])
 
 
 class RandomChoice(_Forgetful):
@@ -92,8 +107,8 @@ class PowerOfTwo(_Forgetful):
     def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Choice:
         if len(candidates) == 1:
             return Choice(candidates[0])
-        a, b = self.rng.sample(list(candidates), 2)
-        return Choice(a if a.queued_tokens() <= b.queued_tokens() else b)
+        pair = self.rng.sample(list(candidates), 2)
+        return Choice(pair[least_loaded([worker_load(w) for w in pair], "minimum_tokens")])
 
 
 class CacheAware:
@@ -103,11 +118,10 @@ class CacheAware:
 
     def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Choice:
         loads = [w.queued_requests() for w in candidates]
-        least_loaded = candidates[loads.index(min(loads))]
         imbalanced = max(loads) - min(loads) > self.balance_abs and max(loads) > min(loads) * self.balance_rel
         matched = self.tree.match(request.text)
         if imbalanced:
-            chosen = least_loaded
+            chosen = candidates[least_loaded([worker_load(w) for w in candidates], "shortest_queue")]
         else:
             best = max(candidates, key=lambda w: (matched.get(w.url, 0), -w.queued_requests()))
             if request.text and matched.get(best.url, 0) / len(request.text) >= self.threshold:
@@ -156,8 +170,8 @@ def _capacities(candidates: Sequence[Worker], rate: Callable[[Worker], float | N
 
 def make_policy(args: RouterArgs, rng: random.Random | None = None) -> Policy:
     rng = rng or random.Random()
-    if args.policy == "round_robin":
-        return RoundRobin()
+    if args.policy in LOAD_KEYS:
+        return InTurn(args.policy)
     if args.policy == "random":
         return RandomChoice(rng)
     if args.policy == "power_of_two":

@@ -19,11 +19,11 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from radixserve.messages import FinishReason, FinishType
+from radixserve.reasoning_parsers.base import ReasoningParser
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError
 from radixserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from radixserve.server.reasoning import STYLES
 from radixserve.server.response_models import (
     AssistantMessage,
     ChatChoice,
@@ -116,7 +116,7 @@ class OpenAIServing:
         model_name: str,
         chat_template: ChatTemplate,
         tool_parser: type[ToolParser] | None = None,
-        reasoning_parser: str | None = None,
+        reasoning_parser: type[ReasoningParser] | None = None,
     ):
         self.tm = tm
         self.model_name = model_name
@@ -126,12 +126,11 @@ class OpenAIServing:
         self.reasoning_parser = reasoning_parser
         self.gate: ReasoningGate | None = None
         if reasoning_parser is not None:
-            style = STYLES[reasoning_parser]
             encode = tm.tokenizer.encode
             self.gate = ReasoningGate(
-                tuple(encode(style.start, add_special_tokens=False)),
-                tuple(encode(style.end, add_special_tokens=False)),
-                style.starts_in_reasoning,
+                tuple(encode(reasoning_parser.start, add_special_tokens=False)),
+                tuple(encode(reasoning_parser.end, add_special_tokens=False)),
+                reasoning_parser.starts_in_reasoning,
             )
 
     def check_model(self, model: str | None) -> None:

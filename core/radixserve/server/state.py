@@ -137,7 +137,8 @@ class ServerState:
         tm.start()
         template = ChatTemplate(tokenizer, args.chat_template)
         tool_parser = get_registry().tool_parser(args.tool_call_parser, template.source)
-        self.openai = OpenAIServing(tm, self.model_name, template, tool_parser, args.reasoning_parser)
+        reasoning_parser = get_registry().reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None
+        self.openai = OpenAIServing(tm, self.model_name, template, tool_parser, reasoning_parser)
         self._log_summary(template, summary, tm)
         if not args.skip_server_warmup:
             await self.generate_one_token(tm)

@@ -21,9 +21,9 @@ from typing import Any
 
 import jsonschema
 
+from radixserve.reasoning_parsers.base import ReasoningParser
 from radixserve.server.errors import APIError
 from radixserve.server.protocol import ChatCompletionRequest
-from radixserve.server.reasoning import ReasoningParser
 from radixserve.structured_output.backend import GrammarSpec
 from radixserve.tool_parsers.base import ParsedOutput, StreamDelta, ToolCall, ToolCallDelta, ToolParser
 from radixserve.tool_parsers.forms import CallForm, FormToolParser
@@ -114,8 +114,10 @@ def tool_call_json(index: int | None, call_id_: str | None, name: str | None, ar
 class ChoiceReader:
     """One choice's output read back: reasoning split off, then tool calls."""
 
-    def __init__(self, req: ChatCompletionRequest, parser_cls: type[ToolParser] | None, reasoning: str | None):
-        self.reasoning = ReasoningParser(reasoning) if reasoning else None
+    def __init__(
+        self, req: ChatCompletionRequest, parser_cls: type[ToolParser] | None, reasoning: type[ReasoningParser] | None
+    ) -> None:
+        self.reasoning = reasoning() if reasoning is not None else None
         self.named = req.named_tool if req.tools else None
         self.parser: ToolParser | None = None
         if req.tools and req.tool_choice == "required":

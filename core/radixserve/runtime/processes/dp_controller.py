@@ -49,7 +49,7 @@ import zmq
 
 from radixserve.config import ServerArgs
 from radixserve.ipc import Endpoints, die_with_parent, pull_socket, push_socket
-from radixserve.load_balance import LoadBalancer, ReplicaLoad, request_tokens
+from radixserve.load_balance import Load, LoadBalancer, request_tokens
 from radixserve.logging_utils import configure_logging
 from radixserve.messages import (
     PROFILE_DIR_ENV,
@@ -68,13 +68,13 @@ from radixserve.messages import (
 
 logger = logging.getLogger(__name__)
 
-Send = Callable[[Any], None]
+Send = Callable[[Any], object]  # what it returns (zmq's send_pyobj: a tracker or None) is ignored
 
 
 @dataclass
 class _Replica:
     dp_rank: int
-    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    load: Load = field(default_factory=Load)
     dispatched_total: int = 0
     down_reason: str | None = None  # set once it died
 
@@ -93,7 +93,7 @@ class DPController:
     msg)``, ``send_detokenizer`` and ``send_tm`` deliver), so tests can drive it."""
 
     def __init__(
-        self, args: ServerArgs, send_replica: Callable[[int, Any], None], send_detokenizer: Send, send_tm: Send
+        self, args: ServerArgs, send_replica: Callable[[int, Any], object], send_detokenizer: Send, send_tm: Send
     ):
         self.args = args
         self.balancer = LoadBalancer(args.load_balance_method)
@@ -158,7 +158,7 @@ class DPController:
         lost = [rid for rid, (k, _) in self._owner.items() if k == msg.dp_rank]
         for rid in lost:
             del self._owner[rid]
-        replica.load = ReplicaLoad()
+        replica.load = Load()
         logger.error(
             "data-parallel replica %d is down (%s): ending its %d request(s) with an error; %d of %d replicas serve on",
             msg.dp_rank,
