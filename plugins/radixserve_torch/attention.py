@@ -107,7 +107,9 @@ def grouped_heads_reasons(query: KernelQuery) -> list[str]:
     return []
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, layer: AttentionLayerSpec) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer: AttentionLayerSpec
+) -> torch.Tensor:
     """q [n, H, D], k/v [S, KVH, D], mask [n, S] (None: plain causal) -> [n, H, D]."""
     o = _attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), mask, layer)
     return o.transpose(0, 1)
@@ -121,7 +123,9 @@ def _sdpa_batched(
     return o.squeeze(2)
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, layer: AttentionLayerSpec) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer: AttentionLayerSpec
+) -> torch.Tensor:
     """q [..., H, n, D], k/v [..., KVH, S, D], boolean mask broadcastable to
     [..., H, n, S] (None: causal, n == S) -> [..., H, n, D]. With a logit cap,
     scores and softmax are computed in float32 (SDPA has no cap)."""

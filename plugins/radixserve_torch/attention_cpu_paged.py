@@ -202,9 +202,9 @@ class CpuPagedAttention(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         meta = PagedMetadata(batch.req_pool_indices.contiguous(), batch.seq_lens.contiguous())
         if batch.mode is ForwardMode.DECODE:
-            meta.cascade = plan_cascade(
-                batch.req_to_token, meta.rows, batch.seq_lens_cpu, self.query.num_heads // self.query.num_kv_heads
-            )
+            num_heads, num_kv_heads = self.query.num_heads, self.query.num_kv_heads
+            assert num_heads is not None and num_kv_heads is not None  # an attention query carries both
+            meta.cascade = plan_cascade(batch.req_to_token, meta.rows, batch.seq_lens_cpu, num_heads // num_kv_heads)
         else:
             starts = [0]
             for n in batch.extend_lens_cpu:

@@ -59,7 +59,7 @@ class TorchMLAAttention(MLAAttentionBackend):
         slots = batch.req_to_token[batch.req_pool_indices, :max_len]  # [B, S]; padding points anywhere
         mask = torch.arange(max_len, device=q_nope.device)[None, :] < batch.seq_lens[:, None]  # [B, S]
         keys = entries.index_select(0, slots.flatten()).view(*slots.shape, -1).to(q_nope.dtype)  # [B, S, rank + rope]
-        w_uk, w_uv = kv_b_weight.split([layer.qk_nope_head_dim, layer.v_head_dim], dim=1)
+        w_uk, w_uv = torch.split(kv_b_weight, [layer.qk_nope_head_dim, layer.v_head_dim], dim=1)
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, rank]
         q = torch.cat((q_latent, q_rope), dim=-1).unsqueeze(2)  # [B, H, 1, rank + rope]
         out_latent = F.scaled_dot_product_attention(

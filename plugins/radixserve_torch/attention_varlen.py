@@ -88,15 +88,17 @@ class _Bucket:
         fresh prompts), made once per step."""
         mask = self.masks.get(window)
         if mask is None:
-            keys = torch.arange(self.seq_len, device=self.query_pos.device)
+            query_pos = self.query_pos
+            assert query_pos is not None  # set by the step's plan
+            keys = torch.arange(self.seq_len, device=query_pos.device)
             if self.real is None:  # decode: the query is the request's last key
-                visible = keys[None, :] <= self.query_pos
+                visible = keys[None, :] <= query_pos
                 if window is not None:
-                    visible &= keys[None, :] > self.query_pos - window
+                    visible &= keys[None, :] > query_pos - window
                 mask = torch.zeros(visible.shape, dtype=dtype, device=keys.device).masked_fill_(~visible, float("-inf"))
                 mask = mask[:, None, :]
             else:
-                pos = self.query_pos[:, :, None]
+                pos = query_pos[:, :, None]
                 visible = keys[None, None, :] <= pos
                 if window is not None:
                     visible &= keys[None, None, :] > pos - window
@@ -144,7 +146,7 @@ class TorchVarlenAttention(AttentionBackend):
         order_t = torch.tensor(order, dtype=torch.int64, device=device)
         rows = batch.req_to_token.index_select(0, batch.req_pool_indices.index_select(0, order_t))
         seq_sorted = batch.seq_lens.index_select(0, order_t)
-        starts = None if decode else batch.extend_start_loc
+        starts = [] if decode else batch.extend_start_loc  # decode: unused
 
         buckets, indices, offset = [], [], 0
         for start, end in _split(order, work, _MIN_DECODE_WORK if decode else _MIN_EXTEND_WORK):
@@ -170,7 +172,9 @@ class TorchVarlenAttention(AttentionBackend):
         batch.attn_metadata = VarlenMetadata(torch.cat(indices), buckets, order_t if reorder else None)
 
     @staticmethod
-    def _plan_extend(bucket: _Bucket, reqs: list[int], starts: list[int], batch: ForwardBatch, device) -> None:
+    def _plan_extend(
+        bucket: _Bucket, reqs: list[int], starts: list[int], batch: ForwardBatch, device: torch.device
+    ) -> None:
         n_max, s_max = bucket.num_queries, bucket.seq_len
         new = torch.tensor([batch.extend_lens_cpu[i] for i in reqs], device=device)
         prefix = torch.tensor([batch.prefix_lens_cpu[i] for i in reqs], device=device)
@@ -198,18 +202,26 @@ class TorchVarlenAttention(AttentionBackend):
 
     # -- per layer ----------------------------------------------------------------
 
-    def _gather(self, layer: AttentionLayerSpec, batch: ForwardBatch, dtype: torch.dtype):
+    def _gather(
+        self, layer: AttentionLayerSpec, batch: ForwardBatch, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """All buckets' K and V, head-major, into the reused workspace: two index_selects."""
         meta: VarlenMetadata = batch.attn_metadata
         k_buf, v_buf = batch.kv_pool.get_kv(layer.layer_id)
         rows, d = meta.kv_index.numel(), k_buf.shape[-1]
-        work = self._k_work
-        if work is None or work.numel() < rows * d or work.dtype != k_buf.dtype or work.device != k_buf.device:
+        k_work, v_work = self._k_work, self._v_work  # made together: both None or neither
+        if (
+            k_work is None
+            or v_work is None
+            or k_work.numel() < rows * d
+            or k_work.dtype != k_buf.dtype
+            or k_work.device != k_buf.device
+        ):
             capacity = rows * d * 5 // 4  # headroom, so slowly growing batches rarely reallocate
-            self._k_work = torch.empty(capacity, dtype=k_buf.dtype, device=k_buf.device)
-            self._v_work = torch.empty(capacity, dtype=k_buf.dtype, device=k_buf.device)
-        k = self._k_work[: rows * d].view(rows, d)
-        v = self._v_work[: rows * d].view(rows, d)
+            k_work = self._k_work = torch.empty(capacity, dtype=k_buf.dtype, device=k_buf.device)
+            v_work = self._v_work = torch.empty(capacity, dtype=k_buf.dtype, device=k_buf.device)
+        k = k_work[: rows * d].view(rows, d)
+        v = v_work[: rows * d].view(rows, d)
         torch.index_select(k_buf.view(-1, d), 0, meta.kv_index, out=k)
         torch.index_select(v_buf.view(-1, d), 0, meta.kv_index, out=v)
         return k.to(dtype), v.to(dtype)  # no copy when the pool has the compute dtype
@@ -235,6 +247,7 @@ class TorchVarlenAttention(AttentionBackend):
                 keys = keys.float()
             scores = torch.bmm(q[b.start : b.end].view(n, group, d), keys.transpose(1, 2))  # [b*KVH, G, S]
             mask = b.mask if window is None else b.window_mask(window, dtype)
+            assert mask is not None  # a decode bucket always has one
             if cap is not None:
                 scores = torch.tanh(scores.div_(cap)).mul_(cap)
             scores = scores.view(b.size, kvh * group, s).add_(mask)
@@ -251,12 +264,14 @@ class TorchVarlenAttention(AttentionBackend):
         window, cap = layer.sliding_window, layer.logit_softcap
         out = torch.empty_like(q)
         for b in meta.buckets:
+            # set by the extend plan:
+            assert b.query_index is not None and b.valid_rows is not None and b.token_index is not None
             n, s = b.size * kvh, b.seq_len
             keys = k[b.kv_offset : b.kv_offset + n * s].view(b.size, kvh, s, d)
             values = v[b.kv_offset : b.kv_offset + n * s].view(b.size, kvh, s, d)
             queries = q.index_select(0, b.query_index).view(b.size, b.num_queries, h, d).transpose(1, 2)
             if cap is not None:
-                o = _capped_attention(queries, keys, values, b.window_mask(window, q.dtype), layer)
+                o = _capped_attention(queries, keys, values, b.window_mask(window, q.dtype), layer.scaling, cap)
             else:
                 mask = b.mask if window is None else b.window_mask(window, q.dtype)
                 o = F.scaled_dot_product_attention(
@@ -274,9 +289,9 @@ class TorchVarlenAttention(AttentionBackend):
 
 
 def _capped_attention(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, layer: AttentionLayerSpec
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scaling: float, cap: float
 ) -> torch.Tensor:
-    """SDPA with the layer's logit cap: queries [b, H, N, D], keys/values
+    """SDPA with a layer's ``scaling`` and logit ``cap``: queries [b, H, N, D], keys/values
     [b, KVH, S, D], mask bool [b, 1, N, S] -> [b, H, N, D]. The query heads of a
     KV head are stacked as rows of one ``matmul``; scores, cap and softmax in
     float32, the probabilities rounded to the values' dtype for P.V."""
@@ -284,7 +299,7 @@ def _capped_attention(
     kvh, s = keys.shape[1], keys.shape[2]
     group = h // kvh
     scores = torch.matmul(queries.reshape(b, kvh, group * n, d).float(), keys.float().transpose(2, 3))
-    scores = torch.tanh(scores.mul_(layer.scaling / layer.logit_softcap)).mul_(layer.logit_softcap)
+    scores = torch.tanh(scores.mul_(scaling / cap)).mul_(cap)
     scores = scores.view(b, kvh, group, n, s).masked_fill_(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(queries.dtype).view(b, kvh, group * n, s)
     return torch.matmul(probs, values).view(b, h, n, d)
@@ -296,7 +311,8 @@ def _split(order: list[int], work: list[int], min_work: int) -> list[tuple[int, 
     A run closes when the next request's work falls below ``_BUCKET_FILL`` of
     the run's first (largest) one and the run already holds ``min_work`` of
     padded work; the last run takes whatever remains."""
-    spans, start = [], 0
+    spans: list[tuple[int, int]] = []
+    start = 0
     for pos in range(1, len(order)):
         if len(spans) == _MAX_BUCKETS - 1:
             break

@@ -48,7 +48,7 @@ class OneDnnGemm(GemmBackend):
             reasons.append(f"runs on cpu only, not {query.device!r}")
         if query.dtype not in ONEDNN_DTYPES:
             reasons.append(f"dtype {query.dtype} is not float32 or bfloat16")
-        if not torch.backends.mkldnn.is_available():
+        if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]  # unannotated in torch
             reasons.append("this torch build has no oneDNN (torch.backends.mkldnn.is_available() is False)")
         elif query.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             # The check honours ONEDNN_MAX_CPU_ISA: under AVX2, oneDNN refuses to pack a bfloat16 weight.
@@ -65,10 +65,12 @@ class OneDnnGemm(GemmBackend):
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
         # The batch-size hint only guides oneDNN's choice of layout; a packed
         # weight serves every batch size (hints 1, 32 and 512 showed no consistent difference).
-        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+        packed: torch.Tensor = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
+        return packed
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return out
 
 
 class CpuPackedGemm(GemmBackend):
@@ -130,7 +132,8 @@ class CpuPackedGemm(GemmBackend):
         group = _GROUP.get(weight.dtype, 0)
         if not group or out_features % 16 or in_features % group:
             return weight
-        return self._ops.pack_weight(weight)
+        packed: torch.Tensor = self._ops.pack_weight(weight)
+        return packed
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if weight.dim() == 2:

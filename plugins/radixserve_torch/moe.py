@@ -19,7 +19,14 @@ class TorchNativeMoE(MoEBackend):
     def graph_unsupported_reasons(self) -> list[str]:
         return [f"moe backend {self.name!r} loops on the host over the experts that received tokens"]
 
-    def forward(self, hidden, router_logits, w13, w2, routing: MoERouting) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        router_logits: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        routing: MoERouting,
+    ) -> torch.Tensor:
         weights, ids = route(router_logits, routing)
         out = torch.zeros_like(hidden, dtype=torch.float32)
         inter = w2.shape[2]

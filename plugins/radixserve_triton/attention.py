@@ -120,7 +120,7 @@ class TritonAttention(AttentionBackend):
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         meta = self._meta(batch)
         k_cache, v_cache = batch.kv_pool.get_kv(layer.layer_id)
-        return self._kernels.extend_attention(
+        out: torch.Tensor = self._kernels.extend_attention(
             q,
             k_cache,
             v_cache,
@@ -135,6 +135,7 @@ class TritonAttention(AttentionBackend):
             sliding_window=layer.sliding_window,
             logit_softcap=layer.logit_softcap,
         )
+        return out
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         meta = self._meta(batch)
@@ -142,7 +143,7 @@ class TritonAttention(AttentionBackend):
         splits = meta.num_kv_splits
         if layer.sliding_window is not None:  # the splits cut the window's keys: no more than it fills
             splits = min(splits, -(-layer.sliding_window // self.kernel_config.min_keys_per_split))
-        return self._kernels.decode_attention(
+        out: torch.Tensor = self._kernels.decode_attention(
             q,
             k_cache,
             v_cache,
@@ -155,3 +156,4 @@ class TritonAttention(AttentionBackend):
             sliding_window=layer.sliding_window,
             logit_softcap=layer.logit_softcap,
         )
+        return out

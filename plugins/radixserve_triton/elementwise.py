@@ -32,7 +32,8 @@ class TritonElementwise(ElementwiseBackend):
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> NormResult:
-        return self._kernels.rms_norm(x, weight, eps, residual)
+        result: NormResult = self._kernels.rms_norm(x, weight, eps, residual)
+        return result
 
     def apply_rotary(
         self,
@@ -45,12 +46,15 @@ class TritonElementwise(ElementwiseBackend):
         self._kernels.apply_rotary(q, k, positions, cos_sin_cache, neox_style)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernels.silu_and_mul(x)
+        out: torch.Tensor = self._kernels.silu_and_mul(x)
+        return out
 
     def gemma_rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> NormResult:
-        return self._kernels.rms_norm(x, weight, eps, residual, gemma=True)
+        result: NormResult = self._kernels.rms_norm(x, weight, eps, residual, gemma=True)
+        return result
 
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return self._kernels.gelu_tanh_and_mul(x)
+        out: torch.Tensor = self._kernels.gelu_tanh_and_mul(x)
+        return out

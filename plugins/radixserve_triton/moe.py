@@ -35,6 +35,14 @@ class TritonMoE(MoEBackend):
         super().__init__(query)
         self._kernels = kernel_module(query, "triton MoE", "moe")
 
-    def forward(self, hidden, router_logits, w13, w2, routing: MoERouting) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        router_logits: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        routing: MoERouting,
+    ) -> torch.Tensor:
         weights, ids = route(router_logits, routing)
-        return self._kernels.fused_moe(hidden, w13, w2, weights, ids, self.kernel_config)
+        out: torch.Tensor = self._kernels.fused_moe(hidden, w13, w2, weights, ids, self.kernel_config)
+        return out

@@ -55,7 +55,7 @@ def visible_capabilities() -> list[Capability]:
     """``(major, minor)`` of every visible device (empty on a machine without one)."""
     if getattr(torch.version, "cuda", None) is None:
         return []
-    if not torch.cuda.is_initialized():
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # unannotated in torch
         caps = _nvml_capabilities(cuda_visible_devices())
         if caps is not None:
             return caps

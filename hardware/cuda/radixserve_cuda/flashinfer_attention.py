@@ -43,7 +43,7 @@ WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended split-k scratch size
 CUDA_CORE_DECODE_GROUPS = (1, 2, 3, 4)
 
 # (dtype, num_heads, num_kv_heads, head_dim, page_size) warmed up in this process.
-_warmed: set[tuple] = set()
+_warmed: set[tuple[torch.dtype, int, int, int, int]] = set()
 
 
 @dataclass
@@ -186,8 +186,8 @@ class FlashInferAttention(AttentionBackend):
             raise RuntimeError(f"the flashinfer attention backend needs flashinfer ({INSTALL_HINT}): {exc}") from exc
         self._flashinfer = flashinfer
         self._workspace: torch.Tensor | None = None
-        self._prefill = None
-        self._decode = None
+        self._prefill: Any = None  # flashinfer's wrappers, made on first use
+        self._decode: Any = None
         group = (query.num_heads or 1) // (query.num_kv_heads or 1)
         self._decode_tensor_cores = group not in CUDA_CORE_DECODE_GROUPS
         self._graph: _GraphBuffers | None = None
@@ -195,7 +195,7 @@ class FlashInferAttention(AttentionBackend):
 
     # -- wrappers -----------------------------------------------------------
 
-    def _wrappers(self, device: torch.device):
+    def _wrappers(self, device: torch.device) -> tuple[Any, Any]:
         """The prefill and decode wrappers, made on first use on ``device`` with one
         shared workspace; the kernels are warmed up then."""
         if self._workspace is None:
@@ -219,7 +219,7 @@ class FlashInferAttention(AttentionBackend):
         head_dim: int,
         dtype: torch.dtype,
         kv_dtype: torch.dtype,
-    ):
+    ) -> Any:
         prefill, decode = self._wrappers(device)
         if mode is ForwardMode.DECODE:
             self._plan_decode(decode, index, page_size, num_heads, num_kv_heads, head_dim, dtype, kv_dtype)
@@ -244,7 +244,7 @@ class FlashInferAttention(AttentionBackend):
 
     def _plan_decode(
         self,
-        wrapper,
+        wrapper: Any,
         index: PagedKVIndex,
         page_size: int,
         num_heads: int,
@@ -278,7 +278,7 @@ class FlashInferAttention(AttentionBackend):
             self._planned.synchronize()
 
     def _after_plan(self) -> None:
-        self._planned = torch.cuda.Event()
+        self._planned = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
         self._planned.record()
 
     # -- the backend interface -----------------------------------------------
@@ -286,11 +286,18 @@ class FlashInferAttention(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         batch.attn_metadata = self._metadata(batch)
 
+    def _shape(self) -> tuple[int, int, int]:
+        """The query's ``num_heads``, ``num_kv_heads`` and ``head_dim`` (an attention query has them)."""
+        q = self.query
+        assert q.num_heads is not None and q.num_kv_heads is not None and q.head_dim is not None
+        return q.num_heads, q.num_kv_heads, q.head_dim
+
     def _metadata(self, batch: ForwardBatch) -> FlashInferMetadata:
         q, pool = self.query, batch.kv_pool
+        heads, kv_heads, head_dim = self._shape()
         index = batch_paged_kv_index(batch)
         wrapper = self._plan(
-            batch.mode, index, pool.device, pool.page_size, q.num_heads, q.num_kv_heads, q.head_dim, q.dtype, pool.dtype
+            batch.mode, index, pool.device, pool.page_size, heads, kv_heads, head_dim, q.dtype, pool.dtype
         )
         return FlashInferMetadata(batch.mode, wrapper)
 
@@ -299,7 +306,8 @@ class FlashInferAttention(AttentionBackend):
         if not isinstance(meta, FlashInferMetadata) or meta.mode is not batch.mode:
             meta = batch.attn_metadata = self._metadata(batch)
         paged = batch.kv_pool.get_kv_pages(layer.layer_id)  # NHD: [pages, page_size, kv_heads, head_dim]
-        return meta.wrapper.run(q.contiguous(), paged, q_scale=layer.scaling)
+        out: torch.Tensor = meta.wrapper.run(q.contiguous(), paged, q_scale=layer.scaling)
+        return out
 
     def forward_extend(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         return self._run(q, layer, batch)
@@ -362,9 +370,10 @@ class FlashInferAttention(AttentionBackend):
         )
         self._plan_graph(wrapper, index, batch)
 
-    def _plan_graph(self, wrapper, index: PagedKVIndex, batch: ForwardBatch) -> None:
+    def _plan_graph(self, wrapper: Any, index: PagedKVIndex, batch: ForwardBatch) -> None:
         q, pool = self.query, batch.kv_pool
-        self._plan_decode(wrapper, index, pool.page_size, q.num_heads, q.num_kv_heads, q.head_dim, q.dtype, pool.dtype)
+        heads, kv_heads, head_dim = self._shape()
+        self._plan_decode(wrapper, index, pool.page_size, heads, kv_heads, head_dim, q.dtype, pool.dtype)
         batch.attn_metadata = FlashInferMetadata(ForwardMode.DECODE, wrapper)
 
     # -- warm-up ---------------------------------------------------------------
@@ -375,20 +384,21 @@ class FlashInferAttention(AttentionBackend):
         generation) rather than inside a request, and log how long it took: the
         first compile on a machine takes minutes."""
         q, page_size = self.query, self.query.page_size
-        key = (q.dtype, q.num_heads, q.num_kv_heads, q.head_dim, page_size)
+        heads, kv_heads, head_dim = self._shape()
+        key = (q.dtype, heads, kv_heads, head_dim, page_size)
         if key in _warmed:
             return
         logger.info(
             "FlashInfer: preparing paged prefill and decode kernels (%s, %d/%d heads, head_dim %d); "
             "the first compile on a machine takes minutes, later starts load them from its cache",
             str(q.dtype).replace("torch.", ""),
-            q.num_heads,
-            q.num_kv_heads,
-            q.head_dim,
+            heads,
+            kv_heads,
+            head_dim,
         )
         start = time.perf_counter()
         # Two requests of up to 3 tokens, on pages 1 and 2 of a 3-page scratch cache.
-        cache = torch.zeros((3, page_size, q.num_kv_heads, q.head_dim), dtype=q.dtype, device=device)
+        cache = torch.zeros((3, page_size, kv_heads, head_dim), dtype=q.dtype, device=device)
         req_to_token = torch.arange(page_size, 3 * page_size, device=device).view(2, page_size)
         rows = torch.arange(2, device=device)
         lens = [min(3, page_size)] * 2
@@ -396,12 +406,10 @@ class FlashInferAttention(AttentionBackend):
         for mode in (ForwardMode.EXTEND, ForwardMode.DECODE):
             extend = lens if mode is ForwardMode.EXTEND else [1, 1]
             index = build_paged_kv_index(req_to_token, rows, seq_lens, lens, page_size, extend)
-            wrapper = self._plan(
-                mode, index, device, page_size, q.num_heads, q.num_kv_heads, q.head_dim, q.dtype, q.dtype
-            )
+            wrapper = self._plan(mode, index, device, page_size, heads, kv_heads, head_dim, q.dtype, q.dtype)
             tokens = sum(extend)
-            x = torch.zeros((tokens, q.num_heads, q.head_dim), dtype=q.dtype, device=device)
-            wrapper.run(x, (cache, cache), q_scale=q.head_dim**-0.5)
+            x = torch.zeros((tokens, heads, head_dim), dtype=q.dtype, device=device)
+            wrapper.run(x, (cache, cache), q_scale=head_dim**-0.5)
         torch.cuda.synchronize(device)
         _warmed.add(key)
         logger.info("FlashInfer: kernels ready in %.1f s", time.perf_counter() - start)

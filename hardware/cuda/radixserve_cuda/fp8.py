@@ -19,12 +19,13 @@ row-wise (``[M, 1]`` and ``[1, N]``; a per-tensor weight scale is broadcast to
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
 
 from radixserve.kernels import KernelQuery, QuantizationMethod
+from radixserve.kernels.quantization import WeightLoader
 from radixserve_cuda.capability import capability_reasons, visible_capabilities
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -92,26 +93,34 @@ class Fp8W8A8(QuantizationMethod):
             reasons += capability_reasons(visible_capabilities(), MIN_CAPABILITY, "fp8 w8a8 (torch._scaled_mm)")
         return reasons
 
-    def create_weights(self, layer, in_features, out_features, params_dtype, weight_loader) -> None:
+    def create_weights(
+        self,
+        layer: nn.Module,
+        in_features: int,
+        out_features: int,
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
         weight = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype), requires_grad=False)
-        weight.weight_loader = weight_loader
+        weight.weight_loader = weight_loader  # type: ignore[attr-defined]  # an ad hoc attribute torch's stubs lack
         layer.register_parameter("weight", weight)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        out_features, in_features = layer.weight.shape
+        weight = cast(torch.Tensor, layer.weight)
+        out_features, in_features = weight.shape
         if out_features % _ALIGN or in_features % _ALIGN:
             raise ValueError(
                 f"quantization: {self.name} needs a linear layer's in and out features divisible by "
                 f"{_ALIGN} (torch._scaled_mm), got out={out_features}, in={in_features}"
             )
-        scale = weight_scales(layer.weight.data, self.per_channel)
-        qweight = quantize(layer.weight.data, scale[:, None])
+        scale = weight_scales(weight.data, self.per_channel)
+        qweight = quantize(weight.data, scale[:, None])
         del layer.weight
         layer.register_buffer("qweight", qweight)
         layer.register_buffer("weight_scale", scale.expand(out_features).reshape(1, out_features).contiguous())
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return fp8_linear(x, layer.qweight, layer.weight_scale, bias)
+        return fp8_linear(x, cast(torch.Tensor, layer.qweight), cast(torch.Tensor, layer.weight_scale), bias)
 
 
 class Fp8W8A8PerTensor(Fp8W8A8):

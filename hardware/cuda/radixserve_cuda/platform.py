@@ -11,11 +11,16 @@ Everything that needs the device (memory, properties) runs in the scheduler.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.profiler import ProfilerActivity
 
 from radixserve.platform import Platform
 from radixserve_cuda.visibility import VisibleDevices, cuda_visible_devices
+
+if TYPE_CHECKING:
+    from radixserve_cuda.graphs import CudaGraphBackend
 
 
 def reusable_free_bytes(free: int, reserved: int, allocated: int) -> int:
@@ -84,7 +89,7 @@ class CudaPlatform(Platform):
         where = "" if visible.ids is None else f", physical {visible.physical(index)}"
         return f"cuda:{index} {props.name} ({props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}{where})"
 
-    def graph_backend(self, device: torch.device):
+    def graph_backend(self, device: torch.device) -> CudaGraphBackend:
         from radixserve_cuda.graphs import CudaGraphBackend  # CUDA graphs: radixserve_cuda/graphs.py
 
         return CudaGraphBackend(device)

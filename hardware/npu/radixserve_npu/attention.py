@@ -171,7 +171,8 @@ class NpuFusedAttention(AttentionBackend):
     def _metadata(self, batch: ForwardBatch) -> NpuAttentionMetadata:
         if not isinstance(batch.attn_metadata, NpuAttentionMetadata):
             self.init_forward_metadata(batch)
-        return batch.attn_metadata
+        meta: NpuAttentionMetadata = batch.attn_metadata
+        return meta
 
     def forward_decode(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         meta = self._metadata(batch)
@@ -198,6 +199,7 @@ class NpuFusedAttention(AttentionBackend):
             causal = dict(
                 actual_seq_lengths=meta.extend_lens, sparse_mode=RIGHT_DOWN_CAUSAL, atten_mask=self._mask(q_bnsd.device)
             )
+        out: torch.Tensor
         out, _ = ops.op("npu_fused_infer_attention_score")(
             q_bnsd,
             k_cache,

@@ -24,6 +24,9 @@ import torch.nn.functional as F
 from radixserve.kernels import KernelQuery, MoEBackend, MoERouting, route
 from radixserve_npu import ops
 
+# (x [M, K], weight [E, K, N], group_list [E]) -> [M, N]
+GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
 MAX_GROUPS = 1024  # group_list of the single-tensor form holds at most 1024 experts
 MOE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -58,7 +61,7 @@ class NpuGroupedMoE(MoEBackend):
 
     def __init__(self, query: KernelQuery):
         super().__init__(query)
-        self._gmm: Callable | None = None
+        self._gmm: GroupedMatmul | None = None
 
     def _grouped_matmul(self, x: torch.Tensor, weight: torch.Tensor, group_list: torch.Tensor) -> torch.Tensor:
         if self._gmm is None:
@@ -70,7 +73,14 @@ class NpuGroupedMoE(MoEBackend):
             )
         return self._gmm(x, weight, group_list)
 
-    def forward(self, hidden, router_logits, w13, w2, routing: MoERouting) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        router_logits: torch.Tensor,
+        w13: torch.Tensor,
+        w2: torch.Tensor,
+        routing: MoERouting,
+    ) -> torch.Tensor:
         weights, ids = route(router_logits, routing)
         top_k, num_experts, inter = ids.shape[1], w13.shape[0], w2.shape[2]
         flat = ids.flatten()

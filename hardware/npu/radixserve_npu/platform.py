@@ -65,10 +65,12 @@ class NpuPlatform(Platform):
         return []
 
     def total_memory_bytes(self, index: int = 0) -> int:
-        return ops.load_torch_npu().npu.mem_get_info(index)[1]
+        total: int = ops.load_torch_npu().npu.mem_get_info(index)[1]
+        return total
 
     def available_memory_bytes(self, index: int = 0) -> int:
-        return ops.load_torch_npu().npu.mem_get_info(index)[0]
+        free: int = ops.load_torch_npu().npu.mem_get_info(index)[0]
+        return free
 
     def bind_device(self, device: torch.device) -> None:
         ops.load_torch_npu().npu.set_device(device)

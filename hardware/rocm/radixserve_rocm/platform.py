@@ -10,11 +10,16 @@ scheduler process.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch.profiler import ProfilerActivity
 
 from radixserve.platform import Platform
 from radixserve_rocm.visibility import RocmVisibleDevices, rocm_visible_devices
+
+if TYPE_CHECKING:
+    from radixserve_rocm.graphs import HipGraphBackend
 
 
 def reusable_free_bytes(free: int, reserved: int, allocated: int) -> int:
@@ -99,7 +104,7 @@ class RocmPlatform(Platform):
         where = "" if visible.ids is None else f", physical {visible.physical(index)}"
         return f"rocm:{index} {props.name} ({props.total_memory / 2**30:.0f} GiB, {arch}{where})"
 
-    def graph_backend(self, device: torch.device):
+    def graph_backend(self, device: torch.device) -> HipGraphBackend:
         from radixserve_rocm.graphs import HipGraphBackend  # torch.cuda.CUDAGraph records HIP graphs on ROCm
 
         return HipGraphBackend(device)

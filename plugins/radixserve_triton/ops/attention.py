@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from radixserve_triton.config import DEFAULT_ATTENTION_CONFIG, AttentionKernelConfig
-from radixserve_triton.ops.common import INTERPRETED, cast_to, mma, next_pow2, rne_bf16, upcast_dots
+from radixserve_triton.ops.common import INTERPRETED, cast_to, jit, mma, next_pow2, rne_bf16, upcast_dots
 
 LOG2E = 1.4426950408889634
 
@@ -45,27 +45,27 @@ LOG2E = 1.4426950408889634
 # KV store
 
 
-@triton.jit
+@jit
 def _store_kv_kernel(
-    K,
-    V,
-    KCache,
-    VCache,
-    Loc,
-    num_tokens,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kct,
-    stride_kch,
-    stride_vct,
-    stride_vch,
+    K: tl.tensor,
+    V: tl.tensor,
+    KCache: tl.tensor,
+    VCache: tl.tensor,
+    Loc: tl.tensor,
+    num_tokens: tl.tensor,
+    stride_kt: tl.tensor,
+    stride_kh: tl.tensor,
+    stride_vt: tl.tensor,
+    stride_vh: tl.tensor,
+    stride_kct: tl.tensor,
+    stride_kch: tl.tensor,
+    stride_vct: tl.tensor,
+    stride_vch: tl.tensor,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     RNE_BF16: tl.constexpr,
-):
+) -> None:
     pid_t = tl.program_id(0)
     head = tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -136,10 +136,17 @@ def store_kv(
 # Decode
 
 
-@triton.jit
+@jit
 def _online_softmax_step(
-    s, v, m_i, l_i, acc, UPCAST: tl.constexpr, RNE_BF16: tl.constexpr, EMPTY_ROWS: tl.constexpr = False
-):
+    s: tl.tensor,
+    v: tl.tensor,
+    m_i: tl.tensor,
+    l_i: tl.tensor,
+    acc: tl.tensor,
+    UPCAST: tl.constexpr,
+    RNE_BF16: tl.constexpr,
+    EMPTY_ROWS: tl.constexpr = False,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """Fold one block of base-2 scores ``s`` [M, N] and values ``v`` [N, D] into
     the running max ``m_i``, normalizer ``l_i`` and unnormalized output ``acc``.
     ``EMPTY_ROWS``: a row may have seen no key yet (below a sliding window): its
@@ -153,36 +160,36 @@ def _online_softmax_step(
     return m_new, l_i, acc
 
 
-@triton.jit
-def _softcap(s, CAP: tl.constexpr):
+@jit
+def _softcap(s: tl.tensor, CAP: tl.constexpr) -> tl.tensor:
     """``CAP * tanh(s / CAP)``, tanh as 1 - 2 / (e^2x + 1) (saturating to +-1)."""
     e = tl.exp2(s * (2.8853900817779268 / CAP))  # e^(2 s / CAP): 2.885... = 2 * log2(e)
     return CAP * (1.0 - 2.0 / (e + 1.0))
 
 
-@triton.jit
+@jit
 def _decode_partial_kernel(
-    Q,
-    KCache,
-    VCache,
-    ReqToToken,
-    ReqPoolIdx,
-    SeqLens,
-    PartialO,
-    PartialLse,
-    qk_scale,  # softmax scale * log2(e)
-    stride_qt,
-    stride_qh,
-    stride_kct,
-    stride_kch,
-    stride_vct,
-    stride_vch,
-    stride_r2t,
-    stride_pob,
-    stride_poh,
-    stride_pos,
-    stride_plb,
-    stride_plh,
+    Q: tl.tensor,
+    KCache: tl.tensor,
+    VCache: tl.tensor,
+    ReqToToken: tl.tensor,
+    ReqPoolIdx: tl.tensor,
+    SeqLens: tl.tensor,
+    PartialO: tl.tensor,
+    PartialLse: tl.tensor,
+    qk_scale: tl.tensor,  # softmax scale * log2(e)
+    stride_qt: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_kct: tl.tensor,
+    stride_kch: tl.tensor,
+    stride_vct: tl.tensor,
+    stride_vch: tl.tensor,
+    stride_r2t: tl.tensor,
+    stride_pob: tl.tensor,
+    stride_poh: tl.tensor,
+    stride_pos: tl.tensor,
+    stride_plb: tl.tensor,
+    stride_plh: tl.tensor,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -193,7 +200,7 @@ def _decode_partial_kernel(
     RNE_BF16: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     LOGIT_SOFTCAP: tl.constexpr,
-):
+) -> None:
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -248,24 +255,24 @@ def _decode_partial_kernel(
     tl.store(PartialLse + b * stride_plb + heads * stride_plh + split, lse, mask=h_mask)
 
 
-@triton.jit
+@jit
 def _decode_merge_kernel(
-    PartialO,
-    PartialLse,
-    Out,
-    stride_pob,
-    stride_poh,
-    stride_pos,
-    stride_plb,
-    stride_plh,
-    stride_ot,
-    stride_oh,
+    PartialO: tl.tensor,
+    PartialLse: tl.tensor,
+    Out: tl.tensor,
+    stride_pob: tl.tensor,
+    stride_poh: tl.tensor,
+    stride_pos: tl.tensor,
+    stride_plb: tl.tensor,
+    stride_plh: tl.tensor,
+    stride_ot: tl.tensor,
+    stride_oh: tl.tensor,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     RNE_BF16: tl.constexpr,
-):
+) -> None:
     b = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -392,27 +399,27 @@ def decode_attention(
 # Extend (prefill over a cached prefix)
 
 
-@triton.jit
+@jit
 def _extend_kernel(
-    Q,
-    KCache,
-    VCache,
-    Out,
-    ReqToToken,
-    ReqPoolIdx,
-    PrefixLens,
-    ExtendLens,
-    ExtendStart,
-    qk_scale,
-    stride_qt,
-    stride_qh,
-    stride_kct,
-    stride_kch,
-    stride_vct,
-    stride_vch,
-    stride_ot,
-    stride_oh,
-    stride_r2t,
+    Q: tl.tensor,
+    KCache: tl.tensor,
+    VCache: tl.tensor,
+    Out: tl.tensor,
+    ReqToToken: tl.tensor,
+    ReqPoolIdx: tl.tensor,
+    PrefixLens: tl.tensor,
+    ExtendLens: tl.tensor,
+    ExtendStart: tl.tensor,
+    qk_scale: tl.tensor,
+    stride_qt: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_kct: tl.tensor,
+    stride_kch: tl.tensor,
+    stride_vct: tl.tensor,
+    stride_vch: tl.tensor,
+    stride_ot: tl.tensor,
+    stride_oh: tl.tensor,
+    stride_r2t: tl.tensor,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -422,7 +429,7 @@ def _extend_kernel(
     RNE_BF16: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,
     LOGIT_SOFTCAP: tl.constexpr,
-):
+) -> None:
     b = tl.program_id(0)
     head = tl.program_id(1)
     m_block = tl.program_id(2)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve_triton.ops.common import INTERPRETED, cast_to, rne_bf16
+from radixserve_triton.ops.common import INTERPRETED, cast_to, jit, rne_bf16
 
 MAX_BLOCK = 8192  # elements of a row held at once by rms_norm
 _SILU_BLOCK = 1024
@@ -37,11 +37,14 @@ def _rows_per_program(rows: int, row_elements: int) -> int:
     row of a 4096-wide hidden state; 32 heads of 128), many more in the
     interpreter, whose cost is per program rather than per element."""
     budget = _INTERPRETER_ELEMENTS if INTERPRETED else _GPU_ELEMENTS
-    return max(1, min(triton.next_power_of_2(rows), budget // row_elements))
+    rows_pow2: int = triton.next_power_of_2(rows)
+    return max(1, min(rows_pow2, budget // row_elements))
 
 
-@triton.jit
-def _scaled(normed, w, dtype: tl.constexpr, RNE_BF16: tl.constexpr, GEMMA: tl.constexpr):
+@jit
+def _scaled(
+    normed: tl.tensor, w: tl.tensor, dtype: tl.constexpr, RNE_BF16: tl.constexpr, GEMMA: tl.constexpr
+) -> tl.tensor:
     """The normalised value times the weight, in the model dtype: rounded first, then
     times ``w`` (Llama's RMSNorm); or times ``1 + w`` in float32, rounded once (Gemma's)."""
     if GEMMA:
@@ -49,28 +52,28 @@ def _scaled(normed, w, dtype: tl.constexpr, RNE_BF16: tl.constexpr, GEMMA: tl.co
     return cast_to(cast_to(normed, dtype, RNE_BF16).to(tl.float32) * w, dtype, RNE_BF16)
 
 
-@triton.jit
+@jit
 def _rms_norm_kernel(
-    X,
-    R,
-    W,
-    Out,
-    n_rows,
-    n_inner,
-    stride_x0,
-    stride_x1,
-    stride_r,
-    stride_o0,
-    stride_o1,
-    hidden,
-    eps,
+    X: tl.tensor,
+    R: tl.tensor,
+    W: tl.tensor,
+    Out: tl.tensor,
+    n_rows: tl.tensor,
+    n_inner: tl.tensor,
+    stride_x0: tl.tensor,
+    stride_x1: tl.tensor,
+    stride_r: tl.tensor,
+    stride_o0: tl.tensor,
+    stride_o1: tl.tensor,
+    hidden: tl.tensor,
+    eps: tl.tensor,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     ONE_BLOCK: tl.constexpr,
     RNE_BF16: tl.constexpr,
     GEMMA: tl.constexpr,
-):
+) -> None:
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = (rows < n_rows)[:, None]
     outer, inner = rows // n_inner, rows % n_inner
@@ -117,7 +120,7 @@ def _rms_norm_kernel(
 
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, gemma: bool = False
-):
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     hidden = x.shape[-1]
     if residual is None:
         # Read x where it lies (e.g. the q heads of a fused QKV output, [T, heads, D]).
@@ -169,23 +172,23 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-@triton.jit
+@jit
 def _rotate_rows(
-    base,
-    Positions,
-    CosSin,
-    first_row,
-    n_rows,
-    n_heads,
-    stride_t,
-    stride_h,
-    stride_cache,
+    base: tl.tensor,
+    Positions: tl.tensor,
+    CosSin: tl.tensor,
+    first_row: tl.tensor,
+    n_rows: tl.tensor,
+    n_heads: tl.tensor,
+    stride_t: tl.tensor,
+    stride_h: tl.tensor,
+    stride_cache: tl.tensor,
     HALF: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     NEOX: tl.constexpr,
     RNE_BF16: tl.constexpr,
-):
+) -> None:
     """Rotate ``BLOCK_ROWS`` (token, head) rows of ``base`` in place, from ``first_row``."""
     rows = first_row + tl.arange(0, BLOCK_ROWS)
     token, head = rows // n_heads, rows % n_heads
@@ -208,27 +211,27 @@ def _rotate_rows(
     tl.store(row + off2, cast_to(x2 * cos + x1 * sin, dtype, RNE_BF16), mask=mask)
 
 
-@triton.jit
+@jit
 def _rotary_kernel(
-    Q,
-    K,
-    Positions,
-    CosSin,
-    num_tokens,
-    num_q_heads,
-    num_k_heads,
-    q_programs,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_cache,
+    Q: tl.tensor,
+    K: tl.tensor,
+    Positions: tl.tensor,
+    CosSin: tl.tensor,
+    num_tokens: tl.tensor,
+    num_q_heads: tl.tensor,
+    num_k_heads: tl.tensor,
+    q_programs: tl.tensor,
+    stride_qt: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_kt: tl.tensor,
+    stride_kh: tl.tensor,
+    stride_cache: tl.tensor,
     HALF: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     NEOX: tl.constexpr,
     RNE_BF16: tl.constexpr,
-):
+) -> None:
     """The first ``q_programs`` programs rotate q's (token, head) rows, the rest k's."""
     pid = tl.program_id(0).to(tl.int64)
     if pid < q_programs:
@@ -312,18 +315,18 @@ def apply_rotary(
 GELU_TANH_C = tl.constexpr(0.7978845608028654)  # sqrt(2 / pi)
 
 
-@triton.jit
+@jit
 def _act_and_mul_kernel(
-    X,
-    Out,
-    n_elements,
-    inter,
-    stride_x,
-    stride_o,
+    X: tl.tensor,
+    Out: tl.tensor,
+    n_elements: tl.tensor,
+    inter: tl.tensor,
+    stride_x: tl.tensor,
+    stride_o: tl.tensor,
     BLOCK: tl.constexpr,
     RNE_BF16: tl.constexpr,
     GELU_TANH: tl.constexpr,
-):
+) -> None:
     """Element ``e`` of the output ``[rows, I]``: row ``e // I``, column ``e % I``."""
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = e < n_elements

@@ -23,33 +23,33 @@ import triton.language as tl
 
 from radixserve_triton.config import DEFAULT_ATTENTION_CONFIG, AttentionKernelConfig
 from radixserve_triton.ops.attention import LOG2E, _decode_merge_kernel, _online_softmax_step
-from radixserve_triton.ops.common import mma, next_pow2, rne_bf16, upcast_dots
+from radixserve_triton.ops.common import jit, mma, next_pow2, rne_bf16, upcast_dots
 
 BLOCK_HEADS = 16  # heads per program: each block of entries is loaded once for all of them
 
 
-@triton.jit
+@jit
 def _mla_decode_partial_kernel(
-    QLatent,
-    QRope,
-    Entries,
-    ReqToToken,
-    ReqPoolIdx,
-    SeqLens,
-    PartialO,
-    PartialLse,
-    qk_scale,  # softmax scale * log2(e)
-    stride_qlt,
-    stride_qlh,
-    stride_qrt,
-    stride_qrh,
-    stride_e,
-    stride_r2t,
-    stride_pob,
-    stride_poh,
-    stride_pos,
-    stride_plb,
-    stride_plh,
+    QLatent: tl.tensor,
+    QRope: tl.tensor,
+    Entries: tl.tensor,
+    ReqToToken: tl.tensor,
+    ReqPoolIdx: tl.tensor,
+    SeqLens: tl.tensor,
+    PartialO: tl.tensor,
+    PartialLse: tl.tensor,
+    qk_scale: tl.tensor,  # softmax scale * log2(e)
+    stride_qlt: tl.tensor,
+    stride_qlh: tl.tensor,
+    stride_qrt: tl.tensor,
+    stride_qrh: tl.tensor,
+    stride_e: tl.tensor,
+    stride_r2t: tl.tensor,
+    stride_pob: tl.tensor,
+    stride_poh: tl.tensor,
+    stride_pos: tl.tensor,
+    stride_plb: tl.tensor,
+    stride_plh: tl.tensor,
     NUM_HEADS: tl.constexpr,
     RANK: tl.constexpr,
     ROPE: tl.constexpr,
@@ -60,7 +60,7 @@ def _mla_decode_partial_kernel(
     NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr,
     RNE_BF16: tl.constexpr,
-):
+) -> None:
     b = tl.program_id(0)
     head_block = tl.program_id(1)
     split = tl.program_id(2)
@@ -120,7 +120,8 @@ def _mla_decode_partial_kernel(
 
 
 def num_head_blocks(num_heads: int) -> int:
-    return triton.cdiv(num_heads, BLOCK_HEADS)
+    blocks: int = triton.cdiv(num_heads, BLOCK_HEADS)
+    return blocks
 
 
 def mla_decode_attention(

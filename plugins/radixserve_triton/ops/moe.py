@@ -23,10 +23,12 @@ import triton
 import triton.language as tl
 
 from radixserve_triton.config import DEFAULT_MOE_CONFIG, MoEKernelConfig
-from radixserve_triton.ops.common import cast_to, mma, rne_bf16, upcast_dots
+from radixserve_triton.ops.common import cast_to, jit, mma, rne_bf16, upcast_dots
 
 
-def align_assignments(ids: torch.Tensor, num_experts: int, block_m: int):
+def align_assignments(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort ``ids`` ``[T, k]`` by expert, padding each expert's rows to ``block_m``.
 
     Returns ``sorted_ids`` (assignment index per padded row, ``T*k`` for
@@ -58,28 +60,28 @@ def align_assignments(ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_ids, block_expert, num_padded
 
 
-@triton.jit
+@jit
 def _moe_gate_up_kernel(
-    X,
-    W13,
-    Act,
-    SortedIds,
-    BlockExpert,
-    NumPadded,
-    num_assignments,
-    top_k,
-    hidden,
-    inter,
-    stride_xt,
-    stride_we,
-    stride_wn,
-    stride_at,
+    X: tl.tensor,
+    W13: tl.tensor,
+    Act: tl.tensor,
+    SortedIds: tl.tensor,
+    BlockExpert: tl.tensor,
+    NumPadded: tl.tensor,
+    num_assignments: tl.tensor,
+    top_k: tl.tensor,
+    hidden: tl.tensor,
+    inter: tl.tensor,
+    stride_xt: tl.tensor,
+    stride_we: tl.tensor,
+    stride_wn: tl.tensor,
+    stride_at: tl.tensor,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
     RNE_BF16: tl.constexpr,
-):
+) -> None:
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NumPadded):
@@ -110,27 +112,27 @@ def _moe_gate_up_kernel(
     )
 
 
-@triton.jit
+@jit
 def _moe_down_kernel(
-    Act,
-    W2,
-    Out,
-    TopkWeights,
-    SortedIds,
-    BlockExpert,
-    NumPadded,
-    num_assignments,
-    hidden,
-    inter,
-    stride_at,
-    stride_we,
-    stride_wn,
-    stride_ot,
+    Act: tl.tensor,
+    W2: tl.tensor,
+    Out: tl.tensor,
+    TopkWeights: tl.tensor,
+    SortedIds: tl.tensor,
+    BlockExpert: tl.tensor,
+    NumPadded: tl.tensor,
+    num_assignments: tl.tensor,
+    hidden: tl.tensor,
+    inter: tl.tensor,
+    stride_at: tl.tensor,
+    stride_we: tl.tensor,
+    stride_wn: tl.tensor,
+    stride_ot: tl.tensor,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
-):
+) -> None:
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(NumPadded):
