@@ -17,6 +17,18 @@ from radixserve import Engine
 from radixserve.testing.tiny_models import build_tiny_model
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The session's own RADIXSERVE_CACHE_DIR (backend timings, the demo model), which
+    every process it starts inherits: what ``auto`` chose in an earlier run on this
+    machine (perhaps timed under another load) never decides a test, and a test
+    run never leaves timings in the user's cache."""
+    path = tmp_path_factory.mktemp("radixserve-cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RADIXSERVE_CACHE_DIR", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """``build(**build_tiny_model_kwargs) -> model dir``, built once per session
