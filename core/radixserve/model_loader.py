@@ -272,7 +272,7 @@ def iterate_weights(model_path: str | Path) -> Iterator[tuple[str, CheckpointTen
     files = safetensors_files(model_path)
     for path in tqdm(files, desc="Loading weights", unit="file", file=sys.stderr, disable=not sys.stderr.isatty()):
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f:
+            for name in f.keys():  # noqa: SIM118 (a safe_open handle is not iterable)
                 source = f.get_slice(name)
                 yield name, CheckpointTensor(source, tuple(source.get_shape()))
 
