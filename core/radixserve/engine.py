@@ -10,8 +10,6 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from transformers import AutoTokenizer
-
 from radixserve.config import ServerArgs
 from radixserve.messages import ProfileOptions
 from radixserve.model_source import resolve_model_path
@@ -50,8 +48,7 @@ class Engine:
 
     async def _make_tokenizer_manager(self) -> TokenizerManager:
         summary = self._runtime.summary
-        tokenizer = AutoTokenizer.from_pretrained(self._runtime.tokenizer_path)
-        tm = TokenizerManager(self.args, tokenizer, self._runtime.endpoints, summary)
+        tm = TokenizerManager(self.args, self._runtime.tokenizer, self._runtime.endpoints, summary)
         tm.start()
         return tm
 

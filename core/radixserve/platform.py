@@ -87,8 +87,10 @@ class Platform:
     def process_environment(cls, processes_per_host: int) -> dict[str, str]:
         """Environment variables for each of the ``processes_per_host`` model
         processes the runtime starts on this host (tensor-parallel ranks of the node
-        times data-parallel replicas). A platform whose processes share the host's
-        cores gives each its share; the default adds nothing."""
+        times data-parallel replicas), asked only where there are several (a lone
+        one is spawned before the platform is resolved). A platform whose
+        processes share the host's cores gives each its share; the default adds
+        nothing."""
         return {}
 
     def bind_device(self, device: torch.device) -> None:

@@ -10,8 +10,10 @@ collectives; only rank 0 sends token batches and control replies.
 from __future__ import annotations
 
 import logging
+import pickle
 import traceback
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -27,7 +29,10 @@ from radixserve.messages import (
     ShutdownRequest,
     TokenBatch,
 )
-from radixserve.runtime.distributed import RankSpec
+from radixserve.startup_gc import gc_paused
+
+if TYPE_CHECKING:  # torch: the spawning server may not have imported it yet
+    from radixserve.runtime.distributed import RankSpec
 
 logger = logging.getLogger(__name__)
 
@@ -51,28 +56,37 @@ def run_scheduler_process(
     ready: Connection,
     rank: RankSpec | None = None,
     dp_rank: int | None = None,
+    held: Connection | None = None,
 ) -> None:
     """Load the model and serve until a ShutdownRequest. ``rank``: this process's
     tensor-parallel rank (None at tp_size 1). ``dp_rank``: its group's
     data-parallel rank behind the DP controller (None without one);
     ``endpoints.tokenizer_manager`` is then the controller's, which also gets the
     ids of the requests that finished (``ReplicaFinished``) after their outputs
-    went to the detokenizer."""
+    went to the detokenizer. ``held``: wait on it, after the imports, for the
+    server's go (its start-up checks passed) before reading the model; the pipe
+    closing instead ends the process quietly (the server says what failed)."""
     die_with_parent()
     configure_logging(args.log_level, prefix=scheduler_process_name(rank, dp_rank))
     if rank is not None and rank.rank > 0:  # rank 0's stats lines speak for the group
         logging.getLogger("radixserve.runtime.scheduler_stats").setLevel(logging.WARNING)
     try:
-        from transformers import AutoTokenizer
+        with gc_paused():
+            from transformers import AutoTokenizer
 
-        from radixserve.runtime.scheduler import Scheduler
+            from radixserve.runtime.scheduler import Scheduler
 
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path)
-        scheduler = Scheduler(args, model_path, tokenizer, rank=rank)
+            if held is not None and not _released(held):
+                return
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path)
+            status: dict = {}
+            if rank is None or rank.rank == 0:  # shared with the server and the detokenizer (tokenizer_share.py)
+                status["tokenizer"] = pickle.dumps(tokenizer)  # as loaded: before the Scheduler holds it
+            scheduler = Scheduler(args, model_path, tokenizer, rank=rank)
     except Exception:
         ready.send({"error": traceback.format_exc()})
         return
-    ready.send({"summary": scheduler.runner.summary()})
+    ready.send({**status, "summary": scheduler.runner.summary()})
     group = scheduler.runner.group
     ctx = zmq.Context()
     to_detok = to_tm = poller = recv = None
@@ -116,6 +130,17 @@ def run_scheduler_process(
             checked_idle = True
             if not scheduler.check_memory():
                 logger.error("KV memory invariant broken while idle: %s", scheduler.stats())
+
+
+def _released(held: Connection) -> bool:
+    """Whether the server let this rank go on (False: it closed the pipe instead)."""
+    try:
+        held.recv_bytes()
+        return True
+    except EOFError:
+        return False
+    finally:
+        held.close()
 
 
 def _dispatch(scheduler, msg, to_tm: zmq.Socket | None) -> None:
