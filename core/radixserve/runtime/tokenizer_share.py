@@ -10,9 +10,12 @@ the tokenizer's own class.
 
 from __future__ import annotations
 
+from radixserve.startup_gc import gc_paused
+
 
 def import_tokenizer_modules() -> None:
     """Import most of what unpickling a tokenizer imports (transformers'
     tokenizer base), so that a process can do it while the scheduler loads the
     model, before the tokenizer arrives."""
-    import transformers.tokenization_utils_base  # noqa: F401
+    with gc_paused():
+        import transformers.tokenization_utils_base  # noqa: F401
