@@ -224,6 +224,24 @@ def test_memory_of_the_machine_its_node_and_its_cgroup(tmp_path):
     assert cgroup_memory_limit(proc, cgroup) is None
 
 
+def test_the_kv_pool_buffers_are_zeros_that_cost_nothing_until_written():
+    """``pool_buffer`` maps fresh memory, which the kernel zero-fills page by page
+    as it is written, instead of writing all of it at start-up."""
+    platform = CpuPlatform.__new__(CpuPlatform)  # no placement: only the buffer is made
+    rss = _rss_bytes()
+    buf = platform.pool_buffer((1 << 20, 2, 64), torch.float32, torch.device("cpu"))  # 512 MiB
+    assert buf.shape == (1 << 20, 2, 64) and buf.dtype == torch.float32 and buf.is_contiguous()
+    assert _rss_bytes() - rss < 64 << 20
+    buf[7] = 1.0
+    buf.index_copy_(0, torch.tensor([9]), torch.full((1, 2, 64), 2.0))
+    assert float(buf.sum()) == 128 * 1.0 + 128 * 2.0 and float(buf[8].abs().sum()) == 0.0
+    assert platform.pool_buffer((0, 2), torch.float16, torch.device("cpu")).shape == (0, 2)
+
+
+def _rss_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+
 # -- the startup summary ----------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ from tokenizers import processors
 from transformers import AutoTokenizer
 
 from radixserve.checkpoints import demo as demo_model
-from radixserve.checkpoints.source import resolve_model_path
+from radixserve.checkpoints.source import model_path_at_hand, resolve_model_path
 from radixserve.config import ServerArgs
 from radixserve.messages import FinishReason
 from radixserve.sampling.params import SamplingParams
@@ -152,6 +152,18 @@ def test_model_paths(tmp_path, monkeypatch):
         resolve_model_path(ServerArgs(model_path="radixserve-tests/not-a-real-repo"))
     monkeypatch.setattr(demo_model, "demo_model_path", lambda: tmp_path / "demo")
     assert resolve_model_path(ServerArgs()) == str(tmp_path / "demo")
+
+
+def test_model_path_at_hand_is_the_path_where_resolving_takes_no_time(tmp_path, monkeypatch):
+    """What the CLI spawns the runtime for before it starts the HTTP server."""
+    (tmp_path / "config.json").write_text("{}")
+    assert model_path_at_hand(ServerArgs(model_path=str(tmp_path))) == str(tmp_path)
+    assert model_path_at_hand(ServerArgs(model_path="radixserve-tests/not-a-real-repo")) is None  # a download first
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    assert model_path_at_hand(ServerArgs()) is None  # the demo model's first build
+    built = tmp_path / "cache" / f"demo-model-{demo_model._VERSION}"
+    built.mkdir(parents=True)
+    assert model_path_at_hand(ServerArgs()) == str(built)
 
 
 def test_demo_model_concurrent_first_runs_share_one_build(tmp_path, monkeypatch):

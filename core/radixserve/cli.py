@@ -57,20 +57,44 @@ def _print_plugins(as_json: bool) -> int:
 def _serve(args: ServerArgs) -> int:
     """Check what can be checked here, then serve (node 0) or run this node's
     ranks (``--node-rank`` > 0); a start-up error is a line and a hint on stderr
-    (the traceback too with ``--log-level debug``)."""
+    (the traceback too with ``--log-level debug``).
+
+    Node 0 spawns a lone scheduler (and the detokenizer) first, held until the
+    checks pass and the backends are built, and the HTTP server (FastAPI,
+    uvicorn) is imported after: the scheduler imports torch and loads the model
+    meanwhile. A runtime of several model processes is spawned once the checks
+    pass (their environment comes from the platform). A failed check stops the
+    runtime at once."""
     from radixserve.logging_utils import configure_logging
-    from radixserve.runtime.processes.worker_node import serve_worker_node
-    from radixserve.server.http import run_server
-    from radixserve.startup_checks import build_backends, check_startup
+    from radixserve.server.listen import bind_socket
+    from radixserve.startup_checks import build_backends, check_args, check_model, start_runtime
     from radixserve.startup_error import StartupError
+    from radixserve.startup_gc import gc_paused
 
     configure_logging(args.log_level, prefix="server" if args.node_rank == 0 else f"node{args.node_rank}")
     try:
-        query = check_startup(args)
         if args.node_rank > 0:
-            build_backends(query)
+            from radixserve.runtime.processes.worker_node import serve_worker_node
+
+            build_backends(check_model(args, check_args(args)))
             return serve_worker_node(args)
-        return run_server(args, before_listening=lambda: build_backends(query))
+        with gc_paused():
+            started = start_runtime(args)
+            try:
+                platform = check_args(args)
+                query = check_model(args, platform)
+                sock = bind_socket(args.host, args.port)
+                build_backends(query)
+                if started is not None:
+                    started.runtime.release()  # with the model plan, made now
+            except BaseException:
+                if started is not None:
+                    started.runtime.shutdown(grace_s=0)  # none of it has read the model
+                raise
+            if started is None:
+                started = start_runtime(args, platform)
+            from radixserve.server.http import run_server
+        return run_server(args, sock, started)
     except StartupError as exc:
         logging.getLogger("radixserve.cli").debug("start-up error", exc_info=True)
         print(f"radixserve: error: {exc}", file=sys.stderr)

@@ -8,9 +8,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Coroutine, Iterator, Sequence
-from typing import Any, TypeVar, cast
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from radixserve.checkpoints.source import resolve_model_path
 from radixserve.config import ServerArgs
@@ -18,6 +16,9 @@ from radixserve.messages import ProfileOptions
 from radixserve.runtime.processes.spawn import launch_runtime
 from radixserve.server.tokenizer_manager import GenerateInput, TokenizerManager
 from radixserve.structured_output.request_specs import take_sampling_grammar
+
+if TYPE_CHECKING:  # transformers: imported where a tokenizer is loaded
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +57,7 @@ class Engine:
 
     async def _make_tokenizer_manager(self) -> TokenizerManager:
         summary = self._runtime.summary
-        tokenizer = AutoTokenizer.from_pretrained(self._runtime.tokenizer_path)
-        tm = TokenizerManager(self.args, tokenizer, self._runtime.endpoints, summary)
+        tm = TokenizerManager(self.args, self._runtime.tokenizer, self._runtime.endpoints, summary)
         tm.start()
         return tm
 

@@ -76,12 +76,21 @@ class Platform:
     def describe(self, index: int = 0) -> str:
         return self.name
 
+    def pool_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A zero-filled buffer of the KV pool, which requests fill over the
+        server's life. The default is ``torch.zeros``; a platform whose memory
+        the OS zero-fills on first touch may hand out pages that cost no start-up
+        time (nor memory) until they are written (``cpu`` does)."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
     @classmethod
     def process_environment(cls, processes_per_host: int) -> dict[str, str]:
         """Environment variables for each of the ``processes_per_host`` model
         processes the runtime starts on this host (tensor-parallel ranks of the node
-        times data-parallel replicas). A platform whose processes share the host's
-        cores gives each its share; the default adds nothing."""
+        times data-parallel replicas), asked only where there are several (a lone
+        one is spawned before the platform is resolved). A platform whose
+        processes share the host's cores gives each its share; the default adds
+        nothing."""
         return {}
 
     def bind_device(self, device: torch.device) -> None:

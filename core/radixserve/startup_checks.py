@@ -1,17 +1,26 @@
-"""The server's start-up checks, before any process starts: ``check_startup``
-runs every check that needs no child process (model directory, device, backend
-names and, for a local model, their usability), and ``build_backends`` builds
-the usable backends so that nothing compiles after the server says it is
-listening. Each failure is one line (plus a hint) for the operator.
+"""The server's start-up, before the HTTP server. ``check_startup`` runs every
+check that needs no child process, in two parts: ``check_args`` (model
+directory, device, backend names) and ``check_model`` (a local model's
+architecture and what the backends make of it, which reads its config);
+``build_backends`` builds the usable backends so that nothing compiles after
+the server says it is listening; ``start_runtime`` spawns the runtime processes
+when the model is at hand, a lone scheduler even before the checks. Each
+failure is one line (plus a hint) for the operator.
 
 The runtime processes themselves start in ``runtime/processes/spawn.py``.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from radixserve.config import ServerArgs
-from radixserve.kernels import KernelQuery
 from radixserve.startup_error import StartupError
+
+if TYPE_CHECKING:  # torch: the CLI spawns a lone scheduler (start_runtime) before it imports it
+    from radixserve.kernels import KernelQuery
+    from radixserve.platform import Platform
+    from radixserve.runtime.processes.spawn import SpawnedRuntime
 
 PLUGINS_HINT = "`radixserve plugins` lists every platform and backend and why each is usable here or not"
 TP_HINT = "--tp-size ranks each hold an equal share of every layer: pick one of the sizes the error lists"
@@ -28,16 +37,16 @@ def check_startup(args: ServerArgs) -> KernelQuery:
     ``--tool-call-parser`` and ``--reasoning-parser`` too), and (for a local model) the
     model's architecture, dtype, weight files, embedding settings and each forced backend's support
     for it. Returns the query the backends were checked for (the device and
-    dtype alone where the model's shapes are not known yet), for ``build_backends``."""
-    from radixserve.checkpoints.embedding import embedding_config
-    from radixserve.checkpoints.loader import (
-        check_tp_shapes,
-        load_config,
-        model_class,
-        model_query_for_args,
-        safetensors_files,
-    )
-    from radixserve.checkpoints.source import check_model_source, check_tokenizer_source, is_hub_id
+    dtype alone where the model's shapes are not known yet), for ``build_backends``:
+    ``check_args``, then ``check_model``."""
+    return check_model(args, check_args(args))
+
+
+def check_args(args: ServerArgs) -> type[Platform]:
+    """The checks that read no model file: the model and tokenizer directories,
+    ``--device``, and the backend and parser names (``--grammar-backend``,
+    ``--tool-call-parser``, ``--reasoning-parser``). Returns the platform."""
+    from radixserve.checkpoints.source import check_model_source, check_tokenizer_source
     from radixserve.registry import PluginError, get_registry
 
     if args.model_path is not None:
@@ -56,8 +65,7 @@ def check_startup(args: ServerArgs) -> KernelQuery:
             registry.reasoning_parser(args.reasoning_parser)
     except PluginError as exc:
         raise StartupError(str(exc), PLUGINS_HINT) from exc
-    forced = {kind: name for kind, name in _forced_backends(args).items() if name != "auto"}
-    for kind, name in forced.items():
+    for kind, name in _forced_backends(args).items():
         if name not in registry.candidates[kind]:
             flag = "--quantization" if kind == "quantization" else f"--{kind}-backend"
             what = "quantization method" if kind == "quantization" else f"{kind} backend"
@@ -66,9 +74,31 @@ def check_startup(args: ServerArgs) -> KernelQuery:
                 f"{', '.join(sorted(registry.candidates[kind])) or 'none'}",
                 PLUGINS_HINT,
             )
+    return platform
+
+
+def check_model(args: ServerArgs, platform: type[Platform]) -> KernelQuery:
+    """The checks that read a local model's config (transformers' configuration
+    classes: over a second of CPU): its architecture, dtype, weight files,
+    embedding settings, tensor-parallel split and each forced backend's support
+    for it. Returns the query for ``build_backends``: the device and dtype
+    alone for the demo model and a hub id, whose shapes are known once built or
+    downloaded (the scheduler checks them then)."""
+    from radixserve.checkpoints.embedding import embedding_config
+    from radixserve.checkpoints.loader import (
+        check_tp_shapes,
+        load_config,
+        model_class,
+        model_query_for_args,
+        safetensors_files,
+    )
+    from radixserve.checkpoints.source import is_hub_id
+    from radixserve.kernels import KernelQuery
+    from radixserve.registry import PluginError, get_registry
+
     if args.model_path is None or is_hub_id(args.model_path):
-        # The model's shapes are known once it is built or downloaded; the scheduler checks them then.
         return KernelQuery(device=platform.name, dtype=platform.default_dtype)
+    registry = get_registry()
     try:
         config = load_config(args.model_path)
         architectures = getattr(config, "architectures", None) or []
@@ -82,7 +112,7 @@ def check_startup(args: ServerArgs) -> KernelQuery:
             raise StartupError(str(exc), TP_HINT) from exc
         safetensors_files(args.model_path)
         query = model_query_for_args(args, config, platform)
-        for kind, name in forced.items():
+        for kind, name in _forced_backends(args).items():
             if kind != "moe" or query.num_experts:
                 registry.forced(kind, query, name)
     except PluginError as exc:
@@ -102,11 +132,40 @@ def build_backends(query: KernelQuery) -> None:
     get_registry().build_usable(query)
 
 
+def start_runtime(args: ServerArgs, platform: type[Platform] | None = None) -> SpawnedRuntime | None:
+    """Spawn the runtime now if the model is at hand (a local model directory, or
+    the demo model built by an earlier start), so that the scheduler imports torch
+    and loads the model while this process checks, builds the backends and
+    imports and starts the HTTP server, instead of after. None where the model
+    takes a download or the demo model's first build: the server's boot resolves
+    it and spawns the runtime then, after it says it is listening, so that
+    /health answers meanwhile.
+
+    Without ``platform``, before any check: only a lone scheduler (tp and dp
+    1: it needs nothing from the platform), and held: its scheduler imports
+    torch and the model code, then waits for ``RuntimeProcesses.release`` (the
+    checks passed, the backends are built) before it reads the model, or is
+    stopped. With ``platform`` (``check_args``'s), after the checks: any runtime.
+
+    Call it from the thread that will run the server (the children die with it)."""
+    from radixserve.checkpoints.source import model_path_at_hand
+    from radixserve.runtime.processes.spawn import spawn_runtime
+
+    if platform is None and args.tp_size * args.dp_size > 1:
+        return None  # several ranks: their environment comes from the platform, their rendezvous from the checks
+    model_path = model_path_at_hand(args)
+    if model_path is None:
+        return None
+    return spawn_runtime(args, model_path, platform, held=platform is None)
+
+
 def _forced_backends(args: ServerArgs) -> dict[str, str]:
-    return {
+    """The backends the flags force: all but ``auto`` (no --quantization forces ``none``)."""
+    named = {
         "attention": args.attention_backend,
         "gemm": args.gemm_backend,
         "moe": args.moe_backend,
         "elementwise": args.elementwise_backend,
         "quantization": args.quantization or "none",
     }
+    return {kind: name for kind, name in named.items() if name != "auto"}

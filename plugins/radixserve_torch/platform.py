@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
+import mmap
 import sys
 
 import torch
@@ -87,6 +89,17 @@ class CpuPlatform(Platform):
     @classmethod
     def process_environment(cls, processes_per_host: int) -> dict[str, str]:
         return thread_share(processes_per_host)
+
+    def pool_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Zeros in a private anonymous mapping of their own, which the kernel
+        fills a page at a time when it is first written: the pool costs neither
+        time nor memory until requests fill it. ``torch.zeros`` wrote all of it
+        at start-up: 0.4-1 s for the demo model's 1 GiB pool on 2 cores."""
+        numel = math.prod(shape)
+        if numel == 0:
+            return super().pool_buffer(shape, dtype, device)
+        mapping = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE)
+        return torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)  # the tensor keeps the mapping
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")

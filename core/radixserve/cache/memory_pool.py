@@ -7,6 +7,7 @@ running request, or the radix cache.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -67,9 +68,18 @@ class KVLayout:
     head_major: bool = False
 
 
+# Makes a zero-filled buffer of the pool: ``(shape, dtype, device) -> tensor``;
+# the model runner passes its platform's ``pool_buffer``.
+BufferAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class KVPool:
     """Per-layer K and V buffers of ``num_pages * page_size`` slots (page 0 reserved),
-    laid out as ``layout`` says."""
+    laid out as ``layout`` says; ``allocate`` makes each (zero-filled)."""
 
     def __init__(
         self,
@@ -81,6 +91,7 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device,
         layout: KVLayout = KVLayout(),
+        allocate: BufferAllocator = _zeros,
     ):
         self.page_size = page_size
         self.num_pages = num_pages
@@ -93,8 +104,8 @@ class KVPool:
             shape = (num_pages + 1, num_kv_heads, page_size, head_dim)
         else:
             shape = ((num_pages + 1) * page_size, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_buffers = [allocate(shape, dtype, device) for _ in range(num_layers)]
+        self.v_buffers = [allocate(shape, dtype, device) for _ in range(num_layers)]
 
     @property
     def size(self) -> int:
@@ -169,6 +180,7 @@ class LatentKVPool(KVPool):
         latent: LatentKV,
         dtype: torch.dtype,
         device: torch.device,
+        allocate: BufferAllocator = _zeros,
     ):
         self.page_size = page_size
         self.num_pages = num_pages
@@ -178,7 +190,7 @@ class LatentKVPool(KVPool):
         self.layout = KVLayout()
         self.latent = latent
         shape = ((num_pages + 1) * page_size, latent.entry_dim)
-        self.latent_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.latent_buffers = [allocate(shape, dtype, device) for _ in range(num_layers)]
         self.k_buffers: list[torch.Tensor] = []
         self.v_buffers: list[torch.Tensor] = []
 

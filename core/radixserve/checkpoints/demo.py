@@ -60,9 +60,18 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("radixserve"))
 
 
+def _demo_model_dir() -> Path:
+    return cache_dir() / f"demo-model-{_VERSION}"
+
+
+def demo_model_built() -> bool:
+    """Whether the demo model is cached (``demo_model_path`` returns at once)."""
+    return _demo_model_dir().is_dir()
+
+
 def demo_model_path() -> Path:
     """The demo model's directory, built first if it is not cached yet."""
-    final = cache_dir() / f"demo-model-{_VERSION}"
+    final = _demo_model_dir()
     if final.is_dir():
         return final
     from radixserve.checkpoints.random_model import build_tiny_model

@@ -1,5 +1,5 @@
 """Random-weight models built offline: nothing is downloaded. The demo model
-(``demo_model.py``) is one; the tests' tiny models (``radixserve.testing.tiny_models``)
+(``checkpoints/demo.py``) is one; the tests' tiny models (``radixserve.testing.tiny_models``)
 are the others.
 
 - :func:`build_tokenizer` trains a byte-level BPE tokenizer offline on a fixed

@@ -25,16 +25,38 @@ def resolve_model_path(args: ServerArgs) -> str:
         from radixserve.checkpoints.demo import demo_model_path
 
         path = str(demo_model_path())
-        logger.warning(
-            "no --model given: serving the built-in demo model from %s. It has RANDOM weights "
-            "(its output is gibberish); pass --model PATH_OR_HUB_ID for a real one.",
-            path,
-        )
+        warn_demo_model(path)
         return path
     if is_hub_id(args.model_path):
         return check_model_dir(_download(args.model_path))
     check_model_source(args.model_path)
     return args.model_path
+
+
+def warn_demo_model(path: str) -> None:
+    logger.warning(
+        "no --model given: serving the built-in demo model from %s. It has RANDOM weights "
+        "(its output is gibberish); pass --model PATH_OR_HUB_ID for a real one.",
+        path,
+    )
+
+
+def model_path_at_hand(args: ServerArgs) -> str | None:
+    """``resolve_model_path(args)`` where it takes no time, and without its warning
+    about the demo model (the server logs it once it boots): a local model
+    directory, or the demo model built by an earlier start; None for a hub id (a
+    download, or a check for one), the demo model's first build, and a path that
+    is no model directory (``check_model_source`` says why)."""
+    if args.model_path is None:
+        from radixserve.checkpoints.demo import demo_model_built, demo_model_path
+
+        return str(demo_model_path()) if demo_model_built() else None
+    if is_hub_id(args.model_path):
+        return None
+    try:
+        return resolve_model_path(args)
+    except ValueError:
+        return None
 
 
 def is_hub_id(model_path: str) -> bool:

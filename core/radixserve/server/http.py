@@ -8,10 +8,10 @@
 The admin routes (flush, abort, profile) take ``--admin-api-key`` when one is
 set (``middleware.RequestGuard``); ``/start_profile`` writes under ``--profile-dir``.
 
-``run_server`` binds the socket itself (``--port 0`` picks a free port), prints
-``radixserve listening at URL`` at once and ``radixserve ready at URL`` when the
-runtime answers; it returns the process exit code (1 when the runtime died or
-failed to start, 0 after a shutdown by SIGTERM or SIGINT).
+``run_server`` serves on the socket the CLI bound (``--port 0`` picks a free
+port), prints ``radixserve listening at URL`` at once and ``radixserve ready at
+URL`` when the runtime answers; it returns the process exit code (1 when the
+runtime died or failed to start, 0 after a shutdown by SIGTERM or SIGINT).
 
 Shutdown: the first SIGTERM/SIGINT drains the server (``ServerState.drain``:
 new requests get 503, in-flight ones have ``--shutdown-timeout`` seconds, then
@@ -27,6 +27,7 @@ import dataclasses
 import json
 import logging
 import signal
+import socket
 from collections.abc import AsyncIterator, Callable
 from types import FrameType
 from typing import Any, cast
@@ -41,11 +42,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from radixserve.config import ServerArgs
 from radixserve.messages import ProfileOptions
+from radixserve.runtime.processes.spawn import SpawnedRuntime
 from radixserve.server import native_serving
 from radixserve.server.access_log import AccessLog
 from radixserve.server.embeddings import create_embeddings
 from radixserve.server.errors import APIError, bad_request, error_body, error_response, install_error_handlers
-from radixserve.server.listen import base_url, bind_socket
+from radixserve.server.listen import base_url
 from radixserve.server.middleware import RequestGuard
 from radixserve.server.protocol import (
     AbortRequestBody,
@@ -78,8 +80,8 @@ GRACEFUL_SHUTDOWN_S = 5
 LINGER_S = 2.0
 
 
-def create_app(args: ServerArgs, request_exit: Callable[[int], None]) -> FastAPI:
-    state = ServerState(args, request_exit)
+def create_app(args: ServerArgs, request_exit: Callable[[int], None], started: SpawnedRuntime | None = None) -> FastAPI:
+    state = ServerState(args, request_exit, started)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -334,11 +336,9 @@ class _Server(uvicorn.Server):
             self.should_exit = True
 
 
-def run_server(args: ServerArgs, before_listening: Callable[[], None] = lambda: None) -> int:
-    """Serve until stopped; the process exit code. Raises StartupError when the
-    socket cannot be bound (before anything is printed). ``before_listening``
-    runs once the socket is bound, before the server says it is listening (the
-    CLI builds the kernels there)."""
+def run_server(args: ServerArgs, sock: socket.socket, started: SpawnedRuntime | None = None) -> int:
+    """Serve on ``sock`` (``listen.bind_socket``'s) until stopped; the process exit
+    code. ``started``: the runtime, if it was spawned already (else the boot does)."""
     exit_code = 0
     server: _Server
 
@@ -347,8 +347,7 @@ def run_server(args: ServerArgs, before_listening: Callable[[], None] = lambda: 
         exit_code = code
         server.should_exit = True
 
-    app = create_app(args, request_exit)
-    sock = bind_socket(args.host, args.port)
+    app = create_app(args, request_exit, started)
     url = base_url(args.host, sock.getsockname()[1])
     state: ServerState = app.state.server
     state.on_ready = lambda: print(f"radixserve ready at {url}", flush=True)
@@ -363,7 +362,6 @@ def run_server(args: ServerArgs, before_listening: Callable[[], None] = lambda: 
         h11_max_incomplete_event_size=args.max_header_size,
     )
     server = _Server(config, state, args.shutdown_timeout)
-    before_listening()
     print(f"radixserve listening at {url} (starting up; /health answers 503 until ready)", flush=True)
     server.run(sockets=[sock])
     return exit_code

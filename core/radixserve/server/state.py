@@ -2,12 +2,14 @@
 
 The HTTP server answers at once (``/health`` is 503 while starting); the boot
 runs in the background: resolve the model (maybe building the demo model or
-downloading), launch the scheduler and detokenizer processes, create the
-TokenizerManager in the serving event loop, warm up, and ask the scheduler for
-its health. If a runtime process dies later, every waiting request fails and the
-server exits: a half-dead server must not linger behind a load balancer. The
-exception is a data-parallel replica while others live: the DP controller ends
-that replica's requests, reports it, and the rest serve on.
+downloading) and launch the scheduler and detokenizer processes (unless the CLI
+started them already, ``startup_checks.start_runtime``), wait for them, create the
+TokenizerManager in the serving event loop with the scheduler's tokenizer, warm
+up, and ask the scheduler for its health. If a runtime process dies later,
+every waiting request fails and the server exits: a half-dead server must not
+linger behind a load balancer. The exception is a data-parallel replica while
+others live: the DP controller ends that replica's requests, reports it, and
+the rest serve on.
 
 A start-up failure is logged as one line (the traceback at debug level). On
 SIGTERM the server drains (``drain``) before it stops.
@@ -20,13 +22,14 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from radixserve.checkpoints.demo import DEMO_MODEL_NAME
-from radixserve.checkpoints.source import resolve_model_path
+from radixserve.checkpoints.source import resolve_model_path, warn_demo_model
 from radixserve.config import ServerArgs
 from radixserve.registry import get_registry
-from radixserve.runtime.processes.spawn import RuntimeProcesses, spawn_runtime, wait_until_ready
+from radixserve.runtime.processes.spawn import RuntimeProcesses, SpawnedRuntime, spawn_runtime, wait_until_ready
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError
 from radixserve.server.metrics import ServerMetrics
@@ -74,15 +77,20 @@ async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
 
 
 class ServerState:
-    def __init__(self, args: ServerArgs, request_exit: Callable[[int], None]) -> None:
+    def __init__(
+        self, args: ServerArgs, request_exit: Callable[[int], None], started: SpawnedRuntime | None = None
+    ) -> None:
+        """``started``: the runtime, spawned already (``startup_checks.start_runtime``);
+        else the boot resolves the model and spawns it."""
         self.args = args
         self.model_name = args.served_model_name or args.model_path or DEMO_MODEL_NAME
         self.metrics = ServerMetrics(self.model_name)
         self.request_exit = request_exit
         self.status = "starting"  # -> ready | failed | dead | draining
         self.loop: asyncio.AbstractEventLoop | None = None  # the serving loop, set by the app's lifespan
-        self.model_path: str | None = None
-        self.runtime: RuntimeProcesses | None = None
+        self.model_path: str | None = started.runtime.model_path if started else None
+        self.runtime: RuntimeProcesses | None = started.runtime if started else None
+        self._ready_pipes: list[Connection] = started.ready if started else []
         self.tm: TokenizerManager | None = None
         self.openai: OpenAIServing | None = None
         self.on_ready: Callable[[], None] = lambda: None
@@ -117,23 +125,19 @@ class ServerState:
             logger.error("(--log-level debug shows the traceback)")
 
     async def _boot(self) -> None:
-        from transformers import AutoTokenizer
-
         args = self.args
-        self.model_path = await _in_daemon_thread(resolve_model_path, args)
-        # Spawned from this (the event loop's) thread, which lives as long as the server.
-        self.runtime, ready = spawn_runtime(args, self.model_path)
-        runtime = self.runtime
-        await _in_daemon_thread(wait_until_ready, runtime, ready)
+        if self.runtime is None:
+            self.model_path = await _in_daemon_thread(resolve_model_path, args)
+            # Spawned from this (the event loop's) thread, which lives as long as the server.
+            self.runtime, self._ready_pipes = spawn_runtime(args, self.model_path)
+        elif args.model_path is None:
+            warn_demo_model(self.runtime.model_path)  # resolve_model_path's warning, for the runtime the CLI started
+        await _in_daemon_thread(wait_until_ready, self.runtime, self._ready_pipes)
         loop = asyncio.get_running_loop()
-
-        def on_death(reason: str) -> None:
-            loop.call_soon_threadsafe(self._on_runtime_death, reason)
-
-        runtime.watch(on_death)
-        tokenizer = await _in_daemon_thread(AutoTokenizer.from_pretrained, runtime.tokenizer_path)
-        summary = runtime.summary
-        self.tm = tm = TokenizerManager(args, tokenizer, runtime.endpoints, summary)
+        self.runtime.watch(lambda reason: loop.call_soon_threadsafe(self._on_runtime_death, reason))
+        tokenizer = self.runtime.tokenizer
+        summary = self.runtime.summary
+        self.tm = tm = TokenizerManager(args, tokenizer, self.runtime.endpoints, summary)
         tm.start()
         template = ChatTemplate(tokenizer, args.chat_template)
         tool_parser = get_registry().tool_parser(args.tool_call_parser, template.source)

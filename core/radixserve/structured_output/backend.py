@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import torch
+if TYPE_CHECKING:  # imported where a bitmask is made: the detokenizer imports this module (messages) without torch
+    import torch
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "ebnf", "choice"]
 GRAMMAR_KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "ebnf", "choice")
@@ -121,6 +122,8 @@ class TokenMask:
 
 def allocate_token_bitmask(rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
     """A host bitmask of ``rows`` rows for ``vocab_size`` tokens, every token allowed."""
+    import torch
+
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32, pin_memory=pin_memory)
 
 

@@ -162,9 +162,18 @@ class ModelRunner:
                 self.kv_dtype,
                 self.device,
                 layout=self.attention.kv_layout,
+                allocate=self.platform.pool_buffer,
             )
         else:
-            self.kv_pool = LatentKVPool(num_pages, args.page_size, self.num_layers, q.mla, self.kv_dtype, self.device)
+            self.kv_pool = LatentKVPool(
+                num_pages,
+                args.page_size,
+                self.num_layers,
+                q.mla,
+                self.kv_dtype,
+                self.device,
+                allocate=self.platform.pool_buffer,
+            )
         self.allocator = PagedAllocator(num_pages, args.page_size, self.device, self.transfer)
         self.max_total_tokens = self.allocator.size
         # The figures the pool was sized from (measured after the weights loaded, before the pool).

@@ -17,7 +17,9 @@ the batch, and later batches, are served as usual.
 from __future__ import annotations
 
 import logging
+import pickle
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 import zmq
 
@@ -25,7 +27,9 @@ from radixserve.ipc import Endpoints, die_with_parent, pull_socket, push_socket
 from radixserve.logging_utils import configure_logging
 from radixserve.messages import DetokenizeSettings, TextBatch, TextOutput, TokenBatch, TokenOutput
 from radixserve.runtime.processes.incremental_detokenizer import IncrementalDetokenizer
+from radixserve.runtime.processes.tokenizer_share import import_tokenizer_modules
 from radixserve.runtime.scheduling.stop import StopHoldback, drop_stop_token, trim_stop_string
+from radixserve.startup_gc import gc_paused
 
 logger = logging.getLogger(__name__)
 
@@ -98,12 +102,21 @@ class DetokenizerState:
         return _RequestText(settings, decoder, StopHoldback(settings.stop_strings))
 
 
-def run_detokenizer_process(tokenizer_path: str, endpoints: Endpoints, log_level: str = "info") -> None:
+def run_detokenizer_process(tokenizer: Connection, endpoints: Endpoints, log_level: str = "info") -> None:
+    """Serve until stopped. ``tokenizer`` brings the first scheduler rank's
+    tokenizer, pickled, once the ranks are ready (``processes.wait_until_ready``);
+    this process never imports torch. The pipe closing first means the runtime
+    failed to start (the parent reports why): the process just ends."""
     die_with_parent()
     configure_logging(log_level, prefix="detokenizer")
-    from transformers import AutoTokenizer
-
-    state = DetokenizerState(AutoTokenizer.from_pretrained(tokenizer_path))
+    try:
+        with gc_paused():
+            import_tokenizer_modules()  # while the scheduler loads the model
+            state = DetokenizerState(pickle.loads(tokenizer.recv_bytes()))
+    except EOFError:
+        return
+    finally:
+        tokenizer.close()
     ctx = zmq.Context()
     recv = pull_socket(ctx, endpoints.detokenizer)
     send = push_socket(ctx, endpoints.tokenizer_manager)

@@ -10,9 +10,10 @@ collectives; only rank 0 sends token batches and control replies.
 from __future__ import annotations
 
 import logging
+import pickle
 import traceback
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -28,9 +29,10 @@ from radixserve.messages import (
     ShutdownRequest,
     TokenBatch,
 )
-from radixserve.runtime.execution.distributed import RankSpec
+from radixserve.startup_gc import gc_paused
 
-if TYPE_CHECKING:  # the plan's module imports transformers: the child imports it when it builds the model
+if TYPE_CHECKING:  # torch and transformers: the spawning server may not have imported them yet
+    from radixserve.runtime.execution.distributed import RankSpec
     from radixserve.runtime.execution.model_plan import ModelPlan
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ def run_scheduler_process(
     rank: RankSpec | None = None,
     dp_rank: int | None = None,
     plan: ModelPlan | None = None,
+    held: Connection | None = None,
 ) -> None:
     """Load the model and serve until a ShutdownRequest. ``rank``: this process's
     tensor-parallel rank (None at tp_size 1). ``dp_rank``: its group's
@@ -63,22 +66,33 @@ def run_scheduler_process(
     ``endpoints.tokenizer_manager`` is then the controller's, which also gets the
     ids of the requests that finished (``ReplicaFinished``) after their outputs
     went to the detokenizer. ``plan``: the model plan the spawning process made
-    (None on a node other than the first: rank 0 hands its own)."""
+    (None on a node other than the first: rank 0 hands its own). ``held``: the
+    plan comes later, on this pipe, once the server's start-up checks passed:
+    the rank imports meanwhile and waits for it before reading the model; the
+    pipe closing instead ends the process quietly (the server says what failed)."""
     die_with_parent()
     configure_logging(args.log_level, prefix=scheduler_process_name(rank, dp_rank))
     if rank is not None and rank.rank > 0:  # rank 0's stats lines speak for the group
         logging.getLogger("radixserve.runtime.scheduling.stats").setLevel(logging.WARNING)
     try:
-        from transformers import AutoTokenizer
+        with gc_paused():
+            from transformers import AutoTokenizer
 
-        from radixserve.runtime.scheduling.scheduler import Scheduler
+            from radixserve.runtime.scheduling.scheduler import Scheduler
 
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path)
-        scheduler = Scheduler(args, model_path, tokenizer, rank=rank, plan=plan)
+            if held is not None:
+                released, plan = _released(held)
+                if not released:
+                    return
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or model_path)
+            status: dict[str, Any] = {}
+            if rank is None or rank.rank == 0:  # shared with the server and the detokenizer (tokenizer_share.py)
+                status["tokenizer"] = pickle.dumps(tokenizer)  # as loaded: before the Scheduler holds it
+            scheduler = Scheduler(args, model_path, tokenizer, rank=rank, plan=plan)
     except Exception:
         ready.send({"error": traceback.format_exc()})
         return
-    ready.send({"summary": scheduler.runner.summary()})
+    ready.send({**status, "summary": scheduler.runner.summary()})
     group = scheduler.runner.group
     ctx = zmq.Context()
     to_detok = to_tm = poller = recv = None
@@ -122,6 +136,18 @@ def run_scheduler_process(
             checked_idle = True
             if not scheduler.check_memory():
                 logger.error("KV memory invariant broken while idle: %s", scheduler.stats())
+
+
+def _released(held: Connection) -> tuple[bool, ModelPlan | None]:
+    """Whether the server let this rank go on, and the model plan it sent with
+    its go (False: it closed the pipe instead)."""
+    try:
+        plan: ModelPlan | None = held.recv()
+        return True, plan
+    except EOFError:
+        return False, None
+    finally:
+        held.close()
 
 
 def _dispatch(scheduler, msg, to_tm: zmq.Socket | None) -> None:

@@ -3,6 +3,13 @@ spawned (never forked), wired by ZMQ: the scheduler groups (one process per
 tensor-parallel rank of this node; with --dp-size > 1 one group per replica,
 behind the DP controller) and, on node 0, the detokenizer.
 
+The tokenizer is loaded once, by the first scheduler rank, and shared with the
+server (or Engine) and the detokenizer (``tokenizer_share.py``). A runtime may
+be spawned *held* (``spawn_runtime(held=True)``): its ranks import torch and the
+model code, then wait for ``RuntimeProcesses.release`` before they read the
+model, so that the server can start them before its own start-up checks.
+This module imports no torch, for the same reason.
+
 A failure inside a child is reported as its exception's last line; full
 tracebacks are logged at debug level only.
 """
@@ -14,15 +21,14 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import signal
-import sys
+import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import zmq
 
@@ -30,15 +36,16 @@ from radixserve.config import ServerArgs
 from radixserve.ipc import Endpoints, push_socket
 from radixserve.messages import ReplicaDown, ShutdownRequest
 from radixserve.multinode_env import launcher_serves_store
-from radixserve.registry import get_registry
-from radixserve.runtime.execution.distributed import RankSpec, Rendezvous, host_store
+from radixserve.runtime.processes.child import run_child
 from radixserve.runtime.processes.detokenizer import run_detokenizer_process
 from radixserve.runtime.processes.dp_controller import run_dp_controller_process
 from radixserve.runtime.processes.scheduler_process import run_scheduler_process, scheduler_process_name
+from radixserve.runtime.processes.tokenizer_share import import_tokenizer_modules
 from radixserve.startup_error import StartupError
 
-if TYPE_CHECKING:  # the plan's module imports transformers; this module is imported before it is needed
+if TYPE_CHECKING:  # torch and transformers: imported where needed, so that the server can spawn a scheduler first
     from radixserve.platform import Platform
+    from radixserve.runtime.execution.distributed import RankSpec
     from radixserve.runtime.execution.model_plan import ModelPlan
 
 logger = logging.getLogger(__name__)
@@ -68,21 +75,6 @@ def exception_summary(traceback_text: str) -> str:
     return "\n".join([f"{exc_type}: {rest}" if sep else exc_type, *lines[start + 1 :]])
 
 
-def _run_child(target: Callable[..., None], *args: Any) -> None:
-    """A child's entry point. Ctrl-C reaches the whole process group; the
-    parent decides when its children stop, so they ignore SIGINT. A crash is
-    one line at error level, the traceback at debug (the child's logging is set
-    up by ``target``, from the server's --log-level)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        target(*args)
-    except Exception as exc:
-        name = mp.current_process().name
-        logger.error("%s process failed: %s: %s (--log-level debug shows the traceback)", name, type(exc).__name__, exc)
-        logger.debug("%s process traceback", name, exc_info=True)
-        sys.exit(1)
-
-
 @dataclass
 class SchedulerGroup:
     """One scheduler group: this node's tensor-parallel ranks of one replica (the
@@ -108,6 +100,9 @@ class RuntimeProcesses:
     summary: dict
     groups: list[SchedulerGroup] = field(default_factory=list)
     processes: list[mp.Process] = field(default_factory=list)  # the groups', the controller, the detokenizer
+    tokenizer: Any = None  # the first rank's, once every rank is ready (node 0 only)
+    _detokenizer_tokenizer: Connection | None = None  # where the detokenizer waits for it
+    _holds: list[Connection] = field(default_factory=list)  # where held ranks wait for release()
     _stopping: bool = False
 
     @property
@@ -119,6 +114,18 @@ class RuntimeProcesses:
     def ranks(self) -> list[mp.Process]:
         """Every scheduler rank process on this node."""
         return [p for g in self.groups for p in g.processes]
+
+    def release(self) -> None:
+        """Let the ranks of a held runtime read the model, the start-up checks
+        passed: each is handed the model plan, made now (a StartupError if the
+        model does not fit the arguments; the caller then stops the runtime)."""
+        from radixserve.registry import get_registry
+
+        plan = _plan(self.args, self.model_path, get_registry().resolve_platform(self.args.device))
+        for hold in self._holds:
+            hold.send(plan)
+            hold.close()
+        self._holds = []
 
     def watch(self, on_death: Callable[[str], None]) -> None:
         """Call ``on_death(reason)`` once, from a thread, when the runtime can no
@@ -162,10 +169,11 @@ class RuntimeProcesses:
             p.join(timeout=5)
         return ", ".join(f"{p.name} exited with code {p.exitcode}" for p in dead)
 
-    def shutdown(self) -> None:
+    def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """Stop every process: on node 0 each group's rank 0 first passes a
         ShutdownRequest to every rank of its group on every node (they leave their
-        loops); what is still running after SHUTDOWN_GRACE_S is terminated, then killed."""
+        loops); what is still running after ``grace_s`` is terminated, then killed.
+        ``grace_s=0`` where no rank can be in its loop yet (a start-up check failed)."""
         self._stopping = True
         if self.leads:
             ctx = zmq.Context()
@@ -175,7 +183,7 @@ class RuntimeProcesses:
                 sockets = [push_socket(ctx, g.endpoints.scheduler) for g in leaders]
                 for sock in sockets:
                     sock.send_pyobj(ShutdownRequest())
-                deadline = time.monotonic() + SHUTDOWN_GRACE_S
+                deadline = time.monotonic() + grace_s
                 for p in [p for g in leaders for p in g.processes]:
                     p.join(timeout=max(0.0, deadline - time.monotonic()))
             finally:
@@ -193,6 +201,13 @@ class RuntimeProcesses:
             group.store = None
 
 
+class SpawnedRuntime(NamedTuple):
+    """What ``spawn_runtime`` started: the processes, and the pipes its ranks report on."""
+
+    runtime: RuntimeProcesses
+    ready: list[Connection]
+
+
 def launch_runtime(args: ServerArgs, model_path: str) -> RuntimeProcesses:
     runtime, ready = spawn_runtime(args, model_path)
     wait_until_ready(runtime, ready)
@@ -206,6 +221,8 @@ def rank_specs(args: ServerArgs) -> tuple[list[RankSpec | None], Any | None]:
     per group, so data-parallel groups meet apart)."""
     if args.tp_size == 1:
         return [None], None
+    from radixserve.runtime.execution.distributed import RankSpec, Rendezvous, host_store
+
     if args.dist_init_addr is None:
         store = host_store("127.0.0.1", 0, args.dist_timeout)
         host, port = "127.0.0.1", store.port
@@ -228,32 +245,46 @@ def spawn_group(
     endpoints: Endpoints,
     dp_rank: int | None,
     plan: ModelPlan | None,
-) -> tuple[SchedulerGroup, list[Connection]]:
+    held: bool = False,
+) -> tuple[SchedulerGroup, list[Connection], list[Connection]]:
     """Start this node's ranks of one scheduler group on ``endpoints``, each handed
-    ``plan``; returns the group with the pipes its ranks report on. Replica
+    ``plan`` (``held``: later, by ``RuntimeProcesses.release``); returns the group
+    with the pipes its ranks report on and, ``held``, those they wait on. Replica
     ``dp_rank`` starts at device ``--base-gpu-id + dp_rank * --tp-size``."""
     if dp_rank is not None:
         args = dataclasses.replace(args, base_gpu_id=args.base_gpu_id + dp_rank * args.tp_size)
     specs, store = rank_specs(args)
     group = SchedulerGroup(dp_rank, endpoints, [], store)
-    pipes = []
+    pipes, holds = [], []
     for spec in specs:
         ready_recv, ready_send = ctx.Pipe(duplex=False)
+        hold_recv, hold_send = ctx.Pipe(duplex=False) if held else (None, None)
         rank = ctx.Process(
-            target=_run_child,
+            target=run_child,
             name=scheduler_process_name(spec, dp_rank),
-            args=(run_scheduler_process, args, model_path, endpoints, ready_send, spec, dp_rank, plan),
+            args=(run_scheduler_process, args, model_path, endpoints, ready_send, spec, dp_rank, plan, hold_recv),
             daemon=True,
         )
         rank.start()
         ready_send.close()
         group.processes.append(rank)
         pipes.append(ready_recv)
-    return group, pipes
+        if hold_recv is not None:
+            hold_recv.close()
+            holds.append(hold_send)
+    return group, pipes, holds
 
 
-def spawn_runtime(args: ServerArgs, model_path: str) -> tuple[RuntimeProcesses, list[Connection]]:
+def spawn_runtime(
+    args: ServerArgs, model_path: str, platform: type[Platform] | None = None, held: bool = False
+) -> SpawnedRuntime:
     """Start this node's processes; returns at once, with the pipes its ranks report on.
+    ``platform``: ``--device``'s, where the caller resolved it already. ``held``:
+    the ranks wait for ``RuntimeProcesses.release`` before they read the model.
+
+    Several model processes on this host share it: each gets the environment the
+    platform gives it (``Platform.process_environment``). A lone one needs
+    none, so it is spawned without resolving the platform (nor importing torch).
 
     Call it from a thread that lives as long as the server: the children's
     PR_SET_PDEATHSIG fires when the *thread* that spawned them exits."""
@@ -262,35 +293,46 @@ def spawn_runtime(args: ServerArgs, model_path: str) -> tuple[RuntimeProcesses, 
     tokenizer_path = args.tokenizer_path or model_path
     runtime = RuntimeProcesses(args, model_path, tokenizer_path, endpoints, summary={})
     pipes: list[Connection] = []
-    platform = get_registry().resolve_platform(args.device)
-    plan = _plan(args, model_path, platform) if runtime.leads else None  # other nodes' ranks take rank 0's
-    with _environment(platform.process_environment(args.ranks_per_node * args.dp_size)):
+    per_host = args.ranks_per_node * args.dp_size
+    environment: dict[str, str] = {}
+    if per_host > 1 or not held:
+        if platform is None:
+            from radixserve.registry import get_registry
+
+            platform = get_registry().resolve_platform(args.device)
+        environment = platform.process_environment(per_host)
+    # Other nodes' ranks take rank 0's plan; held ranks get theirs from release().
+    plan = _plan(args, model_path, platform) if runtime.leads and platform is not None and not held else None
+    with _environment(environment):
         if args.dp_size == 1:
-            spawned = [spawn_group(ctx, args, model_path, endpoints, None, plan)]
+            spawned = [spawn_group(ctx, args, model_path, endpoints, None, plan, held)]
         else:
             spawned = [
-                spawn_group(ctx, args, model_path, endpoints.for_replica(k), k, plan) for k in range(args.dp_size)
+                spawn_group(ctx, args, model_path, endpoints.for_replica(k), k, plan, held) for k in range(args.dp_size)
             ]
-    for group, group_pipes in spawned:
+    for group, group_pipes, holds in spawned:
         runtime.groups.append(group)
         runtime.processes += group.processes
         pipes += group_pipes
+        runtime._holds += holds
     if runtime.leads and args.dp_size > 1:
         controller = ctx.Process(
-            target=_run_child, name="dp-controller", args=(run_dp_controller_process, args, endpoints), daemon=True
+            target=run_child, name="dp-controller", args=(run_dp_controller_process, args, endpoints), daemon=True
         )
         controller.start()
         runtime.processes.append(controller)
     if runtime.leads:
+        tokenizer_recv, runtime._detokenizer_tokenizer = ctx.Pipe(duplex=False)
         detokenizer = ctx.Process(
-            target=_run_child,
+            target=run_child,
             name="detokenizer",
-            args=(run_detokenizer_process, tokenizer_path, endpoints, args.log_level),
+            args=(run_detokenizer_process, tokenizer_recv, endpoints, args.log_level),
             daemon=True,
         )
         detokenizer.start()
+        tokenizer_recv.close()
         runtime.processes.append(detokenizer)
-    return runtime, pipes
+    return SpawnedRuntime(runtime, pipes)
 
 
 def _plan(args: ServerArgs, model_path: str, platform: type[Platform]) -> ModelPlan:
@@ -321,13 +363,16 @@ def _environment(extra: dict[str, str]) -> Iterator[None]:
 
 def wait_until_ready(runtime: RuntimeProcesses, ready_pipes: list[Connection]) -> None:
     """Block until every rank of this node has loaded the model (fills
-    ``runtime.summary`` from the first); on the first failure stop the processes
+    ``runtime.summary`` from the first and, on node 0, ``runtime.tokenizer``,
+    which the detokenizer is sent too); on the first failure stop the processes
     and raise StartupError naming the rank."""
     ranks = runtime.ranks
     pending = dict(zip(ready_pipes, ranks, strict=True))
     statuses: dict[str, dict] = {}
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     try:
+        if runtime.leads:
+            import_tokenizer_modules()  # while the ranks load
         while pending:
             ready = wait_any(list(pending), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
@@ -342,10 +387,26 @@ def wait_until_ready(runtime: RuntimeProcesses, ready_pipes: list[Connection]) -
                 if not status or "error" in status:
                     raise StartupError(_startup_failure(process, status))
                 statuses[process.name] = status
+        runtime.summary = statuses[ranks[0].name]["summary"]
+        if runtime.leads:
+            runtime.tokenizer = _share_tokenizer(runtime, statuses[ranks[0].name]["tokenizer"])
     except BaseException:
         runtime.shutdown()
         raise
-    runtime.summary = statuses[ranks[0].name]["summary"]
+
+
+def _share_tokenizer(runtime: RuntimeProcesses, pickled: bytes) -> Any:
+    """Send the first rank's tokenizer to the detokenizer; this process's copy."""
+    pipe = runtime._detokenizer_tokenizer
+    assert pipe is not None, "spawn_runtime made the pipe"
+    try:
+        pipe.send_bytes(pickled)
+    except OSError:  # the detokenizer is gone
+        detokenizer = next(p for p in runtime.processes if p.name == "detokenizer")
+        raise StartupError(_startup_failure(detokenizer, None)) from None
+    finally:
+        pipe.close()
+    return pickle.loads(pickled)
 
 
 def _startup_failure(process: mp.Process, status: dict | None) -> str:
