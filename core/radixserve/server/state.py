@@ -134,10 +134,15 @@ class ServerState:
             warn_demo_model(self.runtime.model_path)  # resolve_model_path's warning, for the runtime the CLI started
         await _in_daemon_thread(wait_until_ready, self.runtime, self._ready_pipes)
         loop = asyncio.get_running_loop()
-        self.runtime.watch(lambda reason: loop.call_soon_threadsafe(self._on_runtime_death, reason))
-        tokenizer = self.runtime.tokenizer
-        summary = self.runtime.summary
-        self.tm = tm = TokenizerManager(args, tokenizer, self.runtime.endpoints, summary)
+        runtime = self.runtime
+
+        def on_death(reason: str) -> None:
+            loop.call_soon_threadsafe(self._on_runtime_death, reason)
+
+        runtime.watch(on_death)
+        tokenizer = runtime.tokenizer
+        summary = runtime.summary
+        self.tm = tm = TokenizerManager(args, tokenizer, runtime.endpoints, summary)
         tm.start()
         template = ChatTemplate(tokenizer, args.chat_template)
         tool_parser = get_registry().tool_parser(args.tool_call_parser, template.source)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import pickle
 import traceback
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ from radixserve.startup_gc import gc_paused
 if TYPE_CHECKING:  # torch and transformers: the spawning server may not have imported them yet
     from radixserve.runtime.execution.distributed import RankSpec
     from radixserve.runtime.execution.model_plan import ModelPlan
+    from radixserve.runtime.scheduling.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -95,22 +97,17 @@ def run_scheduler_process(
     ready.send({**status, "summary": scheduler.runner.summary()})
     group = scheduler.runner.group
     ctx = zmq.Context()
-    to_detok = to_tm = poller = recv = None
-    if group.is_leader:
-        recv = pull_socket(ctx, endpoints.scheduler)
-        to_detok = push_socket(ctx, endpoints.detokenizer)
-        to_tm = push_socket(ctx, endpoints.tokenizer_manager)
-        poller = zmq.Poller()
-        poller.register(recv, zmq.POLLIN)
+    leader = _LeaderSockets.open(ctx, endpoints) if group.is_leader else None
+    to_tm = leader.to_tm if leader is not None else None
     checked_idle = False
     while True:
-        messages = []
-        if group.is_leader:
+        messages: list[object] = []
+        if leader is not None:
             if not scheduler.has_work():
-                poller.poll(IDLE_POLL_MS)
+                leader.poller.poll(IDLE_POLL_MS)
             while True:
                 try:
-                    messages.append(recv.recv_pyobj(zmq.NOBLOCK))
+                    messages.append(leader.recv.recv_pyobj(zmq.NOBLOCK))
                 except zmq.Again:
                     break
         # The other ranks wait here for rank 0's messages (at most IDLE_POLL_MS when idle).
@@ -127,15 +124,33 @@ def run_scheduler_process(
                 logger.exception("failed to handle a %s message", type(msg).__name__)
         outputs = scheduler.step() if scheduler.has_work() else scheduler.step_outputs()
         scheduler.profiler.after_step()
-        if outputs and to_detok is not None:
-            to_detok.send_pyobj(TokenBatch(outputs))
+        if outputs and leader is not None:
+            leader.to_detok.send_pyobj(TokenBatch(outputs))
             finished = [out.rid for out in outputs if out.finish_reason is not None]
             if dp_rank is not None and finished:
-                to_tm.send_pyobj(ReplicaFinished(dp_rank, finished))
+                leader.to_tm.send_pyobj(ReplicaFinished(dp_rank, finished))
         if not scheduler.has_work() and not checked_idle:
             checked_idle = True
             if not scheduler.check_memory():
                 logger.error("KV memory invariant broken while idle: %s", scheduler.stats())
+
+
+@dataclass
+class _LeaderSockets:
+    """Rank 0's sockets: the requests in, token batches to the detokenizer, control
+    replies (and, behind a DP controller, finished ids) to the tokenizer manager."""
+
+    recv: zmq.Socket[bytes]
+    to_detok: zmq.Socket[bytes]
+    to_tm: zmq.Socket[bytes]
+    poller: zmq.Poller
+
+    @classmethod
+    def open(cls, ctx: zmq.Context[zmq.Socket[bytes]], endpoints: Endpoints) -> _LeaderSockets:
+        recv = pull_socket(ctx, endpoints.scheduler)
+        poller = zmq.Poller()
+        poller.register(recv, zmq.POLLIN)
+        return cls(recv, push_socket(ctx, endpoints.detokenizer), push_socket(ctx, endpoints.tokenizer_manager), poller)
 
 
 def _released(held: Connection) -> tuple[bool, ModelPlan | None]:
@@ -150,7 +165,7 @@ def _released(held: Connection) -> tuple[bool, ModelPlan | None]:
         held.close()
 
 
-def _dispatch(scheduler, msg, to_tm: zmq.Socket | None) -> None:
+def _dispatch(scheduler: Scheduler, msg: object, to_tm: zmq.Socket[bytes] | None) -> None:
     """Handle one message; ``to_tm`` (rank 0's) gets control replies, other ranks only act."""
     if isinstance(msg, GenerateRequest):
         scheduler.add_request(msg)
@@ -164,7 +179,7 @@ def _dispatch(scheduler, msg, to_tm: zmq.Socket | None) -> None:
         logger.error("unknown message %r", type(msg).__name__)
 
 
-def _control(scheduler, kind: str, args):
+def _control(scheduler: Scheduler, kind: str, args: Any) -> Any:
     if kind == "server_info":
         summary = scheduler.runner.summary()
         return {"stats": scheduler.stats().__dict__, **summary, "grammar_backend": scheduler.grammars.backend_name}

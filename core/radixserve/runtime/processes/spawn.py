@@ -28,7 +28,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
-from typing import TYPE_CHECKING, Any, NamedTuple
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import zmq
 
@@ -44,6 +45,8 @@ from radixserve.runtime.processes.tokenizer_share import import_tokenizer_module
 from radixserve.startup_error import StartupError
 
 if TYPE_CHECKING:  # torch and transformers: imported where needed, so that the server can spawn a scheduler first
+    from torch._C._distributed_c10d import TCPStore
+
     from radixserve.platform import Platform
     from radixserve.runtime.execution.distributed import RankSpec
     from radixserve.runtime.execution.model_plan import ModelPlan
@@ -83,7 +86,7 @@ class SchedulerGroup:
 
     dp_rank: int | None  # None without data parallelism
     endpoints: Endpoints
-    processes: list[mp.Process]
+    processes: list[BaseProcess]
     store: Any | None = None  # the TCP store its ranks meet at, when this process serves it
 
     @property
@@ -97,9 +100,9 @@ class RuntimeProcesses:
     model_path: str
     tokenizer_path: str
     endpoints: Endpoints
-    summary: dict
+    summary: dict[str, Any]
     groups: list[SchedulerGroup] = field(default_factory=list)
-    processes: list[mp.Process] = field(default_factory=list)  # the groups', the controller, the detokenizer
+    processes: list[BaseProcess] = field(default_factory=list)  # the groups', the controller, the detokenizer
     tokenizer: Any = None  # the first rank's, once every rank is ready (node 0 only)
     _detokenizer_tokenizer: Connection | None = None  # where the detokenizer waits for it
     _holds: list[Connection] = field(default_factory=list)  # where held ranks wait for release()
@@ -111,7 +114,7 @@ class RuntimeProcesses:
         return self.args.node_rank == 0
 
     @property
-    def ranks(self) -> list[mp.Process]:
+    def ranks(self) -> list[BaseProcess]:
         """Every scheduler rank process on this node."""
         return [p for g in self.groups for p in g.processes]
 
@@ -141,7 +144,7 @@ class RuntimeProcesses:
             up = list(self.groups)
             try:
                 while True:
-                    ready = wait_any(list(live))
+                    ready = cast("list[int]", wait_any(list(live)))  # the sentinels that fired
                     if self._stopping:
                         return
                     reason = self.death_reason([live.pop(s) for s in ready])
@@ -152,6 +155,7 @@ class RuntimeProcesses:
                         on_death(reason)
                         return
                     for group in down:
+                        assert group.dp_rank is not None  # a replica: there is a controller
                         up.remove(group)
                         for p in group.processes:
                             live.pop(p.sentinel, None)
@@ -164,7 +168,7 @@ class RuntimeProcesses:
 
         threading.Thread(target=wait, daemon=True, name="process-watch").start()
 
-    def death_reason(self, dead: list[mp.Process]) -> str:
+    def death_reason(self, dead: list[BaseProcess]) -> str:
         for p in dead:  # the sentinel fires a moment before the exit code can be read
             p.join(timeout=5)
         return ", ".join(f"{p.name} exited with code {p.exitcode}" for p in dead)
@@ -223,6 +227,7 @@ def rank_specs(args: ServerArgs) -> tuple[list[RankSpec | None], Any | None]:
         return [None], None
     from radixserve.runtime.execution.distributed import RankSpec, Rendezvous, host_store
 
+    store: TCPStore | None
     if args.dist_init_addr is None:
         store = host_store("127.0.0.1", 0, args.dist_timeout)
         host, port = "127.0.0.1", store.port
@@ -255,7 +260,8 @@ def spawn_group(
         args = dataclasses.replace(args, base_gpu_id=args.base_gpu_id + dp_rank * args.tp_size)
     specs, store = rank_specs(args)
     group = SchedulerGroup(dp_rank, endpoints, [], store)
-    pipes, holds = [], []
+    pipes: list[Connection] = []
+    holds: list[Connection] = []
     for spec in specs:
         ready_recv, ready_send = ctx.Pipe(duplex=False)
         hold_recv, hold_send = ctx.Pipe(duplex=False) if held else (None, None)
@@ -269,7 +275,7 @@ def spawn_group(
         ready_send.close()
         group.processes.append(rank)
         pipes.append(ready_recv)
-        if hold_recv is not None:
+        if hold_recv is not None and hold_send is not None:
             hold_recv.close()
             holds.append(hold_send)
     return group, pipes, holds
@@ -368,20 +374,20 @@ def wait_until_ready(runtime: RuntimeProcesses, ready_pipes: list[Connection]) -
     and raise StartupError naming the rank."""
     ranks = runtime.ranks
     pending = dict(zip(ready_pipes, ranks, strict=True))
-    statuses: dict[str, dict] = {}
+    statuses: dict[str, dict[str, Any]] = {}
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     try:
         if runtime.leads:
             import_tokenizer_modules()  # while the ranks load
         while pending:
-            ready = wait_any(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            ready = cast("list[Connection]", wait_any(list(pending), timeout=max(0.0, deadline - time.monotonic())))
             if not ready:
                 names = ", ".join(p.name for p in pending.values())
                 raise StartupError(f"{names} did not start within {STARTUP_TIMEOUT_S} s")
             for conn in ready:
                 process = pending.pop(conn)
                 try:
-                    status: dict | None = conn.recv()
+                    status: dict[str, Any] | None = conn.recv()
                 except EOFError:
                     status = None
                 if not status or "error" in status:
@@ -409,7 +415,7 @@ def _share_tokenizer(runtime: RuntimeProcesses, pickled: bytes) -> Any:
     return pickle.loads(pickled)
 
 
-def _startup_failure(process: mp.Process, status: dict | None) -> str:
+def _startup_failure(process: BaseProcess, status: dict[str, Any] | None) -> str:
     if status:
         logger.debug("the %s's traceback:\n%s", process.name, status["error"])
         return f"the {process.name} failed to start: {exception_summary(status['error'])}"
