@@ -32,7 +32,7 @@ class CliArgs:
 
     @classmethod
     def field_names(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        return {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]  # every user is a dataclass
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -40,7 +40,7 @@ class CliArgs:
         bool is ``--flag`` / ``--no-flag``, a ``Literal`` lists its choices, ``Optional[X]``
         parses as ``X``, ``list[str]`` takes any number of values."""
         hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # every user is a dataclass
             flags = list(f.metadata.get("cli_names", ["--" + f.name.replace("_", "-")]))
             flags += f.metadata.get("aliases", ())  # e.g. SGLang's spelling of the same flag
             default = field_default(cls.__name__, f)

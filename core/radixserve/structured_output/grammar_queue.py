@@ -156,12 +156,13 @@ class GrammarQueue:
         rows, in order) on the device; None when none is constrained."""
         if not self.active:
             return None
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        if not rows:
+        constrained = [(i, r.grammar) for i, r in enumerate(reqs) if r.grammar is not None]
+        if not constrained:
             return None
+        rows = [i for i, _ in constrained]
         bitmask = allocate_token_bitmask(len(rows), self.vocab_size, pin_memory=self.transfer.pinned_staging)
-        for j, i in enumerate(rows):
-            reqs[i].grammar.fill_bitmask(bitmask, j)  # type: ignore[union-attr]
+        for j, (_, grammar) in enumerate(constrained):
+            grammar.fill_bitmask(bitmask, j)
         return TokenMask(bitmask.to(self.transfer.device, non_blocking=True), self.transfer.to_device(rows))
 
     @staticmethod
