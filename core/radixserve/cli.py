@@ -76,23 +76,23 @@ def _serve(args: ServerArgs) -> int:
         if args.node_rank > 0:
             from radixserve.runtime.processes.worker_node import serve_worker_node
 
-            build_backends(check_model(args, check_args(args)))
+            build_backends(check_model(args, check_args(args))[0])
             return serve_worker_node(args)
         with gc_paused():
             started = start_runtime(args)
             try:
                 platform = check_args(args)
-                query = check_model(args, platform)
+                query, plan = check_model(args, platform)
                 sock = bind_socket(args.host, args.port)
                 build_backends(query)
                 if started is not None:
-                    started.runtime.release()  # with the model plan, made now
+                    started.runtime.release(plan)
             except BaseException:
                 if started is not None:
                     started.runtime.shutdown(grace_s=0)  # none of it has read the model
                 raise
             if started is None:
-                started = start_runtime(args, platform)
+                started = start_runtime(args, platform, plan)
             from radixserve.server.http import run_server
         return run_server(args, sock, started)
     except StartupError as exc:

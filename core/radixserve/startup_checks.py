@@ -20,6 +20,7 @@ from radixserve.startup_error import StartupError
 if TYPE_CHECKING:  # torch: the CLI spawns a lone scheduler (start_runtime) before it imports it
     from radixserve.kernels import KernelQuery
     from radixserve.platform import Platform
+    from radixserve.runtime.execution.model_plan import ModelPlan
     from radixserve.runtime.processes.spawn import SpawnedRuntime
 
 PLUGINS_HINT = "`radixserve plugins` lists every platform and backend and why each is usable here or not"
@@ -39,7 +40,7 @@ def check_startup(args: ServerArgs) -> KernelQuery:
     for it. Returns the query the backends were checked for (the device and
     dtype alone where the model's shapes are not known yet), for ``build_backends``:
     ``check_args``, then ``check_model``."""
-    return check_model(args, check_args(args))
+    return check_model(args, check_args(args))[0]
 
 
 def check_args(args: ServerArgs) -> type[Platform]:
@@ -77,27 +78,24 @@ def check_args(args: ServerArgs) -> type[Platform]:
     return platform
 
 
-def check_model(args: ServerArgs, platform: type[Platform]) -> KernelQuery:
+def check_model(args: ServerArgs, platform: type[Platform]) -> tuple[KernelQuery, ModelPlan | None]:
     """The checks that read a local model's config (transformers' configuration
     classes: over a second of CPU): its architecture, dtype, weight files,
     embedding settings, tensor-parallel split and each forced backend's support
-    for it. Returns the query for ``build_backends``: the device and dtype
-    alone for the demo model and a hub id, whose shapes are known once built or
-    downloaded (the scheduler checks them then)."""
+    for it. Returns the query for ``build_backends`` and, for a local model, the
+    model plan its ranks are handed (made from the config read here, so the
+    server reads it once); for the demo model and a hub id, whose shapes are
+    known once built or downloaded, the device and dtype alone and no plan (it
+    is made when the runtime is spawned)."""
     from radixserve.checkpoints.embedding import embedding_config
-    from radixserve.checkpoints.loader import (
-        check_tp_shapes,
-        load_config,
-        model_class,
-        model_query_for_args,
-        safetensors_files,
-    )
+    from radixserve.checkpoints.loader import check_tp_shapes, load_config, model_class, safetensors_files
     from radixserve.checkpoints.source import is_hub_id
     from radixserve.kernels import KernelQuery
     from radixserve.registry import PluginError, get_registry
+    from radixserve.runtime.execution.model_plan import plan_model
 
     if args.model_path is None or is_hub_id(args.model_path):
-        return KernelQuery(device=platform.name, dtype=platform.default_dtype)
+        return KernelQuery(device=platform.name, dtype=platform.default_dtype), None
     registry = get_registry()
     try:
         config = load_config(args.model_path)
@@ -111,7 +109,8 @@ def check_model(args: ServerArgs, platform: type[Platform]) -> KernelQuery:
         except ValueError as exc:
             raise StartupError(str(exc), TP_HINT) from exc
         safetensors_files(args.model_path)
-        query = model_query_for_args(args, config, platform)
+        plan = plan_model(args, args.model_path, platform, config)
+        query = plan.query
         for kind, name in _forced_backends(args).items():
             if kind != "moe" or query.num_experts:
                 registry.forced(kind, query, name)
@@ -119,7 +118,7 @@ def check_model(args: ServerArgs, platform: type[Platform]) -> KernelQuery:
         raise StartupError(str(exc), PLUGINS_HINT) from exc
     except (ValueError, OSError, KeyError) as exc:
         raise StartupError(f"{type(exc).__name__}: {exc}", MODEL_HINT) from exc
-    return query
+    return query, plan
 
 
 def build_backends(query: KernelQuery) -> None:
@@ -132,7 +131,9 @@ def build_backends(query: KernelQuery) -> None:
     get_registry().build_usable(query)
 
 
-def start_runtime(args: ServerArgs, platform: type[Platform] | None = None) -> SpawnedRuntime | None:
+def start_runtime(
+    args: ServerArgs, platform: type[Platform] | None = None, plan: ModelPlan | None = None
+) -> SpawnedRuntime | None:
     """Spawn the runtime now if the model is at hand (a local model directory, or
     the demo model built by an earlier start), so that the scheduler imports torch
     and loads the model while this process checks, builds the backends and
@@ -145,7 +146,8 @@ def start_runtime(args: ServerArgs, platform: type[Platform] | None = None) -> S
     1: it needs nothing from the platform), and held: its scheduler imports
     torch and the model code, then waits for ``RuntimeProcesses.release`` (the
     checks passed, the backends are built) before it reads the model, or is
-    stopped. With ``platform`` (``check_args``'s), after the checks: any runtime.
+    stopped. With ``platform`` (``check_args``'s), after the checks: any runtime,
+    handed ``plan`` (``check_model``'s) when there is one.
 
     Call it from the thread that will run the server (the children die with it)."""
     from radixserve.checkpoints.source import model_path_at_hand
@@ -156,7 +158,7 @@ def start_runtime(args: ServerArgs, platform: type[Platform] | None = None) -> S
     model_path = model_path_at_hand(args)
     if model_path is None:
         return None
-    return spawn_runtime(args, model_path, platform, held=platform is None)
+    return spawn_runtime(args, model_path, platform, held=platform is None, plan=plan)
 
 
 def _forced_backends(args: ServerArgs) -> dict[str, str]:

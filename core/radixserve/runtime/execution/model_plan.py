@@ -75,10 +75,13 @@ class ModelPlan:
             raise ValueError(f"dtype: {self.dtype} (the model plan's) is not supported by platform {platform.name!r}")
 
 
-def plan_model(args: ServerArgs, model_path: str, platform: type[Platform]) -> ModelPlan:
+def plan_model(
+    args: ServerArgs, model_path: str, platform: type[Platform], config: PretrainedConfig | None = None
+) -> ModelPlan:
     """The plan for serving ``model_path`` with ``args`` on ``platform`` (the class:
-    nothing here touches a device), its backends not chosen yet."""
-    hf_config = load_config(model_path)
+    nothing here touches a device), its backends not chosen yet. ``config``: the
+    model's, where the caller has read it already."""
+    hf_config = config if config is not None else load_config(model_path)
     check_tp_shapes(hf_config, args.tp_size)
     dtype_choice = choose_dtype(args.dtype, hf_config, platform)
     query = model_query_for_args(args, hf_config, platform, dtype=dtype_choice.dtype)

@@ -74,9 +74,9 @@ class ModelRunner:
             plan = choose_backends(plan, args, registry, self.platform, self.gpu_id)
         if self.group.size > 1:
             plan = self.group.broadcast(plan if self.group.is_leader else None)
-            assert plan is not None  # rank 0's, which it always has
+        assert plan is not None  # rank 0's, which it always has
+        if not self.group.is_leader:
             plan.check_device(self.platform)
-        assert plan is not None
         self.plan = plan
         hf_config = plan.hf_config
         self.num_layers = hf_config.num_hidden_layers

@@ -118,13 +118,14 @@ class RuntimeProcesses:
         """Every scheduler rank process on this node."""
         return [p for g in self.groups for p in g.processes]
 
-    def release(self) -> None:
+    def release(self, plan: ModelPlan | None = None) -> None:
         """Let the ranks of a held runtime read the model, the start-up checks
-        passed: each is handed the model plan, made now (a StartupError if the
-        model does not fit the arguments; the caller then stops the runtime)."""
+        passed: each is handed ``plan`` (the checks' own), else one made now (a
+        StartupError if the model does not fit the arguments; the caller then
+        stops the runtime)."""
         from radixserve.registry import get_registry
 
-        plan = _plan(self.args, self.model_path, get_registry().resolve_platform(self.args.device))
+        plan = plan or _plan(self.args, self.model_path, get_registry().resolve_platform(self.args.device))
         for hold in self._holds:
             hold.send(plan)
             hold.close()
@@ -282,11 +283,17 @@ def spawn_group(
 
 
 def spawn_runtime(
-    args: ServerArgs, model_path: str, platform: type[Platform] | None = None, held: bool = False
+    args: ServerArgs,
+    model_path: str,
+    platform: type[Platform] | None = None,
+    held: bool = False,
+    plan: ModelPlan | None = None,
 ) -> SpawnedRuntime:
     """Start this node's processes; returns at once, with the pipes its ranks report on.
     ``platform``: ``--device``'s, where the caller resolved it already. ``held``:
     the ranks wait for ``RuntimeProcesses.release`` before they read the model.
+    ``plan``: the model plan node 0's ranks are handed, where the caller made it
+    (the start-up checks); else it is made here (held: by ``release``).
 
     Several model processes on this host share it: each gets the environment the
     platform gives it (``Platform.process_environment``). A lone one needs
@@ -308,7 +315,8 @@ def spawn_runtime(
             platform = get_registry().resolve_platform(args.device)
         environment = platform.process_environment(per_host)
     # Other nodes' ranks take rank 0's plan; held ranks get theirs from release().
-    plan = _plan(args, model_path, platform) if runtime.leads and platform is not None and not held else None
+    if plan is None and runtime.leads and platform is not None and not held:
+        plan = _plan(args, model_path, platform)
     with _environment(environment):
         if args.dp_size == 1:
             spawned = [spawn_group(ctx, args, model_path, endpoints, None, plan, held)]
