@@ -8,8 +8,10 @@ import json
 import logging
 import os
 import sys
+from typing import NoReturn
 
 from radixserve.config import ServerArgs
+from radixserve.process_exit import exit_code, exit_now
 from radixserve.router.args import RouterArgs
 from radixserve.version import __version__
 
@@ -165,5 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def run() -> NoReturn:
+    """The ``radixserve`` command: ``main``, then the process ends without the
+    interpreter's teardown (``process_exit``: half a second once torch is loaded)."""
+    try:
+        code = main()
+    except SystemExit as exc:
+        code = exit_code(exc)
+    exit_now(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
