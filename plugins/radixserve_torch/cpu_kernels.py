@@ -21,14 +21,21 @@ running anything.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from radixserve_torch import cpu_isa
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +86,35 @@ def extension_name() -> str:
     return f"radixserve_cpu_kernels_{target.name if target is not None else 'no_target'}"
 
 
+def build_directory() -> Path:
+    """Where torch's extension builder keeps this target's build: ``$TORCH_EXTENSIONS_DIR``
+    or its default root, as it names them for a CPU build of torch."""
+    from torch.utils import cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        cpp_extension.get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+    )
+    return Path(root) / extension_name()
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """One process at a time builds or loads a target, and a build killed half-way
+    does not stop every later start. Torch's builder guards its directory with a lock
+    *file* (``lock``), which a process killed during its build (Ctrl-C in the first
+    ``radixserve serve``) leaves behind; torch then waits on it forever, silently.
+    This lock is an flock, which the kernel drops when its holder dies, so whoever
+    holds it knows that a torch lock file in the directory has no live owner."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "radixserve-build.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = directory / "lock"
+        if stale.exists():
+            logger.warning("removing %s, left by a build of the CPU kernels that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 def load() -> None:
     """Build (first use on this machine) or load the library; once per process."""
     global _loaded, _build_error
@@ -94,15 +130,18 @@ def load() -> None:
 
         logger.info("loading the CPU kernels for %s (compiled on first use on this machine)", target.origin)
         start = time.perf_counter()
+        directory = build_directory()
         try:
-            library = cpp_extension.load(
-                name=extension_name(),
-                sources=[str(s) for s in SOURCES],
-                extra_cflags=["-O3", *target.cflags, "-fopenmp"],
-                extra_ldflags=["-fopenmp"],
-                is_python_module=False,
-                verbose=False,
-            )
+            with _build_lock(directory):
+                library = cpp_extension.load(
+                    name=extension_name(),
+                    sources=[str(s) for s in SOURCES],
+                    extra_cflags=["-O3", *target.cflags, "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                    build_directory=str(directory),
+                    is_python_module=False,
+                    verbose=False,
+                )
         except Exception as exc:  # the compiler's output is in the exception text
             _build_error = f"building the CPU kernels failed: {_first_error_line(str(exc))}"
             raise KernelBuildError(_build_error) from exc

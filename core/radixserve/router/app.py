@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from types import FrameType
 from typing import Any
 
-import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -34,6 +33,7 @@ from radixserve.router.forwarder import Forwarder
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import make_policy
 from radixserve.router.request_info import ROUTED_BY_TEXT, RequestInfo, TokenEstimator, parse_body, read_request
+from radixserve.router.upstream import Upstream, UpstreamError
 from radixserve.server.errors import APIError, error_response, install_error_handlers
 from radixserve.server.listen import base_url, bind_socket
 from radixserve.server.middleware import RequestGuard
@@ -72,15 +72,13 @@ def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: N
         args.queue_timeout_secs,
         metrics,
     )
-    client = httpx.AsyncClient(
-        timeout=httpx.Timeout(args.request_timeout_secs, connect=5.0),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-    )
-    fleet = Fleet(args, client, policy, metrics)
-    forwarder = Forwarder(args, client, fleet, policy, admission, metrics, estimator)
+    upstream = Upstream(args.request_timeout_secs)
+    fleet = Fleet(args, upstream, policy, metrics)
+    forwarder = Forwarder(args, upstream, fleet, policy, admission, metrics, estimator)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await upstream.start()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(
                 asyncio.gather(*(fleet.add(url) for url in args.worker_urls), return_exceptions=True),
@@ -93,7 +91,7 @@ def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: N
         finally:
             for task in loops:
                 task.cancel()
-            await client.aclose()
+            await upstream.close()
 
     app = FastAPI(title="radixserve router", lifespan=lifespan)
     app.add_middleware(
@@ -184,9 +182,9 @@ def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: N
     async def flush_cache() -> dict[str, Any]:
         async def flush(url: str) -> tuple[str, int]:
             try:
-                response = await client.post(url + "/flush_cache", headers=fleet.admin_headers, timeout=30)
-                return url, response.status_code
-            except httpx.HTTPError:
+                reply = await upstream.post(url + "/flush_cache", headers=fleet.admin_headers, timeout_s=30)
+                return url, reply.status
+            except UpstreamError:
                 return url, 502
 
         results = await asyncio.gather(*(flush(url) for url in fleet.workers))

@@ -14,11 +14,10 @@ import asyncio
 import logging
 from typing import Any
 
-import httpx
-
 from radixserve.router.args import RouterArgs, normalize_url
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import Policy
+from radixserve.router.upstream import Upstream, UpstreamError
 from radixserve.router.worker import CircuitBreaker, Worker, WorkerFacts, WorkerLoad
 from radixserve.server.errors import APIError
 
@@ -32,8 +31,8 @@ class WorkerNotReady(Exception):
 
 
 class Fleet:
-    def __init__(self, args: RouterArgs, client: httpx.AsyncClient, policy: Policy, metrics: RouterMetrics):
-        self.args, self.client, self.policy, self.metrics = args, client, policy, metrics
+    def __init__(self, args: RouterArgs, upstream: Upstream, policy: Policy, metrics: RouterMetrics):
+        self.args, self.upstream, self.policy, self.metrics = args, upstream, policy, metrics
         self.workers: dict[str, Worker] = {}
         self.pending: set[str] = set(args.worker_urls)
         self.no_load_report: set[str] = set()
@@ -143,16 +142,14 @@ class Fleet:
 
     async def _check_health(self, worker: Worker) -> None:
         try:
-            response = await self.client.get(
-                worker.url + "/health", headers=self.headers, timeout=self.args.health_check_timeout_secs
+            reply = await self.upstream.get(
+                worker.url + "/health", headers=self.headers, timeout_s=self.args.health_check_timeout_secs
             )
-            ok = response.status_code == 200
-        except httpx.TimeoutException:
-            if worker.in_flight:  # busy: a long prefill step can hold its /health (it asks the scheduler)
+            ok = reply.status == 200
+        except UpstreamError as exc:
+            if exc.timed_out and worker.in_flight:  # busy: a long prefill step can hold its /health
                 logger.debug("worker %s is slow to answer its health check while serving; not counted", worker.url)
                 return
-            ok = False
-        except httpx.HTTPError:
             ok = False
         if ok:
             worker.health_failures, worker.health_successes = 0, worker.health_successes + 1
@@ -175,13 +172,13 @@ class Fleet:
 
     async def _read_load(self, worker: Worker) -> None:
         try:
-            response = await self.client.get(worker.url + "/get_load", headers=self.headers, timeout=5)
-        except httpx.HTTPError:
+            reply = await self.upstream.get(worker.url + "/get_load", headers=self.headers, timeout_s=5)
+        except UpstreamError:
             return
-        if response.status_code == 404:
+        if reply.status == 404:
             self.no_load_report.add(worker.url)  # not every OpenAI server reports it
             return
-        body = response.json() if response.status_code == 200 else None
+        body = reply.json() if reply.status == 200 else None
         entries = body if isinstance(body, list) else [body] if isinstance(body, dict) else None
         if entries is not None:
             worker.observe(WorkerLoad.of(entries))
@@ -207,17 +204,14 @@ class Fleet:
 
     async def _get_json(self, url: str, path: str, required: bool = False) -> Any:
         try:
-            response = await self.client.get(url + path, headers=self.headers, timeout=10)
-        except httpx.HTTPError as exc:
-            raise WorkerNotReady(f"{path}: {type(exc).__name__}: {exc}") from None
-        if response.status_code != 200:
+            reply = await self.upstream.get(url + path, headers=self.headers, timeout_s=10)
+        except UpstreamError as exc:
+            raise WorkerNotReady(f"{path}: {exc}") from None
+        if reply.status != 200:
             if required:
-                raise WorkerNotReady(f"{path} answered {response.status_code}")
+                raise WorkerNotReady(f"{path} answered {reply.status}")
             return None
-        try:
-            return response.json()
-        except ValueError:
-            return None
+        return reply.json()
 
     def _check_identity(self, url: str, facts: WorkerFacts) -> None:
         for other in self.workers.values():

@@ -22,8 +22,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 
-import anyio
-import httpx
+import aiohttp
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
@@ -33,6 +32,7 @@ from radixserve.router.fleet import Fleet
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import Policy
 from radixserve.router.request_info import RequestInfo, TokenEstimator
+from radixserve.router.upstream import TRANSPORT_ERRORS, Upstream, UpstreamError
 from radixserve.router.worker import Work, Worker
 from radixserve.server.errors import APIError, error_body
 
@@ -45,7 +45,7 @@ _DROPPED_HEADERS = frozenset({"content-length", "transfer-encoding", "connection
 
 
 class TryFailed(Exception):
-    def __init__(self, kind: str, detail: str, response: httpx.Response | None = None, body: bytes = b""):
+    def __init__(self, kind: str, detail: str, response: aiohttp.ClientResponse | None = None, body: bytes = b""):
         super().__init__(detail)
         self.kind, self.detail, self.response, self.body = kind, detail, response, body
 
@@ -55,7 +55,7 @@ class Answer:
     """A worker's answer, read up to its first chunk (``streaming``) or whole."""
 
     worker: Worker
-    upstream: httpx.Response
+    upstream: aiohttp.ClientResponse  # its head; the body is ``content`` and ``rest``
     content: bytes  # the whole answer, or its first chunk when it streams
     rest: AsyncIterator[bytes] | None = None  # the stream's other chunks
     held: Work = Work(0, 0)  # the work the stream holds on the worker until it ends
@@ -84,14 +84,14 @@ class Forwarder:
     def __init__(
         self,
         args: RouterArgs,
-        client: httpx.AsyncClient,
+        upstream: Upstream,
         fleet: Fleet,
         policy: Policy,
         admission: Admission,
         metrics: RouterMetrics,
         estimator: TokenEstimator,
     ):
-        self.args, self.client, self.fleet, self.policy = args, client, fleet, policy
+        self.args, self.upstream, self.fleet, self.policy = args, upstream, fleet, policy
         self.admission, self.metrics, self.estimator = admission, metrics, estimator
         self.rng = random.Random()
 
@@ -175,34 +175,33 @@ class Forwarder:
         stream: until the relay ends), with its ``work``."""
         worker.breaker.on_send()
         self._hold(worker, work, +1)
-        upstream: httpx.Response | None = None
+        upstream: aiohttp.ClientResponse | None = None
         try:
             target = worker.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
-            outgoing = self.client.build_request(request.method, target, content=body, headers=self._headers(request))
-            upstream = await self.client.send(outgoing, stream=True)
-            if upstream.status_code in RETRYABLE_STATUSES:
-                content = await upstream.aread()
-                await upstream.aclose()
-                raise TryFailed("status", f"answered {upstream.status_code}", upstream, content)
+            upstream = await self.upstream.open(request.method, target, body, self._headers(request))
+            if upstream.status in RETRYABLE_STATUSES:
+                content = await upstream.read()
+                upstream.release()
+                raise TryFailed("status", f"answered {upstream.status}", upstream, content)
             if not info.stream or not upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                content = await upstream.aread()
-                await upstream.aclose()
+                content = await upstream.read()
+                upstream.release()
                 worker.breaker.on_success()
                 self._hold(worker, work, -1)
                 return Answer(worker, upstream, content)
-            chunks = upstream.aiter_raw()
+            chunks = upstream.content.iter_any()
             first = await chunks.__anext__()
         except TryFailed:
             self._failed(worker, work)
             raise
-        except (httpx.HTTPError, StopAsyncIteration) as exc:
+        except (UpstreamError, *TRANSPORT_ERRORS, StopAsyncIteration) as exc:
             if upstream is not None:
-                await upstream.aclose()
+                upstream.close()
             self._failed(worker, work)
             raise TryFailed("connect", f"{type(exc).__name__}: {exc}") from None
         except BaseException:  # cancelled: the client left
             if upstream is not None:
-                await upstream.aclose()
+                upstream.close()  # the connection dropped: the worker aborts the request
             self._hold(worker, work, -1)
             raise
         worker.breaker.on_success()
@@ -228,25 +227,26 @@ class Forwarder:
     # ---- answering ---------------------------------------------------------------------
     def _whole(self, route: str, answer: Answer, info: RequestInfo, trip: Trip) -> Response:
         worker, upstream = answer.worker, answer.upstream
-        trip.status = upstream.status_code
+        trip.status = upstream.status
         self._learn(info, answer.content)
         self._done(route, worker, trip, info)
-        return Response(answer.content, status_code=upstream.status_code, headers=_passed_headers(upstream))
+        return Response(answer.content, status_code=upstream.status, headers=_passed_headers(upstream))
 
     def _stream(self, route: str, answer: Answer, info: RequestInfo, trip: Trip) -> StreamingResponse:
         worker, upstream, first, rest = answer.worker, answer.upstream, answer.content, answer.rest
         assert rest is not None
-        trip.status = upstream.status_code
+        trip.status = upstream.status
         self.metrics.first_byte.labels(worker.url).observe(time.perf_counter() - trip.started)
 
         async def relay() -> AsyncIterator[bytes]:
             ended = False  # by the worker; otherwise the client left (Starlette cancels the relay)
+            whole = False  # the stream came whole: its connection can serve again
             try:
                 yield first
                 async for chunk in rest:
                     yield chunk
-                ended = True
-            except httpx.HTTPError as exc:
+                ended = whole = True
+            except TRANSPORT_ERRORS as exc:
                 ended = True
                 self.metrics.errors.labels(worker.url, "stream").inc()
                 trip.status = 502
@@ -261,10 +261,12 @@ class Forwarder:
                 self._hold(worker, answer.held, -1)
                 self.admission.release()
                 self._done(route, worker, trip, info)
-                with anyio.CancelScope(shield=True):  # closing tells the worker to abort
-                    await upstream.aclose()
+                if whole:
+                    upstream.release()
+                else:  # broken, or the client left: the connection dropped (the worker aborts the request)
+                    upstream.close()
 
-        return StreamingResponse(relay(), status_code=upstream.status_code, headers=_passed_headers(upstream))
+        return StreamingResponse(relay(), status_code=upstream.status, headers=_passed_headers(upstream))
 
     def _learn(self, info: RequestInfo, content: bytes) -> None:
         try:
@@ -299,5 +301,5 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-def _passed_headers(upstream: httpx.Response) -> dict[str, str]:
+def _passed_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
     return {k: v for k, v in upstream.headers.items() if k.lower() not in _DROPPED_HEADERS}
