@@ -7,13 +7,12 @@ tokens equal to the CPU's)."""
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers_platform import greedy_tokens_on, needs_platform, plugins_json
+from helpers_platform import greedy_tokens_on, installed_plugins_report, needs_platform
 from test_cli_startup import assert_short_failure, run_cli
 
 from radixserve.cache.memory_pool import KVPool
@@ -231,7 +230,7 @@ def test_device_index_from_base_gpu_id():
 
 @pytest.mark.skipif(IS_CUDA_BUILD and torch.cuda.is_available(), reason="this machine can run cuda")
 def test_plugins_json_and_serve_say_why_cuda_is_unusable(tiny_llama_dir):
-    report = plugins_json({k: v for k, v in os.environ.items() if k != "RADIXSERVE_PLUGINS"})
+    report = installed_plugins_report()
     plugin = next(p for p in report["plugins"] if p["name"] == "cuda")
     assert plugin["distribution"] == "radixserve-plugin-cuda" and plugin["error"] is None
     assert {"fp8", "fp8_per_tensor"} <= set(plugin["registered"]["quantization"])

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 import torch
-from helpers_platform import greedy_tokens_on, needs_platform, plugins_json
+from helpers_platform import greedy_tokens_on, installed_plugins_report, needs_platform
 from test_cli_startup import assert_short_failure, run_cli
 
 from radixserve.kernels import KernelQuery
@@ -50,7 +50,7 @@ def test_installed_through_the_radixserve_entry_point():
 
 @pytest.mark.skipif(IS_ROCM_BUILD, reason="this torch is a ROCm build")
 def test_plugins_json_and_serve_say_why_rocm_is_unusable(tiny_llama_dir):
-    report = plugins_json({k: v for k, v in os.environ.items() if k != "RADIXSERVE_PLUGINS"})
+    report = installed_plugins_report()
     row = next(r for r in report["backends"]["platform"] if r["name"] == "rocm")
     reason = f"torch {torch.__version__} is not a ROCm build (torch.version.hip is unset)"
     assert row["usable"] is False and row["plugin"] == "rocm" and row["reasons"][0].startswith(reason)
