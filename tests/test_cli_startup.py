@@ -5,26 +5,22 @@ no "listening at" when the check could run before the server started.
 Each kind of failure runs ``python -m radixserve.cli`` as a user does (a parser
 error, a model directory check, a platform or plugin check, a port, a child that
 fails to load); checks that only vary a name the registry rejects run
-``cli.main`` in this process (``cli_in_process``), which is the same code
-without a second torch import."""
+``cli.main`` in this process (conftest's ``cli_in_process``), which is the same
+code without a second torch import."""
 
 from __future__ import annotations
 
-import logging
-import multiprocessing
 import os
 import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
 
 import pytest
 import torch
 from test_plugins import make_dist
 
-from radixserve import __version__, cli, registry
-from radixserve.process_exit import exit_code
+from radixserve import __version__
 
 MAX_LINES = 5  # "at most a few lines"
 
@@ -39,38 +35,6 @@ def run_cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 120)
         timeout=timeout,
     )
     return out.returncode, out.stdout + out.stderr
-
-
-@pytest.fixture
-def cli_in_process(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path
-) -> Callable[..., tuple[int, str]]:
-    """``run_cli`` for a ``serve`` that fails in the parent before any child
-    starts, as ``radixserve.cli.main(argv)`` here: the environment ``run_cli``
-    gives (no allow-list, no interpreter opt-in), a registry of its own built
-    from it, an empty cache directory (no demo model at hand, so nothing is
-    spawned), and this process's logging set back afterwards."""
-    for name in ("TRITON_INTERPRET", "RADIXSERVE_PLUGINS"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(registry, "_registry", None)
-
-    def run(*argv: str) -> tuple[int, str]:
-        root = logging.getLogger()
-        handlers, level = root.handlers[:], root.level  # the command configures logging (force=True)
-        capsys.readouterr()
-        try:
-            code = cli.main(list(argv))
-        except SystemExit as exc:
-            code = exit_code(exc)
-        finally:
-            root.handlers[:] = handlers
-            root.setLevel(level)
-        out = capsys.readouterr()
-        assert multiprocessing.active_children() == []
-        return code, out.out + out.err
-
-    return run
 
 
 def assert_short_failure(code: int, output: str, *expected: str) -> None:

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 from helpers_platform import greedy_tokens_on, installed_plugins_report, needs_platform
-from test_cli_startup import assert_short_failure, run_cli
+from test_cli_startup import assert_short_failure
 
 from radixserve.cache.memory_pool import KVPool
 from radixserve.registry import PluginError, PluginRegistry, get_registry
@@ -229,7 +229,7 @@ def test_device_index_from_base_gpu_id():
 
 
 @pytest.mark.skipif(IS_CUDA_BUILD and torch.cuda.is_available(), reason="this machine can run cuda")
-def test_plugins_json_and_serve_say_why_cuda_is_unusable(tiny_llama_dir):
+def test_plugins_json_and_serve_say_why_cuda_is_unusable(cli_in_process):
     report = installed_plugins_report()
     plugin = next(p for p in report["plugins"] if p["name"] == "cuda")
     assert plugin["distribution"] == "radixserve-plugin-cuda" and plugin["error"] is None
@@ -238,7 +238,7 @@ def test_plugins_json_and_serve_say_why_cuda_is_unusable(tiny_llama_dir):
     reason = CudaPlatform.unavailable_reasons()[0]
     assert row["usable"] is False and row["reasons"] == [reason]
     assert "not a CUDA build" in reason or "no CUDA device is visible" in reason
-    code, output = run_cli("serve", "--device", "cuda", "--model", str(tiny_llama_dir))
+    code, output = cli_in_process("serve", "--device", "cuda")
     assert_short_failure(code, output, "--device 'cuda'", "is not usable here", reason)
     with pytest.raises(PluginError, match="is not usable here"):
         PluginRegistry().resolve_platform("cuda")
