@@ -1,9 +1,12 @@
 """Shared fixtures: tiny on-the-fly models (see radixserve.testing.tiny_models),
-their tokenizer, an offline Engine and a plain server on the tiny Llama, and an
-httpx client of a module's own ``server``."""
+their tokenizer, an offline Engine and a plain server on the tiny Llama, an
+httpx client of a module's own ``server``, and ``radixserve`` commands that
+fail before any child starts, run in this process (``cli_in_process``)."""
 
 from __future__ import annotations
 
+import logging
+import multiprocessing
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +16,8 @@ import pytest
 from helpers_server import ServerProcess, serving
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from radixserve import Engine
+from radixserve import Engine, cli, registry
+from radixserve.process_exit import exit_code
 from radixserve.testing.tiny_models import build_tiny_model
 
 
@@ -94,3 +98,40 @@ def cpu_kernels_built() -> None:
 
     if not cpu_kernels.missing_tools():
         cpu_kernels.load()
+
+
+# -- the CLI in this process ------------------------------------------------------
+
+
+@pytest.fixture
+def cli_in_process(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> Callable[..., tuple[int, str]]:
+    """``test_cli_startup.run_cli`` for a ``serve`` that fails in the parent
+    before any child starts (a name the registry rejects, a platform that is not
+    usable here), as ``radixserve.cli.main(argv)`` in this process: the same
+    code without a second torch import. It gets the environment ``run_cli``
+    gives (no allow-list, no interpreter opt-in), a registry of its own built
+    from it, and an empty cache directory (no demo model at hand, so nothing is
+    spawned); this process's logging is set back after each command."""
+    for name in ("TRITON_INTERPRET", "RADIXSERVE_PLUGINS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RADIXSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(registry, "_registry", None)
+
+    def run(*argv: str) -> tuple[int, str]:
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level  # the command configures logging (force=True)
+        capsys.readouterr()
+        try:
+            code = cli.main(list(argv))
+        except SystemExit as exc:
+            code = exit_code(exc)
+        finally:
+            root.handlers[:] = handlers
+            root.setLevel(level)
+        out = capsys.readouterr()
+        assert multiprocessing.active_children() == []
+        return code, out.out + out.err
+
+    return run

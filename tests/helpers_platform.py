@@ -4,7 +4,9 @@ compare with the CPU's."""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +37,16 @@ def plugins_json(env: dict[str, str] | None = None) -> dict:
     """What `radixserve plugins --json` reports, run in a fresh process (environment ``env``, default this one's)."""
     command = [sys.executable, "-m", "radixserve.cli", "plugins", "--json"]
     return json.loads(subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout)
+
+
+@functools.cache
+def installed_plugins_report() -> dict:
+    """`radixserve plugins --json` as a user runs it here (no allow-list, no
+    interpreter opt-in): the installed plugins, run once and shared by the
+    hardware plugins' tests, which each read their own rows. Nothing a test
+    does in this process can change it (it is another process); a test that
+    installs or puts a plugin on the path asks ``plugins_json`` itself."""
+    return plugins_json({k: v for k, v in os.environ.items() if k not in ("RADIXSERVE_PLUGINS", "TRITON_INTERPRET")})
 
 
 def greedy_tokens_on(device: str, model_dir: Path) -> list[list[int]]:

@@ -1,6 +1,12 @@
 """Start-up errors through the CLI, as an operator sees them: a line naming the
 problem and a hint, a non-zero exit, no traceback at the default log level, and
-no "listening at" when the check could run before the server started."""
+no "listening at" when the check could run before the server started.
+
+Each kind of failure runs ``python -m radixserve.cli`` as a user does (a parser
+error, a model directory check, a platform or plugin check, a port, a child that
+fails to load); checks that only vary a name the registry rejects run
+``cli.main`` in this process (conftest's ``cli_in_process``), which is the same
+code without a second torch import."""
 
 from __future__ import annotations
 
@@ -51,8 +57,8 @@ def test_unknown_device():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine can run cuda")
-def test_known_but_unusable_device_gives_the_platform_reason():
-    code, output = run_cli("serve", "--device", "cuda")
+def test_known_but_unusable_device_gives_the_platform_reason(cli_in_process):
+    code, output = cli_in_process("serve", "--device", "cuda")
     assert_short_failure(code, output, "--device 'cuda'", "is not usable here", "not a CUDA build")
 
 
@@ -85,22 +91,22 @@ def test_model_directory_without_tokenizer(tiny_llama_dir, tmp_path):
     assert_short_failure(code, output, "has no tokenizer files", "--tokenizer-path")
 
 
-def test_unknown_backend_names():
-    code, output = run_cli("serve", "--attention-backend", "nope")
+def test_unknown_backend_names(cli_in_process):
+    code, output = cli_in_process("serve", "--attention-backend", "nope")
     assert_short_failure(
         code, output, "--attention-backend 'nope' is not a registered attention backend", "torch_native"
     )
-    code, output = run_cli("serve", "--gemm-backend", "nope")
+    code, output = cli_in_process("serve", "--gemm-backend", "nope")
     assert_short_failure(code, output, "--gemm-backend 'nope'")
 
 
-def test_unknown_grammar_backend():
-    code, output = run_cli("serve", "--grammar-backend", "nope")
+def test_unknown_grammar_backend(cli_in_process):
+    code, output = cli_in_process("serve", "--grammar-backend", "nope")
     assert_short_failure(code, output, "unknown grammar backend 'nope'", "xgrammar", "llguidance")
 
 
-def test_unknown_reasoning_parser():
-    code, output = run_cli("serve", "--reasoning-parser", "nope")
+def test_unknown_reasoning_parser(cli_in_process):
+    code, output = cli_in_process("serve", "--reasoning-parser", "nope")
     assert_short_failure(
         code, output, "--reasoning-parser 'nope' is not a registered reasoning parser", "deepseek-r1, qwen3"
     )

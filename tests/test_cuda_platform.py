@@ -7,14 +7,13 @@ tokens equal to the CPU's)."""
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from helpers_platform import greedy_tokens_on, needs_platform, plugins_json
-from test_cli_startup import assert_short_failure, run_cli
+from helpers_platform import greedy_tokens_on, installed_plugins_report, needs_platform
+from test_cli_startup import assert_short_failure
 
 from radixserve.cache.memory_pool import KVPool
 from radixserve.registry import PluginError, PluginRegistry, get_registry
@@ -230,8 +229,8 @@ def test_device_index_from_base_gpu_id():
 
 
 @pytest.mark.skipif(IS_CUDA_BUILD and torch.cuda.is_available(), reason="this machine can run cuda")
-def test_plugins_json_and_serve_say_why_cuda_is_unusable(tiny_llama_dir):
-    report = plugins_json({k: v for k, v in os.environ.items() if k != "RADIXSERVE_PLUGINS"})
+def test_plugins_json_and_serve_say_why_cuda_is_unusable(cli_in_process):
+    report = installed_plugins_report()
     plugin = next(p for p in report["plugins"] if p["name"] == "cuda")
     assert plugin["distribution"] == "radixserve-plugin-cuda" and plugin["error"] is None
     assert {"fp8", "fp8_per_tensor"} <= set(plugin["registered"]["quantization"])
@@ -239,7 +238,7 @@ def test_plugins_json_and_serve_say_why_cuda_is_unusable(tiny_llama_dir):
     reason = CudaPlatform.unavailable_reasons()[0]
     assert row["usable"] is False and row["reasons"] == [reason]
     assert "not a CUDA build" in reason or "no CUDA device is visible" in reason
-    code, output = run_cli("serve", "--device", "cuda", "--model", str(tiny_llama_dir))
+    code, output = cli_in_process("serve", "--device", "cuda")
     assert_short_failure(code, output, "--device 'cuda'", "is not usable here", reason)
     with pytest.raises(PluginError, match="is not usable here"):
         PluginRegistry().resolve_platform("cuda")

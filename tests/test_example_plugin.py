@@ -6,6 +6,7 @@ when selected by name, and gone again after uninstall.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -62,7 +63,12 @@ def installed(workdir: Path):
     try:
         yield workdir
     finally:
-        _pip("uninstall", "-y", DIST, cwd=workdir)
+        if _installed():  # test_gone_after_uninstall has uninstalled it already, unless it failed first
+            _pip("uninstall", "-y", DIST, cwd=workdir)
+
+
+def _installed() -> bool:
+    return any(True for _ in importlib.metadata.distributions(name=DIST))
 
 
 def test_listed_and_usable_after_install(installed: Path):

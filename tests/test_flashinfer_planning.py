@@ -10,7 +10,7 @@ import importlib.util
 
 import pytest
 import torch
-from helpers_platform import plugins_json
+from helpers_platform import installed_plugins_report
 
 from radixserve.cache.memory_pool import KVPool
 from radixserve.forward_batch import ForwardBatch, ForwardMode
@@ -170,7 +170,7 @@ def test_page_lists_and_nhd_view_give_the_kits_attention(case):
 
 
 def test_plugins_json_lists_flashinfer_unusable_with_reasons():
-    report = plugins_json()
+    report = installed_plugins_report()
     cuda = next(p for p in report["plugins"] if p["name"] == "cuda")
     assert "flashinfer" in cuda["registered"]["attention"]
     row = next(r for r in report["backends"]["attention"] if r["name"] == "flashinfer")

@@ -15,7 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 from generation_utils import generate, make_scheduler, mixed_prompts
-from helpers_platform import plugins_json
+from helpers_platform import installed_plugins_report
 from npu_standin import StandInDevice, StandInError, StandInTorchNpu, install
 from test_cli_startup import assert_short_failure, run_cli
 
@@ -64,7 +64,7 @@ def test_distribution_installs_with_its_entry_point_and_no_vendor_dependency():
 
 @needs_no_torch_npu
 def test_plugins_json_lists_npu_unusable_with_the_reason():
-    backends = plugins_json()["backends"]
+    backends = installed_plugins_report()["backends"]
     npu = next(p for p in backends["platform"] if p["name"] == "npu")
     assert npu["usable"] is False and npu["reasons"] == [TORCH_NPU_MISSING]
     assert {"npu_fused"} <= {a["name"] for a in backends["attention"] if not a["usable"]}

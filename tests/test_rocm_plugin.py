@@ -16,8 +16,8 @@ import textwrap
 
 import pytest
 import torch
-from helpers_platform import greedy_tokens_on, needs_platform, plugins_json
-from test_cli_startup import assert_short_failure, run_cli
+from helpers_platform import greedy_tokens_on, installed_plugins_report, needs_platform
+from test_cli_startup import assert_short_failure
 
 from radixserve.kernels import KernelQuery
 from radixserve.registry import PluginError, PluginRegistry
@@ -49,14 +49,14 @@ def test_installed_through_the_radixserve_entry_point():
 
 
 @pytest.mark.skipif(IS_ROCM_BUILD, reason="this torch is a ROCm build")
-def test_plugins_json_and_serve_say_why_rocm_is_unusable(tiny_llama_dir):
-    report = plugins_json({k: v for k, v in os.environ.items() if k != "RADIXSERVE_PLUGINS"})
+def test_plugins_json_and_serve_say_why_rocm_is_unusable(cli_in_process):
+    report = installed_plugins_report()
     row = next(r for r in report["backends"]["platform"] if r["name"] == "rocm")
     reason = f"torch {torch.__version__} is not a ROCm build (torch.version.hip is unset)"
     assert row["usable"] is False and row["plugin"] == "rocm" and row["reasons"][0].startswith(reason)
     attention = next(r for r in report["backends"]["attention"] if r["name"] == "triton_rocm")
     assert attention["usable"] is False and "runs on the rocm platform" in attention["reasons"][0]
-    code, output = run_cli("serve", "--device", "rocm", "--model", str(tiny_llama_dir))
+    code, output = cli_in_process("serve", "--device", "rocm")
     assert_short_failure(code, output, "--device 'rocm'", "is not usable here", reason)
     with pytest.raises(PluginError, match=r"--device 'rocm' \(plugin 'rocm'\) is not usable here: torch"):
         PluginRegistry().resolve_platform("rocm")

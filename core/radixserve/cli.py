@@ -10,6 +10,7 @@ import os
 import sys
 from typing import NoReturn
 
+from radixserve.bench.args import add_bench_parser
 from radixserve.config import ServerArgs
 from radixserve.process_exit import exit_code, exit_now
 from radixserve.router.args import RouterArgs
@@ -61,15 +62,24 @@ def _serve(args: ServerArgs) -> int:
     ranks (``--node-rank`` > 0); a start-up error is a line and a hint on stderr
     (the traceback too with ``--log-level debug``).
 
-    Node 0 spawns a lone scheduler (and the detokenizer) first, held until the
-    checks pass and the backends are built, and the HTTP server (FastAPI,
-    uvicorn) is imported after: the scheduler imports torch and loads the model
-    meanwhile. A runtime of several model processes is spawned once the checks
-    pass (their environment comes from the platform). A failed check stops the
-    runtime at once."""
+    Node 0 checks the model and tokenizer directories first (stats only, so a
+    mistyped path fails before torch is imported or a child starts), then spawns
+    a lone scheduler (and the detokenizer), held until the other checks pass
+    and the backends are built, and the HTTP server (FastAPI, uvicorn) is
+    imported after: the scheduler imports torch and loads the model meanwhile.
+    A runtime of several model processes is spawned once the checks pass (their
+    environment comes from the platform). A failed check stops the runtime at
+    once."""
     from radixserve.logging_utils import configure_logging
     from radixserve.server.listen import bind_socket
-    from radixserve.startup_checks import build_backends, check_args, check_model, start_runtime
+    from radixserve.startup_checks import (
+        build_backends,
+        check_args,
+        check_model,
+        check_sources,
+        check_startup,
+        start_runtime,
+    )
     from radixserve.startup_error import StartupError
     from radixserve.startup_gc import gc_paused
 
@@ -78,8 +88,9 @@ def _serve(args: ServerArgs) -> int:
         if args.node_rank > 0:
             from radixserve.runtime.processes.worker_node import serve_worker_node
 
-            build_backends(check_model(args, check_args(args))[0])
+            build_backends(check_startup(args))
             return serve_worker_node(args)
+        check_sources(args)  # before anything spawns or imports torch: a wrong path fails in a blink
         with gc_paused():
             started = start_runtime(args)
             try:
@@ -134,8 +145,6 @@ def main(argv: list[str] | None = None) -> int:
     RouterArgs.add_cli_args(router)
     plugins = sub.add_parser("plugins", help="list plugins, their backends, and what is usable here")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
-    from radixserve.bench.cli import add_bench_parser
-
     add_bench_parser(sub)
     ns = parser.parse_args(argv)
     if ns.command == "plugins":

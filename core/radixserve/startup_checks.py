@@ -1,7 +1,9 @@
 """The server's start-up, before the HTTP server. ``check_startup`` runs every
-check that needs no child process, in two parts: ``check_args`` (model
-directory, device, backend names) and ``check_model`` (a local model's
-architecture and what the backends make of it, which reads its config);
+check that needs no child process, in three parts: ``check_sources`` (the
+model's directory, tokenizer and weight files: the file system only, so a
+wrong path is reported before torch loads or any child starts), ``check_args``
+(device, backend names) and ``check_model`` (a local model's architecture and
+what the backends make of it, which reads its config);
 ``build_backends`` builds the usable backends so that nothing compiles after
 the server says it is listening; ``start_runtime`` spawns the runtime processes
 when the model is at hand, a lone scheduler even before the checks. Each
@@ -39,23 +41,44 @@ def check_startup(args: ServerArgs) -> KernelQuery:
     model's architecture, dtype, weight files, embedding settings and each forced backend's support
     for it. Returns the query the backends were checked for (the device and
     dtype alone where the model's shapes are not known yet), for ``build_backends``:
-    ``check_args``, then ``check_model``."""
+    ``check_sources``, ``check_args``, then ``check_model``."""
+    check_sources(args)
     return check_model(args, check_args(args))[0]
 
 
+def check_sources(args: ServerArgs) -> None:
+    """The model and tokenizer directories (``--model``, ``--tokenizer-path``):
+    they exist and hold a config.json, tokenizer files and a safetensors
+    checkpoint, or name a hub repo (checked once downloaded). The file system
+    only: no torch, no plugin."""
+    from radixserve.checkpoints.source import (
+        check_model_source,
+        check_tokenizer_source,
+        is_hub_id,
+        safetensors_files,
+    )
+
+    if args.model_path is None:
+        return
+    try:
+        check_model_source(args.model_path)
+        check_tokenizer_source(args.tokenizer_path or args.model_path)
+    except ValueError as exc:
+        raise StartupError(str(exc), MODEL_HINT) from exc
+    if is_hub_id(args.model_path):
+        return
+    try:
+        safetensors_files(args.model_path)
+    except (ValueError, OSError, KeyError) as exc:  # no weights, or an index that is no JSON or has no weight_map
+        raise StartupError(f"{type(exc).__name__}: {exc}", MODEL_HINT) from exc
+
+
 def check_args(args: ServerArgs) -> type[Platform]:
-    """The checks that read no model file: the model and tokenizer directories,
-    ``--device``, and the backend and parser names (``--grammar-backend``,
+    """The checks that read no model file and need the plugins: ``--device``,
+    and the backend and parser names (``--grammar-backend``,
     ``--tool-call-parser``, ``--reasoning-parser``). Returns the platform."""
-    from radixserve.checkpoints.source import check_model_source, check_tokenizer_source
     from radixserve.registry import PluginError, get_registry
 
-    if args.model_path is not None:
-        try:
-            check_model_source(args.model_path)
-            check_tokenizer_source(args.tokenizer_path or args.model_path)
-        except ValueError as exc:
-            raise StartupError(str(exc), MODEL_HINT) from exc
     registry = get_registry()
     try:
         platform = registry.resolve_platform(args.device)
@@ -80,15 +103,15 @@ def check_args(args: ServerArgs) -> type[Platform]:
 
 def check_model(args: ServerArgs, platform: type[Platform]) -> tuple[KernelQuery, ModelPlan | None]:
     """The checks that read a local model's config (transformers' configuration
-    classes: over a second of CPU): its architecture, dtype, weight files,
-    embedding settings, tensor-parallel split and each forced backend's support
-    for it. Returns the query for ``build_backends`` and, for a local model, the
-    model plan its ranks are handed (made from the config read here, so the
-    server reads it once); for the demo model and a hub id, whose shapes are
-    known once built or downloaded, the device and dtype alone and no plan (it
-    is made when the runtime is spawned)."""
+    classes: over a second of CPU): its architecture, dtype, embedding settings,
+    tensor-parallel split and each forced backend's support for it. Returns the
+    query for ``build_backends`` and, for a local model, the model plan its ranks
+    are handed (made from the config read here, so the server reads it once);
+    for the demo model and a hub id, whose shapes are known once built or
+    downloaded, the device and dtype alone and no plan (it is made when the
+    runtime is spawned)."""
     from radixserve.checkpoints.embedding import embedding_config
-    from radixserve.checkpoints.loader import check_tp_shapes, load_config, model_class, safetensors_files
+    from radixserve.checkpoints.loader import check_tp_shapes, load_config, model_class
     from radixserve.checkpoints.source import is_hub_id
     from radixserve.kernels import KernelQuery
     from radixserve.registry import PluginError, get_registry
@@ -108,7 +131,6 @@ def check_model(args: ServerArgs, platform: type[Platform]) -> tuple[KernelQuery
             check_tp_shapes(config, args.tp_size)
         except ValueError as exc:
             raise StartupError(str(exc), TP_HINT) from exc
-        safetensors_files(args.model_path)
         plan = plan_model(args, args.model_path, platform, config)
         query = plan.query
         for kind, name in _forced_backends(args).items():

@@ -18,7 +18,7 @@ import numpy as np
 import numpy.typing as npt
 from transformers import PreTrainedTokenizerBase
 
-PROMPT_FORMATS = ("ids", "text")
+from radixserve.bench.args import PROMPT_FORMATS
 
 
 @dataclass

@@ -11,7 +11,6 @@ Typical use (what the model runner does)::
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 import threading
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from radixserve.checkpoints.embedding import causal_lm_of
+from radixserve.checkpoints.source import safetensors_files
 from radixserve.kernels import KernelQuery
 from radixserve.layers.context import ModelContext
 from radixserve.layers.embedding import ParallelLMHead
@@ -41,8 +41,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SAFETENSORS_INDEX = "model.safetensors.index.json"
-SAFETENSORS_SINGLE = "model.safetensors"
 DTYPE_NAMES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -244,22 +242,6 @@ def eos_token_ids(model_path: str | Path, config: PretrainedConfig, tokenizer: A
         elif isinstance(source, (list, tuple)):
             ids.update(int(x) for x in source)
     return ids
-
-
-def safetensors_files(model_path: str | Path) -> list[Path]:
-    """The checkpoint's safetensors files: the shards named by the index, the single
-    ``model.safetensors``, or (failing both) every ``*.safetensors`` file."""
-    root = Path(model_path)
-    index = root / SAFETENSORS_INDEX
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [root / name for name in sorted(set(weight_map.values()))]
-    if (root / SAFETENSORS_SINGLE).is_file():
-        return [root / SAFETENSORS_SINGLE]
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors checkpoint in {root} (only safetensors is supported)")
-    return files
 
 
 def iterate_weights(model_path: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:

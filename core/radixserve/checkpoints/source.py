@@ -4,9 +4,11 @@ model given, the built-in demo model."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+from pathlib import Path
 
 from radixserve.config import ServerArgs
 
@@ -16,6 +18,8 @@ logger = logging.getLogger(__name__)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # Any one of these makes a directory loadable by AutoTokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "tekken.json")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
 # Files a model directory needs; the rest of a repo (other formats, images) is skipped.
 _ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
 
@@ -125,3 +129,19 @@ def _download(repo_id: str) -> str:
         ) from exc
     except RepositoryNotFoundError as exc:
         raise ValueError(f"model_path: {repo_id!r} is neither a local directory nor a HuggingFace repo") from exc
+
+
+def safetensors_files(model_path: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files: the shards named by the index, the single
+    ``model.safetensors``, or (failing both) every ``*.safetensors`` file."""
+    root = Path(model_path)
+    index = root / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [root / name for name in sorted(set(weight_map.values()))]
+    if (root / SAFETENSORS_SINGLE).is_file():
+        return [root / SAFETENSORS_SINGLE]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors checkpoint in {root} (only safetensors is supported)")
+    return files
