@@ -1,7 +1,8 @@
 """Shared fixtures: tiny on-the-fly models (see radixserve.testing.tiny_models),
-their tokenizer, an offline Engine and a plain server on the tiny Llama, an
-httpx client of a module's own ``server``, and ``radixserve`` commands that
-fail before any child starts, run in this process (``cli_in_process``)."""
+their tokenizer, an offline Engine, a plain server on the tiny Llama and the
+servers that several modules share (helpers_shared_servers), an httpx client
+of a module's own ``server``, and ``radixserve`` commands that fail before any
+child starts, run in this process (``cli_in_process``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers_server import ServerProcess, serving
+from helpers_server import ServerProcess, SharedServer, serving
+from helpers_shared_servers import GUARDED_FLAGS, SINGLE_SLOT_FLAGS
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from radixserve import Engine, cli, registry
@@ -75,9 +77,26 @@ def engine(tiny_llama_dir: Path) -> Iterator[Engine]:
 @pytest.fixture(scope="session")
 def tiny_server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
     """A plain `radixserve serve` of the tiny Llama (served as "tiny"), for the
-    modules that need no flag of their own."""
-    with serving(tiny_llama_dir, "--max-total-tokens", "8192") as srv:
+    modules that need no flag of their own. The pool holds dozens of requests
+    of hundreds of tokens at once (test_structured_output's 60 at a time)."""
+    with serving(tiny_llama_dir, "--max-total-tokens", "65536") as srv:
         yield srv
+
+
+@pytest.fixture(scope="session")
+def single_slot_servers(long_llama_dir: Path) -> Iterator[SharedServer]:
+    """test_queue's and test_shutdown's server (helpers_shared_servers), on the long-context Llama."""
+    shared = SharedServer(long_llama_dir, *SINGLE_SLOT_FLAGS)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(scope="session")
+def guarded_servers(tiny_llama_dir: Path) -> Iterator[SharedServer]:
+    """test_server_api's and test_hostile_inputs' server (helpers_shared_servers)."""
+    shared = SharedServer(tiny_llama_dir, *GUARDED_FLAGS)
+    yield shared
+    shared.close()
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 READY_TIMEOUT_S = 300  # generous: the CI box has 2 cores shared with other suites
+# For a server whose test does not test `auto`: the highest-priority backend of each kind, no timing. A
+# session times each new model shape once (its RADIXSERVE_CACHE_DIR is its own), seconds at every start
+# whose shape (say --max-running-requests) no server of the session had.
+PRIORITY_BACKENDS = ("--backend-selection", "priority")
 _ANNOUNCE = re.compile(r"radixserve (?:router )?(listening|ready) at (\S+)")
 
 
@@ -107,11 +111,36 @@ class ServerProcess:
 def serving(model: Path, *cli_args: str, env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
     """A ready server of ``model``, served as "tiny" at warning level; ``cli_args``
     come after those flags, so they may override them."""
-    with ServerProcess(
-        "--model", str(model), "--served-model-name", "tiny", "--log-level", "warning", *cli_args, env=env
-    ) as srv:
+    with ServerProcess(*_serve_args(model), *cli_args, env=env) as srv:
         srv.wait_ready()
         yield srv
+
+
+def _serve_args(model: Path) -> tuple[str, ...]:
+    return ("--model", str(model), "--served-model-name", "tiny", "--log-level", "warning")
+
+
+class SharedServer:
+    """One server for the modules whose flags agree (``serving``'s arguments),
+    started at the first ``get`` and again after a test stopped it (a SIGTERM
+    test ends its module's use), so a module that comes later never meets a
+    dead server."""
+
+    def __init__(self, model: Path, *cli_args: str, env: dict[str, str] | None = None):
+        self.model, self.cli_args, self.env = model, cli_args, env
+        self._server: ServerProcess | None = None
+
+    def get(self) -> ServerProcess:
+        if self._server is None or self._server.proc.poll() is not None:
+            self.close()
+            self._server = ServerProcess(*_serve_args(self.model), *self.cli_args, env=self.env)
+            self._server.wait_ready()
+        return self._server
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
 
 
 def process_alive(pid: int) -> bool:

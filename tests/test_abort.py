@@ -17,7 +17,7 @@ import httpx
 import pytest
 from helpers_pool import ServerPool, assert_whole_pool_back, idle, stats
 from helpers_runtime import LENGTH, ScriptedRuntime, collect, generate
-from helpers_server import metric, serving, wait_until, wait_until_async
+from helpers_server import PRIORITY_BACKENDS, metric, serving, wait_until, wait_until_async
 
 from radixserve.messages import AbortRequest, FinishReason, TextBatch
 from radixserve.server.tokenizer_manager import RequestFailedError
@@ -44,6 +44,7 @@ def server(long_llama_dir):
         "--log-level",
         "info",
         "--log-requests",
+        *PRIORITY_BACKENDS,
     ) as srv:
         yield srv
 
@@ -80,10 +81,21 @@ def test_n4_streaming_client_gone(server):
     ],
 )
 def test_n4_non_streaming_client_gone(server, path, body):
-    before = stats(server.url)["generation_tokens_total"]
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + path, json=body, timeout=httpx.Timeout(60, read=1.0))
-    assert_stopped(server.url, before, N * MAX_TOKENS // 4)
+    """The client leaves once every choice runs."""
+    url = server.url
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            waiting = asyncio.create_task(c.post(path, json=body))
+            assert await wait_until_async(lambda: stats(url)["num_running_reqs"] == N, 20), stats(url)
+            assert not waiting.done()  # no answer yet: it cannot finish while the test works
+            waiting.cancel()  # the client leaves
+            with pytest.raises(asyncio.CancelledError):
+                await waiting
+
+    before = stats(url)["generation_tokens_total"]
+    asyncio.run(scenario())
+    assert_stopped(url, before, N * MAX_TOKENS // 4)
 
 
 def test_the_server_serves_after_the_aborts(server):

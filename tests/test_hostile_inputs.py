@@ -9,15 +9,16 @@ surrogate or NaN cannot go through a client's own JSON encoder."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from helpers_pool import ServerPool, assert_whole_pool_back
-from helpers_server import serving
+from helpers_server import ServerProcess, SharedServer
+from helpers_shared_servers import MAX_N, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 S = "\udc00"  # a lone UTF-16 surrogate: valid JSON ("\udc00"), not valid Unicode text
-MAX_N, MAX_STOP_STRINGS, MAX_STOP_CHARS = 8, 4, 64
 LONG = "word " * 3000  # far beyond the tiny model's 1024-token context
 HUGE = 10**30
 
@@ -341,20 +342,12 @@ CASES: list[tuple[str, str, dict | list | bytes, int, str | None]] = [
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir):
-    with serving(
-        tiny_llama_dir,
-        "--max-total-tokens",
-        "8192",
-        "--max-n",
-        str(MAX_N),
-        "--max-stop-strings",
-        str(MAX_STOP_STRINGS),
-        "--max-stop-chars",
-        str(MAX_STOP_CHARS),
-    ) as srv:
-        yield srv
-        assert srv.proc.poll() is None, f"the server died:\n{srv.log}"
+def server(guarded_servers: SharedServer) -> Iterator[ServerProcess]:
+    """--max-n MAX_N, --max-stop-strings MAX_STOP_STRINGS, --max-stop-chars MAX_STOP_CHARS (shared with
+    test_server_api.py, whose API key the module's ``http`` client sends: helpers_shared_servers)."""
+    srv = guarded_servers.get()
+    yield srv
+    assert srv.proc.poll() is None, f"the server died:\n{srv.log}"
 
 
 def send(http: httpx.Client, route: str, body: dict | list | str | bytes) -> httpx.Response:
@@ -414,4 +407,4 @@ def test_server_still_serves_after_every_case(server, http):
     assert http.get("/health").status_code == 200
     answer = http.post(CHAT, json=chat(max_tokens=4))
     assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["role"] == "assistant"
-    assert_whole_pool_back(ServerPool(server.url))
+    assert_whole_pool_back(ServerPool(server.url, server.auth_headers))

@@ -20,9 +20,9 @@ import httpx
 import pytest
 from generation_utils import mixed_prompts
 from helpers_pool import ServerPool, assert_whole_pool_back, stats
-from helpers_server import ServerProcess, serving, wait_until, wait_until_async
+from helpers_server import ServerProcess, SharedServer, wait_until, wait_until_async
+from helpers_shared_servers import QUEUE_LIMIT
 
-QUEUE_LIMIT = 5
 BLOCKER_PROMPT = mixed_prompts(512, [3], seed=40)[0]
 # Arrival order: (priority, prompt length). Admitted by priority, ties by arrival: 12, 14, 13, 11, 15 tokens.
 QUEUED = [(0, 11), (5, 12), (1, 13), (5, 14), (-2, 15)]
@@ -31,21 +31,10 @@ PREFILL = re.compile(r"Prefill batch\. #new-seq: (\d+), #new-token: (\d+), #cach
 
 
 @pytest.fixture(scope="module")
-def server(long_llama_dir):
-    with serving(
-        long_llama_dir,
-        "--schedule-policy",
-        "priority",
-        "--max-running-requests",
-        "1",
-        "--max-queued-requests",
-        str(QUEUE_LIMIT),
-        "--max-total-tokens",
-        "32768",
-        "--log-level",
-        "info",
-    ) as srv:
-        yield srv
+def server(single_slot_servers: SharedServer) -> ServerProcess:
+    """One running slot, --max-queued-requests QUEUE_LIMIT, --schedule-policy priority, at info level
+    (shared with test_shutdown.py: helpers_shared_servers)."""
+    return single_slot_servers.get()
 
 
 def _generate(input_ids: list[int], max_new_tokens: int, **fields: Any) -> dict:

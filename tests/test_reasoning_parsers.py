@@ -15,7 +15,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from helpers_server import ServerProcess, serving
+from helpers_server import PRIORITY_BACKENDS, ServerProcess, serving
 from test_plugins import make_dist, plugins_json_with
 
 from radixserve.hooks import Register, hookimpl
@@ -136,7 +136,9 @@ def test_a_third_party_parser_is_listed_by_radixserve_plugins(plugin_path: Path)
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path, plugin_path: Path) -> Iterator[ServerProcess]:
     env = {"PYTHONPATH": f"{plugin_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    with serving(tiny_llama_dir, "--reasoning-parser", "always-thinks", "--max-total-tokens", "8192", env=env) as srv:
+    with serving(
+        tiny_llama_dir, "--reasoning-parser", "always-thinks", "--max-total-tokens", "8192", *PRIORITY_BACKENDS, env=env
+    ) as srv:
         yield srv
 
 

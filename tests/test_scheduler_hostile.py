@@ -6,6 +6,7 @@ tokens they get on their own, and the KV pool invariant holds throughout."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,9 +15,16 @@ from helpers_pool import SchedulerPool, assert_whole_pool_back
 
 from radixserve.messages import GenerateRequest
 from radixserve.runtime.execution.batch import BatchPlan
+from radixserve.runtime.scheduling.scheduler import Scheduler
 from radixserve.sampling.params import SamplingParams
 
 GOOD_TOKENS = 6
+
+
+def _scheduler(model_dir: Path, **server_args: Any) -> Scheduler:
+    """An in-process scheduler with the highest-priority backends: nothing here tests `auto`, and every
+    scheduler of the module (page size 1 or 4) runs the same kernels as the one that made ``alone``."""
+    return make_scheduler(model_dir, backend_selection="priority", **server_args)
 
 
 @dataclass
@@ -72,7 +80,7 @@ def prompts(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def alone(tiny_llama_dir, prompts) -> list[list[int]]:
-    scheduler = make_scheduler(tiny_llama_dir)
+    scheduler = _scheduler(tiny_llama_dir)
     return [r.output_ids for r in generate(scheduler, prompts, max_new_tokens=GOOD_TOKENS, ignore_eos=True)]
 
 
@@ -92,7 +100,7 @@ def _submit_good(scheduler, prompts, first: int = 0) -> list[str]:
 
 
 def test_hostile_messages_are_refused_alone(tiny_llama_dir, prompts, alone):
-    scheduler = make_scheduler(tiny_llama_dir)
+    scheduler = _scheduler(tiny_llama_dir)
     good = _submit_good(scheduler, prompts[:2])
     for name, hostile in HOSTILE.items():
         scheduler.add_request(hostile.message(name))
@@ -108,7 +116,7 @@ def test_hostile_messages_are_refused_alone(tiny_llama_dir, prompts, alone):
 
 
 def test_a_failing_stop_check_ends_only_its_request(tiny_llama_dir, prompts, alone):
-    scheduler = make_scheduler(tiny_llama_dir)
+    scheduler = _scheduler(tiny_llama_dir)
     poison = alone[0][0]  # the first token the first prompt produces
     scheduler.stop_checker.tokenizer = FailingDecode(scheduler.stop_checker.tokenizer, poison)
     scheduler.add_request(
@@ -131,7 +139,7 @@ def test_a_failing_stop_check_ends_only_its_request(tiny_llama_dir, prompts, alo
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("failing_step", [0, 3], ids=["extend", "decode"])
 def test_a_failed_step_ends_its_batch_and_the_scheduler_goes_on(tiny_llama_dir, prompts, alone, failing_step, overlap):
-    scheduler = make_scheduler(tiny_llama_dir, page_size=4, disable_overlap_schedule=not overlap)
+    scheduler = _scheduler(tiny_llama_dir, page_size=4, disable_overlap_schedule=not overlap)
     forward = scheduler.runner.forward
     calls = {"n": 0}
 
@@ -159,7 +167,7 @@ def test_a_failed_step_ends_its_batch_and_the_scheduler_goes_on(tiny_llama_dir, 
 def test_a_failure_while_planning_unpins_and_the_scheduler_goes_on(tiny_llama_dir, prompts, alone):
     """The planner pins each candidate's cached prefix before weighing it; a failure
     after a pin (here: admitting the second request) must not leave the lock behind."""
-    scheduler = make_scheduler(tiny_llama_dir, page_size=4)
+    scheduler = _scheduler(tiny_llama_dir, page_size=4)
     generate(scheduler, prompts, max_new_tokens=GOOD_TOKENS, ignore_eos=True)  # their prefixes are cached now
     admit, calls = scheduler.ledger.admit, {"n": 0}
 
@@ -190,7 +198,7 @@ def test_a_failure_between_allocating_and_launching_frees_exactly_the_new_slots(
     free exactly the slots of that step. The token-table rows were used before
     (their old entries name slots that others own now), and the pages are 4 wide,
     so a decode step's slot often lies on a page the request holds already."""
-    scheduler = make_scheduler(tiny_llama_dir, page_size=4)
+    scheduler = _scheduler(tiny_llama_dir, page_size=4)
     generate(scheduler, prompts, max_new_tokens=GOOD_TOKENS, ignore_eos=True)  # rows and pages used once
     launch, calls = BatchPlan.launch, {"n": 0}
 

@@ -1,5 +1,7 @@
 """The HTTP server against real clients (the official ``openai`` package and
-httpx): one `radixserve serve` subprocess on the tiny Llama for the module."""
+httpx): one `radixserve serve` subprocess on the tiny Llama, shared with
+test_hostile_inputs.py (helpers_shared_servers); every check of its state
+counts this module's own traffic (before/after) or waits for it to settle."""
 
 from __future__ import annotations
 
@@ -10,20 +12,18 @@ import httpx
 import openai
 import pytest
 from helpers_pool import ServerPool, assert_whole_pool_back, idle
-from helpers_server import serving, wait_until
+from helpers_server import ServerProcess, SharedServer, wait_until
+from helpers_shared_servers import API_KEY, GUARDED_MAX_TOTAL_TOKENS, MAX_PAYLOAD
 from prometheus_client.parser import text_string_to_metric_families
 
-API_KEY = "test-key"
-MAX_PAYLOAD = 65536
 GREEDY = {"temperature": 0.0}
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir):
-    with serving(
-        tiny_llama_dir, "--api-key", API_KEY, "--max-payload-size", str(MAX_PAYLOAD), "--max-total-tokens", "16384"
-    ) as srv:
-        yield srv
+def server(guarded_servers: SharedServer) -> ServerProcess:
+    """--api-key API_KEY and --max-payload-size MAX_PAYLOAD (shared with test_hostile_inputs.py:
+    helpers_shared_servers)."""
+    return guarded_servers.get()
 
 
 @pytest.fixture(scope="module")
@@ -378,7 +378,7 @@ def test_tokenize_detokenize(http):
 def test_server_and_model_info(http):
     info = http.get("/get_server_info").json()
     assert info["served_model_name"] == "tiny" and info["server_args"]["api_key"] == "<redacted>"
-    assert info["backends"]["attention"] and info["max_total_tokens"] == 16384
+    assert info["backends"]["attention"] and info["max_total_tokens"] == GUARDED_MAX_TOTAL_TOKENS
     assert set(info["pids"]) == {"scheduler", "detokenizer"}
     assert {"num_running_reqs", "num_queue_reqs", "memory_invariant_ok", "free_tokens"} <= set(info["stats"])
     model = http.get("/get_model_info").json()

@@ -10,14 +10,15 @@ import signal
 import httpx
 import openai
 import pytest
-from helpers_server import ServerProcess, process_alive, wait_until
+from helpers_server import PRIORITY_BACKENDS, ServerProcess, process_alive, wait_until
 
 
 @pytest.fixture(scope="module")
 def demo_server(tmp_path_factory):
     """`radixserve serve` with no --model: builds the demo model into a fresh cache."""
     cache = tmp_path_factory.mktemp("radixserve-cache")
-    with ServerProcess("--max-total-tokens", "8192", env={"RADIXSERVE_CACHE_DIR": str(cache)}) as srv:
+    env = {"RADIXSERVE_CACHE_DIR": str(cache)}
+    with ServerProcess("--max-total-tokens", "8192", *PRIORITY_BACKENDS, env=env) as srv:
         yield srv
 
 

@@ -23,35 +23,23 @@ import httpx
 import pytest
 from helpers_pool import stats
 from helpers_runtime import ScriptedRuntime, collect, generate
-from helpers_server import process_alive, serving, wait_until
+from helpers_server import process_alive, wait_until
+from helpers_shared_servers import HEADER_LIMIT
 
 from radixserve import __version__
 from radixserve.config import ServerArgs
 from radixserve.server.state import SHUTDOWN_REASON, ServerState
 from radixserve.server.tokenizer_manager import RuntimeDeadError
 
-DRAIN_DEADLINE_S = 600  # never reached by a passing run: the test ends the drain itself
-HEADER_LIMIT = 8192
 ENDLESS = 30000  # tokens: no request asking for this many can finish while the test works
 
 
 @pytest.fixture(scope="module")
-def server(long_llama_dir):
-    # One running slot, so the other requests queue behind the first.
-    with serving(
-        long_llama_dir,
-        "--max-total-tokens",
-        "65536",
-        "--max-running-requests",
-        "1",
-        "--shutdown-timeout",
-        str(DRAIN_DEADLINE_S),
-        "--max-header-size",
-        str(HEADER_LIMIT),
-        "--log-level",
-        "info",
-    ) as srv:
-        yield srv
+def server(single_slot_servers):
+    """One running slot, so the other requests queue behind the first; --max-header-size HEADER_LIMIT and
+    --shutdown-timeout DRAIN_DEADLINE_S, at info level (shared with test_queue.py: helpers_shared_servers;
+    the SIGTERM test stops it, and a later user gets a new one)."""
+    return single_slot_servers.get()
 
 
 def test_version_route(server):

@@ -12,12 +12,14 @@ import httpx
 import openai
 import pytest
 from helpers_grammar import EBNF, PERSON, POINTS, REGEX, chat_text, check_ebnf, check_regex, check_schema
-from helpers_server import ServerProcess, serving
+from helpers_server import PRIORITY_BACKENDS, ServerProcess, serving
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir: Path) -> Iterator[ServerProcess]:
-    with serving(tiny_llama_dir, "--grammar-backend", "llguidance", "--max-total-tokens", "32768") as srv:
+    with serving(
+        tiny_llama_dir, "--grammar-backend", "llguidance", "--max-total-tokens", "32768", *PRIORITY_BACKENDS
+    ) as srv:
         yield srv
 
 

@@ -1,7 +1,8 @@
 """Tool calling and reasoning through real servers and the official openai
 client. The tiny model babbles, so required and named tool_choice must hold by
 the grammar: every call names an allowed function and its arguments validate.
-Servers at --stream-interval 1 and 4 (the second with --reasoning-parser qwen3)."""
+Servers at --stream-interval 1 (the session's plain tiny_server) and 4 (the
+module's, with --reasoning-parser qwen3)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-from helpers_server import ServerProcess, serving
+from helpers_server import PRIORITY_BACKENDS, ServerProcess, serving
 
 WEATHER = {
     "type": "object",
@@ -38,12 +39,18 @@ MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module", params=[1, 4])
 def server(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> Iterator[ServerProcess]:
-    flags = ["--stream-interval", str(request.param), "--max-total-tokens", "65536"]
-    if request.param == 4:
-        flags += ["--reasoning-parser", "qwen3"]
-    with serving(tiny_llama_dir, *flags) as srv:
-        srv.reasoning = request.param == 4  # type: ignore[attr-defined]
+    """--stream-interval 1 is the default: the session's plain tiny_server."""
+    if request.param == 1:
+        yield request.getfixturevalue("tiny_server")
+        return
+    flags = ["--stream-interval", "4", "--reasoning-parser", "qwen3", "--max-total-tokens", "65536"]
+    with serving(tiny_llama_dir, *flags, *PRIORITY_BACKENDS) as srv:
         yield srv
+
+
+def _reasons(srv: ServerProcess) -> bool:
+    """Whether ``srv`` splits out reasoning (the qwen3 server)."""
+    return "--reasoning-parser" in srv.proc.args
 
 
 def _client(srv: ServerProcess) -> openai.AsyncOpenAI:
@@ -78,7 +85,7 @@ def test_required_and_named_always_give_valid_calls(server: ServerProcess, tiny_
     # Parallel calls are an unbounded array: a bias towards "]" lets the babbling model close it.
     close = {str(t): 10 for t in tiny_tokenizer.encode("]", add_special_tokens=False)}
     # On the qwen3 server the grammar waits for any reasoning, which this model never ends: no "<think>".
-    no_think = {str(tiny_tokenizer.encode("<think>", add_special_tokens=False)[0]): -100} if server.reasoning else {}  # type: ignore[attr-defined]
+    no_think = {str(tiny_tokenizer.encode("<think>", add_special_tokens=False)[0]): -100} if _reasons(server) else {}
     close.update(no_think)
 
     async def run() -> list[tuple[Any, list[tuple[str, str]], str]]:
@@ -148,7 +155,7 @@ def test_reasoning_then_grammar(server: ServerProcess, tiny_tokenizer: Any) -> N
     forcing it opens the reasoning, which then runs free to max_tokens (never valid JSON) and is
     reasoning_content; favouring </think> over <think> opens and closes it, then the grammar
     gives valid JSON content."""
-    if not server.reasoning:  # type: ignore[attr-defined]
+    if not _reasons(server):
         pytest.skip("the reasoning server only")
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     start, end = (tiny_tokenizer.convert_tokens_to_ids(tag) for tag in ("<think>", "</think>"))
