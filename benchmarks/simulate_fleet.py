@@ -21,7 +21,7 @@ import time
 from radixserve.load_balance import ROUTER_POLICIES
 from radixserve.router.args import RouterArgs
 from radixserve.router.simulation.devices import CLASSES, DeviceClass
-from radixserve.router.simulation.report import Figures, markdown
+from radixserve.router.simulation.report import Figures, markdown_header, markdown_row
 from radixserve.router.simulation.simulator import FleetSimulation
 from radixserve.router.simulation.workload import Mix, Workload
 
@@ -75,7 +75,9 @@ def main() -> None:
         prompt, answer = mix.mean_request()
         rate = args.load * sum(d.requests_per_s(prompt, answer) for d in devices)
         print(f"\n### {workers} workers, {requests:,} requests at {rate:,.1f} req/s (load {args.load})\n", flush=True)
-        rows = []
+        classes = list(dict.fromkeys(d.name for d in devices))
+        print(markdown_header(classes, {c: sum(d.name == c for d in devices) / workers for c in classes}), flush=True)
+        simulated = 0.0
         for policy in args.policies:
             router_args = RouterArgs(
                 policy=policy, max_tree_size=args.max_tree_size, load_poll_interval_secs=args.load_poll_interval
@@ -84,10 +86,10 @@ def main() -> None:
             simulation = FleetSimulation(router_args, devices, workload, args.block_size, seed=args.seed)
             started = time.perf_counter()
             simulation.run()
-            rows.append(Figures.of(policy, simulation, time.perf_counter() - started))
-            print(f"<!-- {policy}: {rows[-1].wall_s:.0f} s of wall time -->", flush=True)
-        print(markdown(rows), flush=True)
-        print(f"\nsimulated {rows[0].simulated_s:,.0f} s; mix {dataclasses.asdict(mix)}", flush=True)
+            figures = Figures.of(policy, simulation, time.perf_counter() - started)
+            simulated = figures.simulated_s
+            print(markdown_row(figures, classes), flush=True)
+        print(f"\nsimulated {simulated:,.0f} s (the last policy's run); mix {dataclasses.asdict(mix)}", flush=True)
 
 
 if __name__ == "__main__":

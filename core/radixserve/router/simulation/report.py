@@ -102,20 +102,20 @@ def spread(counts: Sequence[int]) -> float:
     return math.sqrt(sum((c - mean) ** 2 for c in counts) / len(counts)) / mean
 
 
-def markdown(rows: Sequence[Figures]) -> str:
-    classes = list(rows[0].worker_share)
-    shares = " / ".join(f"{name} ({rows[0].worker_share[name]:.0%} of workers)" for name in classes)
+def markdown_header(classes: Sequence[str], worker_share: dict[str, float]) -> str:
+    shares = " / ".join(f"{name} ({worker_share[name]:.0%} of workers)" for name in classes)
     header = (
         "| policy | TTFT p50 / p99 (s) | out tok/s | fleet hit | requests: " + shares + " | prompt tokens: same order "
         "| equal workers' CV | decision mean / p99 / CPU mean (ms) | tree nodes / chars (bound) |"
     )
-    lines = [header, "|" + "---|" * 9]
-    for r in rows:
-        tree = "-" if r.tree is None else f"{r.tree.nodes:,} / {r.tree.chars:,} ({r.tree.bound_chars:,})"
-        lines.append(
-            f"| {r.policy} | {r.ttft_p50_s:.2f} / {r.ttft_p99_s:.2f} | {r.output_tokens_per_s:,.0f} "
-            f"| {r.hit_rate:.1%} | {' / '.join(f'{r.request_share[c]:.1%}' for c in classes)} "
-            f"| {' / '.join(f'{r.prompt_share[c]:.1%}' for c in classes)} | {r.equal_spread:.0%} "
-            f"| {r.decision_mean_ms:.3f} / {r.decision_p99_ms:.3f} / {r.decision_cpu_mean_ms:.3f} | {tree} |"
-        )
-    return "\n".join(lines)
+    return header + "\n|" + "---|" * 9
+
+
+def markdown_row(r: Figures, classes: Sequence[str]) -> str:
+    tree = "-" if r.tree is None else f"{r.tree.nodes:,} / {r.tree.chars:,} ({r.tree.bound_chars:,})"
+    return (
+        f"| {r.policy} | {r.ttft_p50_s:.2f} / {r.ttft_p99_s:.2f} | {r.output_tokens_per_s:,.0f} "
+        f"| {r.hit_rate:.1%} | {' / '.join(f'{r.request_share[c]:.1%}' for c in classes)} "
+        f"| {' / '.join(f'{r.prompt_share[c]:.1%}' for c in classes)} | {r.equal_spread:.0%} "
+        f"| {r.decision_mean_ms:.3f} / {r.decision_p99_ms:.3f} / {r.decision_cpu_mean_ms:.3f} | {tree} |"
+    )
