@@ -16,13 +16,14 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from radixserve import Engine
 from radixserve.testing.tiny_models import build_tiny_model
 
-MODEL = dict(
+MODEL: dict[str, Any] = dict(
     hidden_size=1024,
     num_layers=8,
     num_heads=16,

@@ -10,6 +10,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
+from radixserve.load_balance import RouterPolicy
 from radixserve.router.args import RouterArgs
 from radixserve.router.simulation.block_cache import BlockCache
 from radixserve.router.simulation.devices import MEASURED, QUARTER, DeviceClass
@@ -36,7 +37,9 @@ def request(at: float, prompt: tuple[Segment, ...] | int, answer: int = 1) -> Si
     return SimRequest(next(_ids), "test", at, segments, Segment(next(_ids), answer))
 
 
-def simulate(requests: list[SimRequest], devices: list[DeviceClass], policy: str = "round_robin") -> FleetSimulation:
+def simulate(
+    requests: list[SimRequest], devices: list[DeviceClass], policy: RouterPolicy = "round_robin"
+) -> FleetSimulation:
     simulation = FleetSimulation(RouterArgs(policy=policy), devices, Trace(requests), block_size=64)
     simulation.run()
     return simulation
