@@ -87,7 +87,10 @@ class InTurn(_Forgetful):
         self._next = 0  # the candidate's place to try first
 
     def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Choice:
-        chosen = least_loaded([worker_load(w) for w in candidates], self.policy, self._next % len(candidates))
+        if self.policy == "round_robin":  # the next in turn whatever the loads: not worth reading them
+            chosen = self._next % len(candidates)
+        else:
+            chosen = least_loaded([worker_load(w) for w in candidates], self.policy, self._next % len(candidates))
         self._next = chosen + 1
         return Choice(candidates[chosen])
 
