@@ -36,7 +36,7 @@ UNMEASURED_PREFILL_TOKENS_PER_S = 1000.0
 UNMEASURED_DECODE_TOKENS_PER_S = 50.0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScoreTerms:
     """One candidate's predicted TTFT for a request, term by term (tokens, tokens/s, seconds)."""
 

@@ -130,6 +130,7 @@ class RateCurve:
         self.sizes: list[float | None] = [None] * (len(bounds) + 1)
         self.overall: float | None = None
         self._points: list[tuple[float, float]] = []  # (size, seconds a step of it takes), size ascending
+        self._at: dict[int, float | None] = {}  # at()'s answers since the last report (asked per candidate)
 
     def observe(
         self, band_rates: Sequence[float | None], band_sizes: Sequence[float | None], overall: float | None
@@ -144,7 +145,7 @@ class RateCurve:
             if rate is not None and size is not None:
                 slowest = max(slowest, size / rate)
                 points.append((size, slowest))
-        self._points = points
+        self._points, self._at = points, {}
 
     def _middle(self, band: int) -> float:
         """Where a band's steps are assumed to lie when the report does not say."""
@@ -157,6 +158,11 @@ class RateCurve:
 
     def at(self, size: int) -> float | None:
         """The rate (tokens/s) of a step of ``size``; None when nothing is measured."""
+        if size not in self._at:
+            self._at[size] = self._interpolate(size)
+        return self._at[size]
+
+    def _interpolate(self, size: int) -> float | None:
         points = self._points
         if not points:
             return self.overall
