@@ -152,10 +152,6 @@ class RateCurve:
         low = self.bounds[band - 1] + 1 if band else 1
         return float((low + self.bounds[band]) / 2 if band < len(self.bounds) else 2 * low)
 
-    @property
-    def measured(self) -> bool:
-        return self.overall is not None or bool(self._points)
-
     def at(self, size: int) -> float | None:
         """The rate (tokens/s) of a step of ``size``; None when nothing is measured."""
         if size not in self._at:
@@ -249,7 +245,7 @@ class CircuitBreaker:
 
 
 class Worker:
-    """A worker URL with its facts, load, health and breaker."""
+    """A worker URL with its facts, load, rates, health and breaker."""
 
     def __init__(
         self, url: str, facts: WorkerFacts, breaker: CircuitBreaker, clock: Callable[[], float] = time.monotonic
