@@ -7,8 +7,8 @@ One run, the same three workers and the same requests for every router (issue 24
    (the example kernel plugin, installed with ``pip --target`` into a scratch directory and
    put on ``PYTHONPATH``) and ``triton`` (Triton kernels under ``TRITON_INTERPRET=1``: the
    stand-in for a slower device).
-2. For each router (smg cache_aware, smg round_robin, radixserve cache_aware, radixserve
-   capacity_aware): flush every worker's cache, warm every worker with one direct request,
+2. For each router (smg cache_aware, smg round_robin, radixserve cache_aware, capacity_aware
+   and latency_aware): flush every worker's cache, warm every worker with one direct request,
    start the router (a fresh process), wait until it lists the three workers, send a few
    warm-up requests through it, then the shared-prefix set (``radixserve bench serving
    --dataset generated-shared-prefix``, fixed seed). Recorded: output tok/s, TTFT p50/p99,
@@ -52,9 +52,15 @@ DEFAULT_MODEL = Path.home() / ".cache/radixserve-bench/models/llama"
 SERVED_NAME = "bench"
 READY_WORKER = re.compile(r"radixserve ready at (\S+)")
 READY_ROUTER = re.compile(r"radixserve router ready at (\S+)")
-ROUTERS = ("smg:cache_aware", "smg:round_robin", "radixserve:cache_aware", "radixserve:capacity_aware")
-# The gateway each router kind is measured with for the overhead part (policy is moot with one worker).
-OVERHEAD_ROUTERS = ("smg:cache_aware", "radixserve:capacity_aware")
+ROUTERS = (
+    "smg:cache_aware",
+    "smg:round_robin",
+    "radixserve:cache_aware",
+    "radixserve:capacity_aware",
+    "radixserve:latency_aware",
+)
+# The gateway each router kind is measured with for the overhead part (one worker; each default policy).
+OVERHEAD_ROUTERS = ("smg:cache_aware", "radixserve:latency_aware")
 
 
 # ---- processes ---------------------------------------------------------------------------
@@ -192,7 +198,7 @@ def worker_counters(url: str) -> dict[str, float]:
 
 def flush_and_warm(workers: list[Worker], prompt: str) -> None:
     """Empty every prefix cache, then one direct request each, so that each worker has a
-    measured decode rate (capacity_aware reads it) and identical state for every router."""
+    measured decode rate (capacity_aware and latency_aware read them) and identical state for every router."""
     for worker in workers:
         response = httpx.post(worker.url + "/flush_cache", timeout=60)
         response.raise_for_status()

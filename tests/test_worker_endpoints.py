@@ -36,9 +36,13 @@ WORKER_KEYS = {
     "dp_size",
     "context_length",
     "max_total_num_tokens",
+    "max_running_requests",
+    "prefill_step_tokens",
     "features",
     "decode_tokens_per_s",
     "prefill_tokens_per_s",
+    "decode_bands",
+    "prefill_bands",
 }
 LOAD_KEYS = {
     "dp_rank",
@@ -53,6 +57,8 @@ LOAD_KEYS = {
     "max_total_num_tokens",
     "decode_tokens_per_s",
     "prefill_tokens_per_s",
+    "decode_bands",
+    "prefill_bands",
 }
 POOL = 32768
 LONG = {"max_new_tokens": 20000, "ignore_eos": True}  # seconds of decoding: still running while the test looks
@@ -204,6 +210,7 @@ def test_load_moves_while_requests_run(http):
     queued.join(60)
     assert wait_until(lambda: _load(http)["num_reqs"] == 0, timeout=30), _load(http)
     assert _load(http)["decode_tokens_per_s"] > 0  # kept while idle
+    assert _load(http)["decode_bands"][0]["tokens_per_s"] > 0  # one request at a time: the batch-of-1 band
     assert http.get("/server_info").json()["worker"]["decode_tokens_per_s"] > 0
 
 

@@ -11,7 +11,7 @@ replica (the load the DP controller dispatched and has not seen finish,
 ``runtime/processes/dp_controller.py`` says why it counts rather than asks) or
 a worker (what the router has in flight there, or what the worker reports when
 that is more, ``router/worker.py``). The router's other policies need what only
-it keeps (prefix trees, measured throughput) or pick at random.
+it keeps (prefix trees, measured rates) or pick at random.
 
 Ties go in turn, so equally loaded targets (an idle server, one request at a
 time) are used one after the other rather than the first one always.
@@ -50,9 +50,17 @@ POLICIES: dict[str, PolicyInfo] = {
             router=True,
         ),
         PolicyInfo(
+            "latency_aware",
+            "the least predicted time to first token: prompt tokens queued ahead plus the request's uncached ones "
+            "at the worker's prefill rate for that step size, and the decode work it waits behind at the decode "
+            "rate for that batch size, both measured per batch-size band",
+            dp=False,
+            router=True,
+        ),
+        PolicyInfo(
             "capacity_aware",
-            "the least expected wait: queued tokens over the worker's measured throughput, less the prompt tokens "
-            "it caches",
+            "the least expected wait: queued tokens over the worker's peak measured throughput, less the prompt "
+            "tokens it caches (P11's default)",
             dp=False,
             router=True,
         ),
@@ -71,7 +79,14 @@ POLICIES: dict[str, PolicyInfo] = {
 
 LoadBalanceMethod = Literal["round_robin", "shortest_queue", "minimum_tokens"]
 RouterPolicy = Literal[
-    "capacity_aware", "cache_aware", "round_robin", "shortest_queue", "minimum_tokens", "power_of_two", "random"
+    "capacity_aware",
+    "latency_aware",
+    "cache_aware",
+    "round_robin",
+    "shortest_queue",
+    "minimum_tokens",
+    "power_of_two",
+    "random",
 ]
 DP_POLICIES: tuple[str, ...] = typing.get_args(LoadBalanceMethod)
 ROUTER_POLICIES: tuple[str, ...] = typing.get_args(RouterPolicy)

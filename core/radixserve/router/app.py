@@ -3,7 +3,8 @@
     inference: POST /v1/chat/completions, /v1/completions, /generate, /v1/embeddings, /tokenize, /detokenize
     models:    GET /v1/models, /v1/models/{id} (the fleet's models, one entry per name)
     probes:    GET /health (503 with no healthy worker), /liveness, /metrics, /get_loads
-    admin:     GET/POST /workers, DELETE /workers/{url}, POST /flush_cache
+    admin:     GET/POST /workers, DELETE /workers/{url}, POST /flush_cache,
+               GET /debug/decisions (the last placements with every candidate's score terms)
 
 Its state (prefix trees, loads, breakers, health) is soft: rebuilt from traffic and
 probes, so several routers can stand side by side behind a plain load balancer.
@@ -30,6 +31,7 @@ from radixserve.router.admission import Admission
 from radixserve.router.args import RouterArgs
 from radixserve.router.fleet import Fleet
 from radixserve.router.forwarder import Forwarder
+from radixserve.router.latency import DecisionLog
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import make_policy
 from radixserve.router.request_info import ROUTED_BY_TEXT, RequestInfo, TokenEstimator, parse_body, read_request
@@ -50,7 +52,7 @@ INFERENCE_ROUTES = {
     "/detokenize": "detokenize",
 }
 # Routes a user key opens; the rest need the admin key (or the user key when no admin key is set).
-ADMIN_PATHS = frozenset({"/workers", "/flush_cache"})
+ADMIN_PATHS = frozenset({"/workers", "/flush_cache", "/debug/decisions"})
 # The time registration at start-up may take before the router serves (pending workers join later).
 STARTUP_REGISTRATION_S = 10.0
 
@@ -63,7 +65,8 @@ def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: N
     """``on_ready`` runs once the workers named at start-up have joined (or stayed pending
     for ``STARTUP_REGISTRATION_S``)."""
     metrics = RouterMetrics()
-    policy = make_policy(args)
+    decisions = DecisionLog(args.decision_log_size)
+    policy = make_policy(args, decisions=decisions)
     estimator = TokenEstimator()
     admission = Admission(
         args.max_concurrent_requests,
@@ -161,6 +164,13 @@ def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: N
             "pending": sorted(fleet.pending),
             "policy": args.policy,
         }
+
+    @app.get("/debug/decisions")
+    async def recent_decisions(limit: int = 20) -> dict[str, Any]:
+        """The last ``limit`` placements, oldest first (``latency_aware`` keeps them; other policies none)."""
+        if limit < 1:
+            raise APIError(400, f"limit: must be >= 1, got {limit}", param="limit")
+        return {"policy": args.policy, "decisions": decisions.last(limit)}
 
     @app.post("/workers")
     async def add_worker(body: AddWorkerBody) -> Response:

@@ -18,7 +18,7 @@ class RouterArgs(CliArgs):
     policy: RouterPolicy = flag(
         "how a worker is chosen (the names a worker's --load-balance-method takes mean the same here; ties go "
         "in turn): " + describe("router"),
-        default="capacity_aware",
+        default="latency_aware",
     )
     host: str = flag("HTTP host", default="127.0.0.1")
     port: int = flag("HTTP port (0 picks a free one)", default=30000)
@@ -45,6 +45,11 @@ class RouterArgs(CliArgs):
     balance_rel_threshold: float = flag("... and the busiest has more than this times the idlest's", default=1.5)
     max_tree_size: int = flag(
         "characters of routed prompts remembered per worker (least recent forgotten)", default=1 << 24
+    )
+    decision_log_size: int = flag(
+        "latency_aware: the last decisions kept, with every candidate's score terms, for GET /debug/decisions "
+        "(0: none)",
+        default=256,
     )
     # reliability
     retry_max_retries: int = flag(
@@ -101,6 +106,8 @@ class RouterArgs(CliArgs):
             bad("max_concurrent_requests", f"must be -1 (no limit) or >= 1, got {self.max_concurrent_requests}")
         if self.rate_limit_tokens_per_second is not None and self.rate_limit_tokens_per_second <= 0:
             bad("rate_limit_tokens_per_second", f"must be > 0, got {self.rate_limit_tokens_per_second}")
+        if self.decision_log_size < 0:
+            bad("decision_log_size", f"must be >= 0, got {self.decision_log_size}")
         if self.queue_size < 0:
             bad("queue_size", f"must be >= 0, got {self.queue_size}")
 

@@ -199,6 +199,8 @@ class Fleet:
             dtype=facts.get("dtype"),
             backends=facts.get("backends") or {},
             max_total_num_tokens=facts.get("max_total_num_tokens"),
+            max_running_requests=facts.get("max_running_requests"),
+            prefill_step_tokens=facts.get("prefill_step_tokens"),
             features=facts.get("features") or {},
         )
 

@@ -1,11 +1,16 @@
 """Routing policies: which of the candidate workers (same model, healthy, breaker closed,
 supporting what the request needs) gets a request.
 
-- ``capacity_aware`` (the default): the least expected wait. A worker's cost is the work
-  queued on it plus this request's, in tokens, less the prompt tokens it already caches
-  (``PrefixTree``), divided by its measured decode throughput. A worker half as fast gets
-  half the traffic at equal queues; a long prompt goes where the queue is short or its
-  prefix is cached.
+- ``latency_aware`` (the default): the least predicted time to first token
+  (``latency.predict``): the prompt tokens queued ahead plus the request's own less what
+  the worker caches (``PrefixTree``), at the worker's prefill rate for that step size, and
+  the decode work it waits behind, at the decode rate for that batch size; each rate the
+  worker's own, measured per batch-size band. A prefix group stays where it is cached
+  until the queue there costs more than prefilling the prefix elsewhere; a worker half as
+  fast gets half the traffic. Each decision is kept for ``GET /debug/decisions``.
+- ``capacity_aware`` (P11's default, kept for comparison): the least expected time to the
+  request's end: the work queued on it plus this request's, less the prompt tokens it
+  caches, at the recent peak of the worker's overall prefill and decode throughput.
 - ``cache_aware``: SGLang's rule. Unless the load is imbalanced (then ``shortest_queue``'s
   pick), the worker with the longest cached prefix when it covers ``cache_threshold`` of
   the request, else the worker credited with the least text (spreading new prefixes).
@@ -25,6 +30,7 @@ from typing import Protocol
 
 from radixserve.load_balance import LOAD_KEYS, Load, least_loaded
 from radixserve.router.args import RouterArgs
+from radixserve.router.latency import DecisionLog, RateLookup, predict
 from radixserve.router.prefix_tree import PrefixTree
 from radixserve.router.worker import Work, Worker
 
@@ -163,6 +169,32 @@ class CapacityAware:
         self.tree.remove_worker(url)
 
 
+class LatencyAware:
+    """The candidate with the least predicted TTFT (``latency.predict``); ties go to the
+    one with the fewest unfinished requests, then in turn."""
+
+    def __init__(self, tree: PrefixTree, decisions: DecisionLog | None = None):
+        self.tree = tree
+        self.decisions = decisions or DecisionLog(0)
+        self._next = 0  # the candidate's place to try first among equals
+
+    def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Choice:
+        matched = self.tree.match(request.text)
+        rates = RateLookup(candidates)
+        choices = [Choice.of(w, request, matched.get(w.url, 0)) for w in candidates]
+        terms = [predict(c.worker, request.prompt_tokens, c.cached_tokens, request.max_tokens, rates) for c in choices]
+        n, first = len(candidates), self._next % len(candidates)
+        best = min(((first + i) % n for i in range(n)), key=lambda i: (terms[i].total_s, terms[i].running_requests))
+        self._next = best + 1
+        chosen = choices[best]
+        self.tree.insert(request.text, chosen.worker.url)
+        self.decisions.record(request.prompt_tokens, request.max_tokens, len(request.text), chosen.worker.url, terms)
+        return chosen
+
+    def forget(self, url: str) -> None:
+        self.tree.remove_worker(url)
+
+
 def _capacities(candidates: Sequence[Worker], rate: Callable[[Worker], float | None]) -> dict[str, float]:
     """Each worker's capacity (tokens/s); one not measured yet counts as the median of the
     others (or all as 1.0), so that it gets traffic and is measured."""
@@ -171,7 +203,8 @@ def _capacities(candidates: Sequence[Worker], rate: Callable[[Worker], float | N
     return {w.url: rate(w) or default for w in candidates}
 
 
-def make_policy(args: RouterArgs, rng: random.Random | None = None) -> Policy:
+def make_policy(args: RouterArgs, rng: random.Random | None = None, decisions: DecisionLog | None = None) -> Policy:
+    """``decisions``: where ``latency_aware`` keeps its last decisions (the others keep none)."""
     rng = rng or random.Random()
     if args.policy in LOAD_KEYS:
         return InTurn(args.policy)
@@ -182,4 +215,6 @@ def make_policy(args: RouterArgs, rng: random.Random | None = None) -> Policy:
     tree = PrefixTree(args.max_tree_size)
     if args.policy == "cache_aware":
         return CacheAware(tree, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold)
-    return CapacityAware(tree)
+    if args.policy == "capacity_aware":
+        return CapacityAware(tree)
+    return LatencyAware(tree, decisions)

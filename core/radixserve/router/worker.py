@@ -1,15 +1,18 @@
 """One worker as the router sees it: what it serves and can do (``WorkerFacts``, read
 once at registration), how loaded it is (``WorkerLoad``, from its ``/get_load`` and the
-router's own in-flight count), and whether it may get traffic (health checks and a
-``CircuitBreaker``). All of it is soft state, rebuilt from traffic and probes."""
+router's own in-flight count), how fast it is at each batch size (``RateCurve``s, from the
+same reports), and whether it may get traffic (health checks and a ``CircuitBreaker``).
+All of it is soft state, rebuilt from traffic and probes."""
 
 from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from radixserve.rate_bands import DECODE_BANDS, PREFILL_BANDS, band_values, sum_rates
 
 # Seconds for a worker's remembered peak throughput to fade by half (``PeakRate``).
 CAPACITY_HALF_LIFE_S = 120.0
@@ -30,6 +33,8 @@ class WorkerFacts:
     dtype: str | None = None
     backends: dict[str, str] = field(default_factory=dict)
     max_total_num_tokens: int | None = None
+    max_running_requests: int | None = None  # over all its replicas
+    prefill_step_tokens: int | None = None  # the most prompt tokens one prefill step computes
     features: dict[str, bool] = field(default_factory=dict)
 
     def supports(self, feature: str) -> bool:
@@ -46,6 +51,12 @@ class WorkerLoad:
     num_waiting_tokens: int = 0  # tokens its queued requests have yet to prefill
     decode_tokens_per_s: float | None = None
     prefill_tokens_per_s: float | None = None
+    # per band of batch size (rate_bands.DECODE_BANDS / PREFILL_BANDS, then the open band), the rate
+    # and the mean size of its steps; () when not reported
+    decode_band_rates: tuple[float | None, ...] = ()
+    decode_band_sizes: tuple[float | None, ...] = ()
+    prefill_band_rates: tuple[float | None, ...] = ()
+    prefill_band_sizes: tuple[float | None, ...] = ()
     reported_at: float = 0.0
 
     @classmethod
@@ -58,8 +69,17 @@ class WorkerLoad:
             num_waiting_tokens=sum(int(e.get("num_waiting_tokens", 0)) for e in entries),
             decode_tokens_per_s=_total(entries, "decode_tokens_per_s"),
             prefill_tokens_per_s=_total(entries, "prefill_tokens_per_s"),
+            decode_band_rates=_bands(entries, "decode_bands", DECODE_BANDS, "tokens_per_s"),
+            decode_band_sizes=_bands(entries, "decode_bands", DECODE_BANDS, "mean_size"),
+            prefill_band_rates=_bands(entries, "prefill_bands", PREFILL_BANDS, "tokens_per_s"),
+            prefill_band_sizes=_bands(entries, "prefill_bands", PREFILL_BANDS, "mean_size"),
             reported_at=time.monotonic(),
         )
+
+
+def _bands(entries: list[dict[str, Any]], name: str, bounds: Sequence[int], key: str) -> tuple[float | None, ...]:
+    """The replicas' band values added up (``rate_bands.sum_rates``)."""
+    return tuple(sum_rates([band_values(e.get(name), bounds, key) for e in entries]))
 
 
 def _total(entries: list[dict[str, Any]], key: str) -> float | None:
@@ -92,6 +112,72 @@ class PeakRate:
         else:
             self.value = max(rate, self.value * 0.5 ** ((at - self._at) / CAPACITY_HALF_LIFE_S))
         self._at = at
+
+
+class RateCurve:
+    """A worker's speed at one phase by step size: for each batch-size band, the last rate
+    and mean step size it reported (a band is measured from the worker's steps of that
+    size, so it does not grow with the traffic given, as a raw throughput would).
+
+    Between the measured sizes a step's time is interpolated (made non-decreasing: a
+    bigger step never takes less time), beyond the largest it grows at that size's rate,
+    below the smallest it takes that size's rate. A worker that reports no bands has one
+    rate for every size, its overall one."""
+
+    def __init__(self, bounds: Sequence[int]):
+        self.bounds = bounds
+        self.rates: list[float | None] = [None] * (len(bounds) + 1)
+        self.sizes: list[float | None] = [None] * (len(bounds) + 1)
+        self.overall: float | None = None
+        self._points: list[tuple[float, float]] = []  # (size, seconds a step of it takes), size ascending
+        self._at: dict[int, float | None] = {}  # at()'s answers since the last report (asked per candidate)
+
+    def observe(
+        self, band_rates: Sequence[float | None], band_sizes: Sequence[float | None], overall: float | None
+    ) -> None:
+        band_sizes = band_sizes or (None,) * len(band_rates)  # an older report: rates alone
+        for band, (rate, size) in enumerate(zip(band_rates, band_sizes, strict=True)):
+            if rate is not None:
+                self.rates[band], self.sizes[band] = rate, size or self._middle(band)
+        self.overall = overall or self.overall
+        points, slowest = [], 0.0
+        for rate, size in zip(self.rates, self.sizes, strict=True):
+            if rate is not None and size is not None:
+                slowest = max(slowest, size / rate)
+                points.append((size, slowest))
+        self._points, self._at = points, {}
+
+    def _middle(self, band: int) -> float:
+        """Where a band's steps are assumed to lie when the report does not say."""
+        low = self.bounds[band - 1] + 1 if band else 1
+        return float((low + self.bounds[band]) / 2 if band < len(self.bounds) else 2 * low)
+
+    def at(self, size: int) -> float | None:
+        """The rate (tokens/s) of a step of ``size``; None when nothing is measured."""
+        if size not in self._at:
+            self._at[size] = self._interpolate(size)
+        return self._at[size]
+
+    def _interpolate(self, size: int) -> float | None:
+        points = self._points
+        if not points:
+            return self.overall
+        size = max(size, 1)
+        first_size, first_s = points[0]
+        if size <= first_size:
+            return first_size / first_s
+        for (low, low_s), (high, high_s) in zip(points, points[1:], strict=False):
+            if size <= high:
+                return size / (low_s + (high_s - low_s) * (size - low) / (high - low))
+        last_size, last_s = points[-1]
+        return last_size / last_s
+
+    def describe(self) -> list[dict[str, Any]]:
+        uppers = [*self.bounds, None]
+        return [
+            {"up_to": upper, "tokens_per_s": rate, "mean_size": size}
+            for upper, rate, size in zip(uppers, self.rates, self.sizes, strict=True)
+        ]
 
 
 class BreakerState(enum.IntEnum):
@@ -159,18 +245,25 @@ class CircuitBreaker:
 
 
 class Worker:
-    """A worker URL with its facts, load, health and breaker."""
+    """A worker URL with its facts, load, rates, health and breaker."""
 
-    def __init__(self, url: str, facts: WorkerFacts, breaker: CircuitBreaker):
-        self.url, self.facts, self.breaker = url, facts, breaker
+    def __init__(
+        self, url: str, facts: WorkerFacts, breaker: CircuitBreaker, clock: Callable[[], float] = time.monotonic
+    ):
+        """``clock``: the time of ``WorkerLoad.reported_at`` (a simulator passes its own)."""
+        self.url, self.facts, self.breaker, self.clock = url, facts, breaker, clock
         self.healthy = True
         self.health_failures = 0
         self.health_successes = 0
         self.load = WorkerLoad()
         self.decode_capacity, self.prefill_capacity = PeakRate(), PeakRate()  # tokens/s
+        self.decode_curve, self.prefill_curve = RateCurve(DECODE_BANDS), RateCurve(PREFILL_BANDS)
         self.in_flight = 0  # requests the router has sent here and not yet seen end
         self.in_flight_work = Work(0, 0)  # their uncached prompt and output tokens
         self.routed = 0
+        # Prompt tokens waiting for prefill: the last report's, plus what was sent since, at _backlog_at.
+        self._backlog, self._backlog_at = 0.0, clock()
+        self.reports_load = False  # it has answered /get_load since it (re)joined
 
     @property
     def model_id(self) -> str:
@@ -183,16 +276,42 @@ class Worker:
         self.load = load
         self.decode_capacity.observe(load.decode_tokens_per_s, load.reported_at)
         self.prefill_capacity.observe(load.prefill_tokens_per_s, load.reported_at)
+        self.decode_curve.observe(load.decode_band_rates, load.decode_band_sizes, load.decode_tokens_per_s)
+        self.prefill_curve.observe(load.prefill_band_rates, load.prefill_band_sizes, load.prefill_tokens_per_s)
+        self._backlog, self._backlog_at = float(load.num_waiting_tokens), load.reported_at
+        self.reports_load = True
 
     def forget_load(self) -> None:
         """Restarted: what was measured before says nothing now."""
         self.load, self.decode_capacity, self.prefill_capacity = WorkerLoad(), PeakRate(), PeakRate()
+        self.decode_curve, self.prefill_curve = RateCurve(DECODE_BANDS), RateCurve(PREFILL_BANDS)
+        self._backlog, self._backlog_at = 0.0, self.clock()
+        self.reports_load = False
 
     def hold(self, work: Work, sign: int) -> None:
         """A request sent here (+1) or ended (-1)."""
         self.in_flight += sign
         held = self.in_flight_work
         self.in_flight_work = Work(held.prompt + sign * work.prompt, held.output + sign * work.output)
+        if sign > 0:
+            self._backlog = self.queued_prefill() + work.prompt
+            self._backlog_at = self.clock()
+
+    def prefill_step_tokens(self, tokens: int) -> int:
+        """The prompt tokens of the prefill step that ``tokens`` queued ones make here."""
+        step = self.facts.prefill_step_tokens
+        return max(1, min(tokens, step) if step else tokens)
+
+    def queued_prefill(self) -> float:
+        """Prompt tokens not yet prefilled here, now: the last report's waiting tokens plus
+        the prompts sent since, less what the worker has computed since at its prefill
+        rate. A worker that does not report load never has more than the router's own
+        requests in flight."""
+        backlog = self._backlog
+        rate = self.prefill_curve.at(self.prefill_step_tokens(int(backlog)))
+        if rate is not None:
+            backlog = max(0.0, backlog - (self.clock() - self._backlog_at) * rate)
+        return backlog if self.reports_load else min(backlog, self.in_flight_work.prompt)
 
     def queued_work(self) -> Work:
         """Work not yet done here: the router's requests in flight, or, for the prompt
@@ -217,6 +336,8 @@ class Worker:
             "dtype": self.facts.dtype,
             "backends": self.facts.backends,
             "max_total_num_tokens": self.facts.max_total_num_tokens,
+            "max_running_requests": self.facts.max_running_requests,
+            "prefill_step_tokens": self.facts.prefill_step_tokens,
             "features": {name: self.facts.supports(name) for name in FEATURES},
             "load": {
                 "num_reqs": self.load.num_reqs,
@@ -227,6 +348,9 @@ class Worker:
                 "prefill_tokens_per_s": self.load.prefill_tokens_per_s,
                 "decode_capacity": self.decode_capacity.value,
                 "prefill_capacity": self.prefill_capacity.value,
+                "decode_bands": self.decode_curve.describe(),
+                "prefill_bands": self.prefill_curve.describe(),
+                "queued_prefill_tokens": round(self.queued_prefill()),
                 "router_in_flight": self.in_flight,
                 "router_in_flight_prompt_tokens": self.in_flight_work.prompt,
                 "router_in_flight_output_tokens": self.in_flight_work.output,

@@ -314,10 +314,17 @@ class ServerState:
             "model_path": self.model_path,
             "served_model_name": self.model_name,
             "server_args": args,
-            "worker": worker_facts(info, self.args.dp_size, embedding=tm.embedding is not None),
+            "worker": worker_facts(
+                info, self.args.dp_size, embedding=tm.embedding is not None, prefill_step_tokens=self._prefill_step()
+            ),
             "num_in_flight": tm.num_in_flight,
             "pids": {p.name: p.pid for p in runtime.processes},
         }
+
+    def _prefill_step(self) -> int:
+        """The most prompt tokens one prefill step computes: a chunk, within the batch's limit."""
+        chunk = self.args.chunk_size
+        return min(chunk, self.args.max_prefill_tokens) if chunk is not None else self.args.max_prefill_tokens
 
     def model_info(self) -> dict[str, Any]:
         tm = self.ready_tm()

@@ -13,6 +13,7 @@ import dataclasses
 import time
 from typing import Any
 
+from radixserve.rate_bands import DECODE_BANDS, PREFILL_BANDS, band_entries
 from radixserve.server.protocol import FEATURES
 
 
@@ -23,10 +24,12 @@ def replica_stats(info: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"dp_rank": r["dp_rank"], **r["stats"]} for r in info["replicas"] if r["stats"] is not None]
 
 
-def worker_facts(info: dict[str, Any], dp_size: int, embedding: bool) -> dict[str, Any]:
+def worker_facts(info: dict[str, Any], dp_size: int, embedding: bool, prefill_step_tokens: int) -> dict[str, Any]:
     """The worker's platform (``--device``'s name for it), dtype, backends, parallelism,
-    context length, KV pool (tokens, over all replicas), served features and decode
-    and prefill throughput (tokens/s over all replicas; None until measured)."""
+    context length, KV pool (tokens, over all replicas), the most requests it runs at once
+    and prompt tokens one prefill step computes (a replica's), served features, and decode
+    and prefill throughput (tokens/s over all replicas; None until measured), also per
+    batch-size band (``rate_bands``)."""
     stats = info["stats"]
     return {
         "device": info["platform"],
@@ -36,9 +39,24 @@ def worker_facts(info: dict[str, Any], dp_size: int, embedding: bool) -> dict[st
         "dp_size": dp_size,
         "context_length": info["context_length"],
         "max_total_num_tokens": stats["max_total_tokens"],
+        "max_running_requests": info["max_running_requests"] * dp_size,
+        "prefill_step_tokens": prefill_step_tokens,
         "features": features(info, embedding),
         "decode_tokens_per_s": stats["decode_tokens_per_s"],
         "prefill_tokens_per_s": stats["prefill_tokens_per_s"],
+        **band_reports(stats),
+    }
+
+
+def band_reports(stats: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The step rates per batch-size band, in ``rate_bands``' report shape."""
+    return {
+        "decode_bands": band_entries(
+            DECODE_BANDS, stats["decode_band_tokens_per_s"], stats["decode_band_sizes"], "running_requests"
+        ),
+        "prefill_bands": band_entries(
+            PREFILL_BANDS, stats["prefill_band_tokens_per_s"], stats["prefill_band_sizes"], "prefill_tokens"
+        ),
     }
 
 
@@ -61,7 +79,8 @@ def load_entries(info: dict[str, Any]) -> list[dict[str, Any]]:
     """``/get_load``: SGLang's keys (``num_reqs``: running + waiting; ``num_tokens``:
     the KV tokens in use plus the tokens the waiting requests have to prefill;
     ``num_pending_tokens``: the latter; ``ts_tic``: when, in Unix seconds) and the
-    parts: running requests, waiting tokens, KV tokens in use and capacity, decode and prefill rates."""
+    parts: running requests, waiting tokens, KV tokens in use and capacity, decode and prefill rates,
+    and those rates per batch-size band (``decode_bands``, ``prefill_bands``)."""
     now = time.time()
     return [
         {
@@ -77,6 +96,7 @@ def load_entries(info: dict[str, Any]) -> list[dict[str, Any]]:
             "max_total_num_tokens": stats["max_total_tokens"],
             "decode_tokens_per_s": stats["decode_tokens_per_s"],
             "prefill_tokens_per_s": stats["prefill_tokens_per_s"],
+            **band_reports(stats),
         }
         for stats in replica_stats(info)
     ]

@@ -65,6 +65,7 @@ from radixserve.messages import (
     TokenBatch,
     TokenOutput,
 )
+from radixserve.rate_bands import sum_rates
 
 logger = logging.getLogger(__name__)
 
@@ -281,6 +282,8 @@ def total_stats(per_replica: dict[int, dict[str, Any]]) -> dict[str, Any]:
         elif name in ("decode_tokens_per_s", "prefill_tokens_per_s"):  # None where a replica has not measured it
             rates = [v for v in values if v is not None]
             total[name] = sum(rates) if rates else None
+        elif name.startswith(("decode_band_", "prefill_band_")):  # per band: rates and mean sizes
+            total[name] = sum_rates(values)
         elif name == "memory_error":
             errors = [f"replica {k}: {s[name]}" for k, s in sorted(per_replica.items()) if s[name] is not None]
             total[name] = "; ".join(errors) or None

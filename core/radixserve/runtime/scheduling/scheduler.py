@@ -289,7 +289,7 @@ class Scheduler:
         launched = self._launch(ForwardMode.DECODE, self._launching, [1] * len(self._launching))
         args = self.args
         self.new_token_ratio = max(self.new_token_ratio - args.new_token_ratio_decay, args.min_new_token_ratio)
-        self.totals.decode_steps += 1
+        self.totals.count_decode(len(self._launching))
         if self.oplog.due(self.totals.decode_steps) and OperatorLog.enabled():
             self.oplog.decode(self.stats(exact=False))
         return launched

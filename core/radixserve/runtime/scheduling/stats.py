@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from radixserve.rate_bands import DECODE_BANDS, PREFILL_BANDS, band_index
 from radixserve.runtime.execution.request import Req
 from radixserve.runtime.scheduling.kv_ledger import PoolCounts
 
@@ -30,12 +31,17 @@ class ServingTotals:
     generation_tokens: int = 0
     retracted_reqs: int = 0
     decode_steps: int = 0
+    decoded_reqs: int = 0  # requests advanced by decode steps (a step's batch size, summed)
     extend_steps: int = 0
     extended_tokens: int = 0  # prompt tokens computed by extend steps (chunks, retracted requests' again)
 
     def count_admission(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens += prompt_tokens
         self.cached_tokens += cached_tokens
+
+    def count_decode(self, batch_size: int) -> None:
+        self.decode_steps += 1
+        self.decoded_reqs += batch_size
 
     def count_extend(self, tokens: int) -> None:
         self.extend_steps += 1
@@ -69,28 +75,50 @@ class StepRate:
             return None
         return self._tokens / self._seconds
 
+    @property
+    def tokens_per_step(self) -> float | None:
+        return self._tokens / len(self._steps) if self._tokens else None
+
 
 class StepRates:
     """The decode and prefill ``StepRate``s, fed by timing each scheduler step: the one
     measure of throughput (``decode_tokens_per_s`` and ``prefill_tokens_per_s`` in the stats,
-    ``/server_info`` and ``/get_load``; the Decode batch log line)."""
+    ``/server_info`` and ``/get_load``; the Decode batch log line); and the same per band of
+    batch size (``rate_bands``: a prefill step by the prompt tokens it computes, a decode
+    step by the requests it advances), the worker's speed at each size, which a router
+    uses to predict latency. A step costs two list lookups more."""
 
     def __init__(self, window_s: float = RATE_WINDOW_S):
         self.decode, self.prefill = StepRate(window_s), StepRate(window_s)
-        self._seen = (0, 0, 0, 0)  # decode steps, generated, extend steps, extended: when the last step ended
+        self.decode_bands = [StepRate(window_s) for _ in range(len(DECODE_BANDS) + 1)]
+        self.prefill_bands = [StepRate(window_s) for _ in range(len(PREFILL_BANDS) + 1)]
+        # decode steps, generated, requests decoded, extend steps, extended: when the last step ended
+        self._seen = (0, 0, 0, 0, 0)
 
     @contextlib.contextmanager
     def measure(self, totals: ServingTotals) -> Iterator[None]:
         """Time one scheduler step; it counts for the kind of step it launched. With
-        overlap scheduling a step digests the tokens of the step before it."""
+        overlap scheduling a step digests the tokens of the step before it (the band
+        rates count the batch the step launched: one token per request decoded)."""
         started = time.perf_counter()
         yield
-        seconds, (decode_steps, generated, extend_steps, extended) = time.perf_counter() - started, self._seen
+        seconds = time.perf_counter() - started
+        decode_steps, generated, decoded, extend_steps, extended = self._seen
         if totals.decode_steps != decode_steps:
             self.decode.add(seconds, totals.generation_tokens - generated)
+            batch = totals.decoded_reqs - decoded
+            self.decode_bands[band_index(DECODE_BANDS, batch)].add(seconds, batch)
         if totals.extend_steps != extend_steps:
-            self.prefill.add(seconds, totals.extended_tokens - extended)
-        self._seen = (totals.decode_steps, totals.generation_tokens, totals.extend_steps, totals.extended_tokens)
+            tokens = totals.extended_tokens - extended
+            self.prefill.add(seconds, tokens)
+            self.prefill_bands[band_index(PREFILL_BANDS, tokens)].add(seconds, tokens)
+        self._seen = (
+            totals.decode_steps,
+            totals.generation_tokens,
+            totals.decoded_reqs,
+            totals.extend_steps,
+            totals.extended_tokens,
+        )
 
 
 @dataclass
@@ -100,6 +128,10 @@ class SchedulerStats:
     num_waiting_tokens: int  # tokens the waiting requests have to prefill
     decode_tokens_per_s: float | None  # StepRates'
     prefill_tokens_per_s: float | None
+    decode_band_tokens_per_s: list[float | None]  # per rate_bands.DECODE_BANDS band (and the open one)
+    decode_band_sizes: list[float | None]  # the mean batch of each band's steps
+    prefill_band_tokens_per_s: list[float | None]  # per rate_bands.PREFILL_BANDS band
+    prefill_band_sizes: list[float | None]  # the mean prompt tokens of each band's steps
     token_usage: float
     tokens_in_use: int  # held by requests or locked in the cache (free and evictable ones are not)
     cache_hit_rate: float
@@ -126,6 +158,10 @@ class SchedulerStats:
             num_waiting_tokens=sum(r.seq_len for r in waiting),
             decode_tokens_per_s=rates.decode.tokens_per_s,
             prefill_tokens_per_s=rates.prefill.tokens_per_s,
+            decode_band_tokens_per_s=[band.tokens_per_s for band in rates.decode_bands],
+            decode_band_sizes=[band.tokens_per_step for band in rates.decode_bands],
+            prefill_band_tokens_per_s=[band.tokens_per_s for band in rates.prefill_bands],
+            prefill_band_sizes=[band.tokens_per_step for band in rates.prefill_bands],
             token_usage=in_use / pool.total,
             tokens_in_use=in_use,
             cache_hit_rate=totals.cached_tokens / totals.prompt_tokens if totals.prompt_tokens else 0.0,

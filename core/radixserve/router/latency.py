@@ -1,0 +1,157 @@
+"""The time to first token a request would see on a worker, predicted from what the
+router knows of it (``latency_aware``'s score), and the log of the last decisions made
+by it (``GET /debug/decisions``).
+
+The prediction follows how a radixserve scheduler runs a request (a prefill step is
+launched whenever one can be formed, else a decode step; a request is admitted only
+while the running batch has a free slot):
+
+- prefill: the prompt tokens queued ahead of it (``Worker.queued_prefill``) and its own
+  uncached ones, at the worker's prefill rate for the step they make (a chunk at most);
+- decode wait: the decode step in progress when it arrives, at the decode rate of the
+  batch running there; and when every slot is taken (``--max-running-requests``), the
+  output tokens of the requests ahead of it beyond the slots, at the decode rate of a
+  full batch, until enough of them finish.
+
+Rates are the worker's own per batch-size band (``Worker.prefill_curve``,
+``decode_curve``); a worker that has measured none yet is given the median of the
+candidates that have, so that it gets its share of traffic and is measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from radixserve.router.worker import RateCurve, Worker
+
+# Rates assumed while no candidate has measured a phase (tokens/s). Only their ratio
+# matters then: a prompt token is computed with many others in a step, an output
+# token takes a step of its own.
+UNMEASURED_PREFILL_TOKENS_PER_S = 1000.0
+UNMEASURED_DECODE_TOKENS_PER_S = 50.0
+
+
+@dataclass(slots=True)
+class ScoreTerms:
+    """One candidate's predicted TTFT for a request, term by term (tokens, tokens/s, seconds)."""
+
+    worker: str
+    queued_prefill_tokens: int  # ahead of the request
+    own_prefill_tokens: int  # the request's prompt tokens not cached there
+    cached_tokens: int  # the request's prompt tokens the prefix tree credits the worker with
+    prefill_step_tokens: int  # the prefill step they make: the band whose rate is used
+    prefill_tokens_per_s: float
+    running_requests: int  # the worker's unfinished requests when the request arrives
+    decode_batch: int  # the decode batch running there, whose rate is used
+    decode_tokens_per_s: float
+    requests_beyond_slots: int  # ahead of it when every running slot is taken (they must finish first)
+    measured: bool  # False: the worker's rates are the other candidates' median
+    prefill_s: float
+    decode_wait_s: float
+    total_s: float
+
+
+class RateLookup:
+    """The rates ``predict`` uses for one decision's candidates: each worker's own, or,
+    where it measured nothing, the median of the candidates that did (computed once per
+    batch size, only when needed)."""
+
+    def __init__(self, candidates: Sequence[Worker]):
+        self.candidates = candidates
+        self._medians: dict[tuple[str, int], float] = {}
+
+    def prefill(self, worker: Worker, tokens: int) -> tuple[float, bool]:
+        return self._rate(worker, "prefill", tokens, UNMEASURED_PREFILL_TOKENS_PER_S)
+
+    def decode(self, worker: Worker, batch: int) -> tuple[float, bool]:
+        return self._rate(worker, "decode", batch, UNMEASURED_DECODE_TOKENS_PER_S)
+
+    def _rate(self, worker: Worker, phase: str, size: int, placeholder: float) -> tuple[float, bool]:
+        rate = _curve(worker, phase).at(size)
+        if rate is not None:
+            return rate, True
+        key = (phase, size)
+        if key not in self._medians:
+            known = [r for r in (_curve(w, phase).at(size) for w in self.candidates) if r is not None]
+            self._medians[key] = statistics.median(known) if known else placeholder
+        return self._medians[key], False
+
+
+def _curve(worker: Worker, phase: str) -> RateCurve:
+    return worker.prefill_curve if phase == "prefill" else worker.decode_curve
+
+
+def predict(worker: Worker, prompt_tokens: int, cached_tokens: int, max_tokens: int, rates: RateLookup) -> ScoreTerms:
+    """The TTFT a request of ``prompt_tokens`` (``cached_tokens`` of them cached there) would see on ``worker``."""
+    queued = round(worker.queued_prefill())
+    own = max(prompt_tokens - cached_tokens, 1)  # its last prompt token is always computed
+    step = worker.prefill_step_tokens(queued + own)
+    prefill_rate, prefill_measured = rates.prefill(worker, step)
+    running = worker.queued_requests()
+    slots = worker.facts.max_running_requests or running + 1
+    batch = max(min(running, slots), 1)
+    decode_rate, decode_measured = rates.decode(worker, batch)
+    beyond = max(running + 1 - slots, 0)
+    step_in_progress = min(running, slots) / decode_rate
+    # The requests ahead beyond the slots: their output tokens (the router's average
+    # max_tokens there, else this request's) at a full batch's rate.
+    output_each = worker.in_flight_work.output / worker.in_flight if worker.in_flight > 0 else max_tokens
+    decode_wait = step_in_progress + beyond * output_each / decode_rate
+    prefill_s = (queued + own) / prefill_rate
+    return ScoreTerms(
+        worker=worker.url,
+        queued_prefill_tokens=queued,
+        own_prefill_tokens=own,
+        cached_tokens=cached_tokens,
+        prefill_step_tokens=step,
+        prefill_tokens_per_s=prefill_rate,
+        running_requests=running,
+        decode_batch=batch,
+        decode_tokens_per_s=decode_rate,
+        requests_beyond_slots=beyond,
+        measured=prefill_measured and decode_measured,
+        prefill_s=prefill_s,
+        decode_wait_s=decode_wait,
+        total_s=prefill_s + decode_wait,
+    )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One request's placement: the chosen worker and every candidate's score terms."""
+
+    at: float  # Unix seconds
+    prompt_tokens: int  # estimated, as the policy saw them
+    max_tokens: int
+    text_chars: int  # of the routing text the prefix tree matched
+    chosen: str
+    candidates: tuple[ScoreTerms, ...]
+
+    def describe(self) -> dict[str, Any]:
+        return {**asdict(self), "candidates": [asdict(terms) for terms in self.candidates]}
+
+
+class DecisionLog:
+    """The last ``size`` decisions (none kept with ``size`` 0), newest last."""
+
+    def __init__(self, size: int, clock: Callable[[], float] = time.time):
+        self.clock = clock
+        self._decisions: deque[Decision] = deque(maxlen=size)
+
+    def record(
+        self, prompt_tokens: int, max_tokens: int, text_chars: int, chosen: str, candidates: Sequence[ScoreTerms]
+    ) -> None:
+        if self._decisions.maxlen:
+            self._decisions.append(
+                Decision(self.clock(), prompt_tokens, max_tokens, text_chars, chosen, tuple(candidates))
+            )
+
+    def last(self, n: int) -> list[dict[str, Any]]:
+        """The last ``n`` decisions, oldest first."""
+        kept = list(self._decisions)
+        return [decision.describe() for decision in kept[max(len(kept) - n, 0) :]]
