@@ -1,17 +1,23 @@
 """benchmarks/bench_gpu.py end to end on the CPU with a tiny model (``--shape
-tiny --device cpu``): the same code path as the GPU run, at toy sizes."""
+tiny --device cpu``): the same code path as the GPU run, at toy sizes; with
+``--profile``, the decode profiles it reports (radixserve.bench.profile's
+arithmetic on the traces is tested in test_profiling.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+from radixserve.messages import PROFILE_DIR_ENV
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_gpu_runs_end_to_end_on_cpu():
+def test_bench_gpu_runs_end_to_end_on_cpu(tmp_path):
+    traces = tmp_path / "traces"
     out = subprocess.run(
         [
             sys.executable,
@@ -27,6 +33,7 @@ def test_bench_gpu_runs_end_to_end_on_cpu():
         text=True,
         timeout=300,
         cwd=ROOT,
+        env={**os.environ, PROFILE_DIR_ENV: str(traces)},  # where --profile writes its traces
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.strip().splitlines()
@@ -52,13 +59,25 @@ def test_bench_gpu_runs_end_to_end_on_cpu():
     assert "cache hit rate" in rows["shared prefix 2x4 (64 + 8 -> 4), radix on"]["note"]
     assert report["device"].startswith("cpu") and report["backends"]["attention"]
     assert report["shape_config"]["vocab_size"] == 512
-    # --profile: the batch-1 latency run and the first throughput batch, each on its own trace; the
-    # cpu platform records host ops only, so there is no device-busy fraction.
+    # --profile: the batch-1 latency run and the first throughput batch (4), each on its own trace in
+    # $RADIXSERVE_PROFILE_DIR; the cpu platform records host ops only, so there is no device-busy fraction.
+    workload = report["workload"]  # batch 1 and 4, 8 output tokens: fewer steps than either profile's
+    assert workload["batches"][0] == 4
+    assert sorted(key for key in report if key.startswith("decode_bs")) == ["decode_bs1", "decode_bs4"]
+    assert report["decode_bs1"]["trace"] != report["decode_bs4"]["trace"]  # a trace each
     for size in (1, 4):
         prof = report[f"decode_bs{size}"]
-        assert prof["steps"] >= 2 and prof["step_ms_median"] > 0 and prof["device_busy_fraction"] is None
-        assert Path(prof["trace"]).is_file()
-        assert f"profile, decode at batch {size} (" in table
+        assert Path(prof["trace"]).parent == traces and Path(prof["trace"]).is_file()
+        # Each request's first token comes from its prefill; the latency run's requests run one at a time.
+        most = (
+            workload["latency_runs"] * (workload["latency_output"] - 1) if size == 1 else workload["ragged_output"] - 1
+        )
+        assert 2 <= prof["steps"] <= most
+        assert prof["step_ms_median"] > 0 and prof["host_ms_median"] > 0 and prof["window_ms"] > 0
+        assert prof["device_busy_fraction"] is None
+        line = next(line for line in lines if line.startswith(f"profile, decode at batch {size} ("))
+        assert line.startswith(f"profile, decode at batch {size} ({prof['steps']} steps): ") and "n/a" in line
+        assert line in table
 
 
 def test_model_build_writes_a_loadable_sharded_checkpoint(tmp_path, monkeypatch):

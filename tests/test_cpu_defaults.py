@@ -169,7 +169,9 @@ def test_an_engine_with_two_replicas_gives_each_its_share_of_the_cores(tiny_llam
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     share = CpuPlatform.process_environment(2)
-    with Engine(model_path=str(tiny_llama_dir), dp_size=2, max_total_tokens=2048, log_level="warning") as engine:
+    # Backends by priority: neither replica times the candidates at start-up.
+    engine_args = dict(dp_size=2, max_total_tokens=2048, log_level="warning", backend_selection="priority")
+    with Engine(model_path=str(tiny_llama_dir), **engine_args) as engine:
         summary = engine.server_info()
     expected = f"OMP_NUM_THREADS={share['OMP_NUM_THREADS']}"
     assert expected in summary["device"], summary["device"]
@@ -247,7 +249,10 @@ def _rss_bytes() -> int:
 
 def test_startup_summary_shows_dtype_threads_numa_memory_and_kv_pool(tiny_model_factory):
     model_dir = tiny_model_factory(dtype="bfloat16", seed=3)
-    runner = make_scheduler(model_dir, max_total_tokens=None, max_running_requests=4).runner
+    # Backends by priority: the summary's subject is the platform's choices, not auto's timing.
+    runner = make_scheduler(
+        model_dir, max_total_tokens=None, max_running_requests=4, backend_selection="priority"
+    ).runner
     summary = runner.summary()
     bf16 = cpu_isa.bf16_matmul()
     assert summary["dtype"] == ("bfloat16" if bf16.native else "float32")

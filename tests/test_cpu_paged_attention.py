@@ -25,6 +25,10 @@ from radixserve_torch.attention_cpu_paged import CpuPagedAttention, plan_cascade
 from radixserve_torch.cpu_kernels import KernelBuildError
 from radixserve_torch.elementwise_cpu import CpuFusedElementwise
 
+# The generation comparisons name the attention backend; the others by priority, so that no
+# scheduler times candidates on its chunk size's shapes at start-up.
+PRIORITY = {"backend_selection": "priority"}
+
 _lens = [(37 * i) % 1200 + 20 for i in range(40)]
 EXTRA_CASES = (
     # One or two long requests: the kernel splits their keys across threads and merges.
@@ -201,7 +205,7 @@ def test_generation_matches_torch_native(tiny_llama_dir, page_size):
     outputs = {}
     for backend in ("torch_native", "cpu_paged"):
         scheduler = make_scheduler(
-            tiny_llama_dir, attention_backend=backend, page_size=page_size, chunked_prefill_size=64
+            tiny_llama_dir, attention_backend=backend, page_size=page_size, chunked_prefill_size=64, **PRIORITY
         )
         name = scheduler.runner.summary()["backends"]["attention"]
         assert name == backend
@@ -238,6 +242,7 @@ def test_float32_model_over_a_bfloat16_pool_matches_torch_native(tiny_llama_dir)
             dtype="float32",
             kv_cache_dtype="bfloat16",
             chunked_prefill_size=32,
+            **PRIORITY,
         )
         outputs[backend] = [r.output_ids for r in generate(scheduler, prompts, max_new_tokens=16, ignore_eos=True)]
     assert outputs["cpu_paged"] == outputs["torch_native"]
@@ -366,7 +371,7 @@ def test_generation_with_a_long_shared_prefix_matches_torch_native(tiny_llama_di
     prompts = mixed_prompts(512, [9, 30, 4, 17, 25], seed=6, shared_prefix=150)
     outputs = {}
     for backend in ("torch_native", "cpu_paged"):
-        scheduler = make_scheduler(tiny_llama_dir, attention_backend=backend, chunked_prefill_size=256)
+        scheduler = make_scheduler(tiny_llama_dir, attention_backend=backend, chunked_prefill_size=256, **PRIORITY)
         outputs[backend] = [r.output_ids for r in generate(scheduler, prompts, max_new_tokens=20, ignore_eos=True)]
     assert outputs["cpu_paged"] == outputs["torch_native"]
     # The five requests decoded together over their cached 150-token prefix.

@@ -45,6 +45,9 @@ from radixserve.sampling.params import SamplingParams
 
 CHUNK = 16
 HIDDEN = 64
+# Backends by priority: no start-up timing of the candidates on each server's, engine's and
+# scheduler's shapes (none of these tests is about auto's measurement).
+PRIORITY = ("--backend-selection", "priority")
 TOL = 1e-4
 TEXTS = [
     "Hello",
@@ -119,7 +122,8 @@ def embedder(request, st_model_dir, tiny_llama_dir):
     else:
         model_dir, normalize, matryoshka = tiny_llama_dir, False, False
         flags = ("--is-embedding", "--pooling", "mean", "--no-normalize-embeddings")
-    with serving(model_dir, "--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096", *flags) as srv:
+    args = ("--chunked-prefill-size", str(CHUNK), "--max-total-tokens", "4096", *PRIORITY, *flags)
+    with serving(model_dir, *args) as srv:
         with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120) as client:
             hf = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
             tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -318,7 +322,12 @@ def test_scheduler_mean_pooling_over_chunks(tiny_llama_dir, overlap):
     (mean pooling computes it again) and one aborted mid-prompt: each embedding equals
     HF's mean, the pool invariant holds at every step, and the whole pool comes back."""
     scheduler = make_scheduler(
-        tiny_llama_dir, is_embedding=True, pooling="mean", chunked_prefill_size=8, disable_overlap_schedule=not overlap
+        tiny_llama_dir,
+        is_embedding=True,
+        pooling="mean",
+        chunked_prefill_size=8,
+        disable_overlap_schedule=not overlap,
+        backend_selection="priority",
     )
     prompts = {f"e{i}": ids for i, ids in enumerate(mixed_prompts(512, [3, 30, 9, 17, 1], seed=7))}
     finals = embed_all(scheduler, prompts)
@@ -338,7 +347,8 @@ def test_scheduler_mean_pooling_over_chunks(tiny_llama_dir, overlap):
 
 def test_engine_encode(st_model_dir):
     """The offline API: one prompt, a batch of strings, a batch of token ids; and no generation."""
-    with Engine(model_path=str(st_model_dir), max_total_tokens=2048, log_level="warning") as engine:
+    engine_args = dict(max_total_tokens=2048, log_level="warning", backend_selection="priority")
+    with Engine(model_path=str(st_model_dir), **engine_args) as engine:
         ids = [engine.tokenizer.encode(t) for t in TEXTS]
         one, texts, by_ids = engine.encode(TEXTS[0]), engine.encode(TEXTS), engine.encode(input_ids=ids)
         with pytest.raises(ValueError, match="served for embeddings"):

@@ -212,9 +212,9 @@ def test_int8_weight_only_matches_dequantized_reference(tiny_model_factory, tmp_
 
     prompts = mixed_prompts(512, [8, 30, 15], seed=25)
     params = dict(max_new_tokens=48, ignore_eos=True, return_logprob=True)
-    int8_scheduler = make_scheduler(model_dir, quantization="int8")
+    int8_scheduler = make_scheduler(model_dir, quantization="int8", backend_selection="priority")
     int8 = generate(int8_scheduler, prompts, **params)
-    # The same kernels as the int8 run (``auto`` times each query apart, and a close race may go either way).
+    # The same kernels as the int8 run, named (whatever picked them).
     chosen = int8_scheduler.runner.backends
     same_kernels = {f"{kind}_backend": chosen[kind] for kind in ("attention", "gemm", "elementwise")}
     ref = generate(make_scheduler(ref_dir, **same_kernels), prompts, **params)
@@ -223,7 +223,7 @@ def test_int8_weight_only_matches_dequantized_reference(tiny_model_factory, tmp_
     assert [r.logprobs for r in int8] == [r.logprobs for r in ref]
     # Closeness to fp32, teacher-forced: along each fp32 greedy continuation,
     # how often is the int8 model's top-1 token the fp32 model's choice?
-    scheduler = make_scheduler(model_dir, quantization="int8")
+    scheduler = make_scheduler(model_dir, quantization="int8", backend_selection="priority")
     same = total = 0
     for prompt, full in zip(prompts, fp32, strict=False):
         rid = submit(
