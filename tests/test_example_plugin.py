@@ -120,6 +120,7 @@ def test_generation_through_it_equals_reference(installed: Path, tiny_llama_dir:
         model_path=str(tiny_llama_dir),
         attention_backend="example_sdpa",
         gemm_backend="example_gemm",
+        backend_selection="priority",  # the kinds not named: by priority, not by a timing that load can sway
         max_total_tokens=2048,
         log_level="warning",
     ) as engine:
