@@ -113,7 +113,7 @@ def _serve_jobs(conn: Connection) -> None:
 class RankPool:
     """Spawned processes, each the rank of one group at a time, kept from one group to the
     next: a process start (Python with torch, about a second of CPU each) is paid once per
-    pool, not once per group. They start importing at once, while the caller works on.
+    pool, not once per group.
     Each runs with OMP_NUM_THREADS=1: the ranks share the machine's cores."""
 
     def __init__(self, size: int):

@@ -32,8 +32,8 @@ SPECS = (dict(arch="llama"), dict(arch="qwen3_moe"), dict(arch="qwen2_moe"), dic
 
 @pytest.fixture(scope="module")
 def rank_pool():
-    """Four rank processes for the module's groups (tp=2 uses the first two); started first,
-    so that they import while this process builds the models and runs tp=1."""
+    """Four rank processes for the module's groups (tp=2 uses the first two). Started after
+    tp=1 has run here: importing beside it, they slowed its threads (OpenMP's, which spin) ~10x."""
     pool = RankPool(4)
     yield pool
     pool.close()
@@ -56,7 +56,7 @@ def reference(model_dirs):
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
-def test_tp_ranks_equal_tp1_under_load_with_aborts(rank_pool, model_dirs, reference, tp_size):
+def test_tp_ranks_equal_tp1_under_load_with_aborts(model_dirs, reference, rank_pool, tp_size):
     ranks = run_ranks(rank_pool, model_dirs, tp_size)
     for model_dir in map(str, model_dirs):
         ref = reference[model_dir]
