@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks driven in-process: each rank (a spawned process) runs a
+"""Tensor-parallel ranks driven in-process: each rank (a process of a RankPool) runs a
 Scheduler on the same scripted load, step by step, and sends back what every
 request produced, so the tests compare ranks with each other and with tp=1."""
 
@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -84,9 +86,9 @@ def make_args(model_dir: Path, tp_size: int) -> ServerArgs:
     return ServerArgs(model_path=str(model_dir), tp_size=tp_size, **SERVER_ARGS)
 
 
-def _rank_main(model_dirs: list[Path], tp_size: int, port: int, rank: int, out: Connection) -> None:
+def rank_answers(model_dirs: list[Path], tp_size: int, port: int, rank: int) -> dict[str, Any]:
     """One rank: for each model, join its group (a key prefix of its own), run the
-    script, leave; sends ``{model_dir: results}``."""
+    script, leave; ``{model_dir: results}``."""
     answers: dict[str, Any] = {}
     for model_dir in model_dirs:
         spec = RankSpec(rank, tp_size, rank, Rendezvous("127.0.0.1", port, prefix=str(model_dir)), 120.0)
@@ -94,37 +96,67 @@ def _rank_main(model_dirs: list[Path], tp_size: int, port: int, rank: int, out: 
         scheduler = Scheduler(args, str(model_dir), AutoTokenizer.from_pretrained(model_dir), rank=spec)
         answers[str(model_dir)] = run_script(scheduler)
         scheduler.runner.group.destroy()
-    out.send(answers)
+    return answers
 
 
-def run_ranks(model_dirs: list[Path], tp_size: int, timeout: float = 240) -> list[dict[str, Any]]:
-    """Every rank's ``{model_dir: results}``, rank by rank; each rank on one thread."""
-    ctx = mp.get_context("spawn")
+def _serve_jobs(conn: Connection) -> None:
+    """A pool process: runs each ``(function, args)`` it is sent and sends back
+    ``(True, result)`` or ``(False, traceback)``, until it is sent None."""
+    while (job := conn.recv()) is not None:
+        function, args = job
+        try:
+            conn.send((True, function(*args)))
+        except BaseException:
+            conn.send((False, traceback.format_exc()))
+
+
+class RankPool:
+    """Spawned processes, each the rank of one group at a time, kept from one group to the
+    next: a process start (Python with torch, about a second of CPU each) is paid once per
+    pool, not once per group.
+    Each runs with OMP_NUM_THREADS=1: the ranks share the machine's cores."""
+
+    def __init__(self, size: int):
+        ctx = mp.get_context("spawn")
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"  # read by each child's torch at its import
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+        try:
+            for _ in range(size):
+                mine, theirs = ctx.Pipe()
+                proc = ctx.Process(target=_serve_jobs, args=(theirs,), daemon=True)
+                proc.start()
+                theirs.close()
+                self.procs.append(proc)
+                self.conns.append(mine)
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+
+    def start(self, function: Callable[..., Any], args_by_rank: list[tuple[Any, ...]]) -> None:
+        """Rank k (process k) runs ``function(*args_by_rank[k])``."""
+        for conn, args in zip(self.conns, args_by_rank, strict=False):
+            conn.send((function, args))
+
+    def result(self, rank: int, timeout: float) -> Any:
+        if not self.conns[rank].poll(timeout):
+            raise TimeoutError(f"rank {rank} sent nothing within {timeout} s")
+        ok, value = self.conns[rank].recv()
+        if not ok:
+            raise RuntimeError(f"rank {rank} failed:\n{value}")
+        return value
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.join()
+
+
+def run_ranks(pool: RankPool, model_dirs: list[Path], tp_size: int, timeout: float = 240) -> list[dict[str, Any]]:
+    """Every rank's ``{model_dir: results}``, rank by rank: the pool's first ``tp_size`` processes."""
     store = host_store("127.0.0.1", 0, timeout)
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"  # inherited: tp_size ranks share the machine's cores
-    procs, pipes = [], []
-    try:
-        for rank in range(tp_size):
-            recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_rank_main, args=(model_dirs, tp_size, store.port, rank, send), daemon=True)
-            p.start()
-            send.close()
-            procs.append(p)
-            pipes.append(recv)
-        answers: list[dict] = []
-        for p, recv in zip(procs, pipes, strict=False):
-            if not recv.poll(timeout):
-                raise TimeoutError(f"rank {procs.index(p)} sent nothing within {timeout} s")
-            answers.append(recv.recv())
-        return answers
-    finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    pool.start(rank_answers, [(model_dirs, tp_size, store.port, rank) for rank in range(tp_size)])
+    return [pool.result(rank, timeout) for rank in range(tp_size)]

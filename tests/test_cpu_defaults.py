@@ -160,21 +160,8 @@ def test_model_processes_sharing_a_node_split_its_cores(tmp_path, fake_process):
     assert thread_share(8, sysfs, environ={}) == {"OMP_NUM_THREADS": "1"}  # never zero
     assert thread_share(1, sysfs, environ={}) == {}
     assert thread_share(2, sysfs, environ={"OMP_NUM_THREADS": "4"}) == {}
-
-
-def test_an_engine_with_two_replicas_gives_each_its_share_of_the_cores(tiny_llama_dir, monkeypatch):
-    """Started by the runtime, each replica's model process runs the share of threads
-    the platform gave it (two of one thread per core each were 5x slower on 2 cores)."""
-    from radixserve.engine import Engine
-
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    share = CpuPlatform.process_environment(2)
-    # Backends by priority: neither replica times the candidates at start-up.
-    engine_args = dict(dp_size=2, max_total_tokens=2048, log_level="warning", backend_selection="priority")
-    with Engine(model_path=str(tiny_llama_dir), **engine_args) as engine:
-        summary = engine.server_info()
-    expected = f"OMP_NUM_THREADS={share['OMP_NUM_THREADS']}"
-    assert expected in summary["device"], summary["device"]
+    # That a real Engine's two replicas each run their share: test_data_parallel.py's
+    # shortest_queue Engine, which starts them anyway.
 
 
 # -- memory ---------------------------------------------------------------------

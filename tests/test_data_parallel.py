@@ -33,10 +33,14 @@ from radixserve.messages import (
 )
 from radixserve.runtime.processes.dp_controller import DPController, total_stats
 from radixserve.sampling.params import SamplingParams
+from radixserve_torch.platform import CpuPlatform
 
 PROMPTS = [f"the number {i} is" for i in range(8)]
 GREEDY = {"max_new_tokens": 8, "temperature": 0.0}
 LONG = 900  # tokens: seconds of decoding, so the requests still run when the test acts
+# How auto picks a backend is not what this module tests: the highest-priority one, without
+# timing each candidate at the model's shapes when a replica starts.
+PRIORITY = "priority"
 
 
 # ---- the policies and the controller, without processes --------------------------------
@@ -232,13 +236,17 @@ def _both_running(url: str) -> bool:
     return all(r["stats"] and r["stats"]["num_running_reqs"] > 0 for r in _info(url)["replicas"])
 
 
-def test_engine_dp2_shortest_queue(tiny_llama_dir, reference):
+def test_engine_dp2_shortest_queue_gives_each_replica_its_share_of_the_cores(tiny_llama_dir, reference, monkeypatch):
+    """Besides the policy: started by the runtime, each replica's model process runs the share
+    of threads the platform gave it (two of one thread per core each were 5x slower on 2 cores)."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     with Engine(
         model_path=str(tiny_llama_dir),
         dp_size=2,
         load_balance_method="shortest_queue",
         max_total_tokens=4096,
         log_level="warning",
+        backend_selection=PRIORITY,
     ) as eng:
         assert [out["output_ids"] for out in eng.generate(PROMPTS, GREEDY)] == reference
         info = eng.server_info()
@@ -248,17 +256,31 @@ def test_engine_dp2_shortest_queue(tiny_llama_dir, reference):
         for replica in eng.server_info()["replicas"]:
             stats = replica["stats"]
             assert stats["cached_tokens_in_tree"] == 0 and stats["free_tokens"] == stats["max_total_tokens"]
+    share = CpuPlatform.process_environment(2)["OMP_NUM_THREADS"]
+    assert f"OMP_NUM_THREADS={share}" in info["device"], info["device"]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama_dir):
-    with serving(tiny_llama_dir, "--dp-size", "2", "--max-total-tokens", "4096") as srv:
+    """Two replicas behind minimum_tokens (the Engines here cover shortest_queue and the default,
+    round_robin). The module's last test kills replica 1."""
+    with serving(
+        tiny_llama_dir,
+        "--dp-size",
+        "2",
+        "--load-balance-method",
+        "minimum_tokens",
+        "--max-total-tokens",
+        "4096",
+        "--backend-selection",
+        PRIORITY,
+    ) as srv:
         yield srv
 
 
-def test_round_robin_spreads_with_dp1_tokens(server, reference):
+def test_minimum_tokens_spreads_with_dp1_tokens(server, reference):
     _assert_spread_and_equal(server.url, reference)
-    assert _info(server.url)["load_balance_method"] == "round_robin"
+    assert _info(server.url)["load_balance_method"] == "minimum_tokens"
 
 
 def test_abort_and_flush_span_replicas(server):
@@ -284,50 +306,47 @@ def test_abort_and_flush_span_replicas(server):
     assert_whole_pool_back(ServerPool(url))
 
 
-def test_a_dead_replica_fails_its_requests_and_the_other_serves_on(tiny_llama_dir, reference):
-    with serving(
-        tiny_llama_dir, "--dp-size", "2", "--load-balance-method", "minimum_tokens", "--max-total-tokens", "4096"
-    ) as srv:
-        url = srv.url
-        _assert_spread_and_equal(url, reference)
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
-        results: list[Any] = [None] * 4
-        long = {"model": "tiny", "prompt": "keep going", "max_tokens": LONG, "extra_body": {"ignore_eos": True}}
+def test_a_dead_replica_fails_its_requests_and_the_other_serves_on(server, reference):
+    """On the module's server, after its other tests (it leaves the server one replica):
+    both replicas served (checked again here), then replica 1 is killed mid-answer."""
+    srv, url = server, server.url
+    _assert_spread_and_equal(url, reference)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    results: list[Any] = [None] * 4
+    long = {"model": "tiny", "prompt": "keep going", "max_tokens": LONG, "extra_body": {"ignore_eos": True}}
 
-        def run(i: int) -> None:
-            try:
-                if i % 2:
-                    results[i] = client.completions.create(**long).choices[0].finish_reason
-                else:
-                    results[i] = [c.choices[0].finish_reason for c in client.completions.create(stream=True, **long)][
-                        -1
-                    ]
-            except openai.APIError as exc:
-                results[i] = exc
+    def run(i: int) -> None:
+        try:
+            if i % 2:
+                results[i] = client.completions.create(**long).choices[0].finish_reason
+            else:
+                results[i] = [c.choices[0].finish_reason for c in client.completions.create(stream=True, **long)][-1]
+        except openai.APIError as exc:
+            results[i] = exc
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        assert wait_until(lambda: _both_running(url), 60), _info(url)
-        os.kill(_info(url)["pids"]["scheduler-dp1"], signal.SIGKILL)
-        for t in threads:
-            t.join(120)
-        failed = [r for r in results if isinstance(r, Exception)]
-        assert failed and len(failed) < 4, results  # replica 1's requests, and only those
-        for exc in failed:
-            assert "data-parallel replica 1 died" in str(exc), exc
-            assert isinstance(exc, openai.InternalServerError) or exc.__class__ is openai.APIError
-        assert all(r == "length" for r in results if not isinstance(r, Exception)), results
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    assert wait_until(lambda: _both_running(url), 60), _info(url)
+    os.kill(_info(url)["pids"]["scheduler-dp1"], signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    failed = [r for r in results if isinstance(r, Exception)]
+    assert failed and len(failed) < 4, results  # replica 1's requests, and only those
+    for exc in failed:
+        assert "data-parallel replica 1 died" in str(exc), exc
+        assert isinstance(exc, openai.InternalServerError) or exc.__class__ is openai.APIError
+    assert all(r == "length" for r in results if not isinstance(r, Exception)), results
 
-        dead = _info(url)["replicas"][1]
-        assert dead["alive"] is False and "scheduler-dp1 exited with code -9" in dead["error"]
-        assert metric(url, "radixserve:replica_up", dp_rank="1") == 0
-        for _ in range(2):  # new requests go to the live replica
-            assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).choices[0].text is not None
-        assert httpx.get(url + "/health", timeout=30).status_code == 200
-        assert "data-parallel replica 1 is down" in srv.log
-        assert_whole_pool_back(ReplicaPool(url, 0))
-        client.close()
+    dead = _info(url)["replicas"][1]
+    assert dead["alive"] is False and "scheduler-dp1 exited with code -9" in dead["error"]
+    assert metric(url, "radixserve:replica_up", dp_rank="1") == 0
+    for _ in range(2):  # new requests go to the live replica
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=4).choices[0].text is not None
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    assert "data-parallel replica 1 is down" in srv.log
+    assert_whole_pool_back(ReplicaPool(url, 0))
+    client.close()
 
 
 def test_engine_dp2_tp2_composes(tiny_llama_dir, reference, monkeypatch):
@@ -335,8 +354,14 @@ def test_engine_dp2_tp2_composes(tiny_llama_dir, reference, monkeypatch):
     two process groups, each meeting at its own store; greedy tokens equal dp=1 tp=1."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # inherited: four ranks share the machine's cores
     with Engine(
-        model_path=str(tiny_llama_dir), dp_size=2, tp_size=2, max_total_tokens=4096, log_level="warning"
+        model_path=str(tiny_llama_dir),
+        dp_size=2,
+        tp_size=2,
+        max_total_tokens=4096,
+        log_level="warning",
+        backend_selection=PRIORITY,
     ) as eng:
         assert [out["output_ids"] for out in eng.generate(PROMPTS, GREEDY)] == reference
         info = eng.server_info()
+        assert info["load_balance_method"] == "round_robin"  # the default
         assert info["tp_size"] == 2 and [r["requests_dispatched_total"] > 0 for r in info["replicas"]] == [True, True]

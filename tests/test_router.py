@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,9 @@ FAST_CHECKS = (
 )  # fmt: skip
 
 
+# What ``auto`` takes is not what these tests check: the highest-priority usable backend, without
+# timing the candidates at the model's shapes first (seconds at each worker's start).
+PRIORITY = ("--backend-selection", "priority")
 TRITON_NO_GRAMMAR = ("--attention-backend", "triton", "--elementwise-backend", "triton", "--grammar-backend", "none")
 
 
@@ -73,6 +76,7 @@ def fleet(tiny_llama_dir: Path, example_plugin_dir: Path) -> Iterator[dict[str, 
         "info",
         "--max-total-tokens",
         "4096",
+        *PRIORITY,
     )
     path = os.pathsep.join(filter(None, [str(example_plugin_dir), os.environ.get("PYTHONPATH")]))
     specs = {
@@ -88,6 +92,17 @@ def fleet(tiny_llama_dir: Path, example_plugin_dir: Path) -> Iterator[dict[str, 
         for worker in workers.values():
             worker.wait_ready()
         yield workers
+        stop_together(workers.values())
+
+
+def stop_together(servers: Iterable[ServerProcess]) -> None:
+    """SIGTERM to every server still running, then wait for each: they drain and stop at the same time."""
+    servers = list(servers)
+    for server in servers:
+        if server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGTERM)
+    for server in servers:
+        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -139,10 +154,9 @@ def test_the_fleet_is_one_model_with_each_workers_backends(router, fleet):
 
 def test_a_mixed_workload_all_succeeds_and_the_slow_worker_gets_a_small_share(router, fleet):
     client = client_of(router)
-    for worker in fleet.values():  # each worker decodes once, so its throughput is measured
-        httpx.post(
-            worker.url + "/v1/completions", json={"model": "tiny", "prompt": "warm", "max_tokens": 16}, timeout=300
-        )
+    warm = {"model": "tiny", "prompt": "warm", "max_tokens": 16}
+    with ThreadPoolExecutor(len(fleet)) as pool:  # each worker decodes once, so its throughput is measured
+        list(pool.map(lambda w: httpx.post(w.url + "/v1/completions", json=warm, timeout=300), fleet.values()))
     assert wait_until(lambda: all(w["load"]["decode_tokens_per_s"] for w in workers_of(router.url)), 30)
     before = {name: metric(router.url, "radixserve_router:requests_total", worker=w.url) for name, w in fleet.items()}
     with ThreadPoolExecutor(8) as pool:
@@ -204,7 +218,7 @@ def test_workers_leave_and_join_at_runtime(router, fleet):
 
 
 def test_a_different_model_under_the_same_name_is_refused(router, tiny_model_factory):
-    with serving(tiny_model_factory(arch="qwen2"), "--max-total-tokens", "2048") as other:
+    with serving(tiny_model_factory(arch="qwen2"), "--max-total-tokens", "2048", *PRIORITY) as other:
         answer = httpx.post(router.url + "/workers", json={"url": other.url}, timeout=30)
         assert answer.status_code == 409, answer.text
         assert "Qwen2ForCausalLM" in answer.json()["error"]["message"]

@@ -9,12 +9,11 @@ rank that stops answering fails its peer's collective at the timeout."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import pytest
 import torch
-from helpers_tp import SAMPLED, make_args, run_ranks, run_script
+from helpers_tp import SAMPLED, RankPool, make_args, run_ranks, run_script
 from transformers import AutoTokenizer
 
 from radixserve.checkpoints.loader import check_tp_shapes, load_config, load_model, model_kernel_query
@@ -29,6 +28,15 @@ from radixserve.startup_error import StartupError
 
 # DeepSeek-V2 with V2's compressed query (q_lora_rank), whose down-projection is replicated too.
 SPECS = (dict(arch="llama"), dict(arch="qwen3_moe"), dict(arch="qwen2_moe"), dict(arch="deepseek_v2", q_lora_rank=24))
+
+
+@pytest.fixture(scope="module")
+def rank_pool():
+    """Four rank processes for the module's groups (tp=2 uses the first two). Started after
+    tp=1 has run here: importing beside it, they slowed its threads (OpenMP's, which spin) ~10x."""
+    pool = RankPool(4)
+    yield pool
+    pool.close()
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +56,8 @@ def reference(model_dirs):
 
 
 @pytest.mark.parametrize("tp_size", [2, 4])
-def test_tp_ranks_equal_tp1_under_load_with_aborts(model_dirs, reference, tp_size):
-    ranks = run_ranks(model_dirs, tp_size)
+def test_tp_ranks_equal_tp1_under_load_with_aborts(model_dirs, reference, rank_pool, tp_size):
+    ranks = run_ranks(rank_pool, model_dirs, tp_size)
     for model_dir in map(str, model_dirs):
         ref = reference[model_dir]
         assert {ref[rid].finish for rid in ("g0", "g7")} == {"abort"}
@@ -119,35 +127,26 @@ def test_tp_size_must_split_the_model(tiny_model_factory):
         ServerArgs(tp_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1")
 
 
-def _silent_rank(port: int, rank: int, out) -> None:
-    """Joins, then rank 1 stops taking part (a hung rank); rank 0 reports how its broadcast ended."""
+def _silent_rank(port: int, rank: int) -> tuple[str, float] | None:
+    """Joins, then rank 1 stops taking part (a hung rank); rank 0 says how its broadcast ended."""
     group = join_group(
         RankSpec(rank, 2, rank, Rendezvous("127.0.0.1", port), 3.0), get_registry().resolve_platform("cpu")()
     )
     if rank == 1:
         time.sleep(30)
-        return
+        return None
     start = time.monotonic()
     try:
         group.broadcast(["a message"])
         group.broadcast(["another"])  # rank 1 never takes this one
-        out.send(("returned", time.monotonic() - start))
+        return ("returned", time.monotonic() - start)
     except RuntimeError as exc:
-        out.send((str(exc).splitlines()[0], time.monotonic() - start))
+        return (str(exc).splitlines()[0], time.monotonic() - start)
 
 
-def test_a_hung_rank_fails_its_peer_at_the_timeout():
-    ctx = mp.get_context("spawn")
+def test_a_hung_rank_fails_its_peer_at_the_timeout(rank_pool):
+    """Last of the module: it leaves the pool's second process hung (the fixture kills it)."""
     store = host_store("127.0.0.1", 0, 30)
-    recv, send = ctx.Pipe(duplex=False)
-    procs = [ctx.Process(target=_silent_rank, args=(store.port, r, send), daemon=True) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        assert recv.poll(120), "rank 0 is still waiting"
-        what, seconds = recv.recv()
-        assert what != "returned" and seconds < 20, (what, seconds)
-    finally:
-        for p in procs:
-            p.kill()
-            p.join()
+    rank_pool.start(_silent_rank, [(store.port, 0), (store.port, 1)])
+    what, seconds = rank_pool.result(0, 120)  # TimeoutError: rank 0 is still waiting
+    assert what != "returned" and seconds < 20, (what, seconds)

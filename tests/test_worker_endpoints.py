@@ -61,6 +61,8 @@ LOAD_KEYS = {
     "prefill_bands",
 }
 POOL = 32768
+# What auto picks is not tested here: the highest-priority backend, no timing of each at the model's shapes.
+PRIORITY = ("--backend-selection", "priority")
 LONG = {"max_new_tokens": 20000, "ignore_eos": True}  # seconds of decoding: still running while the test looks
 
 
@@ -132,6 +134,7 @@ def server(long_llama_dir: Path, profile_root: Path) -> Iterator[ServerProcess]:
         str(POOL),
         "--max-running-requests",
         "1",
+        *PRIORITY,
     ) as srv:
         yield srv
 
@@ -319,7 +322,7 @@ def _access_lines(server: ServerProcess) -> list[str]:
 
 @pytest.mark.skipif(SMG is None, reason="smg is not installed (pip install sglang-router==0.3.2: the dev extra)")
 def test_smg_fronts_two_workers(tiny_llama_dir, tmp_path):
-    common = ("--model", str(tiny_llama_dir), "--served-model-name", "tiny", "--max-total-tokens", "4096")
+    common = ("--model", str(tiny_llama_dir), "--served-model-name", "tiny", "--max-total-tokens", "4096", *PRIORITY)
     with contextlib.ExitStack() as stack:
         # Started together; at info level, so that their access logs are in their output.
         one = stack.enter_context(ServerProcess(*common, "--log-level", "info"))
