@@ -118,24 +118,38 @@ def test_greedy_matches_hf(reference: Reference, config: str):
             assert result.first_token_step >= math.ceil((len(prompt) - result.cached_tokens) / CHUNK)
 
 
+TRITON_NEW_TOKENS = 6  # HF's first 6 greedy tokens of its 64: every step past the window already
+# Both architectures in one interpreter process: {name: [model dir, prompts]} -> {name: result}.
 TRITON_RUN = textwrap.dedent("""
     import json, sys
     from generation_utils import generate, make_scheduler
-    scheduler = make_scheduler(sys.argv[1], attention_backend="triton", elementwise_backend="triton")
-    results = generate(scheduler, json.loads(sys.argv[2]), max_new_tokens=int(sys.argv[3]), ignore_eos=True)
-    print(json.dumps({"tokens": [r.output_ids for r in results], "backends": scheduler.runner.backends}))
+    out = {}
+    for name, (model_dir, prompts) in json.loads(sys.argv[1]).items():
+        scheduler = make_scheduler(model_dir, attention_backend="triton", elementwise_backend="triton")
+        results = generate(scheduler, prompts, max_new_tokens=int(sys.argv[2]), ignore_eos=True)
+        out[name] = {"tokens": [r.output_ids for r in results], "backends": scheduler.runner.backends}
+    print(json.dumps(out))
 """)
 
 
+@pytest.fixture(scope="module")
+def triton_runs(tiny_model_factory) -> dict[str, dict]:
+    """Every architecture's first two prompts through the Triton kernels, in one
+    interpreter subprocess (one start for both)."""
+    jobs = {}
+    for name, arch in ARCHITECTURES.items():
+        model_dir = tiny_model_factory(**arch, **COMMON, seed=4)  # the ``reference`` fixture's model
+        jobs[name] = [str(model_dir), gemma_prompts(AutoConfig.from_pretrained(model_dir).vocab_size)[:2]]
+    return run_in_triton_interpreter(TRITON_RUN, json.dumps(jobs), str(TRITON_NEW_TOKENS))
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_triton_in_the_interpreter_generates_hf_tokens(reference: Reference):
+def test_triton_in_the_interpreter_generates_hf_tokens(reference: Reference, triton_runs: dict[str, dict]):
     """Windows, caps and Gemma's norms and GELU, all through the Triton kernels."""
-    new_tokens = 12  # HF's first 12 greedy tokens of its 64, for two prompts past the window
-    out = run_in_triton_interpreter(
-        TRITON_RUN, str(reference.model_dir), json.dumps(reference.prompts[:2]), str(new_tokens)
-    )
+    out = triton_runs[reference.name]
+    assert all(len(p) > WINDOW for p in reference.prompts[:2])  # two prompts past the window
     assert (out["backends"]["attention"], out["backends"]["elementwise"]) == ("triton", "triton")
-    assert out["tokens"] == [tokens[:new_tokens] for tokens, _ in reference.hf[:2]]
+    assert out["tokens"] == [tokens[:TRITON_NEW_TOKENS] for tokens, _ in reference.hf[:2]]
 
 
 @pytest.fixture(scope="module", params=list(ARCHITECTURES))

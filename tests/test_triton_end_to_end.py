@@ -14,7 +14,10 @@ from radixserve import Engine
 
 pytest.importorskip("triton")
 
-NEW_TOKENS = 24
+# Decode steps cost a launch per kernel per layer in the interpreter, so just enough of them
+# that each request's decode crosses into a new 16-token page: the 25- and 41-token prompts'
+# 8 decode steps write positions 25..32 and 41..48.
+NEW_TOKENS = 9
 MODELS = {"dense": dict(arch="llama"), "moe": dict(arch="qwen3_moe")}
 
 
@@ -57,7 +60,7 @@ def test_triton_server_matches_torch_reference(tiny_model_factory):
 
     model_dir = tiny_model_factory(**MODELS["moe"])
     prompts = mixed_prompts(512, [9, 14], seed=32)
-    params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    params = {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}
     reference = generate(make_scheduler(model_dir), prompts, **params)
     with ServerProcess(
         "--model",
@@ -82,7 +85,11 @@ def test_triton_server_matches_torch_reference(tiny_model_factory):
         assert native["output_ids"] == reference[0].output_ids
         client = OpenAI(base_url=f"{url}/v1", api_key="unused")
         completion = client.completions.create(
-            model=str(model_dir), prompt=prompts[1], max_tokens=16, temperature=0.0, extra_body={"ignore_eos": True}
+            model=str(model_dir),
+            prompt=prompts[1],
+            max_tokens=NEW_TOKENS,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
         )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     assert completion.choices[0].text == tokenizer.decode(reference[1].output_ids, skip_special_tokens=True)
