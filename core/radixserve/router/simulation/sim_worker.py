@@ -14,19 +14,20 @@ rate curves (``devices.DeviceClass``), not a server.
   as one span, cut short at the next step boundary when a request arrives.
 
 The measured rates it reports (``load_report``) are the real scheduler's
-``StepRate``s: prompt (generated) tokens over the seconds of prefill (decode) steps in
-the last 30 s of them."""
+``StepRates``: prompt (generated) tokens over the seconds of prefill (decode) steps in
+the last 30 s of them, overall and per batch-size band (``rate_bands``)."""
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
 
+from radixserve.rate_bands import DECODE_BANDS, PREFILL_BANDS, band_index
 from radixserve.router.simulation.block_cache import BlockCache
 from radixserve.router.simulation.devices import DeviceClass
 from radixserve.router.simulation.workload import SimRequest
 from radixserve.router.worker import WorkerLoad
-from radixserve.runtime.scheduling.stats import RATE_WINDOW_S, StepRate
+from radixserve.runtime.scheduling.stats import RATE_WINDOW_S, StepRate, StepRates
 
 
 class SimulatedWorker:
@@ -45,7 +46,7 @@ class SimulatedWorker:
         self._span = (0.0, 0.0, 0)  # the decode span under way: (start, seconds a step, steps)
         self.next_wake: float | None = None  # when the step or span under way ends; None: idle
         self.plan = 0  # changes with next_wake (a wake-up planned before is stale)
-        self.prefill_rate, self.decode_rate = StepRate(RATE_WINDOW_S), StepRate(RATE_WINDOW_S)
+        self.rates = StepRates(RATE_WINDOW_S)  # fed with the simulated steps' times
         self.requests = self.prompt_tokens = self.cached_tokens = self.output_tokens = 0  # finished ones
 
     # ---- what the simulator calls ------------------------------------------------------
@@ -74,8 +75,12 @@ class SimulatedWorker:
             num_waiting_reqs=len(self.waiting) - self.admitted,
             num_tokens=self._context() + self.waiting_tokens,
             num_waiting_tokens=self.waiting_tokens,
-            decode_tokens_per_s=self.decode_rate.tokens_per_s,
-            prefill_tokens_per_s=self.prefill_rate.tokens_per_s,
+            decode_tokens_per_s=self.rates.decode.tokens_per_s,
+            prefill_tokens_per_s=self.rates.prefill.tokens_per_s,
+            decode_band_rates=tuple(band.tokens_per_s for band in self.rates.decode_bands),
+            decode_band_sizes=tuple(band.tokens_per_step for band in self.rates.decode_bands),
+            prefill_band_rates=tuple(band.tokens_per_s for band in self.rates.prefill_bands),
+            prefill_band_sizes=tuple(band.tokens_per_step for band in self.rates.prefill_bands),
             reported_at=now,
         )
 
@@ -133,7 +138,8 @@ class SimulatedWorker:
 
     def _end_prefill(self, now: float) -> list[SimRequest]:
         tokens = sum(t for _, t in self.chunk)
-        self.prefill_rate.add(self.device.prefill_time(tokens), tokens)
+        band = self.rates.prefill_bands[band_index(PREFILL_BANDS, tokens)]
+        _add_step(self.rates.prefill, band, self.device.prefill_time(tokens), tokens)
         self.waiting_tokens -= tokens
         finished = []
         for request, taken in self.chunk:
@@ -181,7 +187,9 @@ class SimulatedWorker:
 
     def _end_span(self, now: float) -> list[SimRequest]:
         _, step, steps = self._span
-        self.decode_rate.add(steps * step, steps * len(self.running))
+        batch = len(self.running)
+        band = self.rates.decode_bands[band_index(DECODE_BANDS, batch)]
+        _add_step(self.rates.decode, band, steps * step, steps * batch)
         self.steps += steps
         finished = []
         while self.running and self.running[0][0] <= self.steps:
@@ -204,3 +212,10 @@ class SimulatedWorker:
         self.cached_tokens += request.cached_tokens
         self.output_tokens += request.output_tokens
         return request
+
+
+def _add_step(overall: StepRate, band: StepRate, seconds: float, tokens: int) -> None:
+    """A step (or a span of equal decode steps) counted as the real scheduler counts it:
+    overall, and in the band of its size (a decode step makes a token per request)."""
+    overall.add(seconds, tokens)
+    band.add(seconds, tokens)

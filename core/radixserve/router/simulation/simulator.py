@@ -61,12 +61,20 @@ class FleetSimulation:
     ):
         self.args, self.workload = args, workload
         self.policy: Policy = make_policy(args, random.Random(seed))
+        self.now = 0.0  # the simulated clock (the router's workers read it)
         self.sim_workers = [SimulatedWorker(f"http://sim-{i}", d, block_size) for i, d in enumerate(devices)]
         self.router_workers = [
             Worker(
                 w.url,
-                WorkerFacts(model_id="sim", device=w.device.name, max_total_num_tokens=w.device.kv_tokens),
+                WorkerFacts(
+                    model_id="sim",
+                    device=w.device.name,
+                    max_total_num_tokens=w.device.kv_tokens,
+                    max_running_requests=w.device.max_running,
+                    prefill_step_tokens=w.device.chunk_tokens,
+                ),
                 CircuitBreaker(args.cb_failure_threshold, args.cb_success_threshold, args.cb_timeout_duration_secs),
+                clock=lambda: self.now,
             )
             for w in self.sim_workers
         ]
@@ -85,6 +93,7 @@ class FleetSimulation:
         self._push(0.0, _POLL, None)  # the router reads every worker's load as it starts
         while self._events:
             now, _, kind, item = heapq.heappop(self._events)
+            self.now = now
             if kind == _WAKE:
                 worker = self._sim_of[item]  # type: ignore[index]
                 if worker.plan == self._planned.get(worker.url) and worker.next_wake == now:
