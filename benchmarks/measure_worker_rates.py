@@ -19,19 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_offline import MODEL as BENCH_MODEL  # this script's folder is on sys.path when it runs
 
 from radixserve import Engine
 from radixserve.testing.tiny_models import build_tiny_model
 
-MODEL: dict[str, Any] = dict(
-    hidden_size=1024,
-    num_layers=8,
-    num_heads=16,
-    num_kv_heads=8,
-    intermediate_size=2816,
-    vocab_size=4096,
-    max_position_embeddings=4096,
-)
+MODEL: dict[str, Any] = {**BENCH_MODEL, "max_position_embeddings": 4096}  # room for the longest prefill
 
 
 def random_prompts(n: int, length: int, seed: int) -> list[list[int]]:
