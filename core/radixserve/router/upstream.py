@@ -3,8 +3,8 @@ forwarded requests and the probes (health, load, registration, cache flushes).
 
 Why aiohttp: the client is most of what the router does per request. Profiled with
 py-spy in front of one tiny worker (600 small completions at concurrency 16), httpx's
-client was 47% of the router's CPU; measured alone on the same requests, httpx spends
-1.2-1.3 ms of CPU per request and aiohttp 0.19-0.22 ms (docs/benchmarks.md, P15b).
+client was 47% of the router's CPU; with aiohttp the router's CPU per request fell from
+1.73 to 0.75 ms (``benchmarks/profile_router.py``, docs/benchmarks.md P15b).
 """
 
 from __future__ import annotations
