@@ -91,7 +91,7 @@ def _serve(args: ServerArgs) -> int:
             build_backends(check_startup(args))
             return serve_worker_node(args)
         check_sources(args)  # before anything spawns or imports torch: a wrong path fails in a blink
-        with gc_paused():
+        with gc_paused(freeze=True):
             started = start_runtime(args)
             try:
                 platform = check_args(args)

@@ -57,6 +57,25 @@ def load_config(model_path: str | Path) -> PretrainedConfig:
     return config
 
 
+def import_config_class(model_path: str | Path) -> None:
+    """Import the configuration class of the model at ``model_path`` (by its
+    config.json's ``model_type``), reading nothing else. A rank held while the
+    server checks does this meanwhile: the plan it is then handed carries the
+    config, and unpickling it would import the class (with transformers'
+    integrations behind it: a third of a second of CPU) on the start-up's
+    critical path. A model type transformers does not know is left to the
+    plan's own load, which says what is wrong."""
+    import json
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        model_type = json.loads((Path(model_path) / "config.json").read_text())["model_type"]
+        CONFIG_MAPPING[model_type]
+    except (OSError, ValueError, KeyError, TypeError):  # a hub id not downloaded yet, or an unknown type
+        return
+
+
 def _as_dtype(value: Any) -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype):
         return value

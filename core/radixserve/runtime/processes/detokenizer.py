@@ -110,7 +110,7 @@ def run_detokenizer_process(tokenizer: Connection, endpoints: Endpoints, log_lev
     die_with_parent()
     configure_logging(log_level, prefix="detokenizer")
     try:
-        with gc_paused():
+        with gc_paused(freeze=True):
             import_tokenizer_modules()  # while the scheduler loads the model
             state = DetokenizerState(pickle.loads(tokenizer.recv_bytes()))
     except EOFError:

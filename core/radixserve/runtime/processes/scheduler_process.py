@@ -77,12 +77,14 @@ def run_scheduler_process(
     if rank is not None and rank.rank > 0:  # rank 0's stats lines speak for the group
         logging.getLogger("radixserve.runtime.scheduling.stats").setLevel(logging.WARNING)
     try:
-        with gc_paused():
+        with gc_paused(freeze=True):
             from transformers import AutoTokenizer
 
+            from radixserve.checkpoints.loader import import_config_class
             from radixserve.runtime.scheduling.scheduler import Scheduler
 
             if held is not None:
+                import_config_class(model_path)  # while the server checks: unpickling the plan needs it
                 released, plan = _released(held)
                 if not released:
                     return

@@ -125,11 +125,30 @@ class RuntimeProcesses:
         stops the runtime)."""
         from radixserve.registry import get_registry
 
+        if self.leads:
+            self.start_detokenizer()
         plan = plan or _plan(self.args, self.model_path, get_registry().resolve_platform(self.args.device))
         for hold in self._holds:
             hold.send(plan)
             hold.close()
         self._holds = []
+
+    def start_detokenizer(self) -> None:
+        """Spawn node 0's detokenizer. A held runtime's starts at ``release``: it
+        needs under a second to import, and before that its imports would take
+        CPU from the server's checks and the ranks' imports, both on the way to
+        the first token (on two cores, three importing processes slow the two
+        that matter)."""
+        tokenizer_recv, self._detokenizer_tokenizer = mp.get_context("spawn").Pipe(duplex=False)
+        detokenizer = mp.get_context("spawn").Process(
+            target=run_child,
+            name="detokenizer",
+            args=(run_detokenizer_process, tokenizer_recv, self.endpoints, self.args.log_level),
+            daemon=True,
+        )
+        detokenizer.start()
+        tokenizer_recv.close()
+        self.processes.append(detokenizer)
 
     def watch(self, on_death: Callable[[str], None]) -> None:
         """Call ``on_death(reason)`` once, from a thread, when the runtime can no
@@ -335,17 +354,8 @@ def spawn_runtime(
         )
         controller.start()
         runtime.processes.append(controller)
-    if runtime.leads:
-        tokenizer_recv, runtime._detokenizer_tokenizer = ctx.Pipe(duplex=False)
-        detokenizer = ctx.Process(
-            target=run_child,
-            name="detokenizer",
-            args=(run_detokenizer_process, tokenizer_recv, endpoints, args.log_level),
-            daemon=True,
-        )
-        detokenizer.start()
-        tokenizer_recv.close()
-        runtime.processes.append(detokenizer)
+    if runtime.leads and not held:
+        runtime.start_detokenizer()
     return SpawnedRuntime(runtime, pipes)
 
 
