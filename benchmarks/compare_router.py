@@ -1,27 +1,46 @@
-"""radixserve router against SGLang's model gateway (``smg``, sglang-router 0.3.2) on a mixed fleet.
+"""radixserve router against SGLang's model gateway (``smg`` 0.3.2 and 1.13) on small fleets.
 
-One run, the same three workers and the same requests for every router (issue 24):
+For each fleet shape, three workers of one model are started (each ``--served-model-name
+bench``, ``OMP_NUM_THREADS=1``, a fixed ``--max-total-tokens``):
 
-1. Three workers of one model, each ``--served-model-name bench``, ``OMP_NUM_THREADS=1`` and
-   a fixed ``--max-total-tokens``, on different backends: ``cpu`` (the defaults), ``plugin``
-   (the example kernel plugin, installed with ``pip --target`` into a scratch directory and
-   put on ``PYTHONPATH``) and ``triton`` (Triton kernels under ``TRITON_INTERPRET=1``: the
-   stand-in for a slower device).
-2. For each router (smg cache_aware, smg round_robin, radixserve cache_aware, capacity_aware
-   and latency_aware): flush every worker's cache, warm every worker with one direct request,
-   start the router (a fresh process), wait until it lists the three workers, send a few
-   warm-up requests through it, then the shared-prefix set (``radixserve bench serving
-   --dataset generated-shared-prefix``, fixed seed). Recorded: output tok/s, TTFT p50/p99,
-   the fleet's cache hit rate (the workers' cached over prompt tokens, deltas over the run)
-   and the requests each worker served (deltas of its ``num_requests_total``).
-3. Router overhead, each router in front of the CPU worker alone: latency of small
-   requests (one output token) at concurrency 1, and the requests/s ceiling at high
-   concurrency, against the same requests sent to the worker directly.
+- ``equal``: three default workers;
+- ``weak``: two default workers and one limited to 2 running requests and 64-token
+  prefill chunks (``--max-running-requests 2 --chunked-prefill-size 64``);
+- ``slow``: two default workers and one several times slower: its elementwise kernels
+  are Triton's, run by the interpreter (``TRITON_INTERPRET=1 --elementwise-backend
+  triton``; on the benchmark model about 3.5x slower at prefill and 8x at decode; the
+  torch reference backends are only 2-2.7x slower). Every run starts with every cache
+  flushed, so the slow worker joins each run cold, as the others do.
 
-Prints a markdown table and writes every number as JSON (``--out-dir``). Every process
+Each worker's speed is measured once it is up (one 512-token prefill, one 64-token
+decode, alone) and recorded. Then for each workload, ``--repeats`` times, each router in
+turn (the order rotated each repeat): flush every worker's cache, warm every worker with
+one direct request, start the router (a fresh process), wait until it lists the three
+workers, send a few warm-up requests through it, then the workload (``radixserve bench
+serving``, a fixed seed):
+
+- ``shared-prefix``: groups of requests sharing a system prompt
+  (``--dataset generated-shared-prefix``);
+- ``long-prompts``: no sharing, long random prompts (``--dataset random``).
+
+Recorded per run: output tok/s, TTFT p50/p99, the fleet's cache hit rate (the workers'
+cached over prompt tokens, deltas over the run), and each worker's requests and prompt
+tokens (deltas of its counters). Printed per shape and workload: each router's median
+and spread (min-max) over the repeats, the equal workers' share spread (prompt tokens:
+largest over smallest, less one), and the issue's goals checked against smg's best.
+
+Router overhead, each router in front of one default worker alone: latency of small
+requests (one output token) at concurrency 1, and the requests/s ceiling at high
+concurrency, against the same requests sent to the worker directly.
+
+smg 0.3.2 is the ``smg`` on PATH (``pip install sglang-router==0.3.2``); smg 1.13 lives in
+its own environment (it installs an ``smg`` command too)::
+
+    python -m venv ~/.venvs/smg113 && ~/.venvs/smg113/bin/pip install smg==1.13.0
+    python benchmarks/compare_router.py --smg-1-13 ~/.venvs/smg113/bin/smg --out-dir /tmp/cr
+
+Prints markdown tables and writes every number as JSON (``--out-dir``). Every process
 started here (workers, routers, the client) is stopped on exit, error or Ctrl-C.
-
-    python benchmarks/compare_router.py --out-dir /tmp/compare-router
 """
 
 from __future__ import annotations
@@ -52,15 +71,27 @@ DEFAULT_MODEL = Path.home() / ".cache/radixserve-bench/models/llama"
 SERVED_NAME = "bench"
 READY_WORKER = re.compile(r"radixserve ready at (\S+)")
 READY_ROUTER = re.compile(r"radixserve router ready at (\S+)")
-ROUTERS = (
-    "smg:cache_aware",
-    "smg:round_robin",
-    "radixserve:cache_aware",
-    "radixserve:capacity_aware",
-    "radixserve:latency_aware",
-)
-# The gateway each router kind is measured with for the overhead part (one worker; each default policy).
-OVERHEAD_ROUTERS = ("smg:cache_aware", "radixserve:latency_aware")
+# KIND:POLICY; the smg kinds are the two gateway versions (--smg-0-3-2, --smg-1-13).
+ROUTERS = ("smg-0.3.2:cache_aware", "smg-1.13:cache_aware", "smg-1.13:least_load", "radixserve:latency_aware")
+SMG_KINDS = ("smg-0.3.2", "smg-1.13")
+# Each router kind's default policy, for the overhead part (one worker: the policy is moot).
+OVERHEAD_ROUTERS = ("smg-0.3.2:cache_aware", "smg-1.13:cache_aware", "radixserve:latency_aware")
+# name -> the workers of that fleet shape: (name, extra serve flags, extra environment); equal
+# workers' names share the part before the dash.
+SHAPES: dict[str, list[tuple[str, list[str], dict[str, str]]]] = {
+    "equal": [("cpu-a", [], {}), ("cpu-b", [], {}), ("cpu-c", [], {})],
+    "weak": [
+        ("cpu-a", [], {}),
+        ("cpu-b", [], {}),
+        ("weak", ["--max-running-requests", "2", "--chunked-prefill-size", "64"], {}),
+    ],
+    "slow": [
+        ("cpu-a", [], {}),
+        ("cpu-b", [], {}),
+        ("slow", ["--elementwise-backend", "triton"], {"TRITON_INTERPRET": "1"}),
+    ],
+}
+WORKLOADS = ("shared-prefix", "long-prompts")
 
 
 # ---- processes ---------------------------------------------------------------------------
@@ -142,43 +173,46 @@ class Worker:
     name: str
     url: str
     backends: dict[str, Any] = field(default_factory=dict)
+    speed: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """Workers of one kind are equal (``cpu-a``, ``cpu-b``: ``cpu``)."""
+        return self.name.split("-")[0]
 
 
-def worker_specs(ns: argparse.Namespace, plugin_dir: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """name -> (extra serve flags, extra environment)."""
-    triton_flags = [flag for kind in ns.triton_kinds for flag in (f"--{kind}-backend", "triton")]
-    return {
-        "cpu": ([], {}),
-        "plugin": (
-            ["--attention-backend", "example_sdpa", "--gemm-backend", "example_gemm"],
-            {"PYTHONPATH": os.pathsep.join(filter(None, [str(plugin_dir), os.environ.get("PYTHONPATH")]))},
-        ),
-        "triton": (triton_flags, {"TRITON_INTERPRET": "1"}),
-    }
-
-
-def install_plugin(target: Path) -> None:
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target)]
-        + [str(REPO / "examples/kernel-plugin")],
-        check=True,
-    )
-
-
-def start_workers(ns: argparse.Namespace, procs: Processes, plugin_dir: Path) -> list[Worker]:
+def start_workers(ns: argparse.Namespace, shape: str, procs: Processes) -> list[Worker]:
     model = ["--model", ns.model] if ns.model else []
     started = []
-    for name, (flags, env) in worker_specs(ns, plugin_dir).items():
+    for name, flags, env in SHAPES[shape]:
         cmd = ["radixserve", "serve", *model, "--served-model-name", SERVED_NAME, "--port", "0"]
         cmd += ["--max-total-tokens", str(ns.max_total_tokens), *flags]
-        started.append((name, procs.start(f"worker-{name}", cmd, {"OMP_NUM_THREADS": "1", **env})))
+        started.append((name, procs.start(f"{shape}-worker-{name}", cmd, {"OMP_NUM_THREADS": "1", **env})))
     workers = []
     for name, proc in started:
         url = procs.wait_for_line(proc, READY_WORKER, ns.startup_timeout)
         info = httpx.get(url + "/get_server_info", timeout=30).json()
         workers.append(Worker(name, url, info.get("backends") or {}))
-        print(f"worker {name} ready at {url}: backends {info.get('backends')}, dtype {info.get('dtype')}", flush=True)
+    for worker in workers:  # one at a time: each alone on the machine
+        worker.speed = measure_speed(worker.url)
+        print(f"worker {worker.name} at {worker.url}: {worker.backends}; {worker.speed}", flush=True)
     return workers
+
+
+def measure_speed(url: str) -> dict[str, float]:
+    """Prefill tok/s of one 512-token prompt and decode tok/s of 64 output tokens, alone."""
+    prompt = list(range(100, 612))
+    body: dict[str, Any] = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+    httpx.post(url + "/v1/completions", json={**body, "prompt": prompt[:16]}, timeout=600).raise_for_status()
+    started = time.perf_counter()
+    httpx.post(url + "/v1/completions", json=body, timeout=600).raise_for_status()
+    prefill_s = time.perf_counter() - started
+    short = {**body, "prompt": prompt[:8], "max_tokens": 65, "ignore_eos": True}
+    started = time.perf_counter()
+    httpx.post(url + "/v1/completions", json=short, timeout=600).raise_for_status()
+    decode_s = time.perf_counter() - started
+    httpx.post(url + "/flush_cache", timeout=60).raise_for_status()
+    return {"prefill_tokens_per_s": round(len(prompt) / prefill_s, 1), "decode_tokens_per_s": round(64 / decode_s, 1)}
 
 
 def worker_counters(url: str) -> dict[str, float]:
@@ -197,8 +231,8 @@ def worker_counters(url: str) -> dict[str, float]:
 
 
 def flush_and_warm(workers: list[Worker], prompt: str) -> None:
-    """Empty every prefix cache, then one direct request each, so that each worker has a
-    measured decode rate (capacity_aware and latency_aware read them) and identical state for every router."""
+    """Empty every prefix cache, then one direct request each, so that each worker has
+    measured rates (latency_aware reads them) and identical state for every router."""
     for worker in workers:
         response = httpx.post(worker.url + "/flush_cache", timeout=60)
         response.raise_for_status()
@@ -208,14 +242,16 @@ def flush_and_warm(workers: list[Worker], prompt: str) -> None:
 
 
 # ---- routers -----------------------------------------------------------------------------
-def start_router(spec: str, urls: list[str], procs: Processes, timeout: float) -> tuple[Proc, str]:
-    """``spec``: ``smg:POLICY`` or ``radixserve:POLICY``; returns once it lists every worker
-    as healthy (ours: and has read each one's load)."""
+def start_router(
+    spec: str, urls: list[str], procs: Processes, timeout: float, smg_bins: dict[str, str]
+) -> tuple[Proc, str]:
+    """``spec``: ``KIND:POLICY`` (KIND one of ``SMG_KINDS`` or ``radixserve``); returns once
+    it lists every worker as healthy (ours: and has read each one's load)."""
     kind, policy = spec.split(":")
-    name = f"router-{kind}-{policy}-{len(urls)}w"
-    if kind == "smg":
+    name = f"router-{kind}-{policy}-{len(urls)}w-{time.monotonic_ns()}"
+    if kind in SMG_KINDS:
         port = free_port()
-        cmd = [shutil.which("smg") or "smg", "launch", "--worker-urls", *urls, "--policy", policy]
+        cmd = [smg_bins[kind], "launch", "--worker-urls", *urls, "--policy", policy, "--log-level", "warn"]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
         proc = procs.start(name, cmd)
         url = f"http://127.0.0.1:{port}"
@@ -240,26 +276,37 @@ def _lists_workers(url: str, kind: str, count: int) -> bool:
         return False
     if len(workers) != count:
         return False
-    if kind == "smg":
+    if kind in SMG_KINDS:
         return all(w.get("is_healthy") for w in workers)
     return all(w["healthy"] and w["load"]["decode_tokens_per_s"] for w in workers)
 
 
-def router_workers(url: str) -> Any:
-    try:
-        return httpx.get(url + "/workers", timeout=10).json()
-    except (httpx.HTTPError, ValueError):
-        return None
+def smg_version(binary: str) -> str:
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True)
+    return (out.stdout or out.stderr).strip()
 
 
 # ---- clients -----------------------------------------------------------------------------
-def run_bench_serving(ns: argparse.Namespace, url: str, tokenizer: str, label: str, out_file: Path, procs: Processes):
-    """One ``radixserve bench serving`` run of the shared-prefix set; its JSON line."""
+def run_bench_serving(
+    ns: argparse.Namespace, workload: str, url: str, tokenizer: str, label: str, out_file: Path, procs: Processes
+) -> dict[str, Any]:
+    """One ``radixserve bench serving`` run of ``workload``; its JSON line."""
     cmd = ["radixserve", "bench", "serving", "--base-url", url, "--model", SERVED_NAME, "--tokenizer", tokenizer]
-    cmd += ["--dataset", "generated-shared-prefix", "--prompt-format", "text", "--seed", str(ns.seed)]
-    cmd += ["--gsp-num-groups", str(ns.gsp_num_groups), "--gsp-prompts-per-group", str(ns.gsp_prompts_per_group)]
-    cmd += ["--gsp-system-prompt-len", str(ns.gsp_system_prompt_len), "--gsp-question-len", str(ns.gsp_question_len)]
-    cmd += ["--gsp-output-len", str(ns.gsp_output_len), "--request-rate", str(ns.request_rate)]
+    cmd += ["--prompt-format", "text", "--seed", str(ns.seed), "--request-rate", str(ns.request_rate)]
+    if workload == "shared-prefix":
+        cmd += ["--dataset", "generated-shared-prefix", "--gsp-num-groups", str(ns.gsp_num_groups)]
+        cmd += ["--gsp-prompts-per-group", str(ns.gsp_prompts_per_group)]
+        cmd += [
+            "--gsp-system-prompt-len",
+            str(ns.gsp_system_prompt_len),
+            "--gsp-question-len",
+            str(ns.gsp_question_len),
+        ]
+        cmd += ["--gsp-output-len", str(ns.output_len)]
+    else:
+        cmd += ["--dataset", "random", "--num-prompts", str(ns.long_prompts)]
+        cmd += ["--random-input-len", str(ns.long_prompt_len), "--random-range-ratio", str(ns.long_range_ratio)]
+        cmd += ["--random-output-len", str(ns.output_len)]
     cmd += ["--warmup-requests", "0", "--disable-tqdm", "--label", label, "--output-file", str(out_file)]
     if ns.max_concurrency:
         cmd += ["--max-concurrency", str(ns.max_concurrency)]
@@ -274,7 +321,8 @@ def run_bench_serving(ns: argparse.Namespace, url: str, tokenizer: str, label: s
     lines = out_file.read_text().splitlines() if out_file.exists() else []
     if len(lines) <= before:
         raise RuntimeError(f"bench {label} exited {code} without a result:\n{proc.tail()}")
-    return json.loads(lines[-1])
+    result: dict[str, Any] = json.loads(lines[-1])
+    return result
 
 
 async def _small_requests(url: str, count: int, concurrency: int, prompt: str) -> dict[str, Any]:
@@ -326,18 +374,27 @@ def warm_router(url: str, count: int) -> None:
         httpx.post(url + "/v1/completions", json=body, timeout=600).raise_for_status()
 
 
-# ---- the run -----------------------------------------------------------------------------
-def fleet_run(ns: argparse.Namespace, spec: str, workers: list[Worker], tokenizer: str, procs: Processes, out: Path):
+# ---- the runs ----------------------------------------------------------------------------
+def fleet_run(
+    ns: argparse.Namespace,
+    spec: str,
+    workload: str,
+    workers: list[Worker],
+    tokenizer: str,
+    procs: Processes,
+    out: Path,
+    smg_bins: dict[str, str],
+) -> dict[str, Any]:
     flush_and_warm(workers, "The quick brown fox jumps over the lazy dog")
-    router, url = start_router(spec, [w.url for w in workers], procs, ns.startup_timeout)
+    router, url = start_router(spec, [w.url for w in workers], procs, ns.startup_timeout, smg_bins)
     try:
         warm_router(url, ns.router_warmup)
         before = {w.name: worker_counters(w.url) for w in workers}
         started = time.monotonic()
-        result = run_bench_serving(ns, url, tokenizer, spec.replace(":", "-"), out / "bench.jsonl", procs)
+        label = f"{workload}-{spec.replace(':', '-')}"
+        result = run_bench_serving(ns, workload, url, tokenizer, label, out / "bench.jsonl", procs)
         wall = time.monotonic() - started
         after = {w.name: worker_counters(w.url) for w in workers}
-        listing = router_workers(url)
     finally:
         procs.stop(router)
     delta = {name: {k: after[name][k] - before[name][k] for k in after[name]} for name in after}
@@ -345,81 +402,181 @@ def fleet_run(ns: argparse.Namespace, spec: str, workers: list[Worker], tokenize
     cached = sum(d["cached_tokens"] for d in delta.values())
     return {
         "router": spec,
+        "workload": workload,
         "completed": result["completed"],
         "failed": result["failed"],
         "errors": result["errors"],
         "duration_s": result["duration_s"],
         "wall_s": wall,
         "output_throughput": result["output_throughput"],
-        "request_throughput": result["request_throughput"],
         "ttft_ms": result["ttft_ms"],
         "e2e_latency_ms": result["e2e_latency_ms"],
-        "client_cache_hit_rate": result["cache_hit_rate"],
         "fleet_cache_hit_rate": cached / prompt if prompt else None,
         "worker_deltas": delta,
-        "router_workers": listing,
+        "equal_share_spread": equal_share_spread(workers, delta),
     }
 
 
-def overhead_runs(ns: argparse.Namespace, cpu: Worker, procs: Processes) -> dict[str, Any]:
+def equal_share_spread(workers: list[Worker], delta: dict[str, dict[str, float]]) -> float | None:
+    """Among the equal workers (the largest kind), the most prompt tokens one computed over
+    the fewest another did, less one (0.15: within 15% of each other); None if one got none."""
+    kinds: dict[str, list[float]] = {}
+    for worker in workers:
+        kinds.setdefault(worker.kind, []).append(delta[worker.name]["prompt_tokens"])
+    shares = max(kinds.values(), key=len)
+    return max(shares) / min(shares) - 1 if min(shares) > 0 else None
+
+
+def overhead_runs(ns: argparse.Namespace, worker: Worker, procs: Processes, smg_bins: dict[str, str]) -> dict[str, Any]:
+    """Each target ``--repeats`` times, the order rotated each time: {label: [result, ...]}."""
     prompt = "Say hello."
-    targets: list[tuple[str, str | None]] = [("direct", None), *((spec, spec) for spec in OVERHEAD_ROUTERS)]
-    results = {}
-    for label, spec in targets:
-        router = None
-        url = cpu.url
-        if spec:
-            router, url = start_router(spec, [cpu.url], procs, ns.startup_timeout)
-        try:
-            latency = small_requests(url, ns.latency_requests, 1, prompt)
-            ceiling = small_requests(url, ns.ceiling_requests, ns.ceiling_concurrency, prompt)
-        finally:
-            if router:
-                procs.stop(router)
-        results[label] = {"latency": latency, "ceiling": ceiling}
-        print(
-            f"overhead {label}: p50 {latency['latency_ms_p50']:.2f} ms, p99 {latency['latency_ms_p99']:.2f} ms; "
-            f"ceiling {ceiling['requests_per_s']:.1f} req/s ({ceiling['errors']} errors)",
-            flush=True,
-        )
+    specs = [spec for spec in OVERHEAD_ROUTERS if spec.split(":")[0] in smg_bins or spec.startswith("radixserve:")]
+    targets: list[str] = ["direct", *specs]
+    results: dict[str, list[dict[str, Any]]] = {label: [] for label in targets}
+    for repeat in range(ns.repeats):
+        for label in targets[repeat % len(targets) :] + targets[: repeat % len(targets)]:
+            router = None
+            url = worker.url
+            if label != "direct":
+                router, url = start_router(label, [worker.url], procs, ns.startup_timeout, smg_bins)
+            try:
+                latency = small_requests(url, ns.latency_requests, 1, prompt)
+                ceiling = small_requests(url, ns.ceiling_requests, ns.ceiling_concurrency, prompt)
+            finally:
+                if router:
+                    procs.stop(router)
+            results[label].append({"latency": latency, "ceiling": ceiling})
+            print(
+                f"overhead #{repeat} {label}: p50 {latency['latency_ms_p50']:.2f} ms, "
+                f"p99 {latency['latency_ms_p99']:.2f} ms; ceiling {ceiling['requests_per_s']:.1f} req/s "
+                f"({latency['errors'] + ceiling['errors']} errors)",
+                flush=True,
+            )
     return results
 
 
+# ---- the report --------------------------------------------------------------------------
 def fmt(value: float | None, digits: int = 1) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}"
 
 
-def markdown(fleet: list[dict[str, Any]], overhead: dict[str, Any], names: list[str]) -> str:
-    served_by = " / ".join(names)
-    lines = [
-        f"| router | out tok/s | TTFT p50 (ms) | TTFT p99 (ms) | fleet cache hit | requests {served_by} | failed |",
-        "|---|---|---|---|---|---|---|",
+def median_spread(values: list[float | None], digits: int = 0, scale: float = 1.0) -> str:
+    """``median [min-max]`` of the repeats."""
+    known = [v * scale for v in values if v is not None]
+    if not known:
+        return "n/a"
+    if len(known) == 1:
+        return fmt(known[0], digits)
+    return f"{fmt(statistics.median(known), digits)} [{fmt(min(known), digits)}-{fmt(max(known), digits)}]"
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per router: the median of each figure over its repeats."""
+    by_router: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_router.setdefault(run["router"], []).append(run)
+
+    def med(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
+    return {
+        router: {
+            "output_throughput": med([r["output_throughput"] for r in rs]),
+            "ttft_p50": med([r["ttft_ms"]["median"] for r in rs]),
+            "ttft_p99": med([r["ttft_ms"]["p99"] for r in rs]),
+            "hit": med([r["fleet_cache_hit_rate"] for r in rs]),
+            "equal_share_spread": med([r["equal_share_spread"] for r in rs]),
+            "failed": sum(r["failed"] for r in rs),
+        }
+        for router, rs in by_router.items()
+    }
+
+
+def goals(summary: dict[str, dict[str, Any]], ours: str) -> list[str]:
+    """The issue's goals for ``ours`` against smg's best (medians over the repeats)."""
+    smg = {router: s for router, s in summary.items() if router.split(":")[0] in SMG_KINDS}
+    if ours not in summary or not smg:
+        return []
+    mine = summary[ours]
+    best_tput = max(s["output_throughput"] for s in smg.values())
+    best_p99 = min(s["ttft_p99"] for s in smg.values())
+    cache_hits = [s["hit"] for r, s in smg.items() if r.endswith(":cache_aware") and s["hit"] is not None]
+    checks = [
+        f"out tok/s {fmt(mine['output_throughput'])} vs smg's best {fmt(best_tput)}: "
+        + ("met" if mine["output_throughput"] > best_tput else "NOT met"),
+        f"TTFT p99 {fmt(mine['ttft_p99'], 0)} ms vs smg's best {fmt(best_p99, 0)} ms: "
+        + ("met" if mine["ttft_p99"] < best_p99 else "NOT met"),
     ]
-    for run in fleet:
-        served = " / ".join(str(round(run["worker_deltas"][n]["requests"])) for n in names)
-        lines.append(
-            f"| {run['router']} | {fmt(run['output_throughput'])} | {fmt(run['ttft_ms']['median'])} "
-            f"| {fmt(run['ttft_ms']['p99'])} | {fmt(100 * (run['fleet_cache_hit_rate'] or 0))}% "
-            f"| {served} | {run['failed']} |"
+    if cache_hits and mine["hit"] is not None:
+        best_hit = max(cache_hits)
+        checks.append(
+            f"hit {fmt(100 * mine['hit'])}% vs smg cache_aware's {fmt(100 * best_hit)}%: "
+            + ("met" if mine["hit"] >= best_hit - 0.02 else "NOT met")
         )
-    if overhead:
-        direct = overhead["direct"]
-        lines += [
-            "",
-            "| target (CPU worker alone) | latency p50 (ms) | p99 (ms) | added p50 (ms) | ceiling (req/s) | errors |",
-            "|---|---|---|---|---|---|",
-        ]
-        for label, result in overhead.items():
-            lat, ceil = result["latency"], result["ceiling"]
-            added = lat["latency_ms_p50"] - direct["latency"]["latency_ms_p50"] if label != "direct" else 0.0
-            lines.append(
-                f"| {label} | {fmt(lat['latency_ms_p50'], 2)} | {fmt(lat['latency_ms_p99'], 2)} | {fmt(added, 2)} "
-                f"| {fmt(ceil['requests_per_s'])} | {lat['errors'] + ceil['errors']} |"
-            )
+    spread = mine["equal_share_spread"]
+    checks.append(
+        f"equal workers' prompt tokens within {fmt(None if spread is None else 100 * spread)}%: "
+        + ("met" if spread is not None and spread <= 0.15 else "NOT met")
+    )
+    return checks
+
+
+def markdown(shape: str, workload: str, runs: list[dict[str, Any]], workers: list[Worker], ours: str) -> str:
+    names = [w.name for w in workers]
+    routers = list(dict.fromkeys(run["router"] for run in runs))
+    lines = [
+        f"**{shape} / {workload}** (workers {', '.join(f'{w.name} {w.speed}' for w in workers)}; "
+        "median [min-max] over the repeats)",
+        "",
+        f"| router | out tok/s | TTFT p50 (ms) | TTFT p99 (ms) | fleet hit (%) | prompt tokens {' / '.join(names)} "
+        "(median) | equal workers' spread (%) | failed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for router in routers:
+        rs = [r for r in runs if r["router"] == router]
+        tokens = " / ".join(
+            fmt(statistics.median(r["worker_deltas"][n]["prompt_tokens"] for r in rs), 0) for n in names
+        )
+        lines.append(
+            f"| {router} | {median_spread([r['output_throughput'] for r in rs], 1)} "
+            f"| {median_spread([r['ttft_ms']['median'] for r in rs])} "
+            f"| {median_spread([r['ttft_ms']['p99'] for r in rs])} "
+            f"| {median_spread([r['fleet_cache_hit_rate'] for r in rs], 1, 100)} | {tokens} "
+            f"| {median_spread([r['equal_share_spread'] for r in rs], 0, 100)} | {sum(r['failed'] for r in rs)} |"
+        )
+    checks = goals(summarize(runs), ours)
+    if checks:
+        lines += ["", f"Goals for {ours}: " + "; ".join(checks) + "."]
     return "\n".join(lines)
 
 
-def machine() -> dict[str, Any]:
+def overhead_markdown(overhead: dict[str, list[dict[str, Any]]]) -> str:
+    """Medians [min-max] over the repeats; "added" is each repeat's figure less the direct one's median."""
+    direct = overhead["direct"]
+    direct_p50 = statistics.median(r["latency"]["latency_ms_p50"] for r in direct)
+    direct_p99 = statistics.median(r["latency"]["latency_ms_p99"] for r in direct)
+    lines = [
+        "| target (one default worker) | latency p50 (ms) | p99 (ms) | added p50 (ms) | added p99 (ms) "
+        "| ceiling (req/s) | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, results in overhead.items():
+        p50 = [r["latency"]["latency_ms_p50"] for r in results]
+        p99 = [r["latency"]["latency_ms_p99"] for r in results]
+        added50 = [v - direct_p50 for v in p50] if label != "direct" else []
+        added99 = [v - direct_p99 for v in p99] if label != "direct" else []
+        errors = sum(r["latency"]["errors"] + r["ceiling"]["errors"] for r in results)
+        lines.append(
+            f"| {label} | {median_spread(p50, 2)} | {median_spread(p99, 2)} "
+            f"| {median_spread(added50, 2) if added50 else '-'} "
+            f"| {median_spread(added99, 2) if added99 else '-'} "
+            f"| {median_spread([r['ceiling']['requests_per_s'] for r in results], 1)} | {errors} |"
+        )
+    return "\n".join(lines)
+
+
+def machine(smg_bins: dict[str, str]) -> dict[str, Any]:
     facts: dict[str, Any] = {"cpus": os.cpu_count(), "load_average": os.getloadavg()}
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
         lscpu = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
@@ -429,11 +586,8 @@ def machine() -> dict[str, Any]:
                 facts[key.strip().lower().replace(" ", "_")] = value.strip()
     with contextlib.suppress(OSError, subprocess.CalledProcessError):
         git = ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"]
-        commit = subprocess.run(git, capture_output=True, text=True)
-        facts["commit"] = commit.stdout.strip()
-    with contextlib.suppress(OSError, subprocess.CalledProcessError):
-        smg = subprocess.run([sys.executable, "-m", "pip", "show", "sglang-router"], capture_output=True, text=True)
-        facts["smg"] = next((ln.split()[-1] for ln in smg.stdout.splitlines() if ln.startswith("Version:")), None)
+        facts["commit"] = subprocess.run(git, capture_output=True, text=True).stdout.strip()
+    facts["smg"] = {kind: smg_version(binary) for kind, binary in smg_bins.items()}
     return facts
 
 
@@ -441,20 +595,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.HelpFormatter)
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="model directory ('' for the built-in demo model)")
     p.add_argument("--max-total-tokens", type=int, default=16384, help="each worker's KV pool")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument(
-        "--triton-kinds",
-        nargs="+",
-        default=["elementwise"],
-        choices=["attention", "elementwise"],
-        help="backend kinds the triton worker runs as interpreted Triton kernels",
+        "--routers", nargs="+", default=list(ROUTERS), help="KIND:POLICY, KIND smg-0.3.2, smg-1.13 or radixserve"
     )
-    p.add_argument("--routers", nargs="+", default=list(ROUTERS), help="KIND:POLICY, KIND smg or radixserve")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each router on each shape and workload")
+    p.add_argument(
+        "--smg-0-3-2", default=shutil.which("smg"), help="smg 0.3.2's command (pip install sglang-router==0.3.2)"
+    )
+    p.add_argument("--smg-1-13", default=None, help="smg 1.13's command (its own venv: pip install smg==1.13.0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--gsp-num-groups", type=int, default=8)
-    p.add_argument("--gsp-prompts-per-group", type=int, default=12)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=6)
     p.add_argument("--gsp-system-prompt-len", type=int, default=512)
     p.add_argument("--gsp-question-len", type=int, default=32)
-    p.add_argument("--gsp-output-len", type=int, default=32)
+    p.add_argument("--long-prompts", type=int, default=16, help="requests of the long-prompts workload")
+    p.add_argument("--long-prompt-len", type=int, default=1536, help="its longest prompt (tokens)")
+    p.add_argument(
+        "--long-range-ratio", type=float, default=0.33, help="its shortest prompt, as a share of the longest"
+    )
+    p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--max-concurrency", type=int, default=16, help="0: no limit")
     p.add_argument("--request-rate", default="inf", help="Poisson arrivals per second (inf: all at once)")
     p.add_argument("--router-warmup", type=int, default=3, help="short requests through each router before its run")
@@ -472,10 +633,23 @@ def _raise_on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def smg_commands(ns: argparse.Namespace) -> dict[str, str]:
+    """The smg kinds the routers need, each with its command; exits naming what is missing."""
+    commands = {"smg-0.3.2": ns.smg_0_3_2, "smg-1.13": ns.smg_1_13}
+    needed = {spec.split(":")[0] for spec in ns.routers} | {
+        spec.split(":")[0] for spec in OVERHEAD_ROUTERS if commands.get(spec.split(":")[0])
+    }
+    for kind in needed & set(SMG_KINDS):
+        if not commands[kind]:
+            flag = "--" + kind.replace(".", "-")
+            sys.exit(f"{kind} is not installed: give its command with {flag} (see this script's docstring)")
+    return {kind: commands[kind] for kind in SMG_KINDS if kind in needed and commands[kind]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
-    if not shutil.which("smg") and any(spec.startswith("smg:") for spec in ns.routers):
-        sys.exit("smg not found: pip install sglang-router==0.3.2")
+    smg_bins = smg_commands(ns)
+    ours = next((spec for spec in ns.routers if spec.startswith("radixserve:")), "")
     out = ns.out_dir or Path(tempfile.mkdtemp(prefix="compare-router-"))
     out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
@@ -485,38 +659,48 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(ns).items()},
-        "machine": machine(),
+        "machine": machine(smg_bins),
+        "shapes": {},
     }
     print(f"logs and results in {out}", flush=True)
+    tables: list[str] = []
     try:
-        with tempfile.TemporaryDirectory(prefix="kernel-plugin-") as plugin_dir:
-            install_plugin(Path(plugin_dir))
-            workers = start_workers(ns, procs, Path(plugin_dir))
-            report["workers"] = {w.name: {"url": w.url, "backends": w.backends} for w in workers}
+        for shape in ns.shapes:
+            workers = start_workers(ns, shape, procs)
             info = httpx.get(workers[0].url + "/get_server_info", timeout=30).json()
             tokenizer = info.get("tokenizer_path") or info["model_path"]
-            fleet: list[dict[str, Any]] = []
-            report["fleet"] = fleet
-            for spec in ns.routers:
-                print(f"--- {spec}", flush=True)
-                run = fleet_run(ns, spec, workers, tokenizer, procs, out)
-                fleet.append(run)
-                print(
-                    f"{spec}: {run['output_throughput']:.1f} out tok/s, TTFT p50 {run['ttft_ms']['median']:.0f} ms "
-                    f"p99 {run['ttft_ms']['p99']:.0f} ms, hit {run['fleet_cache_hit_rate']:.3f}, requests "
-                    + ", ".join(f"{n} {round(d['requests'])}" for n, d in run["worker_deltas"].items()),
-                    flush=True,
-                )
-            report["overhead"] = {} if ns.skip_overhead else overhead_runs(ns, workers[0], procs)
+            runs: list[dict[str, Any]] = []
+            report["shapes"][shape] = {"workers": [vars(w) for w in workers], "runs": runs}
+            for workload in ns.workloads:
+                for repeat in range(ns.repeats):
+                    order = ns.routers[repeat % len(ns.routers) :] + ns.routers[: repeat % len(ns.routers)]
+                    for spec in order:
+                        run = fleet_run(ns, spec, workload, workers, tokenizer, procs, out, smg_bins)
+                        run["repeat"] = repeat
+                        runs.append(run)
+                        print(
+                            f"{shape} {workload} #{repeat} {spec}: {run['output_throughput']:.1f} out tok/s, TTFT p50 "
+                            f"{run['ttft_ms']['median']:.0f} p99 {run['ttft_ms']['p99']:.0f} ms, hit "
+                            f"{run['fleet_cache_hit_rate']:.3f}, prompt tokens "
+                            + ", ".join(f"{n} {round(d['prompt_tokens'])}" for n, d in run["worker_deltas"].items()),
+                            flush=True,
+                        )
+                tables.append(markdown(shape, workload, [r for r in runs if r["workload"] == workload], workers, ours))
+                print(tables[-1], flush=True)
+            if not ns.skip_overhead and "overhead" not in report:
+                report["overhead"] = overhead_runs(ns, workers[0], procs, smg_bins)
+                tables.append(overhead_markdown(report["overhead"]))
+                print(tables[-1], flush=True)
+            procs.stop_all()
     finally:
         procs.stop_all()
         report["runtime_s"] = time.monotonic() - started
         (out / "results.json").write_text(json.dumps(report, indent=2, default=str))
-    table = markdown(report["fleet"], report["overhead"], [w.name for w in workers])
-    (out / "table.md").write_text(table + "\n")
-    print(table)
+        (out / "tables.md").write_text("\n\n".join(tables) + "\n")
+    print("\n\n".join(tables))
     print(f"\nruntime {report['runtime_s']:.0f} s; raw numbers in {out / 'results.json'}")
-    return 0 if all(run["failed"] == 0 for run in report["fleet"]) else 1
+    failed = sum(run["failed"] for shape in report["shapes"].values() for run in shape["runs"])
+    return 0 if failed == 0 else 1
 
 
 if __name__ == "__main__":
