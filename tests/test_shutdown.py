@@ -1,4 +1,4 @@
-"""The server as an operator meets it while it runs and when it stops: /version,
+"""The server as an operator meets it while it runs and when it stops: the version,
 an oversized header answered in the OpenAI envelope, and SIGTERM under load
 (stop admitting, drain, end the rest in order, exit 0).
 
@@ -42,8 +42,8 @@ def server(single_slot_servers):
     return single_slot_servers.get()
 
 
-def test_version_route(server):
-    assert httpx.get(server.url + "/version", timeout=30).json() == {"version": __version__}
+def test_the_version_is_in_server_info(server):
+    assert httpx.get(server.url + "/server_info", timeout=30).json()["version"] == __version__
 
 
 def _raw_request(url: str, header_bytes: int) -> bytes:

@@ -1,11 +1,12 @@
 """The worker side of a gateway: SGLang's worker endpoints (``/server_info``,
-``/model_info``, ``/get_load``) with what a router needs under
+``/model_info``, ``/get_load``, ``/v1/loads``) with what a router needs under
 ``/server_info["worker"]``, the admin key, the profile directory, and the real
-SGLang model gateway (``smg``) fronting two radixserve workers."""
+SGLang model gateway (``smg`` 0.3.2 and 1.13) fronting two radixserve workers."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import shutil
 import socket
 import subprocess
@@ -59,6 +60,20 @@ LOAD_KEYS = {
     "prefill_tokens_per_s",
     "decode_bands",
     "prefill_bands",
+}
+V1_LOAD_KEYS = {
+    "dp_rank",
+    "num_running_reqs",
+    "num_waiting_reqs",
+    "num_waiting_uncached_tokens",
+    "num_total_reqs",
+    "num_used_tokens",
+    "max_total_num_tokens",
+    "token_usage",
+    "gen_throughput",
+    "cache_hit_rate",
+    "utilization",
+    "max_running_requests",
 }
 POOL = 32768
 # What auto picks is not tested here: the highest-priority backend, no timing of each at the model's shapes.
@@ -198,6 +213,26 @@ def _generate_in_background(http: httpx.Client, rid: str, prompt_len: int) -> th
     return thread
 
 
+def _v1_loads(http: httpx.Client) -> dict[str, Any]:
+    """``/v1/loads``' one replica, after checking the envelope."""
+    body = http.get("/v1/loads", params={"include": "core,disagg,queues,memory"}).json()
+    assert set(body) == {"timestamp", "dp_rank_count", "loads"} and body["dp_rank_count"] == 1, body
+    assert datetime.datetime.fromisoformat(body["timestamp"]).tzinfo is not None
+    (snapshot,) = body["loads"]
+    assert set(snapshot) == V1_LOAD_KEYS and snapshot["dp_rank"] == 0, snapshot
+    assert snapshot["max_total_num_tokens"] == POOL and snapshot["max_running_requests"] == 1
+    return snapshot
+
+
+def test_v1_loads_names_a_bad_section_and_has_no_version_route(http):
+    r = http.get("/v1/loads", params={"include": "core,nonsense"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include" and "nonsense" in r.text
+    idle = _v1_loads(http)
+    assert idle["num_total_reqs"] == 0 and idle["token_usage"] == 0.0 and 0.0 <= idle["cache_hit_rate"] <= 1.0
+    # smg 1.x takes a worker that answers /version for vLLM and then reads vLLM's metrics for its load
+    assert http.get("/version").status_code == 404 and http.get("/server_info").json()["version"]
+
+
 def test_load_moves_while_requests_run(http):
     running = _generate_in_background(http, "long-a", 10)
     assert wait_until(lambda: _load(http)["num_running_reqs"] == 1, timeout=60), _load(http)
@@ -207,6 +242,10 @@ def test_load_moves_while_requests_run(http):
     load = _load(http)
     assert load["num_reqs"] == 2 and load["num_waiting_tokens"] == load["num_pending_tokens"] == 50
     assert load["num_used_tokens"] >= 10 and load["num_tokens"] == load["num_used_tokens"] + 50
+    snapshot = _v1_loads(http)  # smg 1.x's view of the same moment (no step runs while the second waits)
+    assert snapshot["num_running_reqs"] == snapshot["num_waiting_reqs"] == 1 and snapshot["num_total_reqs"] == 2
+    assert snapshot["num_waiting_uncached_tokens"] == 50 and snapshot["num_used_tokens"] >= 10
+    assert snapshot["token_usage"] == snapshot["num_used_tokens"] / POOL and snapshot["utilization"] == 1.0
     for rid in ("long-a", "long-b"):
         assert http.post("/abort_request", json={"rid": rid}, headers=ADMIN).status_code == 200
     running.join(60)
@@ -280,7 +319,15 @@ def test_an_http2_preface_is_505(server):
 
 # ---- the SGLang model gateway in front of two workers ----------------------------------------------
 
-SMG = shutil.which("smg")
+# The gateway's two lines: sglang-router 0.3.2 (the dev extra, on PATH) and smg 1.13, which
+# installs a command of the same name and so lives in its own environment, made by .ci/run:
+#     python -m venv .venv-smg-1.13 && .venv-smg-1.13/bin/pip install -r requirements-smg-1.13.txt
+SMG_COMMANDS = {
+    "0.3.2": shutil.which("smg"),
+    "1.13": str(SMG_1_13)
+    if (SMG_1_13 := Path(__file__).resolve().parent.parent / ".venv-smg-1.13/bin/smg").exists()
+    else None,
+}
 SMG_TIMEOUT_S = 120
 
 
@@ -291,9 +338,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _smg(worker_urls: list[str], log: Path) -> Iterator[str]:
+def _smg(command: str, worker_urls: list[str], log: Path, policy: str) -> Iterator[str]:
     port = _free_port()
-    cmd = [SMG or "smg", "launch", "--worker-urls", *worker_urls, "--policy", "cache_aware"]
+    cmd = [command, "launch", "--worker-urls", *worker_urls, "--policy", policy]
     with open(log, "w") as out:
         proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=out, stderr=out)
     try:
@@ -316,12 +363,27 @@ def _registered(url: str, count: int) -> list[dict[str, Any]]:
     return workers if len(workers) == count and all(w["is_healthy"] for w in workers) else []
 
 
+def _gateway_ranks(url: str, count: int) -> list[dict[str, Any]]:
+    """smg 1.13's per-replica loads once it has ``count`` of them, else []."""
+    try:
+        loads = httpx.get(url + "/get_loads", timeout=10).json()["loads"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return []
+    return loads if len(loads) == count else []
+
+
 def _access_lines(server: ServerProcess) -> list[str]:
     return [line for line in server.lines if "radixserve.access" in line]
 
 
-@pytest.mark.skipif(SMG is None, reason="smg is not installed (pip install sglang-router==0.3.2: the dev extra)")
-def test_smg_fronts_two_workers(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("version", list(SMG_COMMANDS))
+def test_smg_fronts_two_workers(version, tiny_llama_dir, tmp_path):
+    command = SMG_COMMANDS[version]
+    if command is None:
+        pytest.skip(
+            f"smg {version} is not installed (0.3.2: sglang-router==0.3.2, the dev extra; 1.13: "
+            "python -m venv .venv-smg-1.13 && .venv-smg-1.13/bin/pip install -r requirements-smg-1.13.txt)"
+        )
     common = ("--model", str(tiny_llama_dir), "--served-model-name", "tiny", "--max-total-tokens", "4096", *PRIORITY)
     with contextlib.ExitStack() as stack:
         # Started together; at info level, so that their access logs are in their output.
@@ -336,14 +398,25 @@ def test_smg_fronts_two_workers(tiny_llama_dir, tmp_path):
         assert [state["dp_rank"] for state in info["internal_states"]] == [0, 1]
 
         smg_log = tmp_path / "smg.log"
-        gateway = stack.enter_context(_smg(urls, smg_log))
+        # 1.13 polls the workers' loads (/v1/loads) only for a load-aware policy
+        policy = "least_load" if version == "1.13" else "cache_aware"
+        gateway = stack.enter_context(_smg(command, urls, smg_log, policy))
         workers: list[dict[str, Any]] = []
         assert wait_until(lambda: workers.extend(_registered(gateway, 2)) or workers, SMG_TIMEOUT_S, 0.5), (
             smg_log.read_text()
         )
         assert sorted(w["url"] for w in workers) == sorted(urls) and {w["model_id"] for w in workers} == {"tiny"}
-        gateway_loads = httpx.get(gateway + "/get_loads", timeout=30).json()["workers"]
-        assert len(gateway_loads) == 2 and all(entry["load"] >= 0 for entry in gateway_loads), gateway_loads
+        if version == "1.13":  # it took them for SGLang workers (not vLLM) and reads each replica's load
+            assert {w["runtime_type"] for w in workers} == {"sglang"}, workers
+            ranks: list[dict[str, Any]] = []
+            assert wait_until(lambda: ranks.extend(_gateway_ranks(gateway, 3)) or ranks, SMG_TIMEOUT_S, 0.5)
+            assert sorted((r["worker"], r["dp_rank"]) for r in ranks) == sorted(
+                [(urls[0], 0), (urls[1], 0), (urls[1], 1)]
+            )
+            assert all(r["max_total_num_tokens"] == 4096 and r["num_total_reqs"] == 0 for r in ranks), ranks
+        else:
+            gateway_loads = httpx.get(gateway + "/get_loads", timeout=30).json()["workers"]
+            assert len(gateway_loads) == 2 and all(entry["load"] >= 0 for entry in gateway_loads), gateway_loads
 
         with openai.OpenAI(base_url=gateway + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
             out = client.chat.completions.create(
@@ -361,5 +434,7 @@ def test_smg_fronts_two_workers(tiny_llama_dir, tmp_path):
         for server in (one, two):
             lines = _access_lines(server)
             assert any("GET /model_info 200" in line for line in lines), lines
-            assert not [line for line in lines if " 404 " in line]
+            # 1.13 also probes /version (vLLM's: we have none, so it takes us for SGLang) and /loads (unused)
+            probes = ("GET /version 404", "GET /loads 404") if version == "1.13" else ()
+            assert not [line for line in lines if " 404 " in line and not any(p in line for p in probes)]
         assert "falling back" not in smg_log.read_text()  # smg found /server_info and /model_info

@@ -2,8 +2,12 @@
 
     OpenAI:  POST /v1/chat/completions, /v1/completions, /v1/embeddings (an embedding model), GET /v1/models[/{id}]
     native:  POST /generate, /tokenize, /detokenize, /flush_cache, /abort_request, /start_profile, /stop_profile
-             GET /health, /health_generate, /server_info, /model_info, /get_load, /metrics
+             GET /health, /health_generate, /server_info, /model_info, /get_load, /v1/loads, /metrics
              (and /get_server_info, /get_model_info: SGLang's older names)
+
+No ``/version``: SGLang's model gateway (smg 1.x) takes a worker that answers it for
+vLLM and then looks for vLLM's metrics to learn its load; the version is in
+``/server_info``.
 
 The admin routes (flush, abort, profile) take ``--admin-api-key`` when one is
 set (``middleware.RequestGuard``); ``/start_profile`` writes under ``--profile-dir``.
@@ -67,8 +71,7 @@ from radixserve.server.response_models import (
     ModelList,
 )
 from radixserve.server.state import HEALTH_GENERATE_TIMEOUT_S, ServerState
-from radixserve.server.worker_info import load_entries
-from radixserve.version import __version__
+from radixserve.server.worker_info import LOAD_SECTIONS, load_entries, scheduler_loads
 
 logger = logging.getLogger(__name__)
 
@@ -159,10 +162,6 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None], started: S
             raise APIError(400, f"tokens: every id must be in [0, {tm.vocab_size})", param="tokens")
         return {"text": tm.tokenizer.decode(body.tokens, skip_special_tokens=body.skip_special_tokens)}
 
-    @app.get("/version")
-    async def version() -> dict[str, Any]:
-        return {"version": __version__}
-
     @app.get("/health")
     async def health() -> Response:
         if not await state.healthy():
@@ -191,6 +190,14 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None], started: S
     @app.get("/get_load")
     async def get_load() -> list[dict[str, Any]]:
         return load_entries(await state.ready_tm().control("server_info"))
+
+    @app.get("/v1/loads")
+    async def v1_loads(include: str = "core") -> dict[str, Any]:
+        unknown = sorted(set(include.split(",")) - set(LOAD_SECTIONS))
+        if unknown:
+            raise APIError(400, f"include: unknown section(s) {unknown}; known: {list(LOAD_SECTIONS)}", param="include")
+        info = await state.ready_tm().control("server_info")
+        return scheduler_loads(info, info["max_running_requests"])
 
     @app.post("/flush_cache")
     async def flush_cache() -> dict[str, Any]:

@@ -4,12 +4,15 @@ DP controller's merge: ``stats`` summed, each replica's under ``replicas``):
 
 - ``worker_facts``: ``/server_info["worker"]``, what the worker is and can do;
 - ``internal_states``: ``/server_info["internal_states"]``, one entry per replica;
-- ``load_entries``: ``/get_load``, one entry per live replica.
+- ``load_entries``: ``/get_load``, one entry per live replica;
+- ``scheduler_loads``: ``/v1/loads``, the per-replica snapshot SGLang's newer builds
+  serve and SGLang's model gateway (smg 1.x) polls for its load-aware policies.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import time
 from typing import Any
 
@@ -100,3 +103,40 @@ def load_entries(info: dict[str, Any]) -> list[dict[str, Any]]:
         }
         for stats in replica_stats(info)
     ]
+
+
+# The sections ``/v1/loads?include=`` may name. Each replica's snapshot always carries the
+# core figures (the ones a gateway reads); there is no disaggregation, speculative decoding
+# or LoRA section to add yet.
+LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
+
+
+def scheduler_loads(info: dict[str, Any], max_running_requests: int) -> dict[str, Any]:
+    """``/v1/loads``: when (ISO 8601), how many replicas, and for each live one its
+    running and waiting requests, the prompt tokens its waiting requests have to compute,
+    KV tokens in use and capacity (and their ratio), decode throughput, prefix-cache hit
+    rate since start (cached over prompt tokens) and running slots in use (``utilization``)."""
+    replicas = replica_stats(info)
+    return {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "dp_rank_count": len(replicas),
+        "loads": [
+            {
+                "dp_rank": stats["dp_rank"],
+                "num_running_reqs": stats["num_running_reqs"],
+                "num_waiting_reqs": stats["num_queue_reqs"],
+                "num_waiting_uncached_tokens": stats["num_waiting_tokens"],
+                "num_total_reqs": stats["num_running_reqs"] + stats["num_queue_reqs"],
+                "num_used_tokens": stats["tokens_in_use"],
+                "max_total_num_tokens": stats["max_total_tokens"],
+                "token_usage": stats["tokens_in_use"] / stats["max_total_tokens"] if stats["max_total_tokens"] else 0.0,
+                "gen_throughput": stats["decode_tokens_per_s"] or 0.0,
+                "cache_hit_rate": (
+                    stats["cached_tokens_total"] / stats["prompt_tokens_total"] if stats["prompt_tokens_total"] else 0.0
+                ),
+                "utilization": stats["num_running_reqs"] / max_running_requests if max_running_requests else 0.0,
+                "max_running_requests": max_running_requests,
+            }
+            for stats in replicas
+        ],
+    }
