@@ -7,6 +7,7 @@ explains a placement."""
 from __future__ import annotations
 
 import contextlib
+import random
 from collections import Counter, deque
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +20,16 @@ from helpers_server import ServerProcess, wait_until
 
 from radixserve.rate_bands import DECODE_BANDS, PREFILL_BANDS, band_entries
 from radixserve.router.latency import DecisionLog
-from radixserve.router.policies import CapacityAware, LatencyAware, Policy, RoutingRequest
+from radixserve.router.policies import (
+    MATCHED_SCORED,
+    SAMPLED_SCORED,
+    CapacityAware,
+    LatencyAware,
+    Policy,
+    RoutingRequest,
+)
 from radixserve.router.prefix_tree import PrefixTree
-from radixserve.router.worker import CircuitBreaker, Work, Worker, WorkerFacts, WorkerLoad
+from radixserve.router.worker import UTILISATION_HALF_LIFE_S, CircuitBreaker, Work, Worker, WorkerFacts, WorkerLoad
 from radixserve.runtime.processes.dp_controller import total_stats
 from radixserve.server.worker_info import load_entries
 
@@ -165,6 +173,48 @@ def test_an_unmeasured_worker_gets_traffic_and_is_then_believed():
     assert later["new"] < later["measured"] / 4, later
 
 
+def test_a_decision_scores_a_bounded_few_of_a_large_fleet_the_prefix_holders_among_them():
+    """Of 300 workers, a decision scores the workers caching the request's prefix (the best
+    few) and a few drawn at random: the same number at any fleet size, and a prefix
+    group still finds its home."""
+    clock = Clock()
+    workers = [worker(f"w{i}", clock) for i in range(300)]
+    decisions = DecisionLog(1000)
+    policy = LatencyAware(PrefixTree(10**9), decisions, random.Random(0))
+    shared = "you are a helpful assistant. " * 72
+    placed = []
+    for i in range(6):
+        placed.append(route(policy, RoutingRequest(shared + f"question {i}?", 500, 16), workers)[0])
+        clock.now += 1.0  # its queue drains
+    placed += [route(policy, RoutingRequest(f"unique {i} " * 40, 100, 16), workers)[0] for i in range(40)]
+    scored = [len(d["candidates"]) for d in decisions.last(1000)]
+    assert max(scored) <= MATCHED_SCORED + SAMPLED_SCORED < len(workers) // 10, Counter(scored)
+    assert len(set(placed[:6])) == 1  # the group stays on the worker caching its prefix
+    assert len(set(placed[6:])) >= 30  # new prefixes spread over the fleet, not over the few scored first
+
+
+def test_a_worker_given_more_than_its_share_lately_looks_slower():
+    """Two idle workers with empty queues: the one that was given more prompt tokens in the
+    last minutes has the higher utilisation, a queueing term, and loses new prefixes;
+    its lead fades with the clock."""
+    clock = Clock()
+    busy, rested = worker("busy", clock, prefill=(8000.0,) * 5), worker("rested", clock, prefill=(8000.0,) * 5)
+    for _ in range(100):  # 100 s of prefill
+        busy.hold(Work(8000, 16), +1)
+        busy.hold(Work(8000, 16), -1)
+    clock.now += 120.0  # both queues drained long ago
+    assert busy.queued_prefill() == rested.queued_prefill() == 0
+    assert busy.utilisation() > 0.25 and rested.utilisation() == 0
+    decisions = DecisionLog(1)
+    chosen = LatencyAware(PrefixTree(10**9), decisions).choose(RoutingRequest("new " * 50, 100, 16), [busy, rested])
+    assert chosen.worker is rested
+    terms = {c["worker"]: c for c in decisions.last(1)[0]["candidates"]}
+    assert terms["busy"]["queueing_s"] > 0 == terms["rested"]["queueing_s"]
+    before = busy.utilisation()
+    clock.now += UTILISATION_HALF_LIFE_S
+    assert busy.utilisation() == pytest.approx(before / 2)
+
+
 def test_the_queue_ahead_drains_at_the_prefill_rate_between_reports():
     clock = Clock()
     w = worker("w", clock, prefill=(8000.0,) * 5, num_waiting_tokens=4000)
@@ -293,7 +343,8 @@ def test_debug_decisions_explain_a_placement_on_a_real_fleet(tiny_llama_dir: Pat
             assert chosen["total_s"] < other["total_s"]  # the least predicted TTFT...
             assert chosen["cached_tokens"] > 0 and other["cached_tokens"] == 0  # ...because the prefix is cached
             assert chosen["own_prefill_tokens"] < other["own_prefill_tokens"]
-            assert chosen["total_s"] == pytest.approx(chosen["prefill_s"] + chosen["decode_wait_s"])
+            parts = chosen["prefill_s"] + chosen["decode_wait_s"] + chosen["queueing_s"]
+            assert chosen["total_s"] == pytest.approx(parts)
         home = got["decisions"][-1]["chosen"]
         assert {d["chosen"] for d in got["decisions"]} == {home}
 

@@ -11,7 +11,11 @@ while the running batch has a free slot):
 - decode wait: the decode step in progress when it arrives, at the decode rate of the
   batch running there; and when every slot is taken (``--max-running-requests``), the
   output tokens of the requests ahead of it beyond the slots, at the decode rate of a
-  full batch, until enough of them finish.
+  full batch, until enough of them finish;
+- queueing: what the worker's recent utilisation (``Worker.utilisation``: the prompt
+  work routed to it over the last minutes) makes a request wait on average
+  (``expected_queueing``): the queue snapshot forgets the load a worker was given a
+  moment ago, this term does not, and it is what evens out the shares in the long run.
 
 Rates are the worker's own per batch-size band (``Worker.prefill_curve``,
 ``decode_curve``); a worker that has measured none yet is given the median of the
@@ -34,6 +38,8 @@ from radixserve.router.worker import RateCurve, Worker
 # token takes a step of its own.
 UNMEASURED_PREFILL_TOKENS_PER_S = 1000.0
 UNMEASURED_DECODE_TOKENS_PER_S = 50.0
+# The most utilisation ``expected_queueing`` believes (its wait is unbounded at 1).
+UTILISATION_CAP = 0.95
 
 
 @dataclass(slots=True)
@@ -51,8 +57,10 @@ class ScoreTerms:
     decode_tokens_per_s: float
     requests_beyond_slots: int  # ahead of it when every running slot is taken (they must finish first)
     measured: bool  # False: the worker's rates are the other candidates' median
+    utilisation: float  # of the worker's time, by the work routed to it lately (Worker.utilisation)
     prefill_s: float
     decode_wait_s: float
+    queueing_s: float  # the wait its utilisation adds (expected_queueing)
     total_s: float
 
 
@@ -103,6 +111,8 @@ def predict(worker: Worker, prompt_tokens: int, cached_tokens: int, max_tokens: 
     output_each = worker.in_flight_work.output / worker.in_flight if worker.in_flight > 0 else max_tokens
     decode_wait = step_in_progress + beyond * output_each / decode_rate
     prefill_s = (queued + own) / prefill_rate
+    utilisation = worker.utilisation()
+    queueing = expected_queueing(utilisation, prompt_tokens / prefill_rate)
     return ScoreTerms(
         worker=worker.url,
         queued_prefill_tokens=queued,
@@ -115,10 +125,28 @@ def predict(worker: Worker, prompt_tokens: int, cached_tokens: int, max_tokens: 
         decode_tokens_per_s=decode_rate,
         requests_beyond_slots=beyond,
         measured=prefill_measured and decode_measured,
+        utilisation=utilisation,
         prefill_s=prefill_s,
         decode_wait_s=decode_wait,
-        total_s=prefill_s + decode_wait,
+        queueing_s=queueing,
+        total_s=prefill_s + decode_wait + queueing,
     )
+
+
+def expected_queueing(utilisation: float, service_s: float) -> float:
+    """The mean wait in a single queue busy ``utilisation`` of the time, for requests of
+    ``service_s`` seconds each (M/M/1: S·ρ/(1-ρ), ρ capped at ``UTILISATION_CAP``);
+    ``predict`` takes for S the request's whole prompt at the worker's prefill rate.
+
+    The queue snapshot says what a worker holds now; this says what it has been given
+    lately, so a worker that took more than its share of the traffic (a sticky prefix
+    group, chat sessions, a run of long prompts) looks slower to new prefix groups, and
+    its own groups spread once the wait there exceeds prefilling their prefix elsewhere.
+    It grows steeply as ρ nears 1: at light load it is small everywhere and the fastest
+    prediction wins (a slow worker gets less than its rates' share); at heavy load it
+    evens out the workers' utilisation, so that shares follow the rates."""
+    rho = min(utilisation, UTILISATION_CAP)
+    return service_s * rho / (1 - rho)
 
 
 @dataclass(frozen=True)

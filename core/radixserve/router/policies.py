@@ -5,9 +5,13 @@ supporting what the request needs) gets a request.
   (``latency.predict``): the prompt tokens queued ahead plus the request's own less what
   the worker caches (``PrefixTree``), at the worker's prefill rate for that step size, and
   the decode work it waits behind, at the decode rate for that batch size; each rate the
-  worker's own, measured per batch-size band. A prefix group stays where it is cached
-  until the queue there costs more than prefilling the prefix elsewhere; a worker half as
-  fast gets half the traffic. Each decision is kept for ``GET /debug/decisions``.
+  worker's own, measured per batch-size band; plus the queueing its recent utilisation
+  implies (the prompt work routed to it over the last minutes). A prefix group stays
+  where it is cached until the wait there costs more than prefilling the prefix
+  elsewhere; equal workers end with equal shares; at heavy load a slower worker gets a
+  share in proportion to its rates, at light load less (its prediction is the longer
+  one). Past 16 candidates only the prefix's holders and a random few are scored. Each
+  decision is kept for ``GET /debug/decisions``.
 - ``capacity_aware`` (P11's default, kept for comparison): the least expected time to the
   request's end: the work queued on it plus this request's, less the prompt tokens it
   caches, at the recent peak of the worker's overall prefill and decode throughput.
@@ -22,6 +26,7 @@ supporting what the request needs) gets a request.
 
 from __future__ import annotations
 
+import heapq
 import random
 import statistics
 from collections.abc import Callable, Sequence
@@ -33,6 +38,11 @@ from radixserve.router.args import RouterArgs
 from radixserve.router.latency import DecisionLog, RateLookup, predict
 from radixserve.router.prefix_tree import PrefixTree
 from radixserve.router.worker import Work, Worker
+
+# The candidates latency_aware scores (LatencyAware); SCORE_ALL_UP_TO >= SAMPLED_SCORED.
+SCORE_ALL_UP_TO = 16
+MATCHED_SCORED = 4
+SAMPLED_SCORED = 16
 
 
 @dataclass(frozen=True)
@@ -170,26 +180,51 @@ class CapacityAware:
 
 
 class LatencyAware:
-    """The candidate with the least predicted TTFT (``latency.predict``); ties go to the
-    one with the fewest unfinished requests, then in turn."""
+    """The candidate with the least predicted TTFT (``latency.predict``, its queueing term
+    included); ties go to the least utilised (``Worker.utilisation``), then to the one
+    with the fewest unfinished requests, then in turn.
 
-    def __init__(self, tree: PrefixTree, decisions: DecisionLog | None = None):
+    A fleet of up to ``SCORE_ALL_UP_TO`` candidates is scored whole. Of a larger one only
+    the ``MATCHED_SCORED`` workers caching the longest prefix of the request and
+    ``SAMPLED_SCORED`` drawn at random are scored (the power of d choices: the best of a
+    few at random is nearly as lightly loaded as the best of all), so a decision costs
+    the same at any fleet size; ``/debug/decisions`` then lists the scored candidates."""
+
+    def __init__(self, tree: PrefixTree, decisions: DecisionLog | None = None, rng: random.Random | None = None):
         self.tree = tree
         self.decisions = decisions or DecisionLog(0)
+        self.rng = rng or random.Random()
         self._next = 0  # the candidate's place to try first among equals
+        self._fleet: list[Worker] = []  # the last candidates seen, and their places by url
+        self._place: dict[str, int] = {}
 
     def choose(self, request: RoutingRequest, candidates: Sequence[Worker]) -> Choice:
         matched = self.tree.match(request.text)
-        rates = RateLookup(candidates)
-        choices = [Choice.of(w, request, matched.get(w.url, 0)) for w in candidates]
-        terms = [predict(c.worker, request.prompt_tokens, c.cached_tokens, request.max_tokens, rates) for c in choices]
         n, first = len(candidates), self._next % len(candidates)
-        best = min(((first + i) % n for i in range(n)), key=lambda i: (terms[i].total_s, terms[i].running_requests))
-        self._next = best + 1
+        scored = sorted(self._scored(candidates, matched), key=lambda i: (i - first) % n)  # in turn from first
+        workers = [candidates[i] for i in scored]
+        rates = RateLookup(workers)
+        choices = [Choice.of(w, request, matched.get(w.url, 0)) for w in workers]
+        terms = [predict(c.worker, request.prompt_tokens, c.cached_tokens, request.max_tokens, rates) for c in choices]
+        best = min(
+            range(len(terms)), key=lambda k: (terms[k].total_s, terms[k].utilisation, terms[k].running_requests)
+        )  # min keeps the first of equals: the earliest in turn
+        self._next = scored[best] + 1
         chosen = choices[best]
         self.tree.insert(request.text, chosen.worker.url)
         self.decisions.record(request.prompt_tokens, request.max_tokens, len(request.text), chosen.worker.url, terms)
         return chosen
+
+    def _scored(self, candidates: Sequence[Worker], matched: dict[str, int]) -> set[int]:
+        """The places of the candidates to score."""
+        n = len(candidates)
+        if n <= SCORE_ALL_UP_TO:
+            return set(range(n))
+        fleet = list(candidates)
+        if fleet != self._fleet:  # Worker compares by identity: a C-level scan
+            self._fleet, self._place = fleet, {w.url: i for i, w in enumerate(fleet)}
+        cached = heapq.nlargest(MATCHED_SCORED, (url for url in matched if url in self._place), key=matched.__getitem__)
+        return {self._place[url] for url in cached} | set(self.rng.sample(range(n), SAMPLED_SCORED))
 
     def forget(self, url: str) -> None:
         self.tree.remove_worker(url)
@@ -217,4 +252,4 @@ def make_policy(args: RouterArgs, rng: random.Random | None = None, decisions: D
         return CacheAware(tree, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold)
     if args.policy == "capacity_aware":
         return CapacityAware(tree)
-    return LatencyAware(tree, decisions)
+    return LatencyAware(tree, decisions, rng)

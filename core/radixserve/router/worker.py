@@ -7,6 +7,7 @@ All of it is soft state, rebuilt from traffic and probes."""
 from __future__ import annotations
 
 import enum
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +17,10 @@ from radixserve.rate_bands import DECODE_BANDS, PREFILL_BANDS, band_values, sum_
 
 # Seconds for a worker's remembered peak throughput to fade by half (``PeakRate``).
 CAPACITY_HALF_LIFE_S = 120.0
+# Seconds for the work routed to a worker to count half in its utilisation
+# (``Worker.utilisation``): long enough to hold tens of requests per worker at the loads simulated, short
+# enough to forget a burst within minutes.
+UTILISATION_HALF_LIFE_S = 120.0
 # A feature a request may need; a worker that does not report its features (a plain
 # OpenAI server) is assumed to have them all.
 FEATURES = ("generation", "embeddings", "structured_output", "tools", "logprobs", "n")
@@ -261,6 +266,10 @@ class Worker:
         self.in_flight = 0  # requests the router has sent here and not yet seen end
         self.in_flight_work = Work(0, 0)  # their uncached prompt and output tokens
         self.routed = 0
+        # The uncached prompt tokens routed here lately, each request's fading by half every
+        # UTILISATION_HALF_LIFE_S, as of _recent_at.
+        self._recent_prompt = 0.0
+        self._recent_at = clock()
         # Prompt tokens waiting for prefill: the last report's, plus what was sent since, at _backlog_at.
         self._backlog, self._backlog_at = 0.0, clock()
         self.reports_load = False  # it has answered /get_load since it (re)joined
@@ -296,6 +305,29 @@ class Worker:
         if sign > 0:
             self._backlog = self.queued_prefill() + work.prompt
             self._backlog_at = self.clock()
+            self._recent_prompt = self._recent_prompt * self._fade() + work.prompt
+
+    def _fade(self) -> float:
+        """What the recent work counts now of what it counted at ``_recent_at`` (which becomes now)."""
+        now = self.clock()
+        fade: float = 0.5 ** ((now - self._recent_at) / UTILISATION_HALF_LIFE_S)
+        self._recent_at = now
+        return fade
+
+    def utilisation(self) -> float:
+        """The share of its time the prompts routed here lately keep the worker busy:
+        their uncached tokens at the rate of a full prefill step, an exponentially fading
+        sum over a mean life of ``UTILISATION_HALF_LIFE_S / ln 2`` seconds, so the load
+        given in the last minutes counts, not just the queue now. Prefill alone: it is
+        what a request's first token waits for (a prefill step goes before decode steps),
+        and its rate is measured at every load, while a decode rate is known only for the
+        batches the worker has run (a lightly used worker's would make its decode work
+        look several times dearer). 0 while the worker has measured no prefill rate."""
+        prefill = self.prefill_curve.at(self.prefill_step_tokens(1 << 20))
+        if not prefill:
+            return 0.0
+        self._recent_prompt *= self._fade()
+        return self._recent_prompt / prefill * math.log(2) / UTILISATION_HALF_LIFE_S
 
     def prefill_step_tokens(self, tokens: int) -> int:
         """The prompt tokens of the prefill step that ``tokens`` queued ones make here."""
