@@ -606,8 +606,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--smg-1-13", default=None, help="smg 1.13's command (its own venv: pip install smg==1.13.0)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gsp-num-groups", type=int, default=8)
-    p.add_argument("--gsp-prompts-per-group", type=int, default=6)
+    p.add_argument(
+        "--gsp-num-groups",
+        type=int,
+        default=12,
+        help="a multiple of the equal workers: whole groups can be shared equally",
+    )
+    p.add_argument("--gsp-prompts-per-group", type=int, default=4)
     p.add_argument("--gsp-system-prompt-len", type=int, default=512)
     p.add_argument("--gsp-question-len", type=int, default=32)
     p.add_argument("--long-prompts", type=int, default=16, help="requests of the long-prompts workload")

@@ -56,6 +56,7 @@ def main() -> None:
     parser.add_argument("--long-document", type=float, default=1.0, help="weight of long-document arrivals")
     parser.add_argument("--groups-per-worker", type=float, default=1.0)
     parser.add_argument("--max-tree-size", type=int, default=RouterArgs.max_tree_size)
+    parser.add_argument("--max-tree-total-chars", type=int, default=RouterArgs.max_tree_total_chars)
     parser.add_argument("--load-poll-interval", type=float, default=RouterArgs.load_poll_interval_secs)
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
@@ -80,7 +81,10 @@ def main() -> None:
         simulated = 0.0
         for policy in args.policies:
             router_args = RouterArgs(
-                policy=policy, max_tree_size=args.max_tree_size, load_poll_interval_secs=args.load_poll_interval
+                policy=policy,
+                max_tree_size=args.max_tree_size,
+                max_tree_total_chars=args.max_tree_total_chars,
+                load_poll_interval_secs=args.load_poll_interval,
             )
             workload = Workload(mix, requests, rate, seed=args.seed)
             simulation = FleetSimulation(router_args, devices, workload, args.block_size, seed=args.seed)

@@ -72,6 +72,31 @@ def test_tree_match_is_the_longest_common_prefix_per_worker(inserts, query):
     for worker, texts in sent.items():  # each worker is credited with the size of its own text's trie
         trie = {t[:i] for t in texts for i in range(1, len(t) + 1)}
         assert tree.chars[worker] == len(trie)
+    assert tree.total_chars == sum(tree.chars.values())
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 39), st.text("xyz", min_size=1, max_size=30)), max_size=60))
+def test_the_whole_tree_stays_under_its_fleet_bound_however_many_workers(inserts):
+    tree = PrefixTree(max_chars=10**9, max_total_chars=120)
+    for worker, text in inserts:
+        tree.insert(text, f"w{worker}")
+        assert tree.total_chars == sum(tree.chars.values()) <= 120
+        assert tree.match(text)[f"w{worker}"] == len(text) or tree.chars[f"w{worker}"] < len(text)
+
+
+def test_past_the_fleet_bound_the_worker_credited_with_most_gives_way():
+    clock = Clock()
+    tree = PrefixTree(max_chars=10**9, max_total_chars=200, clock=clock)
+    for i in range(4):  # "big" holds 160 characters, the least recent first
+        clock.now = i
+        tree.insert(f"{i}" * 40, "big")
+    clock.now = 10
+    tree.insert("s" * 30, "small")  # 190: within the bound
+    assert tree.chars == {"big": 160, "small": 30}
+    tree.insert("t" * 30, "small")  # 220: "big" is cut to its share of 0.9 x 200 (90), its oldest text first
+    assert tree.chars["small"] == 60 and tree.chars["big"] <= 90 and tree.total_chars <= 200
+    assert "big" not in tree.match("0" * 40) and tree.match("3" * 40) == {"big": 40}
 
 
 def test_tree_forgets_the_least_recent_text_beyond_its_bound():

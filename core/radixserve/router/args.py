@@ -46,6 +46,11 @@ class RouterArgs(CliArgs):
     max_tree_size: int = flag(
         "characters of routed prompts remembered per worker (least recent forgotten)", default=1 << 24
     )
+    max_tree_total_chars: int = flag(
+        "characters of routed prompts remembered for all workers together: past it, the worker remembered "
+        "with the most is cut to its equal share (keeps the tree bounded as the fleet grows)",
+        default=1 << 27,
+    )
     decision_log_size: int = flag(
         "latency_aware: the last decisions kept, with every candidate's score terms, for GET /debug/decisions "
         "(0: none)",

@@ -247,7 +247,7 @@ def make_policy(args: RouterArgs, rng: random.Random | None = None, decisions: D
         return RandomChoice(rng)
     if args.policy == "power_of_two":
         return PowerOfTwo(rng)
-    tree = PrefixTree(args.max_tree_size)
+    tree = PrefixTree(args.max_tree_size, args.max_tree_total_chars)
     if args.policy == "cache_aware":
         return CacheAware(tree, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold)
     if args.policy == "capacity_aware":

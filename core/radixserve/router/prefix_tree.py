@@ -1,8 +1,11 @@
 """The router's guess at what each worker has cached: a radix tree over the text of the
 requests it routed (characters, not tokens: the router does not tokenize). Each node
-remembers which workers were sent a request through it and when; a worker's share is
-bounded (``max_chars``), least recently used first out. It is approximate by design: a
-worker's own cache may have evicted what the tree still credits it with."""
+remembers which workers were sent a request through it and when. Two bounds keep it
+small, least recently used text first out: each worker's credited characters
+(``max_chars``, SGLang's per-worker ``--max-tree-size``) and all workers' together
+(``max_total_chars``), so that the tree stays bounded as the fleet grows; past the
+latter, the worker credited with the most is cut to its equal share. It is approximate
+by design: a worker's own cache may have evicted what the tree still credits it with."""
 
 from __future__ import annotations
 
@@ -23,10 +26,12 @@ class _Node:
 
 
 class PrefixTree:
-    def __init__(self, max_chars: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, max_chars: int, max_total_chars: int | None = None, clock: Callable[[], float] = time.monotonic):
         self.max_chars, self.clock = max_chars, clock
+        self.max_total_chars = max_total_chars
         self.root = _Node("", None)
         self.chars: defaultdict[str, int] = defaultdict(int)  # per worker, the text it is credited with
+        self.total_chars = 0  # sum(self.chars.values()): an upper bound of the text stored
 
     def match(self, text: str) -> dict[str, int]:
         """For each worker, how many leading characters of ``text`` it was sent before."""
@@ -59,10 +64,23 @@ class PrefixTree:
                     child = self._split(child, common)
             if worker not in child.workers:
                 self.chars[worker] += len(child.edge)
+                self.total_chars += len(child.edge)
             child.workers[worker] = now
             node, depth = child, depth + len(child.edge)
         if self.chars[worker] > self.max_chars:
             self._evict(worker, int(self.max_chars * 0.9))
+        if self.max_total_chars is not None and self.total_chars > self.max_total_chars:
+            self._evict_largest(self.max_total_chars)
+
+    def _evict_largest(self, bound: int) -> None:
+        """Cut the workers credited with the most to their equal share of 0.9 ``bound``
+        until all of them together hold at most ``bound``."""
+        while self.total_chars > bound:
+            largest = max(self.chars, key=self.chars.__getitem__)
+            before = self.total_chars
+            self._evict(largest, int(bound * 0.9 / len(self.chars)))
+            if self.total_chars == before:  # nothing left to take off it
+                break
 
     def remove_worker(self, worker: str) -> None:
         self._evict(worker, 0)
@@ -87,6 +105,7 @@ class PrefixTree:
             _, _, node = heapq.heappop(leaves)
             del node.workers[worker]
             self.chars[worker] -= len(node.edge)
+            self.total_chars -= len(node.edge)
             parent = node.parent
             if not node.workers and not node.children and parent is not None:
                 del parent.children[node.edge[0]]

@@ -14,7 +14,7 @@ from radixserve.router.simulation.simulator import FleetSimulation
 @dataclass(frozen=True)
 class TreeSize:
     """The policy's prefix tree: what it holds, and the most its eviction lets it credit
-    (``--max-tree-size`` characters per worker)."""
+    (``--max-tree-size`` characters per worker, ``--max-tree-total-chars`` in all)."""
 
     nodes: int
     chars: int  # of the edges (the text it stores once)
@@ -29,7 +29,10 @@ class TreeSize:
             node = stack.pop()
             nodes, chars = nodes + 1, chars + len(node.edge)
             stack.extend(node.children.values())
-        return cls(nodes, chars, sum(tree.chars.values()), tree.max_chars * workers)
+        bound = tree.max_chars * workers
+        if tree.max_total_chars is not None:
+            bound = min(bound, tree.max_total_chars)
+        return cls(nodes, chars, sum(tree.chars.values()), bound)
 
 
 @dataclass(frozen=True)
