@@ -390,10 +390,12 @@ def fleet_run(
     try:
         warm_router(url, ns.router_warmup)
         before = {w.name: worker_counters(w.url) for w in workers}
+        cpu_before = process_cpu_s(router.popen.pid)
         started = time.monotonic()
         label = f"{workload}-{spec.replace(':', '-')}"
         result = run_bench_serving(ns, workload, url, tokenizer, label, out / "bench.jsonl", procs)
         wall = time.monotonic() - started
+        router_cpu = process_cpu_s(router.popen.pid) - cpu_before
         after = {w.name: worker_counters(w.url) for w in workers}
     finally:
         procs.stop(router)
@@ -414,7 +416,14 @@ def fleet_run(
         "fleet_cache_hit_rate": cached / prompt if prompt else None,
         "worker_deltas": delta,
         "equal_share_spread": equal_share_spread(workers, delta),
+        "router_cpu_s": router_cpu,
     }
+
+
+def process_cpu_s(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def equal_share_spread(workers: list[Worker], delta: dict[str, dict[str, float]]) -> float | None:
@@ -686,7 +695,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(
                             f"{shape} {workload} #{repeat} {spec}: {run['output_throughput']:.1f} out tok/s, TTFT p50 "
                             f"{run['ttft_ms']['median']:.0f} p99 {run['ttft_ms']['p99']:.0f} ms, hit "
-                            f"{run['fleet_cache_hit_rate']:.3f}, prompt tokens "
+                            f"{run['fleet_cache_hit_rate']:.3f}, router CPU {run['router_cpu_s']:.2f} s, prompt tokens "
                             + ", ".join(f"{n} {round(d['prompt_tokens'])}" for n, d in run["worker_deltas"].items()),
                             flush=True,
                         )

@@ -1,5 +1,5 @@
-"""The time to first token a request would see on a worker, predicted from what the
-router knows of it (``latency_aware``'s score), and the log of the last decisions made
+"""The time to first token a request would see on a worker, and the delay it would
+cause there, predicted from what the router knows of it (``latency_aware``'s score), and the log of the last decisions made
 by it (``GET /debug/decisions``).
 
 The prediction follows how a radixserve scheduler runs a request (a prefill step is
@@ -12,6 +12,13 @@ while the running batch has a free slot):
   batch running there; and when every slot is taken (``--max-running-requests``), the
   output tokens of the requests ahead of it beyond the slots, at the decode rate of a
   full batch, until enough of them finish;
+- imposed: on a worker with requests running, the request's uncached tokens hold them
+  up for as long as they take to compute (a prefill step goes before their next decode
+  step), so they count twice there. The score is then the delay the placement causes,
+  not only the one the request sees: a busy fleet keeps a prefix group whole rather than
+  prefilling its prefix again on another busy worker (that compute delays everyone there,
+  and on hardware the workers share, everyone), while an idle worker still takes it
+  over as soon as waiting costs more than prefilling the prompt there;
 - queueing: what the worker's recent utilisation (``Worker.utilisation``: the prompt
   work routed to it over the last minutes) makes a request wait on average
   (``expected_queueing``): the queue snapshot forgets the load a worker was given a
@@ -61,6 +68,7 @@ class ScoreTerms:
     prefill_s: float
     decode_wait_s: float
     queueing_s: float  # the wait its utilisation adds (expected_queueing)
+    imposed_s: float  # what computing its uncached tokens holds up the requests running there
     total_s: float
 
 
@@ -111,6 +119,9 @@ def predict(worker: Worker, prompt_tokens: int, cached_tokens: int, max_tokens: 
     output_each = worker.in_flight_work.output / worker.in_flight if worker.in_flight > 0 else max_tokens
     decode_wait = step_in_progress + beyond * output_each / decode_rate
     prefill_s = (queued + own) / prefill_rate
+    # Where requests are running, computing its uncached tokens also holds them up (a
+    # prefill step goes before their next decode step): that delay counts once more.
+    imposed = own / prefill_rate if running > 0 else 0.0
     utilisation = worker.utilisation()
     queueing = expected_queueing(utilisation, prompt_tokens / prefill_rate)
     return ScoreTerms(
@@ -129,7 +140,8 @@ def predict(worker: Worker, prompt_tokens: int, cached_tokens: int, max_tokens: 
         prefill_s=prefill_s,
         decode_wait_s=decode_wait,
         queueing_s=queueing,
-        total_s=prefill_s + decode_wait + queueing,
+        imposed_s=imposed,
+        total_s=prefill_s + decode_wait + queueing + imposed,
     )
 
 
