@@ -397,6 +397,11 @@ def fleet_run(
         wall = time.monotonic() - started
         router_cpu = process_cpu_s(router.popen.pid) - cpu_before
         after = {w.name: worker_counters(w.url) for w in workers}
+        decisions = (
+            placements(url, [w.name for w in workers], [w.url for w in workers])
+            if spec.startswith("radixserve:")
+            else []
+        )
     finally:
         procs.stop(router)
     delta = {name: {k: after[name][k] - before[name][k] for k in after[name]} for name in after}
@@ -417,7 +422,27 @@ def fleet_run(
         "worker_deltas": delta,
         "equal_share_spread": equal_share_spread(workers, delta),
         "router_cpu_s": router_cpu,
+        "placements": decisions,
     }
+
+
+def placements(url: str, names: list[str], urls: list[str]) -> list[dict[str, Any]]:
+    """Our router's last decisions (``/debug/decisions``), each reduced to the worker chosen
+    and every candidate's cached tokens and score terms (seconds), to explain the shares."""
+    name_of = dict(zip(urls, names, strict=True))
+    body = httpx.get(url + "/debug/decisions", params={"limit": 256}, timeout=30).json()
+    terms = ("cached_tokens", "queued_prefill_tokens", "running_requests", "prefill_s", "imposed_s", "queueing_s")
+    return [
+        {
+            "chosen": name_of.get(d["chosen"], d["chosen"]),
+            "prompt_tokens": d["prompt_tokens"],
+            "candidates": {
+                name_of.get(c["worker"], c["worker"]): {t: c.get(t) for t in (*terms, "total_s")}
+                for c in d["candidates"]
+            },
+        }
+        for d in body["decisions"]
+    ]
 
 
 def process_cpu_s(pid: int) -> float:
