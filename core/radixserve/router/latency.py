@@ -1,6 +1,6 @@
 """The time to first token a request would see on a worker, and the delay it would
-cause there, predicted from what the router knows of it (``latency_aware``'s score), and the log of the last decisions made
-by it (``GET /debug/decisions``).
+cause there, predicted from what the router knows of it (``latency_aware``'s score),
+and the log of the last decisions made by it (``GET /debug/decisions``).
 
 The prediction follows how a radixserve scheduler runs a request (a prefill step is
 launched whenever one can be formed, else a decode step; a request is admitted only
