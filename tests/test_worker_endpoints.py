@@ -338,9 +338,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _smg(command: str, worker_urls: list[str], log: Path, policy: str) -> Iterator[str]:
+def _smg(command: str, worker_urls: list[str], log: Path, flags: list[str]) -> Iterator[str]:
     port = _free_port()
-    cmd = [command, "launch", "--worker-urls", *worker_urls, "--policy", policy]
+    cmd = [command, "launch", "--worker-urls", *worker_urls, *flags]
     with open(log, "w") as out:
         proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=out, stderr=out)
     try:
@@ -376,31 +376,45 @@ def _access_lines(server: ServerProcess) -> list[str]:
     return [line for line in server.lines if "radixserve.access" in line]
 
 
+@pytest.fixture(scope="module")
+def gateway_workers(tiny_llama_dir):
+    """Two workers, the second with two replicas, at info level (their access logs are in
+    their output), shared by both gateway versions' tests; started together."""
+    common = ("--model", str(tiny_llama_dir), "--served-model-name", "tiny", "--max-total-tokens", "4096", *PRIORITY)
+    with (
+        ServerProcess(*common, "--log-level", "info") as one,
+        ServerProcess(*common, "--dp-size", "2", "--log-level", "info") as two,
+    ):
+        one.wait_ready()
+        two.wait_ready()
+        yield one, two
+
+
 @pytest.mark.parametrize("version", list(SMG_COMMANDS))
-def test_smg_fronts_two_workers(version, tiny_llama_dir, tmp_path):
+def test_smg_fronts_two_workers(version, gateway_workers, tmp_path):
     command = SMG_COMMANDS[version]
     if command is None:
         pytest.skip(
             f"smg {version} is not installed (0.3.2: sglang-router==0.3.2, the dev extra; 1.13: "
             "python -m venv .venv-smg-1.13 && .venv-smg-1.13/bin/pip install -r requirements-smg-1.13.txt)"
         )
-    common = ("--model", str(tiny_llama_dir), "--served-model-name", "tiny", "--max-total-tokens", "4096", *PRIORITY)
-    with contextlib.ExitStack() as stack:
-        # Started together; at info level, so that their access logs are in their output.
-        one = stack.enter_context(ServerProcess(*common, "--log-level", "info"))
-        two = stack.enter_context(ServerProcess(*common, "--dp-size", "2", "--log-level", "info"))
-        urls = [one.wait_ready(), two.wait_ready()]
+    one, two = gateway_workers
+    urls = [one.url, two.url]
+    seen = {server: len(_access_lines(server)) for server in (one, two)}  # what earlier tests logged
 
-        loads = httpx.get(two.url + "/get_load", timeout=30).json()
-        assert [entry["dp_rank"] for entry in loads] == [0, 1] and all(set(e) == LOAD_KEYS for e in loads)
-        info = httpx.get(two.url + "/server_info", timeout=30).json()
-        assert info["worker"]["dp_size"] == 2 and info["worker"]["max_total_num_tokens"] == 2 * 4096
-        assert [state["dp_rank"] for state in info["internal_states"]] == [0, 1]
+    def new_lines(server: ServerProcess) -> list[str]:
+        return _access_lines(server)[seen[server] :]
 
-        smg_log = tmp_path / "smg.log"
-        # 1.13 polls the workers' loads (/v1/loads) only for a load-aware policy
-        policy = "least_load" if version == "1.13" else "cache_aware"
-        gateway = stack.enter_context(_smg(command, urls, smg_log, policy))
+    loads = httpx.get(two.url + "/get_load", timeout=30).json()
+    assert [entry["dp_rank"] for entry in loads] == [0, 1] and all(set(e) == LOAD_KEYS for e in loads)
+    info = httpx.get(two.url + "/server_info", timeout=30).json()
+    assert info["worker"]["dp_size"] == 2 and info["worker"]["max_total_num_tokens"] == 2 * 4096
+    assert [state["dp_rank"] for state in info["internal_states"]] == [0, 1]
+
+    smg_log = tmp_path / "smg.log"
+    # 1.13 polls the workers' loads (/v1/loads) only for a load-aware policy; every second here
+    flags = ["--policy", "least_load", "--load-monitor-interval", "1"] if version == "1.13" else []
+    with _smg(command, urls, smg_log, flags or ["--policy", "cache_aware"]) as gateway:
         workers: list[dict[str, Any]] = []
         assert wait_until(lambda: workers.extend(_registered(gateway, 2)) or workers, SMG_TIMEOUT_S, 0.5), (
             smg_log.read_text()
@@ -427,14 +441,14 @@ def test_smg_fronts_two_workers(version, tiny_llama_dir, tmp_path):
         )
 
         def served() -> list[str]:
-            return [line for s in (one, two) for line in _access_lines(s) if "POST /v1/chat/completions 200" in line]
+            return [line for s in (one, two) for line in new_lines(s) if "POST /v1/chat/completions 200" in line]
 
         assert wait_until(lambda: len(served()) == 1, timeout=10), served()
 
-        for server in (one, two):
-            lines = _access_lines(server)
-            assert any("GET /model_info 200" in line for line in lines), lines
-            # 1.13 also probes /version (vLLM's: we have none, so it takes us for SGLang) and /loads (unused)
-            probes = ("GET /version 404", "GET /loads 404") if version == "1.13" else ()
-            assert not [line for line in lines if " 404 " in line and not any(p in line for p in probes)]
-        assert "falling back" not in smg_log.read_text()  # smg found /server_info and /model_info
+    for server in (one, two):
+        lines = new_lines(server)
+        assert any("GET /model_info 200" in line for line in lines), lines
+        # 1.13 also probes /version (vLLM's: we have none, so it takes us for SGLang) and /loads (unused)
+        probes = ("GET /version 404", "GET /loads 404") if version == "1.13" else ()
+        assert not [line for line in lines if " 404 " in line and not any(p in line for p in probes)]
+    assert "falling back" not in smg_log.read_text()  # smg found /server_info and /model_info
