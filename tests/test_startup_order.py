@@ -33,10 +33,9 @@ def test_the_collector_is_paused_inside_and_freezes_only_when_asked_and_the_bloc
     with pytest.raises(RuntimeError), gc_paused(freeze=True):
         raise RuntimeError("start-up failed")
     assert gc.isenabled() and gc.get_freeze_count() == 0  # a failed start freezes nothing
-    kept = [object() for _ in range(10)]
     with gc_paused(freeze=True):
         pass
-    assert gc.isenabled() and gc.get_freeze_count() >= len(kept)
+    assert gc.isenabled() and gc.get_freeze_count() > 0  # what the process holds is frozen
 
 
 def test_importing_the_config_class_leaves_unpickling_the_plans_config_nothing_to_import(tiny_llama_dir, tmp_path):

@@ -196,8 +196,7 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None], started: S
         unknown = sorted(set(include.split(",")) - set(LOAD_SECTIONS))
         if unknown:
             raise APIError(400, f"include: unknown section(s) {unknown}; known: {list(LOAD_SECTIONS)}", param="include")
-        info = await state.ready_tm().control("server_info")
-        return scheduler_loads(info, info["max_running_requests"])
+        return scheduler_loads(await state.ready_tm().control("server_info"))
 
     @app.post("/flush_cache")
     async def flush_cache() -> dict[str, Any]:

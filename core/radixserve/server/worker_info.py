@@ -111,12 +111,13 @@ def load_entries(info: dict[str, Any]) -> list[dict[str, Any]]:
 LOAD_SECTIONS = ("core", "memory", "spec", "lora", "disagg", "queues", "all")
 
 
-def scheduler_loads(info: dict[str, Any], max_running_requests: int) -> dict[str, Any]:
+def scheduler_loads(info: dict[str, Any]) -> dict[str, Any]:
     """``/v1/loads``: when (ISO 8601), how many replicas, and for each live one its
     running and waiting requests, the prompt tokens its waiting requests have to compute,
     KV tokens in use and capacity (and their ratio), decode throughput, prefix-cache hit
     rate since start (cached over prompt tokens) and running slots in use (``utilization``)."""
     replicas = replica_stats(info)
+    max_running_requests = info["max_running_requests"]  # a replica's
     return {
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
         "dp_rank_count": len(replicas),

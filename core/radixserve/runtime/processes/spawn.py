@@ -139,8 +139,9 @@ class RuntimeProcesses:
         CPU from the server's checks and the ranks' imports, both on the way to
         the first token (on two cores, three importing processes slow the two
         that matter)."""
-        tokenizer_recv, self._detokenizer_tokenizer = mp.get_context("spawn").Pipe(duplex=False)
-        detokenizer = mp.get_context("spawn").Process(
+        ctx = mp.get_context("spawn")
+        tokenizer_recv, self._detokenizer_tokenizer = ctx.Pipe(duplex=False)
+        detokenizer = ctx.Process(
             target=run_child,
             name="detokenizer",
             args=(run_detokenizer_process, tokenizer_recv, self.endpoints, self.args.log_level),
