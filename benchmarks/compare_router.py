@@ -630,7 +630,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=str(DEFAULT_MODEL), help="model directory ('' for the built-in demo model)")
     p.add_argument("--max-total-tokens", type=int, default=16384, help="each worker's KV pool")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument(
+        "--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS, help="none: the overhead part alone"
+    )
     p.add_argument(
         "--routers", nargs="+", default=list(ROUTERS), help="KIND:POLICY, KIND smg-0.3.2, smg-1.13 or radixserve"
     )

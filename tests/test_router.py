@@ -175,6 +175,17 @@ def test_a_mixed_workload_all_succeeds_and_the_slow_worker_gets_a_small_share(ro
     assert wait_until(lambda: all("worker=" + url in router.log for url in served), 10)  # the access log names them
 
 
+def test_an_inference_route_answers_a_wrong_method_or_body_in_the_error_envelope(router):
+    wrong_method = httpx.get(router.url + "/v1/completions")
+    assert wrong_method.status_code == 405
+    assert "POST" in wrong_method.json()["error"]["message"]
+    not_json = httpx.post(router.url + "/v1/chat/completions", content=b"{nope", timeout=30)
+    assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
+    no_model = httpx.post(router.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
+    assert no_model.status_code == 400 and no_model.json()["error"]["param"] == "model"
+    assert httpx.get(router.url + "/no/such/route").json()["error"]["type"] == "not_found_error"
+
+
 def test_a_request_goes_only_to_workers_that_support_what_it_asks(router, fleet):
     slow = fleet["triton"].url
     features = {w["url"]: w["features"] for w in workers_of(router.url)}
@@ -259,6 +270,18 @@ def test_admission_answers_429_when_its_queue_is_full_and_408_after_the_queue_ti
             statuses = sorted(pool.map(post, (0.0, 0.3, 0.6)))
         assert statuses == [200, 408, 429], statuses
         assert metric(router.url, "radixserve_router:admission_refused_total", reason="queue_full") == 1
+
+        # A client that leaves while its request waits for admission gives its place up:
+        # the request never reaches a worker, and the next one is admitted.
+        with ThreadPoolExecutor(1) as pool:
+            first = pool.submit(post, 0.0)
+            time.sleep(0.3)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(router.url + "/v1/completions", json=body, timeout=0.4)
+            assert first.result() == 200
+        assert wait_until(lambda: " 499 worker=- tries=0 " in router.log, 10), router.log[-2000:]
+        assert metric(router.url, "radixserve_router:admission_queue_depth") == 0
+        assert post(0.0) == 200
 
 
 def test_keys_user_key_for_inference_admin_key_for_the_fleet(fleet):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 from collections import Counter
 
@@ -19,7 +20,7 @@ from radixserve.router.args import RouterArgs
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import CacheAware, CapacityAware, RoutingRequest, make_policy
 from radixserve.router.prefix_tree import PrefixTree
-from radixserve.router.request_info import TokenEstimator, read_request
+from radixserve.router.request_info import TokenEstimator, read_request, usage_prompt_tokens
 from radixserve.router.worker import (
     CAPACITY_HALF_LIFE_S,
     BreakerState,
@@ -319,6 +320,23 @@ def test_routing_text_of_a_conversation_extends_its_prefix():
     a = read_request("chat", {"model": "m", "messages": first}, estimator).routing.text
     b = read_request("chat", {"model": "m", "messages": later}, estimator).routing.text
     assert b.startswith(a) and len(b) > len(a)
+
+
+@given(
+    text=st.text(),
+    prompt_tokens=st.integers(0, 10**9),
+    spaced=st.booleans(),
+    has_usage=st.booleans(),
+)
+def test_usage_prompt_tokens_is_read_from_the_answer_whatever_its_text(text, prompt_tokens, spaced, has_usage):
+    """The router learns characters per token from each answer's usage without parsing
+    the answer; a completion whose text spells the key does not fool it."""
+    answer: dict = {"id": "x", "choices": [{"text": f'{text}"prompt_tokens": 7', "index": 0}]}
+    if has_usage:
+        answer["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": 3, "prompt_tokens_details": None}
+    separators = (", ", ": ") if spaced else (",", ":")
+    content = json.dumps(answer, separators=separators, ensure_ascii=False).encode()
+    assert usage_prompt_tokens(content) == (prompt_tokens if has_usage else None)
 
 
 def test_a_request_without_a_model_is_refused_naming_it():

@@ -17,15 +17,16 @@ import contextlib
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from types import FrameType
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from radixserve.router.admission import Admission
 from radixserve.router.args import RouterArgs
@@ -34,7 +35,7 @@ from radixserve.router.forwarder import Forwarder
 from radixserve.router.latency import DecisionLog
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import make_policy
-from radixserve.router.request_info import ROUTED_BY_TEXT, RequestInfo, TokenEstimator, parse_body, read_request
+from radixserve.router.request_info import TokenEstimator
 from radixserve.router.upstream import Upstream, UpstreamError
 from radixserve.server.errors import APIError, error_response, install_error_handlers
 from radixserve.server.listen import base_url, bind_socket
@@ -61,7 +62,7 @@ class AddWorkerBody(BaseModel):
     url: str
 
 
-def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: None) -> FastAPI:
+def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: None) -> ASGIApp:
     """``on_ready`` runs once the workers named at start-up have joined (or stayed pending
     for ``STARTUP_REGISTRATION_S``)."""
     metrics = RouterMetrics()
@@ -97,30 +98,7 @@ def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: N
             await upstream.close()
 
     app = FastAPI(title="radixserve router", lifespan=lifespan)
-    app.add_middleware(
-        RequestGuard,
-        api_key=args.api_key,
-        admin_api_key=args.admin_api_key,
-        admin_paths=ADMIN_PATHS,
-        max_payload_size=args.max_payload_size,
-    )
     install_error_handlers(app)
-
-    async def forward(request: Request, route: str) -> Response:
-        body = await request.body()
-        payload = parse_body(body)
-        info = read_request(route, payload, estimator) if route in ROUTED_BY_TEXT else None
-        return await forwarder.forward(request, route, body, info or _plain(payload))
-
-    # ---- inference -------------------------------------------------------------------
-    def forwarding(route: str) -> Callable[[Request], Awaitable[Response]]:
-        async def handler(request: Request) -> Response:
-            return await forward(request, route)
-
-        return handler
-
-    for path, route in INFERENCE_ROUTES.items():
-        app.add_api_route(path, forwarding(route), methods=["POST"], name=route)
 
     # ---- models ----------------------------------------------------------------------
     def card(model_id: str) -> dict[str, Any]:
@@ -200,14 +178,30 @@ def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: N
         results = await asyncio.gather(*(flush(url) for url in fleet.workers))
         return {"success": all(code == 200 for _, code in results), "workers": dict(results)}
 
-    app.state.fleet = fleet
-    return app
+    return RequestGuard(
+        InferenceRoutes(app, forwarder),
+        api_key=args.api_key,
+        admin_api_key=args.admin_api_key,
+        admin_paths=ADMIN_PATHS,
+        max_payload_size=args.max_payload_size,
+    )
 
 
-def _plain(payload: dict[str, Any]) -> RequestInfo:
-    """A request without routing text (tokenize, detokenize): any worker of its model."""
-    model = payload.get("model")
-    return RequestInfo(model=model if isinstance(model, str) else None, stream=False)
+class InferenceRoutes:
+    """The inference routes straight to the forwarder, every other request (and the
+    lifespan) to the FastAPI app: the hot path skips FastAPI's routing and objects."""
+
+    def __init__(self, app: ASGIApp, forwarder: Forwarder):
+        self.app, self.forwarder = app, forwarder
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = INFERENCE_ROUTES.get(scope["path"]) if scope["type"] == "http" else None
+        if route is None:
+            await self.app(scope, receive, send)
+        elif scope["method"] != "POST":
+            await error_response(405, f"{scope['path']} takes POST, not {scope['method']}")(scope, receive, send)
+        else:
+            await self.forwarder(scope, receive, send, route)
 
 
 class _RouterServer(uvicorn.Server):
@@ -231,6 +225,7 @@ def run_router(args: RouterArgs) -> int:
         log_config=None,
         log_level=args.log_level,
         access_log=False,  # the forwarder's log line names the worker
+        proxy_headers=False,  # the client's address is used nowhere: not worth reading per request
         timeout_graceful_shutdown=args.shutdown_grace_period_secs,  # type: ignore[arg-type]  # a float works
         loop="auto",  # uvloop where it is installed
     )

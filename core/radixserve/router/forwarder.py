@@ -6,42 +6,50 @@ client has received nothing, then pass the answer through (streamed as it comes)
   after an exponential backoff with jitter, goes to a worker not tried yet when there is
   one. Once the first byte of an answer reaches the client there is no retry: a stream
   that breaks off ends with an error event.
-- A client that disconnects closes the request to the worker, which aborts it there
-  (the worker frees its KV memory).
+- A client that disconnects (while its request waits for admission, for a worker or
+  for the next chunk of a stream) closes the request to the worker, which aborts it
+  there (the worker frees its KV memory).
 - One access-log line per request names the worker, the tries and the latency.
+
+The forwarder speaks ASGI itself rather than through FastAPI's routing, ``Request``
+and ``Response`` objects: per request, that layer cost about as much CPU as the
+routing decision and the HTTP client together (docs/benchmarks.md, "P15b: the
+router's CPU per request").
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import aiohttp
-from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from radixserve.router.admission import Admission
 from radixserve.router.args import RouterArgs
 from radixserve.router.fleet import Fleet
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import Policy
-from radixserve.router.request_info import RequestInfo, TokenEstimator
+from radixserve.router.request_info import RequestInfo, TokenEstimator, parse_body, read_request, usage_prompt_tokens
 from radixserve.router.upstream import TRANSPORT_ERRORS, Upstream, UpstreamError
 from radixserve.router.worker import Work, Worker
-from radixserve.server.errors import APIError, error_body
+from radixserve.server.errors import APIError, error_body, error_response
 
 logger = logging.getLogger("radixserve.router.access")
 
 CLIENT_CLOSED = 499  # the client left before the answer was complete (nginx's code)
 RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 # Hop-by-hop and framing headers are the router's own business on each side.
-_DROPPED_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"})
+_DROPPED_HEADERS = frozenset(
+    {b"content-length", b"transfer-encoding", b"connection", b"keep-alive", b"content-encoding"}
+)
+# The client's headers a worker sees (with the fleet's own: its key).
+_PASSED_REQUEST_HEADERS = frozenset({b"x-request-id", b"accept"})
 
 
 class TryFailed(Exception):
@@ -67,13 +75,17 @@ class Answer:
 
 @dataclass
 class Trip:
-    """One request's way through the router, for its log line and metrics."""
+    """One request's way through the router: for its log line and metrics, and what
+    the client has been sent so far."""
 
     method: str
     path: str
     started: float = field(default_factory=time.perf_counter)
     tries: list[str] = field(default_factory=list)
     status: int = 0
+    responded: bool = False  # the answer's head has gone to the client
+    finishing: bool = False  # its last message is going: a disconnect now is the answer's end
+    client_left: bool = False
 
     @property
     def worker(self) -> str:
@@ -95,48 +107,50 @@ class Forwarder:
         self.admission, self.metrics, self.estimator = admission, metrics, estimator
         self.rng = random.Random()
 
-    async def forward(self, request: Request, route: str, body: bytes, info: RequestInfo) -> Response:
-        """Admit, route, send with retries; the answer (streamed when it streams)."""
-        trip = Trip(request.method, request.url.path)
-        await self.admission.acquire()
-        released = False
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
+        """Serve one request of ``route`` (a name of ``app.INFERENCE_ROUTES``): read it,
+        admit it, route it with retries, pass the answer on (streamed when it streams)."""
+        trip = Trip(scope["method"], scope["path"])
         try:
-            answer = await self._unless_client_leaves(request, self._send_with_retries(request, body, info, trip))
-            if answer is None:
-                trip.status = CLIENT_CLOSED
-                self._log(trip, info)
-                return Response(status_code=CLIENT_CLOSED)
-            if answer.streaming:
-                released = True  # the stream's end releases the admission place
-                return self._stream(route, answer, info, trip)
-            return self._whole(route, answer, info, trip)
+            body = await _read_body(receive)
+            info = read_request(route, parse_body(body), self.estimator)
+        except APIError as exc:
+            await error_response(exc.status, exc.message, exc.param, exc.code)(scope, receive, send)
+            return
+        handler = asyncio.current_task()
+        assert handler is not None
+        watcher = asyncio.get_running_loop().create_task(_watch_client(receive, handler, trip))
+        admitted = False
+        try:
+            await self.admission.acquire()
+            admitted = True
+            answer = await self._send_with_retries(scope, body, info, trip)
+            await self._pass_on(send, route, answer, info, trip)
+        except asyncio.CancelledError:
+            if not trip.client_left:
+                raise
+            trip.status = CLIENT_CLOSED
         except APIError as exc:
             trip.status = exc.status
-            self._log(trip, info)
-            raise
+            if not trip.responded:
+                await error_response(exc.status, exc.message, exc.param, exc.code)(scope, receive, send)
+        except Exception as exc:
+            trip.status = 500
+            logger.exception("internal error serving %s %s", trip.method, trip.path)
+            if not trip.responded:
+                message = f"internal server error: {type(exc).__name__}: {exc}"
+                await error_response(500, message)(scope, receive, send)
         finally:
-            if not released:
+            watcher.cancel()
+            if admitted:
                 self.admission.release()
-
-    @staticmethod
-    async def _unless_client_leaves(request: Request, sending: Awaitable[Answer]) -> Answer | None:
-        """The answer, or None when the client disconnects first (the try is cancelled,
-        which closes its connection to the worker: the worker aborts the request)."""
-        send = asyncio.ensure_future(sending)
-        leave = asyncio.ensure_future(_wait_for_disconnect(request))
-        try:
-            await asyncio.wait({send, leave}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (send, leave) if not send.done() else (leave,):
-                task.cancel()
-        if not send.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await send
-            return None
-        return send.result()
+            self._log(trip, info)
 
     # ---- sending -------------------------------------------------------------------------
-    async def _send_with_retries(self, request: Request, body: bytes, info: RequestInfo, trip: Trip) -> Answer:
+    async def _send_with_retries(self, scope: Scope, body: bytes, info: RequestInfo, trip: Trip) -> Answer:
+        query = scope.get("query_string", b"")
+        target = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+        headers = self._headers(scope)
         tried: set[str] = set()
         backoff = self.args.retry_initial_backoff_ms / 1000
         for attempt in range(self.args.retry_max_retries + 1):
@@ -145,7 +159,7 @@ class Forwarder:
             tried.add(worker.url)
             trip.tries.append(worker.url)
             try:
-                return await self._try(request, worker, body, info, choice.work(info.routing))
+                return await self._try(worker, scope["method"], target, body, headers, info, choice.work(info.routing))
             except TryFailed as failure:
                 self.metrics.errors.labels(worker.url, failure.kind).inc()
                 last_try = attempt == self.args.retry_max_retries
@@ -168,7 +182,16 @@ class Forwarder:
                 backoff = min(backoff * self.args.retry_backoff_multiplier, self.args.retry_max_backoff_ms / 1000)
         raise AssertionError("unreachable")
 
-    async def _try(self, request: Request, worker: Worker, body: bytes, info: RequestInfo, work: Work) -> Answer:
+    async def _try(
+        self,
+        worker: Worker,
+        method: str,
+        target: str,
+        body: bytes,
+        headers: dict[str, str],
+        info: RequestInfo,
+        work: Work,
+    ) -> Answer:
         """Send to ``worker`` and read up to the first chunk of the answer (the whole answer
         when it does not stream): a failure up to there is a TryFailed, and can be retried.
         The worker's in-flight count holds the request until its answer is read whole (a
@@ -177,8 +200,7 @@ class Forwarder:
         self._hold(worker, work, +1)
         upstream: aiohttp.ClientResponse | None = None
         try:
-            target = worker.url + request.url.path + (f"?{request.url.query}" if request.url.query else "")
-            upstream = await self.upstream.open(request.method, target, body, self._headers(request))
+            upstream = await self.upstream.open(method, worker.url + target, body, headers)
             if upstream.status in RETRYABLE_STATUSES:
                 content = await upstream.read()
                 upstream.release()
@@ -214,74 +236,70 @@ class Forwarder:
 
     def _hold(self, worker: Worker, work: Work, sign: int) -> None:
         worker.hold(work, sign)
-        self.metrics.in_flight.labels(worker.url).set(worker.in_flight)
+        self.metrics.of(worker.url).in_flight.set(worker.in_flight)
 
-    def _headers(self, request: Request) -> dict[str, str]:
-        headers = {"content-type": request.headers.get("content-type", "application/json")}
-        for name in ("x-request-id", "accept"):
-            if name in request.headers:
-                headers[name] = request.headers[name]
+    def _headers(self, scope: Scope) -> dict[str, str]:
+        headers = {"content-type": "application/json"}
+        for name, value in scope["headers"]:
+            if name == b"content-type" or name in _PASSED_REQUEST_HEADERS:
+                headers[name.decode("latin-1")] = value.decode("latin-1")
         headers.update(self.fleet.headers)
         return headers
 
     # ---- answering ---------------------------------------------------------------------
-    def _whole(self, route: str, answer: Answer, info: RequestInfo, trip: Trip) -> Response:
+    async def _pass_on(self, send: Send, route: str, answer: Answer, info: RequestInfo, trip: Trip) -> None:
+        """Send the answer to the client: whole, or relayed chunk by chunk as it streams."""
         worker, upstream = answer.worker, answer.upstream
         trip.status = upstream.status
-        self._learn(info, answer.content)
-        self._done(route, worker, trip, info)
-        return Response(answer.content, status_code=upstream.status, headers=_passed_headers(upstream))
-
-    def _stream(self, route: str, answer: Answer, info: RequestInfo, trip: Trip) -> StreamingResponse:
-        worker, upstream, first, rest = answer.worker, answer.upstream, answer.content, answer.rest
-        assert rest is not None
-        trip.status = upstream.status
-        self.metrics.first_byte.labels(worker.url).observe(time.perf_counter() - trip.started)
-
-        async def relay() -> AsyncIterator[bytes]:
-            ended = False  # by the worker; otherwise the client left (Starlette cancels the relay)
-            whole = False  # the stream came whole: its connection can serve again
+        headers = _passed_headers(upstream)
+        if not answer.streaming:
+            self._learn(info, answer.content)
+            headers.append((b"content-length", str(len(answer.content)).encode()))
+            trip.responded = trip.finishing = True
+            await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+            await send({"type": "http.response.body", "body": answer.content})
+            self._done(route, worker, trip, info)
+            return
+        self.metrics.of(worker.url).first_byte.observe(time.perf_counter() - trip.started)
+        whole = False  # the stream came whole: its connection can serve again
+        try:
+            trip.responded = True
+            await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+            await send({"type": "http.response.body", "body": answer.content, "more_body": True})
+            assert answer.rest is not None
             try:
-                yield first
-                async for chunk in rest:
-                    yield chunk
-                ended = whole = True
+                async for chunk in answer.rest:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                whole = True
             except TRANSPORT_ERRORS as exc:
-                ended = True
                 self.metrics.errors.labels(worker.url, "stream").inc()
                 trip.status = 502
                 logger.warning("worker %s broke off a stream: %s", worker.url, exc)
-                yield (
-                    b"data: "
-                    + json.dumps(error_body(502, f"the worker broke off the stream: {exc}")).encode()
-                    + b"\n\n"
-                )
-            finally:
-                trip.status = trip.status if ended else CLIENT_CLOSED
-                self._hold(worker, answer.held, -1)
-                self.admission.release()
-                self._done(route, worker, trip, info)
-                if whole:
-                    upstream.release()
-                else:  # broken, or the client left: the connection dropped (the worker aborts the request)
-                    upstream.close()
-
-        return StreamingResponse(relay(), status_code=upstream.status, headers=_passed_headers(upstream))
+                event = json.dumps(error_body(502, f"the worker broke off the stream: {exc}"))
+                await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(), "more_body": True})
+            trip.finishing = True
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            self._hold(worker, answer.held, -1)
+            if whole:
+                upstream.release()
+            else:  # broken, or the client left: the connection dropped (the worker aborts the request)
+                upstream.close()
+            if trip.client_left:
+                trip.status = CLIENT_CLOSED
+            self._done(route, worker, trip, info)
 
     def _learn(self, info: RequestInfo, content: bytes) -> None:
-        try:
-            usage = json.loads(content).get("usage") or {}
-        except (ValueError, AttributeError):
-            return
-        if isinstance(usage.get("prompt_tokens"), int):
-            self.estimator.learn(info.routing.text, usage["prompt_tokens"])
+        prompt_tokens = usage_prompt_tokens(content)
+        if prompt_tokens is not None:
+            self.estimator.learn(info.routing.text, prompt_tokens)
 
     def _done(self, route: str, worker: Worker, trip: Trip, info: RequestInfo) -> None:
-        self.metrics.requests.labels(worker.url, route, str(trip.status)).inc()
-        self.metrics.latency.labels(worker.url).observe(time.perf_counter() - trip.started)
-        self.metrics.routed_tokens.labels(worker.url).inc(info.routing.prompt_tokens)
+        series = self.metrics.of(worker.url)
+        series.answered(route, trip.status).inc()
+        series.latency.observe(time.perf_counter() - trip.started)
+        series.routed_tokens.inc(info.routing.prompt_tokens)
         worker.routed += 1
-        self._log(trip, info)
 
     def _log(self, trip: Trip, info: RequestInfo) -> None:
         logger.info(
@@ -296,10 +314,27 @@ class Forwarder:
         )
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break  # the client left: what came is refused as incomplete JSON
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+async def _watch_client(receive: Receive, handler: asyncio.Task[None], trip: Trip) -> None:
+    """Cancel ``handler`` when the client disconnects before its answer is complete
+    (the receive channel says ``http.disconnect`` at either)."""
+    while (await receive())["type"] != "http.disconnect":
         pass
+    if not trip.finishing:
+        trip.client_left = True
+        handler.cancel()
 
 
-def _passed_headers(upstream: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in upstream.headers.items() if k.lower() not in _DROPPED_HEADERS}
+def _passed_headers(upstream: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
+    return [(k.lower(), v) for k, v in upstream.raw_headers if k.lower() not in _DROPPED_HEADERS]

@@ -6,7 +6,8 @@ requests refused by admission (``reason``: queue_full, queue_timeout) and the qu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -15,6 +16,27 @@ if TYPE_CHECKING:
 
 PREFIX = "radixserve_router:"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+@dataclass
+class WorkerSeries:
+    """One worker's series that every forwarded request updates, looked up once (a
+    labelled metric's lookup takes a lock and builds its key each time)."""
+
+    in_flight: Any
+    latency: Any
+    first_byte: Any
+    routed_tokens: Any
+    requests: Counter
+    url: str
+    _requests: dict[tuple[str, int], Any] = field(default_factory=dict)
+
+    def answered(self, route: str, status: int) -> Any:
+        """The requests counter of ``route`` answered with ``status``."""
+        key = (route, status)
+        if key not in self._requests:
+            self._requests[key] = self.requests.labels(self.url, route, str(status))
+        return self._requests[key]
 
 
 class RouterMetrics:
@@ -59,6 +81,21 @@ class RouterMetrics:
         self.in_flight = Gauge(PREFIX + "worker_in_flight", "requests forwarded and not ended", ["worker"], registry=r)
         self.refused = Counter(PREFIX + "admission_refused", "requests refused by admission", ["reason"], registry=r)
         self.queue_depth = Gauge(PREFIX + "admission_queue_depth", "requests waiting for admission", registry=r)
+        self._series: dict[str, WorkerSeries] = {}
+
+    def of(self, url: str) -> WorkerSeries:
+        """The per-request series of the worker at ``url``."""
+        series = self._series.get(url)
+        if series is None:
+            series = self._series[url] = WorkerSeries(
+                in_flight=self.in_flight.labels(url),
+                latency=self.latency.labels(url),
+                first_byte=self.first_byte.labels(url),
+                routed_tokens=self.routed_tokens.labels(url),
+                requests=self.requests,
+                url=url,
+            )
+        return series
 
     def worker_joined(self, worker: Worker) -> None:
         self.worker_state(worker)
@@ -71,6 +108,7 @@ class RouterMetrics:
     def worker_left(self, worker: Worker) -> None:
         for gauge in (self.healthy, self.breaker, self.in_flight):
             gauge.remove(worker.url)
+        self._series.pop(worker.url, None)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,6 +15,7 @@ from radixserve.server.errors import APIError
 DEFAULT_MAX_TOKENS = 256
 # The routes whose requests the router reads (model, features, routing text).
 ROUTED_BY_TEXT = ("chat", "completions", "generate", "embeddings")
+_PROMPT_TOKENS_KEY = b'"prompt_tokens":'
 _GUIDED_FIELDS = ("regex", "ebnf", "json_schema", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
@@ -40,6 +41,20 @@ class TokenEstimator:
             self.chars_per_token = 0.9 * self.chars_per_token + 0.1 * (len(text) / prompt_tokens)
 
 
+def usage_prompt_tokens(answer: bytes) -> int | None:
+    """``usage.prompt_tokens`` of a whole JSON answer, found from its end (where the
+    usage object is) without parsing the rest; None without one. Text inside the
+    answer cannot fake it: its quotes are escaped."""
+    at = answer.rfind(_PROMPT_TOKENS_KEY)
+    if at < 0:
+        return None
+    value = answer[at + len(_PROMPT_TOKENS_KEY) : at + len(_PROMPT_TOKENS_KEY) + 24].lstrip()
+    end = 0
+    while end < len(value) and value[end : end + 1].isdigit():
+        end += 1
+    return int(value[:end]) if end else None
+
+
 def parse_body(body: bytes) -> dict[str, Any]:
     try:
         payload = json.loads(body)
@@ -51,7 +66,11 @@ def parse_body(body: bytes) -> dict[str, Any]:
 
 
 def read_request(route: str, payload: dict[str, Any], estimator: TokenEstimator) -> RequestInfo:
-    """``route``: one of ``ROUTED_BY_TEXT``."""
+    """What routing needs of a request to ``route``; one without routing text (tokenize,
+    detokenize) may go to any worker of its model."""
+    if route not in ROUTED_BY_TEXT:
+        model = payload.get("model")
+        return RequestInfo(model=model if isinstance(model, str) else None, stream=False)
     sampling = payload.get("sampling_params") if route == "generate" else payload
     sampling = sampling if isinstance(sampling, dict) else {}
     text = _routing_text(route, payload)
