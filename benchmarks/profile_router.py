@@ -5,9 +5,11 @@ of it; ``--requests`` small completions (one output token) at ``--concurrency``.
 router process's CPU time (user + sys, from /proc) over the run, divided by the
 requests: unlike latency, it hardly moves with other load on the machine. With
 ``--py-spy FILE`` the router is sampled while it serves (py-spy's raw format) and the
-functions holding most of its CPU are printed.
+functions holding most of its CPU are printed. With ``--smg COMMAND`` SGLang's gateway
+(cache_aware) stands in front of the worker instead, measured the same way.
 
     python benchmarks/profile_router.py --requests 600 --concurrency 16 [--stream] [--py-spy /tmp/router.raw]
+    python benchmarks/profile_router.py --requests 600 --concurrency 16 --smg "$(which smg)"
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import aiohttp
+import httpx
 
 READY = re.compile(r"radixserve (?:router )?ready at (\S+)")
 
@@ -46,6 +50,33 @@ def start(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
             raise RuntimeError(f"{args[0]} exited:\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
     raise RuntimeError(f"{args[0]} not ready in 600 s")
+
+
+def start_smg(command: str, worker_url: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """SGLang's gateway in front of ``worker_url``; ready once it lists the worker's model."""
+    port, metrics_port = free_port(), free_port()
+    args = ["launch", "--worker-urls", worker_url, "--policy", "cache_aware", "--log-level", "warn"]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics_port)]
+    out = open(log, "w")  # noqa: SIM115 (held for the process's life)
+    proc = subprocess.Popen([command, *args], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"smg exited:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url + "/v1/models", timeout=5).json().get("data"):
+                return proc, url
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("smg not ready in 120 s")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def cpu_seconds(pid: int) -> float:
@@ -90,6 +121,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--stream", action="store_true")
     p.add_argument("--py-spy", type=Path, default=None, help="write py-spy's raw samples of the router here")
+    p.add_argument("--smg", default=None, help="profile SGLang's gateway (this command) instead of ours")
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/profile-router"))
     ns = p.parse_args()
     ns.log_dir.mkdir(parents=True, exist_ok=True)
@@ -97,7 +129,10 @@ def main() -> None:
     worker, worker_url = start(["serve", *model, "--served-model-name", "bench"], ns.log_dir / "worker.log")
     procs = [worker]
     try:
-        router, url = start(["router", "--worker-urls", worker_url], ns.log_dir / "router.log")
+        if ns.smg:
+            router, url = start_smg(ns.smg, worker_url, ns.log_dir / "smg.log")
+        else:
+            router, url = start(["router", "--worker-urls", worker_url], ns.log_dir / "router.log")
         procs.append(router)
         asyncio.run(drive(url, 50, ns.concurrency, ns.stream))  # connections and caches warm
         spy = None
@@ -115,6 +150,7 @@ def main() -> None:
             spy.send_signal(signal.SIGINT)
             spy.wait(60)
         result = {
+            "router": "smg" if ns.smg else "radixserve",
             "router_cpu_ms_per_request": round(1000 * used / ns.requests, 3),
             "requests": ns.requests,
             "concurrency": ns.concurrency,
