@@ -161,7 +161,13 @@ def test_third_party_platform_and_backend_from_entry_point(tmp_path):
     }
     # The allow-list hides it.
     report = plugins_json_with(tmp_path, RADIXSERVE_PLUGINS="torch")
-    builtin = ("radixserve-models", "radixserve-grammar", "radixserve-tool-parsers", "radixserve-reasoning-parsers")
+    builtin = (
+        "radixserve-models",
+        "radixserve-grammar",
+        "radixserve-kv-transfer",
+        "radixserve-tool-parsers",
+        "radixserve-reasoning-parsers",
+    )
     assert [p["name"] for p in report["plugins"] if p["name"] not in builtin] == ["torch"]
 
 

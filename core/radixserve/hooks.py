@@ -59,6 +59,12 @@ def register_models(register: Register) -> None:
 
 
 @hookspec
+def register_kv_transfer_backends(register: Register) -> None:
+    """Register :class:`radixserve.kernels.kv_transfer.KVTransferBackend` subclasses (prefill/decode
+    disaggregation: how KV moves between workers; chosen by ``--disaggregation-transfer-backend``)."""
+
+
+@hookspec
 def register_grammar_backends(register: Register) -> None:
     """Register :class:`radixserve.structured_output.backend.GrammarBackend` subclasses (structured
     output; chosen by ``--grammar-backend``)."""

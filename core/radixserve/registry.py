@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 from radixserve import hooks
+from radixserve.kernels.kv_transfer import KVSide, KVTransferBackend
 from radixserve.kernels.query import KernelQuery
 from radixserve.reasoning_parsers.base import ReasoningParser
 
@@ -36,6 +37,7 @@ KIND_HOOKS: dict[str, str] = {
     "elementwise": "register_elementwise_backends",
     "quantization": "register_quantization_methods",
     "model": "register_models",
+    "kv_transfer": "register_kv_transfer_backends",
     "grammar": "register_grammar_backends",
     "tool": "register_tool_parsers",
     "reasoning": "register_reasoning_parsers",
@@ -45,6 +47,7 @@ ALLOW_LIST_ENV = "RADIXSERVE_PLUGINS"
 TRACE_ENV = "RADIXSERVE_TRACE_PLUGINS"
 BUILTIN_MODELS_PLUGIN = "radixserve-models"
 BUILTIN_GRAMMAR_PLUGIN = "radixserve-grammar"
+BUILTIN_KV_TRANSFER_PLUGIN = "radixserve-kv-transfer"
 BUILTIN_TOOL_PLUGIN = "radixserve-tool-parsers"
 BUILTIN_REASONING_PLUGIN = "radixserve-reasoning-parsers"
 DEFAULT_TOOL_PARSER = "hermes"
@@ -96,6 +99,7 @@ class PluginRegistry:
         self.plugins: dict[str, PluginInfo] = {}
         self._candidates: dict[str, dict[str, Candidate]] | None = None
         # The core's own architectures and grammar backends register through the same hooks as anyone's.
+        import radixserve.disaggregation.builtin
         import radixserve.models
         import radixserve.reasoning_parsers.builtin
         import radixserve.structured_output.builtin
@@ -103,6 +107,7 @@ class PluginRegistry:
 
         self.register_plugin(radixserve.models, BUILTIN_MODELS_PLUGIN)
         self.register_plugin(radixserve.structured_output.builtin, BUILTIN_GRAMMAR_PLUGIN)
+        self.register_plugin(radixserve.disaggregation.builtin, BUILTIN_KV_TRANSFER_PLUGIN)
         self.register_plugin(radixserve.tool_parsers.builtin, BUILTIN_TOOL_PLUGIN)
         self.register_plugin(radixserve.reasoning_parsers.builtin, BUILTIN_REASONING_PLUGIN)
         if load_entry_points:
@@ -361,6 +366,27 @@ class PluginRegistry:
             )
         return cand.cls
 
+    def kv_transfer_backend(self, requested: str, side: KVSide) -> type[KVTransferBackend]:
+        """The ``KVTransferBackend`` class for ``--disaggregation-transfer-backend``, for a
+        worker whose KV is ``side``. One that cannot serve it is a PluginError saying why;
+        there is no fallback to another."""
+        table = self.candidates["kv_transfer"]
+        if requested not in table:
+            raise PluginError(
+                f"--disaggregation-transfer-backend {requested!r} is not a registered KV transfer backend; "
+                f"registered: {', '.join(sorted(table)) or 'none'}" + self._load_error_note()
+            )
+        cand = table[requested]
+        if not (isinstance(cand.cls, type) and issubclass(cand.cls, KVTransferBackend)):
+            raise PluginError(f"KV transfer backend {requested!r} (plugin {cand.plugin!r}) is not a KVTransferBackend")
+        reasons = cand.cls.unsupported_reasons(side)
+        if reasons:
+            raise PluginError(
+                f"KV transfer backend {requested!r} (plugin {cand.plugin!r}) cannot serve this worker: "
+                + "; ".join(reasons)
+            )
+        return cand.cls
+
     def tool_parser(self, requested: str | None = None, template: str | None = None) -> type:
         """The ``ToolParser`` class for ``--tool-call-parser``; unset: the highest-priority
         one whose ``matches_template`` recognises the chat template, else ``hermes``."""
@@ -434,6 +460,10 @@ class PluginRegistry:
                 "reasons": c.cls.unavailable_reasons(),
             }
             for c in sorted(candidates["grammar"].values(), key=lambda c: (-c.priority, c.name))
+        ]
+        backends["kv_transfer"] = [
+            {"name": c.name, "plugin": c.plugin, "priority": c.priority}
+            for c in sorted(candidates["kv_transfer"].values(), key=lambda c: (-c.priority, c.name))
         ]
         backends["tool"] = [
             {"name": c.name, "plugin": c.plugin, "priority": c.priority}

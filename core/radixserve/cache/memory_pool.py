@@ -143,6 +143,33 @@ class KVPool:
         self.k_buffers[layer_id].index_copy_(0, loc, k.to(self.dtype))
         self.v_buffers[layer_id].index_copy_(0, loc, v.to(self.dtype))
 
+    def read_kv(
+        self, layer_id: int, loc: torch.Tensor, heads: tuple[int, int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of a layer's K and V ``[n, heads, head_dim]`` at slots ``loc`` ``[n]``,
+        of the pool's heads ``[start, stop)`` (all when None), in either layout."""
+        start, stop = heads or (0, self.k_buffers[layer_id].shape[-2])
+        if self.layout.head_major:
+            page, offset = loc // self.page_size, loc % self.page_size
+            return (
+                self.k_buffers[layer_id][page, start:stop, offset],
+                self.v_buffers[layer_id][page, start:stop, offset],
+            )
+        k, v = self.k_buffers[layer_id].index_select(0, loc), self.v_buffers[layer_id].index_select(0, loc)
+        return k[:, start:stop].contiguous(), v[:, start:stop].contiguous()
+
+    def write_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_head: int = 0) -> None:
+        """Store ``k``/``v`` ``[n, h, head_dim]`` at slots ``loc`` ``[n]`` into the pool's
+        heads ``[first_head, first_head + h)``."""
+        h = k.shape[1]
+        if self.layout.head_major:
+            page, offset = loc // self.page_size, loc % self.page_size
+            self.k_buffers[layer_id][page, first_head : first_head + h, offset] = k.to(self.dtype)
+            self.v_buffers[layer_id][page, first_head : first_head + h, offset] = v.to(self.dtype)
+            return
+        self.k_buffers[layer_id].narrow(1, first_head, h).index_copy_(0, loc, k.to(self.dtype))
+        self.v_buffers[layer_id].narrow(1, first_head, h).index_copy_(0, loc, v.to(self.dtype))
+
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -7,7 +7,8 @@ Each ``check_*`` function builds the contract's cases (random paged KV layouts
 with permuted slots, page sizes 1 and 16, ragged batches, cached prefixes,
 decode, GQA, head dims 64 and 128; several MoE expert counts, top-k,
 renormalization and group-limited routing settings; GEMM shapes with and without bias; the quantization
-lifecycle; RMSNorm with and without the fused residual, rotary NeoX/GPT-J/partial
+lifecycle; KV transfer between pools of different page sizes, layouts and
+tensor-parallel splits, and its refusals; RMSNorm with and without the fused residual, rotary NeoX/GPT-J/partial
 on views of a fused QKV buffer, SiLU-and-mul), runs the backend on ``device`` for every dtype it claims (asked
 through ``unsupported_reasons``) and compares it with the reference backend run
 on CPU in float32 on the same (dtype-rounded) inputs. The reference is the
@@ -31,7 +32,7 @@ devices), or an explicit sequence of case objects.
 
 Layout (as radixserve.kernels): ``base`` holds the tolerances, results, report,
 ``compare`` and the shared driver; ``attention``, ``mla``, ``moe``, ``gemm``,
-``elementwise`` and ``quantization`` hold each kind's case sets, reference
+``elementwise``, ``quantization`` and ``kv_transfer`` hold each kind's case sets, reference
 checks and ``check_*`` function. The case classes and the functions that make a
 case's inputs (``AttentionCase``, ``make_attention_inputs``, ``with_kv_layout``,
 ``MLACase``, ``make_mla_inputs``, ``ElementwiseCase``,
@@ -72,6 +73,12 @@ from radixserve.testing.conformance.base import (
 )
 from radixserve.testing.conformance.elementwise import ELEMENTWISE_CASES, check_elementwise_backend
 from radixserve.testing.conformance.gemm import GEMM_CASES, GemmCase, check_gemm_backend
+from radixserve.testing.conformance.kv_transfer import (
+    KV_TRANSFER_CASES,
+    PoolSpec,
+    TransferCase,
+    check_kv_transfer_backend,
+)
 from radixserve.testing.conformance.mla import MLA_CASES, check_mla_attention_backend, dense_mla_attention
 from radixserve.testing.conformance.moe import MOE_CASES, check_moe_backend
 from radixserve.testing.conformance.quantization import (
@@ -94,19 +101,23 @@ __all__ = [
     "ElementwiseCase",
     "GEMM_CASES",
     "GemmCase",
+    "KV_TRANSFER_CASES",
     "MLACase",
     "MLAInputs",
     "MLA_CASES",
     "MOE_CASES",
     "MoECase",
+    "PoolSpec",
     "QUANT_CASES",
     "QUANT_REFERENCES",
     "QuantCase",
     "SkippedCase",
     "Tolerance",
+    "TransferCase",
     "check_attention_backend",
     "check_elementwise_backend",
     "check_gemm_backend",
+    "check_kv_transfer_backend",
     "check_mla_attention_backend",
     "check_moe_backend",
     "check_quantization_method",

@@ -1,0 +1,363 @@
+"""``tcp``: the built-in KV-transfer backend, over ZMQ on TCP. It works between any
+two machines that can reach each other, on any device whose tensors torch can copy
+to the host; it is not the fastest (the KV goes through host memory and the kernel's
+TCP stack on both sides: an RDMA backend such as Mooncake's writes device memory
+directly).
+
+Each end runs one thread that owns its sockets (ZMQ sockets are not thread-safe),
+so neither scheduler waits on the network:
+
+- the receiver binds a ROUTER socket. To a ``hello`` (the sender's ``KVSide``) it
+  answers ``welcome`` (its own) or ``refused`` (the reasons); a ``kv`` message (one
+  layer of a room: a header, then K's and V's bytes) it writes into its pool at the
+  room's slots; to an ``end`` (a sender has sent all of a room) it answers ``ack``,
+  or ``nack`` with a reason when the room is not expected or has failed.
+- the sender keeps one DEALER socket per receiver. ``send`` queues the room; the
+  thread reads each layer's K and V from the pool (the heads the receiver holds),
+  sends them and the ``end``, and marks the room DONE at the ``ack``.
+
+A connection's messages arrive in order, so by a sender's ``end`` the receiver has
+written all that sender sent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from radixserve.cache.memory_pool import KVPool
+from radixserve.kernels.kv_transfer import (
+    DONE,
+    PENDING,
+    KVReceiver,
+    KVSender,
+    KVSide,
+    KVTransferBackend,
+    TransferRefused,
+    TransferState,
+    TransferStatus,
+    common_heads,
+)
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 20  # how long a thread waits for a message before it looks at its queue and clocks
+
+
+def _failed(reason: str) -> TransferStatus:
+    return TransferStatus(TransferState.FAILED, reason)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"dtype: {name!r} is not a torch dtype")
+    return dtype
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A host tensor's bytes, without a copy (any dtype: bfloat16 has no numpy type)."""
+    return memoryview(t.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def _tensor_of(frame: zmq.Frame, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A received frame's bytes as a tensor (copied once: torch wants a writable buffer)."""
+    return torch.frombuffer(bytearray(frame.buffer), dtype=torch.uint8).view(dtype).view(shape)
+
+
+class TcpTransfer(KVTransferBackend):
+    name = "tcp"
+    priority = 0
+
+    @classmethod
+    def unsupported_reasons(cls, side: KVSide) -> list[str]:
+        if side.latent:
+            return ["latent KV (MLA) is not transferred by tcp yet"]
+        return []
+
+    @classmethod
+    def open_receiver(cls, pool: KVPool, side: KVSide, host: str) -> KVReceiver:
+        return TcpReceiver(pool, side, host, cls.pair_reasons)
+
+    @classmethod
+    def open_sender(cls, pool: KVPool, side: KVSide) -> KVSender:
+        return TcpSender(pool, side)
+
+
+# ---- the decode side ---------------------------------------------------------------------
+@dataclass
+class _ExpectedRoom:
+    slots: torch.Tensor
+    deadline: float
+    units_needed: int  # layers x heads x tokens
+    units: int = 0
+    status: TransferStatus = PENDING
+
+
+class TcpReceiver(KVReceiver):
+    def __init__(self, pool: KVPool, side: KVSide, host: str, pair_reasons: Callable[[KVSide, KVSide], list[str]]):
+        self.pool, self.side, self.pair_reasons = pool, side, pair_reasons
+        self._dtype = _torch_dtype(side.dtype)
+        self._context: zmq.Context[Any] = zmq.Context.instance()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(f"tcp://{host}:*")
+        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._rooms: dict[int, _ExpectedRoom] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kv-receiver", daemon=True)
+        self._thread.start()
+
+    def expect(self, room: int, slots: torch.Tensor, timeout_s: float) -> None:
+        units = self.side.num_layers * self.side.num_heads * len(slots)
+        with self._lock:
+            if room in self._rooms:
+                raise ValueError(f"bootstrap_room: room {room} is already expected here")
+            self._rooms[room] = _ExpectedRoom(slots.to(self.pool.device), time.monotonic() + timeout_s, units)
+
+    def poll(self, room: int) -> TransferStatus:
+        with self._lock:
+            expected = self._rooms.get(room)
+            if expected is None:
+                return _failed(f"room {room} is not expected here")
+            if expected.status is PENDING and time.monotonic() > expected.deadline:
+                got = f"{expected.units} of {expected.units_needed} head-token-layers"
+                expected.status = _failed(f"the KV did not arrive in time ({got})")
+            return expected.status
+
+    def forget(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._socket.close()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._socket.poll(_POLL_MS):
+                continue
+            frames = self._socket.recv_multipart(copy=False)
+            sender, kind, rest = frames[0].bytes, frames[1].bytes, frames[2:]
+            try:
+                reply = self._handle(kind, rest)
+            except Exception as exc:  # a malformed message must not stop the receiver
+                logger.exception("KV receiver: a %r message failed", kind)
+                reply = [b"error", json.dumps({"reason": f"{type(exc).__name__}: {exc}"}).encode()]
+            if reply:
+                self._socket.send_multipart([sender, *reply])
+
+    def _handle(self, kind: bytes, rest: list[zmq.Frame]) -> list[bytes]:
+        if kind == b"hello":
+            reasons = self.pair_reasons(KVSide.from_json(rest[0].bytes), self.side)
+            return [b"refused", json.dumps(reasons).encode()] if reasons else [b"welcome", self.side.to_json()]
+        header = json.loads(rest[0].bytes)
+        room = header["room"]
+        if kind == b"kv":
+            self._write(header, rest[1], rest[2])
+            return []
+        if kind == b"end":
+            status = self.poll(room)
+            if status.state is TransferState.FAILED:
+                return [b"nack", json.dumps({"room": room, "reason": status.reason}).encode()]
+            return [b"ack", json.dumps({"room": room}).encode()]
+        raise ValueError(f"unknown message kind {kind!r}")
+
+    def _write(self, header: dict[str, Any], k_frame: zmq.Frame, v_frame: zmq.Frame) -> None:
+        room, first, count = header["room"], header["first"], header["count"]
+        start, stop = header["heads"]
+        with self._lock:
+            expected = self._rooms.get(room)
+            if expected is None or expected.status.finished:
+                return  # the "end" that follows answers nack
+            slots = expected.slots[first : first + count]
+        shape = (count, stop - start, self.side.head_dim)
+        k, v = (_tensor_of(frame, self._dtype, shape) for frame in (k_frame, v_frame))
+        self.pool.write_kv(
+            header["layer"], slots, k.to(self.pool.device), v.to(self.pool.device), start - self.side.heads[0]
+        )
+        with self._lock:
+            expected.units += count * (stop - start)
+            if expected.units >= expected.units_needed and expected.status is PENDING:
+                expected.status = DONE
+
+
+# ---- the prefill side --------------------------------------------------------------------
+@dataclass
+class _Outgoing:
+    room: int
+    slots: torch.Tensor
+    endpoints: tuple[str, ...]
+    deadline: float
+    status: TransferStatus = PENDING
+    acked: set[str] = field(default_factory=set)  # the endpoints that have all of it
+
+
+@dataclass
+class _Connection:
+    socket: zmq.Socket[Any]
+    receiver: KVSide | None = None  # once welcomed
+    hello: Future[KVSide] | None = None  # the connect() waiting for the handshake
+
+
+class TcpSender(KVSender):
+    def __init__(self, pool: KVPool, side: KVSide):
+        self.pool, self.side = pool, side
+        self._context: zmq.Context[Any] = zmq.Context.instance()
+        self._connections: dict[str, _Connection] = {}  # the thread's alone
+        self._rooms: dict[int, _Outgoing] = {}
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
+        self._thread.start()
+
+    def connect(self, endpoint: str, timeout_s: float) -> KVSide:
+        answer: Future[KVSide] = Future()
+        self._jobs.put(("connect", (endpoint, answer)))
+        try:
+            return answer.result(timeout_s)
+        except FutureTimeout:
+            raise TimeoutError(f"the KV receiver at {endpoint} did not answer in {timeout_s:g} s") from None
+
+    def send(self, room: int, slots: torch.Tensor, endpoints: Sequence[str], timeout_s: float) -> None:
+        with self._lock:
+            if room in self._rooms:
+                raise ValueError(f"bootstrap_room: room {room} is already being sent")
+            self._rooms[room] = _Outgoing(room, slots, tuple(endpoints), time.monotonic() + timeout_s)
+        self._jobs.put(("send", room))
+
+    def poll(self, room: int) -> TransferStatus:
+        with self._lock:
+            outgoing = self._rooms.get(room)
+            if outgoing is None:
+                return _failed(f"room {room} is not being sent")
+            if outgoing.status is PENDING and time.monotonic() > outgoing.deadline:
+                missing = ", ".join(sorted(set(outgoing.endpoints) - outgoing.acked))
+                outgoing.status = _failed(f"no acknowledgement from {missing} in time")
+            return outgoing.status
+
+    def forget(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    # ---- the thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        try:
+            while not self._stop.is_set():
+                self._take_jobs(poller)
+                for sock, _ in poller.poll(_POLL_MS):
+                    self._on_reply(sock)
+        finally:
+            for connection in self._connections.values():
+                connection.socket.close(linger=0)
+
+    def _take_jobs(self, poller: zmq.Poller) -> None:
+        while True:
+            try:
+                kind, job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "connect":
+                endpoint, answer = job
+                self._hello(poller, endpoint, answer)
+            else:
+                self._send_room(job)
+
+    def _hello(self, poller: zmq.Poller, endpoint: str, answer: Future[KVSide]) -> None:
+        connection = self._connections.get(endpoint)
+        if connection is None:
+            socket = self._context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(endpoint)
+            poller.register(socket, zmq.POLLIN)
+            connection = self._connections[endpoint] = _Connection(socket)
+        if connection.receiver is not None:
+            answer.set_result(connection.receiver)
+            return
+        connection.hello = answer
+        connection.socket.send_multipart([b"hello", self.side.to_json()])
+
+    def _send_room(self, room: int) -> None:
+        with self._lock:
+            outgoing = self._rooms.get(room)
+        if outgoing is None or outgoing.status.finished:
+            return
+        slots = outgoing.slots.to(self.pool.device)
+        for endpoint in outgoing.endpoints:
+            connection = self._connections.get(endpoint)
+            if connection is None or connection.receiver is None:
+                self._finish(room, _failed(f"not connected to {endpoint}: connect() first"))
+                return
+            try:
+                self._send_to(connection, room, slots)
+            except zmq.ZMQError as exc:
+                self._finish(room, _failed(f"sending to {endpoint} failed: {exc}"))
+                return
+
+    def _send_to(self, connection: _Connection, room: int, slots: torch.Tensor) -> None:
+        """Each layer's K and V of the heads both sides hold, then the room's end."""
+        assert connection.receiver is not None
+        heads = common_heads(self.side, connection.receiver)
+        assert heads is not None  # the handshake refused pairs without one
+        local = (heads[0] - self.side.heads[0], heads[1] - self.side.heads[0])
+        header = {"room": room, "first": 0, "count": len(slots), "heads": list(heads)}
+        for layer in range(self.side.num_layers):
+            k, v = self.pool.read_kv(layer, slots, local)
+            head = json.dumps({**header, "layer": layer}).encode()
+            connection.socket.send_multipart([b"kv", head, _bytes_of(k.cpu()), _bytes_of(v.cpu())], copy=False)
+        connection.socket.send_multipart([b"end", json.dumps({"room": room}).encode()])
+
+    def _on_reply(self, sock: zmq.Socket[Any]) -> None:
+        kind, body = sock.recv_multipart()
+        endpoint = next(e for e, c in self._connections.items() if c.socket is sock)
+        connection = self._connections[endpoint]
+        if kind in (b"welcome", b"refused"):
+            answer, connection.hello = connection.hello, None
+            if kind == b"welcome":
+                connection.receiver = KVSide.from_json(body)
+                if answer is not None:
+                    answer.set_result(connection.receiver)
+            elif answer is not None:
+                answer.set_exception(TransferRefused(endpoint, json.loads(body)))
+            return
+        reply = json.loads(body)
+        if kind == b"ack":
+            self._acked(reply["room"], endpoint)
+        elif kind == b"nack":
+            self._finish(reply["room"], _failed(f"the receiver at {endpoint} refused the KV: {reply['reason']}"))
+        else:
+            logger.error("KV receiver at %s: %s", endpoint, reply.get("reason", reply))
+
+    def _acked(self, room: int, endpoint: str) -> None:
+        with self._lock:
+            outgoing = self._rooms.get(room)
+            if outgoing is None or outgoing.status.finished:
+                return
+            outgoing.acked.add(endpoint)
+            if outgoing.acked >= set(outgoing.endpoints):
+                outgoing.status = DONE
+
+    def _finish(self, room: int, status: TransferStatus) -> None:
+        with self._lock:
+            outgoing = self._rooms.get(room)
+            if outgoing is not None and not outgoing.status.finished:
+                outgoing.status = status
