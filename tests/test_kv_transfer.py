@@ -27,8 +27,10 @@ def test_tcp_passes_the_kv_transfer_kit():
 class _ReversedSender(TcpSender):
     """Sends a request's tokens last first: every byte arrives, in the wrong slots."""
 
-    def send(self, room: int, slots: torch.Tensor, endpoints: Sequence[str], timeout_s: float) -> None:
-        super().send(room, slots.flip(0), endpoints, timeout_s)
+    def send(
+        self, room: int, slots: torch.Tensor, endpoints: Sequence[str], timeout_s: float, metadata: bytes = b""
+    ) -> None:
+        super().send(room, slots.flip(0), endpoints, timeout_s, metadata)
 
 
 class ReversingTransfer(TcpTransfer):

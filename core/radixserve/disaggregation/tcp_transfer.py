@@ -10,7 +10,8 @@ so neither scheduler waits on the network:
 - the receiver binds a ROUTER socket. To a ``hello`` (the sender's ``KVSide``) it
   answers ``welcome`` (its own) or ``refused`` (the reasons); a ``kv`` message (one
   layer of a room: a header, then K's and V's bytes) it writes into its pool at the
-  room's slots; to an ``end`` (a sender has sent all of a room) it answers ``ack``,
+  room's slots; to an ``end`` (a sender has sent all of a room, and the room's
+  metadata) it answers ``ack``,
   or ``nack`` with a reason when the room is not expected or has failed.
 - the sender keeps one DEALER socket per receiver. ``send`` queues the room; the
   thread reads each layer's K and V from the pool (the heads the receiver holds),
@@ -102,7 +103,13 @@ class _ExpectedRoom:
     deadline: float
     units_needed: int  # layers x heads x tokens
     units: int = 0
+    metadata: bytes | None = None  # from the first sender's end
     status: TransferStatus = PENDING
+
+    def settle(self) -> None:
+        """DONE once every unit and the metadata have come."""
+        if self.status is PENDING and self.units >= self.units_needed and self.metadata is not None:
+            self.status = DONE
 
 
 class TcpReceiver(KVReceiver):
@@ -137,6 +144,14 @@ class TcpReceiver(KVReceiver):
                 expected.status = _failed(f"the KV did not arrive in time ({got})")
             return expected.status
 
+    def metadata(self, room: int) -> bytes:
+        with self._lock:
+            expected = self._rooms.get(room)
+            if expected is None or expected.status is not DONE:
+                raise ValueError(f"bootstrap_room: room {room} has not arrived here")
+            assert expected.metadata is not None
+            return expected.metadata
+
     def forget(self, room: int) -> None:
         with self._lock:
             self._rooms.pop(room, None)
@@ -170,6 +185,11 @@ class TcpReceiver(KVReceiver):
             self._write(header, rest[1], rest[2])
             return []
         if kind == b"end":
+            with self._lock:
+                expected = self._rooms.get(room)
+                if expected is not None and expected.metadata is None:
+                    expected.metadata = rest[1].bytes
+                    expected.settle()
             status = self.poll(room)
             if status.state is TransferState.FAILED:
                 return [b"nack", json.dumps({"room": room, "reason": status.reason}).encode()]
@@ -191,8 +211,7 @@ class TcpReceiver(KVReceiver):
         )
         with self._lock:
             expected.units += count * (stop - start)
-            if expected.units >= expected.units_needed and expected.status is PENDING:
-                expected.status = DONE
+            expected.settle()
 
 
 # ---- the prefill side --------------------------------------------------------------------
@@ -202,6 +221,7 @@ class _Outgoing:
     slots: torch.Tensor
     endpoints: tuple[str, ...]
     deadline: float
+    metadata: bytes
     status: TransferStatus = PENDING
     acked: set[str] = field(default_factory=set)  # the endpoints that have all of it
 
@@ -233,11 +253,13 @@ class TcpSender(KVSender):
         except FutureTimeout:
             raise TimeoutError(f"the KV receiver at {endpoint} did not answer in {timeout_s:g} s") from None
 
-    def send(self, room: int, slots: torch.Tensor, endpoints: Sequence[str], timeout_s: float) -> None:
+    def send(
+        self, room: int, slots: torch.Tensor, endpoints: Sequence[str], timeout_s: float, metadata: bytes = b""
+    ) -> None:
         with self._lock:
             if room in self._rooms:
                 raise ValueError(f"bootstrap_room: room {room} is already being sent")
-            self._rooms[room] = _Outgoing(room, slots, tuple(endpoints), time.monotonic() + timeout_s)
+            self._rooms[room] = _Outgoing(room, slots, tuple(endpoints), time.monotonic() + timeout_s, metadata)
         self._jobs.put(("send", room))
 
     def poll(self, room: int) -> TransferStatus:
@@ -308,13 +330,13 @@ class TcpSender(KVSender):
                 self._finish(room, _failed(f"not connected to {endpoint}: connect() first"))
                 return
             try:
-                self._send_to(connection, room, slots)
+                self._send_to(connection, room, slots, outgoing.metadata)
             except zmq.ZMQError as exc:
                 self._finish(room, _failed(f"sending to {endpoint} failed: {exc}"))
                 return
 
-    def _send_to(self, connection: _Connection, room: int, slots: torch.Tensor) -> None:
-        """Each layer's K and V of the heads both sides hold, then the room's end."""
+    def _send_to(self, connection: _Connection, room: int, slots: torch.Tensor, metadata: bytes) -> None:
+        """Each layer's K and V of the heads both sides hold, then the room's end with its metadata."""
         assert connection.receiver is not None
         heads = common_heads(self.side, connection.receiver)
         assert heads is not None  # the handshake refused pairs without one
@@ -324,7 +346,7 @@ class TcpSender(KVSender):
             k, v = self.pool.read_kv(layer, slots, local)
             head = json.dumps({**header, "layer": layer}).encode()
             connection.socket.send_multipart([b"kv", head, _bytes_of(k.cpu()), _bytes_of(v.cpu())], copy=False)
-        connection.socket.send_multipart([b"end", json.dumps({"room": room}).encode()])
+        connection.socket.send_multipart([b"end", json.dumps({"room": room}).encode(), metadata])
 
     def _on_reply(self, sock: zmq.Socket[Any]) -> None:
         kind, body = sock.recv_multipart()

@@ -25,7 +25,9 @@ One request's transfer is a *room* (SGLang's ``bootstrap_room``)::
 
 The sender's room is DONE once the receiver has acknowledged all it sent: the
 prefill side frees its copy of the KV only then. The receiver's room is DONE once
-every head of every layer of every token it expects has arrived. FAILED carries
+every head of every layer of every token it expects has arrived, with the room's
+metadata (``receiver.metadata(room)``: the first token and what else the decode
+side needs, in the caller's encoding). FAILED carries
 the reason; either way each side frees its pages and calls ``forget(room)``.
 """
 
@@ -135,6 +137,11 @@ class KVReceiver(ABC):
     def poll(self, room: int) -> TransferStatus: ...
 
     @abstractmethod
+    def metadata(self, room: int) -> bytes:
+        """What the sender sent with the KV of a DONE room (the first token, its
+        logprobs, the sampling state: the caller's encoding); ValueError before."""
+
+    @abstractmethod
     def forget(self, room: int) -> None:
         """Drop the room's state (after DONE or FAILED, or to give up on it)."""
 
@@ -151,12 +158,15 @@ class KVSender(ABC):
         with every reason; TimeoutError when it does not answer."""
 
     @abstractmethod
-    def send(self, room: int, slots: torch.Tensor, endpoints: Sequence[str], timeout_s: float) -> None:
-        """Start sending ``room``'s KV, read from ``slots`` (one per token, in order), to
-        the receivers at ``endpoints``, each connected already and given the heads it
-        holds (a tp 2 decode worker: its two ranks); the room is DONE once every one
-        acknowledged it, FAILED if one refused it or not all did within ``timeout_s``.
-        The slots must stay allocated until the room is finished."""
+    def send(
+        self, room: int, slots: torch.Tensor, endpoints: Sequence[str], timeout_s: float, metadata: bytes = b""
+    ) -> None:
+        """Start sending ``room``'s KV, read from ``slots`` (one per token, in order), and
+        ``metadata`` to the receivers at ``endpoints``, each connected already and given
+        the heads it holds (a tp 2 decode worker: its two ranks); the room is DONE once
+        every one acknowledged it, FAILED if one refused it or not all did within
+        ``timeout_s``. The slots must stay allocated until the room is finished. Every
+        sender of a room sends the same metadata (tensor-parallel ranks sample alike)."""
 
     @abstractmethod
     def poll(self, room: int) -> TransferStatus: ...

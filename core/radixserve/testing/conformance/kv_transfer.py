@@ -3,7 +3,7 @@ senders and receivers in this process between KV pools on ``device`` and checks 
 contract (radixserve.kernels.kv_transfer):
 
 - the KV arrives bit for bit at the slots the receiver expected, in every layer, and
-  nothing else in its pool changes; both sides' rooms end DONE;
+  nothing else in its pool changes, with the metadata sent; both sides' rooms end DONE;
 - the sides may differ in page size, pool layout (token- or head-major) and
   tensor-parallel split (one sender to two receivers, two senders to one);
 - what must fail fails with a reason: a pair of different dtypes is refused at the
@@ -246,9 +246,10 @@ def _run_case(
             return None
         for receiver, end in zip(receivers, receivers_ends, strict=True):
             receiver.expect(room, end.slots, WAIT_S)
+        metadata = f"room {room}: first token 42".encode()
         for sender, s_end in zip(senders, senders_ends, strict=True):
             endpoints = [receiver.endpoint for other, _, receiver, _ in pairs if other is sender]
-            sender.send(room, s_end.slots, endpoints, WAIT_S)
+            sender.send(room, s_end.slots, endpoints, WAIT_S, metadata)
         statuses = _wait([*senders, *receivers], room, WAIT_S)
         if any(s.state is not TransferState.DONE for s in statuses):
             return "rooms ended " + ", ".join(f"{s.state.value} {s.reason}".strip() for s in statuses)
@@ -256,6 +257,9 @@ def _run_case(
             problem = _check_arrived(end, k, v)
             if problem:
                 return problem
+        for receiver in receivers:
+            if receiver.metadata(room) != metadata:
+                return f"the receiver's metadata is {receiver.metadata(room)!r}, not the {metadata!r} sent"
         for party in parties:
             party.forget(room)
             if party.poll(room).state is not TransferState.FAILED:
