@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -53,7 +54,7 @@ from radixserve.kernels.kv_transfer import (
 
 logger = logging.getLogger(__name__)
 
-_POLL_MS = 20  # how long a thread waits for a message before it looks at its queue and clocks
+_POLL_MS = 20  # how long a thread waits for a message before it looks at its clocks again
 
 
 def _failed(reason: str) -> TransferStatus:
@@ -241,13 +242,15 @@ class TcpSender(KVSender):
         self._rooms: dict[int, _Outgoing] = {}
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        # A byte down this pipe wakes the thread from its poll when a job is queued.
+        self._wake_read, self._wake_write = os.pipe()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
     def connect(self, endpoint: str, timeout_s: float) -> KVSide:
         answer: Future[KVSide] = Future()
-        self._jobs.put(("connect", (endpoint, answer)))
+        self._queue("connect", (endpoint, answer))
         try:
             return answer.result(timeout_s)
         except FutureTimeout:
@@ -260,7 +263,7 @@ class TcpSender(KVSender):
             if room in self._rooms:
                 raise ValueError(f"bootstrap_room: room {room} is already being sent")
             self._rooms[room] = _Outgoing(room, slots, tuple(endpoints), time.monotonic() + timeout_s, metadata)
-        self._jobs.put(("send", room))
+        self._queue("send", room)
 
     def poll(self, room: int) -> TransferStatus:
         with self._lock:
@@ -278,16 +281,27 @@ class TcpSender(KVSender):
 
     def close(self) -> None:
         self._stop.set()
+        os.write(self._wake_write, b"x")
         self._thread.join(5)
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+    def _queue(self, kind: str, job: Any) -> None:
+        self._jobs.put((kind, job))
+        os.write(self._wake_write, b"x")
 
     # ---- the thread --------------------------------------------------------------------
     def _run(self) -> None:
         poller = zmq.Poller()
+        poller.register(self._wake_read, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 self._take_jobs(poller)
                 for sock, _ in poller.poll(_POLL_MS):
-                    self._on_reply(sock)
+                    if sock == self._wake_read:
+                        os.read(self._wake_read, 4096)
+                    else:
+                        self._on_reply(sock)
         finally:
             for connection in self._connections.values():
                 connection.socket.close(linger=0)
