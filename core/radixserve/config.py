@@ -21,6 +21,7 @@ SCHEDULE_POLICIES: tuple[str, ...] = typing.get_args(SchedulePolicy)
 DTYPES: tuple[str, ...] = typing.get_args(Dtype)
 BACKEND_SELECTIONS: tuple[str, ...] = typing.get_args(BackendSelection)
 POOLING_METHODS: tuple[str, ...] = typing.get_args(PoolingMethod)
+DisaggregationMode = Literal["null", "prefill", "decode"]
 
 
 @dataclass
@@ -168,6 +169,24 @@ class ServerArgs(CliArgs):
         default=None,
         aliases=("--cuda-graph-max-bs",),
     )
+    # prefill/decode disaggregation (docs/disaggregation.md)
+    disaggregation_mode: DisaggregationMode = _flag(
+        "null: an ordinary worker; prefill: a request with bootstrap fields is prefilled and its KV and first "
+        "token handed to its decode worker; decode: such a request waits for its KV, then decodes. Requests "
+        "without bootstrap fields are served whole in every mode",
+        default="null",
+    )
+    disaggregation_bootstrap_port: int = _flag(
+        "a prefill worker's bootstrap port, where decode workers say where each request's KV is to go", default=8998
+    )
+    disaggregation_transfer_backend: str = _flag(
+        "how KV moves between the two workers: a registered KV transfer backend (radixserve plugins; tcp is built in)",
+        default="tcp",
+    )
+    disaggregation_timeout_secs: float = _flag(
+        "seconds a prefill worker holds a request's KV for its decode worker, and a decode worker waits for it",
+        default=60.0,
+    )
     # server
     host: str = _flag("HTTP host", default="127.0.0.1")
     port: int = _flag("HTTP port", default=30000)
@@ -287,6 +306,15 @@ class ServerArgs(CliArgs):
             bad("dp_size", f"must be >= 1, got {self.dp_size}")
         if self.dp_size > 1 and self.nnodes > 1:
             bad("dp_size", "replicas over several nodes are not built yet: with --nnodes > 1, --dp-size must be 1")
+        if self.disaggregation_mode != "null" and (self.tp_size > 1 or self.dp_size > 1 or self.nnodes > 1):
+            bad(
+                "disaggregation_mode",
+                "a prefill or decode worker with --tp-size, --dp-size or --nnodes above 1 is not built yet",
+            )
+        if not 0 < self.disaggregation_bootstrap_port <= 65535:
+            bad("disaggregation_bootstrap_port", f"must be in [1, 65535], got {self.disaggregation_bootstrap_port}")
+        if self.disaggregation_timeout_secs <= 0:
+            bad("disaggregation_timeout_secs", f"must be > 0 seconds, got {self.disaggregation_timeout_secs}")
         problem = policy_error(self.load_balance_method, "dp")
         if problem is not None:
             bad("load_balance_method", problem)

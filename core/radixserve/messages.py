@@ -24,6 +24,16 @@ from typing import Any, Literal
 from radixserve.sampling.params import SamplingParams
 
 
+@dataclass(frozen=True)
+class Bootstrap:
+    """Where a disaggregated request's KV meets its other half (SGLang's fields): the
+    prefill worker's host and bootstrap port, and the request's room there."""
+
+    host: str
+    port: int
+    room: int
+
+
 @dataclass(kw_only=True)
 class RequestOptions:
     """What a request asks for besides its prompt and sampling parameters,
@@ -40,6 +50,8 @@ class RequestOptions:
     # An embedding request (an embedding model only): its prompt is prefilled and its
     # final hidden states pooled into ``TokenOutput.embedding``; it generates nothing.
     embed: bool = False
+    # Prefill/decode disaggregation: set when a gateway pairs a prefill and a decode worker.
+    bootstrap: Bootstrap | None = None
 
     def options(self) -> dict[str, Any]:
         """These fields as keywords, to pass them on to the next stage."""

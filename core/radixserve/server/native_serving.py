@@ -18,7 +18,7 @@ from fastapi.responses import StreamingResponse
 
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.errors import APIError
-from radixserve.server.protocol import GenerateRequestBody
+from radixserve.server.protocol import GenerateRequestBody, bootstrap_of
 from radixserve.server.streaming import (
     EventStreamResponse,
     Tagged,
@@ -77,6 +77,7 @@ def _inputs(body: GenerateRequestBody) -> list[GenerateInput]:
     else:
         rids = _per_prompt(body.rid, count, "rid")
     priorities = _per_prompt(body.priority, count, "priority")
+    bootstrap = bootstrap_of(body, sum(int(p.get("n", 1)) for p in params))
     return [
         GenerateInput(
             **prompt,
@@ -87,6 +88,7 @@ def _inputs(body: GenerateRequestBody) -> list[GenerateInput]:
             stream=body.stream,
             rid=rids[i],
             priority=priorities[i],
+            bootstrap=bootstrap,
         )
         for i, prompt in enumerate(prompts)
     ]

@@ -23,7 +23,7 @@ from radixserve.reasoning_parsers.base import ReasoningParser
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError
 from radixserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, bootstrap_of
 from radixserve.server.response_models import (
     AssistantMessage,
     ChatChoice,
@@ -164,6 +164,7 @@ class OpenAIServing:
                 400, "continue_final_message: the last message must be the assistant's", param="continue_final_message"
             )
         check_tools(req)
+        bootstrap = bootstrap_of(req, req.n)
         with runtime_errors(CHAT_RENAMES):
             ids = self.chat_template.encode(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -185,6 +186,7 @@ class OpenAIServing:
             stream=req.stream,
             rid=rid,
             priority=req.priority,
+            bootstrap=bootstrap,
         )
         results = start_generation(self.tm, [inp], CHAT_RENAMES)
         if req.stream:
@@ -295,6 +297,7 @@ class OpenAIServing:
         given = self._raw_prompts(req)
         # Text is tokenized like the native API does.
         prompts = [self.tm.tokenize(p) if isinstance(p, str) else list(p) for p in given]
+        bootstrap = bootstrap_of(req, len(prompts) * req.n)
         rid = f"cmpl-{uuid.uuid4().hex}"
         want_logprobs = req.logprobs is not None
         inputs = [
@@ -307,6 +310,7 @@ class OpenAIServing:
                 stream=req.stream,
                 rid=rid if len(prompts) == 1 else f"{rid}-{p}",
                 priority=req.priority,
+                bootstrap=bootstrap,
             )
             for p, ids in enumerate(prompts)
         ]

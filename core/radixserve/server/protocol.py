@@ -35,8 +35,10 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from radixserve.messages import Bootstrap
 from radixserve.request_limits import has_lone_surrogate
 from radixserve.sampling.params import INT64_MAX, INT64_MIN
+from radixserve.server.errors import bad_request
 from radixserve.structured_output.backend import GrammarSpec
 from radixserve.structured_output.request_specs import CONSTRAINT_FIELDS, ConstraintError, grammar_spec
 
@@ -141,6 +143,39 @@ class _OpenAIRequest(_Request):
     null_means_unset = True
 
 
+class _Disaggregated(BaseModel):
+    """SGLang's prefill/decode fields: a gateway sends one request to a prefill and a
+    decode worker with the same three, which pair the two halves."""
+
+    bootstrap_host: str | None = None
+    bootstrap_port: Int | None = None
+    bootstrap_room: Int | None = None
+
+    def bootstrap(self, sequences: int = 1) -> Bootstrap | None:
+        """The three together, or None; a ValueError names a missing one, or the room
+        when the request asks for more than one sequence (``sequences``: prompts times
+        ``n``): one room pairs one sequence's KV."""
+        given = {"bootstrap_host": self.bootstrap_host, "bootstrap_port": self.bootstrap_port}
+        given["bootstrap_room"] = self.bootstrap_room
+        if all(v is None for v in given.values()):
+            return None
+        missing = [name for name, v in given.items() if v is None]
+        if missing:
+            raise ValueError(f"{missing[0]}: required with the other bootstrap fields (prefill/decode pairing)")
+        if sequences != 1:
+            raise ValueError(f"bootstrap_room: one room pairs one sequence; this request asks for {sequences}")
+        assert self.bootstrap_host is not None and self.bootstrap_port is not None and self.bootstrap_room is not None
+        return Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
+
+
+def bootstrap_of(body: _Disaggregated, sequences: int) -> Bootstrap | None:
+    """``body.bootstrap(sequences)``, its ValueError a 400 naming the field."""
+    try:
+        return body.bootstrap(sequences)
+    except ValueError as exc:
+        raise bad_request(exc) from None
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
@@ -153,7 +188,7 @@ Int = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenIds = list[Int]
 
 
-class _SamplingRequest(_OpenAIRequest):
+class _SamplingRequest(_OpenAIRequest, _Disaggregated):
     """Fields common to chat and text completions."""
 
     model: str | None = None
@@ -398,7 +433,7 @@ class EmbeddingRequest(_OpenAIRequest):
     user: str | None = None  # accepted no-op, as in the other OpenAI requests
 
 
-class GenerateRequestBody(_Request):
+class GenerateRequestBody(_Request, _Disaggregated):
     """POST /generate, SGLang's native API: one prompt or a batch."""
 
     text: str | list[str] | None = None

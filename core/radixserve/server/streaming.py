@@ -50,7 +50,7 @@ def runtime_errors(renames: dict[str, str] | None = None) -> Iterator[None]:
     except RuntimeDeadError as exc:
         raise APIError(503, str(exc)) from exc  # the reason: a dead runtime, or a shutdown
     except RequestFailedError as exc:
-        raise APIError(500, f"the request failed in the runtime: {exc}") from exc
+        raise APIError(exc.status, f"the request failed in the runtime: {exc}") from exc
 
 
 def start_generation(

@@ -56,7 +56,12 @@ class RuntimeDeadError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """This request (only) failed inside the runtime, e.g. its text could not be decoded."""
+    """This request (only) failed inside the runtime, e.g. its text could not be decoded
+    (``status`` 500), or its KV never came from its prefill worker (502)."""
+
+    def __init__(self, message: str | None, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(kw_only=True)
@@ -432,16 +437,16 @@ def _trace_path(reply: dict[str, Any]) -> str:
 
 def _raise_if_rejected(finish: FinishReason) -> None:
     """The scheduler refused the request (a full queue, 503; input it cannot
-    serve, 400) or failed on it (500), raised as the exceptions the API layers
-    map to those statuses."""
+    serve, 400) or failed on it (500; 502: its prefill worker's KV never came),
+    raised as the exceptions the API layers map to those statuses."""
     if finish.type != "abort":
         return
     if finish.status_code == 503:
         raise QueueFullError(finish.message)
     if finish.status_code == 400:
         raise ValueError(finish.message)
-    if finish.status_code == 500:
-        raise RequestFailedError(finish.message)
+    if finish.status_code in (500, 502):
+        raise RequestFailedError(finish.message, finish.status_code)
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -40,6 +40,8 @@ if TYPE_CHECKING:  # torch and transformers: the spawning server may not have im
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
+# With only prefill/decode transfers pending: how long the loop waits for a message before it looks at them again.
+TRANSFER_POLL_MS = 1
 
 
 def scheduler_process_name(rank: RankSpec | None, dp_rank: int | None = None) -> str:
@@ -107,6 +109,8 @@ def run_scheduler_process(
         if leader is not None:
             if not scheduler.has_work():
                 leader.poller.poll(IDLE_POLL_MS)
+            elif scheduler.only_transfers_pending():
+                leader.poller.poll(TRANSFER_POLL_MS)
             while True:
                 try:
                     messages.append(leader.recv.recv_pyobj(zmq.NOBLOCK))

@@ -16,6 +16,8 @@ import logging
 from functools import partial
 from typing import Any, cast
 
+import torch
+
 from radixserve.cache.chunk_cache import ChunkCache
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.checkpoints.loader import eos_token_ids
@@ -31,6 +33,7 @@ from radixserve.runtime.execution.model_worker import LaunchedStep, ModelWorker,
 from radixserve.runtime.execution.profiler import StepProfiler
 from radixserve.runtime.execution.request import HoldsKV, Req
 from radixserve.runtime.execution.sampler import Sampler
+from radixserve.runtime.scheduling.disaggregation import DecodeArrivals, FirstToken, PrefillHandoff, kv_side
 from radixserve.runtime.scheduling.intake import Intake
 from radixserve.runtime.scheduling.kv_ledger import KVLedger
 from radixserve.runtime.scheduling.outbox import Outbox, add_input_logprobs
@@ -84,6 +87,12 @@ class Scheduler:
         self._launching: list[Req] | None = None  # the requests of the step being launched
         self._in_flight: LaunchedStep | None = None  # launched, not awaited yet (overlap)
         self._unprocessed: LaunchedStep | None = None  # awaited, tokens not digested yet
+        # Prefill/decode disaggregation (disaggregation.py): the part of this worker's mode.
+        mode = args.disaggregation_mode
+        side = kv_side(runner.kv_pool, runner.platform.name) if mode != "null" else None
+        registry = registry or get_registry()
+        self.handoff = PrefillHandoff(args, runner.kv_pool, side, registry) if side and mode == "prefill" else None
+        self.arrivals = DecodeArrivals(args, runner.kv_pool, side, registry) if side and mode == "decode" else None
 
     # ---- intake ------------------------------------------------------------
     def add_request(self, msg: GenerateRequest | Req) -> None:
@@ -92,13 +101,31 @@ class Scheduler:
         req, refusal = self.intake.receive(msg)
         self._by_rid[req.rid] = req
         self.rope_sets.choose(req)
+        if refusal is None and req.bootstrap is not None and (self.handoff is not None or self.arrivals is not None):
+            refusal = self._disaggregation_refusal(req)
         if refusal is None and self._queue_full():
             message = f"too many queued requests; --max-queued-requests is {self.args.max_queued_requests}"
             refusal = FinishReason(type="abort", status_code=503, message=message)
         if refusal is not None:
             self._finish(req, refusal)
+        elif req.bootstrap is not None and self.arrivals is not None:
+            self.arrivals.add(req)  # its KV comes from the prefill worker
         else:  # a request with a grammar waits in the grammar queue until it is compiled
             (self.waiting if req.sampling_params.grammar is None else self.grammars).append(req)
+
+    def _disaggregation_refusal(self, req: Req) -> FinishReason | None:
+        """What a disaggregated request asks for that a pair does not serve yet; on the
+        prefill side it is cut to its first token (the decode worker makes the rest)."""
+        if req.sampling_params.grammar is not None:
+            message = "structured output (response_format, regex, ...) is not served by a prefill/decode pair yet"
+        elif self.arrivals is not None and req.wants_input_logprobs:
+            message = "logprob_start_len: a decode worker does not compute prompt logprobs"
+        else:
+            if self.handoff is not None:
+                params = req.sampling_params
+                params.max_new_tokens, params.min_new_tokens = 1, min(params.min_new_tokens, 1)
+            return None
+        return FinishReason(type="abort", status_code=400, message=message)
 
     def _queue_full(self) -> bool:
         """Waiting requests beyond the free running slots are the queue."""
@@ -112,7 +139,9 @@ class Scheduler:
         computing = {id(r) for step in (self._in_flight, self._unprocessed) if step is not None for r in step.reqs}
         for req in (r for r in targets if not r.finished):
             self._dequeue(req)
-            if id(req) in computing:
+            if self.arrivals is not None and self.arrivals.remove(req):
+                self.ledger.discard(req)  # its KV had not all come
+            elif id(req) in computing:
                 self.ledger.discard(req)  # its KV of the step still computing is not worth caching
             else:
                 self.ledger.release(req)
@@ -120,7 +149,15 @@ class Scheduler:
 
     # ---- the step pipeline ---------------------------------------------------
     def has_work(self) -> bool:
-        return self._busy() or bool(self.grammars)
+        return self._busy() or bool(self.grammars) or self._transfers_pending()
+
+    def only_transfers_pending(self) -> bool:
+        """Nothing to compute, only KV on its way to or from the other worker of a
+        prefill/decode pair: the process loop may wait for messages a moment."""
+        return self._transfers_pending() and not (self._busy() or self.grammars)
+
+    def _transfers_pending(self) -> bool:
+        return bool(self.handoff) or bool(self.arrivals)
 
     def _busy(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req or self._in_flight or self._unprocessed)
@@ -140,6 +177,10 @@ class Scheduler:
         that batch with an error and frees their memory; the scheduler goes on."""
         with self.rates.measure(self.totals):
             self.grammars.poll(not self._busy(), ready=self.waiting.append, refused=self._finish)
+            if self.handoff is not None:
+                self.handoff.poll(release=self.ledger.release)
+            if self.arrivals is not None:
+                self.arrivals.poll(self._open_room, self._kv_arrived, self._kv_failed)
             self._launching = None
             # Rows released so far may still be read by the step in flight: reuse them once it is done.
             held = self.ledger.take_released_rows()
@@ -371,7 +412,58 @@ class Scheduler:
 
     def _finish_running(self, req: Req, reason: FinishReason) -> None:
         self._dequeue(req)
-        self.ledger.release(req)
+        if self.handoff is not None and req.bootstrap is not None and reason.type != "abort" and req.output_ids:
+            # Its first token answers its client now; its KV stays until the decode worker has it.
+            self.handoff.hold(req, self.runner.req_to_token_pool.req_to_token)
+        else:
+            self.ledger.release(req)
+        self._finish(req, reason)
+
+    # ---- the decode side of a prefill/decode pair ------------------------------------
+    def _open_room(self, req: Req) -> torch.Tensor | None:
+        """Preallocate KV slots for a disaggregated request's prompt (its KV comes from
+        the prefill worker); None while there is no room for it yet."""
+        prompt = len(req.origin_input_ids)
+        need = self.ledger.pages_needed([0], [prompt]) * self.ledger.page_size
+        holding = len(self.ledger.holders())  # running, being prefilled, waiting for their KV
+        if self.ledger.free_rows() < 1 or self.ledger.room() < need or holding >= self.max_running:
+            return None
+        match = self.ledger.match([], req.cache_namespace)  # no prefix: the whole prompt's KV comes
+        self.ledger.pin(match)
+        self.ledger.admit(req, match)
+        table = self.runner.req_to_token_pool
+        row = cast("HoldsKV", req).kv.row
+
+        def record(slots: list[int]) -> torch.Tensor:
+            written = torch.tensor(slots, dtype=torch.int64, device=table.req_to_token.device)
+            table.write(row, 0, written)
+            return written
+
+        if req.first_admission(0):
+            self.totals.count_admission(prompt, 0)
+        return self.ledger.allocate([req], [prompt], record)
+
+    def _kv_arrived(self, req: Req, first: FirstToken) -> None:
+        """Its prompt's KV and first token have come: it decodes from the next step on."""
+        req.mark_prompt_done()
+        self.runner.req_to_token_pool.write_tokens(
+            cast("HoldsKV", req).kv.row, len(req.origin_input_ids), [first.token]
+        )
+        req.output_ids.append(first.token)
+        self.totals.generation_tokens += 1
+        if req.return_logprob:
+            req.output_token_logprobs.append((first.logprob if first.logprob is not None else 0.0, first.token))
+            if req.top_logprobs_num > 0:
+                req.output_top_logprobs.append(first.top_logprobs or [])
+        reason = self.stop_checker.check(req.sampling_params, req.output_ids)
+        if reason is not None:
+            self._finish_running(req, reason)
+        else:
+            self.running.append(req)
+            self.outbox.touch(req)
+
+    def _kv_failed(self, req: Req, reason: FinishReason) -> None:
+        self.ledger.discard(req)
         self._finish(req, reason)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:

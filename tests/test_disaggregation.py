@@ -1,0 +1,123 @@
+"""Prefill/decode disaggregation with real workers on 127.0.0.1: a prefill worker and a
+decode worker given the same request with SGLang's bootstrap fields (as a gateway
+sends it) answer, on the decode side, with the greedy tokens an ordinary worker gives,
+streamed or not; the KV went through the built-in tcp backend, and both pools are whole
+afterwards. A room that never gets its KV ends with a 502 saying why, freeing its pages."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from helpers_pool import ServerPool, assert_whole_pool_back
+from helpers_server import ServerProcess
+
+COMMON = ("--served-model-name", "tiny", "--max-total-tokens", "4096", "--skip-server-warmup")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_llama_dir: Path) -> Iterator[dict[str, Any]]:
+    bootstrap_port = _free_port()
+    model = ("--model", str(tiny_llama_dir), *COMMON)
+    prefill = ServerProcess(
+        *model, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port)
+    )
+    decode = ServerProcess(*model, "--disaggregation-mode", "decode", "--disaggregation-timeout-secs", "6")
+    plain = ServerProcess(*model)
+    servers = (prefill, decode, plain)
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield {"prefill": prefill, "decode": decode, "plain": plain, "bootstrap_port": bootstrap_port}
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _paired(workers: dict[str, Any], path: str, body: dict[str, Any], room: int) -> tuple[httpx.Response, str]:
+    """Send ``body`` to both workers at once, as a gateway does; the prefill worker's
+    response and the decode worker's (its text when streamed)."""
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": workers["bootstrap_port"], "bootstrap_room": room}
+    paired = {**body, **fields}
+
+    def decode() -> str:
+        if not body.get("stream"):
+            answer = httpx.post(workers["decode"].url + path, json=paired, timeout=120)
+            assert answer.status_code == 200, answer.text
+            return answer.text
+        with httpx.stream("POST", workers["decode"].url + path, json=paired, timeout=120) as answer:
+            assert answer.status_code == 200, answer.read()
+            return "".join(answer.iter_text())
+
+    with ThreadPoolExecutor(2) as pool:
+        decoding = pool.submit(decode)
+        prefilled = pool.submit(httpx.post, workers["prefill"].url + path, json=paired, timeout=120)
+        return prefilled.result(), decoding.result()
+
+
+def _streamed_text(events: str) -> str:
+    chunks = [json.loads(line[6:]) for line in events.splitlines() if line.startswith("data: {")]
+    return "".join(c["choices"][0]["text"] for c in chunks if c.get("choices"))
+
+
+def test_a_pair_gives_the_greedy_tokens_of_an_ordinary_worker(workers):
+    body = {"model": "tiny", "prompt": "the quick brown fox", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    expected = httpx.post(workers["plain"].url + "/v1/completions", json=body, timeout=120).json()
+    prefilled, decoded = _paired(workers, "/v1/completions", body, room=11)
+    assert prefilled.status_code == 200, prefilled.text
+    answer = json.loads(decoded)
+    assert answer["choices"][0]["text"] == expected["choices"][0]["text"]
+    assert answer["usage"]["completion_tokens"] == 24
+    # The prefill worker answered with the first token alone.
+    assert prefilled.json()["usage"]["completion_tokens"] == 1
+    assert expected["choices"][0]["text"].startswith(prefilled.json()["choices"][0]["text"])
+
+    _, streamed = _paired(workers, "/v1/completions", {**body, "stream": True}, room=12)
+    assert _streamed_text(streamed) == expected["choices"][0]["text"]
+
+    native = {"text": "a longer prompt " * 20, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+    expected_native = httpx.post(workers["plain"].url + "/generate", json=native, timeout=120).json()
+    _, decoded_native = _paired(workers, "/generate", native, room=13)
+    assert json.loads(decoded_native)["text"] == expected_native["text"]
+    for side in ("prefill", "decode"):
+        assert_whole_pool_back(ServerPool(workers[side].url))
+
+
+def test_a_room_whose_kv_never_comes_ends_with_a_502_and_frees_its_pages(workers):
+    body = {
+        "model": "tiny",
+        "prompt": "nobody prefills this",
+        "max_tokens": 8,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": _free_port(),  # no prefill worker there
+        "bootstrap_room": 99,
+    }
+    answer = httpx.post(workers["decode"].url + "/v1/completions", json=body, timeout=120)
+    assert answer.status_code == 502, answer.text
+    assert "prefill/decode transfer failed" in answer.json()["error"]["message"]
+    assert_whole_pool_back(ServerPool(workers["decode"].url))
+    # The worker goes on serving.
+    plain = {k: v for k, v in body.items() if not k.startswith("bootstrap_")}
+    ok = httpx.post(workers["decode"].url + "/v1/completions", json=plain, timeout=120)
+    assert ok.status_code == 200, ok.text
+
+
+def test_bootstrap_fields_come_together_and_pair_one_sequence(workers):
+    url = workers["decode"].url + "/v1/completions"
+    partial = httpx.post(url, json={"model": "tiny", "prompt": "x", "bootstrap_room": 5}, timeout=30)
+    assert partial.status_code == 400 and partial.json()["error"]["param"] == "bootstrap_host"
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 5}
+    many = httpx.post(url, json={"model": "tiny", "prompt": "x", "n": 2, **fields}, timeout=30)
+    assert many.status_code == 400 and many.json()["error"]["param"] == "bootstrap_room"
