@@ -2,12 +2,12 @@
 decode worker given the same request with SGLang's bootstrap fields (as a gateway
 sends it) answer, on the decode side, with the greedy tokens an ordinary worker gives,
 streamed or not; the KV went through the built-in tcp backend, and both pools are whole
-afterwards. A room that never gets its KV ends with a 502 saying why, freeing its pages."""
+afterwards; the same pair behind SGLang's gateway, smg 1.13 in its PD mode. A room that
+never gets its KV ends with a 502 saying why, freeing its pages."""
 
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,20 +16,15 @@ from typing import Any
 import httpx
 import pytest
 from helpers_pool import ServerPool, assert_whole_pool_back
-from helpers_server import ServerProcess
+from helpers_server import ServerProcess, wait_until
+from helpers_smg import NOT_INSTALLED, SMG_COMMANDS, SMG_TIMEOUT_S, free_port, smg
 
 COMMON = ("--served-model-name", "tiny", "--max-total-tokens", "4096", "--skip-server-warmup")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def workers(tiny_llama_dir: Path) -> Iterator[dict[str, Any]]:
-    bootstrap_port = _free_port()
+    bootstrap_port = free_port()
     model = ("--model", str(tiny_llama_dir), *COMMON)
     prefill = ServerProcess(
         *model, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port)
@@ -101,7 +96,7 @@ def test_a_room_whose_kv_never_comes_ends_with_a_502_and_frees_its_pages(workers
         "prompt": "nobody prefills this",
         "max_tokens": 8,
         "bootstrap_host": "127.0.0.1",
-        "bootstrap_port": _free_port(),  # no prefill worker there
+        "bootstrap_port": free_port(),  # no prefill worker there
         "bootstrap_room": 99,
     }
     answer = httpx.post(workers["decode"].url + "/v1/completions", json=body, timeout=120)
@@ -121,3 +116,39 @@ def test_bootstrap_fields_come_together_and_pair_one_sequence(workers):
     fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 5}
     many = httpx.post(url, json={"model": "tiny", "prompt": "x", "n": 2, **fields}, timeout=30)
     assert many.status_code == 400 and many.json()["error"]["param"] == "bootstrap_room"
+
+
+def _access(server: ServerProcess, path: str) -> list[str]:
+    return [line for line in server.lines if f"POST {path} 200" in line]
+
+
+def test_the_pair_serves_behind_smg_in_pd_mode(workers, tmp_path):
+    command = SMG_COMMANDS["1.13"]
+    if command is None:
+        pytest.skip(NOT_INSTALLED.format(version="1.13"))
+    prefill, decode = workers["prefill"], workers["decode"]
+    args = ["--pd-disaggregation", "--prefill", prefill.url, str(workers["bootstrap_port"]), "--decode", decode.url]
+    args += ["--prometheus-port", str(free_port())]
+    body = {"model": "tiny", "prompt": "gateways pair the halves", "max_tokens": 16, "temperature": 0}
+    expected = httpx.post(workers["plain"].url + "/v1/completions", json=body, timeout=120).json()
+    seen = {side: len(_access(workers[side], "/v1/completions")) for side in ("prefill", "decode")}
+    with smg(command, args, tmp_path / "smg.log") as gateway:
+
+        def serves() -> bool:
+            try:
+                return httpx.get(gateway + "/v1/models", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        assert wait_until(serves, SMG_TIMEOUT_S, 0.5), (tmp_path / "smg.log").read_text()[-3000:]
+        answer = httpx.post(gateway + "/v1/completions", json=body, timeout=120)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["text"] == expected["choices"][0]["text"]
+        with httpx.stream("POST", gateway + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            assert _streamed_text("".join(r.iter_text())) == expected["choices"][0]["text"]
+    # smg sent each request to both: the prefill worker made the first token, the decode worker the rest.
+    assert wait_until(lambda: len(_access(decode, "/v1/completions")) == seen["decode"] + 2, 10)
+    new_prefill = _access(prefill, "/v1/completions")[seen["prefill"] :]
+    assert len(new_prefill) == 2 and all(" completion=1 " in line for line in new_prefill), new_prefill
+    for side in ("prefill", "decode"):
+        assert_whole_pool_back(ServerPool(workers[side].url))

@@ -5,11 +5,8 @@ SGLang model gateway (``smg`` 0.3.2 and 1.13) fronting two radixserve workers.""
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import shutil
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +17,7 @@ import httpx
 import openai
 import pytest
 from helpers_server import ServerProcess, serving, wait_until
+from helpers_smg import NOT_INSTALLED, SMG_COMMANDS, SMG_TIMEOUT_S, smg
 
 from radixserve.config import ServerArgs
 from radixserve.runtime.scheduling.stats import ServingTotals, StepRates
@@ -319,40 +317,6 @@ def test_an_http2_preface_is_505(server):
 
 # ---- the SGLang model gateway in front of two workers ----------------------------------------------
 
-# The gateway's two lines: sglang-router 0.3.2 (the dev extra, on PATH) and smg 1.13, which
-# installs a command of the same name and so lives in its own environment, made by .ci/run:
-#     python -m venv .venv-smg-1.13 && .venv-smg-1.13/bin/pip install -r requirements-smg-1.13.txt
-SMG_COMMANDS = {
-    "0.3.2": shutil.which("smg"),
-    "1.13": str(SMG_1_13)
-    if (SMG_1_13 := Path(__file__).resolve().parent.parent / ".venv-smg-1.13/bin/smg").exists()
-    else None,
-}
-SMG_TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _smg(command: str, worker_urls: list[str], log: Path, flags: list[str]) -> Iterator[str]:
-    port = _free_port()
-    cmd = [command, "launch", "--worker-urls", *worker_urls, *flags]
-    with open(log, "w") as out:
-        proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=out, stderr=out)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
 
 def _registered(url: str, count: int) -> list[dict[str, Any]]:
     """smg's workers once ``count`` are registered and healthy, else []."""
@@ -394,10 +358,7 @@ def gateway_workers(tiny_llama_dir):
 def test_smg_fronts_two_workers(version, gateway_workers, tmp_path):
     command = SMG_COMMANDS[version]
     if command is None:
-        pytest.skip(
-            f"smg {version} is not installed (0.3.2: sglang-router==0.3.2, the dev extra; 1.13: "
-            "python -m venv .venv-smg-1.13 && .venv-smg-1.13/bin/pip install -r requirements-smg-1.13.txt)"
-        )
+        pytest.skip(NOT_INSTALLED.format(version=version))
     one, two = gateway_workers
     urls = [one.url, two.url]
     seen = {server: len(_access_lines(server)) for server in (one, two)}  # what earlier tests logged
@@ -414,7 +375,7 @@ def test_smg_fronts_two_workers(version, gateway_workers, tmp_path):
     smg_log = tmp_path / "smg.log"
     # 1.13 polls the workers' loads (/v1/loads) only for a load-aware policy; every second here
     flags = ["--policy", "least_load", "--load-monitor-interval", "1"] if version == "1.13" else []
-    with _smg(command, urls, smg_log, flags or ["--policy", "cache_aware"]) as gateway:
+    with smg(command, ["--worker-urls", *urls, *(flags or ["--policy", "cache_aware"])], smg_log) as gateway:
         workers: list[dict[str, Any]] = []
         assert wait_until(lambda: workers.extend(_registered(gateway, 2)) or workers, SMG_TIMEOUT_S, 0.5), (
             smg_log.read_text()
