@@ -152,3 +152,42 @@ def test_the_pair_serves_behind_smg_in_pd_mode(workers, tmp_path):
     assert len(new_prefill) == 2 and all(" completion=1 " in line for line in new_prefill), new_prefill
     for side in ("prefill", "decode"):
         assert_whole_pool_back(ServerPool(workers[side].url))
+
+
+def test_our_router_pairs_them_and_retries_a_pair_whose_prefill_side_fails(workers, tiny_llama_dir):
+    """``radixserve router --pd-disaggregation``: the client sees one worker's answer; a
+    second prefill worker that dies is routed around (the try fails, the decode side's
+    request is ended, another pair answers), and no KV stays held anywhere."""
+    spare_port = free_port()
+    model = ("--model", str(tiny_llama_dir), *COMMON)
+    spare = ServerProcess(
+        *model, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(spare_port)
+    )
+    with spare:
+        spare.wait_ready()
+        _route_around_a_dead_prefill_worker(workers, spare)
+    for side in ("prefill", "decode"):
+        assert_whole_pool_back(ServerPool(workers[side].url))
+
+
+def _route_around_a_dead_prefill_worker(workers: dict[str, Any], spare: ServerProcess) -> None:
+    prefill, decode = workers["prefill"], workers["decode"]
+    flags = ["--pd-disaggregation", "--prefill", prefill.url, str(workers["bootstrap_port"])]
+    flags += ["--prefill", spare.url, "--decode", decode.url, "--prefill-policy", "round_robin"]
+    flags += ["--health-check-interval-secs", "0.5", "--retry-initial-backoff-ms", "10"]
+    body = {"model": "tiny", "prompt": "routers pair the halves too", "max_tokens": 16, "temperature": 0}
+    expected = httpx.post(workers["plain"].url + "/v1/completions", json=body, timeout=120).json()
+    with ServerProcess(*flags, command="router") as router:
+        router.wait_ready(60)
+        for _ in range(2):  # round robin: each prefill worker once
+            answer = httpx.post(router.url + "/v1/completions", json=body, timeout=120)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["text"] == expected["choices"][0]["text"]
+        with httpx.stream("POST", router.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+            assert _streamed_text("".join(r.iter_text())) == expected["choices"][0]["text"]
+        assert [line for line in _access(spare, "/v1/completions") if " completion=1 " in line]  # it served
+        spare.stop()  # now every other pair's prefill side is gone
+        for _ in range(3):
+            answer = httpx.post(router.url + "/v1/completions", json=body, timeout=120)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["text"] == expected["choices"][0]["text"]

@@ -15,6 +15,8 @@ from dataclasses import field
 from typing import Any, Literal, TypeVar, Union
 
 T = TypeVar("T", bound="CliArgs")
+# The kind of a ``list[list[str]]`` field: each use of its flag adds one list (``--prefill URL PORT``).
+NESTED = "a list per use"
 
 
 def flag(help: str, **kw: Any) -> Any:
@@ -51,15 +53,28 @@ class CliArgs:
                     *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"]
                 )
                 continue
+            if kind is NESTED:  # each use of the flag adds one list of values
+                parser.add_argument(
+                    *flags,
+                    dest=f.name,
+                    action="append",
+                    nargs="+",
+                    default=default,
+                    metavar=f.metadata.get("metavar"),
+                    help=f"{f.metadata['help']} (repeatable; default: {default})",
+                )
+                continue
+            repeat = kind is list and f.metadata.get("repeat", False)  # each use adds its values
             parser.add_argument(
                 *flags,
                 dest=f.name,
                 type=str if kind is list else kind,
-                nargs="*" if kind is list else None,
+                nargs=("+" if repeat else "*") if kind is list else None,
+                action="extend" if repeat else "store",
                 default=default,
                 choices=choices,
                 metavar=f.metadata.get("metavar"),
-                help=f"{f.metadata['help']} (default: {default})",
+                help=f"{f.metadata['help']} ({'repeatable; ' if repeat else ''}default: {default})",
             )
 
     @classmethod
@@ -80,7 +95,8 @@ def cli_type(owner: str, name: str, hint: Any) -> tuple[Any, tuple[Any, ...] | N
     """The argparse type, and the choices (None: any value), of the field ``owner.name``
     whose resolved annotation is ``hint``: ``Optional[X]`` (or ``X | None``) is ``X`` (None
     stays the default's); ``Literal[...]`` of one type is that type with its values as
-    choices; ``list[str]`` is ``list`` (values are strings); ``bool``, ``int``, ``float``
+    choices; ``list[str]`` is ``list`` (values are strings; ``flag(repeat=True)`` lets its
+    flag be given several times), ``list[list[str]]`` is ``NESTED``; ``bool``, ``int``, ``float``
     and ``str`` are themselves. Any other annotation has no command-line form, and is a
     TypeError naming the field."""
     if typing.get_origin(hint) in (Union, types.UnionType):
@@ -96,6 +112,8 @@ def cli_type(owner: str, name: str, hint: Any) -> tuple[Any, tuple[Any, ...] | N
         return kinds.pop(), values
     if typing.get_origin(hint) is list and typing.get_args(hint) == (str,):
         return list, None
+    if typing.get_origin(hint) is list and typing.get_args(hint) == (list[str],):
+        return NESTED, None
     if hint in (bool, int, float, str):
         return hint, None
     raise TypeError(f"{owner}.{name}: no command-line form for {hint}")

@@ -34,7 +34,7 @@ from radixserve.router.fleet import Fleet
 from radixserve.router.forwarder import Forwarder
 from radixserve.router.latency import DecisionLog
 from radixserve.router.metrics import RouterMetrics
-from radixserve.router.policies import make_policy
+from radixserve.router.policies import PairPolicies, make_policy
 from radixserve.router.request_info import TokenEstimator
 from radixserve.router.upstream import Upstream, UpstreamError
 from radixserve.server.errors import APIError, error_response, install_error_handlers
@@ -77,8 +77,9 @@ def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: N
         metrics,
     )
     upstream = Upstream(args.request_timeout_secs)
-    fleet = Fleet(args, upstream, policy, metrics)
-    forwarder = Forwarder(args, upstream, fleet, policy, admission, metrics, estimator)
+    pair = PairPolicies.of(args) if args.pd_disaggregation else None
+    fleet = Fleet(args, upstream, [policy, *((pair.prefill, pair.decode) if pair else ())], metrics)
+    forwarder = Forwarder(args, upstream, fleet, policy, admission, metrics, estimator, pair)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

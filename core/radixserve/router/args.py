@@ -20,6 +20,21 @@ class RouterArgs(CliArgs):
         "in turn): " + describe("router"),
         default="latency_aware",
     )
+    # prefill/decode disaggregation (SGLang's gateway spelling)
+    pd_disaggregation: bool = flag(
+        "pair a prefill worker and a decode worker for each generation request (their --disaggregation-mode)",
+        default=False,
+    )
+    prefill: list[list[str]] = flag(
+        "a prefill worker: URL [BOOTSTRAP_PORT] (unset port: the one the worker reports)", default=[]
+    )
+    decode: list[str] = flag("a decode worker's URL", default=[], repeat=True)
+    prefill_policy: RouterPolicy | None = flag(
+        "how the prefill worker of a pair is chosen (unset: --policy)", default=None
+    )
+    decode_policy: RouterPolicy | None = flag(
+        "how the decode worker of a pair is chosen (unset: --policy)", default=None
+    )
     host: str = flag("HTTP host", default="127.0.0.1")
     port: int = flag("HTTP port (0 picks a free one)", default=30000)
     api_key: str | None = flag("require this bearer token on the inference routes", default=None)
@@ -95,9 +110,20 @@ class RouterArgs(CliArgs):
             raise ValueError(f"{name}: {msg}")
 
         self.worker_urls = [normalize_url(url) for url in self.worker_urls]
-        problem = policy_error(self.policy, "router")
-        if problem is not None:
-            bad("policy", problem)
+        for name in ("policy", "prefill_policy", "decode_policy"):
+            value = getattr(self, name)
+            problem = policy_error(value, "router") if value is not None else None
+            if problem is not None:
+                bad(name, problem)
+        for entry in self.prefill:
+            if len(entry) > 2 or (len(entry) == 2 and not (entry[1].isdigit() or entry[1] == "none")):
+                bad("prefill", f"expected URL [BOOTSTRAP_PORT], got {' '.join(entry)!r}")
+        self.prefill = [[normalize_url(entry[0]), *entry[1:]] for entry in self.prefill]
+        self.decode = [normalize_url(url) for url in self.decode]
+        if self.pd_disaggregation and not (self.prefill and self.decode):
+            bad("pd_disaggregation", "needs at least one --prefill and one --decode worker")
+        if not self.pd_disaggregation and (self.prefill or self.decode):
+            bad("prefill" if self.prefill else "decode", "prefill and decode workers need --pd-disaggregation")
         if not 0 <= self.cache_threshold <= 1:
             bad("cache_threshold", f"must be in [0, 1], got {self.cache_threshold}")
         if not 0 <= self.port <= 65535:
@@ -115,6 +141,11 @@ class RouterArgs(CliArgs):
             bad("decision_log_size", f"must be >= 0, got {self.decision_log_size}")
         if self.queue_size < 0:
             bad("queue_size", f"must be >= 0, got {self.queue_size}")
+
+    @property
+    def prefill_bootstrap_ports(self) -> dict[str, int | None]:
+        """Each prefill worker's URL and its bootstrap port when given (None: as it reports)."""
+        return {entry[0]: int(entry[1]) if len(entry) == 2 and entry[1] != "none" else None for entry in self.prefill}
 
 
 def normalize_url(url: str) -> str:

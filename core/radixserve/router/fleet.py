@@ -31,10 +31,16 @@ class WorkerNotReady(Exception):
 
 
 class Fleet:
-    def __init__(self, args: RouterArgs, upstream: Upstream, policy: Policy, metrics: RouterMetrics):
-        self.args, self.upstream, self.policy, self.metrics = args, upstream, policy, metrics
+    """``policies``: every policy object routing over this fleet (each forgets a worker
+    that leaves). With ``--pd-disaggregation`` the ``--prefill`` and ``--decode`` workers
+    have those roles; the others (``--worker-urls``, ``POST /workers``) have none."""
+
+    def __init__(self, args: RouterArgs, upstream: Upstream, policies: list[Policy], metrics: RouterMetrics):
+        self.args, self.upstream, self.policies, self.metrics = args, upstream, policies, metrics
         self.workers: dict[str, Worker] = {}
-        self.pending: set[str] = set(args.worker_urls)
+        self.bootstrap_ports = args.prefill_bootstrap_ports
+        self.roles = {url: "prefill" for url in self.bootstrap_ports} | {url: "decode" for url in args.decode}
+        self.pending: set[str] = set(args.worker_urls) | set(self.roles)
         self.no_load_report: set[str] = set()
         admin_key = args.worker_admin_api_key or args.worker_api_key
         self.headers = {"Authorization": f"Bearer {args.worker_api_key}"} if args.worker_api_key else {}
@@ -76,7 +82,8 @@ class Fleet:
         worker = self.workers.pop(url, None)
         if worker is None:
             return False
-        self.policy.forget(url)
+        for policy in self.policies:
+            policy.forget(url)
         self.metrics.worker_left(worker)
         logger.info("worker %s removed", url)
         return True
@@ -88,9 +95,16 @@ class Fleet:
         return by_model
 
     # ---- routing -----------------------------------------------------------------------
-    def candidates(self, model: str | None, needs: dict[str, str], exclude: set[str]) -> list[Worker]:
-        """The workers that may take a request now; an APIError saying why when none may."""
+    def candidates(
+        self, model: str | None, needs: dict[str, str], exclude: set[str], role: str | None = None
+    ) -> list[Worker]:
+        """The workers (of ``role``, prefill or decode, when given) that may take a request
+        now; an APIError saying why when none may."""
         serving = self._serving(model)
+        if role is not None:
+            serving = [w for w in serving if self.roles.get(w.url) == role]
+            if not serving:
+                raise APIError(503, f"no {role} worker serves model {model!r}", code="no_worker_available")
         for feature, param in needs.items():
             serving = [w for w in serving if w.facts.supports(feature)]
             if not serving:
@@ -106,6 +120,16 @@ class Fleet:
         if available:  # every worker was tried: try them again rather than fail
             return available
         raise APIError(503, f"no healthy worker serves model {model!r} now; retry later", code="no_worker_available")
+
+    def bootstrap_of(self, worker: Worker) -> tuple[str, int]:
+        """Where a prefill worker's bootstrap listener is: its host and bootstrap port
+        (``--prefill URL PORT``, else the one it reports)."""
+        port = self.bootstrap_ports.get(worker.url) or worker.facts.bootstrap_port
+        if port is None:
+            raise APIError(
+                503, f"prefill worker {worker.url} reports no bootstrap port; give it with --prefill URL PORT"
+            )
+        return worker.url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]"), port
 
     def _serving(self, model: str | None) -> list[Worker]:
         by_model = self.models()
@@ -167,7 +191,8 @@ class Fleet:
         worker.healthy = True
         worker.breaker.reset()
         worker.forget_load()
-        self.policy.forget(worker.url)
+        for policy in self.policies:
+            policy.forget(worker.url)
         logger.info("worker %s is healthy again", worker.url)
 
     async def _read_load(self, worker: Worker) -> None:
@@ -202,6 +227,8 @@ class Fleet:
             max_running_requests=facts.get("max_running_requests"),
             prefill_step_tokens=facts.get("prefill_step_tokens"),
             features=facts.get("features") or {},
+            disaggregation_mode=server_info.get("disaggregation_mode") or "null",
+            bootstrap_port=server_info.get("disaggregation_bootstrap_port"),
         )
 
     async def _get_json(self, url: str, path: str, required: bool = False) -> Any:

@@ -24,8 +24,10 @@ import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import Any
 
 import aiohttp
 from starlette.types import Receive, Scope, Send
@@ -34,7 +36,7 @@ from radixserve.router.admission import Admission
 from radixserve.router.args import RouterArgs
 from radixserve.router.fleet import Fleet
 from radixserve.router.metrics import RouterMetrics
-from radixserve.router.policies import Policy
+from radixserve.router.policies import PairPolicies, Policy
 from radixserve.router.request_info import RequestInfo, TokenEstimator, parse_body, read_request, usage_prompt_tokens
 from radixserve.router.upstream import TRANSPORT_ERRORS, Upstream, UpstreamError
 from radixserve.router.worker import Work, Worker
@@ -43,6 +45,8 @@ from radixserve.server.errors import APIError, error_body, error_response
 logger = logging.getLogger("radixserve.router.access")
 
 CLIENT_CLOSED = 499  # the client left before the answer was complete (nginx's code)
+# The routes a prefill/decode pair serves (the others go to any one worker).
+PAIRED_ROUTES = frozenset({"chat", "completions", "generate"})
 RETRYABLE_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 # Hop-by-hop and framing headers are the router's own business on each side.
 _DROPPED_HEADERS = frozenset(
@@ -53,9 +57,16 @@ _PASSED_REQUEST_HEADERS = frozenset({b"x-request-id", b"accept"})
 
 
 class TryFailed(Exception):
-    def __init__(self, kind: str, detail: str, response: aiohttp.ClientResponse | None = None, body: bytes = b""):
+    def __init__(
+        self,
+        worker: Worker,
+        kind: str,
+        detail: str,
+        response: aiohttp.ClientResponse | None = None,
+        body: bytes = b"",
+    ):
         super().__init__(detail)
-        self.kind, self.detail, self.response, self.body = kind, detail, response, body
+        self.worker, self.kind, self.detail, self.response, self.body = worker, kind, detail, response, body
 
 
 @dataclass
@@ -71,6 +82,18 @@ class Answer:
     @property
     def streaming(self) -> bool:
         return self.rest is not None
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """What every try of one request sends: method, path and query, headers, and what
+    routing read of it; ``trip`` records the tries."""
+
+    method: str
+    target: str
+    headers: dict[str, str]
+    info: RequestInfo
+    trip: Trip
 
 
 @dataclass
@@ -102,9 +125,12 @@ class Forwarder:
         admission: Admission,
         metrics: RouterMetrics,
         estimator: TokenEstimator,
+        pair: PairPolicies | None = None,
     ):
+        """``pair``: with ``--pd-disaggregation``, the policies that choose each request's
+        prefill and decode workers."""
         self.args, self.upstream, self.fleet, self.policy = args, upstream, fleet, policy
-        self.admission, self.metrics, self.estimator = admission, metrics, estimator
+        self.admission, self.metrics, self.estimator, self.pair = admission, metrics, estimator, pair
         self.rng = random.Random()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
@@ -113,7 +139,8 @@ class Forwarder:
         trip = Trip(scope["method"], scope["path"])
         try:
             body = await _read_body(receive)
-            info = read_request(route, parse_body(body), self.estimator)
+            payload = parse_body(body)
+            info = read_request(route, payload, self.estimator)
         except APIError as exc:
             await error_response(exc.status, exc.message, exc.param, exc.code)(scope, receive, send)
             return
@@ -124,7 +151,15 @@ class Forwarder:
         try:
             await self.admission.acquire()
             admitted = True
-            answer = await self._send_with_retries(scope, body, info, trip)
+            query = scope.get("query_string", b"")
+            target = scope["path"] + ("?" + query.decode("latin-1") if query else "")
+            outgoing = Outgoing(scope["method"], target, self._headers(scope), info, trip)
+            once = (
+                partial(self._send_to_pair, outgoing, payload)
+                if self.pair is not None and route in PAIRED_ROUTES
+                else partial(self._send_to_one, outgoing, body)
+            )
+            answer = await self._send_with_retries(once)
             await self._pass_on(send, route, answer, info, trip)
         except asyncio.CancelledError:
             if not trip.client_left:
@@ -147,20 +182,16 @@ class Forwarder:
             self._log(trip, info)
 
     # ---- sending -------------------------------------------------------------------------
-    async def _send_with_retries(self, scope: Scope, body: bytes, info: RequestInfo, trip: Trip) -> Answer:
-        query = scope.get("query_string", b"")
-        target = scope["path"] + ("?" + query.decode("latin-1") if query else "")
-        headers = self._headers(scope)
+    async def _send_with_retries(self, once: Callable[[set[str]], Awaitable[Answer]]) -> Answer:
+        """``once(tried)`` until it answers: after a failed try, backoff and again, to
+        workers not tried yet where there are some."""
         tried: set[str] = set()
         backoff = self.args.retry_initial_backoff_ms / 1000
         for attempt in range(self.args.retry_max_retries + 1):
-            choice = self.policy.choose(info.routing, self.fleet.candidates(info.model, info.needs, tried))
-            worker = choice.worker
-            tried.add(worker.url)
-            trip.tries.append(worker.url)
             try:
-                return await self._try(worker, scope["method"], target, body, headers, info, choice.work(info.routing))
+                return await once(tried)
             except TryFailed as failure:
+                worker = failure.worker
                 self.metrics.errors.labels(worker.url, failure.kind).inc()
                 last_try = attempt == self.args.retry_max_retries
                 logger.warning(
@@ -181,6 +212,69 @@ class Forwarder:
                 await asyncio.sleep(backoff * jitter)
                 backoff = min(backoff * self.args.retry_backoff_multiplier, self.args.retry_max_backoff_ms / 1000)
         raise AssertionError("unreachable")
+
+    async def _send_to_one(self, outgoing: Outgoing, body: bytes, tried: set[str]) -> Answer:
+        info = outgoing.info
+        choice = self.policy.choose(info.routing, self.fleet.candidates(info.model, info.needs, tried))
+        tried.add(choice.worker.url)
+        outgoing.trip.tries.append(choice.worker.url)
+        return await self._try(
+            choice.worker, outgoing.method, outgoing.target, body, outgoing.headers, info, choice.work(info.routing)
+        )
+
+    async def _send_to_pair(self, outgoing: Outgoing, payload: dict[str, Any], tried: set[str]) -> Answer:
+        """One try of a prefill/decode pair: the request goes to both with the same
+        bootstrap fields; the decode worker's answer is the client's. A failure of either
+        before that answer begins ends the other's request too (it aborts there, freeing
+        its KV) and fails the try, so that another pair is tried."""
+        assert self.pair is not None
+        info = outgoing.info
+        prefill = self.pair.prefill.choose(
+            info.routing, self.fleet.candidates(info.model, info.needs, tried, "prefill")
+        )
+        decode = self.pair.decode.choose(info.routing, self.fleet.candidates(info.model, info.needs, tried, "decode"))
+        host, port = self.fleet.bootstrap_of(prefill.worker)
+        tried |= {prefill.worker.url, decode.worker.url}
+        outgoing.trip.tries.append(decode.worker.url)
+        fields = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": self.rng.getrandbits(62)}
+        to_decode = json.dumps({**payload, **fields}).encode()
+        whole = {k: v for k, v in payload.items() if k != "stream_options"}  # the prefill side's answer is read whole
+        to_prefill = json.dumps({**whole, **fields, "stream": False}).encode()
+        prefill_work = Work(prefill.work(info.routing).prompt, 1)
+        prefilling = asyncio.ensure_future(
+            self._try(
+                prefill.worker,
+                outgoing.method,
+                outgoing.target,
+                to_prefill,
+                outgoing.headers,
+                replace(info, stream=False),
+                prefill_work,
+            )
+        )
+        decoding = asyncio.ensure_future(
+            self._try(
+                decode.worker,
+                outgoing.method,
+                outgoing.target,
+                to_decode,
+                outgoing.headers,
+                info,
+                Work(0, info.routing.max_tokens),
+            )
+        )
+        try:
+            await asyncio.wait({prefilling, decoding}, return_when=asyncio.FIRST_COMPLETED)
+            if prefilling.done() and prefilling.exception() is not None:
+                await prefilling  # raises its TryFailed
+            answer = await decoding
+        except BaseException:
+            for task in (prefilling, decoding):
+                task.cancel()
+            await asyncio.gather(prefilling, decoding, return_exceptions=True)
+            raise
+        prefilling.add_done_callback(_prefill_ended)
+        return answer
 
     async def _try(
         self,
@@ -204,7 +298,7 @@ class Forwarder:
             if upstream.status in RETRYABLE_STATUSES:
                 content = await upstream.read()
                 upstream.release()
-                raise TryFailed("status", f"answered {upstream.status}", upstream, content)
+                raise TryFailed(worker, "status", f"answered {upstream.status}", upstream, content)
             if not info.stream or not upstream.headers.get("content-type", "").startswith("text/event-stream"):
                 content = await upstream.read()
                 upstream.release()
@@ -220,7 +314,7 @@ class Forwarder:
             if upstream is not None:
                 upstream.close()
             self._failed(worker, work)
-            raise TryFailed("connect", f"{type(exc).__name__}: {exc}") from None
+            raise TryFailed(worker, "connect", f"{type(exc).__name__}: {exc}") from None
         except BaseException:  # cancelled: the client left
             if upstream is not None:
                 upstream.close()  # the connection dropped: the worker aborts the request
@@ -312,6 +406,13 @@ class Forwarder:
             (time.perf_counter() - trip.started) * 1000,
             info.routing.prompt_tokens,
         )
+
+
+def _prefill_ended(task: asyncio.Future[Answer]) -> None:
+    """The prefill side's answer, once the decode side's is the client's: only logged
+    when it failed (its KV had reached the decode worker, or that one would have failed)."""
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("the prefill side of a pair failed after its decode side answered: %s", task.exception())
 
 
 async def _read_body(receive: Receive) -> bytes:

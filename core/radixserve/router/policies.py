@@ -238,18 +238,39 @@ def _capacities(candidates: Sequence[Worker], rate: Callable[[Worker], float | N
     return {w.url: rate(w) or default for w in candidates}
 
 
-def make_policy(args: RouterArgs, rng: random.Random | None = None, decisions: DecisionLog | None = None) -> Policy:
-    """``decisions``: where ``latency_aware`` keeps its last decisions (the others keep none)."""
+@dataclass(frozen=True)
+class PairPolicies:
+    """With ``--pd-disaggregation``: the policies choosing a request's prefill worker
+    (``--prefill-policy``) and its decode worker (``--decode-policy``), each with its own
+    state (a prefix tree over the prefill workers is what cache affinity needs)."""
+
+    prefill: Policy
+    decode: Policy
+
+    @classmethod
+    def of(cls, args: RouterArgs) -> PairPolicies:
+        return cls(make_policy(args, name=args.prefill_policy), make_policy(args, name=args.decode_policy))
+
+
+def make_policy(
+    args: RouterArgs,
+    rng: random.Random | None = None,
+    decisions: DecisionLog | None = None,
+    name: str | None = None,
+) -> Policy:
+    """``decisions``: where ``latency_aware`` keeps its last decisions (the others keep none);
+    ``name``: the policy (default ``args.policy``)."""
     rng = rng or random.Random()
-    if args.policy in LOAD_KEYS:
-        return InTurn(args.policy)
-    if args.policy == "random":
+    name = name or args.policy
+    if name in LOAD_KEYS:
+        return InTurn(name)
+    if name == "random":
         return RandomChoice(rng)
-    if args.policy == "power_of_two":
+    if name == "power_of_two":
         return PowerOfTwo(rng)
     tree = PrefixTree(args.max_tree_size, args.max_tree_total_chars)
-    if args.policy == "cache_aware":
+    if name == "cache_aware":
         return CacheAware(tree, args.cache_threshold, args.balance_abs_threshold, args.balance_rel_threshold)
-    if args.policy == "capacity_aware":
+    if name == "capacity_aware":
         return CapacityAware(tree)
     return LatencyAware(tree, decisions, rng)

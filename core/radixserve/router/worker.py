@@ -41,6 +41,8 @@ class WorkerFacts:
     max_running_requests: int | None = None  # over all its replicas
     prefill_step_tokens: int | None = None  # the most prompt tokens one prefill step computes
     features: dict[str, bool] = field(default_factory=dict)
+    disaggregation_mode: str = "null"  # prefill or decode: one half of a pair
+    bootstrap_port: int | None = None  # a prefill worker's, as it reports it
 
     def supports(self, feature: str) -> bool:
         return self.features.get(feature, True)
