@@ -116,6 +116,12 @@ def test_bootstrap_fields_come_together_and_pair_one_sequence(workers):
     fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 5}
     many = httpx.post(url, json={"model": "tiny", "prompt": "x", "n": 2, **fields}, timeout=30)
     assert many.status_code == 400 and many.json()["error"]["param"] == "bootstrap_room"
+    constrained = {"model": "tiny", "prompt": "x", "regex": "[ab]+", **fields}
+    refused = httpx.post(url, json=constrained, timeout=30)
+    assert refused.status_code == 400 and "structured output" in refused.json()["error"]["message"]
+    echoed = httpx.post(url, json={"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1, **fields}, timeout=30)
+    assert echoed.status_code == 400 and "prompt logprobs" in echoed.json()["error"]["message"]
+    assert_whole_pool_back(ServerPool(workers["decode"].url))
 
 
 def _access(server: ServerProcess, path: str) -> list[str]:
