@@ -1,9 +1,11 @@
 """Prefill/decode disaggregation with real workers on 127.0.0.1: a prefill worker and a
 decode worker given the same request with SGLang's bootstrap fields (as a gateway
 sends it) answer, on the decode side, with the greedy tokens an ordinary worker gives,
-streamed or not; the KV went through the built-in tcp backend, and both pools are whole
-afterwards; the same pair behind SGLang's gateway, smg 1.13 in its PD mode. A room that
-never gets its KV ends with a 502 saying why, freeing its pages."""
+streamed or not, with logprobs, between workers of different page sizes; the KV went
+through the built-in tcp backend, and both pools are whole afterwards. The same pair
+serves behind SGLang's gateway (smg 1.13 in its PD mode) and behind our router, which
+routes around a dead prefill worker. A room that never gets its KV ends with a 502
+saying why, freeing its pages."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers_pool import ServerPool, assert_whole_pool_back
+from helpers_pool import ServerPool, assert_whole_pool_back, idle
 from helpers_server import ServerProcess, wait_until
 from helpers_smg import NOT_INSTALLED, SMG_COMMANDS, SMG_TIMEOUT_S, free_port, smg
 
@@ -27,9 +29,19 @@ def workers(tiny_llama_dir: Path) -> Iterator[dict[str, Any]]:
     bootstrap_port = free_port()
     model = ("--model", str(tiny_llama_dir), *COMMON)
     prefill = ServerProcess(
-        *model, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port)
+        *model,
+        "--disaggregation-mode",
+        "prefill",
+        "--disaggregation-bootstrap-port",
+        str(bootstrap_port),
+        "--disaggregation-timeout-secs",
+        "4",
     )
-    decode = ServerProcess(*model, "--disaggregation-mode", "decode", "--disaggregation-timeout-secs", "6")
+    # The decode side's pages are 16 tokens, the prefill side's 1 (the default): the KV is
+    # addressed by token slot, so the pair converts.
+    decode = ServerProcess(
+        *model, "--disaggregation-mode", "decode", "--disaggregation-timeout-secs", "6", "--page-size", "16"
+    )
     plain = ServerProcess(*model)
     servers = (prefill, decode, plain)
     try:
@@ -82,6 +94,21 @@ def test_a_pair_gives_the_greedy_tokens_of_an_ordinary_worker(workers):
     _, streamed = _paired(workers, "/v1/completions", {**body, "stream": True}, room=12)
     assert _streamed_text(streamed) == expected["choices"][0]["text"]
 
+    # Logprobs: the first token's come from the prefill side, the rest from the decode side.
+    with_logprobs = {**body, "logprobs": 2}
+    plain = httpx.post(workers["plain"].url + "/v1/completions", json=with_logprobs, timeout=120).json()
+    _, paired = _paired(workers, "/v1/completions", with_logprobs, room=14)
+    got, want = json.loads(paired)["choices"][0]["logprobs"], plain["choices"][0]["logprobs"]
+    assert got["tokens"] == want["tokens"]
+    assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-3)
+    assert [sorted(t) for t in got["top_logprobs"]] == [sorted(t) for t in want["top_logprobs"]]
+
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 10, "temperature": 0}
+    expected_chat = httpx.post(workers["plain"].url + "/v1/chat/completions", json=chat, timeout=120).json()
+    _, decoded_chat = _paired(workers, "/v1/chat/completions", chat, room=15)
+    want_chat = expected_chat["choices"][0]["message"]["content"]
+    assert json.loads(decoded_chat)["choices"][0]["message"]["content"] == want_chat
+
     native = {"text": "a longer prompt " * 20, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
     expected_native = httpx.post(workers["plain"].url + "/generate", json=native, timeout=120).json()
     _, decoded_native = _paired(workers, "/generate", native, room=13)
@@ -107,6 +134,29 @@ def test_a_room_whose_kv_never_comes_ends_with_a_502_and_frees_its_pages(workers
     plain = {k: v for k, v in body.items() if not k.startswith("bootstrap_")}
     ok = httpx.post(workers["decode"].url + "/v1/completions", json=plain, timeout=120)
     assert ok.status_code == 200, ok.text
+
+
+def test_a_prefill_worker_whose_decode_worker_never_comes_frees_the_kv_at_its_timeout(workers):
+    url = workers["prefill"].url
+    body = {"model": "tiny", "prompt": "no decode worker asks for this", "max_tokens": 8, "temperature": 0}
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": workers["bootstrap_port"], "bootstrap_room": 88}
+    answer = httpx.post(url + "/v1/completions", json={**body, **fields}, timeout=60)
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 1, answer.text
+    assert not idle(ServerPool(url).stats())  # its KV is held for the decode worker ...
+    assert wait_until(lambda: idle(ServerPool(url).stats()), 10)  # ... until the 4 s timeout
+    assert any("no decode worker registered room 88" in line for line in workers["prefill"].lines)
+    assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_a_client_that_leaves_while_its_kv_is_awaited_frees_the_slots_at_once(workers):
+    body = {"model": "tiny", "prompt": "a prompt whose KV never comes", "max_tokens": 8}
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": free_port(), "bootstrap_room": 77}
+    url = workers["decode"].url
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={**body, **fields}, timeout=1)
+    # Well before the 6 s the decode worker waits for KV: the abort freed the slots.
+    assert wait_until(lambda: idle(ServerPool(url).stats()), 3), ServerPool(url).stats()
+    assert_whole_pool_back(ServerPool(url))
 
 
 def test_bootstrap_fields_come_together_and_pair_one_sequence(workers):

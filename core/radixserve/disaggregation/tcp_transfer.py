@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -71,6 +72,15 @@ def _torch_dtype(name: str) -> torch.dtype:
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """A host tensor's bytes, without a copy (any dtype: bfloat16 has no numpy type)."""
     return memoryview(t.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
+
+
+def _reachable(endpoint: str) -> str:
+    """A bound endpoint as another machine reaches it: a wildcard address (bound on every
+    interface) is replaced by this machine's own."""
+    address, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if address.strip("[]") in ("0.0.0.0", "::", "*"):
+        address = socket.gethostbyname(socket.gethostname())
+    return f"tcp://{address}:{port}"
 
 
 def _tensor_of(frame: zmq.Frame, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -121,7 +131,7 @@ class TcpReceiver(KVReceiver):
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(f"tcp://{host}:*")
-        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = _reachable(self._socket.getsockopt_string(zmq.LAST_ENDPOINT))
         self._rooms: dict[int, _ExpectedRoom] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()

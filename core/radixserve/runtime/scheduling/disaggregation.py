@@ -131,9 +131,11 @@ class PrefillHandoff:
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, req: Req, token_table: torch.Tensor) -> None:
+    def hold(self, req: Req, token_table: torch.Tensor) -> Req | None:
         """Keep a request whose prompt is computed and whose first token is sampled
-        until its KV is handed over (``req.bootstrap`` names its room)."""
+        until its KV is handed over (``req.bootstrap`` names its room). A request held
+        for the same room already (a client that reused a room) is given back to be
+        released: its room is now the new one's."""
         assert req.bootstrap is not None and req.kv is not None
         prompt = len(req.origin_input_ids)
         slots = token_table[req.kv.row, :prompt].clone()
@@ -143,7 +145,13 @@ class PrefillHandoff:
         if req.output_top_logprobs:
             first["top_logprobs"] = req.output_top_logprobs[0]  # type: ignore[assignment]
         metadata = json.dumps(first).encode()
+        displaced = self._held.pop(req.bootstrap.room, None)
+        if displaced is not None:
+            logger.warning("room %d was reused by %s: %s is released", req.bootstrap.room, req.rid, displaced.req.rid)
+            if displaced.sending:
+                self.sender.forget(req.bootstrap.room)
         self._held[req.bootstrap.room] = _Handoff(req, slots, metadata, time.monotonic() + self.timeout_s)
+        return displaced.req if displaced is not None else None
 
     def poll(self, release: Callable[[Req], None]) -> None:
         """Start the handovers whose destination is known; ``release`` the requests
@@ -232,6 +240,10 @@ class DecodeArrivals:
     def add(self, req: Req) -> None:
         self._waiting.append(_Arrival(req, time.monotonic() + self.timeout_s))
 
+    def requests(self) -> list[Req]:
+        """The requests waiting here (for room, or for their KV)."""
+        return [arrival.req for arrival in self._waiting]
+
     def remove(self, req: Req) -> bool:
         """Take ``req`` off (an abort); True when it was here. Its room is closed."""
         for arrival in self._waiting:
@@ -261,7 +273,12 @@ class DecodeArrivals:
                 slots = open_room(req)
                 if slots is None:
                     continue
-                self.receiver.expect(req.bootstrap.room, slots, max(arrival.deadline - time.monotonic(), 1.0))
+                try:
+                    self.receiver.expect(req.bootstrap.room, slots, max(arrival.deadline - time.monotonic(), 1.0))
+                except ValueError as exc:  # a room in use here already
+                    self._waiting.remove(arrival)
+                    failed(req, FinishReason(type="abort", status_code=400, message=str(exc)))
+                    continue
                 self._register(req.bootstrap)
                 arrival.room_open = True
                 continue

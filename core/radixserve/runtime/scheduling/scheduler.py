@@ -414,7 +414,9 @@ class Scheduler:
         self._dequeue(req)
         if self.handoff is not None and req.bootstrap is not None and reason.type != "abort" and req.output_ids:
             # Its first token answers its client now; its KV stays until the decode worker has it.
-            self.handoff.hold(req, self.runner.req_to_token_pool.req_to_token)
+            displaced = self.handoff.hold(req, self.runner.req_to_token_pool.req_to_token)
+            if displaced is not None:
+                self.ledger.release(displaced)
         else:
             self.ledger.release(req)
         self._finish(req, reason)
@@ -504,7 +506,8 @@ class Scheduler:
         """``exact``: count the pages whose frees are still on their way to the host
         (waits for the device) and check every lock; the step logs pass False."""
         running = len(self.running) + (1 if self.chunked_req else 0)
-        queued = [*self.waiting, *self.grammars.compiling]
+        awaiting_kv = self.arrivals.requests() if self.arrivals is not None else []
+        queued = [*self.waiting, *self.grammars.compiling, *awaiting_kv]
         return SchedulerStats.of(self.totals, self.ledger.counts(exact), running, queued, self.rates)
 
     def check_memory(self) -> bool:
