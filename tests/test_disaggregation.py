@@ -103,6 +103,10 @@ def test_a_pair_gives_the_greedy_tokens_of_an_ordinary_worker(workers):
     assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-3)
     assert [sorted(t) for t in got["top_logprobs"]] == [sorted(t) for t in want["top_logprobs"]]
 
+    # n > 1: each sample's KV has a room of its own, derived alike on both sides.
+    _, two = _paired(workers, "/v1/completions", {**body, "n": 2}, room=16)
+    assert [c["text"] for c in json.loads(two)["choices"]] == [expected["choices"][0]["text"]] * 2
+
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 10, "temperature": 0}
     expected_chat = httpx.post(workers["plain"].url + "/v1/chat/completions", json=chat, timeout=120).json()
     _, decoded_chat = _paired(workers, "/v1/chat/completions", chat, room=15)
@@ -164,7 +168,7 @@ def test_bootstrap_fields_come_together_and_pair_one_sequence(workers):
     partial = httpx.post(url, json={"model": "tiny", "prompt": "x", "bootstrap_room": 5}, timeout=30)
     assert partial.status_code == 400 and partial.json()["error"]["param"] == "bootstrap_host"
     fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 5}
-    many = httpx.post(url, json={"model": "tiny", "prompt": "x", "n": 2, **fields}, timeout=30)
+    many = httpx.post(url, json={"model": "tiny", "prompt": ["x", "y"], **fields}, timeout=30)
     assert many.status_code == 400 and many.json()["error"]["param"] == "bootstrap_room"
     constrained = {"model": "tiny", "prompt": "x", "regex": "[ab]+", **fields}
     refused = httpx.post(url, json=constrained, timeout=30)

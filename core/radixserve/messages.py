@@ -33,6 +33,17 @@ class Bootstrap:
     port: int
     room: int
 
+    def for_sample(self, index: int, n: int) -> Bootstrap:
+        """The room of sample ``index`` of ``n`` (``n`` > 1: each sample's KV is its own;
+        both workers of the pair derive the same rooms)."""
+        if n == 1:
+            return self
+        return Bootstrap(self.host, self.port, self.room * SAMPLE_ROOMS + index)
+
+
+# Rooms per request for its samples (n > 1): more than any --max-n.
+SAMPLE_ROOMS = 1 << 16
+
 
 @dataclass(kw_only=True)
 class RequestOptions:

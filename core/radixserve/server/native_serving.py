@@ -77,7 +77,7 @@ def _inputs(body: GenerateRequestBody) -> list[GenerateInput]:
     else:
         rids = _per_prompt(body.rid, count, "rid")
     priorities = _per_prompt(body.priority, count, "priority")
-    bootstrap = bootstrap_of(body, sum(int(p.get("n", 1)) for p in params))
+    bootstrap = bootstrap_of(body, count)
     return [
         GenerateInput(
             **prompt,

@@ -164,7 +164,7 @@ class OpenAIServing:
                 400, "continue_final_message: the last message must be the assistant's", param="continue_final_message"
             )
         check_tools(req)
-        bootstrap = bootstrap_of(req, req.n)
+        bootstrap = bootstrap_of(req, 1)
         with runtime_errors(CHAT_RENAMES):
             ids = self.chat_template.encode(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -297,7 +297,7 @@ class OpenAIServing:
         given = self._raw_prompts(req)
         # Text is tokenized like the native API does.
         prompts = [self.tm.tokenize(p) if isinstance(p, str) else list(p) for p in given]
-        bootstrap = bootstrap_of(req, len(prompts) * req.n)
+        bootstrap = bootstrap_of(req, len(prompts))
         rid = f"cmpl-{uuid.uuid4().hex}"
         want_logprobs = req.logprobs is not None
         inputs = [

@@ -151,10 +151,10 @@ class _Disaggregated(BaseModel):
     bootstrap_port: Int | None = None
     bootstrap_room: Int | None = None
 
-    def bootstrap(self, sequences: int = 1) -> Bootstrap | None:
+    def bootstrap(self, prompts: int = 1) -> Bootstrap | None:
         """The three together, or None; a ValueError names a missing one, or the room
-        when the request asks for more than one sequence (``sequences``: prompts times
-        ``n``): one room pairs one sequence's KV."""
+        when the request has more than one prompt: one room pairs one prompt (its ``n``
+        samples get rooms of their own from it, ``Bootstrap.for_sample``)."""
         given = {"bootstrap_host": self.bootstrap_host, "bootstrap_port": self.bootstrap_port}
         given["bootstrap_room"] = self.bootstrap_room
         if all(v is None for v in given.values()):
@@ -162,16 +162,16 @@ class _Disaggregated(BaseModel):
         missing = [name for name, v in given.items() if v is None]
         if missing:
             raise ValueError(f"{missing[0]}: required with the other bootstrap fields (prefill/decode pairing)")
-        if sequences != 1:
-            raise ValueError(f"bootstrap_room: one room pairs one sequence; this request asks for {sequences}")
+        if prompts != 1:
+            raise ValueError(f"bootstrap_room: one room pairs one prompt; this request has {prompts}")
         assert self.bootstrap_host is not None and self.bootstrap_port is not None and self.bootstrap_room is not None
         return Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
 
 
-def bootstrap_of(body: _Disaggregated, sequences: int) -> Bootstrap | None:
-    """``body.bootstrap(sequences)``, its ValueError a 400 naming the field."""
+def bootstrap_of(body: _Disaggregated, prompts: int) -> Bootstrap | None:
+    """``body.bootstrap(prompts)``, its ValueError a 400 naming the field."""
     try:
-        return body.bootstrap(sequences)
+        return body.bootstrap(prompts)
     except ValueError as exc:
         raise bad_request(exc) from None
 

@@ -297,7 +297,9 @@ class TokenizerManager:
                         yield out
                 return
             cached = None
-            if not self.args.disable_radix_cache:
+            # A decode worker of a pair gets each sample's KV from the prefill worker: no warm-up.
+            awaits_kv = obj.bootstrap is not None and self.args.disaggregation_mode == "decode"
+            if not self.args.disable_radix_cache and not awaits_kv:
                 # Prefill the shared prompt once; the n children then hit it in the
                 # cache. The request's own cache hit is the warm-up's.
                 warm = SamplingParams.from_dict({"max_new_tokens": 0})
@@ -307,7 +309,10 @@ class TokenizerManager:
                 ) as warm_up:
                     async for out in warm_up:
                         cached = out["meta_info"]["cached_tokens"]
-            streams = [self._run_one(rid, group, ids, _child_params(params, i), obj, index=i) for i in range(params.n)]
+            streams = [
+                self._run_one(rid, group, ids, _child_params(params, i), _child_input(obj, i, params.n), index=i)
+                for i in range(params.n)
+            ]
             async with contextlib.aclosing(merge_streams(streams)) as merged:
                 async for out in merged:
                     if cached is not None:
@@ -447,6 +452,13 @@ def _raise_if_rejected(finish: FinishReason) -> None:
         raise ValueError(finish.message)
     if finish.status_code in (500, 502):
         raise RequestFailedError(finish.message, finish.status_code)
+
+
+def _child_input(obj: GenerateInput, index: int, n: int) -> GenerateInput:
+    """Choice ``index`` of an n>1 request: its own room when it is half of a prefill/decode pair."""
+    if obj.bootstrap is None:
+        return obj
+    return dataclasses.replace(obj, bootstrap=obj.bootstrap.for_sample(index, n))
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
