@@ -10,6 +10,7 @@ import signal
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -47,6 +48,38 @@ class Endpoints:
     def remove(self) -> None:
         """Delete the socket files (after every process using them has stopped)."""
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class RouterService:
+    """A ROUTER socket bound at ``address`` (``tcp://host:port``, ``:*`` for any port)
+    served by its own thread, which owns it (ZMQ sockets are not thread-safe):
+    ``handle(frames)`` gets each message's frames after the sender's identity and
+    returns the reply's frames (none: no reply). ``endpoint`` is where it is bound."""
+
+    def __init__(self, address: str, handle: Callable[[list[zmq.Frame]], list[Any]], name: str, poll_ms: int = 20):
+        self._handle, self._poll_ms = handle, poll_ms
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._socket = context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(address)
+        self.endpoint: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._socket.close()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._socket.poll(self._poll_ms):
+                continue
+            sender, *frames = self._socket.recv_multipart(copy=False)
+            reply = self._handle(frames)
+            if reply:
+                self._socket.send_multipart([sender, *reply])
 
 
 def push_socket(ctx: zmq.Context[SocketT], address: str) -> SocketT:

@@ -370,13 +370,7 @@ class PluginRegistry:
         """The ``KVTransferBackend`` class for ``--disaggregation-transfer-backend``, for a
         worker whose KV is ``side``. One that cannot serve it is a PluginError saying why;
         there is no fallback to another."""
-        table = self.candidates["kv_transfer"]
-        if requested not in table:
-            raise PluginError(
-                f"--disaggregation-transfer-backend {requested!r} is not a registered KV transfer backend; "
-                f"registered: {', '.join(sorted(table)) or 'none'}" + self._load_error_note()
-            )
-        cand = table[requested]
+        cand = self._registered("kv_transfer", requested, "--disaggregation-transfer-backend", "KV transfer backend")
         if not (isinstance(cand.cls, type) and issubclass(cand.cls, KVTransferBackend)):
             raise PluginError(f"KV transfer backend {requested!r} (plugin {cand.plugin!r}) is not a KVTransferBackend")
         reasons = cand.cls.unsupported_reasons(side)
@@ -405,16 +399,21 @@ class PluginRegistry:
 
     def reasoning_parser(self, requested: str) -> type[ReasoningParser]:
         """The ``ReasoningParser`` class for ``--reasoning-parser``."""
-        table = self.candidates["reasoning"]
-        if requested not in table:
-            raise PluginError(
-                f"--reasoning-parser {requested!r} is not a registered reasoning parser; registered: "
-                f"{', '.join(sorted(table)) or 'none'}" + self._load_error_note()
-            )
-        cand = table[requested]
+        cand = self._registered("reasoning", requested, "--reasoning-parser", "reasoning parser")
         if not issubclass(cand.cls, ReasoningParser):
             raise PluginError(f"reasoning parser {requested!r} (plugin {cand.plugin!r}) is not a ReasoningParser")
         return cand.cls
+
+    def _registered(self, kind: str, requested: str, flag: str, what: str) -> Candidate:
+        """The candidate of ``kind`` named ``requested`` (by ``flag``); a PluginError
+        listing the registered ones when there is none."""
+        table = self.candidates[kind]
+        if requested not in table:
+            raise PluginError(
+                f"{flag} {requested!r} is not a registered {what}; registered: "
+                f"{', '.join(sorted(table)) or 'none'}" + self._load_error_note()
+            )
+        return table[requested]
 
     def report(self) -> dict[str, Any]:
         """What ``radixserve plugins`` prints: plugins, their backends, and usability here."""

@@ -40,6 +40,7 @@ import torch
 import zmq
 
 from radixserve.cache.memory_pool import KVPool
+from radixserve.ipc import RouterService
 from radixserve.kernels.kv_transfer import (
     DONE,
     PENDING,
@@ -127,16 +128,10 @@ class TcpReceiver(KVReceiver):
     def __init__(self, pool: KVPool, side: KVSide, host: str, pair_reasons: Callable[[KVSide, KVSide], list[str]]):
         self.pool, self.side, self.pair_reasons = pool, side, pair_reasons
         self._dtype = _torch_dtype(side.dtype)
-        self._context: zmq.Context[Any] = zmq.Context.instance()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(f"tcp://{host}:*")
-        self.endpoint = _reachable(self._socket.getsockopt_string(zmq.LAST_ENDPOINT))
         self._rooms: dict[int, _ExpectedRoom] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="kv-receiver", daemon=True)
-        self._thread.start()
+        self._service = RouterService(f"tcp://{host}:*", self._handle_safely, "kv-receiver", _POLL_MS)
+        self.endpoint = _reachable(self._service.endpoint)
 
     def expect(self, room: int, slots: torch.Tensor, timeout_s: float) -> None:
         units = self.side.num_layers * self.side.num_heads * len(slots)
@@ -168,23 +163,15 @@ class TcpReceiver(KVReceiver):
             self._rooms.pop(room, None)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._socket.close()
+        self._service.close()
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self._socket.poll(_POLL_MS):
-                continue
-            frames = self._socket.recv_multipart(copy=False)
-            sender, kind, rest = frames[0].bytes, frames[1].bytes, frames[2:]
-            try:
-                reply = self._handle(kind, rest)
-            except Exception as exc:  # a malformed message must not stop the receiver
-                logger.exception("KV receiver: a %r message failed", kind)
-                reply = [b"error", json.dumps({"reason": f"{type(exc).__name__}: {exc}"}).encode()]
-            if reply:
-                self._socket.send_multipart([sender, *reply])
+    def _handle_safely(self, frames: list[zmq.Frame]) -> list[bytes]:
+        kind, rest = frames[0].bytes, frames[1:]
+        try:
+            return self._handle(kind, rest)
+        except Exception as exc:  # a malformed message must not stop the receiver
+            logger.exception("KV receiver: a %r message failed", kind)
+            return [b"error", json.dumps({"reason": f"{type(exc).__name__}: {exc}"}).encode()]
 
     def _handle(self, kind: bytes, rest: list[zmq.Frame]) -> list[bytes]:
         if kind == b"hello":

@@ -34,6 +34,7 @@ import zmq
 
 from radixserve.cache.memory_pool import KVPool, LatentKVPool
 from radixserve.config import ServerArgs
+from radixserve.ipc import RouterService
 from radixserve.kernels.kv_transfer import KVReceiver, KVSender, KVSide, TransferRefused, TransferState
 from radixserve.messages import Bootstrap, FinishReason
 from radixserve.registry import PluginRegistry
@@ -68,18 +69,12 @@ def transfer_failed(reason: str) -> FinishReason:
 # ---- the prefill side --------------------------------------------------------------------
 class BootstrapListener:
     """The prefill worker's bootstrap port: decode workers register where each room's KV
-    is to go (``{"room", "endpoint"}``); a thread owns the socket."""
+    is to go (``{"room", "endpoint"}``); its socket has a thread of its own."""
 
     def __init__(self, host: str, port: int):
-        self._context: zmq.Context[Any] = zmq.Context.instance()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(f"tcp://{host}:{port}")
         self._destinations: dict[int, str] = {}
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="bootstrap-listener", daemon=True)
-        self._thread.start()
+        self._service = RouterService(f"tcp://{host}:{port}", self._register, "bootstrap-listener")
 
     def destination(self, room: int) -> str | None:
         """The endpoint a decode worker registered for ``room``, once it has."""
@@ -91,21 +86,17 @@ class BootstrapListener:
             self._destinations.pop(room, None)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._socket.close()
+        self._service.close()
 
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self._socket.poll(50):
-                continue
-            _, body = self._socket.recv_multipart()
-            try:
-                message = json.loads(body)
-                with self._lock:
-                    self._destinations[int(message["room"])] = str(message["endpoint"])
-            except (ValueError, KeyError, TypeError):
-                logger.warning("bootstrap listener: a malformed registration was ignored: %r", body[:200])
+    def _register(self, frames: list[zmq.Frame]) -> list[bytes]:
+        body = frames[-1].bytes
+        try:
+            message = json.loads(body)
+            with self._lock:
+                self._destinations[int(message["room"])] = str(message["endpoint"])
+        except (ValueError, KeyError, TypeError):
+            logger.warning("bootstrap listener: a malformed registration was ignored: %r", body[:200])
+        return []
 
 
 @dataclass
