@@ -251,3 +251,31 @@ def _route_around_a_dead_prefill_worker(workers: dict[str, Any], spare: ServerPr
             answer = httpx.post(router.url + "/v1/completions", json=body, timeout=120)
             assert answer.status_code == 200, answer.text
             assert answer.json()["choices"][0]["text"] == expected["choices"][0]["text"]
+
+
+def test_pairs_of_different_tensor_parallel_degrees(workers, tiny_llama_dir):
+    """tp 1 prefill to tp 2 decode (one sender, a receiver per rank given its heads), and
+    tp 2 prefill to tp 1 decode (each rank sends its heads): the greedy tokens of an
+    ordinary worker, and every pool whole afterwards."""
+    model = ("--model", str(tiny_llama_dir), *COMMON, "--tp-size", "2")
+    port = free_port()
+    prefill_tp2 = ServerProcess(
+        *model, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port)
+    )
+    decode_tp2 = ServerProcess(*model, "--disaggregation-mode", "decode", "--disaggregation-timeout-secs", "20")
+    body = {"model": "tiny", "prompt": "ranks split the heads", "max_tokens": 16, "temperature": 0}
+    expected = httpx.post(workers["plain"].url + "/v1/completions", json=body, timeout=120).json()
+    with prefill_tp2, decode_tp2:
+        prefill_tp2.wait_ready()
+        decode_tp2.wait_ready()
+        combos = {
+            "tp1 -> tp2": {**workers, "decode": decode_tp2},
+            "tp2 -> tp1": {**workers, "prefill": prefill_tp2, "bootstrap_port": port},
+        }
+        for room, (name, pair) in enumerate(combos.items(), start=31):
+            for stream in (False, True):
+                _, decoded = _paired(pair, "/v1/completions", {**body, "stream": stream}, room=room * 2 + stream)
+                text = _streamed_text(decoded) if stream else json.loads(decoded)["choices"][0]["text"]
+                assert text == expected["choices"][0]["text"], name
+        for server in (prefill_tp2, decode_tp2, workers["prefill"], workers["decode"]):
+            assert_whole_pool_back(ServerPool(server.url))

@@ -306,10 +306,10 @@ class ServerArgs(CliArgs):
             bad("dp_size", f"must be >= 1, got {self.dp_size}")
         if self.dp_size > 1 and self.nnodes > 1:
             bad("dp_size", "replicas over several nodes are not built yet: with --nnodes > 1, --dp-size must be 1")
-        if self.disaggregation_mode != "null" and (self.tp_size > 1 or self.dp_size > 1 or self.nnodes > 1):
+        if self.disaggregation_mode != "null" and (self.dp_size > 1 or self.nnodes > 1):
             bad(
                 "disaggregation_mode",
-                "a prefill or decode worker with --tp-size, --dp-size or --nnodes above 1 is not built yet",
+                "a prefill or decode worker with --dp-size or --nnodes above 1 is not built yet (--tp-size is)",
             )
         if not 0 < self.disaggregation_bootstrap_port <= 65535:
             bad("disaggregation_bootstrap_port", f"must be in [1, 65535], got {self.disaggregation_bootstrap_port}")

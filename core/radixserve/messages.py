@@ -76,6 +76,16 @@ class GenerateRequest(RequestOptions):
     sampling_params: SamplingParams
 
 
+@dataclass(frozen=True)
+class RoomRegistration:
+    """A decode worker has said where a room's KV is to go: its receivers' endpoints
+    and the KV heads each holds (one per tensor-parallel rank). Rank 0 of a prefill
+    worker hears it on its bootstrap port and passes it to every rank with the requests."""
+
+    room: int
+    receivers: tuple[tuple[str, tuple[int, int]], ...]
+
+
 @dataclass
 class AbortRequest:
     rid: str  # "" aborts everything

@@ -98,6 +98,23 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu_group)
         return int(t.item())
 
+    def gather(self, obj: T) -> list[T]:
+        """Every rank's ``obj``, in rank order (pickled over the host group)."""
+        if self.size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.size
+        dist.all_gather_object(gathered, obj, group=self._cpu_group)
+        return gathered
+
+    def min_max(self, values: list[int]) -> tuple[list[int], list[int]]:
+        """Each value's smallest and largest over the ranks (one collective)."""
+        if self.size == 1 or not values:
+            return values, values
+        t = torch.tensor([*values, *(-v for v in values)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._cpu_group)
+        n = len(values)
+        return t[:n].tolist(), [-v for v in t[n:].tolist()]
+
     def destroy(self) -> None:
         if self.size > 1 and dist.is_initialized():
             dist.destroy_process_group()

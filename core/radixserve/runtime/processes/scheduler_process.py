@@ -27,6 +27,7 @@ from radixserve.messages import (
     ControlRequest,
     GenerateRequest,
     ReplicaFinished,
+    RoomRegistration,
     ShutdownRequest,
     TokenBatch,
 )
@@ -116,6 +117,7 @@ def run_scheduler_process(
                     messages.append(leader.recv.recv_pyobj(zmq.NOBLOCK))
                 except zmq.Again:
                     break
+            messages.extend(scheduler.bootstrap_registrations())  # a prefill worker's: for every rank
         # The other ranks wait here for rank 0's messages (at most IDLE_POLL_MS when idle).
         for msg in group.broadcast(messages):
             if isinstance(msg, ShutdownRequest):
@@ -177,6 +179,8 @@ def _dispatch(scheduler: Scheduler, msg: object, to_tm: zmq.Socket[bytes] | None
         scheduler.add_request(msg)
     elif isinstance(msg, AbortRequest):
         scheduler.abort(msg.rid)
+    elif isinstance(msg, RoomRegistration):
+        scheduler.register_room(msg)
     elif isinstance(msg, ControlRequest):
         payload = _control(scheduler, msg.kind, msg.args)
         if to_tm is not None:

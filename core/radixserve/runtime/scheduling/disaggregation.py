@@ -35,17 +35,28 @@ import zmq
 from radixserve.cache.memory_pool import KVPool, LatentKVPool
 from radixserve.config import ServerArgs
 from radixserve.ipc import RouterService
-from radixserve.kernels.kv_transfer import KVReceiver, KVSender, KVSide, TransferRefused, TransferState
-from radixserve.messages import Bootstrap, FinishReason
+from radixserve.kernels.kv_transfer import (
+    KVReceiver,
+    KVSender,
+    KVSide,
+    TransferRefused,
+    TransferState,
+    TransferStatus,
+)
+from radixserve.messages import Bootstrap, FinishReason, RoomRegistration
 from radixserve.registry import PluginRegistry
+from radixserve.runtime.execution.distributed import TPGroup
 from radixserve.runtime.execution.request import Req
 
 logger = logging.getLogger(__name__)
 
 
-def kv_side(pool: KVPool, platform: str) -> KVSide:
-    """What this worker's KV pool is, for the other side (tensor parallelism 1: every head here)."""
-    if isinstance(pool, LatentKVPool):  # one latent entry per token and layer
+def kv_side(pool: KVPool, platform: str, group: TPGroup) -> KVSide:
+    """What this rank's KV pool is, for the other side: tensor-parallel rank ``r`` of
+    ``n`` holds the model's KV heads ``[r * h, (r + 1) * h)``. (Where a model has fewer
+    KV heads than ranks, each is held twice or more, and the other side must replicate
+    alike: the handshake compares the head counts.)"""
+    if isinstance(pool, LatentKVPool):  # one latent entry per token and layer, on every rank
         dtype = str(pool.dtype).removeprefix("torch.")
         width = pool.get_latent(0).shape[-1]
         return KVSide(platform, dtype, pool.num_layers, width, 1, (0, 1), pool.page_size, latent=True)
@@ -55,8 +66,8 @@ def kv_side(pool: KVPool, platform: str) -> KVSide:
         dtype=str(pool.dtype).removeprefix("torch."),
         num_layers=pool.num_layers,
         head_dim=pool.k_buffers[0].shape[-1],
-        total_kv_heads=heads,
-        heads=(0, heads),
+        total_kv_heads=heads * group.size,
+        heads=(group.rank * heads, (group.rank + 1) * heads),
         page_size=pool.page_size,
         head_major=pool.layout.head_major,
     )
@@ -66,24 +77,37 @@ def transfer_failed(reason: str) -> FinishReason:
     return FinishReason(type="abort", message=f"prefill/decode transfer failed: {reason}", status_code=502)
 
 
+# A room's state on one rank, agreed over the tensor-parallel ranks (``_agreed``): every
+# rank acts on a room at the same step, so that their KV ledgers stay alike.
+WAITING, ARRIVED, FAILED = 0, 1, 2
+
+
+def _agreed(group: TPGroup, local: list[int]) -> list[int]:
+    """FAILED where any rank failed, ARRIVED where every rank arrived, else WAITING."""
+    lowest, highest = group.min_max(local)
+    pairs = zip(lowest, highest, strict=True)
+    return [FAILED if hi == FAILED else ARRIVED if lo == ARRIVED else WAITING for lo, hi in pairs]
+
+
+def _local(status: TransferStatus) -> int:
+    return {TransferState.PENDING: WAITING, TransferState.DONE: ARRIVED}.get(status.state, FAILED)
+
+
 # ---- the prefill side --------------------------------------------------------------------
 class BootstrapListener:
-    """The prefill worker's bootstrap port: decode workers register where each room's KV
-    is to go (``{"room", "endpoint"}``); its socket has a thread of its own."""
+    """The prefill worker's bootstrap port (rank 0's): decode workers register where
+    each room's KV is to go; its socket has a thread of its own. ``take`` hands the
+    registrations to the scheduler process, which passes them to every rank."""
 
     def __init__(self, host: str, port: int):
-        self._destinations: dict[int, str] = {}
+        self._registrations: list[RoomRegistration] = []
         self._lock = threading.Lock()
         self._service = RouterService(f"tcp://{host}:{port}", self._register, "bootstrap-listener")
 
-    def destination(self, room: int) -> str | None:
-        """The endpoint a decode worker registered for ``room``, once it has."""
+    def take(self) -> list[RoomRegistration]:
         with self._lock:
-            return self._destinations.get(room)
-
-    def forget(self, room: int) -> None:
-        with self._lock:
-            self._destinations.pop(room, None)
+            taken, self._registrations = self._registrations, []
+        return taken
 
     def close(self) -> None:
         self._service.close()
@@ -92,11 +116,19 @@ class BootstrapListener:
         body = frames[-1].bytes
         try:
             message = json.loads(body)
-            with self._lock:
-                self._destinations[int(message["room"])] = str(message["endpoint"])
-        except (ValueError, KeyError, TypeError):
+            receivers = tuple((str(e), (int(h[0]), int(h[1]))) for e, h in message["receivers"])
+            registration = RoomRegistration(int(message["room"]), receivers)
+        except (ValueError, KeyError, TypeError, IndexError):
             logger.warning("bootstrap listener: a malformed registration was ignored: %r", body[:200])
+            return []
+        with self._lock:
+            self._registrations.append(registration)
         return []
+
+
+def registration_message(room: int, receivers: tuple[tuple[str, tuple[int, int]], ...]) -> bytes:
+    """What a decode worker sends a prefill worker's bootstrap port."""
+    return json.dumps({"room": room, "receivers": [[e, list(h)] for e, h in receivers]}).encode()
 
 
 @dataclass
@@ -106,21 +138,33 @@ class _Handoff:
     metadata: bytes
     deadline: float
     sending: bool = False
+    reason: str = ""  # why it failed on this rank
 
 
 class PrefillHandoff:
-    """Holds each prefilled request's KV until its decode worker has it."""
+    """Holds each prefilled request's KV until its decode worker has it. Every rank
+    sends its own heads to the decode ranks that hold them."""
 
-    def __init__(self, args: ServerArgs, pool: KVPool, side: KVSide, registry: PluginRegistry):
+    def __init__(self, args: ServerArgs, pool: KVPool, side: KVSide, registry: PluginRegistry, group: TPGroup):
         backend = registry.kv_transfer_backend(args.disaggregation_transfer_backend, side)
-        self.timeout_s = args.disaggregation_timeout_secs
+        self.side, self.group, self.timeout_s = side, group, args.disaggregation_timeout_secs
         self.sender: KVSender = backend.open_sender(pool, side)
-        self.listener = BootstrapListener(args.host, args.disaggregation_bootstrap_port)
+        port = args.disaggregation_bootstrap_port
+        self.listener = BootstrapListener(args.host, port) if group.is_leader else None
         self._held: dict[int, _Handoff] = {}
+        # room -> (its receivers, when registered); kept a while for a request not held yet
+        self._registered: dict[int, tuple[tuple[tuple[str, tuple[int, int]], ...], float]] = {}
         self._connected: set[str] = set()
 
     def __len__(self) -> int:
         return len(self._held)
+
+    def registrations(self) -> list[RoomRegistration]:
+        """The rooms registered since the last call (rank 0's listener; none elsewhere)."""
+        return self.listener.take() if self.listener is not None else []
+
+    def register(self, registration: RoomRegistration) -> None:
+        self._registered[registration.room] = (registration.receivers, time.monotonic())
 
     def hold(self, req: Req, token_table: torch.Tensor) -> Req | None:
         """Keep a request whose prompt is computed and whose first token is sampled
@@ -130,11 +174,11 @@ class PrefillHandoff:
         assert req.bootstrap is not None and req.kv is not None
         prompt = len(req.origin_input_ids)
         slots = token_table[req.kv.row, :prompt].clone()
-        first = {"token": req.output_ids[0]}
+        first: dict[str, Any] = {"token": req.output_ids[0]}
         if req.output_token_logprobs:
-            first["logprob"] = req.output_token_logprobs[0][0]  # type: ignore[assignment]
+            first["logprob"] = req.output_token_logprobs[0][0]
         if req.output_top_logprobs:
-            first["top_logprobs"] = req.output_top_logprobs[0]  # type: ignore[assignment]
+            first["top_logprobs"] = req.output_top_logprobs[0]
         metadata = json.dumps(first).encode()
         displaced = self._held.pop(req.bootstrap.room, None)
         if displaced is not None:
@@ -145,47 +189,60 @@ class PrefillHandoff:
         return displaced.req if displaced is not None else None
 
     def poll(self, release: Callable[[Req], None]) -> None:
-        """Start the handovers whose destination is known; ``release`` the requests
-        whose handover ended (acknowledged, refused or timed out)."""
-        for room, handoff in list(self._held.items()):
-            reason = self._advance(room, handoff)
-            if reason is None and not handoff.sending:
+        """Start the handovers whose receivers are known; ``release`` the requests whose
+        handover ended on every rank (acknowledged, refused or timed out)."""
+        rooms = list(self._held)
+        for room, state in zip(rooms, _agreed(self.group, [self._advance(room) for room in rooms]), strict=True):
+            if state == WAITING:
                 continue
-            if reason is None:
-                status = self.sender.poll(room)
-                if status.state is TransferState.PENDING:
-                    continue
-                reason = status.reason if status.state is TransferState.FAILED else None
-                self.sender.forget(room)
-            if reason:
+            handoff = self._held.pop(room)
+            if state == FAILED:
+                reason = handoff.reason or "the transfer of another tensor-parallel rank failed"
                 logger.warning("request %s: its KV did not reach the decode worker: %s", handoff.req.rid, reason)
-            del self._held[room]
-            self.listener.forget(room)
+            self.sender.forget(room)
+            self._registered.pop(room, None)
             release(handoff.req)
+        stale = time.monotonic() - 2 * self.timeout_s  # registrations of requests this worker never held
+        for room in [r for r, (_, at) in self._registered.items() if at < stale and r not in self._held]:
+            del self._registered[room]
 
-    def _advance(self, room: int, handoff: _Handoff) -> str | None:
-        """Start sending once the decode worker has said where; a reason when it never did."""
+    def _advance(self, room: int) -> int:
+        """This rank's state of ``room``, starting its sends once the decode worker has
+        registered the room."""
+        handoff = self._held[room]
+        if handoff.reason:
+            return FAILED
         if handoff.sending:
-            return None
-        endpoint = self.listener.destination(room)
-        if endpoint is None:
+            status = self.sender.poll(room)
+            handoff.reason = status.reason if status.state is TransferState.FAILED else ""
+            return _local(status)
+        if room not in self._registered:
             if time.monotonic() > handoff.deadline:
-                return f"no decode worker registered room {room} in {self.timeout_s:g} s"
-            return None
-        if endpoint not in self._connected:
-            try:
+                handoff.reason = f"no decode worker registered room {room} in {self.timeout_s:g} s"
+                return FAILED
+            return WAITING
+        receivers, _ = self._registered[room]
+        targets = [endpoint for endpoint, heads in receivers if _overlap(self.side.heads, heads)]
+        try:
+            for endpoint in (e for e in targets if e not in self._connected):
                 self.sender.connect(endpoint, min(10.0, self.timeout_s))
-            except (TransferRefused, TimeoutError) as exc:
-                return str(exc)
-            self._connected.add(endpoint)
+                self._connected.add(endpoint)
+        except (TransferRefused, TimeoutError) as exc:
+            handoff.reason = str(exc)
+            return FAILED
         remaining = max(handoff.deadline - time.monotonic(), 1.0)
-        self.sender.send(room, handoff.slots, [endpoint], remaining, handoff.metadata)
+        self.sender.send(room, handoff.slots, targets, remaining, handoff.metadata)
         handoff.sending = True
-        return None
+        return WAITING
 
     def close(self) -> None:
         self.sender.close()
-        self.listener.close()
+        if self.listener is not None:
+            self.listener.close()
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return max(a[0], b[0]) < min(a[1], b[1])
 
 
 # ---- the decode side ---------------------------------------------------------------------
@@ -215,12 +272,15 @@ class FirstToken:
 
 class DecodeArrivals:
     """Requests waiting for their KV from a prefill worker: their slots preallocated,
-    their rooms open on the receiver, the prefill side told where to send."""
+    their rooms open on every rank's receiver, the prefill side told (by rank 0) where
+    each rank's heads go."""
 
-    def __init__(self, args: ServerArgs, pool: KVPool, side: KVSide, registry: PluginRegistry):
+    def __init__(self, args: ServerArgs, pool: KVPool, side: KVSide, registry: PluginRegistry, group: TPGroup):
         backend = registry.kv_transfer_backend(args.disaggregation_transfer_backend, side)
-        self.timeout_s = args.disaggregation_timeout_secs
+        self.group, self.timeout_s = group, args.disaggregation_timeout_secs
         self.receiver: KVReceiver = backend.open_receiver(pool, side, args.host)
+        # every rank's receiver and the heads it holds, in rank order (what rank 0 registers)
+        self.receivers = tuple(group.gather((self.receiver.endpoint, side.heads)))
         self._context: zmq.Context[Any] = zmq.Context.instance()
         self._bootstraps: dict[tuple[str, int], zmq.Socket[Any]] = {}
         self._waiting: list[_Arrival] = []
@@ -250,40 +310,50 @@ class DecodeArrivals:
         arrived: Callable[[Req, FirstToken], None],
         failed: Callable[[Req, FinishReason], None],
     ) -> None:
-        """Open the rooms that ``open_room`` finds KV slots for (None: not yet), then hand
-        the requests whose KV has come to ``arrived``, and those whose room failed to
-        ``failed``."""
-        for arrival in list(self._waiting):
+        """Open the rooms that ``open_room`` finds KV slots for (None: not yet), hand the
+        requests whose KV has come on every rank to ``arrived``, and those whose room
+        failed on any to ``failed``."""
+        arrivals = list(self._waiting)
+        for arrival, state in zip(arrivals, _agreed(self.group, [self._state(a) for a in arrivals]), strict=True):
             req = arrival.req
             assert req.bootstrap is not None
+            room = req.bootstrap.room
             if not arrival.room_open:
-                if time.monotonic() > arrival.deadline:
+                if state == FAILED:
                     self._waiting.remove(arrival)
                     failed(req, transfer_failed(f"no room in the KV pool for {self.timeout_s:g} s"))
                     continue
-                slots = open_room(req)
+                slots = open_room(req)  # alike on every rank: their ledgers are
                 if slots is None:
                     continue
                 try:
-                    self.receiver.expect(req.bootstrap.room, slots, max(arrival.deadline - time.monotonic(), 1.0))
+                    self.receiver.expect(room, slots, max(arrival.deadline - time.monotonic(), 1.0))
                 except ValueError as exc:  # a room in use here already
                     self._waiting.remove(arrival)
                     failed(req, FinishReason(type="abort", status_code=400, message=str(exc)))
                     continue
-                self._register(req.bootstrap)
+                if self.group.is_leader:
+                    self._register(req.bootstrap)
                 arrival.room_open = True
                 continue
-            status = self.receiver.poll(req.bootstrap.room)
-            if status.state is TransferState.PENDING:
+            if state == WAITING:
                 continue
             self._waiting.remove(arrival)
-            if status.state is TransferState.DONE:
-                first = FirstToken.of(self.receiver.metadata(req.bootstrap.room))
-                self.receiver.forget(req.bootstrap.room)
+            status = self.receiver.poll(room)
+            if state == ARRIVED:
+                first = FirstToken.of(self.receiver.metadata(room))
+                self.receiver.forget(room)
                 arrived(req, first)
             else:
-                self.receiver.forget(req.bootstrap.room)
-                failed(req, transfer_failed(status.reason))
+                self.receiver.forget(room)
+                reason = status.reason if status.state is TransferState.FAILED else "another rank's KV did not come"
+                failed(req, transfer_failed(reason))
+
+    def _state(self, arrival: _Arrival) -> int:
+        if not arrival.room_open:
+            return FAILED if time.monotonic() > arrival.deadline else WAITING
+        assert arrival.req.bootstrap is not None
+        return _local(self.receiver.poll(arrival.req.bootstrap.room))
 
     def _register(self, bootstrap: Bootstrap) -> None:
         """Tell the prefill worker's bootstrap listener where the room's KV goes."""
@@ -294,7 +364,7 @@ class DecodeArrivals:
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(f"tcp://{bootstrap.host}:{bootstrap.port}")
             self._bootstraps[key] = socket
-        socket.send(json.dumps({"room": bootstrap.room, "endpoint": self.receiver.endpoint}).encode())
+        socket.send(registration_message(bootstrap.room, self.receivers))
 
     def _close_room(self, arrival: _Arrival) -> None:
         if arrival.room_open and arrival.req.bootstrap is not None:

@@ -23,7 +23,7 @@ from radixserve.cache.radix_cache import RadixCache
 from radixserve.checkpoints.loader import eos_token_ids
 from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardMode
-from radixserve.messages import FinishReason, GenerateRequest, TokenOutput
+from radixserve.messages import FinishReason, GenerateRequest, RoomRegistration, TokenOutput
 from radixserve.registry import PluginRegistry, get_registry
 from radixserve.runtime.execution.batch import BatchPlan, LogitsRows
 from radixserve.runtime.execution.distributed import RankSpec
@@ -88,11 +88,15 @@ class Scheduler:
         self._in_flight: LaunchedStep | None = None  # launched, not awaited yet (overlap)
         self._unprocessed: LaunchedStep | None = None  # awaited, tokens not digested yet
         # Prefill/decode disaggregation (disaggregation.py): the part of this worker's mode.
-        mode = args.disaggregation_mode
-        side = kv_side(runner.kv_pool, runner.platform.name) if mode != "null" else None
+        mode, group = args.disaggregation_mode, runner.group
+        side = kv_side(runner.kv_pool, runner.platform.name, group) if mode != "null" else None
         registry = registry or get_registry()
-        self.handoff = PrefillHandoff(args, runner.kv_pool, side, registry) if side and mode == "prefill" else None
-        self.arrivals = DecodeArrivals(args, runner.kv_pool, side, registry) if side and mode == "decode" else None
+        self.handoff = (
+            PrefillHandoff(args, runner.kv_pool, side, registry, group) if side and mode == "prefill" else None
+        )
+        self.arrivals = (
+            DecodeArrivals(args, runner.kv_pool, side, registry, group) if side and mode == "decode" else None
+        )
 
     # ---- intake ------------------------------------------------------------
     def add_request(self, msg: GenerateRequest | Req) -> None:
@@ -112,6 +116,15 @@ class Scheduler:
             self.arrivals.add(req)  # its KV comes from the prefill worker
         else:  # a request with a grammar waits in the grammar queue until it is compiled
             (self.waiting if req.sampling_params.grammar is None else self.grammars).append(req)
+
+    def bootstrap_registrations(self) -> list[RoomRegistration]:
+        """A prefill worker's rank 0: the rooms decode workers registered since the last
+        call, for the process loop to pass to every rank (``register_room``)."""
+        return self.handoff.registrations() if self.handoff is not None else []
+
+    def register_room(self, registration: RoomRegistration) -> None:
+        if self.handoff is not None:
+            self.handoff.register(registration)
 
     def _disaggregation_refusal(self, req: Req) -> FinishReason | None:
         """What a disaggregated request asks for that a pair does not serve yet; on the
