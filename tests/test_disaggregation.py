@@ -10,6 +10,7 @@ saying why, freeing its pages."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -170,12 +171,27 @@ def test_bootstrap_fields_come_together_and_pair_one_sequence(workers):
     fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": 5}
     many = httpx.post(url, json={"model": "tiny", "prompt": ["x", "y"], **fields}, timeout=30)
     assert many.status_code == 400 and many.json()["error"]["param"] == "bootstrap_room"
-    constrained = {"model": "tiny", "prompt": "x", "regex": "[ab]+", **fields}
-    refused = httpx.post(url, json=constrained, timeout=30)
-    assert refused.status_code == 400 and "structured output" in refused.json()["error"]["message"]
-    echoed = httpx.post(url, json={"model": "tiny", "prompt": "x", "echo": True, "logprobs": 1, **fields}, timeout=30)
-    assert echoed.status_code == 400 and "prompt logprobs" in echoed.json()["error"]["message"]
     assert_whole_pool_back(ServerPool(workers["decode"].url))
+
+
+def test_a_pair_serves_structured_output_and_prompt_logprobs(workers):
+    """The grammar constrains the prefill side's first token and the decode side's
+    rest; the prompt's logprobs (echo) come from the prefill side's prompt pass."""
+    constrained = {"model": "tiny", "prompt": "pick", "max_tokens": 12, "temperature": 0, "regex": "(ab|ba){2}c"}
+    expected = httpx.post(workers["plain"].url + "/v1/completions", json=constrained, timeout=120).json()
+    _, decoded = _paired(workers, "/v1/completions", constrained, room=41)
+    text = json.loads(decoded)["choices"][0]["text"]
+    assert text == expected["choices"][0]["text"] and re.fullmatch("(ab|ba){2}c", text), text
+
+    echoed = {"model": "tiny", "prompt": "echo me back", "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1}
+    plain = httpx.post(workers["plain"].url + "/v1/completions", json=echoed, timeout=120).json()
+    _, paired = _paired(workers, "/v1/completions", echoed, room=42)
+    got, want = json.loads(paired)["choices"][0], plain["choices"][0]
+    assert got["text"] == want["text"]
+    assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+    assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=1e-3)
+    for side in ("prefill", "decode"):
+        assert_whole_pool_back(ServerPool(workers[side].url))
 
 
 def _access(server: ServerProcess, path: str) -> list[str]:

@@ -179,6 +179,9 @@ class PrefillHandoff:
             first["logprob"] = req.output_token_logprobs[0][0]
         if req.output_top_logprobs:
             first["top_logprobs"] = req.output_top_logprobs[0]
+        if req.input_token_logprobs is not None:  # prompt logprobs asked for: the decode side has no prompt pass
+            first["input_token_logprobs"] = req.input_token_logprobs
+            first["input_top_logprobs"] = req.input_top_logprobs
         metadata = json.dumps(first).encode()
         displaced = self._held.pop(req.bootstrap.room, None)
         if displaced is not None:
@@ -255,18 +258,30 @@ class _Arrival:
 
 @dataclass
 class FirstToken:
-    """What the prefill worker sent with the KV."""
+    """What the prefill worker sent with the KV: the first token, its logprobs, and the
+    prompt's logprobs when the request asked for them."""
 
     token: int
     logprob: float | None = None
     top_logprobs: list[tuple[float, int]] | None = None
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
 
     @classmethod
     def of(cls, metadata: bytes) -> FirstToken:
         fields = json.loads(metadata)
-        top = fields.get("top_logprobs")
+
+        def pairs(items: list[list[Any]]) -> list[tuple[Any, int]]:
+            return [(p[0], int(p[1])) for p in items]
+
+        inputs = fields.get("input_token_logprobs")
+        input_tops = fields.get("input_top_logprobs")
         return cls(
-            int(fields["token"]), fields.get("logprob"), [(float(p[0]), int(p[1])) for p in top] if top else None
+            int(fields["token"]),
+            fields.get("logprob"),
+            pairs(fields["top_logprobs"]) if fields.get("top_logprobs") else None,
+            pairs(inputs) if inputs is not None else None,
+            [pairs(t) if t is not None else None for t in input_tops] if input_tops is not None else None,
         )
 
 

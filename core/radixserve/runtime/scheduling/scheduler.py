@@ -105,17 +105,24 @@ class Scheduler:
         req, refusal = self.intake.receive(msg)
         self._by_rid[req.rid] = req
         self.rope_sets.choose(req)
-        if refusal is None and req.bootstrap is not None and (self.handoff is not None or self.arrivals is not None):
-            refusal = self._disaggregation_refusal(req)
+        if refusal is None and req.bootstrap is not None:
+            self._cut_to_first_token(req)
         if refusal is None and self._queue_full():
             message = f"too many queued requests; --max-queued-requests is {self.args.max_queued_requests}"
             refusal = FinishReason(type="abort", status_code=503, message=message)
         if refusal is not None:
             self._finish(req, refusal)
-        elif req.bootstrap is not None and self.arrivals is not None:
+        elif req.sampling_params.grammar is not None:  # it waits in the grammar queue until it is compiled
+            self.grammars.append(req)
+        else:
+            self._ready(req)
+
+    def _ready(self, req: Req) -> None:
+        """Queue a request that can be scheduled (its grammar compiled, if it has one)."""
+        if req.bootstrap is not None and self.arrivals is not None:
             self.arrivals.add(req)  # its KV comes from the prefill worker
-        else:  # a request with a grammar waits in the grammar queue until it is compiled
-            (self.waiting if req.sampling_params.grammar is None else self.grammars).append(req)
+        else:
+            self.waiting.append(req)
 
     def bootstrap_registrations(self) -> list[RoomRegistration]:
         """A prefill worker's rank 0: the rooms decode workers registered since the last
@@ -126,19 +133,12 @@ class Scheduler:
         if self.handoff is not None:
             self.handoff.register(registration)
 
-    def _disaggregation_refusal(self, req: Req) -> FinishReason | None:
-        """What a disaggregated request asks for that a pair does not serve yet; on the
-        prefill side it is cut to its first token (the decode worker makes the rest)."""
-        if req.sampling_params.grammar is not None:
-            message = "structured output (response_format, regex, ...) is not served by a prefill/decode pair yet"
-        elif self.arrivals is not None and req.wants_input_logprobs:
-            message = "logprob_start_len: a decode worker does not compute prompt logprobs"
-        else:
-            if self.handoff is not None:
-                params = req.sampling_params
-                params.max_new_tokens, params.min_new_tokens = 1, min(params.min_new_tokens, 1)
-            return None
-        return FinishReason(type="abort", status_code=400, message=message)
+    def _cut_to_first_token(self, req: Req) -> None:
+        """On the prefill side of a pair a request makes its first token only (the
+        decode worker makes the rest)."""
+        if self.handoff is not None:
+            params = req.sampling_params
+            params.max_new_tokens, params.min_new_tokens = 1, min(params.min_new_tokens, 1)
 
     def _queue_full(self) -> bool:
         """Waiting requests beyond the free running slots are the queue."""
@@ -189,7 +189,7 @@ class Scheduler:
         A failure inside a step (a bug, a kernel error) ends the requests of
         that batch with an error and frees their memory; the scheduler goes on."""
         with self.rates.measure(self.totals):
-            self.grammars.poll(not self._busy(), ready=self.waiting.append, refused=self._finish)
+            self.grammars.poll(not self._busy(), ready=self._ready, refused=self._finish)
             if self.handoff is not None:
                 self.handoff.poll(release=self.ledger.release)
             if self.arrivals is not None:
@@ -460,6 +460,8 @@ class Scheduler:
 
     def _kv_arrived(self, req: Req, first: FirstToken) -> None:
         """Its prompt's KV and first token have come: it decodes from the next step on."""
+        if first.input_token_logprobs is not None and req.wants_input_logprobs:
+            req.input_token_logprobs, req.input_top_logprobs = first.input_token_logprobs, first.input_top_logprobs
         req.mark_prompt_done()
         self.runner.req_to_token_pool.write_tokens(
             cast("HoldsKV", req).kv.row, len(req.origin_input_ids), [first.token]
@@ -470,7 +472,13 @@ class Scheduler:
             req.output_token_logprobs.append((first.logprob if first.logprob is not None else 0.0, first.token))
             if req.top_logprobs_num > 0:
                 req.output_top_logprobs.append(first.top_logprobs or [])
-        reason = self.stop_checker.check(req.sampling_params, req.output_ids)
+        try:  # a grammar, if any, takes the prefill worker's first token as its own
+            reason = self.grammars.accept(
+                req, first.token, self.stop_checker.check(req.sampling_params, req.output_ids)
+            )
+        except Exception as exc:
+            logger.exception("the first token of %s", req.rid)
+            reason = internal_error(exc)
         if reason is not None:
             self._finish_running(req, reason)
         else:
