@@ -295,3 +295,36 @@ def test_pairs_of_different_tensor_parallel_degrees(workers, tiny_llama_dir):
                 assert text == expected["choices"][0]["text"], name
         for server in (prefill_tp2, decode_tp2, workers["prefill"], workers["decode"]):
             assert_whole_pool_back(ServerPool(server.url))
+
+
+def test_a_prefill_worker_killed_mid_run_loses_no_request(workers, tiny_llama_dir):
+    """SIGKILL, with requests in flight through our router: each is retried on the
+    surviving pair (before its first byte) and answers as an ordinary worker would; the
+    survivors hold no KV afterwards."""
+    port = free_port()
+    model = ("--model", str(tiny_llama_dir), *COMMON)
+    doomed = ServerProcess(*model, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port))
+    bodies = [
+        {"model": "tiny", "prompt": f"request {i} of a run", "max_tokens": 12, "temperature": 0} for i in range(24)
+    ]
+    expected = [
+        httpx.post(workers["plain"].url + "/v1/completions", json=b, timeout=120).json()["choices"][0]["text"]
+        for b in bodies
+    ]
+    with doomed:
+        doomed.wait_ready()
+        prefill, decode = workers["prefill"], workers["decode"]
+        flags = ["--pd-disaggregation", "--prefill", prefill.url, str(workers["bootstrap_port"])]
+        flags += ["--prefill", doomed.url, "--decode", decode.url, "--prefill-policy", "round_robin"]
+        flags += ["--health-check-interval-secs", "0.5", "--retry-initial-backoff-ms", "10"]
+        flags += ["--retry-max-retries", "5"]
+        with ServerProcess(*flags, command="router") as router:
+            router.wait_ready(60)
+            with ThreadPoolExecutor(6) as pool:
+                answers = [pool.submit(httpx.post, router.url + "/v1/completions", json=b, timeout=120) for b in bodies]
+                assert wait_until(lambda: sum(a.done() for a in answers) >= 6, 60)
+                doomed.proc.kill()
+                texts = [a.result().json()["choices"][0]["text"] for a in answers]
+            assert texts == expected
+    for side in ("prefill", "decode"):
+        assert_whole_pool_back(ServerPool(workers[side].url))
