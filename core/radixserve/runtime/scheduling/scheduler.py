@@ -405,23 +405,32 @@ class Scheduler:
 
     # ---- results -----------------------------------------------------------------
     def _append(self, req: Req, result: StepResult, row: int) -> None:
-        token = result.next_token_ids[row]
-        req.output_ids.append(token)
-        self.totals.generation_tokens += 1
+        logprob, top = None, None
         if req.return_logprob:
-            chosen = cast("list[float]", result.chosen_logprobs)  # present when a request returns logprobs
-            req.output_token_logprobs.append((chosen[row], token))
-            if req.top_logprobs_num > 0:
-                req.output_top_logprobs.append(result.top_logprobs[row])
-        try:
-            reason = self.grammars.accept(req, token, self.stop_checker.check(req.sampling_params, req.output_ids))
-        except Exception as exc:  # this request's own fault: end it alone
-            logger.exception("stop check failed for %s", req.rid)
-            reason = internal_error(exc)
+            logprob = cast("list[float]", result.chosen_logprobs)[row]  # present when a request returns logprobs
+            top = result.top_logprobs[row] if req.top_logprobs_num > 0 else None
+        reason = self._accept_token(req, result.next_token_ids[row], logprob, top)
         if reason is not None:
             self._finish_running(req, reason)
         else:
             self.outbox.touch(req)
+
+    def _accept_token(
+        self, req: Req, token: int, logprob: float | None, top: list[tuple[float, int]] | None
+    ) -> FinishReason | None:
+        """Append a sampled token (with its logprobs, when the request returns them) and
+        say whether the request ends with it (stop checks, its grammar)."""
+        req.output_ids.append(token)
+        self.totals.generation_tokens += 1
+        if req.return_logprob:
+            req.output_token_logprobs.append((logprob if logprob is not None else 0.0, token))
+            if req.top_logprobs_num > 0:
+                req.output_top_logprobs.append(top or [])
+        try:
+            return self.grammars.accept(req, token, self.stop_checker.check(req.sampling_params, req.output_ids))
+        except Exception as exc:  # this request's own fault: end it alone
+            logger.exception("stop check failed for %s", req.rid)
+            return internal_error(exc)
 
     def _finish_running(self, req: Req, reason: FinishReason) -> None:
         self._dequeue(req)
@@ -466,19 +475,7 @@ class Scheduler:
         self.runner.req_to_token_pool.write_tokens(
             cast("HoldsKV", req).kv.row, len(req.origin_input_ids), [first.token]
         )
-        req.output_ids.append(first.token)
-        self.totals.generation_tokens += 1
-        if req.return_logprob:
-            req.output_token_logprobs.append((first.logprob if first.logprob is not None else 0.0, first.token))
-            if req.top_logprobs_num > 0:
-                req.output_top_logprobs.append(first.top_logprobs or [])
-        try:  # a grammar, if any, takes the prefill worker's first token as its own
-            reason = self.grammars.accept(
-                req, first.token, self.stop_checker.check(req.sampling_params, req.output_ids)
-            )
-        except Exception as exc:
-            logger.exception("the first token of %s", req.rid)
-            reason = internal_error(exc)
+        reason = self._accept_token(req, first.token, first.logprob, first.top_logprobs)  # a grammar takes it too
         if reason is not None:
             self._finish_running(req, reason)
         else:
