@@ -328,3 +328,29 @@ def test_a_prefill_worker_killed_mid_run_loses_no_request(workers, tiny_llama_di
             assert texts == expected
     for side in ("prefill", "decode"):
         assert_whole_pool_back(ServerPool(workers[side].url))
+
+
+def test_a_decode_worker_killed_mid_stream_ends_the_stream_in_order(workers, tiny_llama_dir):
+    """SIGKILL on the decode side while it streams through our router: the client's
+    stream ends with an error event (no retry once bytes have gone out), and the
+    prefill worker holds no KV afterwards."""
+    model = ("--model", str(tiny_llama_dir), *COMMON)
+    doomed = ServerProcess(*model, "--disaggregation-mode", "decode")
+    with doomed:
+        doomed.wait_ready()
+        flags = ["--pd-disaggregation", "--prefill", workers["prefill"].url, str(workers["bootstrap_port"])]
+        flags += ["--decode", doomed.url]
+        body = {"model": "tiny", "prompt": "a long story", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with ServerProcess(*flags, command="router") as router:
+            router.wait_ready(60)
+            events = []
+            with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=120) as r:
+                assert r.status_code == 200, r.read()
+                for line in r.iter_lines():
+                    events.append(line)
+                    if len(events) == 8:
+                        doomed.proc.kill()
+            data = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+            assert data[-1].get("error") and "broke off" in data[-1]["error"]["message"], events[-3:]
+            assert len([d for d in data if d.get("choices")]) < 1000
+    assert_whole_pool_back(ServerPool(workers["prefill"].url))
