@@ -104,6 +104,16 @@ def test_a_pair_gives_the_greedy_tokens_of_an_ordinary_worker(workers):
     assert got["token_logprobs"] == pytest.approx(want["token_logprobs"], abs=1e-3)
     assert [sorted(t) for t in got["top_logprobs"]] == [sorted(t) for t in want["top_logprobs"]]
 
+    # Twice: the second time the decode worker has the prompt cached (whole 16-token pages
+    # of it), and only the rest of its KV comes.
+    longer = {**body, "prompt": "the quick brown fox jumps over the lazy dog " * 6}
+    expected_longer = httpx.post(workers["plain"].url + "/v1/completions", json=longer, timeout=120).json()
+    for room, cached in ((17, False), (18, True)):
+        _, decoded_longer = _paired(workers, "/v1/completions", longer, room=room)
+        answer_longer = json.loads(decoded_longer)
+        assert answer_longer["choices"][0]["text"] == expected_longer["choices"][0]["text"]
+        assert (answer_longer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16) == cached
+
     # n > 1: each sample's KV has a room of its own, derived alike on both sides.
     _, two = _paired(workers, "/v1/completions", {**body, "n": 2}, room=16)
     assert [c["text"] for c in json.loads(two)["choices"]] == [expected["choices"][0]["text"]] * 2

@@ -84,6 +84,8 @@ class RoomRegistration:
 
     room: int
     receivers: tuple[tuple[str, tuple[int, int]], ...]
+    # Leading prompt tokens the decode worker has cached already: their KV is not sent.
+    cached_tokens: int = 0
 
 
 @dataclass

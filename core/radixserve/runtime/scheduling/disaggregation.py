@@ -117,7 +117,7 @@ class BootstrapListener:
         try:
             message = json.loads(body)
             receivers = tuple((str(e), (int(h[0]), int(h[1]))) for e, h in message["receivers"])
-            registration = RoomRegistration(int(message["room"]), receivers)
+            registration = RoomRegistration(int(message["room"]), receivers, int(message.get("cached_tokens", 0)))
         except (ValueError, KeyError, TypeError, IndexError):
             logger.warning("bootstrap listener: a malformed registration was ignored: %r", body[:200])
             return []
@@ -126,9 +126,10 @@ class BootstrapListener:
         return []
 
 
-def registration_message(room: int, receivers: tuple[tuple[str, tuple[int, int]], ...]) -> bytes:
+def registration_message(room: int, receivers: tuple[tuple[str, tuple[int, int]], ...], cached_tokens: int) -> bytes:
     """What a decode worker sends a prefill worker's bootstrap port."""
-    return json.dumps({"room": room, "receivers": [[e, list(h)] for e, h in receivers]}).encode()
+    body = {"room": room, "receivers": [[e, list(h)] for e, h in receivers], "cached_tokens": cached_tokens}
+    return json.dumps(body).encode()
 
 
 @dataclass
@@ -152,8 +153,8 @@ class PrefillHandoff:
         port = args.disaggregation_bootstrap_port
         self.listener = BootstrapListener(args.host, port) if group.is_leader else None
         self._held: dict[int, _Handoff] = {}
-        # room -> (its receivers, when registered); kept a while for a request not held yet
-        self._registered: dict[int, tuple[tuple[tuple[str, tuple[int, int]], ...], float]] = {}
+        # room -> (its registration, when it came); kept a while for a request not held yet
+        self._registered: dict[int, tuple[RoomRegistration, float]] = {}
         self._connected: set[str] = set()
 
     def __len__(self) -> int:
@@ -164,7 +165,7 @@ class PrefillHandoff:
         return self.listener.take() if self.listener is not None else []
 
     def register(self, registration: RoomRegistration) -> None:
-        self._registered[registration.room] = (registration.receivers, time.monotonic())
+        self._registered[registration.room] = (registration, time.monotonic())
 
     def hold(self, req: Req, token_table: torch.Tensor) -> Req | None:
         """Keep a request whose prompt is computed and whose first token is sampled
@@ -224,8 +225,8 @@ class PrefillHandoff:
                 handoff.reason = f"no decode worker registered room {room} in {self.timeout_s:g} s"
                 return FAILED
             return WAITING
-        receivers, _ = self._registered[room]
-        targets = [endpoint for endpoint, heads in receivers if _overlap(self.side.heads, heads)]
+        registration, _ = self._registered[room]
+        targets = [endpoint for endpoint, heads in registration.receivers if _overlap(self.side.heads, heads)]
         try:
             for endpoint in (e for e in targets if e not in self._connected):
                 self.sender.connect(endpoint, min(10.0, self.timeout_s))
@@ -234,7 +235,8 @@ class PrefillHandoff:
             handoff.reason = str(exc)
             return FAILED
         remaining = max(handoff.deadline - time.monotonic(), 1.0)
-        self.sender.send(room, handoff.slots, targets, remaining, handoff.metadata)
+        # the prompt's tokens the decode worker does not cache already
+        self.sender.send(room, handoff.slots[registration.cached_tokens :], targets, remaining, handoff.metadata)
         handoff.sending = True
         return WAITING
 
@@ -321,11 +323,12 @@ class DecodeArrivals:
 
     def poll(
         self,
-        open_room: Callable[[Req], torch.Tensor | None],
+        open_room: Callable[[Req], tuple[torch.Tensor, int] | None],
         arrived: Callable[[Req, FirstToken], None],
         failed: Callable[[Req, FinishReason], None],
     ) -> None:
-        """Open the rooms that ``open_room`` finds KV slots for (None: not yet), hand the
+        """Open the rooms that ``open_room`` finds KV slots for (the slots of the prompt's
+        tokens not cached here, and how many are cached; None: no room yet), hand the
         requests whose KV has come on every rank to ``arrived``, and those whose room
         failed on any to ``failed``."""
         arrivals = list(self._waiting)
@@ -338,9 +341,10 @@ class DecodeArrivals:
                     self._waiting.remove(arrival)
                     failed(req, transfer_failed(f"no room in the KV pool for {self.timeout_s:g} s"))
                     continue
-                slots = open_room(req)  # alike on every rank: their ledgers are
-                if slots is None:
+                opened = open_room(req)  # alike on every rank: their ledgers are
+                if opened is None:
                     continue
+                slots, cached = opened
                 try:
                     self.receiver.expect(room, slots, max(arrival.deadline - time.monotonic(), 1.0))
                 except ValueError as exc:  # a room in use here already
@@ -348,7 +352,7 @@ class DecodeArrivals:
                     failed(req, FinishReason(type="abort", status_code=400, message=str(exc)))
                     continue
                 if self.group.is_leader:
-                    self._register(req.bootstrap)
+                    self._register(req.bootstrap, cached)
                 arrival.room_open = True
                 continue
             if state == WAITING:
@@ -370,7 +374,7 @@ class DecodeArrivals:
         assert arrival.req.bootstrap is not None
         return _local(self.receiver.poll(arrival.req.bootstrap.room))
 
-    def _register(self, bootstrap: Bootstrap) -> None:
+    def _register(self, bootstrap: Bootstrap, cached_tokens: int) -> None:
         """Tell the prefill worker's bootstrap listener where the room's KV goes."""
         key = (bootstrap.host, bootstrap.port)
         socket = self._bootstraps.get(key)
@@ -379,7 +383,7 @@ class DecodeArrivals:
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(f"tcp://{bootstrap.host}:{bootstrap.port}")
             self._bootstraps[key] = socket
-        socket.send(registration_message(bootstrap.room, self.receivers))
+        socket.send(registration_message(bootstrap.room, self.receivers, cached_tokens))
 
     def _close_room(self, arrival: _Arrival) -> None:
         if arrival.room_open and arrival.req.bootstrap is not None:

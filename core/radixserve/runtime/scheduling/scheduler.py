@@ -444,15 +444,19 @@ class Scheduler:
         self._finish(req, reason)
 
     # ---- the decode side of a prefill/decode pair ------------------------------------
-    def _open_room(self, req: Req) -> torch.Tensor | None:
-        """Preallocate KV slots for a disaggregated request's prompt (its KV comes from
-        the prefill worker); None while there is no room for it yet."""
+    def _open_room(self, req: Req) -> tuple[torch.Tensor, int] | None:
+        """Admit a disaggregated request with the prefix its prompt has in the cache here,
+        and preallocate KV slots for the rest of its prompt (that KV comes from the prefill
+        worker): those slots and the cached count; None while there is no room for it."""
         prompt = len(req.origin_input_ids)
-        need = self.ledger.pages_needed([0], [prompt]) * self.ledger.page_size
+        # At least the last prompt token's KV comes from the prefill worker, as a plain
+        # admission computes at least the last token.
+        match = self.ledger.match(req.origin_input_ids[: prompt - 1], req.cache_namespace)
+        cached = match.num_tokens
+        need = self.ledger.pages_needed([cached], [prompt - cached]) * self.ledger.page_size
         holding = len(self.ledger.holders())  # running, being prefilled, waiting for their KV
         if self.ledger.free_rows() < 1 or self.ledger.room() < need or holding >= self.max_running:
             return None
-        match = self.ledger.match([], req.cache_namespace)  # no prefix: the whole prompt's KV comes
         self.ledger.pin(match)
         self.ledger.admit(req, match)
         table = self.runner.req_to_token_pool
@@ -460,12 +464,12 @@ class Scheduler:
 
         def record(slots: list[int]) -> torch.Tensor:
             written = torch.tensor(slots, dtype=torch.int64, device=table.req_to_token.device)
-            table.write(row, 0, written)
+            table.write(row, cached, written)
             return written
 
-        if req.first_admission(0):
-            self.totals.count_admission(prompt, 0)
-        return self.ledger.allocate([req], [prompt], record)
+        if req.first_admission(cached):
+            self.totals.count_admission(prompt, cached)
+        return self.ledger.allocate([req], [prompt - cached], record), cached
 
     def _kv_arrived(self, req: Req, first: FirstToken) -> None:
         """Its prompt's KV and first token have come: it decodes from the next step on."""
