@@ -63,13 +63,6 @@ def _failed(reason: str) -> TransferStatus:
     return TransferStatus(TransferState.FAILED, reason)
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"dtype: {name!r} is not a torch dtype")
-    return dtype
-
-
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """A host tensor's bytes, without a copy (any dtype: bfloat16 has no numpy type)."""
     return memoryview(t.contiguous().view(torch.uint8).numpy())  # type: ignore[arg-type]
@@ -127,7 +120,7 @@ class _ExpectedRoom:
 class TcpReceiver(KVReceiver):
     def __init__(self, pool: KVPool, side: KVSide, host: str, pair_reasons: Callable[[KVSide, KVSide], list[str]]):
         self.pool, self.side, self.pair_reasons = pool, side, pair_reasons
-        self._dtype = _torch_dtype(side.dtype)
+        self._dtype = side.torch_dtype
         self._rooms: dict[int, _ExpectedRoom] = {}
         self._lock = threading.Lock()
         self._service = RouterService(f"tcp://{host}:*", self._handle_safely, "kv-receiver", _POLL_MS)

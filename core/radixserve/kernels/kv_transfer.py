@@ -40,9 +40,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, ClassVar
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+if TYPE_CHECKING:
     from radixserve.cache.memory_pool import KVPool
 
 
@@ -64,6 +64,13 @@ class KVSide:
     def num_heads(self) -> int:
         return self.heads[1] - self.heads[0]
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype = getattr(torch, self.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype: {self.dtype!r} is not a torch dtype")
+        return dtype
+
     def to_json(self) -> bytes:
         return json.dumps(asdict(self)).encode()
 
@@ -71,6 +78,11 @@ class KVSide:
     def from_json(cls, data: bytes) -> KVSide:
         fields = json.loads(data)
         return cls(**{**fields, "heads": tuple(fields["heads"])})
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``KVSide.dtype`` of a torch dtype: ``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
 
 
 def common_heads(a: KVSide, b: KVSide) -> tuple[int, int] | None:

@@ -42,6 +42,7 @@ from radixserve.kernels.kv_transfer import (
     TransferRefused,
     TransferState,
     TransferStatus,
+    dtype_name,
 )
 from radixserve.messages import Bootstrap, FinishReason, RoomRegistration
 from radixserve.registry import PluginRegistry
@@ -56,14 +57,14 @@ def kv_side(pool: KVPool, platform: str, group: TPGroup) -> KVSide:
     ``n`` holds the model's KV heads ``[r * h, (r + 1) * h)``. (Where a model has fewer
     KV heads than ranks, each is held twice or more, and the other side must replicate
     alike: the handshake compares the head counts.)"""
+    dtype = dtype_name(pool.dtype)
     if isinstance(pool, LatentKVPool):  # one latent entry per token and layer, on every rank
-        dtype = str(pool.dtype).removeprefix("torch.")
         width = pool.get_latent(0).shape[-1]
         return KVSide(platform, dtype, pool.num_layers, width, 1, (0, 1), pool.page_size, latent=True)
     heads = pool.k_buffers[0].shape[1]
     return KVSide(
         device=platform,
-        dtype=str(pool.dtype).removeprefix("torch."),
+        dtype=dtype,
         num_layers=pool.num_layers,
         head_dim=pool.k_buffers[0].shape[-1],
         total_kv_heads=heads * group.size,

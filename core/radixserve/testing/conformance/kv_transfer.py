@@ -32,6 +32,7 @@ from radixserve.kernels.kv_transfer import (
     TransferState,
     TransferStatus,
     common_heads,
+    dtype_name,
 )
 from radixserve.testing.conformance.base import (
     BackendSpec,
@@ -88,10 +89,6 @@ KV_TRANSFER_CASES: tuple[TransferCase, ...] = (
 )
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 @dataclass
 class _End:
     """One side of a case: its pool, its KVSide and its slots for the room."""
@@ -108,23 +105,17 @@ def _num_pages(spec: PoolSpec, tokens: int) -> int:
     return -(-2 * tokens // spec.page_size) + 1
 
 
-def _end(
-    spec: PoolSpec, dtype: torch.dtype, device: torch.device, platform: str, tokens: int, gen: torch.Generator
-) -> _End:
-    dtype = spec.dtype or dtype
-    pool = KVPool(
-        _num_pages(spec, tokens),
-        spec.page_size,
-        NUM_LAYERS,
-        spec.heads[1] - spec.heads[0],
-        HEAD_DIM,
-        dtype,
-        device,
-        layout=KVLayout(head_major=spec.head_major),
-    )
-    side = KVSide(
+def _pool(spec: PoolSpec, num_pages: int, dtype: torch.dtype, device: torch.device) -> KVPool:
+    heads = spec.heads[1] - spec.heads[0]
+    layout = KVLayout(head_major=spec.head_major)
+    return KVPool(num_pages, spec.page_size, NUM_LAYERS, heads, HEAD_DIM, dtype, device, layout=layout)
+
+
+def _side(spec: PoolSpec, dtype: torch.dtype, platform: str) -> KVSide:
+    """``spec``'s side of a case run in ``dtype`` (its own dtype when it has one)."""
+    return KVSide(
         device=platform,
-        dtype=_dtype_name(dtype),
+        dtype=dtype_name(spec.dtype or dtype),
         num_layers=NUM_LAYERS,
         head_dim=HEAD_DIM,
         total_kv_heads=TOTAL_KV_HEADS,
@@ -132,9 +123,15 @@ def _end(
         page_size=spec.page_size,
         head_major=spec.head_major,
     )
+
+
+def _end(
+    spec: PoolSpec, dtype: torch.dtype, device: torch.device, platform: str, tokens: int, gen: torch.Generator
+) -> _End:
+    pool = _pool(spec, _num_pages(spec, tokens), spec.dtype or dtype, device)
     # Slots scattered over the pool (page 0 is reserved), in no order.
     usable = torch.randperm(pool.size, generator=gen)[:tokens] + spec.page_size
-    return _End(spec, pool, side, usable.to(device))
+    return _End(spec, pool, _side(spec, dtype, platform), usable.to(device))
 
 
 def _fill(end: _End, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -152,16 +149,7 @@ def _fill(end: _End, k: torch.Tensor, v: torch.Tensor) -> None:
 def _check_arrived(end: _End, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """What is wrong with a receiver's pool after the room: None when it holds exactly the
     model's KV of its heads at its slots and its old contents everywhere else."""
-    expected = KVPool(
-        end.pool.num_pages,
-        end.spec.page_size,
-        NUM_LAYERS,
-        end.side.num_heads,
-        HEAD_DIM,
-        end.pool.dtype,
-        end.pool.device,
-        layout=KVLayout(head_major=end.spec.head_major),
-    )
+    expected = _pool(end.spec, end.pool.num_pages, end.pool.dtype, end.pool.device)
     for mine, old in zip([*expected.k_buffers, *expected.v_buffers], end.before, strict=True):
         mine.copy_(old)
     start, stop = end.spec.heads
@@ -286,26 +274,14 @@ def check_kv_transfer_backend(
     report = ConformanceReport("kv_transfer", name, "the sender's pool", device)
     for case in cases:
         for dtype in dtypes:
-            sides = [
-                KVSide(
-                    device,
-                    _dtype_name(spec.dtype or dtype),
-                    NUM_LAYERS,
-                    HEAD_DIM,
-                    TOTAL_KV_HEADS,
-                    spec.heads,
-                    spec.page_size,
-                    spec.head_major,
-                )
-                for spec in (*case.senders, *case.receivers)
-            ]
+            sides = [_side(spec, dtype, device) for spec in (*case.senders, *case.receivers)]
             reasons = sorted({r for side in sides for r in cls.unsupported_reasons(side)})
             if reasons:
-                report.skipped.append(SkippedCase(case.name, _dtype_name(dtype), reasons))
+                report.skipped.append(SkippedCase(case.name, dtype_name(dtype), reasons))
                 continue
             try:
                 problem = _run_case(cls, case, dtype, torch_device, device)
             except Exception as exc:
                 problem = _error_text(exc)
-            report.results.append(CaseResult(case.name, _dtype_name(dtype), problem is None, error=problem))
+            report.results.append(CaseResult(case.name, dtype_name(dtype), problem is None, error=problem))
     return report
