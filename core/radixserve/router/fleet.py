@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import Any
+from urllib.parse import urlsplit
 
 from radixserve.router.args import RouterArgs, normalize_url
 from radixserve.router.metrics import RouterMetrics
@@ -129,7 +130,9 @@ class Fleet:
             raise APIError(
                 503, f"prefill worker {worker.url} reports no bootstrap port; give it with --prefill URL PORT"
             )
-        return worker.url.split("://", 1)[1].rsplit(":", 1)[0].strip("[]"), port
+        host = urlsplit(worker.url).hostname
+        assert host is not None  # a normalized worker URL names its host
+        return host, port
 
     def _serving(self, model: str | None) -> list[Worker]:
         by_model = self.models()
