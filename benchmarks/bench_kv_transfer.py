@@ -7,6 +7,10 @@ as in a worker).
 
 The default shape is Llama-3-8B's KV (32 layers, 8 KV heads of 128, bfloat16: 128 KiB
 a token). With ``--concurrent N`` N rooms of the middle length go at once as well.
+
+``--backend mooncake`` (plugins/mooncake): run it with ``RADIXSERVE_MOONCAKE_HOST=127.0.0.2``
+so that the sender's engine is not the receiver's (Mooncake keeps one engine per host
+in a process, and one engine writing into its own memory copies it locally).
 """
 
 from __future__ import annotations

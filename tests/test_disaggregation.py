@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers_mooncake import MOONCAKE
 from helpers_pool import ServerPool, assert_whole_pool_back, idle
 from helpers_server import ServerProcess, wait_until
 from helpers_smg import NOT_INSTALLED, SMG_COMMANDS, SMG_TIMEOUT_S, free_port, smg
@@ -265,6 +266,8 @@ def _route_around_a_dead_prefill_worker(workers: dict[str, Any], spare: ServerPr
     expected = httpx.post(workers["plain"].url + "/v1/completions", json=body, timeout=120).json()
     with ServerProcess(*flags, command="router") as router:
         router.wait_ready(60)
+        # Ready means the workers named at start-up were asked; one busy then joins at a health check.
+        assert wait_until(lambda: httpx.get(router.url + "/health").json()["workers"] == 3, 30)
         for _ in range(2):  # round robin: each prefill worker once
             answer = httpx.post(router.url + "/v1/completions", json=body, timeout=120)
             assert answer.status_code == 200, answer.text
@@ -294,6 +297,10 @@ def test_pairs_of_different_tensor_parallel_degrees(workers, tiny_llama_dir):
     with prefill_tp2, decode_tp2:
         prefill_tp2.wait_ready()
         decode_tp2.wait_ready()
+        # A first request served whole on each (warm-up is skipped), so that a busy machine's
+        # slow first step does not outlast the prefill side's 4 s hold on the KV.
+        for server in (prefill_tp2, decode_tp2):
+            assert httpx.post(server.url + "/v1/completions", json=body, timeout=120).status_code == 200
         combos = {
             "tp1 -> tp2": {**workers, "decode": decode_tp2},
             "tp2 -> tp1": {**workers, "prefill": prefill_tp2, "bootstrap_port": port},
@@ -304,6 +311,34 @@ def test_pairs_of_different_tensor_parallel_degrees(workers, tiny_llama_dir):
                 text = _streamed_text(decoded) if stream else json.loads(decoded)["choices"][0]["text"]
                 assert text == expected["choices"][0]["text"], name
         for server in (prefill_tp2, decode_tp2, workers["prefill"], workers["decode"]):
+            assert_whole_pool_back(ServerPool(server.url))
+
+
+@MOONCAKE
+def test_a_pair_over_mooncake_gives_the_greedy_tokens_of_an_ordinary_worker(workers, tiny_llama_dir):
+    """The same pair over Mooncake's transfer engine (its TCP transport here): the prefill
+    worker's engine writes the KV into the decode worker's pool, whose pages are 16 tokens
+    to the prefill side's 1; streamed or not, n > 1, a prompt the decode side has cached."""
+    model = ("--model", str(tiny_llama_dir), *COMMON, "--disaggregation-transfer-backend", "mooncake")
+    port = free_port()
+    prefill = ServerProcess(*model, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(port))
+    decode = ServerProcess(*model, "--disaggregation-mode", "decode", "--page-size", "16")
+    body = {"model": "tiny", "prompt": "over mooncake " * 5, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    expected = httpx.post(workers["plain"].url + "/v1/completions", json=body, timeout=120).json()
+    want = expected["choices"][0]["text"]
+    with prefill, decode:
+        prefill.wait_ready()
+        decode.wait_ready()
+        pair = {"prefill": prefill, "decode": decode, "bootstrap_port": port}
+        _, decoded = _paired(pair, "/v1/completions", body, room=41)
+        assert json.loads(decoded)["choices"][0]["text"] == want
+        _, streamed = _paired(pair, "/v1/completions", {**body, "stream": True}, room=42)
+        assert _streamed_text(streamed) == want
+        _, two = _paired(pair, "/v1/completions", {**body, "n": 2}, room=43)
+        answer = json.loads(two)
+        assert [c["text"] for c in answer["choices"]] == [want, want]
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 16  # only the rest was written
+        for server in (prefill, decode):
             assert_whole_pool_back(ServerPool(server.url))
 
 

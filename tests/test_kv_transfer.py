@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from helpers_mooncake import MOONCAKE
 
 from radixserve.cache.memory_pool import KVPool
 from radixserve.disaggregation.tcp_transfer import TcpSender, TcpTransfer
@@ -88,3 +89,43 @@ def test_a_pair_is_refused_at_the_handshake_naming_every_difference():
     (reason,) = TcpTransfer.pair_reasons(_side(heads=(0, 2)), _side(heads=(2, 4)))
     assert reason.startswith("heads: no KV head in common")
     assert TcpTransfer.pair_reasons(_side(page_size=1), _side(page_size=16, head_major=True)) == []
+
+
+# ---- mooncake (plugins/mooncake): Mooncake's transfer engine, over its TCP transport here ----
+@MOONCAKE
+def test_mooncake_passes_the_kv_transfer_kit(monkeypatch):
+    """One-sided writes straight into the receiver's pool, converting page sizes,
+    layouts and tensor-parallel splits by where each run of bytes goes. The senders'
+    engine listens on 127.0.0.2, so the KV crosses Mooncake's TCP transport between
+    two engines (one engine writing into its own memory would copy it locally)."""
+    monkeypatch.setenv("RADIXSERVE_MOONCAKE_HOST", "127.0.0.2")
+    report = check_kv_transfer_backend("mooncake")
+    report.raise_for_failures(min_run=2 * len(KV_TRANSFER_CASES))
+
+
+@MOONCAKE
+def test_mooncake_registers_through_its_entry_point_and_says_what_it_cannot_read():
+    from radixserve_mooncake.transfer import HOST_DISTRIBUTION, MooncakeTransfer
+
+    registry = PluginRegistry()
+    assert registry.kv_transfer_backend("mooncake", _side()) is MooncakeTransfer
+    # The build without CUDA reads host memory only: a GPU worker is refused before it starts.
+    with pytest.raises(PluginError, match=f"{HOST_DISTRIBUTION} reads host memory only; the KV is on 'cuda'"):
+        registry.kv_transfer_backend("mooncake", _side(device="cuda"))
+
+
+def test_mooncake_runs_merge_what_is_contiguous_on_both_sides():
+    pytest.importorskip("radixserve_mooncake", reason="radixserve-plugin-mooncake is not installed")
+    from radixserve_mooncake.transfer import merge_runs, unit_offsets
+
+    side = _side(page_size=4)  # 4 heads of 8 float32s: a token's row is 128 bytes
+    slots = torch.tensor([4, 5, 6, 7, 9])  # one whole page, then a slot of the next
+    offsets = unit_offsets(side, slots, (0, 4), side)
+    runs = merge_runs(offsets, offsets + 4096, 32)
+    assert runs.source.tolist() == [4 * 128, 9 * 128] and runs.lengths == [4 * 128, 128]
+    assert (runs.target - runs.source).tolist() == [4096, 4096]
+    # A tp 2 receiver holding heads 2-3: each token's half row is a run of its own.
+    half = _side(page_size=4, heads=(2, 4))
+    runs = merge_runs(unit_offsets(side, slots, (2, 4), half), unit_offsets(half, slots, (2, 4), half), 32)
+    assert runs.source.tolist() == [s * 128 + 64 for s in slots.tolist()]
+    assert runs.target.tolist() == [s * 64 for s in slots.tolist()] and set(runs.lengths) == {64}

@@ -18,6 +18,7 @@ PUBLIC = (
     "radixserve.cache.memory_pool",
     "radixserve.communicator",
     "radixserve.testing",
+    "radixserve.disaggregation.tcp_transfer",  # the control plane a one-sided KV-transfer backend keeps
     "radixserve.models",
     "radixserve.layers",
 )

@@ -8,17 +8,27 @@ Each end runs one thread that owns its sockets (ZMQ sockets are not thread-safe)
 so neither scheduler waits on the network:
 
 - the receiver binds a ROUTER socket. To a ``hello`` (the sender's ``KVSide``) it
-  answers ``welcome`` (its own) or ``refused`` (the reasons); a ``kv`` message (one
-  layer of a room: a header, then K's and V's bytes) it writes into its pool at the
-  room's slots; to an ``end`` (a sender has sent all of a room, and the room's
-  metadata) it answers ``ack``,
-  or ``nack`` with a reason when the room is not expected or has failed.
+  answers ``welcome`` (its own, and its ``data_plane``) or ``refused`` (the
+  reasons); a ``kv`` message (one layer of a room: a header, then K's and V's
+  bytes) it writes into its pool at the room's slots; to an ``end`` (a sender has
+  sent all of a room, and the room's metadata) it answers ``ack``, or ``nack``
+  with a reason when the room is not expected or has failed.
 - the sender keeps one DEALER socket per receiver. ``send`` queues the room; the
   thread reads each layer's K and V from the pool (the heads the receiver holds),
   sends them and the ``end``, and marks the room DONE at the ``ack``.
 
 A connection's messages arrive in order, so by a sender's ``end`` the receiver has
 written all that sender sent.
+
+The two classes are public for transfer plugins: a backend that moves the KV
+itself (one-sided writes into the receiver's memory, as Mooncake's transfer engine
+does) keeps this handshake, the rooms, acknowledgements and timeouts. Its receiver
+overrides ``TcpReceiver.data_plane`` (what a sender needs to reach its memory,
+handed over in the ``welcome``); its sender sets ``TcpSender.one_sided`` and
+overrides ``write_kv``. Such a sender asks for each room's slots (``where``; the
+receiver answers ``slots``, or ``nack`` when it does not expect the room), writes
+the KV there, and its ``end`` tells the receiver how many head-token-layers it
+wrote.
 """
 
 from __future__ import annotations
@@ -34,7 +44,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import zmq
@@ -158,6 +168,11 @@ class TcpReceiver(KVReceiver):
     def close(self) -> None:
         self._service.close()
 
+    def data_plane(self) -> bytes:
+        """What a sender needs to write into this pool itself, handed over at the
+        handshake (one-sided backends); nothing here: the KV comes in messages."""
+        return b""
+
     def _handle_safely(self, frames: list[zmq.Frame]) -> list[bytes]:
         kind, rest = frames[0].bytes, frames[1:]
         try:
@@ -169,7 +184,9 @@ class TcpReceiver(KVReceiver):
     def _handle(self, kind: bytes, rest: list[zmq.Frame]) -> list[bytes]:
         if kind == b"hello":
             reasons = self.pair_reasons(KVSide.from_json(rest[0].bytes), self.side)
-            return [b"refused", json.dumps(reasons).encode()] if reasons else [b"welcome", self.side.to_json()]
+            if reasons:
+                return [b"refused", json.dumps(reasons).encode()]
+            return [b"welcome", self.side.to_json(), self.data_plane()]
         header = json.loads(rest[0].bytes)
         room = header["room"]
         if kind == b"kv":
@@ -178,13 +195,23 @@ class TcpReceiver(KVReceiver):
         if kind == b"end":
             with self._lock:
                 expected = self._rooms.get(room)
-                if expected is not None and expected.metadata is None:
-                    expected.metadata = rest[1].bytes
+                if expected is not None and not expected.status.finished:
+                    expected.units += header["written"]
+                    if expected.metadata is None:
+                        expected.metadata = rest[1].bytes
                     expected.settle()
             status = self.poll(room)
             if status.state is TransferState.FAILED:
                 return [b"nack", json.dumps({"room": room, "reason": status.reason}).encode()]
             return [b"ack", json.dumps({"room": room}).encode()]
+        if kind == b"where":
+            status = self.poll(room)
+            with self._lock:
+                expected = self._rooms.get(room)
+            if expected is None or status.state is TransferState.FAILED:
+                return [b"nack", json.dumps({"room": room, "reason": status.reason}).encode()]
+            slots = expected.slots.to(torch.int64).cpu().numpy().tobytes()
+            return [b"slots", json.dumps({"room": room}).encode(), slots]
         raise ValueError(f"unknown message kind {kind!r}")
 
     def _write(self, header: dict[str, Any], k_frame: zmq.Frame, v_frame: zmq.Frame) -> None:
@@ -218,17 +245,23 @@ class _Outgoing:
 
 
 @dataclass
-class _Connection:
+class Connection:
+    """A sender's connection to one receiver."""
+
     socket: zmq.Socket[Any]
     receiver: KVSide | None = None  # once welcomed
+    data_plane: bytes = b""  # the receiver's, from its welcome
     hello: Future[KVSide] | None = None  # the connect() waiting for the handshake
 
 
 class TcpSender(KVSender):
+    # True for a backend that writes the KV into the receiver's pool itself (write_kv).
+    one_sided: ClassVar[bool] = False
+
     def __init__(self, pool: KVPool, side: KVSide):
         self.pool, self.side = pool, side
         self._context: zmq.Context[Any] = zmq.Context.instance()
-        self._connections: dict[str, _Connection] = {}  # the thread's alone
+        self._connections: dict[str, Connection] = {}  # the thread's alone
         self._rooms: dict[int, _Outgoing] = {}
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -315,7 +348,7 @@ class TcpSender(KVSender):
             socket.setsockopt(zmq.LINGER, 0)
             socket.connect(endpoint)
             poller.register(socket, zmq.POLLIN)
-            connection = self._connections[endpoint] = _Connection(socket)
+            connection = self._connections[endpoint] = Connection(socket)
         if connection.receiver is not None:
             answer.set_result(connection.receiver)
             return
@@ -335,12 +368,31 @@ class TcpSender(KVSender):
                 return
             try:
                 self._send_to(connection, room, slots, outgoing.metadata)
-            except zmq.ZMQError as exc:
+            except (zmq.ZMQError, OSError) as exc:
                 self._finish(room, _failed(f"sending to {endpoint} failed: {exc}"))
                 return
 
-    def _send_to(self, connection: _Connection, room: int, slots: torch.Tensor, metadata: bytes) -> None:
-        """Each layer's K and V of the heads both sides hold, then the room's end with its metadata."""
+    def _send_to(self, connection: Connection, room: int, slots: torch.Tensor, metadata: bytes) -> None:
+        """The room's KV, then its end with the metadata; a one-sided sender first asks
+        where the KV goes (the rest follows the receiver's ``slots``)."""
+        if self.one_sided:
+            connection.socket.send_multipart([b"where", json.dumps({"room": room}).encode()])
+            return
+        self._send_messages(connection, room, slots)
+        self._end(connection, room, metadata, written=0)
+
+    def _end(self, connection: Connection, room: int, metadata: bytes, written: int) -> None:
+        end = json.dumps({"room": room, "written": written}).encode()
+        connection.socket.send_multipart([b"end", end, metadata])
+
+    def write_kv(self, connection: Connection, slots: torch.Tensor, their_slots: torch.Tensor) -> int:
+        """A one-sided sender's write of the KV at ``slots`` (the heads both sides hold)
+        into a welcomed receiver's pool at ``their_slots``: the head-token-layers
+        written. Runs on the sender's thread; raises OSError when the write fails."""
+        raise NotImplementedError(f"{type(self).__name__} is one-sided but does not write the KV")
+
+    def _send_messages(self, connection: Connection, room: int, slots: torch.Tensor) -> None:
+        """Each layer's K and V of the heads both sides hold, in a message the receiver writes."""
         assert connection.receiver is not None
         heads = common_heads(self.side, connection.receiver)
         assert heads is not None  # the handshake refused pairs without one
@@ -350,16 +402,16 @@ class TcpSender(KVSender):
             k, v = self.pool.read_kv(layer, slots, local)
             head = json.dumps({**header, "layer": layer}).encode()
             connection.socket.send_multipart([b"kv", head, _bytes_of(k.cpu()), _bytes_of(v.cpu())], copy=False)
-        connection.socket.send_multipart([b"end", json.dumps({"room": room}).encode(), metadata])
 
     def _on_reply(self, sock: zmq.Socket[Any]) -> None:
-        kind, body = sock.recv_multipart()
+        kind, body, *data = sock.recv_multipart()
         endpoint = next(e for e, c in self._connections.items() if c.socket is sock)
         connection = self._connections[endpoint]
         if kind in (b"welcome", b"refused"):
             answer, connection.hello = connection.hello, None
             if kind == b"welcome":
                 connection.receiver = KVSide.from_json(body)
+                connection.data_plane = data[0]
                 if answer is not None:
                     answer.set_result(connection.receiver)
             elif answer is not None:
@@ -368,10 +420,25 @@ class TcpSender(KVSender):
         reply = json.loads(body)
         if kind == b"ack":
             self._acked(reply["room"], endpoint)
+        elif kind == b"slots":
+            self._write_room(connection, endpoint, reply["room"], data[0])
         elif kind == b"nack":
             self._finish(reply["room"], _failed(f"the receiver at {endpoint} refused the KV: {reply['reason']}"))
         else:
             logger.error("KV receiver at %s: %s", endpoint, reply.get("reason", reply))
+
+    def _write_room(self, connection: Connection, endpoint: str, room: int, their_slots: bytes) -> None:
+        """A one-sided sender's answer to ``slots``: the write, then the room's end."""
+        with self._lock:
+            outgoing = self._rooms.get(room)
+        if outgoing is None or outgoing.status.finished:
+            return
+        try:
+            slots = torch.frombuffer(bytearray(their_slots), dtype=torch.int64)
+            written = self.write_kv(connection, outgoing.slots, slots)
+            self._end(connection, room, outgoing.metadata, written)
+        except (zmq.ZMQError, OSError) as exc:
+            self._finish(room, _failed(f"writing to {endpoint} failed: {exc}"))
 
     def _acked(self, room: int, endpoint: str) -> None:
         with self._lock:
