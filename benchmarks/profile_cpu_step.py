@@ -163,14 +163,15 @@ def main() -> None:
     wall_us = seconds * 1e6
     for name, t in sorted(times.items(), key=lambda kv: -kv[1].self_us)[: args.rows]:
         rate = t.flops / t.self_us / 1e3 if t.flops and t.self_us else None
-        rate_cols = f"{rate:8.0f} {rate / peak:7.0%}" if rate and peak else f"{'':8} {'':7}"
+        rate_cols = f"{rate:8.3g} {rate / peak:7.0%}" if rate and peak else f"{'':8} {'':7}"
         print(f"{name:<46} {t.calls:>6} {t.self_us / 1e6:8.2f} {t.self_us / wall_us:6.1%} {rate_cols}")
     gemm = [t for name, t in times.items() if name in GEMM_OPS]
     gemm_us, gemm_flops_total = sum(t.self_us for t in gemm), sum(t.flops for t in gemm)
     if gemm_us:
         rate = gemm_flops_total / gemm_us / 1e3
         print(
-            f"GEMM in all: {gemm_us / 1e6:.2f} s ({gemm_us / wall_us:.1%} of the wall), {rate:.0f} GFLOP/s"
+            # three significant digits: a tiny model's GEMMs on a busy machine run under 1 GFLOP/s
+            f"GEMM in all: {gemm_us / 1e6:.2f} s ({gemm_us / wall_us:.1%} of the wall), {rate:.3g} GFLOP/s"
             + (f" = {rate / peak:.0%} of the peak" if peak else "")
         )
 

@@ -89,7 +89,7 @@ def check_args(args: ServerArgs) -> type[Platform]:
             registry.reasoning_parser(args.reasoning_parser)
     except PluginError as exc:
         raise StartupError(str(exc), PLUGINS_HINT) from exc
-    for kind, name in _forced_backends(args).items():
+    for kind, name in _forced_backends(args, args.quantization).items():
         if name not in registry.candidates[kind]:
             flag = "--quantization" if kind == "quantization" else f"--{kind}-backend"
             what = "quantization method" if kind == "quantization" else f"{kind} backend"
@@ -133,7 +133,7 @@ def check_model(args: ServerArgs, platform: type[Platform]) -> tuple[KernelQuery
             raise StartupError(str(exc), TP_HINT) from exc
         plan = plan_model(args, args.model_path, platform, config)
         query = plan.query
-        for kind, name in _forced_backends(args).items():
+        for kind, name in _forced_backends(args, query.quantization).items():
             if kind != "moe" or query.num_experts:
                 registry.forced(kind, query, name)
     except PluginError as exc:
@@ -183,13 +183,14 @@ def start_runtime(
     return spawn_runtime(args, model_path, platform, held=platform is None, plan=plan)
 
 
-def _forced_backends(args: ServerArgs) -> dict[str, str]:
-    """The backends the flags force: all but ``auto`` (no --quantization forces ``none``)."""
+def _forced_backends(args: ServerArgs, quantization: str | None) -> dict[str, str]:
+    """The backends the flags force: all but ``auto``, and the quantization method
+    (``--quantization``, or once the model is read a quantized checkpoint's own; neither: ``none``)."""
     named = {
         "attention": args.attention_backend,
         "gemm": args.gemm_backend,
         "moe": args.moe_backend,
         "elementwise": args.elementwise_backend,
-        "quantization": args.quantization or "none",
+        "quantization": quantization or "none",
     }
     return {kind: name for kind, name in named.items() if name != "auto"}

@@ -13,6 +13,7 @@ from radixserve_torch.gemm import CpuPackedGemm, OneDnnGemm, TorchGemm
 from radixserve_torch.moe import TorchNativeMoE
 from radixserve_torch.platform import CpuPlatform
 from radixserve_torch.quantization import Int8WeightOnly, NoQuantization
+from radixserve_torch.quantized_checkpoints import AWQ, GPTQ
 
 
 @hookimpl
@@ -50,3 +51,5 @@ def register_elementwise_backends(register: Register) -> None:
 def register_quantization_methods(register: Register) -> None:
     register(NoQuantization)
     register(Int8WeightOnly)
+    register(GPTQ)
+    register(AWQ)

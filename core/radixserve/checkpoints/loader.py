@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from radixserve.checkpoints.embedding import causal_lm_of
+from radixserve.checkpoints.quantized import resolve_quantization
 from radixserve.checkpoints.source import safetensors_files
 from radixserve.kernels import KernelQuery
 from radixserve.layers.context import ModelContext
@@ -126,8 +127,10 @@ def model_kernel_query(
 ) -> KernelQuery:
     """The backend-selection query for one TP rank of the model in ``config``,
     from the facts its model class (looked up in ``registry``, by default the
-    process's) states."""
+    process's) states. A checkpoint that ships quantized names its own method
+    (``checkpoints.quantized``): ``quantization`` may only repeat it."""
     facts = model_facts(config, registry)
+    quantization, quantized_checkpoint = resolve_quantization(config, quantization)
     return KernelQuery(
         device=device,
         dtype=dtype,
@@ -139,6 +142,7 @@ def model_kernel_query(
         num_experts=facts.num_experts or None,
         top_k=facts.top_k or None,
         quantization=quantization,
+        quantized_checkpoint=quantized_checkpoint,
         sliding_window=facts.sliding_window,
         logit_softcap=facts.logit_softcap,
         elementwise_ops=facts.elementwise_ops or None,

@@ -7,7 +7,7 @@ from radixserve.kernels.gemm import GemmBackend
 from radixserve.kernels.mla import MLAAttentionBackend, MLALayerSpec, latent_pool, mla_reasons, up_projected_extend
 from radixserve.kernels.moe import MoEBackend, MoERouting, route
 from radixserve.kernels.quantization import QuantizationMethod
-from radixserve.kernels.query import KernelQuery
+from radixserve.kernels.query import KernelQuery, QuantizedCheckpoint
 
 __all__ = [
     "AttentionBackend",
@@ -16,6 +16,7 @@ __all__ = [
     "ElementwiseBackend",
     "GemmBackend",
     "KernelQuery",
+    "QuantizedCheckpoint",
     "MLAAttentionBackend",
     "MLALayerSpec",
     "MODEL_SPECIFIC_OPS",

@@ -10,6 +10,22 @@ from radixserve.cache.memory_pool import LatentKV
 
 
 @dataclass(frozen=True)
+class QuantizedCheckpoint:
+    """How a checkpoint's linear weights were quantized before it shipped (config.json's
+    ``quantization_config``, read by ``radixserve.checkpoints.quantized``): integers of
+    ``bits`` in groups of ``group_size`` input features (-1: one group a row), each
+    group of each output feature with a scale and a zero point (``symmetric``: the zero
+    point is the middle of the range), dequantized as ``(q - zero) * scale``."""
+
+    method: str  # the quantization method that loads it: "gptq" or "awq"
+    bits: int
+    group_size: int
+    symmetric: bool
+    desc_act: bool = False  # GPTQ's act-order: a column's group is g_idx's, not its index // group_size
+    zero_offset: int = 0  # added to each stored zero point (GPTQ's own format stores it less one)
+
+
+@dataclass(frozen=True)
 class KernelQuery:
     """What the model needs from a kernel backend.
 
@@ -27,6 +43,8 @@ class KernelQuery:
     num_experts: int | None = None
     top_k: int | None = None
     quantization: str | None = None
+    # What the checkpoint's weights already are, when it ships quantized (GPTQ, AWQ).
+    quantized_checkpoint: QuantizedCheckpoint | None = None
     # Attention features some layers use (the widest window; the cap): a backend
     # without them refuses the query. Per-layer values are on AttentionLayerSpec.
     sliding_window: int | None = None

@@ -177,7 +177,7 @@ class ServerState:
         for kind, name in s["backends"].items():
             how = s["backend_choices"].get(kind, "?")
             if kind == "quantization":  # never chosen automatically
-                how = "--quantization" if args.quantization else "no --quantization"
+                how = "--quantization" if args.quantization else "the checkpoint's" if name != "none" else "none asked"
             logger.info("%s backend: %s (%s)", kind, name, how)
         logger.info("dtype %s (%s), KV cache dtype %s", s["dtype"], s["dtype_reason"], s["kv_cache_dtype"])
         memory = s["memory"]

@@ -101,7 +101,7 @@ def choose_backends(
     # The kinds in the order ModelContext.create selects them; MoE only for a model with experts.
     requested = {
         "gemm": args.gemm_backend,
-        "quantization": args.quantization or "none",
+        "quantization": plan.query.quantization or "none",  # --quantization, or the checkpoint's own
         "moe": args.moe_backend,
         "attention": args.attention_backend,
         "elementwise": args.elementwise_backend,

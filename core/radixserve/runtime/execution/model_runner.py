@@ -119,7 +119,7 @@ class ModelRunner:
             gemm=args.gemm_backend,
             moe=args.moe_backend,
             elementwise=args.elementwise_backend,
-            quantization=args.quantization,
+            quantization=self.query.quantization,  # --quantization, or the checkpoint's own
             tp_rank=self.group.rank,
             tp_size=self.group.size,
             comm=self.group.comm,

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.kernels import KernelQuery
+from radixserve.kernels import KernelQuery, QuantizedCheckpoint
 from radixserve.testing.conformance.base import (
     BackendSpec,
     CaseResult,
@@ -27,6 +27,7 @@ from radixserve.testing.conformance.base import (
     _score,
     resolve_backend,
 )
+from radixserve.testing.quantized_checkpoints import pack_weight
 
 if TYPE_CHECKING:
     from radixserve.registry import PluginRegistry
@@ -129,6 +130,7 @@ def check_quantization_method(
     cases: str | Sequence[QuantCase] = "standard",
     tolerances: Tolerances = None,
     seed: int = 0,
+    checkpoint: QuantizedCheckpoint | None = None,
 ) -> ConformanceReport:
     """Drive the lifecycle (``create_weights`` -> load through each parameter's
     ``weight_loader`` -> ``process_weights_after_loading`` -> ``apply``) and compare
@@ -137,11 +139,22 @@ def check_quantization_method(
 
     The kit loads one float checkpoint tensor named ``weight`` (quantizing at load
     time, as ``none`` and ``int8`` do); a method whose parameters need other
-    checkpoint tensors fails with a message saying so."""
+    checkpoint tensors fails with a message saying so. With ``checkpoint`` (a GPTQ or
+    AWQ scheme: a method that loads checkpoints that ship quantized), the kit
+    quantizes each case's weight by it, packs it as that format's tensors
+    (``radixserve.testing.quantized_checkpoints.pack_weight``; act-order in a random
+    order of the inputs), loads them by name, and the reference is the product with
+    the weight they stand for, dequantized."""
     name, cls = resolve_backend("quantization", method, registry)
     _, gemm_cls = resolve_backend("gemm", gemm, registry)
-    semantics = reference or QUANT_REFERENCES.get(name)
-    ref_label = "the given reference" if reference else (f"{name} semantics" if semantics else "no reference")
+    semantics = reference or (_dense_semantics if checkpoint else QUANT_REFERENCES.get(name))
+    ref_label = (
+        "the given reference"
+        if reference
+        else "the dequantized checkpoint"
+        if checkpoint
+        else (f"{name} semantics" if semantics else "no reference")
+    )
     run = _Run("quantization", name, cls, ref_label, None, device, dtypes, registry)
     report = run.report
     if semantics is None:
@@ -160,6 +173,10 @@ def check_quantization_method(
         case_seed: int,
     ) -> None:
         weight, x, bias = _quant_inputs(case, dtype, case_seed)
+        tensors = {"weight": weight}
+        if checkpoint is not None:  # the weight as a quantized checkpoint ships it, and what it stands for
+            order = torch.randperm(case.in_features, generator=torch.Generator().manual_seed(case_seed))
+            tensors, weight = pack_weight(weight, checkpoint, order if checkpoint.desc_act else None)
         expected = semantics(_f32(weight), _f32(x), _f32(bias))
 
         gemm_reasons = _reasons(gemm_cls, query)
@@ -168,7 +185,7 @@ def check_quantization_method(
         impl = cls(query, gemm_cls(query))
         layer = nn.Module()
 
-        def loader(param: nn.Parameter, tensor: torch.Tensor) -> None:
+        def loader(param: nn.Parameter, tensor: torch.Tensor, shard_id: object = None) -> None:
             param.data.copy_(tensor)
 
         with torch.device(run.torch_device):
@@ -180,12 +197,12 @@ def check_quantization_method(
             param_loader = getattr(param, "weight_loader", None)
             if param_loader is None:
                 raise AssertionError(f"parameter {pname!r} has no weight_loader attribute")
-            if pname != "weight":
+            if pname not in tensors:
                 raise AssertionError(
                     f"parameter {pname!r} needs a checkpoint tensor the kit does not know how to make; "
-                    "the kit loads only a float 'weight'"
+                    f"the kit loads {', '.join(tensors)}"
                 )
-            param_loader(param, weight.to(run.torch_device))
+            param_loader(param, tensors[pname].to(run.torch_device))
         impl.process_weights_after_loading(layer)
         out = impl.apply(layer, x.to(run.torch_device), None if bias is None else bias.to(run.torch_device))
         result.passed = _score(result, out, expected, dtype, tol)
@@ -195,5 +212,7 @@ def check_quantization_method(
         tolerances,
         seed,
         check_one,
-        shared_query=lambda dt: KernelQuery(device=device, dtype=dt, quantization=name),
+        shared_query=lambda dt: KernelQuery(
+            device=device, dtype=dt, quantization=name, quantized_checkpoint=checkpoint
+        ),
     )

@@ -1,0 +1,93 @@
+"""Quantized checkpoints against bfloat16 on the CPU: one random-weight Llama of about
+1B parameters (TinyLlama's shape: hidden 2048, 22 layers, MLP 5632, 32 heads, 4 KV
+heads), saved in bfloat16 and quantized to GPTQ and AWQ 4-bit (groups of 128) by
+radixserve.testing.quantized_checkpoints, each served by the offline Engine in
+bfloat16 one after the other:
+
+- batch-1 decode, ms a token: one 128-token prompt, (time to 129 new tokens - time to
+  1) / 128, best of ``--repeats``;
+- ``--streams`` prompts of 128 tokens at once, 128 new tokens each: wall seconds and
+  output tokens a second.
+
+    python benchmarks/bench_quantized.py [--streams 16] [--repeats 3] [--formats bf16 gptq awq]
+
+The models are built once under ``~/.cache/radixserve-bench/quantized`` (about 3.5 GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from radixserve import Engine
+from radixserve.testing.quantized_checkpoints import write_quantized
+from radixserve.testing.tiny_models import build_tiny_model
+
+SHAPE = dict(
+    hidden_size=2048,
+    num_layers=22,
+    num_heads=32,
+    num_kv_heads=4,
+    intermediate_size=5632,
+    vocab_size=32000,
+    max_position_embeddings=2048,
+)
+ROOT = Path.home() / ".cache" / "radixserve-bench" / "quantized"
+
+
+def models() -> dict[str, Path]:
+    bf16 = ROOT / "bf16"
+    if not (bf16 / "config.json").exists():
+        build_tiny_model(bf16, "llama", dtype=torch.bfloat16, weight_scale=0.02, **SHAPE)
+    dirs = {"bf16": bf16}
+    for method in ("gptq", "awq"):
+        dirs[method] = ROOT / method
+        if not (dirs[method] / "config.json").exists():
+            write_quantized(bf16, dirs[method], ROOT / f"{method}-dequantized", method, bits=4, group=128)
+    return dirs
+
+
+def prompts(n: int, vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(16, vocab, (n, 128), generator=gen).tolist()
+
+
+def timed(engine: Engine, ids: list[list[int]], new_tokens: int) -> float:
+    params = {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    start = time.perf_counter()
+    engine.generate(input_ids=ids, sampling_params=params)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--formats", nargs="+", default=["bf16", "gptq", "awq"])
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    ns = p.parse_args()
+    dirs = models()
+    one = prompts(1, SHAPE["vocab_size"])
+    many = prompts(ns.streams, SHAPE["vocab_size"])
+    for name in ns.formats:
+        with Engine(model_path=str(dirs[name]), dtype="bfloat16", log_level="warning") as engine:
+            timed(engine, one, 8)  # warm-up
+            first = min(timed(engine, one, 1) for _ in range(ns.repeats))
+            whole = min(timed(engine, one, 129) for _ in range(ns.repeats))
+            wall = timed(engine, many, 128)
+            row = {
+                "format": name,
+                "batch1_decode_ms_per_token": round((whole - first) / 128 * 1000, 1),
+                "batch1_ttft_s": round(first, 3),
+                "streams": ns.streams,
+                "streams_wall_s": round(wall, 1),
+                "streams_out_tok_per_s": round(ns.streams * 128 / wall, 1),
+            }
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

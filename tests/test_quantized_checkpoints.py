@@ -1,0 +1,163 @@
+"""Checkpoints that ship quantized (GPTQ, AWQ), made here by each format's layout from a
+random-weight Llama (radixserve.testing.quantized_checkpoints): the quantization method comes from config.json,
+greedy generation equals HF transformers running the dequantized weights, the int4
+kernel a bfloat16 model runs agrees with the dequantized product, and what is not
+served is refused naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from helpers_models import Reference, check_greedy_matches_hf, hf_reference
+from helpers_server import ServerProcess
+from transformers import PretrainedConfig
+
+from radixserve.checkpoints.loader import load_config, model_kernel_query
+from radixserve.checkpoints.quantized import checkpoint_quantization, resolve_quantization
+from radixserve.kernels import KernelQuery, QuantizedCheckpoint
+from radixserve.layers import MergedColumnParallelLinear, RowParallelLinear
+from radixserve.layers.context import ModelContext
+from radixserve.registry import get_registry
+from radixserve.testing import check_quantization_method
+from radixserve.testing.conformance import QUANT_CASES
+from radixserve.testing.quantized_checkpoints import pack_weight, scheme_of, write_quantized
+from radixserve_torch.quantized_checkpoints import GPTQ, unpack_columns
+
+FORMATS = {
+    "gptq-4bit-asym": dict(method="gptq", bits=4, group=32, sym=False),
+    "gptq-4bit-sym": dict(method="gptq", bits=4, group=64, sym=True),
+    "gptq-8bit": dict(method="gptq", bits=8, group=32, sym=False),
+    "gptq-4bit-act-order": dict(method="gptq", bits=4, group=32, sym=False, desc_act=True),
+    "awq-4bit": dict(method="awq", bits=4, group=32),
+}
+
+
+@pytest.fixture(scope="module", params=list(FORMATS))
+def quantized(request, tiny_llama_dir: Path, tmp_path_factory) -> tuple[Path, Path]:
+    """(the quantized checkpoint, the same model dequantized)."""
+    root = tmp_path_factory.mktemp(request.param)
+    out, reference = root / "quantized", root / "dequantized"
+    write_quantized(tiny_llama_dir, out, reference, **FORMATS[request.param])
+    return out, reference
+
+
+def test_greedy_tokens_equal_hf_on_the_dequantized_weights(quantized):
+    out, reference_dir = quantized
+    hf = hf_reference(reference_dir, [5, 17, 33], new_tokens=24)
+    check_greedy_matches_hf(Reference(out, hf.prompts, hf.new_tokens, hf.hf), "radix-cache")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_two_tensor_parallel_ranks_give_the_same_greedy_tokens(method, tiny_llama_dir, tmp_path):
+    """A server at --tp-size 2 (two ranks over gloo, each loading its slices of the packed
+    tensors: fused q/k/v and gate/up split by rows, o and down by input groups) answers
+    with HF's greedy tokens on the dequantized weights."""
+    out, reference_dir = tmp_path / "q", tmp_path / "r"
+    write_quantized(tiny_llama_dir, out, reference_dir, method)
+    hf = hf_reference(reference_dir, [9, 21], new_tokens=16)
+    with ServerProcess("--model", str(out), "--tp-size", "2", "--skip-server-warmup") as server:
+        server.wait_ready()
+        for prompt, (want, _) in zip(hf.prompts, hf.hf, strict=True):
+            params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+            answer = httpx.post(server.url + "/generate", json={"input_ids": prompt, "sampling_params": params})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["output_ids"] == want
+
+
+def test_the_method_comes_from_the_checkpoint(quantized):
+    out, _ = quantized
+    config = load_config(out)
+    query = model_kernel_query(config, "cpu", torch.float32)
+    assert query.quantization == config.quantization_config["quant_method"]
+    assert query.quantized_checkpoint == checkpoint_quantization(config)
+    with pytest.raises(ValueError, match=f"--quantization int8 for a {query.quantization} checkpoint"):
+        resolve_quantization(config, "int8")
+
+
+def _layer(scheme: QuantizedCheckpoint, dtype: torch.dtype) -> MergedColumnParallelLinear:
+    query = KernelQuery(device="cpu", dtype=dtype, quantization=scheme.method, quantized_checkpoint=scheme)
+    ctx = ModelContext.create(get_registry(), query, torch.device("cpu"), quantization=scheme.method)
+    return MergedColumnParallelLinear(256, [128, 128], ctx)
+
+
+@pytest.mark.parametrize("format_name", list(FORMATS))
+def test_each_format_passes_the_quantization_kit(format_name):
+    """The kit packs random weights as the format ships them, loads them through the
+    method, and compares with the dequantized product: float32 (the reference path)
+    and bfloat16 (4-bit: ATen's int4 kernel)."""
+    spec = FORMATS[format_name]
+    scheme = scheme_of(spec["method"], spec["bits"], spec["group"], spec.get("sym", False), spec.get("desc_act", False))
+    report = check_quantization_method(spec["method"], dtypes=(torch.float32, torch.bfloat16), checkpoint=scheme)
+    report.raise_for_failures(min_run=2 * len(QUANT_CASES["standard"]))
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_bfloat16_model_runs_the_int4_kernel_on_fused_shards(method):
+    """A bfloat16 model's 4-bit layers run ATen's int4 kernel; its product equals the
+    dequantized weights' (float32) within bfloat16's rounding, fused shards and all."""
+    scheme = scheme_of(method, 4, 64)
+    layer = _layer(scheme, torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    dense = []
+    for shard in (0, 1):
+        tensors, dequantized = pack_weight(torch.randn(128, 256, generator=gen) * 0.1, scheme)
+        for name, tensor in tensors.items():
+            param = getattr(layer, name)
+            param.weight_loader(param, tensor, shard)
+        dense.append(dequantized)
+    layer.quant.process_weights_after_loading(layer)
+    assert hasattr(layer, "int4_weight")  # the kernel, not the reference path
+    x = torch.randn(5, 256, generator=gen)
+    got = layer(x.to(torch.bfloat16)).float()
+    want = x.to(torch.bfloat16).float() @ torch.cat(dense).t()
+    assert torch.allclose(got, want, atol=0.05, rtol=0.02), (got - want).abs().max()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"quant_method": "fp8"}, r"quantization_config.quant_method: 'fp8' is not served; served: gptq, awq"),
+        ({"quant_method": "gptq", "bits": 3}, r"quantization_config.bits: 3-bit gptq is not served; served: 4, 8"),
+        ({"quant_method": "awq", "bits": 8}, r"quantization_config.bits: 8-bit awq is not served; served: 4"),
+        ({"quant_method": "awq", "w_bit": 4, "version": "gemv"}, r"quantization_config.version: AWQ's 'gemv'"),
+        ({"quant_method": "gptq", "bits": 4, "group_size": 12}, r"quantization_config.group_size: 12"),
+    ],
+)
+def test_what_is_not_served_is_refused_naming_the_field(fields, message):
+    config = PretrainedConfig(quantization_config=fields)
+    with pytest.raises(ValueError, match=message):
+        checkpoint_quantization(config)
+
+
+def test_a_quantized_moe_model_is_refused_at_selection():
+    scheme = QuantizedCheckpoint("gptq", 4, 32, symmetric=False)
+    query = KernelQuery(device="cpu", dtype=torch.float32, num_experts=4, top_k=2, quantized_checkpoint=scheme)
+    with pytest.raises(Exception, match=r"mixture-of-experts model's quantized experts \(gptq\)"):
+        ModelContext.create(get_registry(), query, torch.device("cpu"), quantization="gptq")
+
+
+def test_act_order_is_refused_where_tensor_parallelism_splits_a_layers_inputs():
+    scheme = QuantizedCheckpoint("gptq", 4, 32, symmetric=False, desc_act=True, zero_offset=1)
+    query = KernelQuery(device="cpu", dtype=torch.float32, quantization="gptq", quantized_checkpoint=scheme)
+    ctx = ModelContext.create(get_registry(), query, torch.device("cpu"), quantization="gptq", tp_size=2)
+    layer = RowParallelLinear(128, 64, ctx)  # each rank holds 64 of the 128 inputs
+    g_idx = torch.randperm(128).to(torch.int32) // 32
+    with pytest.raises(ValueError, match=r"act-order \(quantization_config.desc_act\) with tensor parallelism"):
+        layer.g_idx.weight_loader(layer.g_idx, g_idx)
+
+
+class _ZeroPointsAsStored(GPTQ):
+    """Reads GPTQ's own format without adding one to its zero points."""
+
+    def out_major(self, name: str, loaded: torch.Tensor) -> torch.Tensor:
+        if name == "qzeros":
+            return unpack_columns(loaded, self.scheme.bits).t()
+        return super().out_major(name, loaded)
+
+
+def test_the_kit_fails_a_method_that_misreads_the_zero_points():
+    report = check_quantization_method(_ZeroPointsAsStored, dtypes=(torch.float32,), checkpoint=scheme_of("gptq"))
+    assert len(report.failures) == len(QUANT_CASES["standard"]), str(report)
