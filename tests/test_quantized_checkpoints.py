@@ -6,6 +6,10 @@ served is refused naming the field."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import httpx
@@ -24,7 +28,7 @@ from radixserve.registry import get_registry
 from radixserve.testing import check_quantization_method
 from radixserve.testing.conformance import QUANT_CASES
 from radixserve.testing.quantized_checkpoints import pack_weight, scheme_of, write_quantized
-from radixserve_torch.quantized_checkpoints import GPTQ, unpack_columns
+from radixserve_torch.quantized_checkpoints import GPTQ, Int4Weight, unpack_columns
 
 FORMATS = {
     "gptq-4bit-asym": dict(method="gptq", bits=4, group=32, sym=False),
@@ -32,6 +36,9 @@ FORMATS = {
     "gptq-8bit": dict(method="gptq", bits=8, group=32, sym=False),
     "gptq-4bit-act-order": dict(method="gptq", bits=4, group=32, sym=False, desc_act=True),
     "awq-4bit": dict(method="awq", bits=4, group=32),
+    "compressed-tensors-w4a16-sym": dict(method="compressed-tensors", bits=4, group=32, sym=True),
+    "compressed-tensors-w4a16-asym": dict(method="compressed-tensors", bits=4, group=32, sym=False),
+    "compressed-tensors-w8a16-channel": dict(method="compressed-tensors", bits=8, group=-1, sym=True),
 }
 
 
@@ -95,35 +102,74 @@ def test_each_format_passes_the_quantization_kit(format_name):
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_a_bfloat16_model_runs_the_int4_kernel_on_fused_shards(method):
-    """A bfloat16 model's 4-bit layers run ATen's int4 kernel; its product equals the
-    dequantized weights' (float32) within bfloat16's rounding, fused shards and all."""
+def test_the_int4_kernel_agrees_with_the_dequantized_product(method):
+    """ATen's int4 kernel on a repacked weight equals the dequantized weight's product
+    (float32) within bfloat16's rounding."""
     scheme = scheme_of(method, 4, 64)
+    tensors, dequantized = pack_weight(torch.randn(256, 512) * 0.1, scheme)
     layer = _layer(scheme, torch.bfloat16)
-    gen = torch.Generator().manual_seed(0)
-    dense = []
-    for shard in (0, 1):
-        tensors, dequantized = pack_weight(torch.randn(128, 256, generator=gen) * 0.1, scheme)
-        for name, tensor in tensors.items():
-            param = getattr(layer, name)
-            param.weight_loader(param, tensor, shard)
-        dense.append(dequantized)
-    layer.quant.process_weights_after_loading(layer)
-    assert hasattr(layer, "int4_weight")  # the kernel, not the reference path
-    x = torch.randn(5, 256, generator=gen)
-    got = layer(x.to(torch.bfloat16)).float()
-    want = x.to(torch.bfloat16).float() @ torch.cat(dense).t()
+    integers = layer.quant.out_major("qweight", tensors["qweight"])
+    zeros = layer.quant.out_major("qzeros", tensors["qzeros"])
+    scales = layer.quant.out_major("scales", tensors["scales"]).float()
+    int4 = Int4Weight.pack(integers, zeros, scales, 64)
+    x = torch.randn(5, 512)
+    got = int4.matmul(x.to(torch.bfloat16)).float()
+    want = x.to(torch.bfloat16).float() @ dequantized.t()
     assert torch.allclose(got, want, atol=0.05, rtol=0.02), (got - want).abs().max()
+
+
+DECISION = """
+import logging, torch
+from radixserve.kernels import KernelQuery
+from radixserve.layers import RowParallelLinear
+from radixserve.layers.context import ModelContext
+from radixserve.registry import get_registry
+from radixserve.testing.quantized_checkpoints import pack_weight, scheme_of
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+scheme = scheme_of("gptq", 4, 128)
+query = KernelQuery(device="cpu", dtype=torch.bfloat16, quantization="gptq", quantized_checkpoint=scheme)
+ctx = ModelContext.create(get_registry(), query, torch.device("cpu"), quantization="gptq")
+layer = RowParallelLinear(1024, 1024, ctx)
+tensors, _ = pack_weight(torch.randn(1024, 1024) * 0.1, scheme)
+for name, tensor in tensors.items():
+    getattr(layer, name).weight_loader(getattr(layer, name), tensor)
+layer.quant.process_weights_after_loading(layer)
+print("path:", "int4" if hasattr(layer, "int4") else "dense")
+"""
+
+
+def test_without_vector_units_the_weights_are_dequantized_at_load():
+    """ATen's scalar int4 path (``ATEN_CPU_CAPABILITY=default``, as on a CPU without AVX2)
+    is many times slower than a dense GEMM: timed at load, the layer goes dense, saying why."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}
+    out = subprocess.run([sys.executable, "-c", DECISION], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "path: dense" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert re.search(
+        r"gptq: a 1024 x 1024 layer at batch 1 takes [\d.]+ ms with the int4 kernel, [\d.]+ ms "
+        r"dequantized \(\w+\): weights dequantized at load",
+        out.stderr,
+    ), out.stderr[-2000:]
+
+
+def _ct(**group: object) -> dict:
+    """A compressed-tensors quantization_config (W4A16 by groups of 32) with ``group`` changed."""
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
+    config_group = {"targets": ["Linear"], "weights": weights, "format": "pack-quantized", **group}
+    return {"quant_method": "compressed-tensors", "config_groups": {"group_0": config_group}, "ignore": ["lm_head"]}
 
 
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"quant_method": "fp8"}, r"quantization_config.quant_method: 'fp8' is not served; served: gptq, awq"),
+        ({"quant_method": "fp8"}, r"quant_method: 'fp8' is not served; served: gptq, awq, compressed-tensors"),
         ({"quant_method": "gptq", "bits": 3}, r"quantization_config.bits: 3-bit gptq is not served; served: 4, 8"),
         ({"quant_method": "awq", "bits": 8}, r"quantization_config.bits: 8-bit awq is not served; served: 4"),
         ({"quant_method": "awq", "w_bit": 4, "version": "gemv"}, r"quantization_config.version: AWQ's 'gemv'"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 12}, r"quantization_config.group_size: 12"),
+        (_ct(input_activations={"num_bits": 8, "type": "int"}), r"group_0.input_activations: quantized activations"),
+        (_ct(format="float-quantized"), r"quantization_config.format: 'float-quantized' is not served"),
+        (_ct(weights={"num_bits": 2, "strategy": "group", "group_size": 32}), r"weights.num_bits: 2-bit"),
     ],
 )
 def test_what_is_not_served_is_refused_naming_the_field(fields, message):

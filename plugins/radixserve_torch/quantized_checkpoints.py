@@ -10,21 +10,28 @@ is ``(qweight - qzeros) * scales`` over its group of ``group_size`` inputs.
 After loading, 4-bit weights of a bfloat16 model go to ATen's int4 CPU kernel
 (``torch._weight_int4pack_mm_for_cpu``: weights repacked once, dequantized in
 registers, groups of 32 to 256), which reads a quarter of the bytes of bfloat16
-weights: what batch-1 decode, bound by memory, is paced by. Elsewhere (float32
-models, 8-bit, other group sizes) the weight is dequantized on each forward (the
-reference semantics: right, not fast).
+weights: what batch-1 decode, bound by memory, is paced by; where it is not faster
+than the GEMM backend on the dequantized weight (timed once per shape at load: a CPU
+without AVX-512 or AVX2), and for float32 models, 8-bit weights and other group sizes,
+the weight is dequantized once at load and computed as a dense one.
 """
 
 from __future__ import annotations
 
-from typing import Any, cast
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
 
-from radixserve.kernels import KernelQuery, QuantizationMethod, QuantizedCheckpoint
+from radixserve.kernels import GemmBackend, KernelQuery, QuantizationMethod, QuantizedCheckpoint
 from radixserve.kernels.quantization import WeightLoader
 from radixserve.layers.weights import CheckpointTensor
+
+logger = logging.getLogger(__name__)
 
 # AWQ's GEMM packing puts output column 8c + ORDER[i] in nibble i of word c.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -60,6 +67,12 @@ class QuantizedCheckpointMethod(QuantizationMethod):
     ``quant_method`` of config.json's ``quantization_config`` it loads."""
 
     priority = 0
+    # The checkpoint's names of the packed integers, the zero points and the scales.
+    tensor_names: ClassVar[tuple[str, str, str]] = ("qweight", "qzeros", "scales")
+
+    def __init__(self, query: KernelQuery, gemm: GemmBackend):
+        super().__init__(query, gemm)
+        self._int4_faster: dict[tuple[int, int, int], bool] = {}  # by (out, in, group): timed once
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
@@ -90,11 +103,14 @@ class QuantizedCheckpointMethod(QuantizationMethod):
                 f"quantization_config.group_size: {group} does not divide a layer's {in_features} input features "
                 "(under tensor parallelism: its share of them)"
             )
+        integers, zeros, scales = self.tensor_names
         shapes = {
-            "qweight": ((out_features, in_features), torch.uint8),
-            "qzeros": ((out_features, in_features // group), torch.uint8),
-            "scales": ((out_features, in_features // group), torch.float32),
+            integers: ((out_features, in_features), torch.uint8),
+            zeros: ((out_features, in_features // group), torch.uint8),
+            scales: ((out_features, in_features // group), torch.float32),
         }
+        if not self.zero_points_stored():
+            del shapes[zeros]
         for name, (shape, dtype) in shapes.items():
             param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
             param.weight_loader = self._converting(name, weight_loader)  # type: ignore[attr-defined]
@@ -110,32 +126,39 @@ class QuantizedCheckpointMethod(QuantizationMethod):
         """A checkpoint tensor as the out-major parameter ``name`` holds it."""
         raise NotImplementedError
 
+    def zero_points_stored(self) -> bool:
+        """Whether the checkpoint stores zero points (else each is the middle of the range)."""
+        return True
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        qweight = cast(torch.Tensor, layer.qweight).data
-        scales = cast(torch.Tensor, layer.scales).data
-        zeros = cast(torch.Tensor, layer.qzeros).data
+        integers, zero_points, scale_name = self.tensor_names
+        qweight = cast(torch.Tensor, getattr(layer, integers)).data
+        scales = cast(torch.Tensor, getattr(layer, scale_name)).data
+        if self.zero_points_stored():
+            zeros = cast(torch.Tensor, getattr(layer, zero_points)).data
+            delattr(layer, zero_points)
+        else:
+            zeros = torch.full(scales.shape, 1 << (self.scheme.bits - 1), dtype=torch.uint8, device=scales.device)
         group = qweight.shape[1] // scales.shape[1]
-        del layer.qweight, layer.scales, layer.qzeros
+        delattr(layer, integers)
+        delattr(layer, scale_name)
         order = self.input_order(layer, group)
         if order is not None:  # the inputs reordered so that each group's are contiguous
             qweight = qweight[:, order]
             layer.register_buffer("input_order", order)
         if self.int4_kernel_serves(group):
-            # ATen's kernel computes (q - 8) * scale + offset: the offset is (8 - zero) * scale.
-            packed = torch._convert_weight_to_int4pack_for_cpu(qweight.to(torch.int32), 2)
-            offsets = (8 - zeros.float()) * scales
-            scales_and_offsets = torch.stack([scales.t(), offsets.t()], dim=-1).to(torch.bfloat16).contiguous()
-            layer.register_buffer("int4_weight", packed)
-            layer.register_buffer("int4_scales_and_offsets", scales_and_offsets)
-            layer.int4_group_size = group  # type: ignore[assignment]  # a plain attribute beside the buffers
-            return
-        layer.register_buffer("qweight", qweight)
-        layer.register_buffer("weight_scales", scales)
-        layer.register_buffer("weight_zeros", zeros)
+            int4 = Int4Weight.pack(qweight, zeros, scales, group)
+            if self._int4_is_faster(int4, qweight, zeros, scales):
+                layer.int4 = int4  # type: ignore[assignment]  # a plain attribute: CPU-only, never moved
+                return
+        # Elsewhere the weight is dequantized once, here, and the GEMM backend computes
+        # with it as with any dense weight: as fast as the model dtype, not as small.
+        dense = dequantize(qweight, zeros, scales).to(self.query.dtype)
+        layer.register_buffer("weight", self.gemm.prepare_weight(dense))
 
     def int4_kernel_serves(self, group: int) -> bool:
-        """Whether ATen's int4 CPU kernel computes this layer: 4-bit weights, a bfloat16
-        model on the CPU, groups of 32 to 256."""
+        """Whether ATen's int4 CPU kernel can compute this layer: 4-bit weights, a
+        bfloat16 model on the CPU, groups of 32 to 256."""
         query = self.query
         return (
             self.scheme.bits == 4
@@ -144,6 +167,32 @@ class QuantizedCheckpointMethod(QuantizationMethod):
             and group in INT4PACK_GROUP_SIZES
         )
 
+    def _int4_is_faster(
+        self, int4: Int4Weight, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
+    ) -> bool:
+        """Whether the int4 kernel decodes this shape faster than the GEMM backend on the
+        dequantized weight, timed once per shape at batch 1 (the memory-bound case it is
+        for). It is 4x faster with AVX-512 and about even with AVX2, and without either
+        (ATen's scalar path) many times slower: there the weights are dequantized."""
+        shape = (qweight.shape[0], qweight.shape[1], int4.group)
+        if shape not in self._int4_faster:
+            dense = self.gemm.prepare_weight(dequantize(qweight, zeros, scales).to(self.query.dtype))
+            x = torch.randn(1, qweight.shape[1], dtype=self.query.dtype)
+            int4_s = _best_time(lambda: int4.matmul(x))
+            dense_s = _best_time(lambda: self.gemm.linear(x, dense))
+            self._int4_faster[shape] = int4_s < dense_s
+            logger.info(
+                "%s: a %d x %d layer at batch 1 takes %.3f ms with the int4 kernel, %.3f ms dequantized (%s): %s",
+                self.name,
+                shape[0],
+                shape[1],
+                int4_s * 1e3,
+                dense_s * 1e3,
+                self.gemm.name,
+                "int4 kernel" if int4_s < dense_s else "weights dequantized at load",
+            )
+        return self._int4_faster[shape]
+
     def input_order(self, layer: nn.Module, group: int) -> torch.Tensor | None:
         """The order of the inputs that puts each group's together (None: they are)."""
         return None
@@ -151,22 +200,46 @@ class QuantizedCheckpointMethod(QuantizationMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if hasattr(layer, "input_order"):
             x = x.index_select(-1, cast(torch.Tensor, layer.input_order))
-        if hasattr(layer, "int4_weight"):
-            flat = x.reshape(-1, x.shape[-1])
-            out = torch._weight_int4pack_mm_for_cpu(
-                flat,
-                cast(torch.Tensor, layer.int4_weight),
-                cast(int, layer.int4_group_size),
-                cast(torch.Tensor, layer.int4_scales_and_offsets),
-            )
-            out = out.reshape(*x.shape[:-1], out.shape[-1])
-            return out if bias is None else out + bias
-        weight = dequantize(
-            cast(torch.Tensor, layer.qweight),
-            cast(torch.Tensor, layer.weight_zeros),
-            cast(torch.Tensor, layer.weight_scales),
-        )
-        return self.gemm.linear(x, weight.to(x.dtype), bias)
+        int4 = cast("Int4Weight | None", getattr(layer, "int4", None))
+        if int4 is None:
+            return self.gemm.linear(x, cast(torch.Tensor, layer.weight), bias)
+        out = int4.matmul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        return out if bias is None else out + bias
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        if hasattr(layer, "int4") or hasattr(layer, "input_order"):
+            return None
+        return self.gemm.linear_silu_and_mul(x, cast(torch.Tensor, layer.weight), bias)
+
+
+def _best_time(run: Callable[[], object], repeats: int = 5) -> float:
+    """Seconds of the fastest of ``repeats`` runs, after one to warm up."""
+    run()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@dataclass
+class Int4Weight:
+    """A weight repacked for ATen's int4 CPU kernel, which computes
+    ``x @ ((q - 8) * scale + offset).T`` per group: the offset is ``(8 - zero) * scale``."""
+
+    packed: torch.Tensor
+    scales_and_offsets: torch.Tensor  # [groups, out, 2], bfloat16
+    group: int
+
+    @classmethod
+    def pack(cls, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> Int4Weight:
+        offsets = (8 - zeros.float()) * scales
+        scales_and_offsets = torch.stack([scales.t(), offsets.t()], dim=-1).to(torch.bfloat16).contiguous()
+        return cls(torch._convert_weight_to_int4pack_for_cpu(qweight.to(torch.int32), 2), scales_and_offsets, group)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_offsets)
 
 
 def dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -251,3 +324,49 @@ class AWQ(QuantizedCheckpointMethod):
         if name in ("qweight", "qzeros"):
             return unpack_columns(loaded, self.scheme.bits, AWQ_ORDER).t()
         return loaded.t()
+
+
+class CompressedTensors(QuantizedCheckpointMethod):
+    """llm-compressor's compressed-tensors ``pack-quantized`` (W4A16, W8A16):
+    ``weight_packed`` ``[out, in / (32 / bits)]`` (words along the input), each value
+    stored plus ``2 ** (bits - 1)``; ``weight_scale`` ``[out, groups]``;
+    ``weight_zero_point`` ``[out / (32 / bits), groups]`` (words along the output, stored
+    plus the same) only when asymmetric; ``weight_shape``, the dense shape (checked)."""
+
+    name = "compressed-tensors"
+    tensor_names = ("weight_packed", "weight_zero_point", "weight_scale")
+
+    def zero_points_stored(self) -> bool:
+        return not self.scheme.symmetric
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        in_features: int,
+        out_features: int,
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        super().create_weights(layer, in_features, out_features, params_dtype, weight_loader)
+        shape = nn.Parameter(torch.empty(2, dtype=torch.int64), requires_grad=False)
+        shape.weight_loader = self._check_shape  # type: ignore[attr-defined]
+        layer.register_parameter("weight_shape", shape)
+
+    def _check_shape(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        """The dense shape of the whole checkpoint tensor: two positive sizes (this rank's
+        share of them is the layer's)."""
+        shape = _tensor(loaded)
+        if shape.numel() != 2 or bool((shape <= 0).any()):
+            raise ValueError(f"weight_shape: {shape.tolist()} is not a matrix's shape")
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        del layer.weight_shape
+        super().process_weights_after_loading(layer)
+
+    def out_major(self, name: str, loaded: torch.Tensor) -> torch.Tensor:
+        bits = self.scheme.bits
+        if name == "weight_packed":
+            return unpack_columns(loaded, bits)
+        if name == "weight_zero_point":
+            return unpack_rows(loaded, bits)
+        return loaded

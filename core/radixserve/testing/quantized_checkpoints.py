@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -84,6 +85,8 @@ def pack_weight(
     (by their names in the checkpoint: ``qweight``, ``qzeros``, ``scales``, GPTQ's
     ``g_idx``), and the dequantized weight (float32) those tensors stand for. ``order``
     (act-order): the order of the inputs in which groups are formed."""
+    if scheme.method == "compressed-tensors":
+        return _compressed_tensors(weight, scheme)
     out, inputs = weight.shape
     bits, group = scheme.bits, scheme.group_size if scheme.group_size != -1 else weight.shape[1]
     order = torch.arange(inputs) if order is None else order
@@ -110,12 +113,55 @@ def pack_weight(
     return tensors, dequantized
 
 
+def _compressed_tensors(
+    weight: torch.Tensor, scheme: QuantizedCheckpoint
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """compressed-tensors' own quantizer and packer (``pack-quantized``), and the weight
+    its integers stand for: ``(q - zero_point) * scale``."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = compressed_tensors_args(scheme)
+    out, inputs = weight.shape
+    group = scheme.group_size if scheme.group_size != -1 else inputs
+    grouped = weight.float().view(out, inputs // group, group)
+    scale, zero_point = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+    state = {"weight": weight.float(), "weight_scale": scale, "weight_zero_point": zero_point}
+    tensors = PackedQuantizationCompressor.compress(state, compressed_tensors_scheme(scheme))
+    q = ct_quantize(x=weight.float(), scale=scale, zero_point=zero_point, args=args, dtype=torch.int8)
+    dequantized = (q.float().view(out, -1, group) - zero_point.float()[..., None]) * scale[..., None]
+    return dict(tensors), dequantized.view(out, inputs)
+
+
+def compressed_tensors_args(scheme: QuantizedCheckpoint) -> Any:
+    """compressed-tensors' ``QuantizationArgs`` of ``scheme``'s weights."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    by_group = scheme.group_size != -1
+    return QuantizationArgs(
+        num_bits=scheme.bits,
+        type="int",
+        symmetric=scheme.symmetric,
+        strategy="group" if by_group else "channel",
+        group_size=scheme.group_size if by_group else None,
+    )
+
+
+def compressed_tensors_scheme(scheme: QuantizedCheckpoint) -> Any:
+    from compressed_tensors.quantization import QuantizationScheme
+
+    return QuantizationScheme(targets=["Linear"], weights=compressed_tensors_args(scheme))
+
+
 def scheme_of(
     method: str, bits: int = 4, group: int = 32, sym: bool = False, desc_act: bool = False
 ) -> QuantizedCheckpoint:
     """The scheme ``write_quantized`` writes (GPTQ in its own format: zero points less one)."""
     if method == "gptq":
         return QuantizedCheckpoint("gptq", bits, group, sym, desc_act=desc_act, zero_offset=1)
+    if method == "compressed-tensors":
+        return QuantizedCheckpoint(method, bits, group, sym)
     return QuantizedCheckpoint("awq", bits, group, symmetric=False)
 
 
@@ -156,9 +202,28 @@ def write_quantized(
     save_file({k: v.contiguous() for k, v in packed.items()}, out_dir / "model.safetensors")
     save_file({k: v.contiguous() for k, v in dense.items()}, reference_dir / "model.safetensors")
     config = json.loads((out_dir / "config.json").read_text())
-    config["quantization_config"] = (
-        {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act}
-        if method == "gptq"
-        else {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"}
-    )
+    config["quantization_config"] = _config(scheme)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _config(scheme: QuantizedCheckpoint) -> dict[str, Any]:
+    """config.json's ``quantization_config`` of ``scheme``, as each format's tool writes it."""
+    bits, group = scheme.bits, scheme.group_size
+    if scheme.method == "gptq":
+        return {
+            "quant_method": "gptq",
+            "bits": bits,
+            "group_size": group,
+            "sym": scheme.symmetric,
+            "desc_act": scheme.desc_act,
+        }
+    if scheme.method == "awq":
+        return {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"}
+    weights = compressed_tensors_args(scheme).model_dump(exclude_none=True)
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+        "ignore": ["lm_head"],
+    }
