@@ -28,7 +28,7 @@ from radixserve.registry import get_registry
 from radixserve.testing import check_quantization_method
 from radixserve.testing.conformance import QUANT_CASES
 from radixserve.testing.quantized_checkpoints import pack_weight, scheme_of, write_quantized
-from radixserve_torch.quantized_checkpoints import GPTQ, Int4Weight, unpack_columns
+from radixserve_torch.quantized_checkpoints import GPTQ, AtenInt4, NibbleStrips, unpack_columns
 
 FORMATS = {
     "gptq-4bit-asym": dict(method="gptq", bits=4, group=32, sym=False),
@@ -84,9 +84,12 @@ def test_the_method_comes_from_the_checkpoint(quantized):
         resolve_quantization(config, "int8")
 
 
+def _query(scheme: QuantizedCheckpoint, dtype: torch.dtype = torch.bfloat16) -> KernelQuery:
+    return KernelQuery(device="cpu", dtype=dtype, quantization=scheme.method, quantized_checkpoint=scheme)
+
+
 def _layer(scheme: QuantizedCheckpoint, dtype: torch.dtype) -> MergedColumnParallelLinear:
-    query = KernelQuery(device="cpu", dtype=dtype, quantization=scheme.method, quantized_checkpoint=scheme)
-    ctx = ModelContext.create(get_registry(), query, torch.device("cpu"), quantization=scheme.method)
+    ctx = ModelContext.create(get_registry(), _query(scheme, dtype), torch.device("cpu"), quantization=scheme.method)
     return MergedColumnParallelLinear(256, [128, 128], ctx)
 
 
@@ -102,7 +105,7 @@ def test_each_format_passes_the_quantization_kit(format_name):
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_the_int4_kernel_agrees_with_the_dequantized_product(method):
+def test_atens_int4_kernel_agrees_with_the_dequantized_product(method):
     """ATen's int4 kernel on a repacked weight equals the dequantized weight's product
     (float32) within bfloat16's rounding."""
     scheme = scheme_of(method, 4, 64)
@@ -111,10 +114,28 @@ def test_the_int4_kernel_agrees_with_the_dequantized_product(method):
     integers = layer.quant.out_major("qweight", tensors["qweight"])
     zeros = layer.quant.out_major("qzeros", tensors["qzeros"])
     scales = layer.quant.out_major("scales", tensors["scales"]).float()
-    int4 = Int4Weight.pack(integers, zeros, scales, 64)
+    int4 = AtenInt4.pack(integers, zeros, scales, 64)
     x = torch.randn(5, 512)
     got = int4.matmul(x.to(torch.bfloat16)).float()
     want = x.to(torch.bfloat16).float() @ dequantized.t()
+    assert torch.allclose(got, want, atol=0.05, rtol=0.02), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("group", [32, 128, 512])
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_our_int4_kernel_agrees_with_the_dequantized_product(group, rows):
+    """csrc/cpu_int4.cpp (AVX512-BF16): every row tile (4, then the rest) and group size,
+    against the dequantized weight's product (float32) within bfloat16's rounding."""
+    if not NibbleStrips.serves(torch.Size([96, 512]), group):
+        pytest.skip("radixserve's int4 kernel needs an AVX512-BF16 build of the CPU kernels")
+    scheme = scheme_of("gptq", 4, group)
+    tensors, dequantized = pack_weight(torch.randn(96, 512) * 0.1, scheme)
+    method = ModelContext.create(get_registry(), _query(scheme), torch.device("cpu"), quantization="gptq").quant
+    integers, zeros = method.out_major("qweight", tensors["qweight"]), method.out_major("qzeros", tensors["qzeros"])
+    kernel = NibbleStrips.pack(integers, zeros, method.out_major("scales", tensors["scales"]).float(), group)
+    x = torch.randn(rows, 512).to(torch.bfloat16)
+    got = kernel.matmul(x).float()
+    want = x.float() @ dequantized.t()
     assert torch.allclose(got, want, atol=0.05, rtol=0.02), (got - want).abs().max()
 
 
@@ -146,8 +167,8 @@ def test_without_vector_units_the_weights_are_dequantized_at_load():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "path: dense" in out.stdout, out.stdout + out.stderr[-2000:]
     assert re.search(
-        r"gptq: a 1024 x 1024 layer at batch 1 takes [\d.]+ ms with the int4 kernel, [\d.]+ ms "
-        r"dequantized \(\w+\): weights dequantized at load",
+        r"gptq: a 1024 x 1024 layer at batch 1: dequantized \(\w+\) [\d.]+ ms, aten int4 [\d.]+ ms; "
+        r"using dequantized",
         out.stderr,
     ), out.stderr[-2000:]
 

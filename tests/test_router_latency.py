@@ -289,7 +289,7 @@ def test_the_scheduler_measures_each_band_from_its_steps(tiny_llama_dir: Path):
     w = Worker("w", WorkerFacts("m"), CircuitBreaker(5, 1, 10))
     w.observe(WorkerLoad.of(load_entries({"stats": stats.__dict__})))
     alone, three = stats.decode_band_tokens_per_s[:2]
-    assert w.decode_curve.at(1) == alone
+    assert w.decode_curve.at(1) == pytest.approx(alone)  # size / (size / rate): equal but for rounding
     assert w.decode_curve.at(3) == pytest.approx(3 / max(1 / alone, 3 / three))  # a step of 3 is not the quicker
 
 

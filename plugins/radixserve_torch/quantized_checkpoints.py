@@ -7,21 +7,22 @@ gate/up shards) apply unchanged: ``qweight`` ``[out, in]`` of unsigned integers
 (one a byte), ``scales`` ``[out, groups]`` and ``qzeros`` ``[out, groups]``; a weight
 is ``(qweight - qzeros) * scales`` over its group of ``group_size`` inputs.
 
-After loading, 4-bit weights of a bfloat16 model go to ATen's int4 CPU kernel
-(``torch._weight_int4pack_mm_for_cpu``: weights repacked once, dequantized in
-registers, groups of 32 to 256), which reads a quarter of the bytes of bfloat16
-weights: what batch-1 decode, bound by memory, is paced by; where it is not faster
-than the GEMM backend on the dequantized weight (timed once per shape at load: a CPU
-without AVX-512 or AVX2), and for float32 models, 8-bit weights and other group sizes,
-the weight is dequantized once at load and computed as a dense one.
+After loading, 4-bit weights of a bfloat16 model on the CPU go to an int4 kernel,
+which reads a quarter of the bytes of bfloat16 weights (what batch-1 decode, bound by
+memory, is paced by): radixserve's own (csrc/cpu_int4.cpp, AVX512-BF16) or ATen's
+(``torch._weight_int4pack_mm_for_cpu``, groups of 32 to 256), whichever is faster at
+batch 1 on the layer's shape, timed once per shape at load; where neither beats the
+GEMM backend on the dequantized weight (ATen's kernel on a CPU without AVX-512), and
+for float32 models, 8-bit weights and other group sizes, the weight is dequantized
+once at load and computed as a dense one.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, ClassVar, cast
 
 import torch
@@ -30,6 +31,7 @@ from torch import nn
 from radixserve.kernels import GemmBackend, KernelQuery, QuantizationMethod, QuantizedCheckpoint
 from radixserve.kernels.quantization import WeightLoader
 from radixserve.layers.weights import CheckpointTensor
+from radixserve_torch import cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +74,8 @@ class QuantizedCheckpointMethod(QuantizationMethod):
 
     def __init__(self, query: KernelQuery, gemm: GemmBackend):
         super().__init__(query, gemm)
-        self._int4_faster: dict[tuple[int, int, int], bool] = {}  # by (out, in, group): timed once
+        # The int4 kernel each shape (out, in, group) runs, None: dequantized; timed once.
+        self._int4_choice: dict[tuple[int, int, int], type[Int4Kernel] | None] = {}
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
@@ -146,52 +149,56 @@ class QuantizedCheckpointMethod(QuantizationMethod):
         if order is not None:  # the inputs reordered so that each group's are contiguous
             qweight = qweight[:, order]
             layer.register_buffer("input_order", order)
-        if self.int4_kernel_serves(group):
-            int4 = Int4Weight.pack(qweight, zeros, scales, group)
-            if self._int4_is_faster(int4, qweight, zeros, scales):
-                layer.int4 = int4  # type: ignore[assignment]  # a plain attribute: CPU-only, never moved
+        kernels = self.int4_kernels(qweight.shape, group)
+        if kernels:
+            chosen = self._fastest(kernels, qweight, zeros, scales, group)
+            if chosen is not None:
+                layer.int4 = chosen.pack(qweight, zeros, scales, group)  # type: ignore[assignment]  # CPU-only
                 return
         # Elsewhere the weight is dequantized once, here, and the GEMM backend computes
         # with it as with any dense weight: as fast as the model dtype, not as small.
         dense = dequantize(qweight, zeros, scales).to(self.query.dtype)
         layer.register_buffer("weight", self.gemm.prepare_weight(dense))
 
-    def int4_kernel_serves(self, group: int) -> bool:
-        """Whether ATen's int4 CPU kernel can compute this layer: 4-bit weights, a
-        bfloat16 model on the CPU, groups of 32 to 256."""
+    def int4_kernels(self, shape: torch.Size, group: int) -> list[type[Int4Kernel]]:
+        """The int4 kernels that can compute a layer of ``shape`` ([out, in]) here: 4-bit
+        weights of a bfloat16 model on the CPU, and what each kernel needs besides."""
         query = self.query
-        return (
-            self.scheme.bits == 4
-            and query.device == "cpu"
-            and query.dtype == torch.bfloat16
-            and group in INT4PACK_GROUP_SIZES
-        )
+        if self.scheme.bits != 4 or query.device != "cpu" or query.dtype != torch.bfloat16:
+            return []
+        return [kernel for kernel in (NibbleStrips, AtenInt4) if kernel.serves(shape, group)]
 
-    def _int4_is_faster(
-        self, int4: Int4Weight, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
-    ) -> bool:
-        """Whether the int4 kernel decodes this shape faster than the GEMM backend on the
-        dequantized weight, timed once per shape at batch 1 (the memory-bound case it is
-        for). It is 4x faster with AVX-512 and about even with AVX2, and without either
-        (ATen's scalar path) many times slower: there the weights are dequantized."""
-        shape = (qweight.shape[0], qweight.shape[1], int4.group)
-        if shape not in self._int4_faster:
-            dense = self.gemm.prepare_weight(dequantize(qweight, zeros, scales).to(self.query.dtype))
+    def _fastest(
+        self,
+        kernels: list[type[Int4Kernel]],
+        qweight: torch.Tensor,
+        zeros: torch.Tensor,
+        scales: torch.Tensor,
+        group: int,
+    ) -> type[Int4Kernel] | None:
+        """The fastest of ``kernels`` on this layer's shape at batch 1 (the memory-bound
+        case they are for), or None where the GEMM backend on the dequantized weight is
+        faster; timed once per shape. ATen's kernel is 4x faster than bfloat16 with
+        AVX-512, about even with AVX2, and without either (its scalar path) many times
+        slower: there the weights are dequantized."""
+        shape = (qweight.shape[0], qweight.shape[1], group)
+        if shape not in self._int4_choice:
             x = torch.randn(1, qweight.shape[1], dtype=self.query.dtype)
-            int4_s = _best_time(lambda: int4.matmul(x))
-            dense_s = _best_time(lambda: self.gemm.linear(x, dense))
-            self._int4_faster[shape] = int4_s < dense_s
+            dense = self.gemm.prepare_weight(dequantize(qweight, zeros, scales).to(self.query.dtype))
+            times = {f"dequantized ({self.gemm.name})": _best_time(self.gemm.linear, x, dense)}
+            for kernel in kernels:
+                times[kernel.name] = _best_time(kernel.pack(qweight, zeros, scales, group).matmul, x)
+            best = min(times, key=times.__getitem__)
+            self._int4_choice[shape] = next((k for k in kernels if k.name == best), None)
             logger.info(
-                "%s: a %d x %d layer at batch 1 takes %.3f ms with the int4 kernel, %.3f ms dequantized (%s): %s",
+                "%s: a %d x %d layer at batch 1: %s; using %s",
                 self.name,
                 shape[0],
                 shape[1],
-                int4_s * 1e3,
-                dense_s * 1e3,
-                self.gemm.name,
-                "int4 kernel" if int4_s < dense_s else "weights dequantized at load",
+                ", ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in times.items()),
+                best,
             )
-        return self._int4_faster[shape]
+        return self._int4_choice[shape]
 
     def input_order(self, layer: nn.Module, group: int) -> torch.Tensor | None:
         """The order of the inputs that puts each group's together (None: they are)."""
@@ -200,7 +207,7 @@ class QuantizedCheckpointMethod(QuantizationMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if hasattr(layer, "input_order"):
             x = x.index_select(-1, cast(torch.Tensor, layer.input_order))
-        int4 = cast("Int4Weight | None", getattr(layer, "int4", None))
+        int4 = cast("Int4Kernel | None", getattr(layer, "int4", None))
         if int4 is None:
             return self.gemm.linear(x, cast(torch.Tensor, layer.weight), bias)
         out = int4.matmul(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
@@ -212,34 +219,98 @@ class QuantizedCheckpointMethod(QuantizationMethod):
         return self.gemm.linear_silu_and_mul(x, cast(torch.Tensor, layer.weight), bias)
 
 
-def _best_time(run: Callable[[], object], repeats: int = 5) -> float:
-    """Seconds of the fastest of ``repeats`` runs, after one to warm up."""
-    run()
+def _best_time(run: Callable[..., object], *args: object, repeats: int = 5) -> float:
+    """Seconds of the fastest of ``repeats`` calls of ``run(*args)``, after one to warm up."""
+    run(*args)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        run()
+        run(*args)
         best = min(best, time.perf_counter() - start)
     return best
 
 
-@dataclass
-class Int4Weight:
-    """A weight repacked for ATen's int4 CPU kernel, which computes
-    ``x @ ((q - 8) * scale + offset).T`` per group: the offset is ``(8 - zero) * scale``."""
+class Int4Kernel(ABC):
+    """A weight repacked for an int4 kernel, which computes ``x @ W.T`` for a bfloat16
+    ``x`` ``[rows, in]``, ``W = (q - 8) * scale + offset`` per group of inputs (the offset
+    is ``(8 - zero) * scale``)."""
 
-    packed: torch.Tensor
-    scales_and_offsets: torch.Tensor  # [groups, out, 2], bfloat16
-    group: int
+    name: ClassVar[str]
 
     @classmethod
-    def pack(cls, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> Int4Weight:
+    @abstractmethod
+    def serves(cls, shape: torch.Size, group: int) -> bool: ...
+
+    @classmethod
+    @abstractmethod
+    def pack(cls, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> Int4Kernel: ...
+
+    @abstractmethod
+    def matmul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class AtenInt4(Int4Kernel):
+    """ATen's int4 CPU kernel (``torch._weight_int4pack_mm_for_cpu``), groups of 32 to 256."""
+
+    name = "aten int4"
+
+    def __init__(self, packed: torch.Tensor, scales_and_offsets: torch.Tensor, group: int):
+        self.packed, self.scales_and_offsets, self.group = packed, scales_and_offsets, group
+
+    @classmethod
+    def serves(cls, shape: torch.Size, group: int) -> bool:
+        return group in INT4PACK_GROUP_SIZES
+
+    @classmethod
+    def pack(cls, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> AtenInt4:
         offsets = (8 - zeros.float()) * scales
         scales_and_offsets = torch.stack([scales.t(), offsets.t()], dim=-1).to(torch.bfloat16).contiguous()
         return cls(torch._convert_weight_to_int4pack_for_cpu(qweight.to(torch.int32), 2), scales_and_offsets, group)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_offsets)
+
+
+class NibbleStrips(Int4Kernel):
+    """radixserve's own int4 kernel (csrc/cpu_int4.cpp, AVX512-BF16), which streams the
+    nibbles in strips of 16 output columns: ``packed`` ``[out/16, in/8, 64]`` uint8,
+    scales and offsets ``[out/16, in/group, 16]`` float32 (the layout is the kernel's;
+    its offsets carry the 136 that its bfloat16 weights, 128 + q, add to q - 8)."""
+
+    name = "radixserve int4"
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int):
+        self.packed, self.scales, self.offsets, self.group = packed, scales, offsets, group
+
+    @classmethod
+    def serves(cls, shape: torch.Size, group: int) -> bool:
+        if shape[0] % 16 or group % 8:
+            return False
+        try:
+            cpu_kernels.load()
+        except cpu_kernels.KernelBuildError:
+            return False  # the other paths serve: which one is logged at the choice
+        return bool(torch.ops.radixserve_cpu_int4.available())
+
+    @classmethod
+    def pack(cls, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> NibbleStrips:
+        out, inputs = qweight.shape
+        # (strip, column, chunk, i, j) -> (strip, chunk, lane = 2 column + j, nibble i)
+        q = qweight.view(out // 16, 16, inputs // 8, 4, 2).permute(0, 2, 1, 4, 3).to(torch.int32)
+        lanes = (q[..., 0] | q[..., 1] << 4 | q[..., 2] << 8 | q[..., 3] << 12).reshape(out // 16, inputs // 8, 32)
+        packed = lanes.to(torch.int16).view(torch.uint8).contiguous()  # little-endian 16-bit lanes
+
+        def by_strip(values: torch.Tensor) -> torch.Tensor:
+            return values.float().view(out // 16, 16, -1).transpose(1, 2).contiguous()
+
+        scales = scales.float()
+        offsets = (8 - zeros.float()) * scales - 136 * scales
+        return cls(packed, by_strip(scales), by_strip(offsets), group)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.packed.shape[0] * 16, dtype=torch.bfloat16)
+        torch.ops.radixserve_cpu_int4.linear(x.contiguous(), self.packed, self.scales, self.offsets, self.group, out)
+        return out
 
 
 def dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,171 @@
+// 4-bit weight-only linear layers on AVX512-BF16 CPUs (W4A16 checkpoints: GPTQ, AWQ,
+// compressed-tensors): out = x W^T with W = (q - 8) * scale + offset per group of G
+// input features, x and out in bfloat16, float32 accumulation.
+//
+// Why not ATen's int4 kernel: at the batch sizes of decode, where a step reads every
+// weight once, it reaches about two thirds of the memory bandwidth the bfloat16 GEMM
+// reaches (docs/benchmarks.md, P18); this one streams the packed nibbles once, in the
+// order they are stored, and turns them into bfloat16 with two table look-ups.
+//
+// Layout (packed once at load, quantized_checkpoints.py): strips of 16 output columns,
+// each strip's whole input contiguous as [K/8][32] 16-bit lanes (64 bytes a chunk of 8
+// inputs). Nibble i of lane l of chunk t is the weight of column l / 2 and input
+// 8t + 2i + l % 2, so nibble i of the 32 lanes is one `vdpbf16ps` operand (16 columns
+// x 2 inputs). One `vpternlogd` turns nibble i into the bfloat16 128 + q, exactly
+// ((lane >> 4i) & 0xF | 0x4300): no table, no widening. The group's products are
+// summed in float32, then scaled: out += scale * acc + offset * sum(x over the group),
+// where the packer folded the 128 + 8 into the offset (offset - 136 scale).
+// Scales and offsets: [N/16][K/G][16] float32.
+// Registered as torch.ops.radixserve_cpu_int4.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kStripCols = 16;
+constexpr int kTileRows = 4;
+constexpr int64_t kPrefetchBytes = 2048;
+
+bool available() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512BF16__)
+
+// Rows [0, ROWS) of x (row stride lda), one strip: out[r][c] for its 16 columns.
+template <int ROWS>
+void strip_tile(const uint16_t* x, int64_t lda, const float* xsum, int64_t groups, const uint8_t* w,
+                const float* scales, const float* offsets, int64_t group, uint16_t* out, int64_t ldc) {
+  const __m512i low4 = _mm512_set1_epi16(0x000F);
+  const __m512i bf16_128 = _mm512_set1_epi16(0x4300);  // bfloat16 128.0: ORed with q < 128, it is 128 + q
+  const int64_t chunks = group / 8;                     // 64-byte chunks a group
+  __m512 total[ROWS];
+  for (int r = 0; r < ROWS; ++r) total[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    // One accumulator per row and nibble: four independent chains, not one four times as
+    // long (a dot product's latency is several cycles; at one row it would pace the loop).
+    __m512 acc[ROWS][4];
+    for (int r = 0; r < ROWS; ++r)
+      for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
+    const uint8_t* wg = w + g * chunks * 64;
+    const int64_t k0 = g * group;
+    for (int64_t t = 0; t < chunks; ++t) {
+      // Ahead of the hardware's prefetcher: one load a chunk keeps too few misses in flight.
+      _mm_prefetch(reinterpret_cast<const char*>(wg + t * 64 + kPrefetchBytes), _MM_HINT_T0);
+      const __m512i v = _mm512_loadu_si512(wg + t * 64);
+      __m512bh pairs[4];
+      // (a & b) | c, one instruction each: imm 0xEA
+      pairs[0] = (__m512bh)_mm512_ternarylogic_epi32(v, low4, bf16_128, 0xEA);
+      pairs[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), low4, bf16_128, 0xEA);
+      pairs[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), low4, bf16_128, 0xEA);
+      pairs[3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 12), low4, bf16_128, 0xEA);
+      for (int r = 0; r < ROWS; ++r) {
+        const uint16_t* xr = x + r * lda + k0 + 8 * t;
+        for (int i = 0; i < 4; ++i) {
+          int32_t pair;
+          std::memcpy(&pair, xr + 2 * i, sizeof pair);
+          acc[r][i] = _mm512_dpbf16_ps(acc[r][i], pairs[i], (__m512bh)_mm512_set1_epi32(pair));
+        }
+      }
+    }
+    const __m512 scale = _mm512_loadu_ps(scales + g * kStripCols);
+    const __m512 offset = _mm512_loadu_ps(offsets + g * kStripCols);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
+      total[r] = _mm512_fmadd_ps(sum, scale, total[r]);
+      total[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), offset, total[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)  // round to nearest even
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldc), (__m256i)_mm512_cvtneps_pbh(total[r]));
+}
+
+using StripFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t*, const float*, const float*,
+                         int64_t, uint16_t*, int64_t);
+
+StripFn strip_for(int rows) {
+  switch (rows) {
+    case 1: return strip_tile<1>;
+    case 2: return strip_tile<2>;
+    case 3: return strip_tile<3>;
+    default: return strip_tile<4>;
+  }
+}
+
+#endif  // __AVX512BF16__
+
+// x [M, K] bfloat16 (unit stride along K); packed [N/16, K/8, 64] uint8; scales and
+// offsets [N/16, K/G, 16] float32; out [M, N] bfloat16, contiguous.
+void linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
+            int64_t group, at::Tensor& out) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
+              "int4 linear: x must be 2-D bfloat16 with unit stride along in features");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kByte && packed.size(2) == 64,
+              "int4 linear: the weight must be packed [N/16, K/8, 64] uint8");
+  const int64_t m = x.size(0), k = x.size(1), strips = packed.size(0), groups = k / group;
+  TORCH_CHECK(group % 8 == 0 && k % group == 0 && packed.size(1) * 8 == k, "int4 linear: x has ", k,
+              " in features, the weight ", packed.size(1) * 8, " in groups of ", group);
+  for (const at::Tensor* t : {&scales, &offsets})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == at::kFloat && t->dim() == 3 && t->size(0) == strips &&
+                    t->size(1) == groups && t->size(2) == kStripCols,
+                "int4 linear: scales and offsets must be [N/16, K/G, 16] float32");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == at::kBFloat16 && out.size(0) == m &&
+                  out.size(1) == strips * kStripCols,
+              "int4 linear: out must be contiguous [M, N] bfloat16");
+  if (m == 0) return;
+#if defined(__AVX512BF16__)
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const int64_t lda = x.stride(0), ldc = out.stride(0);
+  // Each row's sum over each group, for the offsets: [M, K/G] float32.
+  std::vector<float> xsum(m * groups, 0.0f);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float s = 0.0f;
+      for (int64_t i = 0; i < group; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(xp[r * lda + g * group + i]) << 16;
+        float value;
+        std::memcpy(&value, &bits, sizeof value);
+        s += value;
+      }
+      xsum[r * groups + g] = s;
+    }
+  const auto* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.data_ptr<float>();
+  auto* outp = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t strip_bytes = packed.size(1) * 64, strip_groups = groups * kStripCols;  // 16 columns x K nibbles
+  at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s)
+      for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
+        strip_for(rows)(xp + r0 * lda, lda, xsum.data() + r0 * groups, groups, wp + s * strip_bytes,
+                        sp + s * strip_groups, op + s * strip_groups, group, outp + r0 * ldc + s * kStripCols, ldc);
+      }
+  });
+#else
+  TORCH_CHECK(false, "radixserve_cpu_int4.linear: this build has no kernel (it needs AVX512-BF16)");
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(radixserve_cpu_int4, m) {
+  m.def("available() -> bool", &available);
+  m.def("linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(radixserve_cpu_int4, CPU, m) { m.impl("linear", &linear); }
