@@ -7,6 +7,7 @@ served is refused naming the field."""
 from __future__ import annotations
 
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -39,6 +40,7 @@ FORMATS = {
     "compressed-tensors-w4a16-sym": dict(method="compressed-tensors", bits=4, group=32, sym=True),
     "compressed-tensors-w4a16-asym": dict(method="compressed-tensors", bits=4, group=32, sym=False),
     "compressed-tensors-w8a16-channel": dict(method="compressed-tensors", bits=8, group=-1, sym=True),
+    "fp8-blocks": dict(method="fp8_block", bits=8, group=32),
 }
 
 
@@ -78,7 +80,9 @@ def test_the_method_comes_from_the_checkpoint(quantized):
     out, _ = quantized
     config = load_config(out)
     query = model_kernel_query(config, "cpu", torch.float32)
-    assert query.quantization == config.quantization_config["quant_method"]
+    # FP8 checkpoints' method is fp8_block: fp8 is the CUDA plugin's, quantizing at load.
+    quant_method = config.quantization_config["quant_method"]
+    assert query.quantization == {"fp8": "fp8_block"}.get(quant_method, quant_method)
     assert query.quantized_checkpoint == checkpoint_quantization(config)
     with pytest.raises(ValueError, match=f"--quantization int8 for a {query.quantization} checkpoint"):
         resolve_quantization(config, "int8")
@@ -183,7 +187,8 @@ def _ct(**group: object) -> dict:
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
-        ({"quant_method": "fp8"}, r"quant_method: 'fp8' is not served; served: gptq, awq, compressed-tensors"),
+        ({"quant_method": "mxfp4"}, r"quant_method: 'mxfp4' is not served; served: gptq, awq, compressed-tensors, fp8"),
+        ({"quant_method": "fp8", "activation_scheme": "static"}, r"quantization_config.weight_block_size: unset"),
         ({"quant_method": "gptq", "bits": 3}, r"quantization_config.bits: 3-bit gptq is not served; served: 4, 8"),
         ({"quant_method": "awq", "bits": 8}, r"quantization_config.bits: 8-bit awq is not served; served: 4"),
         ({"quant_method": "awq", "w_bit": 4, "version": "gemv"}, r"quantization_config.version: AWQ's 'gemv'"),
@@ -228,3 +233,24 @@ class _ZeroPointsAsStored(GPTQ):
 def test_the_kit_fails_a_method_that_misreads_the_zero_points():
     report = check_quantization_method(_ZeroPointsAsStored, dtypes=(torch.float32,), checkpoint=scheme_of("gptq"))
     assert len(report.failures) == len(QUANT_CASES["standard"]), str(report)
+
+
+KIT_UNDER_CAPS = """
+import torch
+from radixserve.testing import check_quantization_method
+from radixserve.testing.conformance import QUANT_CASES
+from radixserve.testing.quantized_checkpoints import scheme_of
+for method in ("gptq", "awq"):
+    report = check_quantization_method(method, dtypes=(torch.float32, torch.bfloat16), checkpoint=scheme_of(method))
+    report.raise_for_failures(min_run=2 * len(QUANT_CASES["standard"]))
+print("passed", torch.backends.cpu.get_cpu_capability())
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the AVX2 caps are x86-64's")
+def test_the_kit_passes_under_the_avx2_caps():
+    """What an AVX2-only CPU runs (``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``):
+    no kernel of ours, ATen's int4 kernel or the dequantized weight, whichever is faster."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    out = subprocess.run([sys.executable, "-c", KIT_UNDER_CAPS], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and "passed AVX2" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]

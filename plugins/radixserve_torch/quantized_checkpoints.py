@@ -441,3 +441,70 @@ class CompressedTensors(QuantizedCheckpointMethod):
         if name == "weight_zero_point":
             return unpack_rows(loaded, bits)
         return loaded
+
+
+class FP8Blocks(QuantizationMethod):
+    """FP8 checkpoints with block scales (config.json's ``quant_method: fp8`` with a
+    ``weight_block_size``, as DeepSeek-V3 and Qwen3 ship them): ``weight`` float8 e4m3
+    ``[out, in]`` and ``weight_scale_inv`` ``[out / B, in / B]`` (rounded up), the scale
+    of each B x B block, which multiplies it. A CPU has no FP8 arithmetic: the weight is
+    dequantized once at load and computed as a dense one (as fast as the model dtype,
+    not smaller). The scales are kept row by row while loading (``[out, in / B]``) so
+    that the layers' own loaders slice them as they slice the weight."""
+
+    name = "fp8_block"
+    priority = 0
+
+    @classmethod
+    def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
+        scheme = query.quantized_checkpoint
+        if scheme is None or scheme.method != cls.name:
+            return ["loads FP8 checkpoints with block scales only (config.json's quantization_config)"]
+        if query.num_experts:
+            return [f"a mixture-of-experts model's quantized experts ({cls.name}) are not served yet"]
+        return []
+
+    @property
+    def block(self) -> int:
+        scheme = self.query.quantized_checkpoint
+        assert scheme is not None  # unsupported_reasons refuses a query without one
+        return scheme.group_size
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        in_features: int,
+        out_features: int,
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn), requires_grad=False)
+        weight.weight_loader = weight_loader  # type: ignore[attr-defined]
+        layer.register_parameter("weight", weight)
+        blocks = -(-in_features // self.block)
+        scales = nn.Parameter(torch.empty(out_features, blocks, dtype=torch.float32), requires_grad=False)
+        scales.weight_loader = self._by_row(weight_loader)  # type: ignore[attr-defined]
+        layer.register_parameter("weight_scale_inv", scales)
+
+    def _by_row(self, weight_loader: WeightLoader) -> WeightLoader:
+        """The checkpoint's scales, one row per block of outputs, repeated for each output."""
+
+        def load(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+            scales = _tensor(loaded).float()
+            weight_loader(param, scales.repeat_interleave(self.block, dim=0), shard_id)
+
+        return load
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = cast(torch.Tensor, layer.weight).data
+        scales = cast(torch.Tensor, layer.weight_scale_inv).data
+        del layer.weight, layer.weight_scale_inv
+        per_input = scales.repeat_interleave(self.block, dim=1)[:, : weight.shape[1]]
+        dense = (weight.float() * per_input).to(self.query.dtype)
+        layer.register_buffer("weight", self.gemm.prepare_weight(dense))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.gemm.linear(x, cast(torch.Tensor, layer.weight), bias)
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return self.gemm.linear_silu_and_mul(x, cast(torch.Tensor, layer.weight), bias)

@@ -102,11 +102,28 @@ def _compressed_tensors(fields: Fields) -> QuantizedCheckpoint:
     )
 
 
+def _fp8(fields: Fields) -> QuantizedCheckpoint:
+    """FP8 weights with a scale per block of inputs and outputs, as DeepSeek-V3 and Qwen3's
+    FP8 checkpoints ship them (``weight`` float8 e4m3, ``weight_scale_inv`` per block)."""
+    if fields.get("fmt", "e4m3") != "e4m3":
+        raise ValueError(f"quantization_config.fmt: {fields['fmt']!r} is not served; served: e4m3")
+    block = fields.get("weight_block_size")
+    if not block:
+        raise ValueError("quantization_config.weight_block_size: unset (FP8 by tensor or channel is not served yet)")
+    if len(block) != 2 or block[0] != block[1] or int(block[0]) <= 0:
+        raise ValueError(f"quantization_config.weight_block_size: {block} (served: square blocks)")
+    ignored = [m for m in fields.get("modules_to_not_convert") or [] if m != "lm_head"]
+    if ignored:
+        raise ValueError(f"quantization_config.modules_to_not_convert: {ignored} (served: lm_head alone)")
+    return QuantizedCheckpoint("fp8_block", 8, int(block[0]), symmetric=True)
+
+
 # quant_method -> how its quantization_config reads
 FORMATS: dict[str, Callable[[Fields], QuantizedCheckpoint]] = {
     "gptq": _gptq,
     "awq": _awq,
     "compressed-tensors": _compressed_tensors,
+    "fp8": _fp8,
 }
 
 

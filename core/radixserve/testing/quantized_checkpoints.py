@@ -87,6 +87,8 @@ def pack_weight(
     (act-order): the order of the inputs in which groups are formed."""
     if scheme.method == "compressed-tensors":
         return _compressed_tensors(weight, scheme)
+    if scheme.method == "fp8_block":
+        return _fp8_blocks(weight, scheme.group_size)
     out, inputs = weight.shape
     bits, group = scheme.bits, scheme.group_size if scheme.group_size != -1 else weight.shape[1]
     order = torch.arange(inputs) if order is None else order
@@ -134,6 +136,21 @@ def _compressed_tensors(
     return dict(tensors), dequantized.view(out, inputs)
 
 
+def _fp8_blocks(weight: torch.Tensor, block: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """float8 e4m3 in blocks of ``block`` x ``block``, each scaled by its largest value over
+    448 (``weight_scale_inv``, which multiplies), as DeepSeek-V3's FP8 checkpoints are."""
+    out, inputs = weight.shape
+    rows, cols = -(-out // block), -(-inputs // block)
+    padded = torch.zeros(rows * block, cols * block)
+    padded[:out, :inputs] = weight.float()
+    blocks = padded.view(rows, block, cols, block)
+    scales = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-12)
+    fp8 = (blocks / scales[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    dequantized = (fp8.float() * scales[:, None, :, None]).view(rows * block, cols * block)[:out, :inputs]
+    weight_fp8 = fp8.view(rows * block, cols * block)[:out, :inputs].contiguous()
+    return {"weight": weight_fp8, "weight_scale_inv": scales}, dequantized.contiguous()
+
+
 def compressed_tensors_args(scheme: QuantizedCheckpoint) -> Any:
     """compressed-tensors' ``QuantizationArgs`` of ``scheme``'s weights."""
     from compressed_tensors.quantization import QuantizationArgs
@@ -162,6 +179,8 @@ def scheme_of(
         return QuantizedCheckpoint("gptq", bits, group, sym, desc_act=desc_act, zero_offset=1)
     if method == "compressed-tensors":
         return QuantizedCheckpoint(method, bits, group, sym)
+    if method == "fp8_block":
+        return QuantizedCheckpoint(method, 8, group, symmetric=True)
     return QuantizedCheckpoint("awq", bits, group, symmetric=False)
 
 
@@ -219,6 +238,13 @@ def _config(scheme: QuantizedCheckpoint) -> dict[str, Any]:
         }
     if scheme.method == "awq":
         return {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"}
+    if scheme.method == "fp8_block":
+        return {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [group, group],
+        }
     weights = compressed_tensors_args(scheme).model_dump(exclude_none=True)
     return {
         "quant_method": "compressed-tensors",
