@@ -40,6 +40,13 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 INT4PACK_GROUP_SIZES = (32, 64, 128, 256)
 
 
+def _register(layer: nn.Module, name: str, empty: torch.Tensor, loader: WeightLoader) -> None:
+    """A parameter of ``layer`` that the model loader fills through ``loader``."""
+    param = nn.Parameter(empty, requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]  # an ad hoc attribute torch's stubs lack
+    layer.register_parameter(name, param)
+
+
 def _tensor(loaded: torch.Tensor | CheckpointTensor) -> torch.Tensor:
     return loaded.load() if isinstance(loaded, CheckpointTensor) else loaded
 
@@ -115,9 +122,7 @@ class QuantizedCheckpointMethod(QuantizationMethod):
         if not self.zero_points_stored():
             del shapes[zeros]
         for name, (shape, dtype) in shapes.items():
-            param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-            param.weight_loader = self._converting(name, weight_loader)  # type: ignore[attr-defined]
-            layer.register_parameter(name, param)
+            _register(layer, name, torch.empty(shape, dtype=dtype), self._converting(name, weight_loader))
 
     def _converting(self, name: str, weight_loader: WeightLoader) -> WeightLoader:
         def load(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
@@ -342,9 +347,7 @@ class GPTQ(QuantizedCheckpointMethod):
         weight_loader: WeightLoader,
     ) -> None:
         super().create_weights(layer, in_features, out_features, params_dtype, weight_loader)
-        g_idx = nn.Parameter(torch.empty(in_features, dtype=torch.int32), requires_grad=False)
-        g_idx.weight_loader = self._load_g_idx  # type: ignore[attr-defined]
-        layer.register_parameter("g_idx", g_idx)
+        _register(layer, "g_idx", torch.empty(in_features, dtype=torch.int32), self._load_g_idx)
 
     def _load_g_idx(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         g_idx = _tensor(loaded).to(torch.int32)  # the whole layer's inputs, whatever this rank holds
@@ -419,9 +422,7 @@ class CompressedTensors(QuantizedCheckpointMethod):
         weight_loader: WeightLoader,
     ) -> None:
         super().create_weights(layer, in_features, out_features, params_dtype, weight_loader)
-        shape = nn.Parameter(torch.empty(2, dtype=torch.int64), requires_grad=False)
-        shape.weight_loader = self._check_shape  # type: ignore[attr-defined]
-        layer.register_parameter("weight_shape", shape)
+        _register(layer, "weight_shape", torch.empty(2, dtype=torch.int64), self._check_shape)
 
     def _check_shape(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         """The dense shape of the whole checkpoint tensor: two positive sizes (this rank's
@@ -478,13 +479,10 @@ class FP8Blocks(QuantizationMethod):
         params_dtype: torch.dtype,
         weight_loader: WeightLoader,
     ) -> None:
-        weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn), requires_grad=False)
-        weight.weight_loader = weight_loader  # type: ignore[attr-defined]
-        layer.register_parameter("weight", weight)
+        _register(layer, "weight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn), weight_loader)
         blocks = -(-in_features // self.block)
-        scales = nn.Parameter(torch.empty(out_features, blocks, dtype=torch.float32), requires_grad=False)
-        scales.weight_loader = self._by_row(weight_loader)  # type: ignore[attr-defined]
-        layer.register_parameter("weight_scale_inv", scales)
+        scales = torch.empty(out_features, blocks, dtype=torch.float32)
+        _register(layer, "weight_scale_inv", scales, self._by_row(weight_loader))
 
     def _by_row(self, weight_loader: WeightLoader) -> WeightLoader:
         """The checkpoint's scales, one row per block of outputs, repeated for each output."""
