@@ -34,7 +34,6 @@ namespace {
 
 constexpr int64_t kStripCols = 16;
 constexpr int kTileRows = 4;
-constexpr int64_t kPrefetchBytes = 2048;
 
 bool available() {
 #if defined(__AVX512BF16__)
@@ -64,8 +63,6 @@ void strip_tile(const uint16_t* x, int64_t lda, const float* xsum, int64_t group
     const uint8_t* wg = w + g * chunks * 64;
     const int64_t k0 = g * group;
     for (int64_t t = 0; t < chunks; ++t) {
-      // Ahead of the hardware's prefetcher: one load a chunk keeps too few misses in flight.
-      _mm_prefetch(reinterpret_cast<const char*>(wg + t * 64 + kPrefetchBytes), _MM_HINT_T0);
       const __m512i v = _mm512_loadu_si512(wg + t * 64);
       __m512bh pairs[4];
       // (a & b) | c, one instruction each: imm 0xEA
