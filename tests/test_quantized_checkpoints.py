@@ -59,7 +59,7 @@ def test_greedy_tokens_equal_hf_on_the_dequantized_weights(quantized):
     check_greedy_matches_hf(Reference(out, hf.prompts, hf.new_tokens, hf.hf), "radix-cache")
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors", "fp8_block"])
 def test_two_tensor_parallel_ranks_give_the_same_greedy_tokens(method, tiny_llama_dir, tmp_path):
     """A server at --tp-size 2 (two ranks over gloo, each loading its slices of the packed
     tensors: fused q/k/v and gate/up split by rows, o and down by input groups) answers
