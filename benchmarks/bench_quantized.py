@@ -1,8 +1,8 @@
 """Quantized checkpoints against bfloat16 on the CPU: one random-weight Llama of about
 1B parameters (TinyLlama's shape: hidden 2048, 22 layers, MLP 5632, 32 heads, 4 KV
-heads), saved in bfloat16 and quantized to GPTQ and AWQ 4-bit (groups of 128) by
-radixserve.testing.quantized_checkpoints, each served by the offline Engine in
-bfloat16 one after the other:
+heads), saved in bfloat16 and quantized to GPTQ, AWQ, compressed-tensors 4-bit (groups of 128)
+and a GGUF Q4_0 file by radixserve.testing.quantized_checkpoints, each served by the
+offline Engine in bfloat16 one after the other:
 
 - batch-1 decode, ms a token: one 128-token prompt, (time to 129 new tokens - time to
   1) / 128, best of ``--repeats`` (the prompt is cached after the first: both times
@@ -12,7 +12,8 @@ bfloat16 one after the other:
 
     python benchmarks/bench_quantized.py [--streams 16] [--repeats 3] [--formats bf16 gptq awq]
 
-The models are built once under ``~/.cache/radixserve-bench/quantized`` (about 3.5 GB).
+The models are built once under ``~/.cache/radixserve-bench/quantized``. The GGUF file is
+the one to give llama.cpp's ``llama-bench -m`` for the same model.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from radixserve import Engine
-from radixserve.testing.quantized_checkpoints import write_quantized
+from radixserve.testing.quantized_checkpoints import write_gguf, write_quantized
 from radixserve.testing.tiny_models import build_tiny_model
 
 SHAPE = dict(
@@ -41,10 +42,16 @@ ROOT = Path.home() / ".cache" / "radixserve-bench" / "quantized"
 
 
 def model(name: str) -> Path:
-    """The model of ``name`` (``bf16``, or a quantization method), built on first use."""
+    """The model of ``name`` (``bf16``, a quantization method, or ``gguf-q4_0``: a GGUF
+    file as llama.cpp's converter writes it), built on first use."""
     bf16 = ROOT / "bf16"
     if not (bf16 / "config.json").exists():
         build_tiny_model(bf16, "llama", dtype=torch.bfloat16, weight_scale=0.02, **SHAPE)
+    if name == "gguf-q4_0":
+        path = ROOT / "llama-1b-q4_0.gguf"
+        if not path.exists():
+            write_gguf(bf16, path, "Q4_0")
+        return path
     path = ROOT / name
     if not (path / "config.json").exists():
         write_quantized(bf16, path, ROOT / f"{name}-dequantized", name, bits=4, group=128)
@@ -65,14 +72,16 @@ def timed(engine: Engine, ids: list[list[int]], new_tokens: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--formats", nargs="+", default=["bf16", "gptq", "awq"], help="also: compressed-tensors")
+    p.add_argument("--formats", nargs="+", default=["bf16", "gptq", "awq"], help="also: compressed-tensors, gguf-q4_0")
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     ns = p.parse_args()
     one = prompts(1, SHAPE["vocab_size"])
     many = prompts(ns.streams, SHAPE["vocab_size"])
     for name in ns.formats:
-        with Engine(model_path=str(model(name)), dtype="bfloat16", log_level="warning") as engine:
+        tokenizer = str(model("bf16")) if name == "gguf-q4_0" else None
+        path = str(model(name))
+        with Engine(model_path=path, tokenizer_path=tokenizer, dtype="bfloat16", log_level="warning") as engine:
             timed(engine, one, 8)  # warm-up
             first = min(timed(engine, one, 1) for _ in range(ns.repeats))
             whole = min(timed(engine, one, 129) for _ in range(ns.repeats))

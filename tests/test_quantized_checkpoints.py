@@ -6,6 +6,7 @@ served is refused naming the field."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -18,8 +19,10 @@ import pytest
 import torch
 from helpers_models import Reference, check_greedy_matches_hf, hf_reference
 from helpers_server import ServerProcess
+from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
+from radixserve import Engine
 from radixserve.checkpoints.loader import load_config, model_kernel_query
 from radixserve.checkpoints.quantized import checkpoint_quantization, resolve_quantization
 from radixserve.kernels import KernelQuery, QuantizedCheckpoint
@@ -28,7 +31,7 @@ from radixserve.layers.context import ModelContext
 from radixserve.registry import get_registry
 from radixserve.testing import check_quantization_method
 from radixserve.testing.conformance import QUANT_CASES
-from radixserve.testing.quantized_checkpoints import pack_weight, scheme_of, write_quantized
+from radixserve.testing.quantized_checkpoints import pack_weight, scheme_of, write_gguf, write_quantized
 from radixserve_torch.quantized_checkpoints import GPTQ, AtenInt4, NibbleStrips, unpack_columns
 
 FORMATS = {
@@ -254,3 +257,62 @@ def test_the_kit_passes_under_the_avx2_caps():
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", KIT_UNDER_CAPS], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0 and "passed AVX2" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+# ---- GGUF files (llama.cpp's) ------------------------------------------------------------------
+@pytest.mark.parametrize("linear_type", ["Q4_0", "Q8_0"])
+def test_a_gguf_file_gives_the_greedy_tokens_hf_reads_from_it(linear_type, tiny_llama_dir, tmp_path):
+    """``--model FILE.gguf --tokenizer-path DIR``: the file as llama.cpp's converter writes
+    it (q and k rows permuted, projections quantized by the gguf package); HF
+    transformers reading the same file (dequantizing it) is the reference."""
+    from transformers import AutoModelForCausalLM
+
+    gguf_file = tmp_path / f"tiny-{linear_type}.gguf"
+    write_gguf(tiny_llama_dir, gguf_file, linear_type)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_file.name, dtype=torch.float32)
+    # transformers will not save a model it read from GGUF: its weights and config, as read, by hand
+    (tmp_path / "hf").mkdir()
+    save_file({k: v.contiguous() for k, v in hf.state_dict().items()}, tmp_path / "hf" / "model.safetensors")
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    reference = hf_reference(tmp_path / "hf", [9, 21], new_tokens=16)
+    flags = ("--tokenizer-path", str(tiny_llama_dir), "--dtype", "float32", "--skip-server-warmup")
+    with ServerProcess("--model", str(gguf_file), *flags) as server:
+        server.wait_ready()
+        models = httpx.get(server.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [str(gguf_file)]  # served under the file's path
+        for prompt, (want, _) in zip(reference.prompts, reference.hf, strict=True):
+            params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+            answer = httpx.post(server.url + "/generate", json={"input_ids": prompt, "sampling_params": params})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["output_ids"] == want
+        assert "quantization backend: gguf (the checkpoint's)" in server.log
+
+
+def test_a_gguf_file_of_another_type_is_refused_naming_it(tiny_llama_dir, tmp_path):
+    import gguf
+
+    from radixserve.checkpoints.gguf import linear_type
+
+    gguf_file = tmp_path / "tiny-q5.gguf"
+    write_gguf(tiny_llama_dir, gguf_file, "Q5_0")
+    with pytest.raises(ValueError, match=r"projections are Q5_0; served: all of one type of Q4_0, Q8_0"):
+        linear_type(gguf.GGUFReader(str(gguf_file)))
+
+
+def test_the_engine_opens_a_gguf_file_as_sglang_spells_it(tiny_llama_dir, tmp_path):
+    """``Engine(model_path="m.gguf", tokenizer_path=DIR)`` (the CPU's default dtype: 4-bit
+    layers on an int4 kernel where the CPU has one) generates, and a second Engine on
+    the same file reuses the directory materialized for it, with the same greedy tokens."""
+    gguf_file = tmp_path / "tiny.gguf"
+    write_gguf(tiny_llama_dir, gguf_file, "Q4_0")
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    prompt = list(range(20, 60))
+    runs = []
+    for _ in range(2):
+        with Engine(model_path=str(gguf_file), tokenizer_path=str(tiny_llama_dir), log_level="warning") as engine:
+            runs.append((engine.model_path, engine.generate(input_ids=prompt, sampling_params=params)["output_ids"]))
+    (first_dir, first), (second_dir, second) = runs
+    assert first_dir == second_dir and Path(first_dir).parent.name == "gguf"  # materialized once, then reused
+    assert first == second and len(first) == 8

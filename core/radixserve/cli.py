@@ -11,6 +11,7 @@ import sys
 from typing import NoReturn
 
 from radixserve.bench.args import add_bench_parser
+from radixserve.checkpoints.source import open_gguf_model
 from radixserve.config import ServerArgs
 from radixserve.process_exit import exit_code, exit_now
 from radixserve.router.args import RouterArgs
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             args, placement = apply_launcher_env(ServerArgs.from_cli_args(ns), os.environ)
+            args = open_gguf_model(args)
         except ValueError as exc:
             serve.error(str(exc))
         if placement is not None:

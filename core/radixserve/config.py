@@ -28,8 +28,8 @@ DisaggregationMode = Literal["null", "prefill", "decode"]
 class ServerArgs(CliArgs):
     # model
     model_path: str | None = _flag(
-        "local HuggingFace model directory or hub repo id (org/name); omitted: the built-in demo model "
-        "(random weights)",
+        "local HuggingFace model directory, hub repo id (org/name) or GGUF file (m.gguf); omitted: the "
+        "built-in demo model (random weights)",
         default=None,
         cli_names=("--model", "--model-path"),  # --model is the documented spelling
         metavar="MODEL",

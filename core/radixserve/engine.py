@@ -10,7 +10,7 @@ import threading
 from collections.abc import Coroutine, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from radixserve.checkpoints.source import resolve_model_path
+from radixserve.checkpoints.source import open_gguf_model, resolve_model_path
 from radixserve.config import ServerArgs
 from radixserve.messages import ProfileOptions
 from radixserve.runtime.processes.spawn import launch_runtime
@@ -36,7 +36,7 @@ class Engine:
     (``dp_size=N``: N replicas behind the data-parallel controller, as the server)."""
 
     def __init__(self, model_path: str | None = None, **kwargs: Any):
-        self.args = ServerArgs.from_kwargs(model_path=model_path, **kwargs)
+        self.args = open_gguf_model(ServerArgs.from_kwargs(model_path=model_path, **kwargs))
         self.model_path = resolve_model_path(self.args)
         self._runtime = launch_runtime(self.args, self.model_path)
         self._loop = asyncio.new_event_loop()

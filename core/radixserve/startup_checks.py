@@ -51,6 +51,7 @@ def check_sources(args: ServerArgs) -> None:
     they exist and hold a config.json, tokenizer files and a safetensors
     checkpoint, or name a hub repo (checked once downloaded). The file system
     only: no torch, no plugin."""
+    from radixserve.checkpoints.gguf import is_materialized
     from radixserve.checkpoints.source import (
         check_model_source,
         check_tokenizer_source,
@@ -65,7 +66,7 @@ def check_sources(args: ServerArgs) -> None:
         check_tokenizer_source(args.tokenizer_path or args.model_path)
     except ValueError as exc:
         raise StartupError(str(exc), MODEL_HINT) from exc
-    if is_hub_id(args.model_path):
+    if is_hub_id(args.model_path) or is_materialized(args.model_path):  # a GGUF file's weights are in the file
         return
     try:
         safetensors_files(args.model_path)

@@ -444,6 +444,17 @@ class CompressedTensors(QuantizedCheckpointMethod):
         return loaded
 
 
+class GGUFBlocks(QuantizedCheckpointMethod):
+    """A GGUF file's ``Q4_0`` or ``Q8_0`` projections, which checkpoints/gguf.py reads
+    already out-major: ``qweight`` (the value plus 8 or 128), ``qzeros`` (that 8 or 128)
+    and ``scales``, blocks of 32 inputs."""
+
+    name = "gguf"
+
+    def out_major(self, name: str, loaded: torch.Tensor) -> torch.Tensor:
+        return loaded
+
+
 class FP8Blocks(QuantizationMethod):
     """FP8 checkpoints with block scales (config.json's ``quant_method: fp8`` with a
     ``weight_block_size``, as DeepSeek-V3 and Qwen3 ship them): ``weight`` float8 e4m3

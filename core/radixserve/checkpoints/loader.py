@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from radixserve.checkpoints.embedding import causal_lm_of
+from radixserve.checkpoints.gguf import is_materialized, iterate_gguf_weights
 from radixserve.checkpoints.quantized import resolve_quantization
 from radixserve.checkpoints.source import safetensors_files
 from radixserve.kernels import KernelQuery
@@ -267,7 +268,7 @@ def eos_token_ids(model_path: str | Path, config: PretrainedConfig, tokenizer: A
     return ids
 
 
-def iterate_weights(model_path: str | Path) -> Iterator[tuple[str, CheckpointTensor]]:
+def iterate_weights(model_path: str | Path) -> Iterator[tuple[str, CheckpointTensor | torch.Tensor]]:
     """``(name, tensor)`` for every tensor of the checkpoint, not read yet (a
     ``CheckpointTensor``: the weight loaders read only the rows or columns their
     rank holds), one file open at a time, with a progress bar over the files on
@@ -279,6 +280,9 @@ def iterate_weights(model_path: str | Path) -> Iterator[tuple[str, CheckpointTen
         # tqdm's default lock includes a multiprocessing semaphore, which the
         # resource tracker reports as leaked when the scheduler is stopped.
         tqdm.set_lock(threading.RLock())
+    if is_materialized(model_path):  # a GGUF file (checkpoints/gguf.py)
+        yield from iterate_gguf_weights(model_path)
+        return
     files = safetensors_files(model_path)
     for path in tqdm(files, desc="Loading weights", unit="file", file=sys.stderr, disable=not sys.stderr.isatty()):
         with safe_open(str(path), framework="pt", device="cpu") as f:

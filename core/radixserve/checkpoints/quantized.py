@@ -118,12 +118,23 @@ def _fp8(fields: Fields) -> QuantizedCheckpoint:
     return QuantizedCheckpoint("fp8_block", 8, int(block[0]), symmetric=True)
 
 
+def _gguf(fields: Fields) -> QuantizedCheckpoint:
+    """A GGUF file's projections (checkpoints/gguf.py writes this config): blocks of 32
+    with a scale each, values about the middle of their range."""
+    kind = fields.get("linear_type")
+    bits = {"Q4_0": 4, "Q8_0": 8}.get(str(kind))
+    if bits is None:
+        raise ValueError(f"quantization_config.linear_type: GGUF {kind!r} is not served; served: Q4_0, Q8_0")
+    return QuantizedCheckpoint("gguf", bits, 32, symmetric=True)
+
+
 # quant_method -> how its quantization_config reads
 FORMATS: dict[str, Callable[[Fields], QuantizedCheckpoint]] = {
     "gptq": _gptq,
     "awq": _awq,
     "compressed-tensors": _compressed_tensors,
     "fp8": _fp8,
+    "gguf": _gguf,
 }
 
 

@@ -4,12 +4,14 @@ model given, the built-in demo model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import re
 from pathlib import Path
 
+from radixserve.checkpoints.gguf import is_gguf_file, materialize
 from radixserve.config import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,21 @@ def resolve_model_path(args: ServerArgs) -> str:
         return check_model_dir(_download(args.model_path))
     check_model_source(args.model_path)
     return args.model_path
+
+
+def open_gguf_model(args: ServerArgs) -> ServerArgs:
+    """``args`` with a GGUF file's ``--model`` replaced by the model directory that stands
+    for it (checkpoints/gguf.py), served under the file's path unless
+    ``--served-model-name`` says otherwise; other ``args`` as they are. Called once,
+    first, by the CLI and the Engine, so that everything after sees a directory."""
+    if args.model_path is None or not is_gguf_file(args.model_path):
+        return args
+    from radixserve.checkpoints.demo import cache_dir
+
+    directory = materialize(args.model_path, args.tokenizer_path, cache_dir())
+    return dataclasses.replace(
+        args, model_path=str(directory), served_model_name=args.served_model_name or args.model_path
+    )
 
 
 def warn_demo_model(path: str) -> None:
@@ -69,14 +86,15 @@ def is_hub_id(model_path: str) -> bool:
 
 def check_model_source(model_path: str) -> None:
     """A ValueError naming the problem unless ``model_path`` is a local model
-    directory or looks like a hub repo id (checked once downloaded). Cheap, so
+    directory or looks like a hub repo id (checked once downloaded). A GGUF file is
+    a directory by now (``open_gguf_model``). Cheap, so
     it runs before the server starts listening."""
     if is_hub_id(model_path):
         return
     if not os.path.exists(model_path):
         raise ValueError(f"model_path: {model_path!r} is not a directory (it does not exist)")
     if not os.path.isdir(model_path):
-        raise ValueError(f"model_path: {model_path!r} is not a directory")
+        raise ValueError(f"model_path: {model_path!r} is not a directory (nor a .gguf file)")
     check_model_dir(model_path)
 
 

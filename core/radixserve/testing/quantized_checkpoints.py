@@ -253,3 +253,42 @@ def _config(scheme: QuantizedCheckpoint) -> dict[str, Any]:
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
         "ignore": ["lm_head"],
     }
+
+
+# ---- GGUF (llama.cpp's files) ----------------------------------------------------------------
+def write_gguf(model_dir: Path, out_file: Path, linear_type: str) -> None:
+    """``model_dir`` (a Llama, one safetensors file) as a GGUF file, as llama.cpp's converter
+    writes it: its config as ``llama.*`` metadata, q_proj and k_proj rows permuted, the
+    decoder's projections quantized to ``linear_type`` (``Q4_0``, ``Q8_0``) by the ``gguf``
+    package, every other tensor float32. No tokenizer: give one with ``--tokenizer-path``."""
+    import gguf
+
+    from radixserve.checkpoints.gguf import gguf_name, llama_cpp_permute
+
+    config = json.loads((model_dir / "config.json").read_text())
+    qtype = gguf.GGMLQuantizationType[linear_type]
+    writer = gguf.GGUFWriter(str(out_file), "llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
+    writer.add_vocab_size(config["vocab_size"])
+    for name, tensor in load_file(model_dir / "model.safetensors").items():
+        weight = tensor.float()
+        if name.endswith("q_proj.weight"):
+            weight = llama_cpp_permute(weight, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            weight = llama_cpp_permute(weight, config["num_key_value_heads"])
+        if name.rsplit(".", 2)[-2] in PROJECTIONS:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(weight.numpy(), qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name(name), weight.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
