@@ -290,6 +290,21 @@ def test_a_gguf_file_gives_the_greedy_tokens_hf_reads_from_it(linear_type, tiny_
         assert "quantization backend: gguf (the checkpoint's)" in server.log
 
 
+def test_without_a_tokenizer_path_the_files_own_tokenizer_serves(tiny_llama_dir, tmp_path):
+    """The GGUF's vocabulary (llama.cpp's gpt2 tokens and merges), read through transformers,
+    tokenizes as the HF tokenizer it was written from."""
+    from transformers import AutoTokenizer
+
+    gguf_file = tmp_path / "tiny.gguf"
+    write_gguf(tiny_llama_dir, gguf_file, "Q8_0")
+    text = "the quick brown fox, and a <|im_end|> or two"
+    want = AutoTokenizer.from_pretrained(tiny_llama_dir).encode(text, add_special_tokens=False)
+    with ServerProcess("--model", str(gguf_file), "--skip-server-warmup") as server:
+        server.wait_ready()
+        body = {"model": str(gguf_file), "prompt": text, "add_special_tokens": False}
+        assert httpx.post(server.url + "/tokenize", json=body).json()["tokens"] == want
+
+
 def test_a_gguf_file_of_another_type_is_refused_naming_it(tiny_llama_dir, tmp_path):
     import gguf
 

@@ -260,7 +260,8 @@ def write_gguf(model_dir: Path, out_file: Path, linear_type: str) -> None:
     """``model_dir`` (a Llama, one safetensors file) as a GGUF file, as llama.cpp's converter
     writes it: its config as ``llama.*`` metadata, q_proj and k_proj rows permuted, the
     decoder's projections quantized to ``linear_type`` (``Q4_0``, ``Q8_0``) by the ``gguf``
-    package, every other tensor float32. No tokenizer: give one with ``--tokenizer-path``."""
+    package, every other tensor float32; the tokenizer (a byte-level BPE, the tiny
+    models') as llama.cpp's ``gpt2`` vocabulary: its tokens, types and merges."""
     import gguf
 
     from radixserve.checkpoints.gguf import gguf_name, llama_cpp_permute
@@ -278,6 +279,7 @@ def write_gguf(model_dir: Path, out_file: Path, linear_type: str) -> None:
     writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
     writer.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
     writer.add_vocab_size(config["vocab_size"])
+    _add_tokenizer(writer, model_dir)
     for name, tensor in load_file(model_dir / "model.safetensors").items():
         weight = tensor.float()
         if name.endswith("q_proj.weight"):
@@ -292,3 +294,26 @@ def write_gguf(model_dir: Path, out_file: Path, linear_type: str) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _add_tokenizer(writer: Any, model_dir: Path) -> None:
+    """``model_dir``'s byte-level BPE tokenizer (tokenizer.json) as GGUF metadata."""
+    import gguf
+
+    spec = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    special = {added["content"]: added["id"] for added in spec.get("added_tokens", [])}
+    tokens = [""] * (max([*vocab.values(), *special.values()]) + 1)
+    for token, index in {**vocab, **special}.items():
+        tokens[index] = token
+    kinds = [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    merges = [" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]]
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(kinds)
+    writer.add_token_merges(merges)
+    for role, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id)):
+        if config.get(role) in special:
+            add(special[config[role]])
