@@ -1,5 +1,7 @@
-"""Checkpoints that ship quantized: GPTQ (4 and 8 bit) and AWQ (4 bit, GEMM packing),
-weight-only with activations in the model dtype (W4A16, W8A16).
+"""Checkpoints that ship quantized: GPTQ (4 and 8 bit), AWQ (4 bit, GEMM packing),
+compressed-tensors ``pack-quantized`` (4 and 8 bit), GGUF's Q4_0 and Q8_0 projections
+(checkpoints/gguf.py reads them), all weight-only with activations in the model dtype
+(W4A16, W8A16); and FP8 with block scales (``FP8Blocks``, dequantized at load).
 
 Loading turns each checkpoint tensor into the same out-major form whatever the format,
 so that the linear layers' own loaders (tensor-parallel slices, fused q/k/v and
