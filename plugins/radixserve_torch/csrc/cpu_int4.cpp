@@ -2,10 +2,11 @@
 // compressed-tensors): out = x W^T with W = (q - 8) * scale + offset per group of G
 // input features, x and out in bfloat16, float32 accumulation.
 //
-// Why not ATen's int4 kernel: at the batch sizes of decode, where a step reads every
-// weight once, it reaches about two thirds of the memory bandwidth the bfloat16 GEMM
-// reaches (docs/benchmarks.md, P18); this one streams the packed nibbles once, in the
-// order they are stored, and turns them into bfloat16 with two table look-ups.
+// Why not ATen's int4 kernel (docs/benchmarks.md, P18): it is compute-bound (one thread
+// with the weight in cache streams about 21 GB/s of nibbles; this one 52-57), and its
+// time grows row by row, so prefill ran at half bfloat16's rate; this one reuses each
+// loaded chunk for up to four rows and, above four rows, each broadcast of x for four
+// strips (wide_tile), which brings prefill to the bfloat16 GEMM's rate.
 //
 // Layout (packed once at load, quantized_checkpoints.py): strips of 16 output columns,
 // each strip's whole input contiguous as [K/8][32] 16-bit lanes (64 bytes a chunk of 8
@@ -16,6 +17,7 @@
 // summed in float32, then scaled: out += scale * acc + offset * sum(x over the group),
 // where the packer folded the 128 + 8 into the offset (offset - 136 scale).
 // Scales and offsets: [N/16][K/G][16] float32.
+// The kernel is chosen per layer shape at load against ATen's and the dequantized weight.
 // Registered as torch.ops.radixserve_cpu_int4.
 
 #include <ATen/Parallel.h>
@@ -34,6 +36,7 @@ namespace {
 
 constexpr int64_t kStripCols = 16;
 constexpr int kTileRows = 4;
+constexpr int kWideStrips = 4;
 
 bool available() {
 #if defined(__AVX512BF16__)
@@ -91,6 +94,69 @@ void strip_tile(const uint16_t* x, int64_t lda, const float* xsum, int64_t group
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldc), (__m256i)_mm512_cvtneps_pbh(total[r]));
 }
 
+// Many rows (prefill): rows [0, ROWS) times kWideStrips strips at once (w, its scales
+// and offsets at strip_bytes, strip_groups apart), so that each row's pair of x values,
+// broadcast once, serves four strips: one strip at a time would spend a broadcast on
+// every dot product. (At a few rows one strip at a time streams the weight faster.)
+template <int ROWS>
+void wide_tile(const uint16_t* x, int64_t lda, const float* xsum, int64_t groups, const uint8_t* w,
+               int64_t strip_bytes, const float* scales, const float* offsets, int64_t strip_groups, int64_t group,
+               uint16_t* out, int64_t ldc) {
+  const __m512i low4 = _mm512_set1_epi16(0x000F);
+  const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
+  const int64_t chunks = group / 8;
+  __m512 total[ROWS][kWideStrips];
+  for (int r = 0; r < ROWS; ++r)
+    for (int s = 0; s < kWideStrips; ++s) total[r][s] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 acc[ROWS][kWideStrips];
+    for (int r = 0; r < ROWS; ++r)
+      for (int s = 0; s < kWideStrips; ++s) acc[r][s] = _mm512_setzero_ps();
+    const int64_t k0 = g * group;
+    for (int64_t t = 0; t < chunks; ++t) {
+      __m512i v[kWideStrips];
+      for (int s = 0; s < kWideStrips; ++s) v[s] = _mm512_loadu_si512(w + s * strip_bytes + (g * chunks + t) * 64);
+      for (int i = 0; i < 4; ++i) {
+        __m512bh x_pair[ROWS];
+        for (int r = 0; r < ROWS; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, x + r * lda + k0 + 8 * t + 2 * i, sizeof pair);
+          x_pair[r] = (__m512bh)_mm512_set1_epi32(pair);
+        }
+        for (int s = 0; s < kWideStrips; ++s) {
+          const __m512bh weights =
+              (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v[s], 4 * i), low4, bf16_128, 0xEA);
+          for (int r = 0; r < ROWS; ++r) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], weights, x_pair[r]);
+        }
+      }
+    }
+    for (int s = 0; s < kWideStrips; ++s) {
+      const __m512 scale = _mm512_loadu_ps(scales + s * strip_groups + g * kStripCols);
+      const __m512 offset = _mm512_loadu_ps(offsets + s * strip_groups + g * kStripCols);
+      for (int r = 0; r < ROWS; ++r) {
+        total[r][s] = _mm512_fmadd_ps(acc[r][s], scale, total[r][s]);
+        total[r][s] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), offset, total[r][s]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int s = 0; s < kWideStrips; ++s)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldc + s * kStripCols),
+                          (__m256i)_mm512_cvtneps_pbh(total[r][s]));
+}
+
+using WideFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t*, int64_t, const float*,
+                        const float*, int64_t, int64_t, uint16_t*, int64_t);
+
+WideFn wide_for(int rows) {
+  switch (rows) {
+    case 1: return wide_tile<1>;
+    case 2: return wide_tile<2>;
+    case 3: return wide_tile<3>;
+    default: return wide_tile<4>;
+  }
+}
+
 using StripFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t*, const float*, const float*,
                          int64_t, uint16_t*, int64_t);
 
@@ -145,13 +211,25 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sca
   const float* op = offsets.data_ptr<float>();
   auto* outp = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t strip_bytes = packed.size(1) * 64, strip_groups = groups * kStripCols;  // 16 columns x K nibbles
-  at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s)
+  // More rows than one tile: four strips at a time (wide_tile), the rest one at a time.
+  const int64_t per_task = m > kTileRows ? kWideStrips : 1;
+  at::parallel_for(0, (strips + per_task - 1) / per_task, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t first = t * per_task, last = std::min(strips, first + per_task);
       for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
-        strip_for(rows)(xp + r0 * lda, lda, xsum.data() + r0 * groups, groups, wp + s * strip_bytes,
-                        sp + s * strip_groups, op + s * strip_groups, group, outp + r0 * ldc + s * kStripCols, ldc);
+        const float* sums = xsum.data() + r0 * groups;
+        if (last - first == kWideStrips) {
+          wide_for(rows)(xp + r0 * lda, lda, sums, groups, wp + first * strip_bytes, strip_bytes,
+                         sp + first * strip_groups, op + first * strip_groups, strip_groups, group,
+                         outp + r0 * ldc + first * kStripCols, ldc);
+          continue;
+        }
+        for (int64_t s = first; s < last; ++s)
+          strip_for(rows)(xp + r0 * lda, lda, sums, groups, wp + s * strip_bytes, sp + s * strip_groups,
+                          op + s * strip_groups, group, outp + r0 * ldc + s * kStripCols, ldc);
       }
+    }
   });
 #else
   TORCH_CHECK(false, "radixserve_cpu_int4.linear: this build has no kernel (it needs AVX512-BF16)");
