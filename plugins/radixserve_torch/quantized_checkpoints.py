@@ -125,6 +125,10 @@ class QuantizedCheckpointMethod(QuantizationMethod):
             del shapes[zeros]
         for name, (shape, dtype) in shapes.items():
             _register(layer, name, torch.empty(shape, dtype=dtype), self._converting(name, weight_loader))
+        self.register_extra(layer, in_features)
+
+    def register_extra(self, layer: nn.Module, in_features: int) -> None:
+        """The format's other checkpoint tensors, each with a loader of its own (none here)."""
 
     def _converting(self, name: str, weight_loader: WeightLoader) -> WeightLoader:
         def load(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
@@ -340,15 +344,7 @@ class GPTQ(QuantizedCheckpointMethod):
 
     name = "gptq"
 
-    def create_weights(
-        self,
-        layer: nn.Module,
-        in_features: int,
-        out_features: int,
-        params_dtype: torch.dtype,
-        weight_loader: WeightLoader,
-    ) -> None:
-        super().create_weights(layer, in_features, out_features, params_dtype, weight_loader)
+    def register_extra(self, layer: nn.Module, in_features: int) -> None:
         _register(layer, "g_idx", torch.empty(in_features, dtype=torch.int32), self._load_g_idx)
 
     def _load_g_idx(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
@@ -415,15 +411,7 @@ class CompressedTensors(QuantizedCheckpointMethod):
     def zero_points_stored(self) -> bool:
         return not self.scheme.symmetric
 
-    def create_weights(
-        self,
-        layer: nn.Module,
-        in_features: int,
-        out_features: int,
-        params_dtype: torch.dtype,
-        weight_loader: WeightLoader,
-    ) -> None:
-        super().create_weights(layer, in_features, out_features, params_dtype, weight_loader)
+    def register_extra(self, layer: nn.Module, in_features: int) -> None:
         _register(layer, "weight_shape", torch.empty(2, dtype=torch.int64), self._check_shape)
 
     def _check_shape(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:

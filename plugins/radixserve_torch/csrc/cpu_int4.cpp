@@ -6,7 +6,7 @@
 // with the weight in cache streams about 21 GB/s of nibbles; this one 52-57), and its
 // time grows row by row, so prefill ran at half bfloat16's rate; this one reuses each
 // loaded chunk for up to four rows and, above four rows, each broadcast of x for four
-// strips (wide_tile), which brings prefill to the bfloat16 GEMM's rate.
+// strips, which brings prefill to the bfloat16 GEMM's rate.
 //
 // Layout (packed once at load, quantized_checkpoints.py): strips of 16 output columns,
 // each strip's whole input contiguous as [K/8][32] 16-bit lanes (64 bytes a chunk of 8
@@ -48,124 +48,76 @@ bool available() {
 
 #if defined(__AVX512BF16__)
 
-// Rows [0, ROWS) of x (row stride lda), one strip: out[r][c] for its 16 columns.
-template <int ROWS>
-void strip_tile(const uint16_t* x, int64_t lda, const float* xsum, int64_t groups, const uint8_t* w,
-                const float* scales, const float* offsets, int64_t group, uint16_t* out, int64_t ldc) {
+// Rows [0, ROWS) of x (row stride lda) times STRIPS strips (their weights, scales and
+// offsets strip_bytes and strip_groups apart): out[r][16 s + c]. One strip at a time
+// streams the weight fastest at a few rows; at many rows (prefill) four strips share
+// each broadcast of x, which one strip at a time would spend on every dot product.
+// A lone strip keeps one accumulator per row and nibble: four independent chains, not
+// one four times as long (a dot product's latency is several cycles; at one row it
+// would pace the loop); four strips are four chains already.
+template <int ROWS, int STRIPS>
+void tile(const uint16_t* x, int64_t lda, const float* xsum, int64_t groups, const uint8_t* w, int64_t strip_bytes,
+          const float* scales, const float* offsets, int64_t strip_groups, int64_t group, uint16_t* out,
+          int64_t ldc) {
+  constexpr int kChains = STRIPS == 1 ? 4 : 1;
   const __m512i low4 = _mm512_set1_epi16(0x000F);
   const __m512i bf16_128 = _mm512_set1_epi16(0x4300);  // bfloat16 128.0: ORed with q < 128, it is 128 + q
   const int64_t chunks = group / 8;                     // 64-byte chunks a group
-  __m512 total[ROWS];
-  for (int r = 0; r < ROWS; ++r) total[r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    // One accumulator per row and nibble: four independent chains, not one four times as
-    // long (a dot product's latency is several cycles; at one row it would pace the loop).
-    __m512 acc[ROWS][4];
-    for (int r = 0; r < ROWS; ++r)
-      for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_ps();
-    const uint8_t* wg = w + g * chunks * 64;
-    const int64_t k0 = g * group;
-    for (int64_t t = 0; t < chunks; ++t) {
-      const __m512i v = _mm512_loadu_si512(wg + t * 64);
-      __m512bh pairs[4];
-      // (a & b) | c, one instruction each: imm 0xEA
-      pairs[0] = (__m512bh)_mm512_ternarylogic_epi32(v, low4, bf16_128, 0xEA);
-      pairs[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), low4, bf16_128, 0xEA);
-      pairs[2] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), low4, bf16_128, 0xEA);
-      pairs[3] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 12), low4, bf16_128, 0xEA);
-      for (int r = 0; r < ROWS; ++r) {
-        const uint16_t* xr = x + r * lda + k0 + 8 * t;
-        for (int i = 0; i < 4; ++i) {
-          int32_t pair;
-          std::memcpy(&pair, xr + 2 * i, sizeof pair);
-          acc[r][i] = _mm512_dpbf16_ps(acc[r][i], pairs[i], (__m512bh)_mm512_set1_epi32(pair));
-        }
-      }
-    }
-    const __m512 scale = _mm512_loadu_ps(scales + g * kStripCols);
-    const __m512 offset = _mm512_loadu_ps(offsets + g * kStripCols);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
-      total[r] = _mm512_fmadd_ps(sum, scale, total[r]);
-      total[r] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), offset, total[r]);
-    }
-  }
-  for (int r = 0; r < ROWS; ++r)  // round to nearest even
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldc), (__m256i)_mm512_cvtneps_pbh(total[r]));
-}
-
-// Many rows (prefill): rows [0, ROWS) times kWideStrips strips at once (w, its scales
-// and offsets at strip_bytes, strip_groups apart), so that each row's pair of x values,
-// broadcast once, serves four strips: one strip at a time would spend a broadcast on
-// every dot product. (At a few rows one strip at a time streams the weight faster.)
-template <int ROWS>
-void wide_tile(const uint16_t* x, int64_t lda, const float* xsum, int64_t groups, const uint8_t* w,
-               int64_t strip_bytes, const float* scales, const float* offsets, int64_t strip_groups, int64_t group,
-               uint16_t* out, int64_t ldc) {
-  const __m512i low4 = _mm512_set1_epi16(0x000F);
-  const __m512i bf16_128 = _mm512_set1_epi16(0x4300);
-  const int64_t chunks = group / 8;
-  __m512 total[ROWS][kWideStrips];
+  __m512 total[ROWS][STRIPS];
   for (int r = 0; r < ROWS; ++r)
-    for (int s = 0; s < kWideStrips; ++s) total[r][s] = _mm512_setzero_ps();
+    for (int s = 0; s < STRIPS; ++s) total[r][s] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 acc[ROWS][kWideStrips];
+    __m512 acc[ROWS][STRIPS][kChains];
     for (int r = 0; r < ROWS; ++r)
-      for (int s = 0; s < kWideStrips; ++s) acc[r][s] = _mm512_setzero_ps();
+      for (int s = 0; s < STRIPS; ++s)
+        for (int c = 0; c < kChains; ++c) acc[r][s][c] = _mm512_setzero_ps();
     const int64_t k0 = g * group;
     for (int64_t t = 0; t < chunks; ++t) {
-      __m512i v[kWideStrips];
-      for (int s = 0; s < kWideStrips; ++s) v[s] = _mm512_loadu_si512(w + s * strip_bytes + (g * chunks + t) * 64);
-      for (int i = 0; i < 4; ++i) {
+      __m512i v[STRIPS];
+      for (int s = 0; s < STRIPS; ++s) v[s] = _mm512_loadu_si512(w + s * strip_bytes + (g * chunks + t) * 64);
+      for (int i = 0; i < 4; ++i) {  // nibble i: inputs 8t + 2i and 8t + 2i + 1
         __m512bh x_pair[ROWS];
         for (int r = 0; r < ROWS; ++r) {
           int32_t pair;
           std::memcpy(&pair, x + r * lda + k0 + 8 * t + 2 * i, sizeof pair);
           x_pair[r] = (__m512bh)_mm512_set1_epi32(pair);
         }
-        for (int s = 0; s < kWideStrips; ++s) {
+        for (int s = 0; s < STRIPS; ++s) {
+          // (a & b) | c in one instruction (imm 0xEA): 32 exact bfloat16 weights, 128 + q
           const __m512bh weights =
               (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v[s], 4 * i), low4, bf16_128, 0xEA);
-          for (int r = 0; r < ROWS; ++r) acc[r][s] = _mm512_dpbf16_ps(acc[r][s], weights, x_pair[r]);
+          for (int r = 0; r < ROWS; ++r)
+            acc[r][s][i % kChains] = _mm512_dpbf16_ps(acc[r][s][i % kChains], weights, x_pair[r]);
         }
       }
     }
-    for (int s = 0; s < kWideStrips; ++s) {
+    for (int s = 0; s < STRIPS; ++s) {
       const __m512 scale = _mm512_loadu_ps(scales + s * strip_groups + g * kStripCols);
       const __m512 offset = _mm512_loadu_ps(offsets + s * strip_groups + g * kStripCols);
       for (int r = 0; r < ROWS; ++r) {
-        total[r][s] = _mm512_fmadd_ps(acc[r][s], scale, total[r][s]);
+        __m512 sum = acc[r][s][0];
+        for (int c = 1; c < kChains; ++c) sum = _mm512_add_ps(sum, acc[r][s][c]);
+        total[r][s] = _mm512_fmadd_ps(sum, scale, total[r][s]);
         total[r][s] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[r * groups + g]), offset, total[r][s]);
       }
     }
   }
-  for (int r = 0; r < ROWS; ++r)
-    for (int s = 0; s < kWideStrips; ++s)
+  for (int r = 0; r < ROWS; ++r)  // round to nearest even
+    for (int s = 0; s < STRIPS; ++s)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldc + s * kStripCols),
                           (__m256i)_mm512_cvtneps_pbh(total[r][s]));
 }
 
-using WideFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t*, int64_t, const float*,
+using TileFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t*, int64_t, const float*,
                         const float*, int64_t, int64_t, uint16_t*, int64_t);
 
-WideFn wide_for(int rows) {
+template <int STRIPS>
+TileFn tile_for(int rows) {
   switch (rows) {
-    case 1: return wide_tile<1>;
-    case 2: return wide_tile<2>;
-    case 3: return wide_tile<3>;
-    default: return wide_tile<4>;
-  }
-}
-
-using StripFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t*, const float*, const float*,
-                         int64_t, uint16_t*, int64_t);
-
-StripFn strip_for(int rows) {
-  switch (rows) {
-    case 1: return strip_tile<1>;
-    case 2: return strip_tile<2>;
-    case 3: return strip_tile<3>;
-    default: return strip_tile<4>;
+    case 1: return tile<1, STRIPS>;
+    case 2: return tile<2, STRIPS>;
+    case 3: return tile<3, STRIPS>;
+    default: return tile<4, STRIPS>;
   }
 }
 
@@ -211,23 +163,18 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sca
   const float* op = offsets.data_ptr<float>();
   auto* outp = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t strip_bytes = packed.size(1) * 64, strip_groups = groups * kStripCols;  // 16 columns x K nibbles
-  // More rows than one tile: four strips at a time (wide_tile), the rest one at a time.
+  // More rows than one tile: four strips at a time, the rest one at a time.
   const int64_t per_task = m > kTileRows ? kWideStrips : 1;
   at::parallel_for(0, (strips + per_task - 1) / per_task, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t first = t * per_task, last = std::min(strips, first + per_task);
       for (int64_t r0 = 0; r0 < m; r0 += kTileRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
-        const float* sums = xsum.data() + r0 * groups;
-        if (last - first == kWideStrips) {
-          wide_for(rows)(xp + r0 * lda, lda, sums, groups, wp + first * strip_bytes, strip_bytes,
-                         sp + first * strip_groups, op + first * strip_groups, strip_groups, group,
-                         outp + r0 * ldc + first * kStripCols, ldc);
-          continue;
-        }
-        for (int64_t s = first; s < last; ++s)
-          strip_for(rows)(xp + r0 * lda, lda, sums, groups, wp + s * strip_bytes, sp + s * strip_groups,
-                          op + s * strip_groups, group, outp + r0 * ldc + s * kStripCols, ldc);
+        const bool wide = last - first == kWideStrips;
+        for (int64_t s = first; s < last; s += wide ? kWideStrips : 1)
+          (wide ? tile_for<kWideStrips>(rows) : tile_for<1>(rows))(
+              xp + r0 * lda, lda, xsum.data() + r0 * groups, groups, wp + s * strip_bytes, strip_bytes,
+              sp + s * strip_groups, op + s * strip_groups, strip_groups, group, outp + r0 * ldc + s * kStripCols, ldc);
       }
     }
   });
