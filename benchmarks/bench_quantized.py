@@ -1,7 +1,9 @@
 """Quantized checkpoints against bfloat16 on the CPU: one random-weight Llama of about
 1B parameters (TinyLlama's shape: hidden 2048, 22 layers, MLP 5632, 32 heads, 4 KV
-heads), saved in bfloat16 and quantized to GPTQ, AWQ, compressed-tensors 4-bit (groups of 128)
-and a GGUF Q4_0 file by radixserve.testing.quantized_checkpoints, each served by the
+heads), saved in bfloat16 and quantized to GPTQ, AWQ, compressed-tensors 4-bit (groups of 128),
+GPTQ 8-bit, compressed-tensors W8A8 int8 (``CHECKPOINTS``)
+and GGUF files (``gguf-q4_0``, ``gguf-q4_k_m``: llama.cpp's Q4_K_M mix of Q4_K and
+Q6_K) by radixserve.testing.quantized_checkpoints, each served by the
 offline Engine in bfloat16 one after the other:
 
 - batch-1 decode, ms a token: one 128-token prompt, (time to 129 new tokens - time to
@@ -41,20 +43,33 @@ SHAPE = dict(
 ROOT = Path.home() / ".cache" / "radixserve-bench" / "quantized"
 
 
+# Checkpoint formats by name: write_quantized's arguments (groups of 128 unless said).
+CHECKPOINTS = {
+    "gptq": dict(method="gptq", bits=4, group=128),
+    "awq": dict(method="awq", bits=4, group=128),
+    "compressed-tensors": dict(method="compressed-tensors", bits=4, group=128),
+    "gptq-int8": dict(method="gptq", bits=8, group=128),
+    "w8a8-int8": dict(method="compressed-tensors-w8a8", bits=8, group=-1, sym=True, activations="token"),
+}
+
+
 def model(name: str) -> Path:
-    """The model of ``name`` (``bf16``, a quantization method, or ``gguf-q4_0``: a GGUF
-    file as llama.cpp's converter writes it), built on first use."""
+    """The model of ``name`` (``bf16``, a key of ``CHECKPOINTS``, or ``gguf-<type>``: a
+    GGUF file as llama.cpp's converter writes it, e.g. ``gguf-q4_0``), built on first use."""
     bf16 = ROOT / "bf16"
     if not (bf16 / "config.json").exists():
         build_tiny_model(bf16, "llama", dtype=torch.bfloat16, weight_scale=0.02, **SHAPE)
-    if name == "gguf-q4_0":
-        path = ROOT / "llama-1b-q4_0.gguf"
+    if name == "bf16":
+        return bf16
+    if name.startswith("gguf-"):
+        kind = name.removeprefix("gguf-")
+        path = ROOT / f"llama-1b-{kind}.gguf"
         if not path.exists():
-            write_gguf(bf16, path, "Q4_0")
+            write_gguf(bf16, path, kind.upper())
         return path
     path = ROOT / name
     if not (path / "config.json").exists():
-        write_quantized(bf16, path, ROOT / f"{name}-dequantized", name, bits=4, group=128)
+        write_quantized(bf16, path, ROOT / f"{name}-dequantized", **CHECKPOINTS[name])  # type: ignore[arg-type]
     return path
 
 
@@ -72,14 +87,16 @@ def timed(engine: Engine, ids: list[list[int]], new_tokens: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--formats", nargs="+", default=["bf16", "gptq", "awq"], help="also: compressed-tensors, gguf-q4_0")
+    p.add_argument(
+        "--formats", nargs="+", default=["bf16", "gptq", "awq"], help="also: compressed-tensors, gguf-q4_0, gguf-q4_k_m"
+    )
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     ns = p.parse_args()
     one = prompts(1, SHAPE["vocab_size"])
     many = prompts(ns.streams, SHAPE["vocab_size"])
     for name in ns.formats:
-        tokenizer = str(model("bf16")) if name == "gguf-q4_0" else None
+        tokenizer = str(model("bf16")) if name.startswith("gguf-") else None
         path = str(model(name))
         with Engine(model_path=path, tokenizer_path=tokenizer, dtype="bfloat16", log_level="warning") as engine:
             timed(engine, one, 8)  # warm-up

@@ -71,8 +71,15 @@ def bf16_agreement(ref: Reference) -> float:
     by its fp32 greedy continuation goes through HF (one forward) and through our
     scheduler (prefilled with prompt logprobs), both in bfloat16; the fraction of
     positions whose top-1 next token is the same."""
-    hf = AutoModelForCausalLM.from_pretrained(ref.model_dir, dtype=torch.bfloat16).eval()
-    scheduler = make_scheduler(ref.model_dir, dtype="bfloat16", **PRIORITY)
+    return teacher_forced_agreement(ref, "bfloat16")
+
+
+def teacher_forced_agreement(ref: Reference, dtype: str) -> float:
+    """``bf16_agreement`` in ``dtype`` (``float32`` for a model whose arithmetic is not
+    smooth: one whose activations are rounded to 8 bits, where a difference in the
+    seventh digit upstream can flip a rounding and every digit after it)."""
+    hf = AutoModelForCausalLM.from_pretrained(ref.model_dir, dtype=getattr(torch, dtype)).eval()
+    scheduler = make_scheduler(ref.model_dir, dtype=dtype, **PRIORITY)
     same = total = 0
     for prompt, (continuation, _) in zip(ref.prompts, ref.hf, strict=False):
         sequence = prompt + continuation

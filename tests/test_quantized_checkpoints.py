@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers_models import Reference, check_greedy_matches_hf, hf_reference
+from helpers_models import Reference, check_greedy_matches_hf, hf_reference, teacher_forced_agreement
 from helpers_server import ServerProcess
 from safetensors.torch import save_file
 from transformers import PretrainedConfig
@@ -32,7 +32,15 @@ from radixserve.registry import get_registry
 from radixserve.testing import check_quantization_method
 from radixserve.testing.conformance import QUANT_CASES
 from radixserve.testing.quantized_checkpoints import pack_weight, scheme_of, write_gguf, write_quantized
-from radixserve_torch.quantized_checkpoints import GPTQ, AtenInt4, NibbleStrips, unpack_columns
+from radixserve_torch.quantized_checkpoints import (
+    GPTQ,
+    AtenInt4,
+    ByteStrips,
+    NibbleStrips,
+    SevenBitStrips,
+    dequantize,
+    unpack_columns,
+)
 
 FORMATS = {
     "gptq-4bit-asym": dict(method="gptq", bits=4, group=32, sym=False),
@@ -62,13 +70,23 @@ def test_greedy_tokens_equal_hf_on_the_dequantized_weights(quantized):
     check_greedy_matches_hf(Reference(out, hf.prompts, hf.new_tokens, hf.hf), "radix-cache")
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "compressed-tensors", "fp8_block"])
-def test_two_tensor_parallel_ranks_give_the_same_greedy_tokens(method, tiny_llama_dir, tmp_path):
+TP_FORMATS = {
+    "gptq": dict(method="gptq"),
+    "awq": dict(method="awq"),
+    "compressed-tensors": dict(method="compressed-tensors"),
+    "compressed-tensors-w8a16-channel": dict(method="compressed-tensors", bits=8, group=-1, sym=True),
+    "fp8_block": dict(method="fp8_block"),
+}
+
+
+@pytest.mark.parametrize("name", list(TP_FORMATS))
+def test_two_tensor_parallel_ranks_give_the_same_greedy_tokens(name, tiny_llama_dir, tmp_path):
     """A server at --tp-size 2 (two ranks over gloo, each loading its slices of the packed
-    tensors: fused q/k/v and gate/up split by rows, o and down by input groups) answers
-    with HF's greedy tokens on the dequantized weights."""
+    tensors: fused q/k/v and gate/up split by rows, o and down by input groups; one group
+    a row, by channel, replicated on both) answers with HF's greedy tokens on the
+    dequantized weights."""
     out, reference_dir = tmp_path / "q", tmp_path / "r"
-    write_quantized(tiny_llama_dir, out, reference_dir, method)
+    write_quantized(tiny_llama_dir, out, reference_dir, **TP_FORMATS[name])
     hf = hf_reference(reference_dir, [9, 21], new_tokens=16)
     with ServerProcess("--model", str(out), "--tp-size", "2", "--skip-server-warmup") as server:
         server.wait_ready()
@@ -111,6 +129,17 @@ def test_each_format_passes_the_quantization_kit(format_name):
     report.raise_for_failures(min_run=2 * len(QUANT_CASES["standard"]))
 
 
+@pytest.mark.parametrize(("bits", "sym"), [(4, False), (4, True), (5, False), (8, True)])
+def test_the_gguf_method_passes_the_quantization_kit(bits, sym):
+    """GGUF's types as the kit packs them (``gguf_type``: Q4_K and Q5_K where a case's
+    inputs fill their blocks, Q4_1, Q5_1 elsewhere; Q4_0; Q8_0), against the gguf
+    package's own dequantization."""
+    report = check_quantization_method(
+        "gguf", dtypes=(torch.float32, torch.bfloat16), checkpoint=scheme_of("gguf", bits, 32, sym)
+    )
+    report.raise_for_failures(min_run=2 * len(QUANT_CASES["standard"]))
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_atens_int4_kernel_agrees_with_the_dequantized_product(method):
     """ATen's int4 kernel on a repacked weight equals the dequantized weight's product
@@ -146,6 +175,26 @@ def test_our_int4_kernel_agrees_with_the_dequantized_product(group, rows):
     assert torch.allclose(got, want, atol=0.05, rtol=0.02), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("bits", [5, 6, 8])
+def test_our_int8_kernel_agrees_with_the_dequantized_product(bits):
+    """5- to 8-bit weights (GPTQ-Int8, Q8_0, Q6_K, Q5_K) on csrc/cpu_int4.cpp's byte path,
+    fractional zero points included, equal the dequantized weight's product within
+    bfloat16's rounding, at 1, 5 (a tile of four, then one) and 9 rows (four strips a tile)."""
+    kernel = ByteStrips if bits == 8 else SevenBitStrips
+    if not kernel.serves(torch.Size([96, 512]), 32):
+        pytest.skip(f"{kernel.name} is not built for this CPU")
+    gen = torch.Generator().manual_seed(bits)
+    qweight = torch.randint(0, 2**bits, (96, 512), generator=gen).to(torch.uint8)
+    zeros = torch.rand(96, 16, generator=gen) * 2**bits
+    scales = torch.rand(96, 16, generator=gen) * 0.01
+    packed = kernel.pack(qweight, zeros, scales, 32)
+    for rows in (1, 5, 9):
+        x = torch.randn(rows, 512, generator=gen).to(torch.bfloat16)
+        got = packed.matmul(x).float()
+        want = x.float() @ dequantize(qweight, zeros, scales).t()
+        assert torch.allclose(got, want, atol=0.05, rtol=0.02), (got - want).abs().max()
+
+
 DECISION = """
 import logging, torch
 from radixserve.kernels import KernelQuery
@@ -174,17 +223,26 @@ def test_without_vector_units_the_weights_are_dequantized_at_load():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "path: dense" in out.stdout, out.stdout + out.stderr[-2000:]
     assert re.search(
-        r"gptq: a 1024 x 1024 layer at batch 1: dequantized \(\w+\) [\d.]+ ms, aten int4 [\d.]+ ms; "
+        r"gptq: a 1024 x 1024 layer at 1 / 16 rows: dequantized \(\w+\) [\d.]+ / [\d.]+ ms, "
+        r"aten int4 [\d.]+ / [\d.]+ ms; "
         r"using dequantized",
         out.stderr,
     ), out.stderr[-2000:]
 
 
-def _ct(**group: object) -> dict:
+def _ct(ignore: list[str] | None = None, **group: object) -> dict:
     """A compressed-tensors quantization_config (W4A16 by groups of 32) with ``group`` changed."""
     weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
     config_group = {"targets": ["Linear"], "weights": weights, "format": "pack-quantized", **group}
-    return {"quant_method": "compressed-tensors", "config_groups": {"group_0": config_group}, "ignore": ["lm_head"]}
+    return {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"group_0": config_group},
+        "ignore": ignore or ["lm_head"],
+    }
+
+
+_W8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}  # W8A8's weights
+_A8 = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}  # and activations
 
 
 @pytest.mark.parametrize(
@@ -197,7 +255,22 @@ def _ct(**group: object) -> dict:
         ({"quant_method": "awq", "w_bit": 4, "version": "gemv"}, r"quantization_config.version: AWQ's 'gemv'"),
         ({"quant_method": "gptq", "bits": 4, "group_size": 12}, r"quantization_config.group_size: 12"),
         (_ct(input_activations={"num_bits": 8, "type": "int"}), r"group_0.input_activations: quantized activations"),
-        (_ct(format="float-quantized"), r"quantization_config.format: 'float-quantized' is not served"),
+        (_ct(format="naive-quantized"), r"quantization_config.format: 'naive-quantized' is not served"),
+        (_ct(format="float-quantized"), r"group_0.weights: 4-bit 'int' weights, dynamic None in float-quantized"),
+        (_ct(format="int-quantized", weights=_W8 | {"symmetric": False}), r"weights.symmetric: false is not served"),
+        (_ct(format="int-quantized", weights=_W8 | {"strategy": "group"}), r"weights.strategy: 'group' is not served"),
+        (
+            _ct(format="int-quantized", weights=_W8, input_activations=_A8 | {"strategy": "tensor"}),
+            r"group_0.input_activations: 8-bit 'int', strategy 'tensor', dynamic True",
+        ),
+        (
+            _ct(format="int-quantized", weights=_W8, input_activations=_A8 | {"type": "float"}),
+            r"input_activations: 8-bit 'float'.* \(served: 8-bit int, symmetric",
+        ),
+        (
+            _ct(ignore=["lm_head", "re:.*self_attn.*"]),
+            r"ignore: \['re:.\*self_attn.\*'\] \(served: the LM head and MoE routers alone left unquantized\)",
+        ),
         (_ct(weights={"num_bits": 2, "strategy": "group", "group_size": 32}), r"weights.num_bits: 2-bit"),
     ],
 )
@@ -207,11 +280,87 @@ def test_what_is_not_served_is_refused_naming_the_field(fields, message):
         checkpoint_quantization(config)
 
 
-def test_a_quantized_moe_model_is_refused_at_selection():
-    scheme = QuantizedCheckpoint("gptq", 4, 32, symmetric=False)
-    query = KernelQuery(device="cpu", dtype=torch.float32, num_experts=4, top_k=2, quantized_checkpoint=scheme)
-    with pytest.raises(Exception, match=r"mixture-of-experts model's quantized experts \(gptq\)"):
-        ModelContext.create(get_registry(), query, torch.device("cpu"), quantization="gptq")
+W8A8_FORMATS = {
+    "int8-by-token": dict(weight_type="int", activations="token", group=-1),
+    "int8-static": dict(weight_type="int", activations="tensor", group=0),
+    "fp8-dynamic": dict(weight_type="float", activations="token", group=-1),
+    "fp8-static": dict(weight_type="float", activations="tensor", group=0),
+    "int8-weights-alone": dict(weight_type="int", activations=None, group=-1),
+}
+
+
+@pytest.mark.parametrize("name", list(W8A8_FORMATS))
+def test_compressed_tensors_8bit_agrees_with_hf_running_the_checkpoint(name, tiny_llama_dir, tmp_path):
+    """llm-compressor's W8A8 presets (int8 weights by channel with int8 activations by
+    token; FP8 by tensor with static activation scales; FP8-dynamic) as compressed-tensors
+    writes them, against HF transformers running the same checkpoint through
+    compressed-tensors (which rounds the activations as the checkpoint says): every
+    layer's input rounded to 8 bits makes the model chaotic (a relative change of 1e-6
+    in the embeddings moves HF's own logprobs by 0.4 on these random weights), so the
+    check is teacher-forced top-1 agreement in float32 along HF's greedy tokens, which
+    a misread scale or a shard's scale on the wrong rows brings near 0; each layer's
+    exact arithmetic is the kit's (test_the_8bit_method_passes_the_quantization_kit).
+    Weights alone (W8A16) are smooth: the greedy tokens equal HF's on the dequantized
+    weights."""
+    spec = W8A8_FORMATS[name]
+    out, reference_dir = tmp_path / "q", tmp_path / "r"
+    write_quantized(tiny_llama_dir, out, reference_dir, "compressed-tensors-w8a8", bits=8, sym=True, **spec)
+    assert checkpoint_quantization(load_config(out)).activations == spec["activations"]
+    if spec["activations"] is None:
+        hf = hf_reference(reference_dir, [5, 17, 33], new_tokens=16)
+        check_greedy_matches_hf(Reference(out, hf.prompts, hf.new_tokens, hf.hf), "radix-cache")
+        return
+    hf = hf_reference(out, [9, 21, 40], new_tokens=24)
+    agreement = teacher_forced_agreement(Reference(out, hf.prompts, hf.new_tokens, hf.hf), "float32")
+    assert agreement >= 0.9, f"teacher-forced top-1 agreement with HF {agreement:.3f}"
+
+
+@pytest.mark.parametrize("name", [n for n, spec in W8A8_FORMATS.items() if spec["activations"]])
+def test_the_8bit_method_passes_the_quantization_kit(name):
+    """Each layer against compressed-tensors' arithmetic in float32: the activations
+    rounded per token (largest magnitude over 127.5 or 448) or by the stored scale,
+    times the dequantized weight."""
+    spec = W8A8_FORMATS[name]
+    scheme = scheme_of(
+        "compressed-tensors-w8a8", 8, spec["group"], True, **{k: spec[k] for k in ("weight_type", "activations")}
+    )
+    report = check_quantization_method("compressed-tensors-w8a8", dtypes=(torch.float32,), checkpoint=scheme)
+    report.raise_for_failures(min_run=len(QUANT_CASES["standard"]))
+
+
+MOE_FORMATS = {
+    "mixtral-gptq-act-order": ("mixtral", dict(method="gptq", bits=4, group=32, desc_act=True)),
+    "qwen3_moe-awq": ("qwen3_moe", dict(method="awq", bits=4, group=32)),
+    "qwen3_moe-compressed-tensors-w8a16": ("qwen3_moe", dict(method="compressed-tensors", bits=8, group=-1, sym=True)),
+    "mixtral-fp8-blocks": ("mixtral", dict(method="fp8_block", bits=8, group=32)),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE_FORMATS))
+def test_a_quantized_moe_gives_hfs_greedy_tokens_on_the_dequantized_weights(name, tiny_model_factory, tmp_path):
+    """Mixtral and Qwen3-MoE with every expert quantized (per expert, as the formats' tools
+    write MoE checkpoints; routers left float): their experts are dequantized at load and
+    the greedy tokens equal HF's on the dequantized weights."""
+    arch, spec = MOE_FORMATS[name]
+    out, reference_dir = tmp_path / "q", tmp_path / "r"
+    write_quantized(tiny_model_factory(arch=arch), out, reference_dir, **spec)
+    hf = hf_reference(reference_dir, [5, 17, 33], new_tokens=16)
+    check_greedy_matches_hf(Reference(out, hf.prompts, hf.new_tokens, hf.hf), "radix-cache")
+
+
+def test_a_quantized_moe_under_two_tensor_parallel_ranks(tiny_model_factory, tmp_path):
+    """GPTQ Mixtral at --tp-size 2: each rank slices its share of every expert, dequantized
+    whole at load; HF's greedy tokens on the dequantized weights."""
+    out, reference_dir = tmp_path / "q", tmp_path / "r"
+    write_quantized(tiny_model_factory(arch="mixtral"), out, reference_dir, "gptq")
+    hf = hf_reference(reference_dir, [9, 21], new_tokens=16)
+    with ServerProcess("--model", str(out), "--tp-size", "2", "--skip-server-warmup") as server:
+        server.wait_ready()
+        for prompt, (want, _) in zip(hf.prompts, hf.hf, strict=True):
+            params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+            answer = httpx.post(server.url + "/generate", json={"input_ids": prompt, "sampling_params": params})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["output_ids"] == want
 
 
 def test_act_order_is_refused_where_tensor_parallelism_splits_a_layers_inputs():
@@ -243,8 +392,10 @@ import torch
 from radixserve.testing import check_quantization_method
 from radixserve.testing.conformance import QUANT_CASES
 from radixserve.testing.quantized_checkpoints import scheme_of
-for method in ("gptq", "awq"):
-    report = check_quantization_method(method, dtypes=(torch.float32, torch.bfloat16), checkpoint=scheme_of(method))
+schemes = [scheme_of("gptq"), scheme_of("awq"), scheme_of("gptq", 8), scheme_of("gguf", 4, 32, False)]
+schemes.append(scheme_of("compressed-tensors-w8a8", 8, -1, True, activations="token"))
+for scheme in schemes:
+    report = check_quantization_method(scheme.method, dtypes=(torch.float32, torch.bfloat16), checkpoint=scheme)
     report.raise_for_failures(min_run=2 * len(QUANT_CASES["standard"]))
 print("passed", torch.backends.cpu.get_cpu_capability())
 """
@@ -253,22 +404,33 @@ print("passed", torch.backends.cpu.get_cpu_capability())
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the AVX2 caps are x86-64's")
 def test_the_kit_passes_under_the_avx2_caps():
     """What an AVX2-only CPU runs (``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``):
-    no kernel of ours, ATen's int4 kernel or the dequantized weight, whichever is faster."""
+    no kernel of ours, ATen's int4 kernel or the dequantized weight, whichever is faster
+    (GPTQ, AWQ, GGUF's Q4_K and Q4_1 with fractional zero points), 8-bit weights
+    dequantized, and W8A8's int8 products through oneDNN's AVX2 path."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", KIT_UNDER_CAPS], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0 and "passed AVX2" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
 
 
 # ---- GGUF files (llama.cpp's) ------------------------------------------------------------------
-@pytest.mark.parametrize("linear_type", ["Q4_0", "Q8_0"])
-def test_a_gguf_file_gives_the_greedy_tokens_hf_reads_from_it(linear_type, tiny_llama_dir, tmp_path):
+@pytest.fixture(scope="module")
+def k_quant_llama_dir(tiny_model_factory) -> Path:
+    """A tiny Llama whose rows fill k-quant blocks (256 inputs): hidden 256, ffn 512, head dim 64."""
+    return tiny_model_factory(arch="llama", hidden_size=256, intermediate_size=512)
+
+
+@pytest.mark.parametrize("linear_type", ["Q4_0", "Q8_0", "Q5_1", "F16", "Q5_K", "Q4_K_M"])
+def test_a_gguf_file_gives_the_greedy_tokens_hf_reads_from_it(linear_type, request, tmp_path):
     """``--model FILE.gguf --tokenizer-path DIR``: the file as llama.cpp's converter writes
-    it (q and k rows permuted, projections quantized by the gguf package); HF
-    transformers reading the same file (dequantizing it) is the reference."""
+    it (q and k rows permuted, projections quantized by the gguf package, or packed as
+    k-quants; ``Q4_K_M``: Q4_K and Q6_K mixed as llama.cpp's recipe mixes them, the
+    embeddings Q4_K and the head Q6_K); HF transformers reading the same file
+    (dequantizing it) is the reference."""
     from transformers import AutoModelForCausalLM
 
+    model_dir = request.getfixturevalue("k_quant_llama_dir" if "_K" in linear_type else "tiny_llama_dir")
     gguf_file = tmp_path / f"tiny-{linear_type}.gguf"
-    write_gguf(tiny_llama_dir, gguf_file, linear_type)
+    write_gguf(model_dir, gguf_file, linear_type)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_file.name, dtype=torch.float32)
     # transformers will not save a model it read from GGUF: its weights and config, as read, by hand
     (tmp_path / "hf").mkdir()
@@ -277,7 +439,7 @@ def test_a_gguf_file_gives_the_greedy_tokens_hf_reads_from_it(linear_type, tiny_
     config.pop("quantization_config", None)
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     reference = hf_reference(tmp_path / "hf", [9, 21], new_tokens=16)
-    flags = ("--tokenizer-path", str(tiny_llama_dir), "--dtype", "float32", "--skip-server-warmup")
+    flags = ("--tokenizer-path", str(model_dir), "--dtype", "float32", "--skip-server-warmup")
     with ServerProcess("--model", str(gguf_file), *flags) as server:
         server.wait_ready()
         models = httpx.get(server.url + "/v1/models").json()["data"]
@@ -287,7 +449,56 @@ def test_a_gguf_file_gives_the_greedy_tokens_hf_reads_from_it(linear_type, tiny_
             answer = httpx.post(server.url + "/generate", json={"input_ids": prompt, "sampling_params": params})
             assert answer.status_code == 200, answer.text
             assert answer.json()["output_ids"] == want
-        assert "quantization backend: gguf (the checkpoint's)" in server.log
+        if linear_type == "F16":
+            assert "quantization backend: none" in server.log  # float projections: a dense model
+        else:
+            assert "quantization backend: gguf (the checkpoint's)" in server.log
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_each_gguf_type_reads_as_the_gguf_package_dequantizes_it(kind):
+    """Every block type read as (q - zero) * scale equals the gguf package's own
+    dequantization of the same bytes, at the type's group size and at 16; a group whose
+    scale is 0 (all its weights equal) included."""
+    import gguf
+
+    from radixserve.checkpoints.gguf import BLOCK_TYPES, read_blocks
+    from radixserve.testing.quantized_checkpoints import quantize_gguf
+
+    weight = torch.randn(8, 512, generator=torch.Generator().manual_seed(0)) * 0.05
+    weight[0, :32] = 0.01
+    data = quantize_gguf(weight, kind)
+    want = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]).copy()).float()
+    assert (want - weight).abs().max() < 0.02  # a valid block of that type: near the weight it stands for
+    for group in sorted({BLOCK_TYPES[kind][1], 16}):
+        blocks = read_blocks(data, kind, group)
+        got = (blocks["qweight"].float().view(8, -1, group) - blocks["qzeros"][..., None]) * blocks["scales"][..., None]
+        assert torch.allclose(got.view(8, -1), want, atol=1e-7, rtol=0), (kind, group)
+
+
+@pytest.mark.parametrize("kernel", [NibbleStrips, AtenInt4])
+def test_the_int4_kernels_compute_k_quant_layers_read_at_16(kernel):
+    """A Q4_K layer read at 16-input groups (the file also holds Q6_K) is coarsened back to
+    its 32-input groups by the gguf method, and the int4 kernels, given its fractional zero
+    points (Q4_K's minima), equal the dequantized product within bfloat16's rounding."""
+    import gguf
+
+    from radixserve.checkpoints.gguf import read_blocks
+    from radixserve.testing.quantized_checkpoints import quantize_gguf
+
+    if not kernel.serves(torch.Size([96, 512]), 32):
+        pytest.skip(f"{kernel.name} is not built for this CPU")
+    data = quantize_gguf(torch.randn(96, 512, generator=torch.Generator().manual_seed(1)) * 0.1, "Q4_K")
+    dequantized = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType.Q4_K).copy()).float()
+    blocks = read_blocks(data, "Q4_K", 16)
+    scheme = scheme_of("gguf", 6, 16)
+    method = ModelContext.create(get_registry(), _query(scheme), torch.device("cpu"), quantization="gguf").quant
+    zeros, scales = method.regroup(blocks["qzeros"], blocks["scales"])
+    assert scales.shape == (96, 16) and method.layer_bits(blocks["qweight"]) == 4
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    got = kernel.pack(blocks["qweight"], zeros, scales, 32).matmul(x).float()
+    want = x.float() @ dequantized.t()
+    assert torch.allclose(got, want, atol=0.05, rtol=0.02), (got - want).abs().max()
 
 
 def test_without_a_tokenizer_path_the_files_own_tokenizer_serves(tiny_llama_dir, tmp_path):
@@ -305,15 +516,15 @@ def test_without_a_tokenizer_path_the_files_own_tokenizer_serves(tiny_llama_dir,
         assert httpx.post(server.url + "/tokenize", json=body).json()["tokens"] == want
 
 
-def test_a_gguf_file_of_another_type_is_refused_naming_it(tiny_llama_dir, tmp_path):
+def test_a_gguf_file_of_another_type_is_refused_naming_it(k_quant_llama_dir, tmp_path):
     import gguf
 
-    from radixserve.checkpoints.gguf import linear_type
+    from radixserve.checkpoints.gguf import linear_types
 
-    gguf_file = tmp_path / "tiny-q5.gguf"
-    write_gguf(tiny_llama_dir, gguf_file, "Q5_0")
-    with pytest.raises(ValueError, match=r"projections are Q5_0; served: all of one type of Q4_0, Q8_0"):
-        linear_type(gguf.GGUFReader(str(gguf_file)))
+    gguf_file = tmp_path / "tiny-tq2.gguf"
+    write_gguf(k_quant_llama_dir, gguf_file, "TQ2_0")
+    with pytest.raises(ValueError, match=r"projections are TQ2_0; served: any of Q4_0, Q4_1, .*Q6_K, or all float"):
+        linear_types(gguf.GGUFReader(str(gguf_file)))
 
 
 def test_the_engine_opens_a_gguf_file_as_sglang_spells_it(tiny_llama_dir, tmp_path):

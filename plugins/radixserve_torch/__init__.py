@@ -13,7 +13,14 @@ from radixserve_torch.gemm import CpuPackedGemm, OneDnnGemm, TorchGemm
 from radixserve_torch.moe import TorchNativeMoE
 from radixserve_torch.platform import CpuPlatform
 from radixserve_torch.quantization import Int8WeightOnly, NoQuantization
-from radixserve_torch.quantized_checkpoints import AWQ, GPTQ, CompressedTensors, FP8Blocks, GGUFBlocks
+from radixserve_torch.quantized_checkpoints import (
+    AWQ,
+    GPTQ,
+    CompressedTensors,
+    CompressedTensorsW8A8,
+    FP8Blocks,
+    GGUFBlocks,
+)
 
 
 @hookimpl
@@ -56,3 +63,4 @@ def register_quantization_methods(register: Register) -> None:
     register(CompressedTensors)
     register(FP8Blocks)
     register(GGUFBlocks)
+    register(CompressedTensorsW8A8)

@@ -1,6 +1,6 @@
 """Checkpoints that ship quantized: GPTQ (4 and 8 bit), AWQ (4 bit, GEMM packing),
-compressed-tensors ``pack-quantized`` (4 and 8 bit), GGUF's Q4_0 and Q8_0 projections
-(checkpoints/gguf.py reads them), all weight-only with activations in the model dtype
+compressed-tensors ``pack-quantized`` (4 and 8 bit), GGUF's block and k-quant
+projections (checkpoints/gguf.py reads them), all weight-only with activations in the model dtype
 (W4A16, W8A16); and FP8 with block scales (``FP8Blocks``, dequantized at load).
 
 Loading turns each checkpoint tensor into the same out-major form whatever the format,
@@ -22,9 +22,10 @@ once at load and computed as a dense one.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, cast
 
 import torch
@@ -80,6 +81,9 @@ class QuantizedCheckpointMethod(QuantizationMethod):
     priority = 0
     # The checkpoint's names of the packed integers, the zero points and the scales.
     tensor_names: ClassVar[tuple[str, str, str]] = ("qweight", "qzeros", "scales")
+    # The format's other tensors of a linear weight (``register_extra`` registers them).
+    extra_tensor_names: ClassVar[tuple[str, ...]] = ()
+    zero_point_dtype: ClassVar[torch.dtype] = torch.uint8
 
     def __init__(self, query: KernelQuery, gemm: GemmBackend):
         super().__init__(query, gemm)
@@ -91,8 +95,6 @@ class QuantizedCheckpointMethod(QuantizationMethod):
         scheme = query.quantized_checkpoint
         if scheme is None or scheme.method != cls.name:
             return [f"loads {cls.name} checkpoints only (config.json's quantization_config names the method)"]
-        if query.num_experts:
-            return [f"a mixture-of-experts model's quantized experts ({cls.name}) are not served yet"]
         return []
 
     @property
@@ -116,10 +118,15 @@ class QuantizedCheckpointMethod(QuantizationMethod):
                 "(under tensor parallelism: its share of them)"
             )
         integers, zeros, scales = self.tensor_names
+        # One group a row (by channel): its zero points and scales one-dimensional, which
+        # the layers replicate where tensor parallelism splits the inputs (the group spans them).
+        per_row: tuple[int, ...] = (
+            (out_features,) if self.scheme.group_size == -1 else (out_features, in_features // group)
+        )
         shapes = {
             integers: ((out_features, in_features), torch.uint8),
-            zeros: ((out_features, in_features // group), torch.uint8),
-            scales: ((out_features, in_features // group), torch.float32),
+            zeros: (per_row, self.zero_point_dtype),
+            scales: (per_row, torch.float32),
         }
         if not self.zero_points_stored():
             del shapes[zeros]
@@ -132,7 +139,8 @@ class QuantizedCheckpointMethod(QuantizationMethod):
 
     def _converting(self, name: str, weight_loader: WeightLoader) -> WeightLoader:
         def load(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-            weight_loader(param, self.out_major(name, _tensor(loaded)), shard_id)
+            tensor = self.out_major(name, _tensor(loaded))
+            weight_loader(param, tensor.reshape(-1) if param.dim() == 1 else tensor, shard_id)
 
         return load
 
@@ -144,15 +152,36 @@ class QuantizedCheckpointMethod(QuantizationMethod):
         """Whether the checkpoint stores zero points (else each is the middle of the range)."""
         return True
 
+    def checkpoint_tensor_names(self) -> tuple[str, ...]:
+        integers, zeros, scales = self.tensor_names
+        stored = (integers, zeros, scales) if self.zero_points_stored() else (integers, scales)
+        return stored + self.extra_tensor_names
+
+    def dense_weight(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        integers, zero_points, scale_name = self.tensor_names
+        qweight = self.out_major(integers, tensors[integers])
+        scales = self.out_major(scale_name, tensors[scale_name]).float()
+        if self.zero_points_stored():
+            zeros = self.out_major(zero_points, tensors[zero_points]).float()
+        else:
+            zeros = torch.full(scales.shape, float(1 << (self.scheme.bits - 1)))
+        groups = self.input_groups(tensors, qweight.shape[1], scales.shape[1])
+        return (qweight.float() - zeros[:, groups]) * scales[:, groups]
+
+    def input_groups(self, tensors: Mapping[str, torch.Tensor], inputs: int, groups: int) -> torch.Tensor:
+        """Each input's group, for ``dense_weight``: in order, ``inputs / groups`` a group."""
+        return torch.arange(inputs) // (inputs // groups)
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         integers, zero_points, scale_name = self.tensor_names
         qweight = cast(torch.Tensor, getattr(layer, integers)).data
-        scales = cast(torch.Tensor, getattr(layer, scale_name)).data
+        scales = cast(torch.Tensor, getattr(layer, scale_name)).data.reshape(qweight.shape[0], -1)
         if self.zero_points_stored():
-            zeros = cast(torch.Tensor, getattr(layer, zero_points)).data
+            zeros = cast(torch.Tensor, getattr(layer, zero_points)).data.reshape(qweight.shape[0], -1)
             delattr(layer, zero_points)
         else:
             zeros = torch.full(scales.shape, 1 << (self.scheme.bits - 1), dtype=torch.uint8, device=scales.device)
+        zeros, scales = self.regroup(zeros, scales)
         group = qweight.shape[1] // scales.shape[1]
         delattr(layer, integers)
         delattr(layer, scale_name)
@@ -160,7 +189,7 @@ class QuantizedCheckpointMethod(QuantizationMethod):
         if order is not None:  # the inputs reordered so that each group's are contiguous
             qweight = qweight[:, order]
             layer.register_buffer("input_order", order)
-        kernels = self.int4_kernels(qweight.shape, group)
+        kernels = self.int4_kernels(qweight.shape, group, self.layer_bits(qweight))
         if kernels:
             chosen = self._fastest(kernels, qweight, zeros, scales, group)
             if chosen is not None:
@@ -171,13 +200,25 @@ class QuantizedCheckpointMethod(QuantizationMethod):
         dense = dequantize(qweight, zeros, scales).to(self.query.dtype)
         layer.register_buffer("weight", self.gemm.prepare_weight(dense))
 
-    def int4_kernels(self, shape: torch.Size, group: int) -> list[type[Int4Kernel]]:
+    def regroup(self, zeros: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's zero points and scales in the groups its kernel reads (as loaded here)."""
+        return zeros, scales
+
+    def layer_bits(self, qweight: torch.Tensor) -> int:
+        """The bits a layer's integers take (the checkpoint's, here)."""
+        return self.scheme.bits
+
+    def int4_kernels(self, shape: torch.Size, group: int, bits: int) -> list[type[Int4Kernel]]:
         """The int4 kernels that can compute a layer of ``shape`` ([out, in]) here: 4-bit
-        weights of a bfloat16 model on the CPU, and what each kernel needs besides."""
+        weights of a bfloat16 model on the CPU, and what each kernel needs besides; 5 to 8
+        bits through ours, one integer a byte (``ByteStrips``; ``SevenBitStrips`` below 8 bits)."""
         query = self.query
-        if self.scheme.bits != 4 or query.device != "cpu" or query.dtype != torch.bfloat16:
+        if not 4 <= bits <= 8 or query.device != "cpu" or query.dtype != torch.bfloat16:
             return []
-        return [kernel for kernel in (NibbleStrips, AtenInt4) if kernel.serves(shape, group)]
+        kernels: tuple[type[Int4Kernel], ...] = (NibbleStrips, AtenInt4)
+        if bits > 4:
+            kernels = (ByteStrips,) if bits == 8 else (SevenBitStrips, ByteStrips)
+        return [kernel for kernel in kernels if kernel.serves(shape, group)]
 
     def _fastest(
         self,
@@ -187,28 +228,23 @@ class QuantizedCheckpointMethod(QuantizationMethod):
         scales: torch.Tensor,
         group: int,
     ) -> type[Int4Kernel] | None:
-        """The fastest of ``kernels`` on this layer's shape at batch 1 (the memory-bound
-        case they are for), or None where the GEMM backend on the dequantized weight is
-        faster; timed once per shape. ATen's kernel is 4x faster than bfloat16 with
-        AVX-512, about even with AVX2, and without either (its scalar path) many times
-        slower: there the weights are dequantized."""
+        """The kernel of ``kernels`` that serves this layer's shape best (``choose_by_time``),
+        or None where the GEMM backend on the dequantized weight does; timed once per
+        shape. ATen's kernel is 4x faster than bfloat16 with AVX-512 at batch 1 but slows
+        with every row, about even with AVX2, and without either (its scalar path) many
+        times slower: there the weights are dequantized."""
         shape = (qweight.shape[0], qweight.shape[1], group)
         if shape not in self._int4_choice:
-            x = torch.randn(1, qweight.shape[1], dtype=self.query.dtype)
             dense = self.gemm.prepare_weight(dequantize(qweight, zeros, scales).to(self.query.dtype))
-            times = {f"dequantized ({self.gemm.name})": _best_time(self.gemm.linear, x, dense)}
+            candidates: dict[str, Callable[[torch.Tensor], object]] = {
+                f"dequantized ({self.gemm.name})": lambda x: self.gemm.linear(x, dense)
+            }
             for kernel in kernels:
-                times[kernel.name] = _best_time(kernel.pack(qweight, zeros, scales, group).matmul, x)
-            best = min(times, key=times.__getitem__)
-            self._int4_choice[shape] = next((k for k in kernels if k.name == best), None)
-            logger.info(
-                "%s: a %d x %d layer at batch 1: %s; using %s",
-                self.name,
-                shape[0],
-                shape[1],
-                ", ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in times.items()),
-                best,
+                candidates[kernel.name] = kernel.pack(qweight, zeros, scales, group).matmul
+            best = choose_by_time(
+                f"{self.name}: a {shape[0]} x {shape[1]} layer", candidates, shape[1], self.query.dtype
             )
+            self._int4_choice[shape] = next((k for k in kernels if k.name == best), None)
         return self._int4_choice[shape]
 
     def input_order(self, layer: nn.Module, group: int) -> torch.Tensor | None:
@@ -230,11 +266,49 @@ class QuantizedCheckpointMethod(QuantizationMethod):
         return self.gemm.linear_silu_and_mul(x, cast(torch.Tensor, layer.weight), bias)
 
 
+_SCRATCH: list[torch.Tensor] = []  # 64 MiB written between timed calls: larger than a CPU's caches
+TIMED_ROWS = (1, 16)  # a lone stream's decode step, and a batch's
+
+
+BATCH_SLOWDOWN_LIMIT = 1.5  # how much slower than the best at 16 rows a choice may be
+
+
+def choose_by_time(
+    what: str, candidates: dict[str, Callable[[torch.Tensor], object]], in_features: int, dtype: torch.dtype
+) -> str:
+    """The candidate (ways of computing one layer) fastest at one row of input -- a lone
+    stream's decode step, memory-bound, which is what a quantized weight is for -- among
+    those within ``BATCH_SLOWDOWN_LIMIT`` of the fastest at sixteen (so that batches and
+    prefill do not pay for it: ATen's int4 kernel, ahead at one row, is twice as slow at
+    sixteen). Each is timed cold (``_best_time``); logged with every time."""
+    times = {
+        name: [_best_time(run, torch.randn(rows, in_features, dtype=dtype)) for rows in TIMED_ROWS]
+        for name, run in candidates.items()
+    }
+    batched = min(row_times[1] for row_times in times.values())
+    allowed = [name for name, row_times in times.items() if row_times[1] <= BATCH_SLOWDOWN_LIMIT * batched]
+    best = min(allowed, key=lambda name: times[name][0])
+    logger.info(
+        "%s at %s rows: %s; using %s",
+        what,
+        " / ".join(map(str, TIMED_ROWS)),
+        ", ".join(f"{name} {' / '.join(f'{t * 1e3:.3f}' for t in row_times)} ms" for name, row_times in times.items()),
+        best,
+    )
+    return best
+
+
 def _best_time(run: Callable[..., object], *args: object, repeats: int = 5) -> float:
-    """Seconds of the fastest of ``repeats`` calls of ``run(*args)``, after one to warm up."""
+    """Seconds of the fastest of ``repeats`` calls of ``run(*args)``, after one to warm up,
+    each with the caches refilled by other data first: a decode step reads each weight
+    once, cold from memory, and a kernel timed on a weight still in cache can look
+    faster than one that streams memory better."""
+    if not _SCRATCH:
+        _SCRATCH.append(torch.zeros(16 << 20))
     run(*args)
     best = float("inf")
     for _ in range(repeats):
+        _SCRATCH[0].add_(1.0)
         start = time.perf_counter()
         run(*args)
         best = min(best, time.perf_counter() - start)
@@ -285,17 +359,19 @@ class AtenInt4(Int4Kernel):
 class NibbleStrips(Int4Kernel):
     """radixserve's own int4 kernel (csrc/cpu_int4.cpp, AVX512-BF16), which streams the
     nibbles in strips of 16 output columns: ``packed`` ``[out/16, in/8, 64]`` uint8,
-    scales and offsets ``[out/16, in/group, 16]`` float32 (the layout is the kernel's;
-    its offsets carry the 136 that its bfloat16 weights, 128 + q, add to q - 8)."""
+    scales and offsets ``[out/16, in/group, 16]`` float16 (the layout is the kernel's)."""
 
     name = "radixserve int4"
+    bits: ClassVar[int] = 4
+    inputs_a_chunk: ClassVar[int] = 8  # inputs of one strip's 64-byte chunk
 
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int):
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int, shift: int):
         self.packed, self.scales, self.offsets, self.group = packed, scales, offsets, group
+        self.shift = shift  # the scales and offsets are stored times 2 ** shift (out is divided back)
 
     @classmethod
     def serves(cls, shape: torch.Size, group: int) -> bool:
-        if shape[0] % 16 or group % 8:
+        if shape[0] % 16 or group % cls.inputs_a_chunk:
             return False
         try:
             cpu_kernels.load()
@@ -305,23 +381,71 @@ class NibbleStrips(Int4Kernel):
 
     @classmethod
     def pack(cls, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> NibbleStrips:
+        scales = scales.float()
+        # W = (q - 8) * scale + offset: the kernel takes the 8 (and the 128 of its bfloat16 weights) off itself
+        return cls._with_figures(cls.packed_weight(qweight), scales, (8 - zeros.float()) * scales, group)
+
+    @classmethod
+    def packed_weight(cls, qweight: torch.Tensor) -> torch.Tensor:
         out, inputs = qweight.shape
         # (strip, column, chunk, i, j) -> (strip, chunk, lane = 2 column + j, nibble i)
         q = qweight.view(out // 16, 16, inputs // 8, 4, 2).permute(0, 2, 1, 4, 3).to(torch.int32)
         lanes = (q[..., 0] | q[..., 1] << 4 | q[..., 2] << 8 | q[..., 3] << 12).reshape(out // 16, inputs // 8, 32)
-        packed = lanes.to(torch.int16).view(torch.uint8).contiguous()  # little-endian 16-bit lanes
+        return lanes.to(torch.int16).view(torch.uint8).contiguous()  # little-endian 16-bit lanes
+
+    @classmethod
+    def _with_figures(
+        cls, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int
+    ) -> NibbleStrips:
+        """The kernel on ``packed`` with ``scales`` and ``offsets`` ``[out, groups]`` float32,
+        stored by strip in float16 after a power of two that brings them into float16's
+        range (float16 keeps 11 bits from 6.1e-5 to 65504; the output is divided back)."""
+        strips = packed.shape[0]
 
         def by_strip(values: torch.Tensor) -> torch.Tensor:
-            return values.float().view(out // 16, 16, -1).transpose(1, 2).contiguous()
+            return (values * 2.0**shift).half().view(strips, 16, -1).transpose(1, 2).contiguous()
 
-        scales = scales.float()
-        offsets = (8 - zeros.float()) * scales - 136 * scales
-        return cls(packed, by_strip(scales), by_strip(offsets), group)
+        largest = float(torch.maximum(scales.abs().max(), offsets.abs().max()))
+        shift = int(math.floor(math.log2(16384 / largest))) if largest > 0 else 0
+        return cls(packed, by_strip(scales), by_strip(offsets), group, shift)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], self.packed.shape[0] * 16, dtype=torch.bfloat16)
-        torch.ops.radixserve_cpu_int4.linear(x.contiguous(), self.packed, self.scales, self.offsets, self.group, out)
-        return out
+        torch.ops.radixserve_cpu_int4.linear(
+            x.contiguous(), self.packed, self.scales, self.offsets, self.group, self.bits, out
+        )
+        return out if self.shift == 0 else out.mul_(2.0**-self.shift)
+
+
+class ByteStrips(NibbleStrips):
+    """The same kernel on 5- to 8-bit integers, one a byte (GPTQ-Int8, W8A16, GGUF's
+    Q5/Q6_K/Q8_0): ``packed`` ``[out/16, in/4, 64]``, each 32 bytes one operand of 16
+    columns x 2 inputs, converted to bfloat16 exactly in registers."""
+
+    name = "radixserve int8"
+    bits = 8
+    inputs_a_chunk = 4
+
+    @classmethod
+    def pack(cls, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> NibbleStrips:
+        scales = scales.float()
+        return cls._with_figures(cls.packed_weight(qweight), scales, -zeros.float() * scales, group)
+
+    @classmethod
+    def packed_weight(cls, qweight: torch.Tensor) -> torch.Tensor:
+        out, inputs = qweight.shape
+        # (strip, column, chunk, i, j) -> (strip, chunk, operand i, column, j)
+        q = qweight.view(out // 16, 16, inputs // 4, 2, 2).permute(0, 2, 3, 1, 4)
+        return q.reshape(out // 16, inputs // 4, 64).contiguous()
+
+
+class SevenBitStrips(ByteStrips):
+    """``ByteStrips`` for integers below 128 (GGUF's Q5 and Q6_K, 5- to 7-bit GPTQ):
+    decoded as the 4-bit weights are, into the bfloat16 128 + q (the kernel takes the
+    128 off), in three instructions for 32 weights rather than seven."""
+
+    name = "radixserve int7"
+    bits = 7
 
 
 def dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -343,6 +467,10 @@ class GPTQ(QuantizedCheckpointMethod):
     order (GPTQ derives it from the input)."""
 
     name = "gptq"
+    extra_tensor_names = ("g_idx",)
+
+    def input_groups(self, tensors: Mapping[str, torch.Tensor], inputs: int, groups: int) -> torch.Tensor:
+        return tensors["g_idx"].long() if self.scheme.desc_act else super().input_groups(tensors, inputs, groups)
 
     def register_extra(self, layer: nn.Module, in_features: int) -> None:
         _register(layer, "g_idx", torch.empty(in_features, dtype=torch.int32), self._load_g_idx)
@@ -407,6 +535,7 @@ class CompressedTensors(QuantizedCheckpointMethod):
 
     name = "compressed-tensors"
     tensor_names = ("weight_packed", "weight_zero_point", "weight_scale")
+    extra_tensor_names = ("weight_shape",)
 
     def zero_points_stored(self) -> bool:
         return not self.scheme.symmetric
@@ -435,14 +564,26 @@ class CompressedTensors(QuantizedCheckpointMethod):
 
 
 class GGUFBlocks(QuantizedCheckpointMethod):
-    """A GGUF file's ``Q4_0`` or ``Q8_0`` projections, which checkpoints/gguf.py reads
-    already out-major: ``qweight`` (the value plus 8 or 128), ``qzeros`` (that 8 or 128)
-    and ``scales``, blocks of 32 inputs."""
+    """A GGUF file's projections, which checkpoints/gguf.py reads already out-major:
+    ``qweight`` (unsigned), float ``qzeros`` (fractional for the types with a minimum)
+    and ``scales``, all at the file's common group size. A layer whose groups pair up
+    (a 32-input type read at 16 because the file also holds Q6_K) is read back at the
+    coarser size, and a layer whose integers all fit in 4 bits (Q4_0, Q4_1, Q4_K, or a
+    fused layer of those) goes to the int4 kernels."""
 
     name = "gguf"
+    zero_point_dtype = torch.float32
 
     def out_major(self, name: str, loaded: torch.Tensor) -> torch.Tensor:
         return loaded
+
+    def regroup(self, zeros: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        while scales.shape[1] % 2 == 0 and all(torch.equal(t[:, 0::2], t[:, 1::2]) for t in (zeros, scales)):
+            zeros, scales = zeros[:, 0::2].contiguous(), scales[:, 0::2].contiguous()
+        return zeros, scales
+
+    def layer_bits(self, qweight: torch.Tensor) -> int:
+        return 4 if int(qweight.max()) < 16 else self.scheme.bits
 
 
 class FP8Blocks(QuantizationMethod):
@@ -462,8 +603,6 @@ class FP8Blocks(QuantizationMethod):
         scheme = query.quantized_checkpoint
         if scheme is None or scheme.method != cls.name:
             return ["loads FP8 checkpoints with block scales only (config.json's quantization_config)"]
-        if query.num_experts:
-            return [f"a mixture-of-experts model's quantized experts ({cls.name}) are not served yet"]
         return []
 
     @property
@@ -502,8 +641,130 @@ class FP8Blocks(QuantizationMethod):
         dense = (weight.float() * per_input).to(self.query.dtype)
         layer.register_buffer("weight", self.gemm.prepare_weight(dense))
 
+    def checkpoint_tensor_names(self) -> tuple[str, ...]:
+        return ("weight", "weight_scale_inv")
+
+    def dense_weight(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        weight, scales = tensors["weight"], tensors["weight_scale_inv"].float()
+        blocks = scales.repeat_interleave(self.block, dim=0).repeat_interleave(self.block, dim=1)
+        return weight.float() * blocks[: weight.shape[0], : weight.shape[1]]
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.gemm.linear(x, cast(torch.Tensor, layer.weight), bias)
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         return self.gemm.linear_silu_and_mul(x, cast(torch.Tensor, layer.weight), bias)
+
+
+class CompressedTensorsW8A8(QuantizationMethod):
+    """compressed-tensors' ``int-quantized`` and ``float-quantized`` checkpoints (W8A8
+    int8, FP8 and FP8-dynamic as llm-compressor's presets make them; W8A16 where
+    activations are left alone): ``weight`` int8 or float8 e4m3 ``[out, in]``,
+    ``weight_scale`` ``[out, 1]`` (by channel) or ``[1]`` (by tensor: spread over the
+    tensor's rows at load, so that fused layers keep each projection's own), and, for
+    static activations, ``input_scale`` ``[1]`` (a fused layer's projections share
+    their input: the largest of their scales is used).
+
+    The weights are dequantized at load and computed by the GEMM backend; the
+    activations are rounded as compressed-tensors rounds them (symmetric, the scale the
+    largest magnitude of the token, or the stored scale, over 127.5 for int8 or 448 for
+    float8; to nearest, clamped) before each product: the checkpoint's arithmetic but
+    for the order of the sums, at the model dtype's speed. Int8 products
+    (``torch._int_mm``, oneDNN) were tried and measured slower in the model on the CPU
+    at hand (docs/benchmarks.md, "P18")."""
+
+    name = "compressed-tensors-w8a8"
+    priority = 0
+
+    @classmethod
+    def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
+        scheme = query.quantized_checkpoint
+        if scheme is None or scheme.method != cls.name:
+            return ["loads compressed-tensors int-quantized and float-quantized checkpoints only (config.json)"]
+        if query.num_experts and scheme.activations:
+            return ["a mixture-of-experts model's experts with quantized activations (W8A8) are not served yet"]
+        return []
+
+    @property
+    def scheme(self) -> QuantizedCheckpoint:
+        scheme = self.query.quantized_checkpoint
+        assert scheme is not None  # unsupported_reasons refuses a query without one
+        return scheme
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        in_features: int,
+        out_features: int,
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        dtype = torch.int8 if self.scheme.weight_type == "int" else torch.float8_e4m3fn
+        rows: dict[Any, int] = {}  # each projection's rows in the checkpoint, from its weight
+        waiting: dict[Any, torch.Tensor] = {}  # a per-tensor scale that came before its weight
+
+        def load_weight(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+            rows[shard_id] = loaded.shape[0]
+            weight_loader(param, loaded, shard_id)
+            if shard_id in waiting:
+                load_scale(cast(nn.Parameter, layer.weight_scale), waiting.pop(shard_id), shard_id)
+
+        def load_scale(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+            scale = _tensor(loaded).float().reshape(-1)
+            if scale.numel() == 1:  # by tensor: one scale for each of the projection's rows
+                if shard_id not in rows:
+                    waiting[shard_id] = scale
+                    return
+                scale = scale.expand(rows[shard_id]).contiguous()
+            weight_loader(param, scale, shard_id)
+
+        _register(layer, "weight", torch.empty(out_features, in_features, dtype=dtype), load_weight)
+        # One dimension: replicated where tensor parallelism splits the inputs, sliced with the rows elsewhere.
+        _register(layer, "weight_scale", torch.empty(out_features, dtype=torch.float32), load_scale)
+        if self.scheme.activations == "tensor":
+            _register(layer, "input_scale", torch.zeros(1, dtype=torch.float32), _load_largest)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = cast(torch.Tensor, layer.weight).data
+        scale = cast(torch.Tensor, layer.weight_scale).data
+        del layer.weight, layer.weight_scale
+        dense = (weight.float() * scale[:, None]).to(self.query.dtype)
+        layer.register_buffer("weight", self.gemm.prepare_weight(dense))
+
+    def checkpoint_tensor_names(self) -> tuple[str, ...]:
+        return ("weight", "weight_scale")
+
+    def dense_weight(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        weight, scale = tensors["weight"].float(), tensors["weight_scale"].float()
+        return weight * (scale if scale.dim() == 2 else scale.reshape(-1, 1))
+
+    def _rounded(self, x: torch.Tensor, stored: torch.Tensor | None) -> torch.Tensor:
+        """``x`` rows as the checkpoint's arithmetic sees them (in ``x``'s dtype): each
+        row's scale its largest magnitude over 127.5 (int8) or 448 (float8), or the
+        stored one; rounded to nearest (float8: e4m3's nearest even) and clamped."""
+        rows = x.float()
+        top = 127.5 if self.scheme.weight_type == "int" else 448.0
+        scale = stored if stored is not None else rows.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / top
+        if self.scheme.weight_type == "int":
+            values = torch.round(rows / scale).clamp(-128, 127)
+        else:
+            values = (rows / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+        return (values * scale).to(x.dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        weight = cast(torch.Tensor, layer.weight)
+        if self.scheme.activations is None:
+            return self.gemm.linear(x, weight, bias)
+        stored = cast(torch.Tensor, layer.input_scale) if self.scheme.activations == "tensor" else None
+        rows = self._rounded(x.reshape(-1, x.shape[-1]), stored)
+        return self.gemm.linear(rows, weight, bias).reshape(*x.shape[:-1], -1)
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        if self.scheme.activations is not None:
+            return None
+        return self.gemm.linear_silu_and_mul(x, cast(torch.Tensor, layer.weight), bias)
+
+
+def _load_largest(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+    """A static activation scale: the largest of those the fused projections store."""
+    param.data.copy_(torch.maximum(param.data, _tensor(loaded).float().reshape(1)))

@@ -64,31 +64,51 @@ def _awq(fields: Fields) -> QuantizedCheckpoint:
     )
 
 
+def _always_float(module: str) -> bool:
+    """Whether ``module`` (a name or llm-compressor's ``re:`` pattern in ``ignore``) names
+    layers radixserve never quantizes: the LM head, or a mixture-of-experts router
+    (``mlp.gate``, Mixtral's ``block_sparse_moe.gate``)."""
+    return module == "lm_head" or module.removesuffix("$").endswith(("mlp.gate", "block_sparse_moe.gate"))
+
+
 def _compressed_tensors(fields: Fields) -> QuantizedCheckpoint:
-    """llm-compressor's compressed-tensors: served are its ``pack-quantized`` integer
-    weights (W4A16, W8A16), one config group over every Linear, by group or by channel."""
+    """llm-compressor's compressed-tensors: one config group over every Linear; served
+    are its ``pack-quantized`` integer weights (W4A16, W8A16) by group or by channel, and
+    its 8-bit ``int-quantized`` and ``float-quantized`` weights (by channel or tensor),
+    with activations left alone or quantized like them (W8A8: per token, dynamic; or
+    per tensor, by a stored scale)."""
     groups = fields.get("config_groups") or {}
     if len(groups) != 1:
         raise ValueError(f"quantization_config.config_groups: {len(groups)} groups (served: one, over every Linear)")
     ((name, group),) = groups.items()
     where = f"quantization_config.config_groups.{name}"
     packing = group.get("format") or fields.get("format")
-    if packing != "pack-quantized":
-        raise ValueError(f"quantization_config.format: {packing!r} is not served; served: pack-quantized")
+    if packing not in ("pack-quantized", "int-quantized", "float-quantized"):
+        raise ValueError(
+            f"quantization_config.format: {packing!r} is not served; served: pack-quantized, int-quantized, "
+            "float-quantized"
+        )
     if group.get("targets") != ["Linear"]:
         raise ValueError(f"{where}.targets: {group.get('targets')!r} (served: ['Linear'])")
-    if group.get("input_activations"):
-        raise ValueError(f"{where}.input_activations: quantized activations are not served yet (W4A16, W8A16 are)")
-    ignored = [module for module in fields.get("ignore") or [] if module != "lm_head"]
+    ignored = [module for module in fields.get("ignore") or [] if not _always_float(module)]
     if ignored:
-        raise ValueError(f"quantization_config.ignore: {ignored} (served: lm_head alone left unquantized)")
+        raise ValueError(
+            f"quantization_config.ignore: {ignored} (served: the LM head and MoE routers alone left unquantized)"
+        )
     weights = group.get("weights") or {}
+    if weights.get("actorder"):
+        raise ValueError(f"{where}.weights.actorder: {weights['actorder']!r} is not served yet")
+    if packing != "pack-quantized":
+        return _compressed_tensors_8bit(where, packing, weights, group.get("input_activations"))
+    if group.get("input_activations"):
+        raise ValueError(
+            f"{where}.input_activations: quantized activations with pack-quantized weights are not served "
+            "(W4A16, W8A16 are; W8A8 is int-quantized or float-quantized)"
+        )
     if weights.get("type", "int") != "int" or weights.get("dynamic"):
         raise ValueError(
             f"{where}.weights: {weights.get('type')!r} weights, dynamic {weights.get('dynamic')} (served: int, static)"
         )
-    if weights.get("actorder"):
-        raise ValueError(f"{where}.weights.actorder: {weights['actorder']!r} is not served yet")
     strategy = weights.get("strategy")
     if strategy not in ("group", "channel"):
         raise ValueError(f"{where}.weights.strategy: {strategy!r} is not served; served: group, channel")
@@ -99,6 +119,48 @@ def _compressed_tensors(fields: Fields) -> QuantizedCheckpoint:
             weights.get("group_size") if strategy == "group" else -1, f"config_groups.{name}.weights.group_size"
         ),
         symmetric=bool(weights.get("symmetric", True)),
+    )
+
+
+def _compressed_tensors_8bit(where: str, packing: str, weights: Fields, inputs: Fields | None) -> QuantizedCheckpoint:
+    """``int-quantized`` (int8) or ``float-quantized`` (float8 e4m3) weights, symmetric, by
+    channel or tensor; activations of the same type, per token (dynamic) or per tensor
+    (static: each layer's ``input_scale``), or none."""
+    kind = "int" if packing == "int-quantized" else "float"
+    if weights.get("type", "int") != kind or int(weights.get("num_bits") or 0) != 8 or weights.get("dynamic"):
+        raise ValueError(
+            f"{where}.weights: {weights.get('num_bits')}-bit {weights.get('type')!r} weights, dynamic "
+            f"{weights.get('dynamic')} in {packing} (served: 8-bit {kind}, static)"
+        )
+    if not weights.get("symmetric", True):
+        raise ValueError(f"{where}.weights.symmetric: false is not served with {packing} (served: symmetric)")
+    strategy = weights.get("strategy")
+    if strategy not in ("channel", "tensor"):
+        raise ValueError(
+            f"{where}.weights.strategy: {strategy!r} is not served with {packing}; served: channel, tensor"
+        )
+    activations = None
+    if inputs:
+        served = {("token", True): "token", ("tensor", False): "tensor"}
+        activations = served.get((str(inputs.get("strategy")), bool(inputs.get("dynamic"))))
+        if (
+            activations is None
+            or inputs.get("type", "int") != kind
+            or int(inputs.get("num_bits") or 0) != 8
+            or not inputs.get("symmetric", True)
+        ):
+            raise ValueError(
+                f"{where}.input_activations: {inputs.get('num_bits')}-bit {inputs.get('type')!r}, strategy "
+                f"{inputs.get('strategy')!r}, dynamic {inputs.get('dynamic')}, symmetric {inputs.get('symmetric')} "
+                f"(served: 8-bit {kind}, symmetric, by token dynamically or by tensor statically)"
+            )
+    return QuantizedCheckpoint(
+        "compressed-tensors-w8a8",
+        8,
+        -1 if strategy == "channel" else 0,
+        symmetric=True,
+        weight_type=kind,
+        activations=activations,
     )
 
 
@@ -119,13 +181,18 @@ def _fp8(fields: Fields) -> QuantizedCheckpoint:
 
 
 def _gguf(fields: Fields) -> QuantizedCheckpoint:
-    """A GGUF file's projections (checkpoints/gguf.py writes this config): blocks of 32
-    with a scale each, values about the middle of their range."""
-    kind = fields.get("linear_type")
-    bits = {"Q4_0": 4, "Q8_0": 8}.get(str(kind))
-    if bits is None:
-        raise ValueError(f"quantization_config.linear_type: GGUF {kind!r} is not served; served: Q4_0, Q8_0")
-    return QuantizedCheckpoint("gguf", bits, 32, symmetric=True)
+    """A GGUF file's projections (checkpoints/gguf.py writes this config): their GGUF
+    types, the most bits of any, the group size they are read at; zero points of any
+    value (the types with a minimum have fractional ones)."""
+    from radixserve.checkpoints.gguf import BLOCK_TYPES
+
+    types = fields.get("linear_types") or []
+    unknown = [kind for kind in types if kind not in BLOCK_TYPES]
+    if not types or unknown:
+        raise ValueError(
+            f"quantization_config.linear_types: GGUF {unknown or types} not served; served: {', '.join(BLOCK_TYPES)}"
+        )
+    return QuantizedCheckpoint("gguf", int(fields["bits"]), int(fields["group_size"]), symmetric=False)
 
 
 # quant_method -> how its quantization_config reads

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -54,3 +55,16 @@ class QuantizationMethod(Backend):
         ``GemmBackend.linear_silu_and_mul``), or None where the method has none
         (the default)."""
         return None
+
+    def checkpoint_tensor_names(self) -> tuple[str, ...]:
+        """For a method that loads checkpoints shipped quantized: the tensors one linear
+        weight is stored as (their names after the module's: ``qweight``, ``scales``,
+        ...), which ``dense_weight`` reads. Empty (the default): the checkpoint stores
+        each weight as one float tensor named ``weight``."""
+        return ()
+
+    def dense_weight(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """One whole linear weight ``[out, in]`` (float32) from its checkpoint tensors
+        (``checkpoint_tensor_names``), dequantized: how the experts of a quantized
+        mixture-of-experts checkpoint load (they run in the model's dtype)."""
+        raise NotImplementedError(f"{type(self).__name__} does not read quantized checkpoint tensors")

@@ -13,16 +13,21 @@ from radixserve.cache.memory_pool import LatentKV
 class QuantizedCheckpoint:
     """How a checkpoint's linear weights were quantized before it shipped (config.json's
     ``quantization_config``, read by ``radixserve.checkpoints.quantized``): integers of
-    ``bits`` in groups of ``group_size`` input features (-1: one group a row), each
-    group of each output feature with a scale and a zero point (``symmetric``: the zero
-    point is the middle of the range), dequantized as ``(q - zero) * scale``."""
+    ``bits`` (or 8-bit floats: ``weight_type``) in groups of ``group_size`` input
+    features (-1: one group a row; 0: one for the whole tensor), each group of each
+    output feature with a scale and a zero point (``symmetric``: the zero point is the
+    middle of the range), dequantized as ``(q - zero) * scale``; with ``activations``,
+    the layers' inputs are quantized too (W8A8), per token as they come or per tensor
+    by a scale the checkpoint stores."""
 
-    method: str  # the quantization method that loads it: "gptq" or "awq"
+    method: str  # the quantization method that loads it: "gptq", "awq", ...
     bits: int
     group_size: int
     symmetric: bool
     desc_act: bool = False  # GPTQ's act-order: a column's group is g_idx's, not its index // group_size
     zero_offset: int = 0  # added to each stored zero point (GPTQ's own format stores it less one)
+    weight_type: str = "int"  # "int" or "float" (float8 e4m3)
+    activations: str | None = None  # None (weight-only), "token" (dynamic) or "tensor" (static scale)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,12 @@
 Experts are split by intermediate size across TP ranks: every rank holds every
 expert's slice of gate/up rows and down columns, and the partial outputs are
 all-reduced.
+
+A checkpoint that ships quantized (GPTQ, AWQ, compressed-tensors, FP8 blocks) stores
+each expert's projection as several tensors (``qweight``, ``scales``, ...): they are
+gathered per projection and dequantized at load by the quantization method
+(``QuantizationMethod.dense_weight``), so the experts run in the model's dtype on the
+MoE backend: served, not smaller.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from radixserve.kernels import MoEBackend, MoERouting
 from radixserve.layers.context import ModelContext
 from radixserve.layers.layer import Layer
 from radixserve.layers.parallel import all_reduce, divide
-from radixserve.layers.weights import copy_into, set_shard_ids, set_weight_loader
+from radixserve.layers.weights import CheckpointTensor, copy_into, set_shard_ids, set_weight_loader
 
 
 class MoERouter(Layer):
@@ -43,7 +49,9 @@ class FusedMoE(Layer):
     Shard ids for ``weight_loader``: ``(expert, "gate" | "up")`` for one expert's
     ``[I, H]`` projection into ``w13_weight``, ``(expert, "down")`` for its
     ``[H, I]`` projection into ``w2_weight``, or ``None`` for a checkpoint that
-    already stacks all experts in this layout.
+    already stacks all experts in this layout; ``(expert, part, tensor)`` for one of
+    the tensors a quantized checkpoint stores the projection as (``tensor`` one of
+    the method's ``checkpoint_tensor_names``; ``"weight"``: the float weight).
 
     Routing (``MoERouting``): top-k of the softmax over the router logits,
     renormalized or not, optionally group-limited (``num_groups``,
@@ -83,12 +91,34 @@ class FusedMoE(Layer):
         self.w2_weight = nn.Parameter(
             torch.empty(num_experts, hidden_size, self.intermediate, dtype=ctx.dtype), requires_grad=False
         )
+        # A quantized checkpoint's tensors of one projection, gathered until all have come.
+        self.checkpoint_tensors = ctx.quant.checkpoint_tensor_names() or ("weight",)
+        self._gathered: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         set_weight_loader(self.w13_weight, self.weight_loader)
-        set_shard_ids(self.w13_weight, tuple((e, part) for e in range(num_experts) for part in ("gate", "up")))
+        set_shard_ids(self.w13_weight, self._shard_ids(num_experts, ("gate", "up")))
         set_weight_loader(self.w2_weight, self.weight_loader)
-        set_shard_ids(self.w2_weight, tuple((e, "down") for e in range(num_experts)))
+        set_shard_ids(self.w2_weight, self._shard_ids(num_experts, ("down",)))
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    def _shard_ids(self, num_experts: int, parts: tuple[str, ...]) -> tuple[Any, ...]:
+        return tuple((e, part, t) for e in range(num_experts) for part in parts for t in self.checkpoint_tensors)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | CheckpointTensor, shard_id: Any = None) -> None:
+        if shard_id is not None and len(shard_id) == 3:
+            expert, part, tensor_name = shard_id
+            if tensor_name not in self.checkpoint_tensors:
+                raise ValueError(
+                    f"expert {expert} {part}: a {tensor_name!r} tensor where the checkpoint's "
+                    f"projections are stored as {', '.join(self.checkpoint_tensors)}"
+                )
+            if self.checkpoint_tensors == ("weight",):
+                self.weight_loader(param, loaded, (expert, part))
+                return
+            gathered = self._gathered.setdefault((expert, part), {})
+            gathered[tensor_name] = loaded.load() if isinstance(loaded, CheckpointTensor) else loaded
+            if len(gathered) == len(self.checkpoint_tensors):
+                del self._gathered[(expert, part)]
+                self.weight_loader(param, self.ctx.quant.dense_weight(gathered).to(param.dtype), (expert, part))
+            return
         full, local, start = self.intermediate_full, self.intermediate, self.ctx.tp_rank * self.intermediate
         if shard_id is None:
             if loaded.shape[0] != self.num_experts:
@@ -151,15 +181,16 @@ _STACKED_EXPERTS = {"experts.gate_up_proj": "experts.w13_weight", "experts.down_
 def expert_weight_name(name: str, per_expert: re.Pattern[str], parts: Mapping[str, str]) -> tuple[str, Any] | None:
     """The :class:`FusedMoE` parameter and shard id of the checkpoint tensor
     ``name``, or None when it is not an expert weight. ``per_expert`` matches one
-    expert's projection at the end of a name; its two groups are the expert index
-    and the projection's checkpoint name, which ``parts`` maps to ``"gate"``,
-    ``"up"`` or ``"down"`` (Mixtral's ``w1``, ``w3``, ``w2``). Stacked tensors
-    (``experts.gate_up_proj``, ``experts.down_proj``) load whole."""
+    expert's projection tensor at the end of a name; its three groups are the expert
+    index, the projection's checkpoint name, which ``parts`` maps to ``"gate"``,
+    ``"up"`` or ``"down"`` (Mixtral's ``w1``, ``w3``, ``w2``), and the tensor's name
+    (``weight``; ``qweight``, ``scales``, ... in a quantized checkpoint). Stacked
+    tensors (``experts.gate_up_proj``, ``experts.down_proj``) load whole."""
     match = per_expert.search(name)
     if match:
         part = parts[match.group(2)]
         param = "experts.w2_weight" if part == "down" else "experts.w13_weight"
-        return f"{name[: match.start()]}.{param}", (int(match.group(1)), part)
+        return f"{name[: match.start()]}.{param}", (int(match.group(1)), part, match.group(3))
     for suffix, param in _STACKED_EXPERTS.items():
         if name.endswith("." + suffix):
             return name[: -len(suffix)] + param, None

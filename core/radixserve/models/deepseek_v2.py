@@ -67,7 +67,7 @@ from radixserve.models.llama import LlamaMLP, LlamaModel, PreNormDecoderLayer, f
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
 _PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 # HF builds the q_a and kv_a norms with DeepseekV2RMSNorm's default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6

@@ -24,7 +24,7 @@ from radixserve.models.llama import LlamaForCausalLM, attention_facts
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(w1|w2|w3)\.(\w+)$")
 _PART = {"w1": "gate", "w3": "up", "w2": "down"}
 
 

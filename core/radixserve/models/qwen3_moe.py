@@ -23,7 +23,7 @@ from radixserve.models.qwen3 import Qwen3ForCausalLM
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
 _PART = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 

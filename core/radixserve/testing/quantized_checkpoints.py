@@ -19,7 +19,9 @@ from safetensors.torch import load_file, save_file
 from radixserve.kernels.query import QuantizedCheckpoint
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of a word holds column 8c + AWQ_ORDER[i]
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The linear layers quantized: attention's and the MLPs', the experts' included (Mixtral
+# names an expert's gate, down and up w1, w2 and w3); routers and heads stay float.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
 def quantize(
@@ -71,6 +73,7 @@ def _shared_input(module: str) -> str:
     """Projections that read the same input (q/k/v; gate/up) share a key."""
     parent, projection = module.rsplit(".", 1)
     shared = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
+    shared |= {"w1": "gate_up", "w3": "gate_up"}
     return f"{parent}.{shared.get(projection, projection)}"
 
 
@@ -87,8 +90,12 @@ def pack_weight(
     (act-order): the order of the inputs in which groups are formed."""
     if scheme.method == "compressed-tensors":
         return _compressed_tensors(weight, scheme)
+    if scheme.method == "compressed-tensors-w8a8":
+        return _compressed_tensors_8bit(weight, scheme)
     if scheme.method == "fp8_block":
         return _fp8_blocks(weight, scheme.group_size)
+    if scheme.method == "gguf":
+        return _gguf_blocks(weight, scheme)
     out, inputs = weight.shape
     bits, group = scheme.bits, scheme.group_size if scheme.group_size != -1 else weight.shape[1]
     order = torch.arange(inputs) if order is None else order
@@ -136,6 +143,45 @@ def _compressed_tensors(
     return dict(tensors), dequantized.view(out, inputs)
 
 
+def _compressed_tensors_8bit(
+    weight: torch.Tensor, scheme: QuantizedCheckpoint
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """compressed-tensors' own quantizer and compressor (``int-quantized``: int8;
+    ``float-quantized``: float8 e4m3), by channel or tensor, and the weight the stored
+    values stand for: ``weight * weight_scale``."""
+    from compressed_tensors.compressors import FloatQuantizationCompressor, IntQuantizationCompressor
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = compressed_tensors_args(scheme)
+    rows = weight.float() if scheme.group_size == -1 else weight.float().reshape(1, -1)  # by channel or tensor
+    low, high = rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True)
+    scale, zero_point = calculate_qparams(low, high, args)
+    if scheme.group_size == 0:
+        scale, zero_point = scale.reshape(1), zero_point.reshape(1)
+    compressor = IntQuantizationCompressor if scheme.weight_type == "int" else FloatQuantizationCompressor
+    state = {"weight": weight.float(), "weight_scale": scale, "weight_zero_point": zero_point}
+    tensors = dict(compressor.compress(state, compressed_tensors_scheme(scheme)))
+    dequantized = tensors["weight"].float() * tensors["weight_scale"].float().reshape(-1, 1)
+    return tensors, dequantized
+
+
+def rounded_activations(scheme: QuantizedCheckpoint, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x`` (float32) as a W8A8 checkpoint's layer sees it, by compressed-tensors'
+    arithmetic: symmetric, each token's scale its largest magnitude over 127.5 (int8)
+    or 448 (float8) -- or, for static scales, one for the whole tensor calibrated the
+    same way on ``x`` (returned: the layer's ``input_scale``) -- rounded to nearest
+    (float8: e4m3's nearest even) and clamped."""
+    top = 127.5 if scheme.weight_type == "int" else 448.0
+    static = scheme.activations == "tensor"
+    largest = x.abs().amax().reshape(1) if static else x.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(largest == 0, torch.finfo(torch.float32).eps, largest / top)
+    if scheme.weight_type == "int":
+        rounded = torch.round(x / scale).clamp(-128, 127) * scale
+    else:
+        rounded = (x / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+    return rounded, scale if static else None
+
+
 def _fp8_blocks(weight: torch.Tensor, block: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """float8 e4m3 in blocks of ``block`` x ``block``, each scaled by its largest value over
     448 (``weight_scale_inv``, which multiplies), as DeepSeek-V3's FP8 checkpoints are."""
@@ -151,36 +197,92 @@ def _fp8_blocks(weight: torch.Tensor, block: int) -> tuple[dict[str, torch.Tenso
     return {"weight": weight_fp8, "weight_scale_inv": scales}, dequantized.contiguous()
 
 
+def _gguf_blocks(weight: torch.Tensor, scheme: QuantizedCheckpoint) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``weight`` as a GGUF file's blocks of the type ``gguf_type`` names, read as
+    checkpoints/gguf.py reads a projection (``qweight``, ``qzeros``, ``scales`` at
+    ``scheme.group_size``), and the weight the ``gguf`` package dequantizes them to."""
+    import gguf
+
+    from radixserve.checkpoints.gguf import read_blocks
+
+    kind = gguf_type(scheme, weight.shape[1])
+    data = quantize_gguf(weight, kind)
+    dequantized = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]).copy()).float()
+    return read_blocks(data, kind, scheme.group_size), dequantized
+
+
+def gguf_type(scheme: QuantizedCheckpoint, inputs: int) -> str:
+    """The GGUF type the kit packs a ``gguf`` scheme's weight of ``inputs`` as: symmetric,
+    ``Q4_0``/``Q5_0``/``Q8_0``; else the k-quant of the bits where ``inputs`` fills its
+    blocks of 256 (``Q4_K``, ``Q5_K``), ``Q4_1``/``Q5_1`` where not (``Q8_0`` for 8 bits)."""
+    if scheme.bits == 8:
+        return "Q8_0"
+    if scheme.symmetric:
+        return f"Q{scheme.bits}_0"
+    return f"Q{scheme.bits}_K" if inputs % 256 == 0 else f"Q{scheme.bits}_1"
+
+
 def compressed_tensors_args(scheme: QuantizedCheckpoint) -> Any:
     """compressed-tensors' ``QuantizationArgs`` of ``scheme``'s weights."""
     from compressed_tensors.quantization import QuantizationArgs
 
-    by_group = scheme.group_size != -1
+    strategy = {-1: "channel", 0: "tensor"}.get(scheme.group_size, "group")
     return QuantizationArgs(
         num_bits=scheme.bits,
-        type="int",
+        type=scheme.weight_type,
         symmetric=scheme.symmetric,
-        strategy="group" if by_group else "channel",
-        group_size=scheme.group_size if by_group else None,
+        strategy=strategy,
+        group_size=scheme.group_size if strategy == "group" else None,
+    )
+
+
+def compressed_tensors_activation_args(scheme: QuantizedCheckpoint) -> Any:
+    """compressed-tensors' ``QuantizationArgs`` of ``scheme``'s activations (None: not quantized)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    if scheme.activations is None:
+        return None
+    return QuantizationArgs(
+        num_bits=8,
+        type=scheme.weight_type,
+        symmetric=True,
+        strategy=scheme.activations,
+        dynamic=scheme.activations == "token",
     )
 
 
 def compressed_tensors_scheme(scheme: QuantizedCheckpoint) -> Any:
     from compressed_tensors.quantization import QuantizationScheme
 
-    return QuantizationScheme(targets=["Linear"], weights=compressed_tensors_args(scheme))
+    return QuantizationScheme(
+        targets=["Linear"],
+        weights=compressed_tensors_args(scheme),
+        input_activations=compressed_tensors_activation_args(scheme),
+    )
 
 
 def scheme_of(
-    method: str, bits: int = 4, group: int = 32, sym: bool = False, desc_act: bool = False
+    method: str,
+    bits: int = 4,
+    group: int = 32,
+    sym: bool = False,
+    desc_act: bool = False,
+    weight_type: str = "int",
+    activations: str | None = None,
 ) -> QuantizedCheckpoint:
-    """The scheme ``write_quantized`` writes (GPTQ in its own format: zero points less one)."""
+    """The scheme ``write_quantized`` writes (GPTQ in its own format: zero points less one;
+    ``compressed-tensors-w8a8``: 8-bit ``weight_type`` weights by channel, ``group`` -1,
+    or tensor, 0, symmetric, with ``activations`` None, ``token`` or ``tensor``)."""
+    if method == "compressed-tensors-w8a8":
+        return QuantizedCheckpoint(method, 8, group, True, weight_type=weight_type, activations=activations)
     if method == "gptq":
         return QuantizedCheckpoint("gptq", bits, group, sym, desc_act=desc_act, zero_offset=1)
     if method == "compressed-tensors":
         return QuantizedCheckpoint(method, bits, group, sym)
     if method == "fp8_block":
         return QuantizedCheckpoint(method, 8, group, symmetric=True)
+    if method == "gguf":
+        return QuantizedCheckpoint(method, bits, group, sym)
     return QuantizedCheckpoint("awq", bits, group, symmetric=False)
 
 
@@ -193,12 +295,17 @@ def write_quantized(
     group: int = 32,
     sym: bool = False,
     desc_act: bool = False,
+    weight_type: str = "int",
+    activations: str | None = None,
 ) -> None:
     """``model_dir`` (one safetensors file) quantized as ``method`` into ``out_dir``, and
     dequantized into ``reference_dir``; both keep its config and tokenizer. ``desc_act``
     (GPTQ): groups formed over the inputs in a random order, one order per input that
-    projections share (q/k/v, gate/up), as GPTQ's act-order forms them."""
-    scheme = scheme_of(method, bits, group, sym, desc_act)
+    projections share (q/k/v, gate/up), as GPTQ's act-order forms them. Static
+    activation scales (``activations="tensor"``) are calibrated as llm-compressor's
+    min-max observer does: the largest magnitude each layer's input takes over a few
+    random prompts through the float model, over 127.5 (int8) or 448 (float8)."""
+    scheme = scheme_of(method, bits, group, sym, desc_act, weight_type, activations)
     for target in (out_dir, reference_dir):
         shutil.copytree(model_dir, target)
         for old in target.glob("*.safetensors*"):
@@ -218,11 +325,38 @@ def write_quantized(
             order = orders.setdefault(_shared_input(module), torch.randperm(tensor.shape[1], generator=gen))
         parts, dense[name] = pack_weight(tensor, scheme, order)
         packed.update({f"{module}.{part}": value for part, value in parts.items()})
+    if scheme.activations == "tensor":
+        top = 127.5 if scheme.weight_type == "int" else 448.0
+        for module, largest in _largest_inputs(model_dir).items():
+            packed[f"{module}.input_scale"] = torch.tensor([largest / top])
     save_file({k: v.contiguous() for k, v in packed.items()}, out_dir / "model.safetensors")
     save_file({k: v.contiguous() for k, v in dense.items()}, reference_dir / "model.safetensors")
     config = json.loads((out_dir / "config.json").read_text())
     config["quantization_config"] = _config(scheme)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def _largest_inputs(model_dir: Path, prompts: int = 4, length: int = 48) -> dict[str, float]:
+    """The largest magnitude of each quantized projection's input over ``prompts`` random
+    prompts through the float model (HF transformers, float32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    largest: dict[str, float] = {}
+
+    def record(name: str) -> Any:
+        def hook(module: Any, inputs: tuple[torch.Tensor, ...]) -> None:
+            largest[name] = max(largest.get(name, 0.0), float(inputs[0].abs().amax()))
+
+        return hook
+
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in PROJECTIONS:
+            module.register_forward_pre_hook(record(name))
+    ids = torch.randint(16, model.config.vocab_size, (prompts, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids)
+    return largest
 
 
 def _config(scheme: QuantizedCheckpoint) -> dict[str, Any]:
@@ -246,28 +380,46 @@ def _config(scheme: QuantizedCheckpoint) -> dict[str, Any]:
             "weight_block_size": [group, group],
         }
     weights = compressed_tensors_args(scheme).model_dump(exclude_none=True)
+    inputs = compressed_tensors_activation_args(scheme)
+    packing = "pack-quantized"
+    if scheme.method == "compressed-tensors-w8a8":
+        packing = "int-quantized" if scheme.weight_type == "int" else "float-quantized"
     return {
         "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
+        "format": packing,
         "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
-        "ignore": ["lm_head"],
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None if inputs is None else inputs.model_dump(exclude_none=True),
+            }
+        },
+        "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$"],  # as llm-compressor's MoE recipes
     }
 
 
 # ---- GGUF (llama.cpp's files) ----------------------------------------------------------------
+# llama.cpp's Q4_K_M recipe, as its quantizer applies it: Q4_K throughout but for attn_v
+# and ffn_down in the first and last eighth of the layers and every third between (Q6_K),
+# and the output head (Q6_K).
+Q4_K_M = "Q4_K_M"
+
+
 def write_gguf(model_dir: Path, out_file: Path, linear_type: str) -> None:
     """``model_dir`` (a Llama, one safetensors file) as a GGUF file, as llama.cpp's converter
     writes it: its config as ``llama.*`` metadata, q_proj and k_proj rows permuted, the
-    decoder's projections quantized to ``linear_type`` (``Q4_0``, ``Q8_0``) by the ``gguf``
-    package, every other tensor float32; the tokenizer (a byte-level BPE, the tiny
-    models') as llama.cpp's ``gpt2`` vocabulary: its tokens, types and merges."""
+    decoder's projections quantized to ``linear_type`` (a block type the ``gguf``
+    package quantizes: ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, ``Q8_0``, ``TQ2_0``; ``F16``; a k-quant type,
+    ``Q4_K``, ``Q5_K`` or ``Q6_K``, packed here since the package does not quantize
+    them; or ``Q4_K_M``, the mix above, with the embeddings in Q4_K), every other tensor
+    float32; the tokenizer (a byte-level BPE, the tiny models') as llama.cpp's ``gpt2``
+    vocabulary: its tokens, types and merges. K-quant rows take 256 inputs a block."""
     import gguf
 
     from radixserve.checkpoints.gguf import gguf_name, llama_cpp_permute
 
     config = json.loads((model_dir / "config.json").read_text())
-    qtype = gguf.GGMLQuantizationType[linear_type]
     writer = gguf.GGUFWriter(str(out_file), "llama")
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
@@ -286,14 +438,102 @@ def write_gguf(model_dir: Path, out_file: Path, linear_type: str) -> None:
             weight = llama_cpp_permute(weight, config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             weight = llama_cpp_permute(weight, config["num_key_value_heads"])
-        if name.rsplit(".", 2)[-2] in PROJECTIONS:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(weight.numpy(), qtype), raw_dtype=qtype)
-        else:
+        kind = _gguf_type(name, linear_type, config["num_hidden_layers"])
+        if kind is None:
             writer.add_tensor(gguf_name(name), weight.numpy())
+        elif kind == "F16":
+            writer.add_tensor(gguf_name(name), weight.half().numpy())
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(gguf_name(name), quantize_gguf(weight, kind), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _gguf_type(name: str, linear_type: str, layers: int) -> str | None:
+    """The GGUF type ``write_gguf`` gives tensor ``name`` (None: float32)."""
+    module = name.removesuffix(".weight")
+    projection = module.rsplit(".", 1)[-1] in PROJECTIONS and name.endswith(".weight")
+    if linear_type != Q4_K_M:
+        return linear_type if projection else None
+    if module == "lm_head":
+        return "Q6_K"
+    if module == "model.embed_tokens":
+        return "Q4_K"
+    if not projection:
+        return None
+    layer = int(module.split(".")[2])
+    more_bits = layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+    if module.endswith(("v_proj", "down_proj")) and more_bits:
+        return "Q6_K"
+    return "Q4_K"
+
+
+def quantize_gguf(weight: torch.Tensor, kind: str) -> Any:
+    """``weight`` ``[out, in]`` as GGUF blocks of ``kind`` (``[out, bytes a row]`` uint8):
+    by the ``gguf`` package where it quantizes the type, by ``_k_quant`` for the k-quants."""
+    import gguf
+    import numpy as np
+
+    if kind in _K_QUANTS:
+        return _k_quant(weight.float().numpy().astype(np.float32), kind)
+    return gguf.quants.quantize(weight.float().numpy(), gguf.GGMLQuantizationType[kind])
+
+
+_K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def _k_quant(weight: Any, kind: str) -> Any:
+    """Round-to-nearest k-quant blocks of 256 (ggml-common.h's ``block_q4_K``,
+    ``block_q5_K``, ``block_q6_K``): sub-block scales (and, for Q4_K/Q5_K, minima) of 6
+    bits (int8 for Q6_K) under a float16 super-scale. Not llama.cpp's search for the
+    best scales: its layout, which is what a reader must get right."""
+    import numpy as np
+
+    out, inputs = weight.shape
+    blocks = weight.reshape(-1, 256)
+    n = blocks.shape[0]
+    if kind == "Q6_K":
+        sub = blocks.reshape(n, 16, 16)
+        wanted = np.abs(sub).max(-1) / 31  # each sub-block's scale: q - 32 in [-32, 31]
+        d = (wanted.max(-1) / 127).astype(np.float16)
+        sc = np.clip(np.round(wanted / np.maximum(d.astype(np.float32), 1e-30)[:, None]), -128, 127).astype(np.int8)
+        step = d.astype(np.float32)[:, None] * sc.astype(np.float32)
+        q = np.clip(np.round(sub / np.where(step == 0, 1, step)[..., None]), -32, 31).astype(np.int16) + 32
+        q = q.reshape(n, 2, 4, 32).astype(np.uint8)  # per 128 values: four runs of 32
+        ql = (q[:, :, 0:2] & 0x0F) | ((q[:, :, 2:4] & 0x0F) << 4)  # [n, 2, 2, 32]: runs 0/1 low, 2/3 high
+        qh = sum((q[:, :, k] >> 4) << (2 * k) for k in range(4)).astype(np.uint8)  # [n, 2, 32]
+        parts = [ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8), d.reshape(n, 1).view(np.uint8)]
+        return np.concatenate(parts, axis=-1).reshape(out, -1)
+    bits = 4 if kind == "Q4_K" else 5
+    top = 2**bits - 1
+    sub = blocks.reshape(n, 8, 32)
+    low = np.minimum(sub.min(-1), 0)
+    wanted_scale, wanted_min = (sub.max(-1) - low) / top, -low
+    d = (wanted_scale.max(-1) / 63).astype(np.float16)
+    dmin = (wanted_min.max(-1) / 63).astype(np.float16)
+    sc = np.clip(np.round(wanted_scale / np.maximum(d.astype(np.float32), 1e-30)[:, None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.round(wanted_min / np.maximum(dmin.astype(np.float32), 1e-30)[:, None]), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[:, None] * sc
+    offset = dmin.astype(np.float32)[:, None] * mn
+    q = np.clip(np.round((sub + offset[..., None]) / np.where(step == 0, 1, step)[..., None]), 0, top).astype(np.uint8)
+    scales = np.concatenate(
+        [
+            (sc[:, :4] & 0x3F) | ((sc[:, 4:] >> 4) << 6),
+            (mn[:, :4] & 0x3F) | ((mn[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4),
+        ],
+        axis=-1,
+    )
+    pairs = q.reshape(n, 4, 2, 32)  # sub-blocks 2i and 2i + 1 share 32 bytes: low and high nibbles
+    qs = ((pairs[:, :, 0] & 0x0F) | ((pairs[:, :, 1] & 0x0F) << 4)).reshape(n, 128)
+    head = [d.reshape(n, 1).view(np.uint8), dmin.reshape(n, 1).view(np.uint8), scales]
+    if bits == 5:  # bit j of byte l: sub-block j's value l, its fifth bit
+        high = (q.reshape(n, 8, 32) >> 4).astype(np.uint8)
+        head.append(sum(high[:, j] << j for j in range(8)).astype(np.uint8))
+    return np.concatenate([*head, qs], axis=-1).reshape(out, -1)
 
 
 def _add_tokenizer(writer: Any, model_dir: Path) -> None:

@@ -27,7 +27,7 @@ from radixserve.testing.conformance.base import (
     _score,
     resolve_backend,
 )
-from radixserve.testing.quantized_checkpoints import pack_weight
+from radixserve.testing.quantized_checkpoints import pack_weight, rounded_activations
 
 if TYPE_CHECKING:
     from radixserve.registry import PluginRegistry
@@ -174,10 +174,15 @@ def check_quantization_method(
     ) -> None:
         weight, x, bias = _quant_inputs(case, dtype, case_seed)
         tensors = {"weight": weight}
+        x_seen = _f32(x)  # the input as the layer's arithmetic sees it
         if checkpoint is not None:  # the weight as a quantized checkpoint ships it, and what it stands for
             order = torch.randperm(case.in_features, generator=torch.Generator().manual_seed(case_seed))
             tensors, weight = pack_weight(weight, checkpoint, order if checkpoint.desc_act else None)
-        expected = semantics(_f32(weight), _f32(x), _f32(bias))
+            if checkpoint.activations:  # W8A8: the inputs rounded too (a static scale calibrated on them)
+                x_seen, input_scale = rounded_activations(checkpoint, x_seen)
+                if input_scale is not None:
+                    tensors["input_scale"] = input_scale
+        expected = semantics(_f32(weight), x_seen, _f32(bias))
 
         gemm_reasons = _reasons(gemm_cls, query)
         if gemm_reasons:
