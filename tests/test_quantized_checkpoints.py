@@ -70,6 +70,15 @@ def test_greedy_tokens_equal_hf_on_the_dequantized_weights(quantized):
     check_greedy_matches_hf(Reference(out, hf.prompts, hf.new_tokens, hf.hf), "radix-cache")
 
 
+def assert_served_greedy_tokens(server: ServerProcess, hf: Reference) -> None:
+    """Each of ``hf``'s prompts through ``server``'s /generate, greedy: HF's tokens."""
+    for prompt, (want, _) in zip(hf.prompts, hf.hf, strict=True):
+        params = {"max_new_tokens": hf.new_tokens, "temperature": 0, "ignore_eos": True}
+        answer = httpx.post(server.url + "/generate", json={"input_ids": prompt, "sampling_params": params})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["output_ids"] == want
+
+
 TP_FORMATS = {
     "gptq": dict(method="gptq"),
     "awq": dict(method="awq"),
@@ -90,11 +99,7 @@ def test_two_tensor_parallel_ranks_give_the_same_greedy_tokens(name, tiny_llama_
     hf = hf_reference(reference_dir, [9, 21], new_tokens=16)
     with ServerProcess("--model", str(out), "--tp-size", "2", "--skip-server-warmup") as server:
         server.wait_ready()
-        for prompt, (want, _) in zip(hf.prompts, hf.hf, strict=True):
-            params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
-            answer = httpx.post(server.url + "/generate", json={"input_ids": prompt, "sampling_params": params})
-            assert answer.status_code == 200, answer.text
-            assert answer.json()["output_ids"] == want
+        assert_served_greedy_tokens(server, hf)
 
 
 def test_the_method_comes_from_the_checkpoint(quantized):
@@ -356,11 +361,7 @@ def test_a_quantized_moe_under_two_tensor_parallel_ranks(tiny_model_factory, tmp
     hf = hf_reference(reference_dir, [9, 21], new_tokens=16)
     with ServerProcess("--model", str(out), "--tp-size", "2", "--skip-server-warmup") as server:
         server.wait_ready()
-        for prompt, (want, _) in zip(hf.prompts, hf.hf, strict=True):
-            params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
-            answer = httpx.post(server.url + "/generate", json={"input_ids": prompt, "sampling_params": params})
-            assert answer.status_code == 200, answer.text
-            assert answer.json()["output_ids"] == want
+        assert_served_greedy_tokens(server, hf)
 
 
 def test_act_order_is_refused_where_tensor_parallelism_splits_a_layers_inputs():
@@ -392,7 +393,7 @@ import torch
 from radixserve.testing import check_quantization_method
 from radixserve.testing.conformance import QUANT_CASES
 from radixserve.testing.quantized_checkpoints import scheme_of
-schemes = [scheme_of("gptq"), scheme_of("awq"), scheme_of("gptq", 8), scheme_of("gguf", 4, 32, False)]
+schemes = [scheme_of("gptq"), scheme_of("awq"), scheme_of("gguf", 4, 32, False)]
 schemes.append(scheme_of("compressed-tensors-w8a8", 8, -1, True, activations="token"))
 for scheme in schemes:
     report = check_quantization_method(scheme.method, dtypes=(torch.float32, torch.bfloat16), checkpoint=scheme)
@@ -405,8 +406,8 @@ print("passed", torch.backends.cpu.get_cpu_capability())
 def test_the_kit_passes_under_the_avx2_caps():
     """What an AVX2-only CPU runs (``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``):
     no kernel of ours, ATen's int4 kernel or the dequantized weight, whichever is faster
-    (GPTQ, AWQ, GGUF's Q4_K and Q4_1 with fractional zero points), 8-bit weights
-    dequantized, and W8A8's int8 products through oneDNN's AVX2 path."""
+    (GPTQ, AWQ, GGUF's Q4_K and Q4_1 with fractional zero points), and W8A8's rounded
+    activations on the dequantized weight."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", KIT_UNDER_CAPS], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0 and "passed AVX2" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
@@ -419,7 +420,9 @@ def k_quant_llama_dir(tiny_model_factory) -> Path:
     return tiny_model_factory(arch="llama", hidden_size=256, intermediate_size=512)
 
 
-@pytest.mark.parametrize("linear_type", ["Q4_0", "Q8_0", "Q5_1", "F16", "Q5_K", "Q4_K_M"])
+# Each type's reading is checked against the gguf package below; served whole: the plain
+# blocks of 4 and 8 bits, a float file, and the k-quant mix (Q4_K's minima, Q6_K's groups of 16).
+@pytest.mark.parametrize("linear_type", ["Q4_0", "Q8_0", "F16", "Q4_K_M"])
 def test_a_gguf_file_gives_the_greedy_tokens_hf_reads_from_it(linear_type, request, tmp_path):
     """``--model FILE.gguf --tokenizer-path DIR``: the file as llama.cpp's converter writes
     it (q and k rows permuted, projections quantized by the gguf package, or packed as
@@ -444,11 +447,7 @@ def test_a_gguf_file_gives_the_greedy_tokens_hf_reads_from_it(linear_type, reque
         server.wait_ready()
         models = httpx.get(server.url + "/v1/models").json()["data"]
         assert [m["id"] for m in models] == [str(gguf_file)]  # served under the file's path
-        for prompt, (want, _) in zip(reference.prompts, reference.hf, strict=True):
-            params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
-            answer = httpx.post(server.url + "/generate", json={"input_ids": prompt, "sampling_params": params})
-            assert answer.status_code == 200, answer.text
-            assert answer.json()["output_ids"] == want
+        assert_served_greedy_tokens(server, reference)
         if linear_type == "F16":
             assert "quantization backend: none" in server.log  # float projections: a dense model
         else:

@@ -74,11 +74,31 @@ def unpack_columns(packed: torch.Tensor, bits: int, order: tuple[int, ...] | Non
     return values.reshape(packed.shape[0], -1).to(torch.uint8)
 
 
-class QuantizedCheckpointMethod(QuantizationMethod):
-    """A weight-only method for a checkpoint that ships quantized; ``name`` is the
-    ``quant_method`` of config.json's ``quantization_config`` it loads."""
+class ShippedQuantization(QuantizationMethod):
+    """A method that loads checkpoints shipped quantized: selected only for a query whose
+    ``quantized_checkpoint`` names it (config.json's ``quantization_config``)."""
 
     priority = 0
+    loads: ClassVar[str] = "checkpoints"  # what it loads, for the refusal
+
+    @classmethod
+    def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
+        scheme = query.quantized_checkpoint
+        if scheme is None or scheme.method != cls.name:
+            return [f"loads {cls.loads} only (config.json's quantization_config names the method {cls.name})"]
+        return []
+
+    @property
+    def scheme(self) -> QuantizedCheckpoint:
+        scheme = self.query.quantized_checkpoint
+        assert scheme is not None  # unsupported_reasons refuses a query without one
+        return scheme
+
+
+class QuantizedCheckpointMethod(ShippedQuantization):
+    """A weight-only method for integer checkpoints (``name``: the method
+    ``checkpoints.quantized`` names for config.json's ``quantization_config``)."""
+
     # The checkpoint's names of the packed integers, the zero points and the scales.
     tensor_names: ClassVar[tuple[str, str, str]] = ("qweight", "qzeros", "scales")
     # The format's other tensors of a linear weight (``register_extra`` registers them).
@@ -89,19 +109,6 @@ class QuantizedCheckpointMethod(QuantizationMethod):
         super().__init__(query, gemm)
         # The int4 kernel each shape (out, in, group) runs, None: dequantized; timed once.
         self._int4_choice: dict[tuple[int, int, int], type[Int4Kernel] | None] = {}
-
-    @classmethod
-    def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        scheme = query.quantized_checkpoint
-        if scheme is None or scheme.method != cls.name:
-            return [f"loads {cls.name} checkpoints only (config.json's quantization_config names the method)"]
-        return []
-
-    @property
-    def scheme(self) -> QuantizedCheckpoint:
-        scheme = self.query.quantized_checkpoint
-        assert scheme is not None  # unsupported_reasons refuses a query without one
-        return scheme
 
     def create_weights(
         self,
@@ -586,7 +593,7 @@ class GGUFBlocks(QuantizedCheckpointMethod):
         return 4 if int(qweight.max()) < 16 else self.scheme.bits
 
 
-class FP8Blocks(QuantizationMethod):
+class FP8Blocks(ShippedQuantization):
     """FP8 checkpoints with block scales (config.json's ``quant_method: fp8`` with a
     ``weight_block_size``, as DeepSeek-V3 and Qwen3 ship them): ``weight`` float8 e4m3
     ``[out, in]`` and ``weight_scale_inv`` ``[out / B, in / B]`` (rounded up), the scale
@@ -596,20 +603,11 @@ class FP8Blocks(QuantizationMethod):
     that the layers' own loaders slice them as they slice the weight."""
 
     name = "fp8_block"
-    priority = 0
-
-    @classmethod
-    def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        scheme = query.quantized_checkpoint
-        if scheme is None or scheme.method != cls.name:
-            return ["loads FP8 checkpoints with block scales only (config.json's quantization_config)"]
-        return []
+    loads = "FP8 checkpoints with block scales"
 
     @property
     def block(self) -> int:
-        scheme = self.query.quantized_checkpoint
-        assert scheme is not None  # unsupported_reasons refuses a query without one
-        return scheme.group_size
+        return self.scheme.group_size
 
     def create_weights(
         self,
@@ -656,7 +654,7 @@ class FP8Blocks(QuantizationMethod):
         return self.gemm.linear_silu_and_mul(x, cast(torch.Tensor, layer.weight), bias)
 
 
-class CompressedTensorsW8A8(QuantizationMethod):
+class CompressedTensorsW8A8(ShippedQuantization):
     """compressed-tensors' ``int-quantized`` and ``float-quantized`` checkpoints (W8A8
     int8, FP8 and FP8-dynamic as llm-compressor's presets make them; W8A16 where
     activations are left alone): ``weight`` int8 or float8 e4m3 ``[out, in]``,
@@ -674,22 +672,14 @@ class CompressedTensorsW8A8(QuantizationMethod):
     at hand (docs/benchmarks.md, "P18")."""
 
     name = "compressed-tensors-w8a8"
-    priority = 0
+    loads = "compressed-tensors int-quantized and float-quantized checkpoints"
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
         scheme = query.quantized_checkpoint
-        if scheme is None or scheme.method != cls.name:
-            return ["loads compressed-tensors int-quantized and float-quantized checkpoints only (config.json)"]
-        if query.num_experts and scheme.activations:
+        if scheme is not None and query.num_experts and scheme.activations:
             return ["a mixture-of-experts model's experts with quantized activations (W8A8) are not served yet"]
-        return []
-
-    @property
-    def scheme(self) -> QuantizedCheckpoint:
-        scheme = self.query.quantized_checkpoint
-        assert scheme is not None  # unsupported_reasons refuses a query without one
-        return scheme
+        return super().unsupported_reasons(query)
 
     def create_weights(
         self,
