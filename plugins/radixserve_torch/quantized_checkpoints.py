@@ -374,7 +374,7 @@ class NibbleStrips(Int4Kernel):
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int, shift: int):
         self.packed, self.scales, self.offsets, self.group = packed, scales, offsets, group
-        self.shift = shift  # the scales and offsets are stored times 2 ** shift (out is divided back)
+        self.shift = shift  # the scales and offsets are stored times 2 ** shift (the kernel divides out back)
 
     @classmethod
     def serves(cls, shape: torch.Size, group: int) -> bool:
@@ -406,7 +406,8 @@ class NibbleStrips(Int4Kernel):
     ) -> NibbleStrips:
         """The kernel on ``packed`` with ``scales`` and ``offsets`` ``[out, groups]`` float32,
         stored by strip in float16 after a power of two that brings them into float16's
-        range (float16 keeps 11 bits from 6.1e-5 to 65504; the output is divided back)."""
+        range (float16 keeps 11 bits from 6.1e-5 to 65504; the kernel divides its sums back
+        before rounding them)."""
         strips = packed.shape[0]
 
         def by_strip(values: torch.Tensor) -> torch.Tensor:
@@ -419,9 +420,9 @@ class NibbleStrips(Int4Kernel):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[0], self.packed.shape[0] * 16, dtype=torch.bfloat16)
         torch.ops.radixserve_cpu_int4.linear(
-            x.contiguous(), self.packed, self.scales, self.offsets, self.group, self.bits, out
+            x.contiguous(), self.packed, self.scales, self.offsets, self.group, self.bits, 2.0**-self.shift, out
         )
-        return out if self.shift == 0 else out.mul_(2.0**-self.shift)
+        return out
 
 
 class ByteStrips(NibbleStrips):

@@ -67,8 +67,8 @@ bool available() {
 // would pace the loop); four strips are four chains already.
 template <int ROWS, int STRIPS, int BITS>
 void tile(const uint16_t* x, int64_t lda, const float* xsum, int64_t groups, const uint8_t* w, int64_t strip_bytes,
-          const uint16_t* scales, const uint16_t* offsets, int64_t strip_groups, int64_t group, uint16_t* out,
-          int64_t ldc) {
+          const uint16_t* scales, const uint16_t* offsets, int64_t strip_groups, int64_t group, float out_scale,
+          uint16_t* out, int64_t ldc) {
   constexpr int kChains = STRIPS == 1 ? 4 : 1;
   constexpr int kOperands = BITS == 4 ? 4 : 2;  // vdpbf16ps operands (input pairs) a 64-byte chunk
   constexpr float kBias = BITS == 4 ? 136.0f : BITS == 7 ? 128.0f : 0.0f;  // what the weights carry
@@ -130,14 +130,15 @@ void tile(const uint16_t* x, int64_t lda, const float* xsum, int64_t groups, con
       }
     }
   }
+  const __m512 unscale = _mm512_set1_ps(out_scale);
   for (int r = 0; r < ROWS; ++r)  // round to nearest even
     for (int s = 0; s < STRIPS; ++s)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * ldc + s * kStripCols),
-                          (__m256i)_mm512_cvtneps_pbh(total[r][s]));
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(total[r][s], unscale)));
 }
 
 using TileFn = void (*)(const uint16_t*, int64_t, const float*, int64_t, const uint8_t*, int64_t, const uint16_t*,
-                        const uint16_t*, int64_t, int64_t, uint16_t*, int64_t);
+                        const uint16_t*, int64_t, int64_t, float, uint16_t*, int64_t);
 
 template <int STRIPS, int BITS>
 TileFn tile_for(int rows) {
@@ -157,10 +158,10 @@ TileFn tile_for(int rows, int64_t bits) {
 #endif  // __AVX512BF16__
 
 // x [M, K] bfloat16 (unit stride along K); packed [N/16, K/8, 64] (4 bits) or
-// [N/16, K/4, 64] (8 bits) uint8; scales and offsets [N/16, K/G, 16] float16; out [M, N]
-// bfloat16, contiguous.
+// [N/16, K/4, 64] (8 bits) uint8; scales and offsets [N/16, K/G, 16] float16 (times
+// 1 / out_scale: out is multiplied by it before rounding); out [M, N] bfloat16, contiguous.
 void linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& offsets,
-            int64_t group, int64_t bits, at::Tensor& out) {
+            int64_t group, int64_t bits, double out_scale, at::Tensor& out) {
   TORCH_CHECK(bits == 4 || bits == 7 || bits == 8, "int4 linear: bits must be 4, 7 or 8, not ", bits);
   const int64_t inputs_a_chunk = bits == 4 ? 8 : 4;
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.scalar_type() == at::kBFloat16,
@@ -211,7 +212,8 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sca
         for (int64_t s = first; s < last; s += wide ? kWideStrips : 1)
           (wide ? tile_for<kWideStrips>(rows, bits) : tile_for<1>(rows, bits))(
               xp + r0 * lda, lda, xsum.data() + r0 * groups, groups, wp + s * strip_bytes, strip_bytes,
-              sp + s * strip_groups, op + s * strip_groups, strip_groups, group, outp + r0 * ldc + s * kStripCols, ldc);
+              sp + s * strip_groups, op + s * strip_groups, strip_groups, group, static_cast<float>(out_scale),
+              outp + r0 * ldc + s * kStripCols, ldc);
       }
     }
   });
@@ -224,7 +226,9 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sca
 
 TORCH_LIBRARY(radixserve_cpu_int4, m) {
   m.def("available() -> bool", &available);
-  m.def("linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group, int bits, Tensor(a!) out) -> ()");
+  m.def(
+      "linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets, int group, int bits, float out_scale, "
+      "Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(radixserve_cpu_int4, CPU, m) { m.impl("linear", &linear); }
