@@ -300,8 +300,9 @@ def test_compressed_tensors_8bit_agrees_with_hf_running_the_checkpoint(name, tin
     token; FP8 by tensor with static activation scales; FP8-dynamic) as compressed-tensors
     writes them, against HF transformers running the same checkpoint through
     compressed-tensors (which rounds the activations as the checkpoint says): every
-    layer's input rounded to 8 bits makes the model chaotic (a relative change of 1e-6
-    in the embeddings moves HF's own logprobs by 0.4 on these random weights), so the
+    layer's input rounded to 8 bits makes the model chaotic (a throwaway check while
+    writing this test: a relative change of 1e-6 in the embeddings moved HF's own
+    logprobs by 0.4 on these random weights), so the
     check is teacher-forced top-1 agreement in float32 along HF's greedy tokens, which
     a misread scale or a shard's scale on the wrong rows brings near 0; each layer's
     exact arithmetic is the kit's (test_the_8bit_method_passes_the_quantization_kit).

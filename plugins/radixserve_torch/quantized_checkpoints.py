@@ -95,6 +95,25 @@ class ShippedQuantization(QuantizationMethod):
         return scheme
 
 
+class DequantizedAtLoad(ShippedQuantization):
+    """A method whose weights are dequantized once at load (``dense_weight`` of the
+    loaded tensors) and computed by the GEMM backend as dense ones."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        names = self.checkpoint_tensor_names()
+        tensors = {name: cast(torch.Tensor, getattr(layer, name)).data for name in names}
+        for name in names:
+            delattr(layer, name)
+        dense = self.dense_weight(tensors).to(self.query.dtype)
+        layer.register_buffer("weight", self.gemm.prepare_weight(dense))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.gemm.linear(x, cast(torch.Tensor, layer.weight), bias)
+
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return self.gemm.linear_silu_and_mul(x, cast(torch.Tensor, layer.weight), bias)
+
+
 class QuantizedCheckpointMethod(ShippedQuantization):
     """A weight-only method for integer checkpoints (``name``: the method
     ``checkpoints.quantized`` names for config.json's ``quantization_config``)."""
@@ -594,7 +613,7 @@ class GGUFBlocks(QuantizedCheckpointMethod):
         return 4 if int(qweight.max()) < 16 else self.scheme.bits
 
 
-class FP8Blocks(ShippedQuantization):
+class FP8Blocks(DequantizedAtLoad):
     """FP8 checkpoints with block scales (config.json's ``quant_method: fp8`` with a
     ``weight_block_size``, as DeepSeek-V3 and Qwen3 ship them): ``weight`` float8 e4m3
     ``[out, in]`` and ``weight_scale_inv`` ``[out / B, in / B]`` (rounded up), the scale
@@ -632,30 +651,20 @@ class FP8Blocks(ShippedQuantization):
 
         return load
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        weight = cast(torch.Tensor, layer.weight).data
-        scales = cast(torch.Tensor, layer.weight_scale_inv).data
-        del layer.weight, layer.weight_scale_inv
-        per_input = scales.repeat_interleave(self.block, dim=1)[:, : weight.shape[1]]
-        dense = (weight.float() * per_input).to(self.query.dtype)
-        layer.register_buffer("weight", self.gemm.prepare_weight(dense))
-
     def checkpoint_tensor_names(self) -> tuple[str, ...]:
         return ("weight", "weight_scale_inv")
 
     def dense_weight(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The scales as the checkpoint has them (a row per block of outputs) or as
+        loaded into a layer (a row per output)."""
         weight, scales = tensors["weight"], tensors["weight_scale_inv"].float()
-        blocks = scales.repeat_interleave(self.block, dim=0).repeat_interleave(self.block, dim=1)
+        if scales.shape[0] != weight.shape[0]:
+            scales = scales.repeat_interleave(self.block, dim=0)
+        blocks = scales.repeat_interleave(self.block, dim=1)
         return weight.float() * blocks[: weight.shape[0], : weight.shape[1]]
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.gemm.linear(x, cast(torch.Tensor, layer.weight), bias)
 
-    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        return self.gemm.linear_silu_and_mul(x, cast(torch.Tensor, layer.weight), bias)
-
-
-class CompressedTensorsW8A8(ShippedQuantization):
+class CompressedTensorsW8A8(DequantizedAtLoad):
     """compressed-tensors' ``int-quantized`` and ``float-quantized`` checkpoints (W8A8
     int8, FP8 and FP8-dynamic as llm-compressor's presets make them; W8A16 where
     activations are left alone): ``weight`` int8 or float8 e4m3 ``[out, in]``,
@@ -715,13 +724,6 @@ class CompressedTensorsW8A8(ShippedQuantization):
         if self.scheme.activations == "tensor":
             _register(layer, "input_scale", torch.zeros(1, dtype=torch.float32), _load_largest)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        weight = cast(torch.Tensor, layer.weight).data
-        scale = cast(torch.Tensor, layer.weight_scale).data
-        del layer.weight, layer.weight_scale
-        dense = (weight.float() * scale[:, None]).to(self.query.dtype)
-        layer.register_buffer("weight", self.gemm.prepare_weight(dense))
-
     def checkpoint_tensor_names(self) -> tuple[str, ...]:
         return ("weight", "weight_scale")
 
@@ -743,17 +745,16 @@ class CompressedTensorsW8A8(ShippedQuantization):
         return (values * scale).to(x.dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        weight = cast(torch.Tensor, layer.weight)
         if self.scheme.activations is None:
-            return self.gemm.linear(x, weight, bias)
+            return super().apply(layer, x, bias)
         stored = cast(torch.Tensor, layer.input_scale) if self.scheme.activations == "tensor" else None
         rows = self._rounded(x.reshape(-1, x.shape[-1]), stored)
-        return self.gemm.linear(rows, weight, bias).reshape(*x.shape[:-1], -1)
+        return super().apply(layer, rows, bias).reshape(*x.shape[:-1], -1)
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         if self.scheme.activations is not None:
-            return None
-        return self.gemm.linear_silu_and_mul(x, cast(torch.Tensor, layer.weight), bias)
+            return None  # the input is rounded first: apply, then the elementwise backend's silu_and_mul
+        return super().apply_silu_and_mul(layer, x, bias)
 
 
 def _load_largest(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
