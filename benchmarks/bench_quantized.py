@@ -69,7 +69,7 @@ def model(name: str) -> Path:
         return path
     path = ROOT / name
     if not (path / "config.json").exists():
-        write_quantized(bf16, path, ROOT / f"{name}-dequantized", **CHECKPOINTS[name])  # type: ignore[arg-type]
+        write_quantized(bf16, path, ROOT / f"{name}-dequantized", **CHECKPOINTS[name])
     return path
 
 

@@ -219,12 +219,14 @@ def read_blocks(data: Any, kind: str, group: int) -> dict[str, torch.Tensor]:
     ``qweight`` ``[out, in]`` (uint8), ``qzeros`` and ``scales`` ``[out, in / group]``
     (float32): each weight is ``(qweight - qzeros) * scales`` over its group of inputs.
     ``group`` divides the type's own group (whose figures are then repeated)."""
+    import gguf
     import numpy as np
     import torch
 
     raw = np.ascontiguousarray(data).view(np.uint8)
     out = raw.shape[0]
-    q, zeros, scales = _DECODERS[kind](raw.reshape(-1, _BLOCK_BYTES[kind]))
+    _, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    q, zeros, scales = _DECODERS[kind](raw.reshape(-1, block_bytes))
     own = BLOCK_TYPES[kind][1]
     if own % group:
         raise ValueError(f"GGUF {kind}: groups of {own} cannot be read as groups of {group}")
@@ -241,8 +243,8 @@ def read_blocks(data: Any, kind: str, group: int) -> dict[str, torch.Tensor]:
 # ---- llama.cpp's block layouts (ggml-common.h), decoded to (q, zero, scale) ------------------------
 # Each decoder takes blocks ``[n, bytes a block]`` (uint8) and returns q ``[n, values]``
 # (uint8), zero points and scales ``[n, groups a block]`` (float32). A type with a
-# minimum m (w = d * q + m) has the zero point -m / d.
-_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+# minimum m (w = d * q + m) has the zero point -m / d. (A block's size in bytes is the
+# gguf package's ``GGML_QUANT_SIZES``.)
 
 
 def _f16(raw: Any) -> Any:

@@ -286,26 +286,17 @@ def scheme_of(
     return QuantizedCheckpoint("awq", bits, group, symmetric=False)
 
 
-def write_quantized(
-    model_dir: Path,
-    out_dir: Path,
-    reference_dir: Path,
-    method: str,
-    bits: int = 4,
-    group: int = 32,
-    sym: bool = False,
-    desc_act: bool = False,
-    weight_type: str = "int",
-    activations: str | None = None,
-) -> None:
+def write_quantized(model_dir: Path, out_dir: Path, reference_dir: Path, method: str, **scheme: Any) -> None:
     """``model_dir`` (one safetensors file) quantized as ``method`` into ``out_dir``, and
-    dequantized into ``reference_dir``; both keep its config and tokenizer. ``desc_act``
+    dequantized into ``reference_dir``; both keep its config and tokenizer. ``scheme``:
+    ``scheme_of``'s other arguments (bits, group, sym, desc_act, weight_type,
+    activations). ``desc_act``
     (GPTQ): groups formed over the inputs in a random order, one order per input that
     projections share (q/k/v, gate/up), as GPTQ's act-order forms them. Static
     activation scales (``activations="tensor"``) are calibrated as llm-compressor's
     min-max observer does: the largest magnitude each layer's input takes over a few
     random prompts through the float model, over 127.5 (int8) or 448 (float8)."""
-    scheme = scheme_of(method, bits, group, sym, desc_act, weight_type, activations)
+    checkpoint = scheme_of(method, **scheme)
     for target in (out_dir, reference_dir):
         shutil.copytree(model_dir, target)
         for old in target.glob("*.safetensors*"):
@@ -321,18 +312,18 @@ def write_quantized(
             packed[name] = dense[name] = tensor
             continue
         order = None
-        if desc_act:
+        if checkpoint.desc_act:
             order = orders.setdefault(_shared_input(module), torch.randperm(tensor.shape[1], generator=gen))
-        parts, dense[name] = pack_weight(tensor, scheme, order)
+        parts, dense[name] = pack_weight(tensor, checkpoint, order)
         packed.update({f"{module}.{part}": value for part, value in parts.items()})
-    if scheme.activations == "tensor":
-        top = 127.5 if scheme.weight_type == "int" else 448.0
+    if checkpoint.activations == "tensor":
+        top = 127.5 if checkpoint.weight_type == "int" else 448.0
         for module, largest in _largest_inputs(model_dir).items():
             packed[f"{module}.input_scale"] = torch.tensor([largest / top])
     save_file({k: v.contiguous() for k, v in packed.items()}, out_dir / "model.safetensors")
     save_file({k: v.contiguous() for k, v in dense.items()}, reference_dir / "model.safetensors")
     config = json.loads((out_dir / "config.json").read_text())
-    config["quantization_config"] = _config(scheme)
+    config["quantization_config"] = _config(checkpoint)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 
