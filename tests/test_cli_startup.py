@@ -112,6 +112,13 @@ def test_unknown_reasoning_parser(cli_in_process):
     )
 
 
+def test_unknown_speculative_algorithm(cli_in_process):
+    code, output = cli_in_process("serve", "--speculative-algorithm", "eagle9")
+    assert_short_failure(
+        code, output, "--speculative-algorithm 'eagle9' is not a registered speculative proposer", "ngram"
+    )
+
+
 def test_backend_that_cannot_serve_the_model(tiny_llama_dir):
     if torch.cuda.is_available():
         pytest.skip("triton can serve here")
@@ -149,6 +156,10 @@ def test_port_in_use_names_it_and_hints_port_0():
         (["--port", "70000"], "port: must be in [0, 65535]"),
         (["--page-size", "0"], "page_size: must be >= 1"),
         (["--shutdown-timeout", "-1"], "shutdown_timeout: must be >= 0"),
+        (
+            ["--speculative-algorithm", "ngram", "--no-disable-overlap-schedule"],
+            "disable_overlap_schedule: speculative decoding runs its steps without overlap",
+        ),
     ],
 )
 def test_bad_flag_values_are_argument_errors(argv, expected):

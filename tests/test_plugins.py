@@ -165,6 +165,7 @@ def test_third_party_platform_and_backend_from_entry_point(tmp_path):
         "radixserve-models",
         "radixserve-grammar",
         "radixserve-kv-transfer",
+        "radixserve-speculative",
         "radixserve-tool-parsers",
         "radixserve-reasoning-parsers",
     )

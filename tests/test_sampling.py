@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from radixserve.messages import FinishReason
-from radixserve.runtime.execution.sampler import Sampler, SamplingBatch, _adjusted_logits, compute_logprobs, sample
+from radixserve.runtime.execution.sampler import Sampler, SamplingBatch, adjusted_logits, compute_logprobs, sample
 from radixserve.runtime.scheduling.stop import (
     StopChecker,
     StopHoldback,
@@ -163,7 +163,7 @@ def test_penalties_follow_hf_and_openai_formulas():
     raw = torch.tensor([[2.0, -1.0, 0.5, 1.0, 3.0] + [0.0] * (V - 5)])
     p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25, logit_bias={4: -1.0})
     # Prompt holds 0 and 1; the output holds 2 twice and 1 once.
-    x = _adjusted_logits(raw, batch_of([p], prompts=[[0, 1]], outputs=[[2, 2, 1]]), HostTransfer(raw.device))[0]
+    x = adjusted_logits(raw, batch_of([p], prompts=[[0, 1]], outputs=[[2, 2, 1]]), HostTransfer(raw.device))[0]
     expected = [2.0 / 2, -1.0 * 2 - 0.5 - 0.25, 0.5 / 2 - 2 * 0.5 - 0.25, 1.0, 3.0 - 1.0]
     assert torch.allclose(x[:5], torch.tensor(expected))
     assert torch.equal(x[5:], raw[0, 5:])

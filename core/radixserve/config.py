@@ -187,6 +187,25 @@ class ServerArgs(CliArgs):
         "seconds a prefill worker holds a request's KV for its decode worker, and a decode worker waits for it",
         default=60.0,
     )
+    # speculative decoding (docs/speculative.md)
+    speculative_algorithm: str | None = _flag(
+        "propose several tokens a step and keep those the model agrees with (greedy: the same tokens; "
+        "sampling: the same distribution): ngram (built in: lookup in the request's own prompt and output) or "
+        "any registered proposer (`radixserve plugins` lists them); unset: off",
+        default=None,
+    )
+    speculative_num_draft_tokens: int = _flag("the most tokens proposed for a request in one step", default=4)
+    speculative_ngram_min_match_window_size: int = _flag(
+        "ngram: the shortest suffix of a request looked up in its earlier tokens", default=1
+    )
+    speculative_ngram_max_match_window_size: int = _flag(
+        "ngram: the longest suffix looked up (the longest one found wins)", default=12
+    )
+    speculative_max_batch_size: int = _flag(
+        "speculate only while at most this many requests decode; larger batches decode one token a step "
+        "(their steps are bound by compute, not by reading the weights, so verification would cost time)",
+        default=8,
+    )
     # server
     host: str = _flag("HTTP host", default="127.0.0.1")
     port: int = _flag("HTTP port", default=30000)
@@ -279,8 +298,25 @@ class ServerArgs(CliArgs):
             bad("admin_api_key", "must differ from api_key (else every client could use the admin routes)")
         if not (isinstance(self.grammar_compile_timeout, (int, float)) and self.grammar_compile_timeout > 0):
             bad("grammar_compile_timeout", f"must be > 0 seconds, got {self.grammar_compile_timeout}")
+        self._validate_speculative(bad)
         if self.max_header_size < 1024:
             bad("max_header_size", f"must be >= 1024 bytes, got {self.max_header_size}")
+
+    def _validate_speculative(self, bad: Callable[[str, str], None]) -> None:
+        for name in ("speculative_num_draft_tokens", "speculative_max_batch_size"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be >= 1, got {getattr(self, name)}")
+        low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if low < 1:
+            bad("speculative_ngram_min_match_window_size", f"must be >= 1, got {low}")
+        if high < low:
+            bad("speculative_ngram_max_match_window_size", f"must be >= the min match window ({low}), got {high}")
+        if self.speculative_algorithm is not None and self.disable_overlap_schedule is False:
+            bad(
+                "disable_overlap_schedule",
+                "speculative decoding runs its steps without overlap (a step's proposals need the tokens the step "
+                "before made); leave --disable-overlap-schedule unset",
+            )
 
     def _validate_parallel(self, bad: Callable[[str, str], None]) -> None:
         if self.tp_size < 1:

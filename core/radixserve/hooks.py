@@ -71,6 +71,12 @@ def register_grammar_backends(register: Register) -> None:
 
 
 @hookspec
+def register_speculative_proposers(register: Register) -> None:
+    """Register :class:`radixserve.speculative.base.Proposer` subclasses (speculative
+    decoding; chosen by ``--speculative-algorithm``)."""
+
+
+@hookspec
 def register_tool_parsers(register: Register) -> None:
     """Register :class:`radixserve.tool_parsers.base.ToolParser` subclasses (tool calling;
     chosen by ``--tool-call-parser`` or detected from the chat template)."""

@@ -22,6 +22,7 @@ from radixserve import hooks
 from radixserve.kernels.kv_transfer import KVSide, KVTransferBackend
 from radixserve.kernels.query import KernelQuery
 from radixserve.reasoning_parsers.base import ReasoningParser
+from radixserve.speculative.base import Proposer
 
 if TYPE_CHECKING:
     from radixserve.platform import Platform
@@ -39,6 +40,7 @@ KIND_HOOKS: dict[str, str] = {
     "model": "register_models",
     "kv_transfer": "register_kv_transfer_backends",
     "grammar": "register_grammar_backends",
+    "speculative": "register_speculative_proposers",
     "tool": "register_tool_parsers",
     "reasoning": "register_reasoning_parsers",
 }
@@ -48,6 +50,7 @@ TRACE_ENV = "RADIXSERVE_TRACE_PLUGINS"
 BUILTIN_MODELS_PLUGIN = "radixserve-models"
 BUILTIN_GRAMMAR_PLUGIN = "radixserve-grammar"
 BUILTIN_KV_TRANSFER_PLUGIN = "radixserve-kv-transfer"
+BUILTIN_SPECULATIVE_PLUGIN = "radixserve-speculative"
 BUILTIN_TOOL_PLUGIN = "radixserve-tool-parsers"
 BUILTIN_REASONING_PLUGIN = "radixserve-reasoning-parsers"
 DEFAULT_TOOL_PARSER = "hermes"
@@ -102,12 +105,14 @@ class PluginRegistry:
         import radixserve.disaggregation.builtin
         import radixserve.models
         import radixserve.reasoning_parsers.builtin
+        import radixserve.speculative.builtin
         import radixserve.structured_output.builtin
         import radixserve.tool_parsers.builtin
 
         self.register_plugin(radixserve.models, BUILTIN_MODELS_PLUGIN)
         self.register_plugin(radixserve.structured_output.builtin, BUILTIN_GRAMMAR_PLUGIN)
         self.register_plugin(radixserve.disaggregation.builtin, BUILTIN_KV_TRANSFER_PLUGIN)
+        self.register_plugin(radixserve.speculative.builtin, BUILTIN_SPECULATIVE_PLUGIN)
         self.register_plugin(radixserve.tool_parsers.builtin, BUILTIN_TOOL_PLUGIN)
         self.register_plugin(radixserve.reasoning_parsers.builtin, BUILTIN_REASONING_PLUGIN)
         if load_entry_points:
@@ -381,6 +386,19 @@ class PluginRegistry:
             )
         return cand.cls
 
+    def proposer(self, requested: str) -> type[Proposer]:
+        """The ``Proposer`` class for ``--speculative-algorithm``. One that cannot run
+        here is a PluginError saying why; there is no fallback to another."""
+        cand = self._registered("speculative", requested, "--speculative-algorithm", "speculative proposer")
+        if not (isinstance(cand.cls, type) and issubclass(cand.cls, Proposer)):
+            raise PluginError(f"speculative proposer {requested!r} (plugin {cand.plugin!r}) is not a Proposer")
+        reasons = cand.cls.unavailable_reasons()
+        if reasons:
+            raise PluginError(
+                f"speculative proposer {requested!r} (plugin {cand.plugin!r}) cannot load: " + "; ".join(reasons)
+            )
+        return cand.cls
+
     def tool_parser(self, requested: str | None = None, template: str | None = None) -> type:
         """The ``ToolParser`` class for ``--tool-call-parser``; unset: the highest-priority
         one whose ``matches_template`` recognises the chat template, else ``hermes``."""
@@ -463,6 +481,16 @@ class PluginRegistry:
         backends["kv_transfer"] = [
             {"name": c.name, "plugin": c.plugin, "priority": c.priority}
             for c in sorted(candidates["kv_transfer"].values(), key=lambda c: (-c.priority, c.name))
+        ]
+        backends["speculative"] = [
+            {
+                "name": c.name,
+                "plugin": c.plugin,
+                "priority": c.priority,
+                "usable": not c.cls.unavailable_reasons(),
+                "reasons": c.cls.unavailable_reasons(),
+            }
+            for c in sorted(candidates["speculative"].values(), key=lambda c: (-c.priority, c.name))
         ]
         backends["tool"] = [
             {"name": c.name, "plugin": c.plugin, "priority": c.priority}

@@ -77,7 +77,8 @@ def check_sources(args: ServerArgs) -> None:
 def check_args(args: ServerArgs) -> type[Platform]:
     """The checks that read no model file and need the plugins: ``--device``,
     and the backend and parser names (``--grammar-backend``,
-    ``--tool-call-parser``, ``--reasoning-parser``). Returns the platform."""
+    ``--tool-call-parser``, ``--reasoning-parser``, ``--speculative-algorithm``).
+    Returns the platform."""
     from radixserve.registry import PluginError, get_registry
 
     registry = get_registry()
@@ -88,6 +89,8 @@ def check_args(args: ServerArgs) -> type[Platform]:
             registry.tool_parser(args.tool_call_parser)
         if args.reasoning_parser is not None:
             registry.reasoning_parser(args.reasoning_parser)
+        if args.speculative_algorithm is not None:
+            registry.proposer(args.speculative_algorithm)
     except PluginError as exc:
         raise StartupError(str(exc), PLUGINS_HINT) from exc
     for kind, name in _forced_backends(args, args.quantization).items():

@@ -48,6 +48,7 @@ class BatchPlan:
     out_cache_loc: torch.Tensor
     logits_indices: torch.Tensor
     rope_rows: torch.Tensor | None = None  # per new token, its row of the rotary table (None: its position)
+    out_cache_loc_cpu: list[int] = field(default_factory=list)  # the slots, on the host
 
     @classmethod
     def launch(
@@ -99,6 +100,7 @@ class BatchPlan:
             slots,
             tensor(logits_indices),
             rope_rows,
+            out_cache_loc,
         )
 
     def build(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool) -> ForwardBatch:
@@ -148,6 +150,13 @@ class LogitsRows:
     def decode(cls, reqs: list[Req]) -> LogitsRows:
         rows = list(range(len(reqs)))
         return cls(rows, list(reqs), rows)
+
+    @classmethod
+    def verify(cls, reqs: list[Req], extend_lens: list[int]) -> LogitsRows:
+        """A verify step (speculative decoding): every token row gets logits, and a
+        request's ``extend_lens[i]`` rows all sample, for it (``StepWork.verify``)."""
+        rows = list(range(sum(extend_lens)))
+        return cls(rows, [r for r, n in zip(reqs, extend_lens, strict=True) for _ in range(n)], rows)
 
     @classmethod
     def extend(cls, reqs: list[Req], prefix_lens: list[int], extend_lens: list[int]) -> LogitsRows:

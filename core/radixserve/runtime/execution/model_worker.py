@@ -20,6 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import cast
 
+import torch
+
 from radixserve.cache.memory_pool import ReqToTokenPool
 from radixserve.forward_batch import ForwardMode
 from radixserve.runtime.execution.batch import BatchPlan, LogitsRows, PromptLogprobRows
@@ -27,6 +29,7 @@ from radixserve.runtime.execution.model_runner import ModelRunner
 from radixserve.runtime.execution.pooling import EmbeddingPooling, EmbedRows
 from radixserve.runtime.execution.request import HoldsKV, Req
 from radixserve.runtime.execution.sampler import Sampler
+from radixserve.runtime.execution.verifier import NO_PROPOSAL, verify_rows
 from radixserve.structured_output.backend import TokenMask
 from radixserve.transfer import HostCopy, HostTransfer
 
@@ -49,6 +52,9 @@ class StepWork:
     embed_rows: list[EmbedRows] = field(
         default_factory=list
     )  # what embedding requests pool (runtime/execution/pooling.py)
+    # A verify step (speculative decoding): per sampled row, the proposal it judges
+    # (verifier.NO_PROPOSAL for none); a request then has a row per position computed.
+    proposed: list[int] | None = None
 
     @classmethod
     def of(cls, batch: BatchPlan, logits: LogitsRows, token_mask: TokenMask | None = None) -> StepWork:
@@ -64,6 +70,40 @@ class StepWork:
             batch, reqs, logits.sample_rows, pool_rows, output_lens, positions, logits.prompt, token_mask, logits.embed
         )
 
+    @classmethod
+    def verify(
+        cls,
+        batch: BatchPlan,
+        reqs: list[Req],
+        logits: LogitsRows,
+        proposals: list[list[int]],
+        token_mask: TokenMask | None = None,
+    ) -> StepWork:
+        """The work of a verify step (``logits``: ``LogitsRows.verify``'s), whose requests
+        each compute their newest token and ``proposals[i]`` after it: a request's row
+        ``j`` makes its ``j``-th token after the newest and judges ``proposals[i][j]``."""
+        pool_rows, output_lens, positions, proposed = [], [], [], []
+        for req, drafts in zip(cast("list[HoldsKV]", reqs), proposals, strict=True):
+            newest = req.kv.kv_len - len(drafts) - 1  # its position (kv_len counts this step's tokens)
+            prompt = len(cast(Req, req).origin_input_ids)
+            for j in range(len(drafts) + 1):
+                pool_rows.append(req.kv.row)
+                positions.append(newest + 1 + j)
+                output_lens.append(newest + 1 + j - prompt)
+                proposed.append(drafts[j] if j < len(drafts) else NO_PROPOSAL)
+        return cls(
+            batch,
+            logits.sample_reqs,
+            logits.sample_rows,
+            pool_rows,
+            output_lens,
+            positions,
+            [],
+            token_mask,
+            [],
+            proposed,
+        )
+
 
 @dataclass
 class LaunchedStep:
@@ -77,6 +117,7 @@ class LaunchedStep:
     kv_after: list[int]
     prompt_done: list[Req] = field(default_factory=list)  # whose prompt this step completes
     result: StepResult | None = None
+    proposals: list[list[int]] | None = None  # a verify step's, per request (speculative decoding)
 
 
 @dataclass
@@ -88,6 +129,9 @@ class StepResult:
     top_logprobs: list[list[tuple[float, int]]]  # per row, the request's own top_logprobs_num
     prompt_logprobs: list[PromptLogprobs]  # per PromptLogprobRows: values, tops
     embeddings: dict[str, list[float]] = field(default_factory=dict)  # by rid, of the prompts the step ended
+    # A verify step's: per row, whether its proposal was kept, and the proposal's raw logprob.
+    kept: list[bool] | None = None
+    proposal_logprobs: list[float] | None = None
 
 
 @dataclass
@@ -99,6 +143,7 @@ class PendingStep:
     copies: HostCopy | None = None  # next ids[, chosen logprobs][, top values, top ids]
     has_chosen: bool = False
     has_top: bool = False
+    verified: bool = False  # a verify step's: kept[, proposal logprobs] follow the ids
     embedded: list[Req] = field(default_factory=list)  # whose embeddings are on their way
     embeddings: HostCopy | None = None
 
@@ -109,7 +154,9 @@ class PendingStep:
             return StepResult([], None, [], self.prompt_logprobs, embeddings)
         host = iter(self.copies.wait())
         next_ids = next(host).tolist()
+        kept = next(host).tolist() if self.verified else None
         chosen = next(host).tolist() if self.has_chosen else None
+        proposal_logprobs = next(host).tolist() if self.verified and self.has_chosen else None
         tops: list[list[tuple[float, int]]] = [[] for _ in self.sample_reqs]
         if self.has_top:
             values, ids = next(host).tolist(), next(host).tolist()
@@ -117,7 +164,7 @@ class PendingStep:
                 if req.return_logprob:
                     k = req.top_logprobs_num
                     tops[i] = list(zip(values[i][:k], ids[i][:k], strict=True))
-        return StepResult(next_ids, chosen, tops, self.prompt_logprobs, embeddings)
+        return StepResult(next_ids, chosen, tops, self.prompt_logprobs, embeddings, kept, proposal_logprobs)
 
 
 class ModelWorker:
@@ -160,6 +207,8 @@ class ModelWorker:
         to_device = self.transfer.to_device
         if work.sample_rows != list(range(logits.shape[0])):
             logits = logits[to_device(work.sample_rows)]
+        if work.proposed is not None:
+            return self._verify(work, logits, pending)
         out = self.sampler.sample(work.sample_reqs, logits, work.output_lens, work.token_mask)
         # The token table gets the new tokens on the device first: the next step reads them there.
         self.pool.append_tokens(to_device(work.pool_rows), to_device(work.positions), out.next_token_ids)
@@ -168,6 +217,22 @@ class ModelWorker:
             results.append(out.chosen_logprobs)
             pending.has_chosen = True
         if out.top_logprobs is not None:  # one host copy for the batch
+            results += [out.top_logprobs.values, out.top_logprobs.ids]
+            pending.has_top = True
+        pending.copies = self.transfer.to_host(*results)
+        return pending
+
+    def _verify(self, work: StepWork, logits: torch.Tensor, pending: PendingStep) -> PendingStep:
+        """A verify step's outcome: which proposals were kept and each row's token. The
+        scheduler writes the tokens it keeps into the token table (it knows which)."""
+        proposed = cast("list[int]", work.proposed)  # a verify step's
+        out = verify_rows(self.sampler, work.sample_reqs, logits, work.output_lens, proposed, work.token_mask)
+        results = [out.tokens, out.kept]
+        pending.verified = True
+        if out.token_logprobs is not None and out.proposal_logprobs is not None:
+            results += [out.token_logprobs, out.proposal_logprobs]
+            pending.has_chosen = True
+        if out.top_logprobs is not None:
             results += [out.top_logprobs.values, out.top_logprobs.ids]
             pending.has_top = True
         pending.copies = self.transfer.to_host(*results)

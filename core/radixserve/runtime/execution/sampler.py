@@ -168,7 +168,7 @@ def sample(
     ``mask_logits`` applies ``batch.token_mask`` (default: the torch code)."""
     transfer = transfer or HostTransfer(logits.device)
     raw = logits.float()
-    x = _adjusted_logits(raw, batch, transfer, mask_logits)
+    x = adjusted_logits(raw, batch, transfer, mask_logits)
     if x is not raw:
         # Extreme penalties may overflow; never let one request's row turn into NaN.
         x = x.nan_to_num(nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
@@ -192,7 +192,7 @@ def sample(
     return out
 
 
-def _adjusted_logits(
+def adjusted_logits(
     raw: torch.Tensor, batch: SamplingBatch, transfer: HostTransfer, mask_logits: MaskLogits = apply_token_bitmask
 ) -> torch.Tensor:
     """Steps 1-5 of the module docstring; returns ``raw`` itself when all are no-ops."""
@@ -256,15 +256,7 @@ def _draw(
 ) -> torch.Tensor:
     """Temperature, top_k, top_p, min_p, then one draw per row."""
     device = x.device
-    x = x / _column([p.temperature for p in params], transfer)
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        x = _top_k_top_p(x, [p.top_k for p in params], [p.top_p for p in params], transfer)
-    if any(p.min_p > 0.0 for p in params):
-        probs = x.softmax(dim=-1)
-        floor = _column([p.min_p for p in params], transfer) * probs.amax(dim=-1, keepdim=True)
-        x = x.masked_fill(probs < floor, float("-inf"))
-    probs = x.softmax(dim=-1)
-
+    probs = sampling_probs(x, params, transfer)
     seeded = [(j, p.seed) for j, p in enumerate(params) if p.seed is not None]
     if not seeded:
         return torch.multinomial(probs, 1, generator=generator).squeeze(1)
@@ -274,10 +266,28 @@ def _draw(
         rows = transfer.to_device(unseeded)
         out[rows] = torch.multinomial(probs[rows], 1, generator=generator).squeeze(1)
     for j, seed in seeded:
-        g = torch.Generator(device=device)
-        g.manual_seed(_step_seed(seed, steps[j]))
-        out[j] = torch.multinomial(probs[j], 1, generator=g)[0]
+        out[j] = torch.multinomial(probs[j], 1, generator=step_generator(seed, steps[j], device))[0]
     return out
+
+
+def sampling_probs(x: torch.Tensor, params: list[SamplingParams], transfer: HostTransfer) -> torch.Tensor:
+    """The distribution each row draws from: its adjusted logits ``x`` divided by the
+    temperature, then cut to ``top_k``, ``top_p`` and ``min_p``, softmaxed."""
+    x = x / _column([p.temperature for p in params], transfer)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        x = _top_k_top_p(x, [p.top_k for p in params], [p.top_p for p in params], transfer)
+    if any(p.min_p > 0.0 for p in params):
+        probs = x.softmax(dim=-1)
+        floor = _column([p.min_p for p in params], transfer) * probs.amax(dim=-1, keepdim=True)
+        x = x.masked_fill(probs < floor, float("-inf"))
+    return x.softmax(dim=-1)
+
+
+def step_generator(seed: int, step: int, device: torch.device) -> torch.Generator:
+    """The generator of a seeded request's draws at output position ``step``."""
+    g = torch.Generator(device=device)
+    g.manual_seed(_step_seed(seed, step))
+    return g
 
 
 def _top_k_top_p(x: torch.Tensor, top_ks: list[int], top_ps: list[float], transfer: HostTransfer) -> torch.Tensor:
@@ -360,7 +370,7 @@ class Sampler:
         step's tokens after the next step is launched, so the scheduler counts
         them itself). ``token_mask``: the grammar constraints of the constrained rows.
         Every token sampled here is counted for penalties at once."""
-        stats = [self._token_stats(r) for r in reqs]
+        stats = [self.token_stats(r) for r in reqs]
         batch = SamplingBatch(
             params=[r.sampling_params for r in reqs],
             output_lens=list(output_lens) if output_lens is not None else [len(r.output_ids) for r in reqs],
@@ -392,7 +402,7 @@ class Sampler:
         values, top = compute_logprobs(logits, ids, top_logprobs_num)
         return values.tolist(), top.tolist() if top is not None else [[] for _ in target_ids]
 
-    def _token_stats(self, req: SamplingRequest) -> TokenStats | None:
+    def token_stats(self, req: SamplingRequest) -> TokenStats | None:
         if not req.sampling_params.has_penalties:
             return None
         key = id(req)

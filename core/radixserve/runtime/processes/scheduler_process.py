@@ -192,7 +192,13 @@ def _dispatch(scheduler: Scheduler, msg: object, to_tm: zmq.Socket[bytes] | None
 def _control(scheduler: Scheduler, kind: str, args: Any) -> Any:
     if kind == "server_info":
         summary = scheduler.runner.summary()
-        return {"stats": scheduler.stats().__dict__, **summary, "grammar_backend": scheduler.grammars.backend_name}
+        speculative = scheduler.speculation.describe() if scheduler.speculation is not None else None
+        return {
+            "stats": scheduler.stats().__dict__,
+            **summary,
+            "grammar_backend": scheduler.grammars.backend_name,
+            "speculative": speculative,
+        }
     if kind == "flush_cache":
         return scheduler.flush_cache()
     if kind == "health":

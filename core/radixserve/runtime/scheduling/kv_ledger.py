@@ -12,6 +12,7 @@ thing that moves slots between them, through a few verbs:
   cached prefix's slots and the request's token ids written into it;
 - ``allocate`` slots for a step's new tokens (evicting the cache as needed);
 - ``cache_prefix``: hand a request's computed pages to the cache (chunked prefill);
+- ``trim`` a request's tokens past what a verify step kept (speculative decoding);
 - ``release`` a finished or retracted request: its computed pages go to the
   cache (or back to the allocator), its lock and row are given back;
 - ``discard`` an aborted or failed request: its own pages are freed uncached.
@@ -194,6 +195,19 @@ class KVLedger:
         )
         self.token_table.write(span.row, 0, match.slots)
         span.num_cached, span.last_node = match.num_tokens, match.last_node
+
+    def trim(self, req: Req, kv_len: int, last_slot: int) -> None:
+        """Keep ``req``'s first ``kv_len`` computed tokens (``last_slot``: the slot of token
+        ``kv_len - 1``) and free the pages past the one holding that token: a verify step
+        computed proposals the model refused. The rest of that page stays the request's,
+        and its next step writes over it."""
+        span = cast(KVSpan, req.kv)  # an admitted request's
+        if not span.num_cached <= kv_len <= span.kv_len:
+            raise ValueError(f"trim of {req.rid} to {kv_len}: outside [{span.num_cached}, {span.kv_len}]")
+        kept_pages_end = -(-kv_len // self.page_size) * self.page_size
+        if kept_pages_end < span.kv_len:
+            self.allocator.free(self.token_table.req_to_token[span.row, kept_pages_end : span.kv_len].clone())
+        span.kv_len, span.last_slot = kv_len, last_slot
 
     def release(self, req: Req) -> None:
         """A finished or retracted request gives back its KV: the computed pages go to

@@ -33,12 +33,14 @@ from radixserve.runtime.execution.model_worker import LaunchedStep, ModelWorker,
 from radixserve.runtime.execution.profiler import StepProfiler
 from radixserve.runtime.execution.request import HoldsKV, Req
 from radixserve.runtime.execution.sampler import Sampler
+from radixserve.runtime.execution.verifier import walk
 from radixserve.runtime.scheduling.disaggregation import DecodeArrivals, FirstToken, PrefillHandoff, kv_side
 from radixserve.runtime.scheduling.intake import Intake
 from radixserve.runtime.scheduling.kv_ledger import KVLedger
 from radixserve.runtime.scheduling.outbox import Outbox, add_input_logprobs
 from radixserve.runtime.scheduling.prefill_planner import PrefillPlan, PrefillPlanner, QueueView
 from radixserve.runtime.scheduling.rope_sets import RopeSets
+from radixserve.runtime.scheduling.speculation import Speculation
 from radixserve.runtime.scheduling.stats import OperatorLog, SchedulerStats, ServingTotals, StepRates
 from radixserve.runtime.scheduling.stop import StopChecker, internal_error, out_of_memory
 from radixserve.structured_output.grammar_queue import GrammarQueue
@@ -71,8 +73,13 @@ class Scheduler:
         self.sampler = Sampler(runner.vocab_size, runner.device, args.random_seed, eos_ids, runner.transfer, masking)
         self.stop_checker = StopChecker(tokenizer, eos_ids)
         self.grammars = GrammarQueue.for_model(args, model_path, runner, eos_ids)
+        registry = registry or get_registry()
+        self.speculation = Speculation.create(args, registry, runner.vocab_size)
         no_overlap = args.disable_overlap_schedule
         overlap = runner.platform.overlap_schedule if no_overlap is None else not no_overlap
+        if self.speculation is not None and overlap:
+            logger.info("overlap scheduling: off (speculative decoding proposes from the last step's tokens)")
+            overlap = False
         self.worker = ModelWorker(runner, self.sampler, runner.req_to_token_pool, runner.transfer, overlap=overlap)
         self.profiler = StepProfiler(runner.platform.profiler_activities(), rank=runner.group.rank)
         self.rope_sets = RopeSets(runner.long_rope)
@@ -90,7 +97,6 @@ class Scheduler:
         # Prefill/decode disaggregation (disaggregation.py): the part of this worker's mode.
         mode, group = args.disaggregation_mode, runner.group
         side = kv_side(runner.kv_pool, runner.platform.name, group) if mode != "null" else None
-        registry = registry or get_registry()
         self.handoff = (
             PrefillHandoff(args, runner.kv_pool, side, registry, group) if side and mode == "prefill" else None
         )
@@ -227,7 +233,11 @@ class Scheduler:
         if self.rope_sets.outgrown(self.running):
             self._recompute_outgrown()
         # Requests of a prefill still computing or not digested: their prompts are not cached yet.
-        prefills = [s for s in (self._in_flight, self._unprocessed) if s is not None and s.mode is ForwardMode.EXTEND]
+        prefills = [
+            s
+            for s in (self._in_flight, self._unprocessed)
+            if s is not None and s.mode is ForwardMode.EXTEND and s.proposals is None
+        ]
         uncached = [r for step in prefills for r in step.reqs]
         plan = self.planner.plan(
             QueueView(self.waiting, self.running, self.chunked_req, uncached, self.new_token_ratio)
@@ -299,22 +309,39 @@ class Scheduler:
         self.running.extend(launched.work.sample_reqs)  # they decode from the next step on
         return launched
 
-    def _launch(self, mode: ForwardMode, reqs: list[Req], extend_lens: list[int]) -> LaunchedStep:
-        """Allocate the step's KV slots and hand the step to the worker."""
+    def _launch(
+        self, mode: ForwardMode, reqs: list[Req], extend_lens: list[int], proposals: list[list[int]] | None = None
+    ) -> LaunchedStep:
+        """Allocate the step's KV slots and hand the step to the worker. ``proposals``: a
+        verify step's (speculative decoding), an extend of each request's newest token
+        and its proposals."""
         held = cast("list[HoldsKV]", reqs)  # admitted: each holds KV
         prefix = [r.kv.kv_len for r in held]
-        logits = LogitsRows.extend(reqs, prefix, extend_lens) if mode is ForwardMode.EXTEND else LogitsRows.decode(reqs)
+        if proposals is not None:
+            logits = LogitsRows.verify(reqs, extend_lens)
+        elif mode is ForwardMode.EXTEND:
+            logits = LogitsRows.extend(reqs, prefix, extend_lens)
+        else:
+            logits = LogitsRows.decode(reqs)
         rows, table, transfer = [r.kv.row for r in held], self.runner.req_to_token_pool, self.runner.transfer
         rope = self.rope_sets.row_offsets(reqs)
         record = partial(BatchPlan.launch, mode, rows, prefix, extend_lens, logits.indices, rope, table, transfer)
         batch = self.ledger.allocate(reqs, extend_lens, record)  # the slots go into the rows with the batch
-        work = StepWork.of(batch, logits, self.grammars.step_mask(logits.sample_reqs))
-        return LaunchedStep(mode, list(reqs), work, self.worker.launch(work), [r.kv.kv_len for r in held])
+        mask = self.grammars.step_mask(logits.sample_reqs)
+        if proposals is None:
+            work = StepWork.of(batch, logits, mask)
+        else:
+            work = StepWork.verify(batch, reqs, logits, proposals, mask)
+        kv_after = [r.kv.kv_len for r in held]
+        return LaunchedStep(mode, list(reqs), work, self.worker.launch(work), kv_after, proposals=proposals)
 
     def _process(self, launched: LaunchedStep) -> None:
         """Digest a finished step: prompt logprobs, cache the prefilled pages, finish
         prefill-only requests (embeddings), append the sampled tokens and check stop conditions."""
         result, work = cast(StepResult, launched.result), launched.work  # set by _settle
+        if launched.proposals is not None:
+            self._process_verified(launched, result)
+            return
         for rows, (values, tops) in zip(work.prompt_rows, result.prompt_logprobs, strict=True):
             if not rows.req.finished:
                 add_input_logprobs(rows.req, values, tops, rows.targets)
@@ -340,13 +367,73 @@ class Scheduler:
         if not self.running:
             return None
         self._launching = list(self.running)
-        launched = self._launch(ForwardMode.DECODE, self._launching, [1] * len(self._launching))
+        proposals = self._proposals()
+        if proposals is not None:
+            extend_lens = [1 + len(p) for p in proposals]
+            launched = self._launch(ForwardMode.EXTEND, self._launching, extend_lens, proposals)
+            self.totals.verify_steps += 1
+        else:
+            launched = self._launch(ForwardMode.DECODE, self._launching, [1] * len(self._launching))
         args = self.args
         self.new_token_ratio = max(self.new_token_ratio - args.new_token_ratio_decay, args.min_new_token_ratio)
         self.totals.count_decode(len(self._launching))
         if self.oplog.due(self.totals.decode_steps) and OperatorLog.enabled():
             self.oplog.decode(self.stats(exact=False))
         return launched
+
+    def _proposals(self) -> list[list[int]] | None:
+        """The running requests' proposals (speculative decoding), written into the token
+        table after each one's newest token; None (a plain decode step) when speculation
+        is off or proposes nothing, or when the pool has no room for the proposals."""
+        proposals = self.speculation.proposals(self.running) if self.speculation is not None else None
+        if proposals is None:
+            return None
+        held = cast("list[HoldsKV]", self.running)
+        need = self.ledger.pages_needed([r.kv.kv_len for r in held], [1 + len(p) for p in proposals])
+        if need > self.ledger.room() // self.ledger.page_size:
+            return None
+        table = self.runner.req_to_token_pool
+        for req, drafts in zip(held, proposals, strict=True):
+            if drafts:
+                table.write_tokens(req.kv.row, req.kv.kv_len + 1, drafts)
+        return proposals
+
+    def _process_verified(self, launched: LaunchedStep, result: StepResult) -> None:
+        """Digest a verify step: each request takes the proposals the model kept and the
+        model's own token after them (up to a stop), and gives back the KV of the rest."""
+        proposals = cast("list[list[int]]", launched.proposals)
+        slots = launched.work.batch.out_cache_loc_cpu
+        kept = cast("list[bool]", result.kept)
+        first = 0
+        for req, drafts, kv_after in zip(launched.reqs, proposals, launched.kv_after, strict=True):
+            rows, first = first, first + len(drafts) + 1
+            if req.finished:
+                continue
+            verified = walk(
+                rows,
+                drafts,
+                kept,
+                result.next_token_ids,
+                result.chosen_logprobs,
+                result.proposal_logprobs,
+                result.top_logprobs,
+            )
+            self.totals.count_verified(len(drafts), verified.accepted)
+            newest = kv_after - len(drafts) - 1  # the position of its newest token before the step
+            taken, reason = 0, None
+            for token, logprob, top in zip(verified.tokens, verified.logprobs, verified.top_logprobs, strict=True):
+                reason = self._accept_token(req, token, logprob, top if req.top_logprobs_num > 0 else None)
+                taken += 1
+                if reason is not None:
+                    break
+            # Computed and kept: its newest token and the proposals taken before the last token.
+            self.ledger.trim(req, newest + taken, slots[rows + taken - 1])
+            if reason is not None:
+                self._finish_running(req, reason)
+            else:
+                row = cast("HoldsKV", req).kv.row
+                self.runner.req_to_token_pool.write_tokens(row, newest + taken, verified.tokens[-1:])
+                self.outbox.touch(req)
 
     def _make_room_for_decode(self) -> None:
         """Retract (the chunked prefill first, then the newest requests) until
@@ -492,6 +579,8 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         self.grammars.drop(req)
+        if self.speculation is not None:
+            self.speculation.forget(req.rid)
         req.finish_reason = reason
         self.outbox.touch(req)
 

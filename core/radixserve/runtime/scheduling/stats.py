@@ -34,6 +34,9 @@ class ServingTotals:
     decoded_reqs: int = 0  # requests advanced by decode steps (a step's batch size, summed)
     extend_steps: int = 0
     extended_tokens: int = 0  # prompt tokens computed by extend steps (chunks, retracted requests' again)
+    verify_steps: int = 0  # decode steps that verified proposals (speculative decoding)
+    proposed_tokens: int = 0  # tokens proposed to them
+    accepted_tokens: int = 0  # of those, the ones the model kept
 
     def count_admission(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.prompt_tokens += prompt_tokens
@@ -42,6 +45,11 @@ class ServingTotals:
     def count_decode(self, batch_size: int) -> None:
         self.decode_steps += 1
         self.decoded_reqs += batch_size
+
+    def count_verified(self, proposed: int, accepted: int) -> None:
+        """One request's share of a verify step."""
+        self.proposed_tokens += proposed
+        self.accepted_tokens += accepted
 
     def count_extend(self, tokens: int) -> None:
         self.extend_steps += 1
@@ -146,6 +154,10 @@ class SchedulerStats:
     private_tokens: int
     memory_invariant_ok: bool
     memory_error: str | None  # what breaks the invariant, when it is broken
+    # Speculative decoding: steps that verified proposals, tokens proposed, and kept.
+    spec_verify_steps: int = 0
+    spec_proposed_tokens_total: int = 0
+    spec_accepted_tokens_total: int = 0
 
     @classmethod
     def of(
@@ -176,6 +188,9 @@ class SchedulerStats:
             private_tokens=pool.private,
             memory_invariant_ok=pool.ok,
             memory_error=_memory_error(pool),
+            spec_verify_steps=totals.verify_steps,
+            spec_proposed_tokens_total=totals.proposed_tokens,
+            spec_accepted_tokens_total=totals.accepted_tokens,
         )
 
 

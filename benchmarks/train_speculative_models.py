@@ -1,0 +1,397 @@
+"""Train, offline, the target and draft models a speculative-decoding benchmark runs on.
+
+    python benchmarks/train_speculative_models.py --threads 1      # about 7 minutes on one core
+    python benchmarks/train_speculative_models.py --quick          # seconds: a smoke run, everything tiny
+
+A draft's acceptance rate only means something when both models have learned
+something, and random weights have not. This trains both on this machine's Python
+standard library sources (``*.py`` outside ``test/``, ``idlelib/`` and
+``site-packages``, files under 200 KB), split by file with ``--seed`` into a
+training set and a held-out set of about ``--heldout-kb``:
+
+- a byte-level BPE tokenizer (``--vocab-size`` tokens; ``<unk>`` ``<s>`` ``</s>``;
+  no normalizer, so code and whitespace round-trip exactly; ``<s>`` is prepended
+  when encoding, as Llama's tokenizers do);
+- a target and a smaller draft ``LlamaForCausalLM`` (float32, tied embeddings),
+  sharing that tokenizer, each trained with AdamW (warmup, then cosine decay over
+  its wall-clock budget) on random windows of the training token stream.
+
+Written under ``--out-dir`` (default ``~/.cache/radixserve-bench/speculative``,
+``...-quick`` with ``--quick``): ``target/`` and ``draft/`` (``from_pretrained``
+directories with the tokenizer), ``heldout.jsonl`` (``{"prompt", "kind"}``:
+``continue`` is 200-400 tokens of a held-out file to go on with, ``repeat`` is a
+held-out function followed by a comment asking for it again and the start of its
+``def`` line, where n-gram speculation pays) and ``summary.json`` (sizes,
+parameters, tokens seen, held-out loss per token, how much of a ``repeat``
+function each model copies greedily, wall times). The budgets are wall-clock, so
+the step counts, and the weights, depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import random
+import re
+import sysconfig
+import textwrap
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+UNK, BOS, EOS = "<unk>", "<s>", "</s>"  # ids 0, 1, 2 (the BPE trainer puts special tokens first)
+SKIPPED_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
+MAX_FILE_BYTES = 200_000
+REPEAT_MARKER = "\n\n# the same function again, unchanged:\n"
+DEFAULT_OUT_DIR = Path.home() / ".cache/radixserve-bench/speculative"
+WARMUP_STEPS = 20
+MIN_LR_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+
+
+SIZES = {
+    "target": ModelSize(hidden=384, layers=6, heads=6, kv_heads=2, intermediate=1024),
+    "draft": ModelSize(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=384),
+}
+QUICK = dict(  # --quick: defaults for a smoke run of a few seconds (flags given still win)
+    max_train_files=40,
+    heldout_kb=40,
+    vocab_size=512,
+    seq_len=128,
+    target_minutes=0.05,
+    draft_minutes=0.03,
+    target_hidden=64,
+    target_layers=2,
+    target_heads=4,
+    target_kv_heads=2,
+    target_intermediate=128,
+    draft_hidden=32,
+    draft_layers=1,
+    draft_heads=2,
+    draft_kv_heads=1,
+    draft_intermediate=64,
+    eval_tokens=2048,
+    num_prompts=8,
+    check_prompts=2,
+    log_seconds=1.0,
+)
+
+
+def stdlib_sources() -> list[tuple[str, str]]:
+    """(path relative to the stdlib, text) of every Python source the corpus takes, sorted."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    sources = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if SKIPPED_DIRS.intersection(rel.parts[:-1]) or path.stat().st_size > MAX_FILE_BYTES:
+            continue
+        try:
+            sources.append((str(rel), path.read_text(encoding="utf-8")))
+        except UnicodeDecodeError:
+            continue
+    return sources
+
+
+def split(sources: list[tuple[str, str]], heldout_bytes: int, seed: int) -> tuple[list[str], list[str]]:
+    """Shuffle the files with ``seed``; the first ones, up to ``heldout_bytes``, are held out."""
+    order = [text for _, text in sources]
+    random.Random(seed).shuffle(order)
+    count, size = 0, 0
+    while count < len(order) and size < heldout_bytes:
+        size += len(order[count])
+        count += 1
+    return order[count:], order[:count]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[UNK, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        model_max_length=1 << 20,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def token_stream(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> torch.Tensor:
+    """Every file as ``<s> tokens </s>``, concatenated."""
+    encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    return torch.tensor([t for e in encodings for t in (bos, *e.ids, eos)], dtype=torch.long)
+
+
+def build_model(size: ModelSize, tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=size.hidden,
+        num_hidden_layers=size.layers,
+        num_attention_heads=size.heads,
+        num_key_value_heads=size.kv_heads,
+        intermediate_size=size.intermediate,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)  # float32: torch's default dtype
+
+
+def train(
+    name: str, model: LlamaForCausalLM, stream: torch.Tensor, args: argparse.Namespace, minutes: float, lr: float
+) -> dict[str, Any]:
+    """AdamW on random windows of ``stream`` for ``minutes`` of wall time: linear warmup over
+    the first steps, then cosine decay to a tenth of ``lr`` over the budget's fraction spent."""
+    gen = torch.Generator().manual_seed(args.seed)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95)
+    )
+    model.train()
+    budget, step, losses = minutes * 60, 0, []
+    start = last_log = time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < budget:
+        cosine = 0.5 * (1 + math.cos(math.pi * elapsed / budget))
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / WARMUP_STEPS) * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * cosine)
+        starts = torch.randint(0, len(stream) - args.seq_len - 1, (args.batch_size,), generator=gen).tolist()
+        windows = torch.stack([stream[s : s + args.seq_len + 1] for s in starts])
+        logits = model(input_ids=windows[:, :-1]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        torch.autograd.backward(loss)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        losses.append(loss.item())
+        if time.perf_counter() - last_log >= args.log_seconds:
+            last_log = time.perf_counter()
+            tokens = step * args.batch_size * args.seq_len
+            recent = sum(losses[-10:]) / len(losses[-10:])
+            print(
+                f"{name}: step {step:5d}  {tokens:9d} tokens  loss {recent:.3f}  "
+                f"lr {opt.param_groups[0]['lr']:.2e}  {tokens / (last_log - start):6.0f} tok/s",
+                flush=True,
+            )
+    return {
+        "steps": step,
+        "train_tokens_seen": step * args.batch_size * args.seq_len,
+        "train_seconds": round(time.perf_counter() - start, 1),
+        "final_train_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4),
+    }
+
+
+@torch.inference_mode()
+def heldout_loss(model: LlamaForCausalLM, stream: torch.Tensor, seq_len: int, max_tokens: int) -> float:
+    """Mean loss per token over non-overlapping windows of the held-out stream."""
+    model.train(False)
+    n = min(len(stream) - 1, max_tokens) // seq_len * seq_len
+    inputs, labels = stream[:n].view(-1, seq_len), stream[1 : n + 1].view(-1, seq_len)
+    total = 0.0
+    for i in range(0, len(inputs), 8):
+        logits = model(input_ids=inputs[i : i + 8]).logits
+        total += F.cross_entropy(logits.flatten(0, 1), labels[i : i + 8].flatten(), reduction="sum").item()
+    return total / n
+
+
+def continue_prompts(tokenizer: PreTrainedTokenizerFast, files: list[str], n: int, rng: random.Random) -> list[str]:
+    """200-400 tokens from the start of each held-out file, then from top-level ``def``/``class`` lines."""
+    starts = [(text, 0) for text in files]
+    later = [(text, m.start()) for text in files for m in re.finditer(r"^(?:async def|def|class) ", text, re.M)]
+    rng.shuffle(later)
+    prompts = []
+    for text, start in starts + later:
+        chunk = text[start : start + 4000]
+        ids = tokenizer.encode(chunk, add_special_tokens=False)
+        length = rng.randint(200, 400)
+        prompt = tokenizer.backend_tokenizer.decode(ids[:length])
+        if len(ids) >= length + 64 and chunk.startswith(prompt):  # something left to continue, a clean cut
+            prompts.append(prompt)
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+def repeat_prompts(
+    tokenizer: PreTrainedTokenizerFast, files: list[str], n: int, rng: random.Random, max_tokens: int
+) -> list[tuple[str, str]]:
+    """(prompt, the rest of the function it should be continued with) for held-out functions of
+    32 to ``max_tokens`` tokens: the function, the marker comment, its ``def`` line up to ``(``."""
+    functions = []
+    for text in files:
+        lines = text.splitlines(keepends=True)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None:
+                functions.append(textwrap.dedent("".join(lines[node.lineno - 1 : node.end_lineno])).rstrip() + "\n")
+    rng.shuffle(functions)
+    prompts = []
+    for source in functions:
+        head, paren, rest = source.partition("(")
+        if not paren or not head.startswith(("def ", "async def ")):  # a def line split oddly, or not dedented
+            continue
+        if 32 <= len(tokenizer.encode(source, add_special_tokens=False)) <= max_tokens:
+            prompts.append((source + REPEAT_MARKER + head + paren, rest))
+        if len(prompts) == n:
+            break
+    return prompts
+
+
+@torch.inference_mode()
+def copied_fraction(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: list[tuple[str, str]]
+) -> float:
+    """Mean fraction of each function's rest that greedy decoding reproduces exactly (common prefix)."""
+    model.train(False)
+    fractions = []
+    for prompt, expected in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        budget = len(tokenizer.encode(expected, add_special_tokens=False)) + 4
+        out = model.generate(ids, max_new_tokens=budget, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+        text = tokenizer.backend_tokenizer.decode(out[0, ids.shape[1] :].tolist(), skip_special_tokens=True)
+        same = next((i for i, (a, b) in enumerate(zip(text, expected, strict=False)) if a != b), None)
+        fractions.append((min(len(text), len(expected)) if same is None else same) / len(expected))
+    return sum(fractions) / max(1, len(fractions))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", type=Path, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch and tokenizers threads (0: their default)")
+    parser.add_argument("--quick", action="store_true", help="tiny everything, for a smoke run in seconds")
+    parser.add_argument("--heldout-kb", type=int, default=300, help="held-out files, about this many KB")
+    parser.add_argument("--max-train-files", type=int, default=0, help="0: all")
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--seq-len", type=int, default=512, help="training window; prompts and outputs fit in it")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--target-minutes", type=float, default=4.0)
+    parser.add_argument("--draft-minutes", type=float, default=1.5)
+    parser.add_argument("--target-lr", type=float, default=2e-3)
+    parser.add_argument("--draft-lr", type=float, default=3e-3)
+    for role, size in SIZES.items():
+        for field in fields(ModelSize):
+            flag = f"--{role}-{field.name.replace('_', '-')}"
+            parser.add_argument(flag, type=int, default=getattr(size, field.name))
+    parser.add_argument("--eval-tokens", type=int, default=1 << 17, help="held-out tokens the loss is taken over")
+    parser.add_argument("--num-prompts", type=int, default=200, help="heldout.jsonl prompts of each kind")
+    parser.add_argument("--repeat-max-tokens", type=int, default=200, help="longest function a repeat prompt holds")
+    parser.add_argument("--check-prompts", type=int, default=8, help="repeat prompts the copy check generates on")
+    parser.add_argument("--log-seconds", type=float, default=20.0)
+    args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args()
+    out_dir = args.out_dir or DEFAULT_OUT_DIR.with_name(DEFAULT_OUT_DIR.name + ("-quick" if args.quick else ""))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # tokenizers' pool, read when first used
+    transformers.utils.logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    begin = time.perf_counter()
+    wall: dict[str, float] = {}
+
+    sources = stdlib_sources()
+    train_texts, heldout_texts = split(sources, args.heldout_kb * 1000, args.seed)
+    if args.max_train_files:
+        train_texts = train_texts[: args.max_train_files]
+    tokenizer = train_tokenizer(train_texts, args.vocab_size)
+    train_stream, heldout_stream = token_stream(tokenizer, train_texts), token_stream(tokenizer, heldout_texts)
+    wall["tokenizer_and_corpus"] = round(time.perf_counter() - begin, 1)
+    print(
+        f"corpus: {len(train_texts)} training files ({len(train_stream)} tokens), "
+        f"{len(heldout_texts)} held out ({len(heldout_stream)} tokens); vocab {len(tokenizer)}",
+        flush=True,
+    )
+
+    rng = random.Random(args.seed)
+    continues = continue_prompts(tokenizer, heldout_texts, args.num_prompts, rng)
+    repeats = repeat_prompts(tokenizer, heldout_texts, args.num_prompts, rng, args.repeat_max_tokens)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "heldout.jsonl", "w") as f:
+        for prompt in continues:
+            f.write(json.dumps({"prompt": prompt, "kind": "continue"}) + "\n")
+        for prompt, _ in repeats:
+            f.write(json.dumps({"prompt": prompt, "kind": "repeat"}) + "\n")
+
+    results: dict[str, Any] = {}
+    for i, role in enumerate(SIZES):
+        size = ModelSize(**{f.name: getattr(args, f"{role}_{f.name}") for f in fields(ModelSize)})
+        model = build_model(size, tokenizer, args.seed + i)
+        parameters = sum(p.numel() for p in model.parameters())
+        print(f"{role}: {asdict(size)}, {parameters} parameters", flush=True)
+        stats = train(role, model, train_stream, args, getattr(args, f"{role}_minutes"), getattr(args, f"{role}_lr"))
+        start = time.perf_counter()
+        loss = heldout_loss(model, heldout_stream, args.seq_len, args.eval_tokens)
+        copied = copied_fraction(model, tokenizer, repeats[: args.check_prompts])
+        stats["check_seconds"] = round(time.perf_counter() - start, 1)
+        print(f"{role}: held-out loss {loss:.4f} per token; copies {copied:.0%} of a repeated function", flush=True)
+        model.save_pretrained(out_dir / role)  # safetensors: transformers 5 writes nothing else
+        tokenizer.save_pretrained(out_dir / role)
+        results[role] = {
+            "size": asdict(size),
+            "parameters": parameters,
+            "heldout_loss": round(loss, 4),
+            "repeat_copied_fraction": round(copied, 4),
+            **stats,
+        }
+
+    wall["total"] = round(time.perf_counter() - begin, 1)
+    summary = {
+        "seed": args.seed,
+        "quick": args.quick,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "corpus": {
+            "stdlib": sysconfig.get_paths()["stdlib"],
+            "train_files": len(train_texts),
+            "heldout_files": len(heldout_texts),
+            "train_tokens": len(train_stream),
+            "heldout_tokens": len(heldout_stream),
+            "eval_tokens": min(len(heldout_stream) - 1, args.eval_tokens) // args.seq_len * args.seq_len,
+        },
+        "vocab_size": len(tokenizer),
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "prompts": {"continue": len(continues), "repeat": len(repeats)},
+        **results,
+        "wall_seconds": wall,
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {out_dir} in {wall['total']:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

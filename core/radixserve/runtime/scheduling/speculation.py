@@ -1,0 +1,93 @@
+"""Speculative decoding, the scheduler's part: which running requests are given
+proposals in a decode step, how many, and the proposer (a plugin, chosen by
+``--speculative-algorithm``) that makes them.
+
+Speculation is for small batches: a decode step at batch 1 reads every weight
+to make one token per request, so computing a few proposed positions more costs
+little; a large batch is bound by compute, where those positions cost as much
+as real ones. Above ``--speculative-max-batch-size`` running requests the step
+decodes one token each.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from radixserve.config import ServerArgs
+from radixserve.registry import PluginRegistry
+from radixserve.runtime.execution.request import Req
+from radixserve.speculative.base import DraftRequest, Proposer, ProposerSettings
+
+logger = logging.getLogger(__name__)
+
+
+class Speculation:
+    def __init__(self, proposer: Proposer, max_batch_size: int, vocab_size: int):
+        self.proposer = proposer
+        self.num_draft_tokens = proposer.settings.num_draft_tokens
+        self.max_batch_size = max_batch_size
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def create(cls, args: ServerArgs, registry: PluginRegistry, vocab_size: int) -> Speculation | None:
+        """The part ``args`` asks for; None when speculation is off."""
+        if args.speculative_algorithm is None:
+            return None
+        settings = ProposerSettings(
+            num_draft_tokens=args.speculative_num_draft_tokens,
+            ngram_min_match=args.speculative_ngram_min_match_window_size,
+            ngram_max_match=args.speculative_ngram_max_match_window_size,
+        )
+        proposer = registry.proposer(args.speculative_algorithm)(settings)
+        logger.info(
+            "speculative decoding: %s, up to %d tokens proposed a step while at most %d requests decode",
+            proposer.name,
+            settings.num_draft_tokens,
+            args.speculative_max_batch_size,
+        )
+        return cls(proposer, args.speculative_max_batch_size, vocab_size)
+
+    def describe(self) -> dict[str, Any]:
+        """What ``/server_info`` says of it (the counts of what it proposed and what was
+        kept are in the scheduler's stats)."""
+        return {
+            "algorithm": self.proposer.name,
+            "num_draft_tokens": self.num_draft_tokens,
+            "max_batch_size": self.max_batch_size,
+        }
+
+    def proposals(self, running: list[Req]) -> list[list[int]] | None:
+        """Each running request's proposals, in order; None when this step decodes
+        without any (too many requests running, or nothing proposed)."""
+        if len(running) > self.max_batch_size:
+            return None
+        limits = [self._limit(r) for r in running]
+        if not any(limits):
+            return None
+        asked = [DraftRequest(r.rid, r.fill_ids, n) for r, n in zip(running, limits, strict=True) if n > 0]
+        made = iter(self.proposer.propose(asked))
+        out = [self._checked(next(made), n) if n else [] for n in limits]
+        return out if any(out) else None
+
+    def forget(self, rid: str) -> None:
+        self.proposer.forget(rid)
+
+    def _limit(self, req: Req) -> int:
+        """How many tokens ``req`` may be proposed: up to ``num_draft_tokens``, leaving
+        room within its ``max_new_tokens`` for the token the model makes after them;
+        none under a grammar (its matcher would have to take each proposal and roll
+        back the refused ones) or with penalties (each row's counts would have to
+        include the proposals before it)."""
+        if req.grammar is not None or req.sampling_params.has_penalties:
+            return 0
+        return max(0, min(self.num_draft_tokens, req.remaining_new_tokens - 1))
+
+    def _checked(self, tokens: list[int], limit: int) -> list[int]:
+        name = self.proposer.name
+        if len(tokens) > limit:
+            raise ValueError(f"speculative proposer {name!r} proposed {len(tokens)} tokens where {limit} were asked")
+        bad = [t for t in tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"speculative proposer {name!r} proposed token ids outside the vocabulary: {bad[:4]}")
+        return tokens

@@ -1,0 +1,286 @@
+"""Speculative decoding (docs/speculative.md): the n-gram proposer finds what a
+scan finds; verification keeps exactly the greedy run and, under sampling,
+draws every token from the target's distribution (the sampling-frequency check
+of test_sampling, through the rejection rule); through the scheduler, greedy
+tokens and logprobs are the ones plain decoding makes, with the radix cache,
+chunked prefill, pages of 4, stops and budgets that cut a verified run, and
+requests that take no proposals in the same batch; aborts and a broken proposer
+leave the KV pool whole; a real server serves with it and says so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from generation_utils import generate, make_scheduler, mixed_prompts, run, submit
+from helpers_server import serving
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_sampling import FREQ_LOGITS, assert_drawn_from, expected_distribution
+from transformers import AutoTokenizer
+
+from radixserve.hooks import hookimpl
+from radixserve.messages import FinishReason
+from radixserve.registry import PluginRegistry
+from radixserve.runtime.execution.sampler import SamplingBatch
+from radixserve.runtime.execution.verifier import NO_PROPOSAL, verify, walk
+from radixserve.sampling.params import SamplingParams
+from radixserve.speculative.base import DraftRequest, Proposer, ProposerSettings
+from radixserve.speculative.ngram import NgramProposer
+
+PRIORITY = {"backend_selection": "priority"}
+NGRAM = {"speculative_algorithm": "ngram"}
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+# ---- the n-gram proposer ------------------------------------------------------
+
+
+def ngram(low: int = 1, high: int = 3, k: int = 3) -> NgramProposer:
+    return NgramProposer(ProposerSettings(num_draft_tokens=k, ngram_min_match=low, ngram_max_match=high))
+
+
+def test_ngram_proposes_what_followed_the_longest_then_latest_match():
+    # [2, 3] ended at 3 (-> 9) and at 7 (-> 7, 8, 4): the latest wins.
+    assert ngram().propose([DraftRequest("a", [1, 2, 3, 9, 5, 2, 3, 7, 8, 4, 2, 3], 3)]) == [[7, 8, 4]]
+    # [1, 2, 3] (n = 3) beats the later [2, 3]; max_tokens bounds the proposal.
+    seq = [1, 2, 3, 9, 5, 2, 3, 7, 1, 2, 3]
+    assert ngram().propose([DraftRequest("b", seq, 3), DraftRequest("c", seq, 1)]) == [[9, 5, 2], [9]]
+    assert ngram().propose([DraftRequest("d", [4, 5, 6], 3), DraftRequest("e", seq, 0)]) == [[], []]
+
+
+def scan(tokens: list[int], low: int, high: int, k: int) -> list[int]:
+    """What the proposer must find, by brute force."""
+    for n in range(min(high, len(tokens) - 1), low - 1, -1):
+        for end in range(len(tokens) - 1, n - 1, -1):
+            if tokens[end - n : end] == tokens[len(tokens) - n :]:
+                return tokens[end : end + k]
+    return []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=50), st.integers(1, 3), st.integers(0, 3))
+def test_ngram_index_finds_what_a_scan_finds(tokens, low, extra):
+    """Asked after each token as a request grows (the index extended each time), and
+    again from scratch by a second request id."""
+    proposer = ngram(low, low + extra, 4)
+    for n in range(1, len(tokens) + 1):
+        assert proposer.propose([DraftRequest("grown", tokens[:n], 4)]) == [scan(tokens[:n], low, low + extra, 4)]
+    proposer.forget("grown")
+    assert proposer.propose([DraftRequest("grown", tokens, 4)]) == [scan(tokens, low, low + extra, 4)]
+
+
+# ---- verification ---------------------------------------------------------------
+
+
+def rows_batch(params: list[SamplingParams], output_lens: list[int] | None = None) -> SamplingBatch:
+    return SamplingBatch(params, output_lens or [0] * len(params), [None] * len(params))
+
+
+def test_greedy_rows_keep_the_run_that_matches_the_argmax():
+    vocab = 8
+    argmaxes = [3, 5, 2, 0, 4]  # request A: rows 0-3 (proposals 3, 5, 1); request B: row 4
+    logits = torch.full((5, vocab), -1.0)
+    logits[torch.arange(5), torch.tensor(argmaxes)] = 2.0
+    proposed = [3, 5, 1, NO_PROPOSAL, NO_PROPOSAL]
+    out = verify(logits, rows_batch([SamplingParams(temperature=0.0)] * 5), proposed, return_logprob=True)
+    kept, tokens = out.kept.tolist(), out.tokens.tolist()
+    assert kept == [True, True, False, False, False]
+    logprobs = out.token_logprobs.tolist()
+    a = walk(0, [3, 5, 1], kept, tokens, logprobs, out.proposal_logprobs.tolist(), [])
+    assert a.tokens == [3, 5, 2] and a.accepted == 2
+    assert a.logprobs == pytest.approx([torch.log_softmax(logits[r], -1)[t].item() for r, t in ((0, 3), (1, 5), (2, 2))])
+    assert walk(4, [], kept, tokens, None, None, []).tokens == [4]
+
+
+SAMPLED_CASES = {
+    "temperature 1, a likely proposal": (dict(temperature=1.0), 0),
+    "temperature 0.7, an unlikely proposal": (dict(temperature=0.7), 5),
+    "top_k 3, a proposal outside it": (dict(temperature=1.0, top_k=3), 4),
+    "top_p 0.9 and min_p 0.05": (dict(temperature=1.2, top_p=0.9, min_p=0.05), 2),
+}
+
+
+@pytest.mark.parametrize("case", list(SAMPLED_CASES))
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sampled_rows_draw_from_the_targets_distribution(case, seeded):
+    """Many requests, each with one proposal judged by row 0 (logits FREQ_LOGITS)
+    and a row 1 after it (the logits reversed): the first token each request gets
+    follows row 0's distribution whatever the proposal, the proposal is kept with
+    its probability there, and the second token (where it was kept) follows row 1's."""
+    settings_, proposal = SAMPLED_CASES[case]
+    draws = 20_000
+    params = [SamplingParams(**settings_, seed=i if seeded else None) for i in range(draws) for _ in range(2)]
+    first, second = torch.tensor(FREQ_LOGITS), torch.tensor(FREQ_LOGITS[::-1])
+    logits = torch.stack([first, second]).repeat(draws, 1)
+    proposed = [proposal, NO_PROPOSAL] * draws
+    out = verify(logits, rows_batch(params, [0, 1] * draws), proposed, generator=torch.Generator().manual_seed(5))
+    kept, tokens = out.kept[0::2], out.tokens.view(draws, 2)
+    first_tokens = torch.where(kept, proposal, tokens[:, 0])
+    expected = expected_distribution(FREQ_LOGITS, **settings_)
+    assert_drawn_from(torch.bincount(first_tokens, minlength=len(FREQ_LOGITS)).tolist(), expected)
+    accepted = int(kept.sum())
+    p = expected[proposal]
+    assert abs(accepted - draws * p) <= 5 * (draws * p * (1 - p)) ** 0.5 + 1, (accepted, draws * p)
+    if accepted > 100:
+        counts = torch.bincount(tokens[kept, 1], minlength=len(FREQ_LOGITS)).tolist()
+        assert_drawn_from(counts, expected_distribution(FREQ_LOGITS[::-1], **settings_))
+
+
+# ---- through the scheduler ----------------------------------------------------------
+
+
+def repetitive_prompts(vocab: int) -> list[list[int]]:
+    """Prompts whose continuations the n-gram proposer can guess (a tiny random model
+    falls into loops), random ones, and one twice (shared prefix, n > 1 alike)."""
+    rand = mixed_prompts(vocab, [5, 33, 70], seed=11)
+    looped = (rand[0] * 8)[:36]
+    return [looped, *rand, rand[1]]
+
+
+def plain_and_speculative(model_dir: Path, prompts, server_args: dict, **params):
+    plain = generate(make_scheduler(model_dir, **PRIORITY, **server_args), prompts, **params)
+    scheduler = make_scheduler(model_dir, **PRIORITY, **NGRAM, **server_args)
+    return plain, generate(scheduler, prompts, **params), scheduler.stats()
+
+
+CONFIGS = {
+    "radix cache": {},
+    "cache off": {"disable_radix_cache": True},
+    "chunked prefill": {"chunked_prefill_size": 8},
+    "pages of 4, 7 proposals": {"page_size": 4, "speculative_num_draft_tokens": 7},
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_tokens_and_logprobs_are_plain_decodings(tiny_llama_dir, config):
+    prompts = repetitive_prompts(512)
+    plain, spec, stats = plain_and_speculative(
+        tiny_llama_dir, prompts, CONFIGS[config], max_new_tokens=40, return_logprob=True, **GREEDY
+    )
+    for a, b in zip(plain, spec, strict=True):
+        assert b.output_ids == a.output_ids
+        assert b.finish_reason == a.finish_reason == FinishReason("length")
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+    # Both kinds of verdict happened: proposals kept and proposals refused.
+    assert stats.spec_verify_steps > 0
+    assert 0 < stats.spec_accepted_tokens_total < stats.spec_proposed_tokens_total
+
+
+def test_stops_and_budgets_cut_inside_a_verified_run(tiny_llama_dir):
+    """A stop string and max_new_tokens that end a request inside the run of tokens
+    one verify step kept (this prompt's output settles into repeating one token
+    after about 20, which the proposer then guesses), a stop token, min_new_tokens
+    and logit_bias: it ends where plain decoding ends, with the same tokens."""
+    prompt = repetitive_prompts(512)[1]
+    [free] = generate(make_scheduler(tiny_llama_dir, **PRIORITY), [prompt], max_new_tokens=40, **GREEDY)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    stop = tokenizer.decode(free.output_ids[26:29])
+    cases = [
+        dict(max_new_tokens=40, min_new_tokens=26, stop=[stop], ignore_eos=True),
+        dict(max_new_tokens=27, ignore_eos=True),
+        dict(max_new_tokens=40, stop_token_ids=[free.output_ids[30]]),
+        dict(max_new_tokens=30, min_new_tokens=20, logit_bias={free.output_ids[30]: 0.5}),
+    ]
+    for params in cases:
+        plain, spec, stats = plain_and_speculative(tiny_llama_dir, [prompt], {}, temperature=0.0, **params)
+        assert spec[0].output_ids == plain[0].output_ids, params
+        assert spec[0].finish_reason == plain[0].finish_reason, params
+        assert stats.spec_accepted_tokens_total > 0, params
+        if "stop" in params:
+            assert spec[0].finish_reason == FinishReason("stop", stop) and 20 < len(spec[0].output_ids) < 40
+
+
+def test_requests_without_proposals_decode_beside_those_with(tiny_llama_dir):
+    """Penalties (whose counts would have to include the proposals before each row)
+    take no proposals; in one batch with requests that do, everyone gets plain
+    decoding's tokens."""
+    prompts = repetitive_prompts(512)[:3]
+    plain_s, spec_s = make_scheduler(tiny_llama_dir, **PRIORITY), make_scheduler(tiny_llama_dir, **PRIORITY, **NGRAM)
+    results = []
+    for scheduler in (plain_s, spec_s):
+        rids = [submit(scheduler, prompts[0], max_new_tokens=30, repetition_penalty=1.3, **GREEDY)]
+        rids.append(submit(scheduler, prompts[0], max_new_tokens=30, frequency_penalty=0.5, **GREEDY))
+        rids += [submit(scheduler, p, max_new_tokens=30, **GREEDY) for p in prompts]
+        done = run(scheduler)
+        results.append([done[r].output_ids for r in rids])
+    assert results[1] == results[0]
+    assert results[0][0] != results[0][2], "the penalty should change the looping request's tokens"
+    assert spec_s.stats().spec_accepted_tokens_total > 0
+
+
+def test_a_seeded_sampled_request_gets_its_tokens_alone_and_in_a_batch(tiny_llama_dir):
+    """Under speculation a seeded request draws each position's tokens from its own
+    generators, and the n-gram proposals depend on its tokens alone."""
+    prompts = repetitive_prompts(512)
+    params = dict(max_new_tokens=30, temperature=0.8, top_p=0.95, seed=42, ignore_eos=True)
+    scheduler = make_scheduler(tiny_llama_dir, **PRIORITY, **NGRAM)
+    [alone] = generate(scheduler, prompts[:1], **params)
+    batch = generate(scheduler, prompts, **params)
+    assert batch[0].output_ids == alone.output_ids
+    assert scheduler.stats().spec_accepted_tokens_total > 0
+
+
+def test_an_abort_between_verify_steps_leaves_the_pool_whole(tiny_llama_dir):
+    scheduler = make_scheduler(tiny_llama_dir, **PRIORITY, **NGRAM)
+    prompts = repetitive_prompts(512)
+    rids = [submit(scheduler, p, max_new_tokens=60, **GREEDY) for p in prompts[:3]]
+    outputs = []
+    while scheduler.stats().spec_verify_steps < 3:
+        outputs += scheduler.step()
+    scheduler.abort(rids[0])
+    assert scheduler.check_memory(), scheduler.stats()
+    done = run(scheduler, earlier=outputs)
+    assert done[rids[0]].finish_reason.type == "abort"
+    assert all(done[r].finish_reason == FinishReason("length") for r in rids[1:])
+    assert scheduler.stats().private_tokens == 0
+
+
+class TokenOutsideTheVocabulary(Proposer):
+    """A third party's proposer with a bug: for prompts starting with token 99 it
+    proposes a token the model does not have."""
+
+    name = "broken"
+
+    def propose(self, requests):
+        return [[1_000_000] if r.token_ids[0] == 99 else [] for r in requests]
+
+
+class BrokenProposerPlugin:
+    @hookimpl
+    def register_speculative_proposers(self, register):
+        register(TokenOutsideTheVocabulary)
+
+
+def test_a_broken_proposer_fails_its_step_loudly_and_the_scheduler_goes_on(tiny_llama_dir):
+    registry = PluginRegistry()
+    registry.register_plugin(BrokenProposerPlugin(), "broken-proposer")
+    scheduler = make_scheduler(tiny_llama_dir, registry, **PRIORITY, speculative_algorithm="broken")
+    [failed] = generate(scheduler, [[99, 40, 41, 42]], max_new_tokens=8, **GREEDY)
+    assert failed.finish_reason.type == "abort" and failed.finish_reason.status_code == 500
+    assert "proposer 'broken' proposed token ids outside the vocabulary" in failed.finish_reason.message
+    [fine] = generate(scheduler, [[98, 40, 41, 42]], max_new_tokens=8, **GREEDY)
+    assert fine.finish_reason == FinishReason("length") and len(fine.output_ids) == 8
+    assert scheduler.stats().private_tokens == 0
+
+
+def test_a_server_speculates_and_says_so(tiny_llama_dir, tiny_server):
+    prompt = repetitive_prompts(512)[0]
+    with serving(tiny_llama_dir, "--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "5") as srv:
+        answers = []
+        for url in (tiny_server.url, srv.url):
+            with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60) as client:
+                answers.append(
+                    client.completions.create(
+                        model="tiny", prompt=prompt, max_tokens=32, temperature=0, extra_body={"ignore_eos": True}
+                    )
+                )
+        info = httpx.get(srv.url + "/server_info", timeout=30).json()
+    assert answers[1].choices[0].text == answers[0].choices[0].text
+    assert answers[1].usage.completion_tokens == 32
+    assert info["speculative"] == {"algorithm": "ngram", "num_draft_tokens": 5, "max_batch_size": 8}
+    assert info["stats"]["spec_accepted_tokens_total"] > 0
+    assert info["stats"]["memory_invariant_ok"]
