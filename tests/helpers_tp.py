@@ -82,19 +82,24 @@ def run_script(scheduler: Scheduler) -> dict[str, RequestResult]:
     return results
 
 
-def make_args(model_dir: Path, tp_size: int) -> ServerArgs:
-    return ServerArgs(model_path=str(model_dir), tp_size=tp_size, **SERVER_ARGS)
+def make_args(model_dir: Path, tp_size: int, **more: Any) -> ServerArgs:
+    return ServerArgs(model_path=str(model_dir), tp_size=tp_size, **SERVER_ARGS, **more)
 
 
-def rank_answers(model_dirs: list[Path], tp_size: int, port: int, rank: int) -> dict[str, Any]:
+def rank_answers(
+    model_dirs: list[Path], tp_size: int, port: int, rank: int, more: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One rank: for each model, join its group (a key prefix of its own), run the
-    script, leave; ``{model_dir: results}``."""
+    script, leave; ``{model_dir: results}``, and ``{"speculation:" + model_dir: (verify
+    steps, accepted tokens)}``. ``more``: server arguments besides SERVER_ARGS."""
     answers: dict[str, Any] = {}
     for model_dir in model_dirs:
         spec = RankSpec(rank, tp_size, rank, Rendezvous("127.0.0.1", port, prefix=str(model_dir)), 120.0)
-        args = make_args(model_dir, tp_size)
+        args = make_args(model_dir, tp_size, **(more or {}))
         scheduler = Scheduler(args, str(model_dir), AutoTokenizer.from_pretrained(model_dir), rank=spec)
         answers[str(model_dir)] = run_script(scheduler)
+        stats = scheduler.stats()
+        answers[f"speculation:{model_dir}"] = (stats.spec_verify_steps, stats.spec_accepted_tokens_total)
         scheduler.runner.group.destroy()
     return answers
 
@@ -155,8 +160,10 @@ class RankPool:
             proc.join()
 
 
-def run_ranks(pool: RankPool, model_dirs: list[Path], tp_size: int, timeout: float = 240) -> list[dict[str, Any]]:
+def run_ranks(
+    pool: RankPool, model_dirs: list[Path], tp_size: int, timeout: float = 240, **more: Any
+) -> list[dict[str, Any]]:
     """Every rank's ``{model_dir: results}``, rank by rank: the pool's first ``tp_size`` processes."""
     store = host_store("127.0.0.1", 0, timeout)
-    pool.start(rank_answers, [(model_dirs, tp_size, store.port, rank) for rank in range(tp_size)])
+    pool.start(rank_answers, [(model_dirs, tp_size, store.port, rank, more) for rank in range(tp_size)])
     return [pool.result(rank, timeout) for rank in range(tp_size)]

@@ -30,6 +30,7 @@ from radixserve.runtime.execution.verifier import NO_PROPOSAL, verify, walk
 from radixserve.sampling.params import SamplingParams
 from radixserve.speculative.base import DraftRequest, Proposer, ProposerSettings
 from radixserve.speculative.ngram import NgramProposer
+from radixserve.testing import check_proposer
 
 PRIORITY = {"backend_selection": "priority"}
 NGRAM = {"speculative_algorithm": "ngram"}
@@ -71,6 +72,40 @@ def test_ngram_index_finds_what_a_scan_finds(tokens, low, extra):
         assert proposer.propose([DraftRequest("grown", tokens[:n], 4)]) == [scan(tokens[:n], low, low + extra, 4)]
     proposer.forget("grown")
     assert proposer.propose([DraftRequest("grown", tokens, 4)]) == [scan(tokens, low, low + extra, 4)]
+
+
+class StatefulByBatchPosition(Proposer):
+    """Wrong in two ways the kit must catch: proposals depend on a request's place
+    in the batch, and one more token than asked for."""
+
+    name = "by-position"
+
+    def propose(self, requests):
+        return [[i] * (r.max_tokens + (1 if i == 2 else 0)) for i, r in enumerate(requests)]
+
+
+class StaleState(Proposer):
+    """Wrong in another way: it keeps each request's first proposal for good."""
+
+    name = "stale"
+
+    def __init__(self, settings):
+        super().__init__(settings)
+        self.kept = {}
+
+    def propose(self, requests):
+        return [
+            self.kept.setdefault(r.rid, list(r.token_ids[-r.max_tokens :]) if r.max_tokens else []) for r in requests
+        ]
+
+
+def test_the_proposer_kit_passes_ngram_and_catches_wrong_proposers():
+    check_proposer("ngram").raise_for_failures(min_run=4)
+    failed = {r.case: r.error for r in check_proposer(StatefulByBatchPosition).failures}
+    assert set(failed) == {"bounds", "alone-or-batched"}, failed
+    assert "was proposed [2, 2, 2]" in failed["bounds"]
+    failed = {r.case: r.error for r in check_proposer(StaleState).failures}
+    assert set(failed) == {"grown-step-by-step", "forget"}, failed
 
 
 # ---- verification ---------------------------------------------------------------

@@ -73,6 +73,23 @@ def test_tp_ranks_equal_tp1_under_load_with_aborts(model_dirs, reference, rank_p
                 assert got[rid].logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4)
 
 
+def test_tp2_with_speculative_decoding_equals_tp1_without(model_dirs, reference, rank_pool):
+    """n-gram speculation (docs/speculative.md) at tp=2: every rank proposes and keeps
+    alike, so the greedy requests get tp=1's plain tokens, and the ranks sample alike."""
+    llama = model_dirs[:1]
+    ranks = run_ranks(rank_pool, llama, 2, speculative_algorithm="ngram", speculative_num_draft_tokens=3)
+    ref = reference[str(llama[0])]
+    for answer in ranks:
+        got = answer[str(llama[0])]
+        for rid in SAMPLED:
+            assert got[rid].output_ids == ranks[0][str(llama[0])][rid].output_ids
+        for rid in (r for r in ref if r not in SAMPLED):
+            assert got[rid].output_ids == ref[rid].output_ids, rid
+            assert got[rid].finish == ref[rid].finish
+        steps, accepted = answer[f"speculation:{llama[0]}"]
+        assert steps > 0 and accepted > 0, (steps, accepted)
+
+
 def test_each_rank_reads_only_its_shards(tiny_model_factory, monkeypatch):
     model_dir = tiny_model_factory(arch="qwen3_moe")
     registry = get_registry()

@@ -88,6 +88,7 @@ from radixserve.testing.conformance.quantization import (
     QuantReference,  # noqa: F401
     check_quantization_method,
 )
+from radixserve.testing.conformance.speculative import check_proposer
 
 __all__ = [
     "ATTENTION_CASES",
@@ -118,6 +119,7 @@ __all__ = [
     "check_elementwise_backend",
     "check_gemm_backend",
     "check_kv_transfer_backend",
+    "check_proposer",
     "check_mla_attention_backend",
     "check_moe_backend",
     "check_quantization_method",
