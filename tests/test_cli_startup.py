@@ -119,6 +119,15 @@ def test_unknown_speculative_algorithm(cli_in_process):
     )
 
 
+def test_a_draft_proposer_without_a_draft_model(cli_in_process, tmp_path):
+    code, output = cli_in_process("serve", "--speculative-algorithm", "draft")
+    assert_short_failure(code, output, "speculative_draft_model_path: --speculative-algorithm draft runs a draft model")
+    code, output = cli_in_process(
+        "serve", "--speculative-algorithm", "draft", "--speculative-draft-model-path", "/nope"
+    )
+    assert_short_failure(code, output, "speculative_draft_model_path:", "/nope")
+
+
 def test_backend_that_cannot_serve_the_model(tiny_llama_dir):
     if torch.cuda.is_available():
         pytest.skip("triton can serve here")

@@ -303,6 +303,60 @@ def test_a_broken_proposer_fails_its_step_loudly_and_the_scheduler_goes_on(tiny_
     assert scheduler.stats().private_tokens == 0
 
 
+# ---- the draft-model proposer --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_draft_dir(tiny_model_factory) -> Path:
+    """A draft with the tiny Llama's tokenizer: one layer, half the width, other weights."""
+    return tiny_model_factory(arch="llama", num_layers=1, hidden_size=32, seed=5)
+
+
+def test_a_draft_model_gives_plain_decodings_tokens_and_frees_its_kv(tiny_llama_dir, small_draft_dir):
+    """The target as its own draft proposes exactly its greedy tokens (every proposal
+    kept); an unrelated draft proposes others (refused). Both give plain decoding's
+    tokens, under a ragged batch with chunked prefill and pages of 4, and the draft's
+    pool is empty once the requests end."""
+    prompts = repetitive_prompts(512)
+    server_args = {"chunked_prefill_size": 16, "page_size": 4}
+    plain = generate(make_scheduler(tiny_llama_dir, **PRIORITY, **server_args), prompts, max_new_tokens=24, **GREEDY)
+    for draft, all_kept in ((tiny_llama_dir, True), (small_draft_dir, False)):
+        scheduler = make_scheduler(
+            tiny_llama_dir,
+            **PRIORITY,
+            **server_args,
+            speculative_algorithm="draft",
+            speculative_draft_model_path=str(draft),
+        )
+        spec = generate(scheduler, prompts, max_new_tokens=24, **GREEDY)
+        assert [r.output_ids for r in spec] == [r.output_ids for r in plain], draft
+        stats = scheduler.stats()
+        assert stats.spec_proposed_tokens_total > 0
+        kept_all = stats.spec_accepted_tokens_total == stats.spec_proposed_tokens_total
+        assert kept_all == all_kept, (draft, stats.spec_accepted_tokens_total, stats.spec_proposed_tokens_total)
+        assert scheduler.speculation.draft_model.tokens_held() == 0
+
+
+def test_the_draft_proposer_passes_the_kit(tiny_llama_dir):
+    scheduler = make_scheduler(
+        tiny_llama_dir, **PRIORITY, speculative_algorithm="draft", speculative_draft_model_path=str(tiny_llama_dir)
+    )
+    draft = scheduler.speculation.draft_model
+    check_proposer("draft", ProposerSettings(num_draft_tokens=3, draft_model=draft)).raise_for_failures(min_run=4)
+
+
+def test_a_draft_model_must_share_the_vocabulary(tiny_llama_dir, tiny_model_factory):
+    other = tiny_model_factory(arch="llama", vocab_size=384)
+    with pytest.raises(ValueError, match="speculative_draft_model_path: the draft model's vocabulary has 384"):
+        make_scheduler(
+            tiny_llama_dir, **PRIORITY, speculative_algorithm="draft", speculative_draft_model_path=str(other)
+        )
+    with pytest.raises(ValueError, match="runs a draft model; name one"):
+        make_scheduler(tiny_llama_dir, **PRIORITY, speculative_algorithm="draft")
+    with pytest.raises(ValueError, match="speculative_draft_model_path: is for --speculative-algorithm draft"):
+        make_scheduler(tiny_llama_dir, **PRIORITY, speculative_draft_model_path=str(other))
+
+
 def test_a_server_speculates_and_says_so(tiny_llama_dir, tiny_server):
     prompt = repetitive_prompts(512)[0]
     with serving(tiny_llama_dir, "--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "5") as srv:
@@ -317,6 +371,7 @@ def test_a_server_speculates_and_says_so(tiny_llama_dir, tiny_server):
         info = httpx.get(srv.url + "/server_info", timeout=30).json()
     assert answers[1].choices[0].text == answers[0].choices[0].text
     assert answers[1].usage.completion_tokens == 32
-    assert info["speculative"] == {"algorithm": "ngram", "num_draft_tokens": 5, "max_batch_size": 8}
+    expected = {"algorithm": "ngram", "num_draft_tokens": 5, "max_batch_size": 8, "draft_model": None}
+    assert info["speculative"] == expected
     assert info["stats"]["spec_accepted_tokens_total"] > 0
     assert info["stats"]["memory_invariant_ok"]

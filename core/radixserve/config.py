@@ -190,11 +190,17 @@ class ServerArgs(CliArgs):
     # speculative decoding (docs/speculative.md)
     speculative_algorithm: str | None = _flag(
         "propose several tokens a step and keep those the model agrees with (greedy: the same tokens; "
-        "sampling: the same distribution): ngram (built in: lookup in the request's own prompt and output) or "
-        "any registered proposer (`radixserve plugins` lists them); unset: off",
+        "sampling: the same distribution): ngram (built in: lookup in the request's own prompt and output), "
+        "draft (built in: a smaller model, --speculative-draft-model-path) or any registered proposer "
+        "(`radixserve plugins` lists them); unset: off",
         default=None,
     )
     speculative_num_draft_tokens: int = _flag("the most tokens proposed for a request in one step", default=4)
+    speculative_draft_model_path: str | None = _flag(
+        "draft: a smaller model with the same tokenizer (a local HuggingFace directory), run beside the target on "
+        "the same device; it decodes the proposals greedily",
+        default=None,
+    )
     speculative_ngram_min_match_window_size: int = _flag(
         "ngram: the shortest suffix of a request looked up in its earlier tokens", default=1
     )
@@ -311,6 +317,8 @@ class ServerArgs(CliArgs):
             bad("speculative_ngram_min_match_window_size", f"must be >= 1, got {low}")
         if high < low:
             bad("speculative_ngram_max_match_window_size", f"must be >= the min match window ({low}), got {high}")
+        if self.speculative_draft_model_path is not None and self.speculative_algorithm is None:
+            bad("speculative_draft_model_path", "is for --speculative-algorithm draft, and speculation is off")
         if self.speculative_algorithm is not None and self.disable_overlap_schedule is False:
             bad(
                 "disable_overlap_schedule",

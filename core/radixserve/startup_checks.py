@@ -59,6 +59,13 @@ def check_sources(args: ServerArgs) -> None:
         safetensors_files,
     )
 
+    draft = args.speculative_draft_model_path
+    if draft is not None:
+        try:
+            check_model_source(draft)
+            safetensors_files(draft)
+        except (ValueError, OSError, KeyError) as exc:
+            raise StartupError(f"speculative_draft_model_path: {exc}", MODEL_HINT) from exc
     if args.model_path is None:
         return
     try:
@@ -80,6 +87,7 @@ def check_args(args: ServerArgs) -> type[Platform]:
     ``--tool-call-parser``, ``--reasoning-parser``, ``--speculative-algorithm``).
     Returns the platform."""
     from radixserve.registry import PluginError, get_registry
+    from radixserve.speculative.base import draft_model_mismatch
 
     registry = get_registry()
     try:
@@ -90,7 +98,9 @@ def check_args(args: ServerArgs) -> type[Platform]:
         if args.reasoning_parser is not None:
             registry.reasoning_parser(args.reasoning_parser)
         if args.speculative_algorithm is not None:
-            registry.proposer(args.speculative_algorithm)
+            needs_draft = registry.proposer(args.speculative_algorithm).needs_draft_model
+            if needs_draft != (args.speculative_draft_model_path is not None):
+                raise StartupError(draft_model_mismatch(args.speculative_algorithm, needs_draft))
     except PluginError as exc:
         raise StartupError(str(exc), PLUGINS_HINT) from exc
     for kind, name in _forced_backends(args, args.quantization).items():

@@ -10,11 +10,14 @@ sampling tokens drawn from its own distribution. A proposer can therefore never
 change what a request gets, only how many steps it takes; a bad proposer costs
 speed, not correctness.
 
-Proposers here are deterministic: a proposal is a list of tokens, taken as a
-point mass (the rejection rule then accepts a proposal ``d`` with the target's
-probability of ``d``). One whose drafts are sampled from a distribution of its
-own would also return that distribution; the verifier's rule has the place for
-it (``draft_probs``), this contract does not yet.
+Proposers are deterministic: a proposal is a list of tokens, taken as a point
+mass (the rejection rule then keeps a proposal ``d`` with the target's
+probability of ``d``, and the tokens still follow the target's distribution). A
+proposer that runs a model of its own (a draft model) declares
+``needs_draft_model``; the runtime then loads ``--speculative-draft-model-path``
+beside the target, on the same device, and hands it over as a ``SequenceModel``
+in the settings: the proposer asks it for next-token logits, the runtime keeps
+each request's KV in the draft model's own pool between calls.
 """
 
 from __future__ import annotations
@@ -22,16 +25,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
-
-@dataclass(frozen=True)
-class ProposerSettings:
-    """What ``--speculative-*`` says, passed to a proposer when it is built."""
-
-    num_draft_tokens: int = 4  # the most tokens proposed for one request in one step
-    ngram_min_match: int = 1  # n-gram: the shortest suffix looked up
-    ngram_max_match: int = 12  # n-gram: the longest suffix looked up
+import torch
 
 
 @dataclass(frozen=True)
@@ -46,6 +42,36 @@ class DraftRequest:
     max_tokens: int
 
 
+class SequenceModel(Protocol):
+    """A model the runtime runs for a proposer (``--speculative-draft-model-path``)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def next_token_logits(self, requests: Sequence[DraftRequest]) -> torch.Tensor:
+        """``[len(requests), vocab]`` float32 logits of the token after each request's
+        ``token_ids`` (``max_tokens`` is not read). The model keeps each request's KV
+        between calls and computes only the tokens past the longest prefix it has
+        already computed for that ``rid``, so asking again with the sequence grown by
+        a token computes one token, and a sequence that changed in its last tokens
+        (refused proposals) is computed from where it changed."""
+        ...
+
+    def forget(self, rid: str) -> None:
+        """Free what is kept for ``rid``."""
+        ...
+
+
+@dataclass(frozen=True)
+class ProposerSettings:
+    """What ``--speculative-*`` says, passed to a proposer when it is built."""
+
+    num_draft_tokens: int = 4  # the most tokens proposed for one request in one step
+    ngram_min_match: int = 1  # n-gram: the shortest suffix looked up
+    ngram_max_match: int = 12  # n-gram: the longest suffix looked up
+    draft_model: SequenceModel | None = None  # for a proposer with ``needs_draft_model``
+
+
 class Proposer(ABC):
     """Proposes tokens for running requests. One instance serves one scheduler (one
     tensor-parallel rank runs its own, on the same requests: it must propose alike on
@@ -53,6 +79,7 @@ class Proposer(ABC):
 
     name: ClassVar[str]
     priority: ClassVar[int] = 0
+    needs_draft_model: ClassVar[bool] = False  # True: built with ``settings.draft_model`` set
 
     def __init__(self, settings: ProposerSettings):
         self.settings = settings
@@ -69,3 +96,10 @@ class Proposer(ABC):
 
     def forget(self, rid: str) -> None:  # noqa: B027 (a stateless proposer has nothing to forget)
         """Request ``rid`` ended: drop whatever was kept for it."""
+
+
+def draft_model_mismatch(algorithm: str, needs_draft_model: bool) -> str:
+    """The error for a draft model missing where the proposer runs one, or given where it does not."""
+    if needs_draft_model:
+        return f"speculative_draft_model_path: --speculative-algorithm {algorithm} runs a draft model; name one"
+    return f"speculative_draft_model_path: --speculative-algorithm {algorithm} runs no draft model; leave it unset"

@@ -1,12 +1,14 @@
 """The built-in proposers, registered through the same hook as a third party's
-(built-in plugin ``radixserve-speculative``): ``ngram``."""
+(built-in plugin ``radixserve-speculative``): ``ngram`` and ``draft``."""
 
 from __future__ import annotations
 
 from radixserve.hooks import Register, hookimpl
+from radixserve.speculative.draft import DraftModelProposer
 from radixserve.speculative.ngram import NgramProposer
 
 
 @hookimpl
 def register_speculative_proposers(register: Register) -> None:
     register(NgramProposer)
+    register(DraftModelProposer)

@@ -74,7 +74,7 @@ class Scheduler:
         self.stop_checker = StopChecker(tokenizer, eos_ids)
         self.grammars = GrammarQueue.for_model(args, model_path, runner, eos_ids)
         registry = registry or get_registry()
-        self.speculation = Speculation.create(args, registry, runner.vocab_size)
+        self.speculation = Speculation.create(args, registry, runner)
         no_overlap = args.disable_overlap_schedule
         overlap = runner.platform.overlap_schedule if no_overlap is None else not no_overlap
         if self.speculation is not None and overlap:

@@ -16,37 +16,48 @@ from typing import Any
 
 from radixserve.config import ServerArgs
 from radixserve.registry import PluginRegistry
+from radixserve.runtime.execution.draft_model import DraftModelRunner
+from radixserve.runtime.execution.model_runner import ModelRunner
 from radixserve.runtime.execution.request import Req
-from radixserve.speculative.base import DraftRequest, Proposer, ProposerSettings
+from radixserve.speculative.base import DraftRequest, Proposer, ProposerSettings, draft_model_mismatch
 
 logger = logging.getLogger(__name__)
 
 
 class Speculation:
-    def __init__(self, proposer: Proposer, max_batch_size: int, vocab_size: int):
+    def __init__(
+        self, proposer: Proposer, max_batch_size: int, vocab_size: int, draft_model: DraftModelRunner | None = None
+    ):
         self.proposer = proposer
         self.num_draft_tokens = proposer.settings.num_draft_tokens
         self.max_batch_size = max_batch_size
         self.vocab_size = vocab_size
+        self.draft_model = draft_model
 
     @classmethod
-    def create(cls, args: ServerArgs, registry: PluginRegistry, vocab_size: int) -> Speculation | None:
-        """The part ``args`` asks for; None when speculation is off."""
+    def create(cls, args: ServerArgs, registry: PluginRegistry, target: ModelRunner) -> Speculation | None:
+        """The part ``args`` asks for (with its draft model, loaded beside ``target``,
+        for a proposer that runs one); None when speculation is off."""
         if args.speculative_algorithm is None:
             return None
+        proposer_cls = registry.proposer(args.speculative_algorithm)
+        if proposer_cls.needs_draft_model != (args.speculative_draft_model_path is not None):
+            raise ValueError(draft_model_mismatch(args.speculative_algorithm, proposer_cls.needs_draft_model))
+        draft_model = DraftModelRunner(args, registry, target) if proposer_cls.needs_draft_model else None
         settings = ProposerSettings(
             num_draft_tokens=args.speculative_num_draft_tokens,
             ngram_min_match=args.speculative_ngram_min_match_window_size,
             ngram_max_match=args.speculative_ngram_max_match_window_size,
+            draft_model=draft_model,
         )
-        proposer = registry.proposer(args.speculative_algorithm)(settings)
+        proposer = proposer_cls(settings)
         logger.info(
             "speculative decoding: %s, up to %d tokens proposed a step while at most %d requests decode",
             proposer.name,
             settings.num_draft_tokens,
             args.speculative_max_batch_size,
         )
-        return cls(proposer, args.speculative_max_batch_size, vocab_size)
+        return cls(proposer, args.speculative_max_batch_size, target.vocab_size, draft_model)
 
     def describe(self) -> dict[str, Any]:
         """What ``/server_info`` says of it (the counts of what it proposed and what was
@@ -55,6 +66,7 @@ class Speculation:
             "algorithm": self.proposer.name,
             "num_draft_tokens": self.num_draft_tokens,
             "max_batch_size": self.max_batch_size,
+            "draft_model": self.draft_model.describe() if self.draft_model is not None else None,
         }
 
     def proposals(self, running: list[Req]) -> list[list[int]] | None:
