@@ -84,7 +84,7 @@ def _grown_step_by_step(make: Callable[[], Proposer], settings: ProposerSettings
     rng = random.Random(3)
     proposer = make()
     tokens = [list(seq[: max(2, len(seq) // 3)]) for seq in _sequences(3, 4)]
-    for step in range(25):
+    for step in range(12):
         requests = [DraftRequest(f"g{i}", list(seq), settings.num_draft_tokens) for i, seq in enumerate(tokens)]
         got = proposer.propose(requests)
         fresh = make().propose(requests)
