@@ -56,6 +56,7 @@ REPEAT_MARKER = "\n\n# the same function again, unchanged:\n"
 DEFAULT_OUT_DIR = Path.home() / ".cache/radixserve-bench/speculative"
 WARMUP_STEPS = 20
 MIN_LR_FRACTION = 0.1
+Source = tuple[str, str]  # (path under the stdlib, text)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ QUICK = dict(  # --quick: defaults for a smoke run of a few seconds (flags given
 )
 
 
-def stdlib_sources() -> list[tuple[str, str]]:
+def stdlib_sources() -> list[Source]:
     """(path relative to the stdlib, text) of every Python source the corpus takes, sorted."""
     root = Path(sysconfig.get_paths()["stdlib"])
     sources = []
@@ -110,13 +111,13 @@ def stdlib_sources() -> list[tuple[str, str]]:
     return sources
 
 
-def split(sources: list[tuple[str, str]], heldout_bytes: int, seed: int) -> tuple[list[str], list[str]]:
-    """Shuffle the files with ``seed``; the first ones, up to ``heldout_bytes``, are held out."""
-    order = [text for _, text in sources]
+def split(sources: list[Source], heldout_bytes: int, seed: int) -> tuple[list[Source], list[Source]]:
+    """(training, held out): shuffled with ``seed``, the first files, up to ``heldout_bytes``, are held out."""
+    order = list(sources)
     random.Random(seed).shuffle(order)
     count, size = 0, 0
     while count < len(order) and size < heldout_bytes:
-        size += len(order[count])
+        size += len(order[count][1])
         count += 1
     return order[count:], order[:count]
 
@@ -150,6 +151,12 @@ def token_stream(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> torch.
     encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     return torch.tensor([t for e in encodings for t in (bos, *e.ids, eos)], dtype=torch.long)
+
+
+def unigram_loss(train: torch.Tensor, heldout: torch.Tensor, vocab_size: int) -> float:
+    """Held-out loss per token of token frequencies alone (add-one smoothed): what learning must beat."""
+    counts = torch.bincount(train, minlength=vocab_size).double() + 1
+    return float(-(counts / counts.sum()).log()[heldout[1:]].mean())
 
 
 def build_model(size: ModelSize, tokenizer: PreTrainedTokenizerFast, seed: int) -> LlamaForCausalLM:
@@ -295,7 +302,7 @@ def main() -> None:
     parser.add_argument("--heldout-kb", type=int, default=300, help="held-out files, about this many KB")
     parser.add_argument("--max-train-files", type=int, default=0, help="0: all")
     parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--seq-len", type=int, default=512, help="training window; prompts and outputs fit in it")
+    parser.add_argument("--seq-len", type=int, default=256, help="training window (short ones learn faster early)")
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--target-minutes", type=float, default=4.0)
     parser.add_argument("--draft-minutes", type=float, default=1.5)
@@ -307,7 +314,7 @@ def main() -> None:
             parser.add_argument(flag, type=int, default=getattr(size, field.name))
     parser.add_argument("--eval-tokens", type=int, default=1 << 17, help="held-out tokens the loss is taken over")
     parser.add_argument("--num-prompts", type=int, default=200, help="heldout.jsonl prompts of each kind")
-    parser.add_argument("--repeat-max-tokens", type=int, default=200, help="longest function a repeat prompt holds")
+    parser.add_argument("--repeat-max-tokens", type=int, default=120, help="longest function a repeat prompt holds")
     parser.add_argument("--check-prompts", type=int, default=8, help="repeat prompts the copy check generates on")
     parser.add_argument("--log-seconds", type=float, default=20.0)
     args = parser.parse_args()
@@ -322,16 +329,17 @@ def main() -> None:
     begin = time.perf_counter()
     wall: dict[str, float] = {}
 
-    sources = stdlib_sources()
-    train_texts, heldout_texts = split(sources, args.heldout_kb * 1000, args.seed)
-    if args.max_train_files:
-        train_texts = train_texts[: args.max_train_files]
+    train_files, heldout_files = split(stdlib_sources(), args.heldout_kb * 1000, args.seed)
+    train_texts = [text for _, text in train_files][: args.max_train_files or None]
+    heldout_texts = [text for _, text in heldout_files]
     tokenizer = train_tokenizer(train_texts, args.vocab_size)
     train_stream, heldout_stream = token_stream(tokenizer, train_texts), token_stream(tokenizer, heldout_texts)
+    unigram = unigram_loss(train_stream, heldout_stream, len(tokenizer))
     wall["tokenizer_and_corpus"] = round(time.perf_counter() - begin, 1)
     print(
         f"corpus: {len(train_texts)} training files ({len(train_stream)} tokens), "
-        f"{len(heldout_texts)} held out ({len(heldout_stream)} tokens); vocab {len(tokenizer)}",
+        f"{len(heldout_texts)} held out ({len(heldout_stream)} tokens); vocab {len(tokenizer)}; "
+        f"held-out loss of token frequencies alone {unigram:.4f}",
         flush=True,
     )
 
@@ -380,6 +388,8 @@ def main() -> None:
             "heldout_files": len(heldout_texts),
             "train_tokens": len(train_stream),
             "heldout_tokens": len(heldout_stream),
+            "heldout_names": [name for name, _ in heldout_files],
+            "heldout_unigram_loss": round(unigram, 4),
             "eval_tokens": min(len(heldout_stream) - 1, args.eval_tokens) // args.seq_len * args.seq_len,
         },
         "vocab_size": len(tokenizer),

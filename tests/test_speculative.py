@@ -9,6 +9,7 @@ leave the KV pool whole; a real server serves with it and says so."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import httpx
@@ -30,6 +31,7 @@ from radixserve.runtime.execution.verifier import NO_PROPOSAL, verify, walk
 from radixserve.sampling.params import SamplingParams
 from radixserve.speculative.base import DraftRequest, Proposer, ProposerSettings
 from radixserve.speculative.ngram import NgramProposer
+from radixserve.structured_output.backend import GrammarSpec
 from radixserve.testing import check_proposer
 
 PRIORITY = {"backend_selection": "priority"}
@@ -233,22 +235,52 @@ def test_stops_and_budgets_cut_inside_a_verified_run(tiny_llama_dir):
             assert spec[0].finish_reason == FinishReason("stop", stop) and 20 < len(spec[0].output_ids) < 40
 
 
-def test_requests_without_proposals_decode_beside_those_with(tiny_llama_dir):
-    """Penalties (whose counts would have to include the proposals before each row)
-    take no proposals; in one batch with requests that do, everyone gets plain
-    decoding's tokens."""
-    prompts = repetitive_prompts(512)[:3]
-    plain_s, spec_s = make_scheduler(tiny_llama_dir, **PRIORITY), make_scheduler(tiny_llama_dir, **PRIORITY, **NGRAM)
-    results = []
-    for scheduler in (plain_s, spec_s):
-        rids = [submit(scheduler, prompts[0], max_new_tokens=30, repetition_penalty=1.3, **GREEDY)]
-        rids.append(submit(scheduler, prompts[0], max_new_tokens=30, frequency_penalty=0.5, **GREEDY))
-        rids += [submit(scheduler, p, max_new_tokens=30, **GREEDY) for p in prompts]
+def test_penalties_count_the_proposals_before_each_row(tiny_llama_dir):
+    """Repetition, frequency and presence penalties under speculation: each row of a
+    verify step counts the proposals before it as outputs, so the tokens are plain
+    decoding's, alone and beside requests without penalties."""
+    prompts = repetitive_prompts(512)[:2]
+    penalties = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.4), dict(presence_penalty=0.6)]
+    results, accepted = [], 0
+    for speculation in ({}, NGRAM):
+        scheduler = make_scheduler(tiny_llama_dir, **PRIORITY, **speculation)
+        rids = [submit(scheduler, prompts[0], max_new_tokens=40, **GREEDY, **p) for p in penalties]
+        rids += [submit(scheduler, p, max_new_tokens=40, **GREEDY) for p in prompts]
         done = run(scheduler)
         results.append([done[r].output_ids for r in rids])
+        accepted = scheduler.stats().spec_accepted_tokens_total
     assert results[1] == results[0]
-    assert results[0][0] != results[0][2], "the penalty should change the looping request's tokens"
-    assert spec_s.stats().spec_accepted_tokens_total > 0
+    assert results[0][0] != results[0][3], "the penalty should change the looping request's tokens"
+    assert accepted > 0
+    # Alone, so that what was kept was a penalised request's.
+    [plain], [spec], stats = plain_and_speculative(
+        tiny_llama_dir, prompts[:1], {}, max_new_tokens=40, frequency_penalty=0.2, **GREEDY
+    )
+    assert spec.output_ids == plain.output_ids and stats.spec_accepted_tokens_total > 0
+
+
+def test_a_grammar_cuts_the_proposals_it_forbids_and_masks_each_row(tiny_llama_dir):
+    """Constrained requests (a regex whose text repeats, so the n-gram proposer guesses
+    it; alone in the batch, so every kept proposal is theirs): each proposal the grammar
+    forbids is cut before the step, each row is masked by the grammar after the
+    proposals before it, and every request gets plain decoding's tokens; the matchers
+    are released at the end."""
+    spec = GrammarSpec("regex", "(hello world ){3,9}done")
+    prompts = repetitive_prompts(512)
+    results, accepted = [], 0
+    for speculation in ({}, NGRAM):
+        scheduler = make_scheduler(tiny_llama_dir, **PRIORITY, **speculation)
+        rids = [submit(scheduler, p, max_new_tokens=60, temperature=0.0, grammar=spec) for p in prompts[:3]]
+        done = run(scheduler)
+        results.append([(done[r].output_ids, done[r].finish_reason) for r in rids])
+        assert scheduler.grammars.active == 0
+        accepted = scheduler.stats().spec_accepted_tokens_total
+    assert results[1] == results[0]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    for ids, reason in results[1][:3]:
+        assert reason.type == "stop"
+        assert re.fullmatch("(hello world ){3,9}done", tokenizer.decode(ids, skip_special_tokens=True))
+    assert accepted > 0
 
 
 def test_a_seeded_sampled_request_gets_its_tokens_alone_and_in_a_batch(tiny_llama_dir):

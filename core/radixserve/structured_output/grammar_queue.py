@@ -166,6 +166,54 @@ class GrammarQueue:
         return TokenMask(bitmask.to(self.transfer.device, non_blocking=True), self.transfer.to_device(rows))
 
     @staticmethod
+    def allowed_prefix(req: Req, proposals: list[int]) -> list[int]:
+        """The longest prefix of ``proposals`` (speculative decoding) that ``req``'s grammar
+        accepts after its tokens so far, stopping before a token that would complete the
+        grammar; its matcher is left where it was."""
+        grammar = req.grammar
+        if grammar is None:
+            return proposals
+        taken = 0
+        for token in proposals:
+            if not grammar.accept_token(token):
+                break
+            taken += 1
+            if grammar.is_terminated():
+                taken -= 1
+                grammar.rollback(1)
+                break
+        if taken:
+            grammar.rollback(taken)
+        return proposals[:taken]
+
+    def verify_mask(self, reqs: list[Req], proposals: list[list[int]]) -> TokenMask | None:
+        """A verify step's bitmask: a constrained request's row ``j`` allows what its
+        grammar allows after its first ``j`` proposals (``allowed_prefix``'s, so each is
+        accepted; the matcher is rolled back after); None when none is constrained."""
+        if not self.constrains(reqs):
+            return None
+        rows: list[int] = []
+        first = 0
+        for req, drafts in zip(reqs, proposals, strict=True):
+            if req.grammar is not None:
+                rows.extend(range(first, first + len(drafts) + 1))
+            first += len(drafts) + 1
+        bitmask = allocate_token_bitmask(len(rows), self.vocab_size, pin_memory=self.transfer.pinned_staging)
+        filled = 0
+        for req, drafts in zip(reqs, proposals, strict=True):
+            grammar = req.grammar
+            if grammar is None:
+                continue
+            for j in range(len(drafts) + 1):
+                grammar.fill_bitmask(bitmask, filled)
+                filled += 1
+                if j < len(drafts) and not grammar.accept_token(drafts[j]):
+                    raise ValueError(f"the grammar rejected proposal {drafts[j]} it had accepted")
+            if drafts:
+                grammar.rollback(len(drafts))
+        return TokenMask(bitmask.to(self.transfer.device, non_blocking=True), self.transfer.to_device(rows))
+
+    @staticmethod
     def accept(req: Req, token: int, reason: FinishReason | None) -> FinishReason | None:
         """Advance ``req``'s matcher by its new token; ``reason`` is the stop check's
         verdict. A terminated grammar finishes the request ("stop")."""

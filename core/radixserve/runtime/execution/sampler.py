@@ -112,6 +112,17 @@ class TokenStats:
             self.output_counts.index_add_(0, idx, torch.ones(len(new), device=idx.device))
             self.num_output = len(output_ids)
 
+    def with_tokens(self, token_ids: Sequence[int]) -> TokenStats:
+        """A copy that also counts ``token_ids`` as outputs (a verify step's row after
+        the proposals before it)."""
+        copy = TokenStats.__new__(TokenStats)
+        copy.in_prompt, copy.num_output = self.in_prompt, self.num_output + len(token_ids)
+        copy.output_counts = self.output_counts.clone()
+        if len(token_ids):
+            idx = torch.as_tensor(list(token_ids), dtype=torch.int64, device=copy.output_counts.device)
+            copy.output_counts.index_add_(0, idx, torch.ones(len(idx), device=idx.device))
+        return copy
+
     def add(self, token_id: torch.Tensor) -> None:
         """Count one sampled token (a 0-d device tensor)."""
         self.output_counts.index_add_(0, token_id.reshape(1), torch.ones(1, device=self.output_counts.device))
@@ -414,5 +425,8 @@ class Sampler:
 
             ref = weakref.ref(req, forget)
             entry = self._stats[key] = (ref, TokenStats(req.origin_input_ids, self.vocab_size, self.device))
-            entry[1].update(req.output_ids)  # outputs from before (a request resumed after retraction)
+        # Outputs it has not counted: from before (a request resumed after retraction), or
+        # those of a verify step, which counts none itself. Sampled tokens are counted on the
+        # device at once (``add``), so with overlap the host's list is behind, never ahead.
+        entry[1].update(req.output_ids)
         return entry[1]

@@ -34,6 +34,7 @@ from radixserve.runtime.execution.sampler import (
     Sampler,
     SamplingBatch,
     SamplingRequest,
+    TokenStats,
     TopLogprobs,
     adjusted_logits,
     compute_logprobs,
@@ -109,11 +110,22 @@ def verify_rows(
     token_mask: TokenMask | None = None,
 ) -> VerifyOutput:
     """``verify`` with the scheduler's sampler: its generator, grammar masking and the
-    token counts of requests with penalties (which are never given proposals, so
-    each has one row, whose token is counted here as a decode step's is)."""
-    stats = [sampler.token_stats(r) for r in rows]
-    if any(s is not None and p != NO_PROPOSAL for s, p in zip(stats, proposed, strict=True)):
-        raise ValueError("a request with penalties was given proposals; its counts would be wrong")
+    token counts of requests with penalties. A request's row ``j`` counts its first
+    ``j`` proposals as outputs too. A request with one row has its token counted here,
+    as a decode step's is; one with proposals has what it keeps counted from its
+    output list at its next step (``Sampler.token_stats``)."""
+    stats: list[TokenStats | None] = []
+    alone: list[bool] = []  # the request's only row
+    start = 0
+    while start < len(rows):
+        request, count = rows[start], 1
+        while start + count < len(rows) and rows[start + count] is request:
+            count += 1
+        base = sampler.token_stats(request)
+        for j in range(count):
+            stats.append(base.with_tokens(proposed[start : start + j]) if base is not None and j else base)
+            alone.append(count == 1)
+        start += count
     batch = SamplingBatch(
         params=[r.sampling_params for r in rows],
         output_lens=list(output_lens),
@@ -131,9 +143,9 @@ def verify_rows(
         transfer=sampler.transfer,
         mask_logits=sampler.mask_logits,
     )
-    for i, s in enumerate(stats):
-        if s is not None:
-            s.add(out.tokens[i])
+    for r, s in enumerate(stats):
+        if s is not None and alone[r]:
+            s.add(out.tokens[r])
     return out
 
 

@@ -327,11 +327,10 @@ class Scheduler:
         rope = self.rope_sets.row_offsets(reqs)
         record = partial(BatchPlan.launch, mode, rows, prefix, extend_lens, logits.indices, rope, table, transfer)
         batch = self.ledger.allocate(reqs, extend_lens, record)  # the slots go into the rows with the batch
-        mask = self.grammars.step_mask(logits.sample_reqs)
         if proposals is None:
-            work = StepWork.of(batch, logits, mask)
+            work = StepWork.of(batch, logits, self.grammars.step_mask(logits.sample_reqs))
         else:
-            work = StepWork.verify(batch, reqs, logits, proposals, mask)
+            work = StepWork.verify(batch, reqs, logits, proposals, self.grammars.verify_mask(reqs, proposals))
         kv_after = [r.kv.kv_len for r in held]
         return LaunchedStep(mode, list(reqs), work, self.worker.launch(work), kv_after, proposals=proposals)
 
@@ -386,7 +385,9 @@ class Scheduler:
         table after each one's newest token; None (a plain decode step) when speculation
         is off or proposes nothing, or when the pool has no room for the proposals."""
         proposals = self.speculation.proposals(self.running) if self.speculation is not None else None
-        if proposals is None:
+        if proposals is not None and self.grammars.constrains(self.running):  # proposals a grammar forbids go
+            proposals = [self.grammars.allowed_prefix(r, p) for r, p in zip(self.running, proposals, strict=True)]
+        if proposals is None or not any(proposals):
             return None
         held = cast("list[HoldsKV]", self.running)
         need = self.ledger.pages_needed([r.kv.kv_len for r in held], [1 + len(p) for p in proposals])

@@ -87,12 +87,7 @@ class Speculation:
 
     def _limit(self, req: Req) -> int:
         """How many tokens ``req`` may be proposed: up to ``num_draft_tokens``, leaving
-        room within its ``max_new_tokens`` for the token the model makes after them;
-        none under a grammar (its matcher would have to take each proposal and roll
-        back the refused ones) or with penalties (each row's counts would have to
-        include the proposals before it)."""
-        if req.grammar is not None or req.sampling_params.has_penalties:
-            return 0
+        room within its ``max_new_tokens`` for the token the model makes after them."""
         return max(0, min(self.num_draft_tokens, req.remaining_new_tokens - 1))
 
     def _checked(self, tokens: list[int], limit: int) -> list[int]:
