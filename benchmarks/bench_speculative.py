@@ -7,6 +7,7 @@ random weights), radixserve and vLLM's CPU engine on the same token-id requests.
     VLLM_CPU_OMP_THREADS_BIND=0-1 ~/.cache/radixserve-bench/vllm-venv/bin/python \\
         benchmarks/bench_speculative.py --engine vllm --out /tmp/spec.jsonl
     python benchmarks/bench_speculative.py --table /tmp/spec.jsonl
+    python benchmarks/bench_speculative.py --step-cost --out /tmp/spec.jsonl   # verify vs decode step, per batch
 
 Workloads (greedy, ``ignore_eos``, float32, prompts from the held-out files of the
 training corpus, tokenized once by the radixserve side into ``requests.json`` next
@@ -206,6 +207,71 @@ def vllm_side(ns: argparse.Namespace) -> None:
         del llm
 
 
+def step_cost(ns: argparse.Namespace) -> None:
+    """What a verify step costs against a decode step, per batch size: the figure behind
+    ``--speculative-max-batch-size``. Requests of 300-token prompts decode on the target;
+    a proposer that always proposes ``--num-draft-tokens`` tokens (kept or not, each
+    step then computes k + 1 positions a request) against none. In this process, one
+    scheduler at a time, 15 steps each after 3 of warm-up."""
+    from transformers import AutoTokenizer
+
+    from radixserve.config import ServerArgs
+    from radixserve.hooks import hookimpl
+    from radixserve.messages import GenerateRequest
+    from radixserve.registry import PluginRegistry
+    from radixserve.runtime.scheduling.scheduler import Scheduler
+    from radixserve.sampling.params import SamplingParams
+    from radixserve.speculative.base import DraftRequest, Proposer
+
+    class Always(Proposer):
+        name = "always"
+
+        def propose(self, requests: list[DraftRequest]) -> list[list[int]]:
+            return [[3] * r.max_tokens for r in requests]
+
+    class AlwaysPlugin:
+        @hookimpl
+        def register_speculative_proposers(self, register: Any) -> None:
+            register(Always)
+
+    registry = PluginRegistry()
+    registry.register_plugin(AlwaysPlugin(), "always")
+    target = str(ns.models / "target")
+    prompts = json.loads(ns.out.with_name("requests.json").read_text())["continue"]
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    for batch in ns.step_cost_batches:
+        ms = {}
+        for method in ("none", "always"):
+            spec = {"speculative_algorithm": method, "speculative_max_batch_size": batch} if method != "none" else {}
+            args = ServerArgs(model_path=target, dtype="float32", max_total_tokens=1 << 16, **spec)
+            scheduler = Scheduler(args, target, tokenizer, registry=registry)
+            params = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+            for i in range(batch):
+                ids = prompts[i % len(prompts)][:300]
+                scheduler.add_request(GenerateRequest(rid=f"r{i}", input_ids=ids, sampling_params=params))
+            while scheduler.waiting or scheduler.chunked_req:
+                scheduler.step()
+            for _ in range(3):
+                scheduler.step()
+            start = time.perf_counter()
+            for _ in range(15):
+                scheduler.step()
+            ms[method] = (time.perf_counter() - start) / 15 * 1000
+        line = {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine(),
+            "step_cost": True,
+            "batch": batch,
+            "num_draft_tokens": ns.num_draft_tokens,
+            "decode_ms": round(ms["none"], 2),
+            "verify_ms": round(ms["always"], 2),
+            "ratio": round(ms["always"] / ms["none"], 2),
+        }
+        print(json.dumps(line), flush=True)
+        with ns.out.open("a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
 def table(path: Path) -> None:
     """One row per workload: each engine and method, and the ratios to no speculation."""
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -234,6 +300,11 @@ def table(path: Path) -> None:
         print(f"| {w.name} | " + " | ".join(cells) + " |")
     for x in (x for x in lines if "error" in x):
         print(f"\n{x['engine']} {x['method']}: {x['error']}")
+    costs = [x for x in lines if x.get("step_cost")]
+    if costs:
+        print("\n| batch | decode step (ms) | verify step, k proposals each (ms) | ratio |\n|---|---|---|---|")
+        for x in costs:
+            print(f"| {x['batch']} | {x['decode_ms']} | {x['verify_ms']} (k={x['num_draft_tokens']}) | {x['ratio']} |")
 
 
 def main() -> None:
@@ -244,9 +315,15 @@ def main() -> None:
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_speculative.jsonl"))
     parser.add_argument("--table", type=Path, default=None, help="print the table of a results file and exit")
+    parser.add_argument(
+        "--step-cost", action="store_true", help="time a verify step against a decode step per batch size, then exit"
+    )
+    parser.add_argument("--step-cost-batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ns = parser.parse_args()
     if ns.table is not None:
         table(ns.table)
+    elif ns.step_cost:
+        step_cost(ns)
     elif ns.engine == "vllm":
         vllm_side(ns)
     else:

@@ -1,6 +1,6 @@
 """Train, offline, the target and draft models a speculative-decoding benchmark runs on.
 
-    python benchmarks/train_speculative_models.py --threads 1      # about 7 minutes on one core
+    python benchmarks/train_speculative_models.py --threads 2      # about 12 minutes on two cores
     python benchmarks/train_speculative_models.py --quick          # seconds: a smoke run, everything tiny
 
 A draft's acceptance rate only means something when both models have learned
@@ -14,7 +14,14 @@ training set and a held-out set of about ``--heldout-kb``:
   when encoding, as Llama's tokenizers do);
 - a target and a smaller draft ``LlamaForCausalLM`` (float32, tied embeddings),
   sharing that tokenizer, each trained with AdamW (warmup, then cosine decay over
-  its wall-clock budget) on random windows of the training token stream.
+  its wall-clock budget; forward and backward under bfloat16 autocast unless
+  ``--no-bf16``, master weights and saved weights float32) on random windows of
+  ``--seq-len`` tokens. A ``--repeat-fraction`` share of the windows are built like
+  the ``repeat`` prompts, back to back: a training-set function, the marker
+  comment, the same function again; the others are plain windows of the training
+  token stream. Seeing copying that often is what lets induction heads form
+  within a budget of minutes, and copying a function just seen is where n-gram
+  speculation pays.
 
 Written under ``--out-dir`` (default ``~/.cache/radixserve-bench/speculative``,
 ``...-quick`` with ``--quick``): ``target/`` and ``draft/`` (``from_pretrained``
@@ -68,8 +75,8 @@ class ModelSize:
     intermediate: int
 
 
-SIZES = {
-    "target": ModelSize(hidden=384, layers=6, heads=6, kv_heads=2, intermediate=1024),
+SIZES = {  # small enough to see millions of tokens in minutes on a couple of cores
+    "target": ModelSize(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768),
     "draft": ModelSize(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=384),
 }
 QUICK = dict(  # --quick: defaults for a smoke run of a few seconds (flags given still win)
@@ -77,6 +84,7 @@ QUICK = dict(  # --quick: defaults for a smoke run of a few seconds (flags given
     heldout_kb=40,
     vocab_size=512,
     seq_len=128,
+    repeat_max_tokens=48,
     target_minutes=0.05,
     draft_minutes=0.03,
     target_hidden=64,
@@ -176,11 +184,41 @@ def build_model(size: ModelSize, tokenizer: PreTrainedTokenizerFast, seed: int) 
     return LlamaForCausalLM(config)  # float32: torch's default dtype
 
 
+def repeat_window(examples: list[torch.Tensor], length: int, gen: torch.Generator) -> torch.Tensor:
+    """``length`` tokens of random repeat examples back to back (the last one cut off)."""
+    parts, size = [], 0
+    while size < length:
+        parts.append(examples[int(torch.randint(len(examples), (), generator=gen))])
+        size += len(parts[-1])
+    return torch.cat(parts)[:length]
+
+
+def batch(
+    stream: torch.Tensor, examples: list[torch.Tensor], args: argparse.Namespace, gen: torch.Generator
+) -> torch.Tensor:
+    """``--batch-size`` windows of ``--seq-len`` + 1 tokens, each a repeat window with
+    probability ``--repeat-fraction``, else a random window of ``stream``."""
+    windows = []
+    for _ in range(args.batch_size):
+        if examples and float(torch.rand((), generator=gen)) < args.repeat_fraction:
+            windows.append(repeat_window(examples, args.seq_len + 1, gen))
+        else:
+            start = int(torch.randint(0, len(stream) - args.seq_len - 1, (), generator=gen))
+            windows.append(stream[start : start + args.seq_len + 1])
+    return torch.stack(windows)
+
+
 def train(
-    name: str, model: LlamaForCausalLM, stream: torch.Tensor, args: argparse.Namespace, minutes: float, lr: float
+    name: str,
+    model: LlamaForCausalLM,
+    stream: torch.Tensor,
+    examples: list[torch.Tensor],
+    args: argparse.Namespace,
+    minutes: float,
+    lr: float,
 ) -> dict[str, Any]:
-    """AdamW on random windows of ``stream`` for ``minutes`` of wall time: linear warmup over
-    the first steps, then cosine decay to a tenth of ``lr`` over the budget's fraction spent."""
+    """AdamW on batches of ``batch`` for ``minutes`` of wall time: linear warmup over the first
+    steps, then cosine decay to a tenth of ``lr`` over the budget's fraction spent."""
     gen = torch.Generator().manual_seed(args.seed)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -194,10 +232,10 @@ def train(
         cosine = 0.5 * (1 + math.cos(math.pi * elapsed / budget))
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / WARMUP_STEPS) * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * cosine)
-        starts = torch.randint(0, len(stream) - args.seq_len - 1, (args.batch_size,), generator=gen).tolist()
-        windows = torch.stack([stream[s : s + args.seq_len + 1] for s in starts])
-        logits = model(input_ids=windows[:, :-1]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
+        windows = batch(stream, examples, args, gen)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            logits = model(input_ids=windows[:, :-1]).logits
+        loss = F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         torch.autograd.backward(loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -252,17 +290,34 @@ def continue_prompts(tokenizer: PreTrainedTokenizerFast, files: list[str], n: in
     return prompts
 
 
-def repeat_prompts(
-    tokenizer: PreTrainedTokenizerFast, files: list[str], n: int, rng: random.Random, max_tokens: int
-) -> list[tuple[str, str]]:
-    """(prompt, the rest of the function it should be continued with) for held-out functions of
-    32 to ``max_tokens`` tokens: the function, the marker comment, its ``def`` line up to ``(``."""
+def functions_of(files: list[str]) -> list[str]:
+    """Every function and method in ``files``, dedented, ending with one newline."""
     functions = []
     for text in files:
         lines = text.splitlines(keepends=True)
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno is not None:
                 functions.append(textwrap.dedent("".join(lines[node.lineno - 1 : node.end_lineno])).rstrip() + "\n")
+    return functions
+
+
+def repeat_examples(tokenizer: PreTrainedTokenizerFast, files: list[str], max_tokens: int) -> list[torch.Tensor]:
+    """``<s>`` function, marker, the same function again ``</s>``, tokenized, for every function of
+    ``files`` of 24 to ``max_tokens`` tokens: the shape of a ``repeat`` prompt and its answer."""
+    functions = [f for f in functions_of(files) if f.startswith(("def ", "async def "))]
+    lengths = [len(e.ids) for e in tokenizer.backend_tokenizer.encode_batch(functions, add_special_tokens=False)]
+    texts = [f + REPEAT_MARKER + f for f, n in zip(functions, lengths, strict=True) if 24 <= n <= max_tokens]
+    encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    return [torch.tensor([bos, *e.ids, eos], dtype=torch.long) for e in encodings]
+
+
+def repeat_prompts(
+    tokenizer: PreTrainedTokenizerFast, files: list[str], n: int, rng: random.Random, max_tokens: int
+) -> list[tuple[str, str]]:
+    """(prompt, the rest of the function it should be continued with) for held-out functions of
+    32 to ``max_tokens`` tokens: the function, the marker comment, its ``def`` line up to ``(``."""
+    functions = functions_of(files)
     rng.shuffle(functions)
     prompts = []
     for source in functions:
@@ -302,10 +357,18 @@ def main() -> None:
     parser.add_argument("--heldout-kb", type=int, default=300, help="held-out files, about this many KB")
     parser.add_argument("--max-train-files", type=int, default=0, help="0: all")
     parser.add_argument("--vocab-size", type=int, default=4096)
-    parser.add_argument("--seq-len", type=int, default=256, help="training window (short ones learn faster early)")
+    parser.add_argument(
+        "--seq-len", type=int, default=512, help="training window: holds a continue prompt and its continuation"
+    )
+    parser.add_argument(
+        "--repeat-fraction", type=float, default=0.5, help="share of training windows of repeat examples"
+    )
+    parser.add_argument(
+        "--bf16", action=argparse.BooleanOptionalAction, default=True, help="bfloat16 autocast in training"
+    )
     parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--target-minutes", type=float, default=4.0)
-    parser.add_argument("--draft-minutes", type=float, default=1.5)
+    parser.add_argument("--target-minutes", type=float, default=7.5)
+    parser.add_argument("--draft-minutes", type=float, default=3.0)
     parser.add_argument("--target-lr", type=float, default=2e-3)
     parser.add_argument("--draft-lr", type=float, default=3e-3)
     for role, size in SIZES.items():
@@ -314,7 +377,9 @@ def main() -> None:
             parser.add_argument(flag, type=int, default=getattr(size, field.name))
     parser.add_argument("--eval-tokens", type=int, default=1 << 17, help="held-out tokens the loss is taken over")
     parser.add_argument("--num-prompts", type=int, default=200, help="heldout.jsonl prompts of each kind")
-    parser.add_argument("--repeat-max-tokens", type=int, default=120, help="longest function a repeat prompt holds")
+    parser.add_argument(
+        "--repeat-max-tokens", type=int, default=120, help="longest function a repeat prompt or example holds"
+    )
     parser.add_argument("--check-prompts", type=int, default=8, help="repeat prompts the copy check generates on")
     parser.add_argument("--log-seconds", type=float, default=20.0)
     args = parser.parse_args()
@@ -335,11 +400,12 @@ def main() -> None:
     tokenizer = train_tokenizer(train_texts, args.vocab_size)
     train_stream, heldout_stream = token_stream(tokenizer, train_texts), token_stream(tokenizer, heldout_texts)
     unigram = unigram_loss(train_stream, heldout_stream, len(tokenizer))
+    examples = repeat_examples(tokenizer, train_texts, args.repeat_max_tokens) if args.repeat_fraction > 0 else []
     wall["tokenizer_and_corpus"] = round(time.perf_counter() - begin, 1)
     print(
         f"corpus: {len(train_texts)} training files ({len(train_stream)} tokens), "
         f"{len(heldout_texts)} held out ({len(heldout_stream)} tokens); vocab {len(tokenizer)}; "
-        f"held-out loss of token frequencies alone {unigram:.4f}",
+        f"held-out loss of token frequencies alone {unigram:.4f}; {len(examples)} repeat examples",
         flush=True,
     )
 
@@ -359,7 +425,8 @@ def main() -> None:
         model = build_model(size, tokenizer, args.seed + i)
         parameters = sum(p.numel() for p in model.parameters())
         print(f"{role}: {asdict(size)}, {parameters} parameters", flush=True)
-        stats = train(role, model, train_stream, args, getattr(args, f"{role}_minutes"), getattr(args, f"{role}_lr"))
+        minutes, lr = getattr(args, f"{role}_minutes"), getattr(args, f"{role}_lr")
+        stats = train(role, model, train_stream, examples, args, minutes, lr)
         start = time.perf_counter()
         loss = heldout_loss(model, heldout_stream, args.seq_len, args.eval_tokens)
         copied = copied_fraction(model, tokenizer, repeats[: args.check_prompts])
@@ -387,6 +454,7 @@ def main() -> None:
             "train_files": len(train_texts),
             "heldout_files": len(heldout_texts),
             "train_tokens": len(train_stream),
+            "repeat_examples": len(examples),
             "heldout_tokens": len(heldout_stream),
             "heldout_names": [name for name, _ in heldout_files],
             "heldout_unigram_loss": round(unigram, 4),
@@ -395,6 +463,8 @@ def main() -> None:
         "vocab_size": len(tokenizer),
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
+        "repeat_fraction": args.repeat_fraction,
+        "bf16_autocast": args.bf16,
         "prompts": {"continue": len(continues), "repeat": len(repeats)},
         **results,
         "wall_seconds": wall,

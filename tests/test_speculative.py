@@ -396,17 +396,17 @@ def test_a_server_speculates_and_says_so(tiny_llama_dir, tiny_server):
     prompt = repetitive_prompts(512)[0]
     with serving(tiny_llama_dir, "--speculative-algorithm", "ngram", "--speculative-num-draft-tokens", "5") as srv:
         answers = []
-        for url in (tiny_server.url, srv.url):
+        for url, n in ((tiny_server.url, 1), (srv.url, 2)):
             with openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60) as client:
                 answers.append(
                     client.completions.create(
-                        model="tiny", prompt=prompt, max_tokens=32, temperature=0, extra_body={"ignore_eos": True}
+                        model="tiny", prompt=prompt, max_tokens=32, temperature=0, n=n, extra_body={"ignore_eos": True}
                     )
                 )
         info = httpx.get(srv.url + "/server_info", timeout=30).json()
-    assert answers[1].choices[0].text == answers[0].choices[0].text
-    assert answers[1].usage.completion_tokens == 32
+    assert [c.text for c in answers[1].choices] == [answers[0].choices[0].text] * 2
+    assert answers[1].usage.completion_tokens == 64
     expected = {"algorithm": "ngram", "num_draft_tokens": 5, "max_batch_size": 8, "draft_model": None}
-    assert info["speculative"] == expected
+    assert info["speculative"] == info["worker"]["speculative"] == expected
     assert info["stats"]["spec_accepted_tokens_total"] > 0
     assert info["stats"]["memory_invariant_ok"]

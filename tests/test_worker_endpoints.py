@@ -42,6 +42,7 @@ WORKER_KEYS = {
     "prefill_tokens_per_s",
     "decode_bands",
     "prefill_bands",
+    "speculative",
 }
 LOAD_KEYS = {
     "dp_rank",

@@ -32,7 +32,7 @@ def worker_facts(info: dict[str, Any], dp_size: int, embedding: bool, prefill_st
     context length, KV pool (tokens, over all replicas), the most requests it runs at once
     and prompt tokens one prefill step computes (a replica's), served features, and decode
     and prefill throughput (tokens/s over all replicas; None until measured), also per
-    batch-size band (``rate_bands``)."""
+    batch-size band (``rate_bands``), and its speculative decoding (None: off)."""
     stats = info["stats"]
     return {
         "device": info["platform"],
@@ -48,6 +48,7 @@ def worker_facts(info: dict[str, Any], dp_size: int, embedding: bool, prefill_st
         "decode_tokens_per_s": stats["decode_tokens_per_s"],
         "prefill_tokens_per_s": stats["prefill_tokens_per_s"],
         **band_reports(stats),
+        "speculative": info.get("speculative"),
     }
 
 
