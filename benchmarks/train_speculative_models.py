@@ -76,7 +76,7 @@ class ModelSize:
 
 
 SIZES = {  # small enough to see millions of tokens in minutes on a couple of cores
-    "target": ModelSize(hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768),
+    "target": ModelSize(hidden=192, layers=4, heads=4, kv_heads=2, intermediate=576),
     "draft": ModelSize(hidden=128, layers=2, heads=4, kv_heads=2, intermediate=384),
 }
 QUICK = dict(  # --quick: defaults for a smoke run of a few seconds (flags given still win)
@@ -195,17 +195,18 @@ def repeat_window(examples: list[torch.Tensor], length: int, gen: torch.Generato
 
 def batch(
     stream: torch.Tensor, examples: list[torch.Tensor], args: argparse.Namespace, gen: torch.Generator
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``--batch-size`` windows of ``--seq-len`` + 1 tokens, each a repeat window with
-    probability ``--repeat-fraction``, else a random window of ``stream``."""
-    windows = []
+    probability ``--repeat-fraction``, else a random window of ``stream``; and which are repeats."""
+    windows, repeats = [], []
     for _ in range(args.batch_size):
-        if examples and float(torch.rand((), generator=gen)) < args.repeat_fraction:
+        repeats.append(bool(examples) and float(torch.rand((), generator=gen)) < args.repeat_fraction)
+        if repeats[-1]:
             windows.append(repeat_window(examples, args.seq_len + 1, gen))
         else:
             start = int(torch.randint(0, len(stream) - args.seq_len - 1, (), generator=gen))
             windows.append(stream[start : start + args.seq_len + 1])
-    return torch.stack(windows)
+    return torch.stack(windows), torch.tensor(repeats)
 
 
 def train(
@@ -227,15 +228,19 @@ def train(
     )
     model.train()
     budget, step, losses = minutes * 60, 0, []
+    kind_losses: dict[bool, list[float]] = {False: [], True: []}  # per window: plain, repeat
     start = last_log = time.perf_counter()
     while (elapsed := time.perf_counter() - start) < budget:
         cosine = 0.5 * (1 + math.cos(math.pi * elapsed / budget))
         for group in opt.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / WARMUP_STEPS) * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * cosine)
-        windows = batch(stream, examples, args, gen)
+        windows, repeats = batch(stream, examples, args, gen)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             logits = model(input_ids=windows[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
+        token_losses = F.cross_entropy(logits.float().transpose(1, 2), windows[:, 1:], reduction="none")
+        loss = token_losses.mean()
+        for is_repeat, window_loss in zip(repeats.tolist(), token_losses.detach().mean(1).tolist(), strict=True):
+            kind_losses[is_repeat].append(window_loss)
         opt.zero_grad(set_to_none=True)
         torch.autograd.backward(loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -246,8 +251,10 @@ def train(
             last_log = time.perf_counter()
             tokens = step * args.batch_size * args.seq_len
             recent = sum(losses[-10:]) / len(losses[-10:])
+            plain, repeat = (sum(k[-20:]) / max(1, len(k[-20:])) for k in (kind_losses[False], kind_losses[True]))
             print(
-                f"{name}: step {step:5d}  {tokens:9d} tokens  loss {recent:.3f}  "
+                f"{name}: step {step:5d}  {tokens:9d} tokens  loss {recent:.3f} "
+                f"(plain {plain:.3f}, repeat {repeat:.3f})  "
                 f"lr {opt.param_groups[0]['lr']:.2e}  {tokens / (last_log - start):6.0f} tok/s",
                 flush=True,
             )
