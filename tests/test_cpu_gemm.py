@@ -191,10 +191,13 @@ def test_bf16_model_on_cpu_packed_is_as_close_to_float32_as_on_onednn(tiny_model
 
 @pytest.mark.parametrize("dtype", PACKED_DTYPES[1:], ids=str)
 def test_a_tied_lm_head_keeps_the_embedding_table_dense(tiny_model_factory, dtype):
+    """The embedding reads the dense table; the head its own packed copy, made once (the
+    kernel would otherwise pack the dense table at every step)."""
     model_dir = tiny_model_factory(tie_word_embeddings=True)
     scheduler = make_scheduler(model_dir, dtype=str(dtype).removeprefix("torch."), gemm_backend="cpu_packed")
     model = scheduler.runner.model
     assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dim() == 2
+    assert model.lm_head.prepared_weight is not None and model.lm_head.prepared_weight.dim() == 4
     reference = make_scheduler(model_dir, dtype="bfloat16", gemm_backend="torch")
     prompts = mixed_prompts(512, [12, 30], seed=2)
     ours, want = (generate(s, prompts, max_new_tokens=8, ignore_eos=True) for s in (scheduler, reference))
