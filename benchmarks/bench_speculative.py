@@ -20,7 +20,8 @@ to ``--out``, which the vLLM side replays):
 
 Batch 1 runs the requests one after another and reports milliseconds per output
 token (a request's whole latency over its tokens, prefill included, alike for both
-engines); the batches report output tokens per second. radixserve's rows also give
+engines); the batches report output tokens per second. Every workload runs once
+unmeasured (an engine may compile per shape), then ``--rounds`` times: the median. radixserve's rows also give
 the share of proposals kept and the tokens a verify step made per request (batch 1),
 from ``/server_info``'s counters, and how many requests' tokens differ from the
 unspeculated run's (greedy: none should). Each run appends one JSON line to ``--out``.
@@ -35,6 +36,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,27 +95,37 @@ def run_workloads(
     counters: Callable[[], dict[str, int]],
     reference: dict[str, list[list[int]]],
     out: Path,
+    rounds: int,
 ) -> dict[str, list[list[int]]]:
-    """Each workload once; returns the tokens each request got."""
+    """Each workload ``rounds`` times after a warm-up of every shape; the median figure
+    (milliseconds per token at batch 1, output tokens per second in a batch), every
+    round's, and the last round's counters. Returns the tokens each request got."""
     got: dict[str, list[list[int]]] = {}
-    generate(prompts["continue"][:1], 8)  # warm-up
+    for w in WORKLOADS:  # warm-up: every shape once (an engine may compile per shape)
+        generate(prompts[w.kind][: w.batch], 8)
     for w in WORKLOADS:
         requests = prompts[w.kind][: w.requests]
-        before = counters()
-        start = time.perf_counter()
-        if w.batch == 1:
-            tokens, latencies = [], []
-            for prompt in requests:
-                begun = time.perf_counter()
-                tokens += generate([prompt], w.max_tokens)
-                latencies.append((time.perf_counter() - begun) / w.max_tokens)
-        else:
-            tokens = generate(requests, w.max_tokens)
-        seconds = time.perf_counter() - start
-        after = counters()
+        figures = []
+        for _ in range(rounds):
+            before = counters()
+            start = time.perf_counter()
+            if w.batch == 1:
+                tokens, latencies = [], []
+                for prompt in requests:
+                    begun = time.perf_counter()
+                    tokens += generate([prompt], w.max_tokens)
+                    latencies.append((time.perf_counter() - begun) / w.max_tokens)
+                figure = 1000 * sum(latencies) / len(latencies)
+            else:
+                tokens = generate(requests, w.max_tokens)
+                figure = sum(len(t) for t in tokens) / (time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            after = counters()
+            figures.append(figure)
         got[w.name] = tokens
         output_tokens = sum(len(t) for t in tokens)
-        delta = {k: after[k] - before.get(k, 0) for k in after}
+        delta = {k: after[k] - before.get(k, 0) for k in after}  # the last round's
+        median = statistics.median(figures)
         line: dict[str, Any] = {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(),
@@ -124,8 +136,9 @@ def run_workloads(
             "requests": len(requests),
             "output_tokens": output_tokens,
             "seconds": round(seconds, 3),
-            "output_tok_per_s": round(output_tokens / seconds, 2),
-            "ms_per_token": round(1000 * sum(latencies) / len(latencies), 2) if w.batch == 1 else None,
+            "rounds": [round(f, 2) for f in figures],
+            "output_tok_per_s": round(median, 1) if w.batch > 1 else round(output_tokens / seconds, 1),
+            "ms_per_token": round(median, 3) if w.batch == 1 else None,
             "differ_from_none": sum(a != b for a, b in zip(tokens, reference.get(w.name, tokens), strict=True)),
         }
         if delta.get("proposed"):
@@ -166,7 +179,7 @@ def radixserve_side(ns: argparse.Namespace) -> None:
                     "verify_steps": stats["spec_verify_steps"],
                 }
 
-            got = run_workloads("radixserve", method, prompts, generate, counters, reference, ns.out)
+            got = run_workloads("radixserve", method, prompts, generate, counters, reference, ns.out, ns.rounds)
             if method == "none":
                 reference = got
 
@@ -201,7 +214,7 @@ def vllm_side(ns: argparse.Namespace) -> None:
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
             return [list(o.outputs[0].token_ids) for o in outputs]
 
-        got = run_workloads("vllm", method, prompts, generate, dict, reference, ns.out)
+        got = run_workloads("vllm", method, prompts, generate, dict, reference, ns.out, ns.rounds)
         if method == "none":
             reference = got
         del llm
@@ -313,6 +326,7 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=DEFAULT_MODELS, help="train_speculative_models.py's --out-dir")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="measured runs of each workload (the median is kept)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_speculative.jsonl"))
     parser.add_argument("--table", type=Path, default=None, help="print the table of a results file and exit")
     parser.add_argument(

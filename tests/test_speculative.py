@@ -35,7 +35,7 @@ from radixserve.structured_output.backend import GrammarSpec
 from radixserve.testing import check_proposer
 
 PRIORITY = {"backend_selection": "priority"}
-NGRAM = {"speculative_algorithm": "ngram"}
+NGRAM = {"speculative_algorithm": "ngram", "speculative_max_batch_size": 8}  # the batches here run up to 5
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
@@ -353,8 +353,13 @@ def test_a_draft_model_gives_plain_decodings_tokens_and_frees_its_kv(tiny_llama_
     tokens, under a ragged batch with chunked prefill and pages of 4, and the draft's
     pool is empty once the requests end."""
     prompts = repetitive_prompts(512)
-    server_args = {"chunked_prefill_size": 16, "page_size": 4}
-    plain = generate(make_scheduler(tiny_llama_dir, **PRIORITY, **server_args), prompts, max_new_tokens=24, **GREEDY)
+    server_args = {"chunked_prefill_size": 16, "page_size": 4, "speculative_max_batch_size": 8}
+    plain = generate(
+        make_scheduler(tiny_llama_dir, **PRIORITY, chunked_prefill_size=16, page_size=4),
+        prompts,
+        max_new_tokens=24,
+        **GREEDY,
+    )
     for draft, all_kept in ((tiny_llama_dir, True), (small_draft_dir, False)):
         scheduler = make_scheduler(
             tiny_llama_dir,
@@ -406,7 +411,7 @@ def test_a_server_speculates_and_says_so(tiny_llama_dir, tiny_server):
         info = httpx.get(srv.url + "/server_info", timeout=30).json()
     assert [c.text for c in answers[1].choices] == [answers[0].choices[0].text] * 2
     assert answers[1].usage.completion_tokens == 64
-    expected = {"algorithm": "ngram", "num_draft_tokens": 5, "max_batch_size": 8, "draft_model": None}
+    expected = {"algorithm": "ngram", "num_draft_tokens": 5, "max_batch_size": 4, "draft_model": None}
     assert info["speculative"] == info["worker"]["speculative"] == expected
     assert info["stats"]["spec_accepted_tokens_total"] > 0
     assert info["stats"]["memory_invariant_ok"]

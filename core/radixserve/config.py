@@ -209,8 +209,10 @@ class ServerArgs(CliArgs):
     )
     speculative_max_batch_size: int = _flag(
         "speculate only while at most this many requests decode; larger batches decode one token a step "
-        "(their steps are bound by compute, not by reading the weights, so verification would cost time)",
-        default=8,
+        "(the larger the batch, the more a verify step costs against a decode step; measure yours with "
+        "benchmarks/bench_speculative.py --step-cost: a model whose steps are bound by reading its weights "
+        "gains at larger batches than a small one)",
+        default=4,
     )
     # server
     host: str = _flag("HTTP host", default="127.0.0.1")

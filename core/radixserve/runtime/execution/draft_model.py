@@ -162,9 +162,11 @@ class DraftModelRunner:
         state.last_slot = int(self.table.req_to_token[state.row, keep - 1]) if keep else -1
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+def _common_prefix(a: list[int], b: Sequence[int], limit: int) -> int:
     n = min(len(a), len(b), limit)
+    if a[:n] == list(b[:n]):  # the common case, compared in C
+        return n
     i = 0
-    while i < n and a[i] == b[i]:
+    while a[i] == b[i]:
         i += 1
     return i
