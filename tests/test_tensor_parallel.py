@@ -73,11 +73,16 @@ def test_tp_ranks_equal_tp1_under_load_with_aborts(model_dirs, reference, rank_p
                 assert got[rid].logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4)
 
 
-def test_tp2_with_speculative_decoding_equals_tp1_without(model_dirs, reference, rank_pool):
-    """n-gram speculation (docs/speculative.md) at tp=2: every rank proposes and keeps
-    alike, so the greedy requests get tp=1's plain tokens, and the ranks sample alike."""
+@pytest.mark.parametrize("algorithm", ["ngram", "draft"])
+def test_tp2_with_speculative_decoding_equals_tp1_without(model_dirs, reference, rank_pool, algorithm):
+    """Speculation (docs/speculative.md) at tp=2, n-gram and a draft model (the target
+    itself, unsharded on each rank): every rank proposes and keeps alike, so the greedy
+    requests get tp=1's plain tokens, and the ranks sample alike."""
     llama = model_dirs[:1]
-    ranks = run_ranks(rank_pool, llama, 2, speculative_algorithm="ngram", speculative_num_draft_tokens=3)
+    spec = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": 3}
+    if algorithm == "draft":
+        spec["speculative_draft_model_path"] = str(llama[0])
+    ranks = run_ranks(rank_pool, llama, 2, **spec)
     ref = reference[str(llama[0])]
     for answer in ranks:
         got = answer[str(llama[0])]

@@ -78,8 +78,13 @@ class Speculation:
         if not any(limits):
             return None
         asked = [DraftRequest(r.rid, r.fill_ids, n) for r, n in zip(running, limits, strict=True) if n > 0]
-        made = iter(self.proposer.propose(asked))
-        out = [self._checked(next(made), n) if n else [] for n in limits]
+        made = self.proposer.propose(asked)
+        if len(made) != len(asked):
+            raise ValueError(
+                f"speculative proposer {self.proposer.name!r} returned {len(made)} proposals for {len(asked)} requests"
+            )
+        proposals = iter(made)
+        out = [self._checked(next(proposals), n) if n else [] for n in limits]
         return out if any(out) else None
 
     def forget(self, rid: str) -> None:
