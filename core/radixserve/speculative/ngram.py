@@ -50,7 +50,7 @@ class NgramProposer(Proposer):
         index = self._indexes.setdefault(request.rid, _Index())
         if index.indexed > len(tokens):  # its tokens were cut (never in the scheduler): start over
             index = self._indexes[request.rid] = _Index()
-        self._extend(index, tokens, len(tokens))
+        self._extend(index, tokens)
         low, high = self.settings.ngram_min_match, self.settings.ngram_max_match
         for n in range(min(high, len(tokens) - 1), low - 1, -1):
             end = index.ends.get(tuple(tokens[len(tokens) - n :]))
@@ -58,9 +58,10 @@ class NgramProposer(Proposer):
                 return list(tokens[end : end + request.max_tokens])
         return []
 
-    def _extend(self, index: _Index, tokens: Sequence[int], upto: int) -> None:
-        """Index the n-grams ending before ``upto`` (the current suffix's own end is
-        left out, so a lookup finds an earlier occurrence)."""
+    def _extend(self, index: _Index, tokens: Sequence[int]) -> None:
+        """Index the n-grams that end before the last token (the current suffix's own
+        end is left out, so a lookup finds an earlier occurrence)."""
+        upto = len(tokens)
         low, high = self.settings.ngram_min_match, self.settings.ngram_max_match
         ends = index.ends
         for end in range(max(index.indexed, low), upto):

@@ -17,6 +17,7 @@ shared with the target's prefix cache.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,7 +39,11 @@ logger = logging.getLogger(__name__)
 class _Computed:
     row: int  # of the draft's token table
     tokens: list[int]  # whose KV is in the draft's pool, in order
-    last_slot: int = -1  # the slot of the last of them
+    slots: list[int]  # their slots (on the host: cutting back reads no device)
+
+    @property
+    def last_slot(self) -> int:
+        return self.slots[-1] if self.slots else -1
 
 
 class DraftModelRunner:
@@ -117,22 +122,22 @@ class DraftModelRunner:
         if slots is None:
             raise RuntimeError("the draft model's KV pool is full (it is as large as the target's)")
         mode = ForwardMode.DECODE if all(n == 1 for n in extend_lens) else ForwardMode.EXTEND
-        ends = torch.tensor(extend_lens).cumsum(0)
+        ends = list(itertools.accumulate(extend_lens))
         plan = BatchPlan.launch(
             mode,
             [s.row for s in states],
             prefix_lens,
             extend_lens,
-            (ends - 1).tolist(),
+            [end - 1 for end in ends],
             None,
             self.table,
             self.runner.transfer,
             slots,
         )
         logits = self.runner.forward(plan.build(self.table, self.runner.kv_pool)).float()
-        for state, tokens, end in zip(states, new, ends.tolist(), strict=True):
+        for state, tokens, end in zip(states, new, ends, strict=True):
             state.tokens += tokens
-            state.last_slot = slots[end - 1]
+            state.slots += slots[end - len(tokens) : end]
         return logits
 
     def forget(self, rid: str) -> None:
@@ -147,7 +152,7 @@ class DraftModelRunner:
             row = self.table.alloc()
             if row is None:
                 raise RuntimeError("the draft model's token table is full (it has a row per running request)")
-            state = self._computed[rid] = _Computed(row, [])
+            state = self._computed[rid] = _Computed(row, [], [])
         return state
 
     def _cut(self, state: _Computed, keep: int) -> None:
@@ -156,10 +161,9 @@ class DraftModelRunner:
             return
         page = self.allocator.page_size
         first_free = -(-keep // page) * page
-        if first_free < len(state.tokens):
-            self.allocator.free(self.table.req_to_token[state.row, first_free : len(state.tokens)].clone())
-        del state.tokens[keep:]
-        state.last_slot = int(self.table.req_to_token[state.row, keep - 1]) if keep else -1
+        if first_free < len(state.slots):
+            self.allocator.free(torch.tensor(state.slots[first_free:], dtype=torch.int64))
+        del state.tokens[keep:], state.slots[keep:]
 
 
 def _common_prefix(a: list[int], b: Sequence[int], limit: int) -> int:

@@ -32,6 +32,7 @@ running request's token statistics between steps.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -115,13 +116,12 @@ class TokenStats:
     def with_tokens(self, token_ids: Sequence[int]) -> TokenStats:
         """A copy that also counts ``token_ids`` as outputs (a verify step's row after
         the proposals before it)."""
-        copy = TokenStats.__new__(TokenStats)
-        copy.in_prompt, copy.num_output = self.in_prompt, self.num_output + len(token_ids)
-        copy.output_counts = self.output_counts.clone()
-        if len(token_ids):
-            idx = torch.as_tensor(list(token_ids), dtype=torch.int64, device=copy.output_counts.device)
-            copy.output_counts.index_add_(0, idx, torch.ones(len(idx), device=idx.device))
-        return copy
+        counted = copy.copy(self)
+        counted.output_counts = self.output_counts.clone()
+        counted.num_output = 0
+        counted.update(token_ids)
+        counted.num_output += self.num_output
+        return counted
 
     def add(self, token_id: torch.Tensor) -> None:
         """Count one sampled token (a 0-d device tensor)."""
@@ -180,9 +180,6 @@ def sample(
     transfer = transfer or HostTransfer(logits.device)
     raw = logits.float()
     x = adjusted_logits(raw, batch, transfer, mask_logits)
-    if x is not raw:
-        # Extreme penalties may overflow; never let one request's row turn into NaN.
-        x = x.nan_to_num(nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
     sampled = [i for i, p in enumerate(batch.params) if not p.is_greedy]
     if len(sampled) < len(batch.params):
         next_ids = x.argmax(dim=-1)
@@ -206,7 +203,8 @@ def sample(
 def adjusted_logits(
     raw: torch.Tensor, batch: SamplingBatch, transfer: HostTransfer, mask_logits: MaskLogits = apply_token_bitmask
 ) -> torch.Tensor:
-    """Steps 1-5 of the module docstring; returns ``raw`` itself when all are no-ops."""
+    """Steps 1-5 of the module docstring; returns ``raw`` itself when all are no-ops.
+    Extreme penalties may overflow: no row of the result is NaN or +inf."""
     to_device = transfer.to_device
     bias = [(i, t, b) for i, p in enumerate(batch.params) if p.logit_bias for t, b in p.logit_bias.items()]
     penalized = [i for i, s in enumerate(batch.token_stats) if s is not None]
@@ -236,7 +234,7 @@ def adjusted_logits(
         x[to_device(rows), to_device(cols)] = float("-inf")
     if batch.token_mask is not None:
         mask_logits(x, batch.token_mask.bitmask, batch.token_mask.rows)
-    return x
+    return x.nan_to_num(nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
 
 
 def _column(values: list[float], transfer: HostTransfer) -> torch.Tensor:

@@ -75,8 +75,6 @@ def verify(
     transfer = transfer or HostTransfer(logits.device)
     raw = logits.float()
     x = adjusted_logits(raw, batch, transfer, mask_logits)
-    if x is not raw:
-        x = x.nan_to_num(nan=float("-inf"), posinf=torch.finfo(x.dtype).max)
     proposal = transfer.to_device(proposed)
     judged = proposal >= 0
     proposal = proposal.clamp(min=0)
@@ -91,6 +89,7 @@ def verify(
             [batch.output_lens[i] for i in sampled],
             proposal[rows],
             judged[rows],
+            [proposed[i] != NO_PROPOSAL for i in sampled],
             generator,
             transfer,
         )
@@ -155,9 +154,11 @@ def _rejection_sample(
     steps: list[int],
     proposal: torch.Tensor,
     judged: torch.Tensor,
+    judging: list[bool],
     generator: torch.Generator | None,
     transfer: HostTransfer,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``judged`` on the device, ``judging`` the same on the host (no device read)."""
     probs = sampling_probs(x, params, transfer)
     column = proposal.unsqueeze(1)
     p_proposal = probs.gather(1, column).squeeze(1)
@@ -172,7 +173,6 @@ def _rejection_sample(
         rows = transfer.to_device(unseeded)
         uniforms[rows] = torch.rand(len(unseeded), generator=generator, device=probs.device, dtype=probs.dtype)
         tokens[rows] = torch.multinomial(residual[rows], 1, generator=generator).squeeze(1)
-    judging = judged.tolist() if any(p.seed is not None for p in params) else []
     for j, p in enumerate(params):
         if p.seed is not None:
             # A row that judges nothing draws as a decode step's row does (its token the same).
