@@ -59,8 +59,12 @@ def script(vocab_size: int) -> list[tuple[int, GenerateRequest]]:
     return plan
 
 
-def run_script(scheduler: Scheduler) -> dict[str, RequestResult]:
+def run_script(scheduler: Scheduler, adapters: list[str | None] | None = None) -> dict[str, RequestResult]:
+    """``adapters``: the LoRA adapter of each request of the script in turn, cycled (None: none)."""
     plan = script(scheduler.runner.vocab_size)
+    if adapters:
+        for i, (_, req) in enumerate(plan):
+            req.lora_name = adapters[i % len(adapters)]
     outputs: list[TokenOutput] = []
     step = 0
     while plan or scheduler.has_work():
@@ -87,17 +91,23 @@ def make_args(model_dir: Path, tp_size: int, **more: Any) -> ServerArgs:
 
 
 def rank_answers(
-    model_dirs: list[Path], tp_size: int, port: int, rank: int, more: dict[str, Any] | None = None
+    model_dirs: list[Path],
+    tp_size: int,
+    port: int,
+    rank: int,
+    more: dict[str, Any] | None = None,
+    adapters: list[str | None] | None = None,
 ) -> dict[str, Any]:
     """One rank: for each model, join its group (a key prefix of its own), run the
     script, leave; ``{model_dir: results}``, and ``{"speculation:" + model_dir: (verify
-    steps, accepted tokens)}``. ``more``: server arguments besides SERVER_ARGS."""
+    steps, accepted tokens)}``. ``more``: server arguments besides SERVER_ARGS;
+    ``adapters``: run_script's."""
     answers: dict[str, Any] = {}
     for model_dir in model_dirs:
         spec = RankSpec(rank, tp_size, rank, Rendezvous("127.0.0.1", port, prefix=str(model_dir)), 120.0)
         args = make_args(model_dir, tp_size, **(more or {}))
         scheduler = Scheduler(args, str(model_dir), AutoTokenizer.from_pretrained(model_dir), rank=spec)
-        answers[str(model_dir)] = run_script(scheduler)
+        answers[str(model_dir)] = run_script(scheduler, adapters)
         stats = scheduler.stats()
         answers[f"speculation:{model_dir}"] = (stats.spec_verify_steps, stats.spec_accepted_tokens_total)
         scheduler.runner.group.destroy()
@@ -161,9 +171,15 @@ class RankPool:
 
 
 def run_ranks(
-    pool: RankPool, model_dirs: list[Path], tp_size: int, timeout: float = 240, **more: Any
+    pool: RankPool,
+    model_dirs: list[Path],
+    tp_size: int,
+    timeout: float = 240,
+    adapters: list[str | None] | None = None,
+    **more: Any,
 ) -> list[dict[str, Any]]:
     """Every rank's ``{model_dir: results}``, rank by rank: the pool's first ``tp_size`` processes."""
     store = host_store("127.0.0.1", 0, timeout)
-    pool.start(rank_answers, [(model_dirs, tp_size, store.port, rank, more) for rank in range(tp_size)])
+    jobs = [(model_dirs, tp_size, store.port, rank, more, adapters) for rank in range(tp_size)]
+    pool.start(rank_answers, jobs)
     return [pool.result(rank, timeout) for rank in range(tp_size)]

@@ -128,6 +128,19 @@ def test_a_draft_proposer_without_a_draft_model(cli_in_process, tmp_path):
     assert_short_failure(code, output, "speculative_draft_model_path:", "/nope")
 
 
+def test_an_adapter_that_cannot_be_served_stops_the_start(cli_in_process, tiny_llama_dir, tmp_path):
+    from radixserve.checkpoints.random_adapter import build_random_adapter
+
+    wide = build_random_adapter(tiny_llama_dir, tmp_path / "wide", rank=16, target_modules=("q_proj",))
+    model = ("serve", "--model", str(tiny_llama_dir), "--enable-lora")
+    code, output = cli_in_process(*model, "--lora-paths", f"wide={wide}", "--max-lora-rank", "8")
+    assert_short_failure(code, output, "lora_paths: adapter 'wide' has rank 16, above --max-lora-rank 8", "PEFT")
+    code, output = cli_in_process(*model, "--lora-paths", f"gone={tmp_path / 'gone'}")
+    assert_short_failure(code, output, "lora_paths:", "has no adapter_config.json")
+    code, output = cli_in_process("serve", "--lora-paths", f"wide={wide}")
+    assert_short_failure(code, output, "lora_paths: needs --enable-lora")
+
+
 def test_backend_that_cannot_serve_the_model(tiny_llama_dir):
     if torch.cuda.is_available():
         pytest.skip("triton can serve here")

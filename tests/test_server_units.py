@@ -27,6 +27,7 @@ from radixserve.server import native_serving
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError, _loc_to_param, bad_request, validation_summary
 from radixserve.server.logprobs import TokenTexts, completion_logprobs
+from radixserve.server.lora import ServedAdapters
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.openai_serving import OpenAIServing
 from radixserve.server.protocol import (
@@ -115,7 +116,10 @@ def test_chat_template_from_tokenizer_and_override(tiny_tokenizer, tmp_path):
 def test_a_model_without_chat_template_gets_a_400(tiny_tokenizer):
     no_template = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None, encode=tiny_tokenizer.encode))
     serving = OpenAIServing(
-        SimpleNamespace(tokenizer=tiny_tokenizer, context_length=1024), "m", ChatTemplate(no_template.tokenizer)
+        SimpleNamespace(tokenizer=tiny_tokenizer, context_length=1024),
+        "m",
+        ChatTemplate(no_template.tokenizer),
+        ServedAdapters(False),
     )
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
     with pytest.raises(APIError) as info:
@@ -277,7 +281,7 @@ def _assert_offsets_match(text, logprobs):
 
 def test_echo_returns_the_prompt_as_given(bos_tokenizer):
     tm = FakeTokenizerManager(bos_tokenizer)
-    serving = OpenAIServing(tm, "m", ChatTemplate(bos_tokenizer))
+    serving = OpenAIServing(tm, "m", ChatTemplate(bos_tokenizer), ServedAdapters(False))
     prompt_ids = bos_tokenizer.encode("echo me")
     req = CompletionRequest.model_validate({"prompt": "echo me", "echo": True, "logprobs": 1, "max_tokens": 3})
     choice = _answer(serving.completions(req, ConnectedClient())).choices[0]
@@ -304,7 +308,7 @@ def test_echo_returns_the_prompt_as_given(bos_tokenizer):
 
 def test_priority_reaches_the_runtime(tiny_tokenizer):
     tm = FakeTokenizerManager(tiny_tokenizer)
-    serving = OpenAIServing(tm, "m", ChatTemplate(tiny_tokenizer))
+    serving = OpenAIServing(tm, "m", ChatTemplate(tiny_tokenizer), ServedAdapters(False))
     chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "priority": 3})
     _answer(serving.chat(chat, ConnectedClient()))
     completion = CompletionRequest.model_validate({"prompt": ["a", "b"], "extra_body": {"priority": -2}})
@@ -314,12 +318,47 @@ def test_priority_reaches_the_runtime(tiny_tokenizer):
 
     tm.inputs.clear()
     body = GenerateRequestBody.model_validate({"text": ["a", "b"], "priority": [5, 1]})
-    _answer(native_serving.generate(tm, body, ConnectedClient()))
-    _answer(native_serving.generate(tm, GenerateRequestBody(text="a", priority=7), ConnectedClient()))
+    _answer(native_serving.generate(tm, body, ConnectedClient(), NO_LORA, "m"))
+    _answer(native_serving.generate(tm, GenerateRequestBody(text="a", priority=7), ConnectedClient(), NO_LORA, "m"))
     assert [inp.priority for inp in tm.inputs] == [5, 1, 7]
     with pytest.raises(APIError) as info:
-        _answer(native_serving.generate(tm, GenerateRequestBody(text=["a", "b"], priority=[1]), ConnectedClient()))
+        _answer(
+            native_serving.generate(
+                tm, GenerateRequestBody(text=["a", "b"], priority=[1]), ConnectedClient(), NO_LORA, "m"
+            )
+        )
     assert info.value.status == 400 and info.value.param == "priority"
+
+
+NO_LORA = ServedAdapters(False)
+
+
+def test_adapter_names_reach_the_runtime(tiny_tokenizer):
+    """A LoRA adapter named by ``model`` (alone or as BASE:ADAPTER) or ``lora_path``
+    reaches the runtime by name; what is not loaded is refused naming its field."""
+    tm = FakeTokenizerManager(tiny_tokenizer)
+    serving = OpenAIServing(tm, "m", ChatTemplate(tiny_tokenizer), ServedAdapters(True, {"sql": "/a/sql"}))
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "model": "sql"})
+    assert _answer(serving.chat(chat, ConnectedClient())).model == "sql"
+    for body in ({"model": "m:sql"}, {"extra_body": {"lora_path": "sql"}}, {"model": "m"}, {}):
+        _answer(serving.completions(CompletionRequest.model_validate({"prompt": "a", **body}), ConnectedClient()))
+    adapters = ServedAdapters(True, {"sql": "/a/sql"})
+    body = GenerateRequestBody.model_validate({"text": ["a", "b"], "lora_path": ["sql", None]})
+    _answer(native_serving.generate(tm, body, ConnectedClient(), adapters, "m"))
+    assert [inp.lora_name for inp in tm.inputs] == ["sql", "sql", "sql", None, None, "sql", None]
+    refusals = [
+        (serving.completions, CompletionRequest.model_validate({"prompt": "a", "model": "chat"}), 404, "model"),
+        (serving.completions, CompletionRequest.model_validate({"prompt": "a", "lora_path": "chat"}), 400, "lora_path"),
+    ]
+    for call, req, status, param in refusals:
+        with pytest.raises(APIError) as info:
+            _answer(call(req, ConnectedClient()))
+        assert (info.value.status, info.value.param) == (status, param)
+    with pytest.raises(APIError) as info:
+        _answer(
+            native_serving.generate(tm, GenerateRequestBody(text="a", lora_path="sql"), ConnectedClient(), NO_LORA, "m")
+        )
+    assert info.value.param == "lora_path" and "--enable-lora" in info.value.message
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -327,7 +366,9 @@ def test_generate_rejects_an_empty_batch(tiny_tokenizer, stream):
     # (Empty input_ids prompts, [] or [[]], are the TokenizerManager's 400: see test_server_api.)
     tm = FakeTokenizerManager(tiny_tokenizer)
     with pytest.raises(APIError) as info:
-        _answer(native_serving.generate(tm, GenerateRequestBody(text=[], stream=stream), ConnectedClient()))
+        _answer(
+            native_serving.generate(tm, GenerateRequestBody(text=[], stream=stream), ConnectedClient(), NO_LORA, "m")
+        )
     assert info.value.status == 400 and info.value.param == "text" and "empty" in info.value.message
     assert tm.inputs == []
 

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from helpers_lora import build_adapters, lora_paths
 from helpers_tp import SAMPLED, RankPool, make_args, run_ranks, run_script
 from transformers import AutoTokenizer
 
@@ -93,6 +94,23 @@ def test_tp2_with_speculative_decoding_equals_tp1_without(model_dirs, reference,
             assert got[rid].finish == ref[rid].finish
         steps, accepted = answer[f"speculation:{llama[0]}"]
         assert steps > 0 and accepted > 0, (steps, accepted)
+
+
+def test_tp2_serves_lora_adapters_as_tp1_does(model_dirs, rank_pool, tmp_path_factory):
+    """A load mixing four adapters and the base model (docs/lora.md): each rank holds its
+    shard of every adapter (B's rows of a column-parallel projection, A's columns of a
+    row-parallel one, whose partial update joins the all-reduce), and tp=2 makes tp=1's tokens."""
+    llama = model_dirs[0]
+    adapters = build_adapters(llama, tmp_path_factory.mktemp("tp-adapters"))
+    names: list[str | None] = [None, *adapters]
+    more = {"enable_lora": True, "lora_paths": lora_paths(adapters)}
+    tokenizer = AutoTokenizer.from_pretrained(llama)
+    ref = run_script(Scheduler(make_args(llama, 1, **more), str(llama), tokenizer), names)
+    for answer in run_ranks(rank_pool, [llama], 2, adapters=names, **more):
+        got = answer[str(llama)]
+        for rid in (r for r in ref if r not in SAMPLED):
+            assert got[rid].output_ids == ref[rid].output_ids, rid
+            assert got[rid].logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4)
 
 
 def test_each_rank_reads_only_its_shards(tiny_model_factory, monkeypatch):

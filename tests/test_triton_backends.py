@@ -96,7 +96,12 @@ def test_registered_through_entry_point_and_selection(no_interpreter, monkeypatc
     assert registry.candidates["attention"]["triton"].cls is TritonAttention
     info = registry.plugins["triton"]
     assert info.error is None and info.distribution == "radixserve"
-    assert info.registered == {"attention": ["triton", "triton_mla"], "moe": ["triton"], "elementwise": ["triton"]}
+    assert info.registered == {
+        "attention": ["triton", "triton_mla"],
+        "moe": ["triton"],
+        "lora": ["triton"],
+        "elementwise": ["triton"],
+    }
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed")
     # cpu without the opt-in: auto takes cpu_paged (torch's fast path), forcing triton says why not

@@ -7,10 +7,11 @@ GEMM runs ten times faster than our packed AVX-512 kernels, while on an AMD
 EPYC without AMX the packed kernels lead at decode sizes. So the candidates that
 remain after ``unsupported_reasons`` and ``build`` (registry.usable) are timed:
 each GEMM projection at a decode batch and at a prefill chunk, attention on a
-decode and an extend step in the pool's layout, the elementwise ops and the MoE
-layer at both row counts. A candidate's score is the geometric mean, over those
-cases, of its time relative to the fastest candidate's; candidates within
-``TIE_MARGIN`` of the best score are tied and priority breaks the tie.
+decode and an extend step in the pool's layout, the elementwise ops, the MoE
+layer and each projection's LoRA update at both row counts. A candidate's score
+is the geometric mean, over those cases, of its time relative to the fastest
+candidate's; candidates within ``TIE_MARGIN`` of the best score are tied and
+priority breaks the tie.
 The case classes and the inputs they make come from radixserve.kernels.cases,
 which the conformance kit builds its cases from too (the serving path never
 imports the kit, radixserve.testing).
@@ -43,10 +44,12 @@ from radixserve.kernels import Backend, KernelQuery
 from radixserve.kernels.cases import (
     AttentionCase,
     ElementwiseCase,
+    LoRACase,
     MLACase,
     MoECase,
     make_attention_inputs,
     make_elementwise_inputs,
+    make_lora_inputs,
     make_mla_inputs,
     make_moe_inputs,
     run_elementwise_case,
@@ -65,7 +68,7 @@ GIVE_UP_FACTOR, GIVE_UP_FLOOR_SECONDS = 20.0, 0.05
 # A GEMM case cycles through copies of its weight totalling this much (at most 64
 # copies), more than a CPU's last-level cache, as the layers of a model step do.
 COLD_BYTES, MAX_WEIGHT_COPIES = 256 * 2**20, 64
-TIMED_KINDS = ("gemm", "attention", "elementwise", "moe")  # quantization is never chosen automatically
+TIMED_KINDS = ("gemm", "attention", "elementwise", "moe", "lora")  # quantization is never chosen automatically
 CACHE_SUBDIR = "backend-timings"
 
 
@@ -85,6 +88,7 @@ class ModelShapes:
     num_experts: int = 0
     top_k: int = 0
     moe_intermediate_size: int = 0
+    lora_slots: int = 8  # adapters one batch may use (--max-loras-per-batch), where LoRA is served
 
     def gemm_shapes(self) -> list[tuple[str, int, int, bool]]:
         """``(name, out_features, in_features, decode_only)`` of each projection."""
@@ -146,6 +150,7 @@ def timing_cases(kind: str, query: KernelQuery, shapes: ModelShapes, device: tor
         "attention": _attention_cases,
         "elementwise": _elementwise_cases,
         "moe": _moe_cases,
+        "lora": _lora_cases,
     }
     return builders[kind](query, shapes, device)
 
@@ -330,6 +335,56 @@ def _moe_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) ->
             return lambda: backend.forward(hidden, logits, w13, w2, routing)
 
         cases.append(TimingCase(case.name, setup))
+    return cases
+
+
+LORA_PREFILL_REQUESTS = 4  # a prefill chunk's requests, each on its own slot
+
+
+def _lora_out_splits(shapes: ModelShapes) -> dict[str, tuple[int, ...]]:
+    """The projections that carry adapters and their fused projections' output rows on
+    this rank (a's rows: max_lora_rank times how many)."""
+    q, kv, inter = shapes.num_heads * shapes.head_dim, shapes.num_kv_heads * shapes.head_dim, shapes.intermediate_size
+    splits: dict[str, tuple[int, ...]] = {"qkv_proj": (q, kv, kv), "o_proj": (shapes.hidden_size,)}
+    if inter:
+        splits |= {"gate_up_proj": (inter, inter), "down_proj": (shapes.hidden_size,)}
+    return splits
+
+
+def _lora_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -> list[TimingCase]:
+    """Each projection's adapter update at a decode step whose requests take turns
+    over the slots (a run of one token each, as adapters interleave in a real batch)
+    and at a prefill chunk shared by a few requests on slots of their own."""
+    assert query.max_lora_rank is not None
+    slots = shapes.lora_slots
+    decode = ((1,) * shapes.decode_rows, tuple(i % slots for i in range(shapes.decode_rows)))
+    requests = min(slots, LORA_PREFILL_REQUESTS, shapes.prefill_rows)
+    share, extra = divmod(shapes.prefill_rows, requests)
+    prefill = (tuple(share + 1 if i < extra else share for i in range(requests)), tuple(range(requests)))
+    out_splits = _lora_out_splits(shapes)
+    cases = []
+    for name, out_features, in_features, _ in shapes.gemm_shapes():
+        if name not in out_splits:
+            continue
+        for phase, (counts, request_slots) in (("decode", decode), ("prefill", prefill)):
+            case = LoRACase(
+                f"{name}/{phase}/m{sum(counts)}",
+                counts,
+                request_slots,
+                in_features,
+                out_features,
+                query.max_lora_rank,
+                slots,
+                fused=len(out_splits[name]),
+                out_splits=out_splits[name],
+            )
+
+            def setup(backend: Any, case: LoRACase = case) -> Callable[[], Any]:
+                x, out, a, b, batch, splits = make_lora_inputs(case, query.dtype, device)
+                b.zero_()  # each call then adds nothing: out stays finite over any number of calls
+                return lambda: backend.apply(x, out, a, b, batch, splits)
+
+            cases.append(TimingCase(case.name, setup))
     return cases
 
 
@@ -545,6 +600,8 @@ class MeasuredSelection:
         plugins = self.registry.plugins
         if kind != "attention":  # a window or a cap is timed by attention alone
             query = replace(query, sliding_window=None, logit_softcap=None)
+        if kind != "lora":  # serving adapters changes no other kind's kernels
+            query = replace(query, max_lora_rank=None)
         return {
             "kind": kind,
             "machine": self.platform.timing_fingerprint(self.device_index),

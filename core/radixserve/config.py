@@ -214,6 +214,33 @@ class ServerArgs(CliArgs):
         "gains at larger batches than a small one)",
         default=4,
     )
+    # multi-LoRA serving (docs/lora.md)
+    enable_lora: bool = _flag(
+        "serve LoRA adapters over the base model: a request names one by its OpenAI `model` or by `lora_path`; "
+        "one batch mixes adapters and the base model",
+        default=False,
+    )
+    lora_paths: list[str] = _flag(
+        "adapters loaded at start, each NAME=PATH (a PEFT directory: adapter_config.json and "
+        "adapter_model.safetensors); more load at run time through /load_lora_adapter",
+        default=[],
+        metavar="NAME=PATH",
+        repeat=True,
+    )
+    max_lora_rank: int | None = _flag(
+        "the largest adapter rank served (the adapters' slots are this wide); unset: the largest of "
+        "--lora-paths, at least 16",
+        default=None,
+    )
+    max_loras_per_batch: int = _flag(
+        "adapters one batch may use (slots in device memory; the base model takes none): a request whose adapter "
+        "would be one more waits, and an idle adapter's slot goes to the next one needed, least recently used first",
+        default=8,
+    )
+    max_loaded_loras: int | None = _flag(
+        "adapters held in host memory at once (a load beyond it is refused); unset: no limit", default=None
+    )
+    lora_backend: str = _flag("LoRA backend name or auto (with --enable-lora)", default="auto")
     # server
     host: str = _flag("HTTP host", default="127.0.0.1")
     port: int = _flag("HTTP port", default=30000)
@@ -307,6 +334,7 @@ class ServerArgs(CliArgs):
         if not (isinstance(self.grammar_compile_timeout, (int, float)) and self.grammar_compile_timeout > 0):
             bad("grammar_compile_timeout", f"must be > 0 seconds, got {self.grammar_compile_timeout}")
         self._validate_speculative(bad)
+        self._validate_lora(bad)
         if self.max_header_size < 1024:
             bad("max_header_size", f"must be >= 1024 bytes, got {self.max_header_size}")
 
@@ -327,6 +355,30 @@ class ServerArgs(CliArgs):
                 "speculative decoding runs its steps without overlap (a step's proposals need the tokens the step "
                 "before made); leave --disable-overlap-schedule unset",
             )
+
+    def _validate_lora(self, bad: Callable[[str, str], None]) -> None:
+        if self.max_lora_rank is not None and self.max_lora_rank < 1:
+            bad("max_lora_rank", f"must be >= 1, got {self.max_lora_rank}")
+        if self.max_loras_per_batch < 1:
+            bad("max_loras_per_batch", f"must be >= 1, got {self.max_loras_per_batch}")
+        if self.max_loaded_loras is not None and self.max_loaded_loras < 1:
+            bad("max_loaded_loras", f"must be >= 1, got {self.max_loaded_loras}")
+        names = []
+        for entry in self.lora_paths:
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                bad("lora_paths", f"each entry is NAME=PATH, got {entry!r}")
+            names.append(name)
+        if len(set(names)) != len(names):
+            bad("lora_paths", f"adapter names repeat: {sorted(names)}")
+        if self.max_loaded_loras is not None and len(names) > self.max_loaded_loras:
+            bad("lora_paths", f"{len(names)} adapters, more than --max-loaded-loras ({self.max_loaded_loras})")
+        if not self.enable_lora and self.lora_paths:
+            bad("lora_paths", "needs --enable-lora")
+
+    def lora_adapters(self) -> dict[str, str]:
+        """``--lora-paths`` as name -> path."""
+        return dict(entry.partition("=")[::2] for entry in self.lora_paths)
 
     def _validate_parallel(self, bad: Callable[[str, str], None]) -> None:
         if self.tp_size < 1:

@@ -100,10 +100,13 @@ class Engine:
         stream: bool = False,
         rid: str | None = None,
         priority: int = 0,
+        lora_path: str | list[str | None] | None = None,
     ) -> Result | list[Any] | Iterator[Result]:
         """A dict for one prompt, a list for a batch (a list per prompt when n > 1);
         with ``stream=True`` an iterator of incremental results (text deltas).
-        ``priority``: higher is served first under ``schedule_policy="priority"``."""
+        ``priority``: higher is served first under ``schedule_policy="priority"``.
+        ``lora_path``: the LoRA adapter (its name) each prompt runs under, one for all
+        or one per prompt (None: the base model; ``enable_lora`` serves adapters)."""
         if prompt is not None and input_ids is not None:
             raise ValueError("prompt: give either prompt or input_ids, not both")
         is_batch = isinstance(prompt, list) or (
@@ -119,6 +122,12 @@ class Engine:
             given = sampling_params
         else:
             given = [sampling_params] * count
+        if isinstance(lora_path, list):
+            if len(lora_path) != count:
+                raise ValueError(f"lora_path: {len(lora_path)} given for {count} prompts")
+            adapters = lora_path
+        else:
+            adapters = [lora_path] * count
         params = [dict(p or {}) for p in given]
         for p in params:
             take_sampling_grammar(p)  # json_schema / regex / ebnf, as SGLang's Engine takes them
@@ -133,6 +142,7 @@ class Engine:
                 stream=stream,
                 rid=(rid if count == 1 else f"{rid}-{i}") if rid else None,
                 priority=priority,
+                lora_name=adapters[i],
             )
             for i in range(count)
         ]

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from radixserve.cache.memory_pool import KVPool
+
+if TYPE_CHECKING:  # kernels/ imports this module
+    from radixserve.kernels.lora import LoRABatch
 
 
 class ForwardMode(enum.Enum):
@@ -52,6 +55,8 @@ class ForwardBatch:
     # its position (a LongRoPE request on the long set reads the table's second half,
     # layers/rotary.py); None: every token's row is its position.
     rope_table_rows: torch.Tensor | None = None
+    # Multi-LoRA serving: which adapter slot each new token uses (None: LoRA is off).
+    lora: LoRABatch | None = None
 
     @property
     def rope_rows(self) -> torch.Tensor:

@@ -42,6 +42,12 @@ def register_moe_backends(register: Register) -> None:
 
 
 @hookspec
+def register_lora_backends(register: Register) -> None:
+    """Register :class:`radixserve.kernels.lora.LoRABackend` subclasses (multi-LoRA serving:
+    each request's adapter update, batched; chosen by ``--lora-backend``)."""
+
+
+@hookspec
 def register_elementwise_backends(register: Register) -> None:
     """Register :class:`radixserve.kernels.elementwise.ElementwiseBackend` subclasses
     (RMSNorm with fused residual, rotary in place, SiLU-and-mul)."""

@@ -63,6 +63,8 @@ class RequestOptions:
     embed: bool = False
     # Prefill/decode disaggregation: set when a gateway pairs a prefill and a decode worker.
     bootstrap: Bootstrap | None = None
+    # Multi-LoRA serving: the name of the adapter it runs under (None: the base model).
+    lora_name: str | None = None
 
     def options(self) -> dict[str, Any]:
         """These fields as keywords, to pass them on to the next stage."""

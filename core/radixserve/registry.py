@@ -35,6 +35,7 @@ KIND_HOOKS: dict[str, str] = {
     "attention": "register_attention_backends",
     "gemm": "register_gemm_backends",
     "moe": "register_moe_backends",
+    "lora": "register_lora_backends",
     "elementwise": "register_elementwise_backends",
     "quantization": "register_quantization_methods",
     "model": "register_models",
@@ -44,7 +45,7 @@ KIND_HOOKS: dict[str, str] = {
     "tool": "register_tool_parsers",
     "reasoning": "register_reasoning_parsers",
 }
-SELECTABLE_KINDS = ("attention", "gemm", "moe", "elementwise", "quantization")
+SELECTABLE_KINDS = ("attention", "gemm", "moe", "lora", "elementwise", "quantization")
 ALLOW_LIST_ENV = "RADIXSERVE_PLUGINS"
 TRACE_ENV = "RADIXSERVE_TRACE_PLUGINS"
 BUILTIN_MODELS_PLUGIN = "radixserve-models"

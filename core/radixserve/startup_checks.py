@@ -27,6 +27,10 @@ if TYPE_CHECKING:  # torch: the CLI spawns a lone scheduler (start_runtime) befo
 
 PLUGINS_HINT = "`radixserve plugins` lists every platform and backend and why each is usable here or not"
 TP_HINT = "--tp-size ranks each hold an equal share of every layer: pick one of the sizes the error lists"
+LORA_HINT = (
+    "--lora-paths takes NAME=PATH entries, each PATH a PEFT LoRA adapter directory (adapter_config.json and "
+    "adapter_model.safetensors) of rank at most --max-lora-rank; docs/lora.md"
+)
 MODEL_HINT = (
     "--model takes a local HuggingFace model directory (with config.json) or a hub repo id "
     "(org/name); without --model the built-in demo model is served"
@@ -126,6 +130,7 @@ def check_model(args: ServerArgs, platform: type[Platform]) -> tuple[KernelQuery
     runtime is spawned)."""
     from radixserve.checkpoints.embedding import embedding_config
     from radixserve.checkpoints.loader import check_tp_shapes, load_config, model_class
+    from radixserve.checkpoints.lora import AdapterError
     from radixserve.checkpoints.source import is_hub_id
     from radixserve.kernels import KernelQuery
     from radixserve.registry import PluginError, get_registry
@@ -148,10 +153,12 @@ def check_model(args: ServerArgs, platform: type[Platform]) -> tuple[KernelQuery
         plan = plan_model(args, args.model_path, platform, config)
         query = plan.query
         for kind, name in _forced_backends(args, query.quantization).items():
-            if kind != "moe" or query.num_experts:
+            if (kind != "moe" or query.num_experts) and (kind != "lora" or query.max_lora_rank):
                 registry.forced(kind, query, name)
     except PluginError as exc:
         raise StartupError(str(exc), PLUGINS_HINT) from exc
+    except AdapterError as exc:
+        raise StartupError(str(exc), LORA_HINT) from exc
     except (ValueError, OSError, KeyError) as exc:
         raise StartupError(f"{type(exc).__name__}: {exc}", MODEL_HINT) from exc
     return query, plan
@@ -204,6 +211,7 @@ def _forced_backends(args: ServerArgs, quantization: str | None) -> dict[str, st
         "attention": args.attention_backend,
         "gemm": args.gemm_backend,
         "moe": args.moe_backend,
+        "lora": args.lora_backend,
         "elementwise": args.elementwise_backend,
         "quantization": quantization or "none",
     }

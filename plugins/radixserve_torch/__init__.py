@@ -10,6 +10,7 @@ from radixserve_torch.attention_varlen import TorchVarlenAttention
 from radixserve_torch.elementwise import TorchNativeElementwise
 from radixserve_torch.elementwise_cpu import CpuFusedElementwise
 from radixserve_torch.gemm import CpuPackedGemm, OneDnnGemm, TorchGemm
+from radixserve_torch.lora import TorchGroupedLoRA, TorchNativeLoRA
 from radixserve_torch.moe import TorchNativeMoE
 from radixserve_torch.platform import CpuPlatform
 from radixserve_torch.quantization import Int8WeightOnly, NoQuantization
@@ -46,6 +47,12 @@ def register_gemm_backends(register: Register) -> None:
 @hookimpl
 def register_moe_backends(register: Register) -> None:
     register(TorchNativeMoE)
+
+
+@hookimpl
+def register_lora_backends(register: Register) -> None:
+    register(TorchNativeLoRA)
+    register(TorchGroupedLoRA)
 
 
 @hookimpl

@@ -4,7 +4,7 @@ the decode split heuristic, one frozen dataclass per kernel family.
 The defaults are what the kernels have always used (tuned on NVIDIA GPUs, 32-wide
 warps). A hardware plugin that wants other values for its GPUs (the ROCm plugin:
 64-wide CDNA wavefronts, 64 KiB of LDS) subclasses ``TritonAttention`` /
-``TritonMoE`` and sets their ``kernel_config`` class attribute; see
+``TritonMoE`` (or ``TritonLoRA``) and sets their ``kernel_config`` class attribute; see
 ``radixserve_triton``'s ``__all__`` for the public names. Importing this module
 never imports triton.
 """
@@ -103,6 +103,38 @@ class MoEKernelConfig:
         return _options(self.num_warps, self.num_stages, self.waves_per_eu)
 
 
+@dataclass(frozen=True)
+class LoRAKernelConfig:
+    """Tiles and launch options of the SGMV kernels (``ops/lora.py``).
+
+    A program takes one block of tokens of one run: ``block_t_small`` tokens when
+    no run is longer (decode: a token a request; 16 is ``tl.dot``'s least), else
+    ``block_t``. The shrink tiles the input features by ``shrink_block_in`` and the
+    rank columns by ``block_k`` (a narrower K takes one tile of its next power of
+    two, masked); the expand tiles each projection's output features by
+    ``expand_block_n`` and sums over its r rank columns in tiles of ``blocks``'s
+    width for K = r.
+    """
+
+    block_t_small: int = 16
+    block_t: int = 64
+    block_k: int = 64
+    shrink_block_in: int = 64
+    expand_block_n: int = 64
+    num_warps: int = 4
+    num_stages: int | None = None
+    waves_per_eu: int | None = None
+
+    def blocks(self, max_segment_len: int, rank_columns: int) -> tuple[int, int]:
+        """``(block_t, block_k)`` for runs of up to ``max_segment_len`` tokens summing over
+        ``rank_columns`` (the shrink's K = n * r; the expand's r)."""
+        block_t = self.block_t_small if max_segment_len <= self.block_t_small else self.block_t
+        return block_t, min(self.block_k, max(16, 1 << (rank_columns - 1).bit_length()))
+
+    def launch_options(self) -> dict[str, int]:
+        return _options(self.num_warps, self.num_stages, self.waves_per_eu)
+
+
 def _options(num_warps: int, num_stages: int | None, waves_per_eu: int | None) -> dict[str, int]:
     options = {"num_warps": num_warps}
     if num_stages is not None:
@@ -114,3 +146,4 @@ def _options(num_warps: int, num_stages: int | None, waves_per_eu: int | None) -
 
 DEFAULT_ATTENTION_CONFIG = AttentionKernelConfig()
 DEFAULT_MOE_CONFIG = MoEKernelConfig()
+DEFAULT_LORA_CONFIG = LoRAKernelConfig()

@@ -18,7 +18,7 @@ default, is the plain one), and each namespace is a prefix tree of its own.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,11 @@ class PrefixCache(ABC):
     @abstractmethod
     def evict(self, num_tokens: int) -> int:
         """Free at least ``num_tokens`` slots if possible; returns how many were freed."""
+
+    @abstractmethod
+    def drop_namespaces(self, which: Callable[[Hashable], bool]) -> int:
+        """Free what the namespaces ``which`` accepts hold that nothing has locked (an
+        unloaded LoRA adapter's KV); returns the tokens freed."""
 
     @abstractmethod
     def reset(self) -> bool:

@@ -6,7 +6,7 @@ empty, ``num_cached`` stays 0 and there is nothing to lock, evict or reset.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
@@ -49,6 +49,9 @@ class ChunkCache(PrefixCache):
 
     def evict(self, num_tokens: int) -> int:
         return 0
+
+    def drop_namespaces(self, which: Callable[[Hashable], bool]) -> int:
+        return 0  # nothing is cached
 
     def reset(self) -> bool:
         return True

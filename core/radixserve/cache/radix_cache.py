@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Iterator
+import math
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -214,7 +215,18 @@ class RadixCache(PrefixCache):
     def evict(self, num_tokens: int) -> int:
         """Free unlocked leaves, least recently used first, until ``num_tokens`` are freed
         or nothing evictable is left. A parent whose children are all gone joins in."""
-        heap = [(n.last_access, n.id, n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        return self._evict_from(self._nodes(), num_tokens)
+
+    def drop_namespaces(self, which: Callable[[Hashable], bool]) -> int:
+        roots = {namespace: root for namespace, root in self._roots.items() if which(namespace)}
+        freed = self._evict_from(self._nodes(roots.values()), math.inf)
+        for namespace, root in roots.items():
+            if not root.children:
+                del self._roots[namespace]
+        return freed
+
+    def _evict_from(self, nodes: Iterable[TreeNode], num_tokens: float) -> int:
+        heap = [(n.last_access, n.id, n) for n in nodes if not n.children and n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
         while freed < num_tokens and heap:
@@ -258,9 +270,10 @@ class RadixCache(PrefixCache):
             return f"{len(expected)} pinned nodes are no longer in the tree"
         return None
 
-    def _nodes(self) -> Iterator[TreeNode]:
-        """Every node but the roots, parents before children."""
-        stack = [child for root in self._roots.values() for child in root.children.values()]
+    def _nodes(self, roots: Iterable[TreeNode] | None = None) -> Iterator[TreeNode]:
+        """Every node but the roots (of ``roots``, default all), parents before children."""
+        roots = self._roots.values() if roots is None else roots
+        stack = [child for root in roots for child in root.children.values()]
         while stack:
             node = stack.pop()
             yield node

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -24,6 +25,7 @@ from torch import nn
 
 from radixserve.checkpoints.embedding import causal_lm_of
 from radixserve.checkpoints.gguf import is_materialized, iterate_gguf_weights
+from radixserve.checkpoints.lora import max_rank_for
 from radixserve.checkpoints.quantized import resolve_quantization
 from radixserve.checkpoints.source import safetensors_files
 from radixserve.kernels import KernelQuery
@@ -207,7 +209,7 @@ def model_query_for_args(
     ``--dtype`` resolved here."""
     dtype = dtype or resolve_dtype(args.dtype, config, platform)
     kv_dtype = dtype if args.kv_cache_dtype == "auto" else DTYPE_NAMES[args.kv_cache_dtype]
-    return model_kernel_query(
+    query = model_kernel_query(
         config,
         platform.name,
         dtype,
@@ -216,6 +218,9 @@ def model_query_for_args(
         kv_dtype=kv_dtype,
         quantization=args.quantization,
     )
+    if not args.enable_lora:
+        return query
+    return replace(query, max_lora_rank=max_rank_for(args.max_lora_rank, args.lora_adapters()))
 
 
 def model_timing_shapes(

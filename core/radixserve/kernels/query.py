@@ -60,6 +60,8 @@ class KernelQuery:
     # Multi-head latent attention (DeepSeek-V2): the KV pool holds one latent entry
     # per token (LatentKV) instead of K and V; only backends that declare MLA serve it.
     mla: LatentKV | None = None
+    # LoRA serving (--enable-lora): the widest rank an adapter may have (None: LoRA off).
+    max_lora_rank: int | None = None
 
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in self.__dict__.items() if v is not None]

@@ -13,6 +13,8 @@ from radixserve.kernels import (
     ElementwiseBackend,
     GemmBackend,
     KernelQuery,
+    LoRABackend,
+    LoRABatch,
     MoEBackend,
     QuantizationMethod,
 )
@@ -22,6 +24,20 @@ class BackendSelector(Protocol):
     def select(self, kind: str, query: KernelQuery, requested: str = "auto") -> type:
         """The backend class of ``kind`` for ``query``: ``requested`` names one, or is ``auto``."""
         ...
+
+
+@dataclass
+class LoRAStep:
+    """What every LoRA layer of a model reads in a forward (layers/lora.py): the
+    backend, and the step's batch, which the model runner sets before each forward
+    (None, or a batch with no segments: no token uses an adapter)."""
+
+    backend: LoRABackend
+    batch: LoRABatch | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.batch is not None and bool(self.batch.segments)
 
 
 @dataclass
@@ -38,6 +54,8 @@ class ModelContext:
     # The collectives across the TP ranks (the platform's); None when tp_size is 1,
     # or while a model is only built and loaded (no forward).
     comm: Communicator | None = None
+    # LoRA serving (the query's max_lora_rank is set): the adapter layers' backend and step.
+    lora: LoRAStep | None = None
 
     @classmethod
     def create(
@@ -50,6 +68,7 @@ class ModelContext:
         gemm: str = "auto",
         moe: str = "auto",
         elementwise: str = "auto",
+        lora: str = "auto",
         quantization: str | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
@@ -58,10 +77,12 @@ class ModelContext:
         """Select and instantiate every backend for ``query`` through ``selector``
         (a :class:`radixserve.registry.PluginRegistry`, which selects by priority,
         or a :class:`radixserve.backend_timing.MeasuredSelection`). The MoE backend
-        is only selected when the query names experts; ``quantization=None`` means ``none``."""
+        is only selected when the query names experts, the LoRA backend when it has a
+        ``max_lora_rank``; ``quantization=None`` means ``none``."""
         gemm_backend = selector.select("gemm", query, gemm)(query)
         quant_cls = selector.select("quantization", query, quantization or "none")
         moe_backend = selector.select("moe", query, moe)(query) if query.num_experts else None
+        lora_step = LoRAStep(selector.select("lora", query, lora)(query)) if query.max_lora_rank else None
         return cls(
             attention=selector.select("attention", query, attention)(query),
             gemm=gemm_backend,
@@ -73,6 +94,7 @@ class ModelContext:
             tp_rank=tp_rank,
             tp_size=tp_size,
             comm=comm,
+            lora=lora_step,
         )
 
     def communicator(self) -> Communicator:

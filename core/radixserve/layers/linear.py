@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -31,11 +31,23 @@ from radixserve.layers.parallel import all_reduce, divide
 from radixserve.layers.weights import copy_into, set_shard_ids, set_weight_loader
 
 
+class AdapterUpdate(Protocol):
+    """Per-request adapter updates of a layer's output (layers/lora.py's ``LoRASlots``)."""
+
+    @property
+    def active(self) -> bool:
+        """Whether any token of the step uses an adapter."""
+        ...
+
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor: ...
+
+
 class LinearBase(Layer):
     """``y = x @ W.T + b`` with W created and applied by the quantization method.
 
     After the checkpoint is loaded, the model loader calls
-    ``self.quant.process_weights_after_loading(self)`` on every instance.
+    ``self.quant.process_weights_after_loading(self)`` on every instance. With
+    LoRA serving, ``lora`` adds each request's adapter update to the output.
     """
 
     def __init__(
@@ -47,6 +59,7 @@ class LinearBase(Layer):
         shard_ids: tuple[Any, ...] = (None,),
     ):
         super().__init__()
+        self.lora: AdapterUpdate | None = None  # set for LoRA serving (layers/lora.py)
         self.in_features = in_features
         self.out_features = out_features
         self.ctx = ctx
@@ -64,7 +77,10 @@ class LinearBase(Layer):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant.apply(self, x, self.bias)
+        return self._with_lora(x, self.quant.apply(self, x, self.bias))
+
+    def _with_lora(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return out if self.lora is None else self.lora.add(x, out)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
@@ -92,7 +108,7 @@ class _Shard:
     source_index: int  # this rank holds rows [source_index * size, +size) of the checkpoint tensor
 
 
-class _FusedColumnLinear(LinearBase):
+class FusedColumnLinear(LinearBase):
     """Column-parallel layer whose weight stacks several checkpoint tensors."""
 
     def __init__(self, in_features: int, shards: Sequence[_Shard], ctx: ModelContext, bias: bool):
@@ -122,7 +138,7 @@ class _FusedColumnLinear(LinearBase):
         copy_into(param.data.narrow(0, shard.offset, shard.size), src, f"shard {shard_id!r}")
 
 
-class MergedColumnParallelLinear(_FusedColumnLinear):
+class MergedColumnParallelLinear(FusedColumnLinear):
     """Projections of sizes ``output_sizes`` fused in order; shard ids are 0, 1, ..."""
 
     def __init__(self, in_features: int, output_sizes: Sequence[int], ctx: ModelContext, bias: bool = False):
@@ -137,11 +153,12 @@ class MergedColumnParallelLinear(_FusedColumnLinear):
         """``silu(gate) * up`` of a (gate, up) projection: one fused kernel where the
         quantization method and GEMM backend have one, else this projection and then
         ``elementwise.silu_and_mul``."""
-        out = self.quant.apply_silu_and_mul(self, x, self.bias)
-        return out if out is not None else elementwise.silu_and_mul(self.quant.apply(self, x, self.bias))
+        adapted = self.lora is not None and self.lora.active
+        out = None if adapted else self.quant.apply_silu_and_mul(self, x, self.bias)
+        return out if out is not None else elementwise.silu_and_mul(self(x))
 
 
-class QKVParallelLinear(_FusedColumnLinear):
+class QKVParallelLinear(FusedColumnLinear):
     """Fused q/k/v projection (shard ids ``"q"``, ``"k"``, ``"v"``).
 
     Each rank holds ``num_heads / tp`` query heads and ``num_kv_heads / tp`` KV
@@ -193,8 +210,9 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ctx.tp_size == 1:
-            return self.quant.apply(self, x, self.bias)
-        out = all_reduce(self.quant.apply(self, x, None), self.ctx)
+            return self._with_lora(x, self.quant.apply(self, x, self.bias))
+        # An adapter's update of this rank's input columns is a partial sum too.
+        out = all_reduce(self._with_lora(x, self.quant.apply(self, x, None)), self.ctx)
         return out if self.bias is None else out + self.bias
 
 

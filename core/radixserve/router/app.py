@@ -1,7 +1,8 @@
 """``radixserve router``: one OpenAI-compatible endpoint in front of a fleet of workers.
 
     inference: POST /v1/chat/completions, /v1/completions, /generate, /v1/embeddings, /tokenize, /detokenize
-    models:    GET /v1/models, /v1/models/{id} (the fleet's models, one entry per name)
+    models:    GET /v1/models, /v1/models/{id} (the fleet's models, one entry per name, and the LoRA
+               adapters its workers hold, each with its model as ``parent``)
     probes:    GET /health (503 with no healthy worker), /liveness, /metrics, /get_loads
     admin:     GET/POST /workers, DELETE /workers/{url}, POST /flush_cache,
                GET /debug/decisions (the last placements with every candidate's score terms)
@@ -105,15 +106,26 @@ def create_router_app(args: RouterArgs, on_ready: Callable[[], None] = lambda: N
     def card(model_id: str) -> dict[str, Any]:
         return {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "radixserve"}
 
+    def cards() -> dict[str, dict[str, Any]]:
+        """The fleet's models, then the adapters its workers hold (a name taken by a model stays the model's)."""
+        models = {model: card(model) for model in sorted(fleet.models())}
+        adapters = {
+            name: {**card(name), "root": adapter.path, "parent": adapter.model}
+            for name, adapter in sorted(fleet.held_adapters().items())
+            if name not in models
+        }
+        return models | adapters
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [card(m) for m in sorted(fleet.models())]}
+        return {"object": "list", "data": list(cards().values())}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
-        if model_id not in fleet.models():
+        found = cards().get(model_id)
+        if found is None:
             raise APIError(404, f"model {model_id!r} is not served here", param="model", code="model_not_found")
-        return card(model_id)
+        return found
 
     # ---- probes ----------------------------------------------------------------------
     @app.get("/health")

@@ -6,12 +6,18 @@ loop keeps trying (a worker still loading its model answers 503). At registratio
 router reads ``/model_info`` and ``/server_info`` (SGLang's names; the ``worker`` facts
 radixserve adds there say what it can do). A worker whose model has the name of another
 worker's and a different identity (architecture, vocabulary) is refused.
+
+A worker's LoRA adapters change while it serves (loads, unloads, a restart): the health
+loop reads them again from ``/server_info`` with every check of a worker serving LoRA, and
+the fleet remembers every adapter's path it has seen, so that it can load one again
+where none holds it (``lora.AdapterRouting``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -19,7 +25,7 @@ from radixserve.router.args import RouterArgs, normalize_url
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import Policy
 from radixserve.router.upstream import Upstream, UpstreamError
-from radixserve.router.worker import CircuitBreaker, Worker, WorkerFacts, WorkerLoad
+from radixserve.router.worker import CircuitBreaker, LoRAFacts, Worker, WorkerFacts, WorkerLoad
 from radixserve.server.errors import APIError
 
 logger = logging.getLogger("radixserve.router")
@@ -29,6 +35,14 @@ _IDENTITY_KEYS = ("architecture", "vocab_size")
 
 class WorkerNotReady(Exception):
     """The worker does not serve yet (unreachable, or still starting)."""
+
+
+@dataclass(frozen=True)
+class KnownAdapter:
+    """A LoRA adapter as a worker reported it: the model it adapts and where it is read from."""
+
+    model: str
+    path: str
 
 
 class Fleet:
@@ -43,6 +57,9 @@ class Fleet:
         self.roles = {url: "prefill" for url in self.bootstrap_ports} | {url: "decode" for url in args.decode}
         self.pending: set[str] = set(args.worker_urls) | set(self.roles)
         self.no_load_report: set[str] = set()
+        # Every adapter a worker has reported, by name (the latest report's), kept after it is unloaded.
+        self.known_adapters: dict[str, KnownAdapter] = {}
+        self._by_model: dict[str, list[Worker]] | None = None  # models()'s answer until the membership changes
         admin_key = args.worker_admin_api_key or args.worker_api_key
         self.headers = {"Authorization": f"Bearer {args.worker_api_key}"} if args.worker_api_key else {}
         self.admin_headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
@@ -71,6 +88,8 @@ class Fleet:
             ),
         )
         self.workers[url] = worker
+        self._by_model = None
+        self._learn_adapters(worker)
         self.metrics.worker_joined(worker)
         logger.info(
             "worker %s joined: model %s, device %s, backends %s", url, facts.model_id, facts.device, facts.backends
@@ -83,6 +102,7 @@ class Fleet:
         worker = self.workers.pop(url, None)
         if worker is None:
             return False
+        self._by_model = None
         for policy in self.policies:
             policy.forget(url)
         self.metrics.worker_left(worker)
@@ -90,10 +110,43 @@ class Fleet:
         return True
 
     def models(self) -> dict[str, list[Worker]]:
-        by_model: dict[str, list[Worker]] = {}
-        for worker in self.workers.values():
-            by_model.setdefault(worker.model_id, []).append(worker)
-        return by_model
+        """The workers of each model (not to be changed: it is kept until the membership changes)."""
+        if self._by_model is None:
+            self._by_model = {}
+            for worker in self.workers.values():
+                self._by_model.setdefault(worker.model_id, []).append(worker)
+        return self._by_model
+
+    # ---- LoRA adapters -----------------------------------------------------------------
+    def held_adapters(self) -> dict[str, KnownAdapter]:
+        """The adapters some worker holds now, by name."""
+        return {
+            name: KnownAdapter(worker.model_id, path)
+            for worker in self.workers.values()
+            if worker.facts.lora is not None
+            for name, path in worker.facts.lora.adapters.items()
+        }
+
+    def record_lora(self, worker: Worker, lora: LoRAFacts) -> None:
+        """The router changed the worker's adapters (it loaded one there)."""
+        worker.set_lora(lora)
+        self._learn_adapters(worker)
+
+    async def refresh_lora(self, worker: Worker) -> None:
+        """Read the worker's adapters again (a worker that does not report them keeps what it had)."""
+        revision = worker.facts_revision
+        try:
+            info = await self._get_json(worker.url, "/server_info")
+        except WorkerNotReady:
+            return
+        facts = info.get("worker") if isinstance(info, dict) else None
+        if isinstance(facts, dict) and "lora" in facts and worker.set_lora(LoRAFacts.of(facts["lora"]), revision):
+            self._learn_adapters(worker)
+
+    def _learn_adapters(self, worker: Worker) -> None:
+        if worker.facts.lora is not None:
+            for name, path in worker.facts.lora.adapters.items():
+                self.known_adapters[name] = KnownAdapter(worker.model_id, path)
 
     # ---- routing -----------------------------------------------------------------------
     def candidates(
@@ -180,8 +233,11 @@ class Fleet:
             ok = False
         if ok:
             worker.health_failures, worker.health_successes = 0, worker.health_successes + 1
-            if not worker.healthy and worker.health_successes >= self.args.health_success_threshold:
+            rejoined = not worker.healthy and worker.health_successes >= self.args.health_success_threshold
+            if rejoined:
                 self._rejoin(worker)
+            if rejoined or worker.facts.lora is not None:  # a restarted worker holds only its --lora-paths
+                await self.refresh_lora(worker)
         else:
             worker.health_successes, worker.health_failures = 0, worker.health_failures + 1
             if worker.healthy and worker.health_failures >= self.args.health_failure_threshold:
@@ -217,11 +273,12 @@ class Fleet:
         cards = models.get("data") if isinstance(models, dict) else None
         if not cards:
             raise WorkerNotReady("/v1/models lists no model")
+        base = next((card for card in cards if not card.get("parent")), cards[0])  # not a LoRA adapter's card
         model_info = await self._get_json(url, "/model_info") or await self._get_json(url, "/get_model_info") or {}
         server_info = await self._get_json(url, "/server_info") or await self._get_json(url, "/get_server_info") or {}
         facts: dict[str, Any] = server_info.get("worker") or {}
         return WorkerFacts(
-            model_id=cards[0]["id"],
+            model_id=base["id"],
             identity=tuple((key, model_info[key]) for key in _IDENTITY_KEYS if key in model_info),
             device=facts.get("device"),
             dtype=facts.get("dtype"),
@@ -232,6 +289,7 @@ class Fleet:
             features=facts.get("features") or {},
             disaggregation_mode=server_info.get("disaggregation_mode") or "null",
             bootstrap_port=server_info.get("disaggregation_bootstrap_port"),
+            lora=LoRAFacts.of(facts.get("lora")),
         )
 
     async def _get_json(self, url: str, path: str, required: bool = False) -> Any:

@@ -1,5 +1,7 @@
-"""Forwarding one request: choose a worker, send, retry elsewhere on failure while the
-client has received nothing, then pass the answer through (streamed as it comes).
+"""Forwarding one request: choose a worker (one holding the LoRA adapter it names, which
+the router has the worker load when none does: ``lora.AdapterRouting``), send, retry
+elsewhere on failure while the client has received nothing, then pass the answer through
+(streamed as it comes).
 
 - A try fails on a connection error, a broken answer, or a retryable status (408, 429,
   500, 502, 503, 504). The worker's circuit breaker counts the failure; the next try,
@@ -35,8 +37,9 @@ from starlette.types import Receive, Scope, Send
 from radixserve.router.admission import Admission
 from radixserve.router.args import RouterArgs
 from radixserve.router.fleet import Fleet
+from radixserve.router.lora import AdapterRouting
 from radixserve.router.metrics import RouterMetrics
-from radixserve.router.policies import PairPolicies, Policy
+from radixserve.router.policies import Choice, PairPolicies, Policy
 from radixserve.router.request_info import RequestInfo, TokenEstimator, parse_body, read_request, usage_prompt_tokens
 from radixserve.router.upstream import TRANSPORT_ERRORS, Upstream, UpstreamError
 from radixserve.router.worker import Work, Worker
@@ -131,6 +134,7 @@ class Forwarder:
         prefill and decode workers."""
         self.args, self.upstream, self.fleet, self.policy = args, upstream, fleet, policy
         self.admission, self.metrics, self.estimator, self.pair = admission, metrics, estimator, pair
+        self.adapters = AdapterRouting(fleet, upstream, metrics)
         self.rng = random.Random()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
@@ -213,9 +217,19 @@ class Forwarder:
                 backoff = min(backoff * self.args.retry_backoff_multiplier, self.args.retry_max_backoff_ms / 1000)
         raise AssertionError("unreachable")
 
+    async def _choose(self, policy: Policy, info: RequestInfo, tried: set[str], role: str | None = None) -> Choice:
+        """The worker ``policy`` chooses for the request among the candidates (of ``role``,
+        when given), holding the LoRA adapter the request names once this returns where it can."""
+        target = self.adapters.target(info)
+        candidates = self.fleet.candidates(target.model, info.needs, tried, role)
+        routing = self.adapters.routing(info.routing, target.adapter)
+        choice = policy.choose(routing, self.adapters.place(candidates, target.adapter))
+        await self.adapters.prepare(choice.worker, target.adapter)
+        return choice
+
     async def _send_to_one(self, outgoing: Outgoing, body: bytes, tried: set[str]) -> Answer:
         info = outgoing.info
-        choice = self.policy.choose(info.routing, self.fleet.candidates(info.model, info.needs, tried))
+        choice = await self._choose(self.policy, info, tried)
         tried.add(choice.worker.url)
         outgoing.trip.tries.append(choice.worker.url)
         return await self._try(
@@ -229,10 +243,8 @@ class Forwarder:
         its KV) and fails the try, so that another pair is tried."""
         assert self.pair is not None
         info = outgoing.info
-        prefill = self.pair.prefill.choose(
-            info.routing, self.fleet.candidates(info.model, info.needs, tried, "prefill")
-        )
-        decode = self.pair.decode.choose(info.routing, self.fleet.candidates(info.model, info.needs, tried, "decode"))
+        prefill = await self._choose(self.pair.prefill, info, tried, "prefill")
+        decode = await self._choose(self.pair.decode, info, tried, "decode")
         host, port = self.fleet.bootstrap_of(prefill.worker)
         tried |= {prefill.worker.url, decode.worker.url}
         outgoing.trip.tries.append(decode.worker.url)

@@ -1,8 +1,9 @@
 """The router's Prometheus metrics, in its own CollectorRegistry, all under
 ``radixserve_router:``. Per worker (label ``worker``, its URL): requests by route and
 status, errors by kind, retries, latency and time to first byte, estimated prompt
-tokens routed, health and circuit-breaker state, requests in flight. For the router:
-requests refused by admission (``reason``: queue_full, queue_timeout) and the queue depth."""
+tokens routed, health and circuit-breaker state, requests in flight, LoRA adapters loaded
+(``outcome``: loaded, failed). For the router: requests refused by admission (``reason``:
+queue_full, queue_timeout) and the queue depth."""
 
 from __future__ import annotations
 
@@ -79,6 +80,12 @@ class RouterMetrics:
         )
         self.breaker = Gauge(PREFIX + "circuit_breaker_state", "0 closed, 1 half-open, 2 open", ["worker"], registry=r)
         self.in_flight = Gauge(PREFIX + "worker_in_flight", "requests forwarded and not ended", ["worker"], registry=r)
+        self.adapter_loads = Counter(
+            PREFIX + "adapter_loads",
+            "LoRA adapters the router had a worker load, a request naming one that no candidate held, by outcome",
+            ["worker", "outcome"],
+            registry=r,
+        )
         self.refused = Counter(PREFIX + "admission_refused", "requests refused by admission", ["reason"], registry=r)
         self.queue_depth = Gauge(PREFIX + "admission_queue_depth", "requests waiting for admission", registry=r)
         self._series: dict[str, WorkerSeries] = {}

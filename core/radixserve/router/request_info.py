@@ -1,6 +1,7 @@
-"""What the router reads from a request body before routing it: the model, whether it
-streams, the features it needs from a worker (the field that needs each, for the error),
-and its routing text with estimated token counts. The body itself is forwarded as it came."""
+"""What the router reads from a request body before routing it: the model, the LoRA
+adapter its ``lora_path`` names, whether it streams, the features it needs from a worker
+(the field that needs each, for the error), and its routing text with estimated token
+counts. The body itself is forwarded as it came."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ _GUIDED_FIELDS = ("regex", "ebnf", "json_schema", "guided_json", "guided_regex",
 
 @dataclass
 class RequestInfo:
-    model: str | None
+    model: str | None  # as the request names it: a served model, or a LoRA adapter (``lora.AdapterRouting``)
     stream: bool
+    lora_path: str | None = None  # the adapter its ``lora_path`` names
     needs: dict[str, str] = field(default_factory=dict)  # feature -> the request field that needs it
     routing: RoutingRequest = RoutingRequest("", 0, 0)
 
@@ -84,9 +86,20 @@ def read_request(route: str, payload: dict[str, Any], estimator: TokenEstimator)
     return RequestInfo(
         model=model if isinstance(model, str) else None,
         stream=bool(payload.get("stream")),
+        lora_path=_lora_path(payload.get("lora_path")),
         needs=_needs(route, payload, sampling),
         routing=RoutingRequest(text, estimator.tokens(text), max_tokens or DEFAULT_MAX_TOKENS),
     )
+
+
+def _lora_path(value: Any) -> str | None:
+    """The adapter a request's ``lora_path`` names. /generate's may name one per prompt (None:
+    the base model): the adapter when every prompt that names one names the same (the
+    others run on the base model, which every worker has), else None (no preference)."""
+    if isinstance(value, list):
+        named = {name for name in value if isinstance(name, str)}
+        return named.pop() if len(named) == 1 else None
+    return value if isinstance(value, str) else None
 
 
 def _needs(route: str, payload: dict[str, Any], sampling: dict[str, Any]) -> dict[str, str]:

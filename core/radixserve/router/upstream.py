@@ -80,13 +80,14 @@ class Upstream:
     async def get(self, url: str, headers: dict[str, str], timeout_s: float) -> Reply:
         return await self._whole("GET", url, headers, timeout_s)
 
-    async def post(self, url: str, headers: dict[str, str], timeout_s: float) -> Reply:
-        return await self._whole("POST", url, headers, timeout_s)
+    async def post(self, url: str, headers: dict[str, str], timeout_s: float, body: Any = None) -> Reply:
+        """``body``: sent as JSON when given."""
+        return await self._whole("POST", url, headers, timeout_s, body)
 
-    async def _whole(self, method: str, url: str, headers: dict[str, str], timeout_s: float) -> Reply:
+    async def _whole(self, method: str, url: str, headers: dict[str, str], timeout_s: float, body: Any = None) -> Reply:
         try:
             async with self.session.request(
-                method, url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+                method, url, headers=headers, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as response:
                 return Reply(response.status, await response.read())
         except TRANSPORT_ERRORS as exc:

@@ -1,16 +1,16 @@
 """One worker as the router sees it: what it serves and can do (``WorkerFacts``, read
-once at registration), how loaded it is (``WorkerLoad``, from its ``/get_load`` and the
-router's own in-flight count), how fast it is at each batch size (``RateCurve``s, from the
-same reports), and whether it may get traffic (health checks and a ``CircuitBreaker``).
-All of it is soft state, rebuilt from traffic and probes."""
+at registration, its LoRA adapters kept up to date), how loaded it is (``WorkerLoad``,
+from its ``/get_load`` and the router's own in-flight count), how fast it is at each batch
+size (``RateCurve``s, from the same reports), and whether it may get traffic (health
+checks and a ``CircuitBreaker``). All of it is soft state, rebuilt from traffic and probes."""
 
 from __future__ import annotations
 
 import enum
 import math
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from radixserve.rate_bands import DECODE_BANDS, PREFILL_BANDS, band_values, sum_rates
@@ -24,6 +24,35 @@ UTILISATION_HALF_LIFE_S = 120.0
 # A feature a request may need; a worker that does not report its features (a plain
 # OpenAI server) is assumed to have them all.
 FEATURES = ("generation", "embeddings", "structured_output", "tools", "logprobs", "n")
+
+
+@dataclass(frozen=True)
+class LoRAFacts:
+    """A worker's multi-LoRA serving (``/server_info["worker"]["lora"]``): the adapters it
+    holds, name -> path, and how many it may hold (None: no limit) and mix in one batch."""
+
+    adapters: Mapping[str, str] = field(default_factory=dict)
+    max_loaded: int | None = None
+    max_per_batch: int | None = None
+
+    @classmethod
+    def of(cls, report: dict[str, Any] | None) -> LoRAFacts | None:
+        """From the worker's report; None when LoRA is off there."""
+        if report is None:
+            return None
+        adapters = dict(report.get("adapters") or {})
+        return cls(adapters, report.get("max_loaded_loras"), report.get("max_loras_per_batch"))
+
+    def has_room(self) -> bool:
+        """Whether one more adapter may be loaded (``--max-loaded-loras``)."""
+        return self.max_loaded is None or len(self.adapters) < self.max_loaded
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "adapters": dict(self.adapters),
+            "max_loaded_loras": self.max_loaded,
+            "max_loras_per_batch": self.max_per_batch,
+        }
 
 
 @dataclass(frozen=True)
@@ -43,9 +72,13 @@ class WorkerFacts:
     features: dict[str, bool] = field(default_factory=dict)
     disaggregation_mode: str = "null"  # prefill or decode: one half of a pair
     bootstrap_port: int | None = None  # a prefill worker's, as it reports it
+    lora: LoRAFacts | None = None  # None: LoRA off (or a worker that does not say)
 
     def supports(self, feature: str) -> bool:
         return self.features.get(feature, True)
+
+    def holds(self, adapter: str) -> bool:
+        return self.lora is not None and adapter in self.lora.adapters
 
 
 @dataclass
@@ -275,6 +308,9 @@ class Worker:
         # Prompt tokens waiting for prefill: the last report's, plus what was sent since, at _backlog_at.
         self._backlog, self._backlog_at = 0.0, clock()
         self.reports_load = False  # it has answered /get_load since it (re)joined
+        # Counts the router's own changes to the facts (an adapter it loaded here), so that a
+        # /server_info read sent before one does not undo it (``set_lora``).
+        self.facts_revision = 0
 
     @property
     def model_id(self) -> str:
@@ -282,6 +318,17 @@ class Worker:
 
     def available(self) -> bool:
         return self.healthy and self.breaker.allows()
+
+    def set_lora(self, lora: LoRAFacts | None, revision: int | None = None) -> bool:
+        """Its LoRA facts as read from the worker when ``revision`` (``facts_revision``
+        when the read was sent) is given, else as the router changed them; False (and
+        nothing changes) when the router changed them after the read was sent."""
+        if revision is not None and revision != self.facts_revision:
+            return False
+        if revision is None:
+            self.facts_revision += 1
+        self.facts = replace(self.facts, lora=lora)
+        return True
 
     def observe(self, load: WorkerLoad) -> None:
         self.load = load
@@ -373,6 +420,7 @@ class Worker:
             "max_running_requests": self.facts.max_running_requests,
             "prefill_step_tokens": self.facts.prefill_step_tokens,
             "features": {name: self.facts.supports(name) for name in FEATURES},
+            "lora": self.facts.lora.describe() if self.facts.lora is not None else None,
             "load": {
                 "num_reqs": self.load.num_reqs,
                 "num_waiting_reqs": self.load.num_waiting_reqs,

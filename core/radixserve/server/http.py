@@ -1,7 +1,8 @@
 """The HTTP server: FastAPI on uvicorn, hosting the TokenizerManager.
 
     OpenAI:  POST /v1/chat/completions, /v1/completions, /v1/embeddings (an embedding model), GET /v1/models[/{id}]
-    native:  POST /generate, /tokenize, /detokenize, /flush_cache, /abort_request, /start_profile, /stop_profile
+    native:  POST /generate, /tokenize, /detokenize, /flush_cache, /abort_request, /start_profile, /stop_profile,
+             /load_lora_adapter, /unload_lora_adapter (and vLLM's /v1/... spellings)
              GET /health, /health_generate, /server_info, /model_info, /get_load, /v1/loads, /metrics
              (and /get_server_info, /get_model_info: SGLang's older names)
 
@@ -9,7 +10,7 @@ No ``/version``: SGLang's model gateway (smg 1.x) takes a worker that answers it
 vLLM and then looks for vLLM's metrics to learn its load; the version is in
 ``/server_info``.
 
-The admin routes (flush, abort, profile) take ``--admin-api-key`` when one is
+The admin routes (flush, abort, profile, LoRA adapters) take ``--admin-api-key`` when one is
 set (``middleware.RequestGuard``); ``/start_profile`` writes under ``--profile-dir``.
 
 ``run_server`` serves on the socket the CLI bound (``--port 0`` picks a free
@@ -60,8 +61,10 @@ from radixserve.server.protocol import (
     DetokenizeRequest,
     EmbeddingRequest,
     GenerateRequestBody,
+    LoadLoRAAdapterBody,
     StartProfileBody,
     TokenizeRequest,
+    UnloadLoRAAdapterBody,
 )
 from radixserve.server.response_models import (
     ChatCompletionResponse,
@@ -128,21 +131,24 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None], started: S
             max_model_len=state.ready_tm().context_length,
         )
 
+    def adapter_cards() -> list[ModelCard]:
+        return state.ready_adapters().cards(state.model_name, state.ready_tm().context_length)
+
     @app.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card()])
+        return ModelList(data=[model_card(), *adapter_cards()])
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> ModelCard:
-        state.ready_openai().check_model(model_id)
-        return model_card()
+        adapter = state.ready_openai().check_model(model_id)
+        return model_card() if adapter is None else next(c for c in adapter_cards() if c.id == adapter)
 
     # ---- native ----------------------------------------------------------------------
     @app.post("/generate", response_model=None)
     async def generate(
         body: GenerateRequestBody, request: Request
     ) -> dict[str, Any] | list[dict[str, Any]] | StreamingResponse:
-        return await native_serving.generate(state.ready_tm(), body, request)
+        return await native_serving.generate(state.ready_tm(), body, request, state.ready_adapters(), state.model_name)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -203,6 +209,19 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None], started: S
         if not await state.ready_tm().control("flush_cache"):
             raise APIError(400, "the cache cannot be flushed while requests are running")
         return {"success": True}
+
+    # ---- LoRA adapters (SGLang's routes, and vLLM's /v1 spellings) -----------------------
+    @app.post("/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterBody) -> dict[str, Any]:
+        await state.ready_adapters().load(state.ready_tm(), body.lora_name, body.lora_path)
+        return {"success": True, "loaded_adapters": dict(state.ready_adapters().paths)}
+
+    @app.post("/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterBody) -> dict[str, Any]:
+        await state.ready_adapters().unload(state.ready_tm(), body.lora_name)
+        return {"success": True, "loaded_adapters": dict(state.ready_adapters().paths)}
 
     @app.post("/start_profile")
     async def start_profile(body: StartProfileBody | None = None) -> dict[str, Any]:

@@ -18,7 +18,18 @@ from radixserve.server.errors import error_response
 # Probes and scrapers get in without the key.
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/liveness", "/metrics"})
 # What changes the server's state or writes files on its machine.
-ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/start_profile", "/stop_profile"})
+ADMIN_PATHS = frozenset(
+    {
+        "/flush_cache",
+        "/abort_request",
+        "/start_profile",
+        "/stop_profile",
+        "/load_lora_adapter",
+        "/unload_lora_adapter",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+    }
+)
 HTTP_VERSIONS = frozenset({"1.0", "1.1"})
 
 

@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 
 from radixserve.sampling.params import SamplingParams
 from radixserve.server.errors import APIError
+from radixserve.server.lora import ServedAdapters
 from radixserve.server.protocol import GenerateRequestBody, bootstrap_of
 from radixserve.server.streaming import (
     EventStreamResponse,
@@ -49,7 +50,7 @@ def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
     return value
 
 
-def _inputs(body: GenerateRequestBody) -> list[GenerateInput]:
+def _inputs(body: GenerateRequestBody, adapters: ServedAdapters, base_name: str) -> list[GenerateInput]:
     if body.text is not None and body.input_ids is not None:
         raise APIError(400, "text: give either text or input_ids, not both", param="text")
     if body.text is not None:
@@ -77,6 +78,7 @@ def _inputs(body: GenerateRequestBody) -> list[GenerateInput]:
     else:
         rids = _per_prompt(body.rid, count, "rid")
     priorities = _per_prompt(body.priority, count, "priority")
+    loras = [adapters.resolve(None, name, base_name) for name in _per_prompt(body.lora_path, count, "lora_path")]
     bootstrap = bootstrap_of(body, count)
     return [
         GenerateInput(
@@ -89,6 +91,7 @@ def _inputs(body: GenerateRequestBody) -> list[GenerateInput]:
             rid=rids[i],
             priority=priorities[i],
             bootstrap=bootstrap,
+            lora_name=loras[i],
         )
         for i, prompt in enumerate(prompts)
     ]
@@ -110,10 +113,11 @@ def _output(out: dict[str, Any], return_logprob: bool, started: float) -> dict[s
 
 
 async def generate(
-    tm: TokenizerManager, body: GenerateRequestBody, request: Request
+    tm: TokenizerManager, body: GenerateRequestBody, request: Request, adapters: ServedAdapters, base_name: str
 ) -> dict[str, Any] | list[dict[str, Any]] | StreamingResponse:
+    """``adapters``: the LoRA adapters a prompt's ``lora_path`` may name; ``base_name``: the served model's name."""
     started = time.perf_counter()
-    inputs = _inputs(body)
+    inputs = _inputs(body, adapters, base_name)
     is_batch = len(inputs) > 1
     results = start_generation(tm, inputs, RENAMES)
     if body.stream:

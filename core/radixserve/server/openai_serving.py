@@ -23,6 +23,7 @@ from radixserve.reasoning_parsers.base import ReasoningParser
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError
 from radixserve.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from radixserve.server.lora import ServedAdapters
 from radixserve.server.protocol import ChatCompletionRequest, CompletionRequest, bootstrap_of
 from radixserve.server.response_models import (
     AssistantMessage,
@@ -115,11 +116,13 @@ class OpenAIServing:
         tm: TokenizerManager,
         model_name: str,
         chat_template: ChatTemplate,
+        adapters: ServedAdapters,
         tool_parser: type[ToolParser] | None = None,
         reasoning_parser: type[ReasoningParser] | None = None,
     ):
         self.tm = tm
         self.model_name = model_name
+        self.adapters = adapters
         self.chat_template = chat_template
         self.texts = TokenTexts(tm.tokenizer)
         self.tool_parser = tool_parser
@@ -133,19 +136,22 @@ class OpenAIServing:
                 reasoning_parser.starts_in_reasoning,
             )
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter ``model`` names (None: the base model); a 404 naming
+        ``model`` when it is neither the base model nor a loaded adapter."""
+        return self.adapters.resolve(model, None, self.model_name)
 
-    def _check_request(self, req: ChatCompletionRequest | CompletionRequest) -> None:
-        self.check_model(req.model)
+    def _check_request(self, req: ChatCompletionRequest | CompletionRequest) -> str | None:
+        """The request's adapter (None: the base model), after checking what it asks."""
+        adapter = self.adapters.resolve(req.model, req.lora_path, self.model_name)
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "stream_options: only allowed when stream is true", param="stream_options")
+        return adapter
+
+    def _answering(self, req: ChatCompletionRequest | CompletionRequest) -> str:
+        """The ``model`` a response names: the adapter a request named by ``model``, else the base."""
+        named_adapter = req.model is not None and req.model != self.model_name and req.lora_path is None
+        return req.model if named_adapter and req.model is not None else self.model_name
 
     def _max_tokens(self, requested: int | None, prompt_len: int) -> int:
         if requested is not None:
@@ -156,7 +162,7 @@ class OpenAIServing:
 
     # ---- chat --------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, request: Request) -> ChatCompletionResponse | StreamingResponse:
-        self._check_request(req)
+        adapter = self._check_request(req)
         if req.top_logprobs and not req.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
         if req.continue_final_message and req.messages[-1].role != "assistant":
@@ -187,6 +193,7 @@ class OpenAIServing:
             rid=rid,
             priority=req.priority,
             bootstrap=bootstrap,
+            lora_name=adapter,
         )
         results = start_generation(self.tm, [inp], CHAT_RENAMES)
         if req.stream:
@@ -213,7 +220,7 @@ class OpenAIServing:
                     matched_stop=matched,
                 )
             )
-        return ChatCompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage.total())
+        return ChatCompletionResponse(id=rid, model=self._answering(req), choices=choices, usage=usage.total())
 
     def _reader(self, req: ChatCompletionRequest) -> ChoiceReader:
         return ChoiceReader(req, self.tool_parser, self.reasoning_parser)
@@ -227,7 +234,9 @@ class OpenAIServing:
         created = int(time.time())
 
         def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> ChatCompletionChunk:
-            return ChatCompletionChunk(id=rid, created=created, model=self.model_name, choices=choices, usage=usage)
+            return ChatCompletionChunk(
+                id=rid, created=created, model=self._answering(req), choices=choices, usage=usage
+            )
 
         for index in range(req.n):
             yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
@@ -293,7 +302,7 @@ class OpenAIServing:
         return Echo(given)
 
     async def completions(self, req: CompletionRequest, request: Request) -> CompletionResponse | StreamingResponse:
-        self._check_request(req)
+        adapter = self._check_request(req)
         given = self._raw_prompts(req)
         # Text is tokenized like the native API does.
         prompts = [self.tm.tokenize(p) if isinstance(p, str) else list(p) for p in given]
@@ -311,6 +320,7 @@ class OpenAIServing:
                 rid=rid if len(prompts) == 1 else f"{rid}-{p}",
                 priority=req.priority,
                 bootstrap=bootstrap,
+                lora_name=adapter,
             )
             for p, ids in enumerate(prompts)
         ]
@@ -339,7 +349,7 @@ class OpenAIServing:
                 )
             )
         choices.sort(key=lambda c: c.index)
-        return CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage.total())
+        return CompletionResponse(id=rid, model=self._answering(req), choices=choices, usage=usage.total())
 
     def _completion_logprobs(
         self, meta: dict[str, Any], echo: Echo | None, offset: int
@@ -383,7 +393,7 @@ class OpenAIServing:
             yield CompletionResponse(
                 id=rid,
                 created=created,
-                model=self.model_name,
+                model=self._answering(req),
                 usage=running,
                 choices=[
                     CompletionChoice(
@@ -392,4 +402,6 @@ class OpenAIServing:
                 ],
             )
         if req.include_usage:
-            yield CompletionResponse(id=rid, created=created, model=self.model_name, choices=[], usage=usage.total())
+            yield CompletionResponse(
+                id=rid, created=created, model=self._answering(req), choices=[], usage=usage.total()
+            )

@@ -221,6 +221,8 @@ class _SamplingRequest(_OpenAIRequest, _Disaggregated):
     # Scheduling priority (SGLang / vLLM extra): higher is served first under
     # --schedule-policy priority; other policies ignore it.
     priority: Int = 0
+    # Multi-LoRA serving (SGLang's extra): the adapter's name, as ``model`` may name it too.
+    lora_path: str | None = None
     # Structured output (server/structured_output.py): OpenAI's, then SGLang's and vLLM's extras.
     response_format: dict[str, Any] | None = None
     regex: str | None = None
@@ -446,6 +448,8 @@ class GenerateRequestBody(_Request, _Disaggregated):
     rid: str | list[str] | None = None
     # Higher is served first under --schedule-policy priority; one for all prompts or one per prompt.
     priority: Int | list[Int] = 0
+    # Multi-LoRA serving: the adapter's name (None: the base model); one for all prompts or one per prompt.
+    lora_path: str | list[str | None] | None = None
 
 
 class TokenizeRequest(_Request):
@@ -462,6 +466,19 @@ class DetokenizeRequest(_Request):
 
 class AbortRequestBody(_Request):
     rid: str
+
+
+class LoadLoRAAdapterBody(_Request):
+    """POST /load_lora_adapter (and vLLM's /v1/load_lora_adapter)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterBody(_Request):
+    """POST /unload_lora_adapter (and vLLM's /v1/unload_lora_adapter)."""
+
+    lora_name: str
 
 
 class StartProfileBody(_Request):

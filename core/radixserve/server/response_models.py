@@ -163,6 +163,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "radixserve"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int
 
 

@@ -32,6 +32,7 @@ from radixserve.registry import get_registry
 from radixserve.runtime.processes.spawn import RuntimeProcesses, SpawnedRuntime, spawn_runtime, wait_until_ready
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError
+from radixserve.server.lora import ServedAdapters
 from radixserve.server.metrics import ServerMetrics
 from radixserve.server.openai_serving import OpenAIServing
 from radixserve.server.profile_dir import ProfileDir
@@ -93,6 +94,7 @@ class ServerState:
         self._ready_pipes: list[Connection] = started.ready if started else []
         self.tm: TokenizerManager | None = None
         self.openai: OpenAIServing | None = None
+        self.adapters: ServedAdapters | None = None  # the LoRA adapters offered, set by the boot
         self.on_ready: Callable[[], None] = lambda: None
         self.profile_dir = ProfileDir(args.profile_dir)
         self._drain_cut_short = False
@@ -147,7 +149,8 @@ class ServerState:
         template = ChatTemplate(tokenizer, args.chat_template)
         tool_parser = get_registry().tool_parser(args.tool_call_parser, template.source)
         reasoning_parser = get_registry().reasoning_parser(args.reasoning_parser) if args.reasoning_parser else None
-        self.openai = OpenAIServing(tm, self.model_name, template, tool_parser, reasoning_parser)
+        self.adapters = ServedAdapters.of_summary(summary)
+        self.openai = OpenAIServing(tm, self.model_name, template, self.adapters, tool_parser, reasoning_parser)
         self._log_summary(template, summary, tm)
         if not args.skip_server_warmup:
             await self.generate_one_token(tm)
@@ -276,6 +279,11 @@ class ServerState:
         self.ready_tm()
         assert self.openai is not None  # set by the boot, before the server is ready
         return self.openai
+
+    def ready_adapters(self) -> ServedAdapters:
+        self.ready_tm()
+        assert self.adapters is not None  # set by the boot, before the server is ready
+        return self.adapters
 
     async def healthy(self) -> bool:
         tm = self.ready_tm()

@@ -32,7 +32,8 @@ def worker_facts(info: dict[str, Any], dp_size: int, embedding: bool, prefill_st
     context length, KV pool (tokens, over all replicas), the most requests it runs at once
     and prompt tokens one prefill step computes (a replica's), served features, and decode
     and prefill throughput (tokens/s over all replicas; None until measured), also per
-    batch-size band (``rate_bands``), and its speculative decoding (None: off)."""
+    batch-size band (``rate_bands``), its speculative decoding (None: off) and its LoRA
+    adapters (None: LoRA off; else the adapters loaded, by name, with their paths)."""
     stats = info["stats"]
     return {
         "device": info["platform"],
@@ -49,6 +50,19 @@ def worker_facts(info: dict[str, Any], dp_size: int, embedding: bool, prefill_st
         "prefill_tokens_per_s": stats["prefill_tokens_per_s"],
         **band_reports(stats),
         "speculative": info.get("speculative"),
+        "lora": lora_facts(info.get("lora")),
+    }
+
+
+def lora_facts(lora: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What a router needs of a worker's LoRA serving: its adapters (name -> path) and how many
+    one batch mixes."""
+    if lora is None:
+        return None
+    return {
+        "adapters": {a["name"]: a["path"] for a in lora["adapters"]},
+        "max_loras_per_batch": lora["max_loras_per_batch"],
+        "max_loaded_loras": lora["max_loaded_loras"],
     }
 
 

@@ -15,8 +15,9 @@ Layout (as radixserve.kernels): ``attention`` (``AttentionCase``,
 ``AttentionInputs``, ``make_attention_inputs``, ``with_kv_layout``), ``mla``
 (``MLACase``, ``MLAInputs``, ``make_mla_inputs``), ``elementwise``
 (``ElementwiseCase``, ``ELEMENTWISE_OPS``, ``make_elementwise_inputs``,
-``run_elementwise_case``) and ``moe`` (``MoECase``, ``make_moe_inputs``). GEMM
-has no case class here: ``auto`` times its projections on plain tensors.
+``run_elementwise_case``), ``moe`` (``MoECase``, ``make_moe_inputs``) and
+``lora`` (``LoRACase``, ``make_lora_inputs``). GEMM has no case class here:
+``auto`` times its projections on plain tensors.
 """
 
 from radixserve.kernels.cases.attention import AttentionCase, AttentionInputs, make_attention_inputs, with_kv_layout
@@ -26,6 +27,7 @@ from radixserve.kernels.cases.elementwise import (
     make_elementwise_inputs,
     run_elementwise_case,
 )
+from radixserve.kernels.cases.lora import LoRACase, make_lora_inputs
 from radixserve.kernels.cases.mla import MLACase, MLAInputs, make_mla_inputs
 from radixserve.kernels.cases.moe import MoECase, make_moe_inputs
 
@@ -34,11 +36,13 @@ __all__ = [
     "AttentionCase",
     "AttentionInputs",
     "ElementwiseCase",
+    "LoRACase",
     "MLACase",
     "MLAInputs",
     "MoECase",
     "make_attention_inputs",
     "make_elementwise_inputs",
+    "make_lora_inputs",
     "make_mla_inputs",
     "make_moe_inputs",
     "run_elementwise_case",

@@ -26,6 +26,7 @@ import torch
 
 from radixserve.cache.memory_pool import KVPool, ReqToTokenPool
 from radixserve.forward_batch import ForwardBatch, ForwardMode
+from radixserve.kernels import LoRABatch
 from radixserve.runtime.execution.pooling import EmbedRows
 from radixserve.runtime.execution.request import Req
 from radixserve.transfer import HostTransfer
@@ -49,6 +50,7 @@ class BatchPlan:
     logits_indices: torch.Tensor
     rope_rows: torch.Tensor | None = None  # per new token, its row of the rotary table (None: its position)
     out_cache_loc_cpu: list[int] = field(default_factory=list)  # the slots, on the host
+    lora: LoRABatch | None = None  # each token's adapter slot (multi-LoRA serving)
 
     @classmethod
     def launch(
@@ -62,6 +64,8 @@ class BatchPlan:
         req_to_token_pool: ReqToTokenPool,
         transfer: HostTransfer,
         out_cache_loc: list[int],
+        *,
+        lora: LoRABatch | None = None,
     ) -> BatchPlan:
         """The plan of requests at token table ``rows`` with ``prefix_lens`` tokens
         computed and ``extend_lens`` new; records the new tokens' slots
@@ -101,6 +105,7 @@ class BatchPlan:
             tensor(logits_indices),
             rope_rows,
             out_cache_loc,
+            lora,
         )
 
     def build(self, req_to_token_pool: ReqToTokenPool, kv_pool: KVPool) -> ForwardBatch:
@@ -121,6 +126,7 @@ class BatchPlan:
             extend_lens_cpu=list(self.extend_lens),
             logits_indices=self.logits_indices,
             rope_table_rows=self.rope_rows,
+            lora=self.lora,
         )
 
 

@@ -68,6 +68,8 @@ class DraftModelRunner:
             speculative_algorithm=None,
             speculative_draft_model_path=None,
             disaggregation_mode="null",
+            enable_lora=False,  # it proposes base-model tokens; the target verifies them under each adapter
+            lora_paths=[],
         )
         self.runner = runner = ModelRunner(draft_args, path, registry)
         if runner.vocab_size != target.vocab_size:

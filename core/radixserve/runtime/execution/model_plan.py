@@ -98,16 +98,18 @@ def choose_backends(
     selection = MeasuredSelection(
         registry, platform, device_index, plan.timing_shapes, measure_backends=args.backend_selection == "measure"
     )
-    # The kinds in the order ModelContext.create selects them; MoE only for a model with experts.
+    # The kinds in the order ModelContext.create selects them; MoE only for a model with experts,
+    # LoRA only when it is served.
     requested = {
         "gemm": args.gemm_backend,
         "quantization": plan.query.quantization or "none",  # --quantization, or the checkpoint's own
         "moe": args.moe_backend,
+        "lora": args.lora_backend,
         "attention": args.attention_backend,
         "elementwise": args.elementwise_backend,
     }
     for kind, name in requested.items():
-        if kind != "moe" or plan.query.num_experts:
+        if (kind != "moe" or plan.query.num_experts) and (kind != "lora" or plan.query.max_lora_rank):
             selection.select(kind, plan.query, name)
     return replace(plan, backend_choices=dict(selection.choices))
 
@@ -116,7 +118,7 @@ def timing_shapes(args: ServerArgs, hf_config: PretrainedConfig, query: KernelQu
     """The shapes backends are timed on: one rank's share of the model at a decode
     step and a prefill chunk no larger than the server runs."""
     chunk = args.chunked_prefill_size if args.chunked_prefill_size not in (None, -1) else 2048
-    return model_timing_shapes(
+    shapes = model_timing_shapes(
         hf_config,
         query,
         tp_size=args.tp_size,
@@ -124,3 +126,4 @@ def timing_shapes(args: ServerArgs, hf_config: PretrainedConfig, query: KernelQu
         prefill_rows=min(chunk, TIMED_PREFILL_ROWS),
         context_length=args.context_length or int(getattr(hf_config, "max_position_embeddings", 2048)),
     )
+    return replace(shapes, lora_slots=args.max_loras_per_batch)

@@ -20,6 +20,7 @@ from radixserve.layers.rotary import LongRope
 from radixserve.registry import PluginRegistry
 from radixserve.runtime.execution.distributed import RankSpec, join_group
 from radixserve.runtime.execution.graph_runner import GraphRunner
+from radixserve.runtime.execution.lora_adapters import LoRAAdapters
 from radixserve.runtime.execution.model_plan import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     ModelPlan,
@@ -29,6 +30,11 @@ from radixserve.runtime.execution.model_plan import (
 from radixserve.transfer import HostTransfer
 
 logger = logging.getLogger(__name__)
+
+
+def _same_name(name: str) -> tuple[str, Any] | None:
+    """A model without its own checkpoint mapping: every tensor's name is its parameter's."""
+    return name, None
 
 
 def kv_pool_tokens(
@@ -95,11 +101,14 @@ class ModelRunner:
         }
         if ctx.moe is not None:
             self.backends["moe"] = ctx.moe.name
+        if ctx.lora is not None:
+            self.backends["lora"] = ctx.lora.backend.name
         self.attention, self.moe, self.elementwise = ctx.attention, ctx.moe, ctx.elementwise
         # Served for embeddings (None: for generation): the model then returns hidden states, not logits.
         self.embedding = embedding_config(args, model_path, hf_config)
         embed = self.embedding is not None
         self.model, self.hf_config = load_model(model_path, ctx, registry, config=hf_config, embedding=embed)
+        self.lora = self._init_lora(ctx)
         self.long_rope = LongRope.of(hf_config)  # its two rotary sets, if it has them (layers/rotary.py)
         # The model's own limit (position embeddings, or a sliding window it cannot apply).
         model_context = cast(int, self.model.max_context_len)
@@ -119,11 +128,32 @@ class ModelRunner:
             gemm=args.gemm_backend,
             moe=args.moe_backend,
             elementwise=args.elementwise_backend,
+            lora=args.lora_backend,
             quantization=self.query.quantization,  # --quantization, or the checkpoint's own
             tp_rank=self.group.rank,
             tp_size=self.group.size,
             comm=self.group.comm,
         )
+
+    def _init_lora(self, ctx: ModelContext) -> LoRAAdapters | None:
+        """With ``--enable-lora``: the adaptable layers' slots, and ``--lora-paths`` loaded."""
+        if ctx.lora is None:
+            return None
+        args, max_rank = self.args, cast(int, self.query.max_lora_rank)  # set with --enable-lora
+        mapping = getattr(self.model, "map_weight_name", None) or _same_name
+        adapters = LoRAAdapters.attach(
+            self.model,
+            ctx.lora,
+            mapping,
+            args.max_loras_per_batch,
+            max_rank,
+            args.max_loaded_loras,
+            self.dtype,
+            self.device,
+        )
+        for name, path in args.lora_adapters().items():
+            adapters.load(name, path)
+        return adapters
 
     def _init_memory(self) -> None:
         args, q = self.args, self.query
@@ -213,6 +243,8 @@ class ModelRunner:
             reasons = self.attention.graph_unsupported_reasons(max_bs, self.req_to_token_pool.max_context_len)
             if self.moe is not None:
                 reasons += self.moe.graph_unsupported_reasons()
+            if self.lora is not None:
+                reasons.append("--enable-lora (a step's adapter slots are not captured)")
         if reasons:
             if args.disable_graph is False:
                 raise ValueError(f"disable_graph: graphs were asked for, but {'; '.join(reasons)}")
@@ -237,6 +269,8 @@ class ModelRunner:
         """Float32 logits for ``batch.logits_indices`` (for an embedding model, the
         final hidden states there). A decode batch that the graphs cover is
         replayed; its logits are then a view that the next forward overwrites."""
+        if self.lora is not None:
+            self.lora.step.batch = batch.lora
         with self.platform.forward_context():
             if self.graph_runner is not None and self.graph_runner.can_run(batch):
                 return self.graph_runner.replay(batch)
@@ -264,4 +298,5 @@ class ModelRunner:
             "vocab_size": self.vocab_size,
             "architecture": (self.hf_config.architectures or ["?"])[0],
             "embedding": dataclasses.asdict(self.embedding) if self.embedding is not None else None,
+            "lora": self.lora.describe() if self.lora is not None else None,
         }

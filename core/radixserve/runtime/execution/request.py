@@ -16,6 +16,15 @@ from radixserve.structured_output.backend import GrammarMatcher
 _arrival = itertools.count()
 
 
+def lora_namespace(adapter_id: int, rope_set: int) -> tuple[str, int, int]:
+    """The cache namespace of requests under LoRA adapter load ``adapter_id``."""
+    return ("lora", adapter_id, rope_set)
+
+
+def is_lora_namespace(namespace: Hashable, adapter_id: int) -> bool:
+    return isinstance(namespace, tuple) and namespace[:2] == ("lora", adapter_id)
+
+
 @dataclass
 class KVSpan:
     """A request's hold on KV memory. Its tokens (``fill_ids``) have KV slots at
@@ -63,6 +72,9 @@ class Req(RequestOptions):
     # The rotary set its KV is computed with: LongRoPE's long factors are set 1, else 0
     # (layers/rotary.py). Only runtime/rope_sets.py writes it.
     rope_set: int = 0
+    # The load of the LoRA adapter it runs under (LoRAAdapters' id; None: the base model),
+    # set at intake; only the scheduler writes it.
+    lora_id: int | None = None
 
     # Logprob accumulators and streaming bookkeeping.
     output_token_logprobs: list[tuple[float, int]] = field(default_factory=list)
@@ -112,7 +124,10 @@ class Req(RequestOptions):
         request that matches it: a request on the short set never computes a position at
         or past the original context (it is computed again on the long set first), so
         the short namespace holds only what a short sequence computes, and every key in
-        the long one is a long-set key, as HF computes every longer sequence."""
+        the long one is a long-set key, as HF computes every longer sequence. Each LoRA
+        adapter's KV is its own too (``lora_namespace``)."""
+        if self.lora_id is not None:
+            return lora_namespace(self.lora_id, self.rope_set)
         return ("rope_set", self.rope_set) if self.rope_set else None
 
     @property

@@ -257,6 +257,8 @@ def merge_replies(kind: str, replies: dict[int, Any]) -> Any:
         return {**first, "stats": total_stats({k: r["stats"] for k, r in replies.items()})}
     if kind in ("flush_cache", "health"):
         return all(replies.values())
+    if kind in ("load_lora_adapter", "unload_lora_adapter"):  # every replica did alike: any refusal stands
+        return next((r for _, r in sorted(replies.items()) if "error" in r), first)
     if kind in ("start_profile", "stop_profile"):
         errors = [f"replica {k}: {r['error']}" for k, r in sorted(replies.items()) if "error" in r]
         if errors:

@@ -201,6 +201,10 @@ def _control(scheduler: Scheduler, kind: str, args: Any) -> Any:
         }
     if kind == "flush_cache":
         return scheduler.flush_cache()
+    if kind == "load_lora_adapter":
+        return scheduler.load_lora_adapter(args["lora_name"], args["lora_path"])
+    if kind == "unload_lora_adapter":
+        return scheduler.unload_lora_adapter(args["lora_name"])
     if kind == "health":
         return True
     if kind in ("start_profile", "stop_profile"):

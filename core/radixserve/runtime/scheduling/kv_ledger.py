@@ -241,6 +241,10 @@ class KVLedger:
         for row in rows:
             self.token_table.free(row)
 
+    def drop_cached(self, which: Callable[[Hashable], bool]) -> int:
+        """Free the unlocked cached KV of the namespaces ``which`` accepts (an unloaded LoRA adapter's)."""
+        return self.cache.drop_namespaces(which)
+
     def flush(self) -> bool:
         """Empty the prefix cache; False (nothing done) while any request holds KV."""
         return not self._holders and not self._pins and self.cache.reset()

@@ -87,6 +87,8 @@ class PrefillPlanner:
         self.args = args
         self.ledger = ledger
         self.max_running = max_running
+        # Multi-LoRA serving: the adapters the admitted requests may use at once (the device slots).
+        self.max_adapters = args.max_loras_per_batch if args.enable_lora else None
 
     def plan(self, queues: QueueView) -> PrefillPlan:
         """Continue the chunked request first; then admit waiting requests in policy
@@ -120,9 +122,12 @@ class PrefillPlanner:
             if chunk_left <= 0:
                 return plan
 
+        adapters: set[int | None] = {r.lora_id for r in [*queues.running, *plan.reqs] if r.lora_id is not None}
         for req in order_waiting(queues.waiting, self.args.schedule_policy, self._prefix_len):
             if len(queues.running) + len(plan.reqs) >= self.max_running:
                 break
+            if not self._adapter_fits(req, adapters):
+                continue  # its adapter would be one too many; requests of adapters in use go on
             if self.ledger.free_rows() <= len(plan.admitted) or min(prefill_left, chunk_left) <= 0:
                 break
             limit = match_limit(req)
@@ -151,10 +156,16 @@ class PrefillPlanner:
             chunk_left -= extend_len
             plan.admitted.append(Admission(req, match))
             plan.add(req, extend_len)
+            adapters.add(req.lora_id)
             if extend_len < remaining:
                 plan.chunked = req
                 break
         return plan
+
+    def _adapter_fits(self, req: Req, adapters: set[int | None]) -> bool:
+        if self.max_adapters is None or req.lora_id is None or req.lora_id in adapters:
+            return True
+        return len(adapters - {None}) < self.max_adapters
 
     def _prefix_len(self, req: Req) -> int:
         return self.ledger.match(req.fill_ids[: match_limit(req)], req.cache_namespace).num_tokens

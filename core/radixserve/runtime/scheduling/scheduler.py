@@ -21,8 +21,10 @@ import torch
 from radixserve.cache.chunk_cache import ChunkCache
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.checkpoints.loader import eos_token_ids
+from radixserve.checkpoints.lora import AdapterError
 from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardMode
+from radixserve.kernels import LoRABatch
 from radixserve.messages import FinishReason, GenerateRequest, RoomRegistration, TokenOutput
 from radixserve.registry import PluginRegistry, get_registry
 from radixserve.runtime.execution.batch import BatchPlan, LogitsRows
@@ -31,7 +33,7 @@ from radixserve.runtime.execution.model_plan import ModelPlan
 from radixserve.runtime.execution.model_runner import ModelRunner
 from radixserve.runtime.execution.model_worker import LaunchedStep, ModelWorker, StepResult, StepWork
 from radixserve.runtime.execution.profiler import StepProfiler
-from radixserve.runtime.execution.request import HoldsKV, Req
+from radixserve.runtime.execution.request import HoldsKV, Req, is_lora_namespace
 from radixserve.runtime.execution.sampler import Sampler
 from radixserve.runtime.execution.verifier import walk
 from radixserve.runtime.scheduling.disaggregation import DecodeArrivals, FirstToken, PrefillHandoff, kv_side
@@ -111,6 +113,8 @@ class Scheduler:
         req, refusal = self.intake.receive(msg)
         self._by_rid[req.rid] = req
         self.rope_sets.choose(req)
+        if refusal is None and req.lora_name is not None:
+            refusal = self._take_adapter(req)
         if refusal is None and req.bootstrap is not None:
             self._cut_to_first_token(req)
         if refusal is None and self._queue_full():
@@ -122,6 +126,42 @@ class Scheduler:
             self.grammars.append(req)
         else:
             self._ready(req)
+
+    def _take_adapter(self, req: Req) -> FinishReason | None:
+        """Bind a request to its LoRA adapter's current load (a 400 if none is loaded)."""
+        lora, name = self.runner.lora, cast(str, req.lora_name)
+        try:
+            if lora is None:
+                raise AdapterError("lora_path", f"adapter {name!r} asked for, but LoRA is off (--enable-lora)")
+            adapter = lora.resolve(name)
+        except AdapterError as exc:
+            return FinishReason(type="abort", message=str(exc), status_code=400)
+        lora.acquire(adapter)
+        req.lora_id = adapter.id
+        return None
+
+    def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Load an adapter (every rank does, in the same order); the reply names a field on failure."""
+        if self.runner.lora is None:
+            return {"error": "LoRA is off; start the server with --enable-lora", "field": "lora_name"}
+        try:
+            adapter = self.runner.lora.load(name, path)
+        except AdapterError as exc:
+            return {"error": exc.reason, "field": exc.field}
+        return {"success": True, "adapter": adapter.describe()}
+
+    def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        """Unload an adapter: it takes no new requests, and its slot and cached KV go once
+        the requests it is serving have finished (at once when there are none)."""
+        if self.runner.lora is None:
+            return {"error": "LoRA is off; start the server with --enable-lora", "field": "lora_name"}
+        try:
+            dropped = self.runner.lora.unload(name)
+        except AdapterError as exc:
+            return {"error": exc.reason, "field": exc.field}
+        if dropped is not None:
+            self.ledger.drop_cached(partial(is_lora_namespace, adapter_id=dropped))
+        return {"success": True}
 
     def _ready(self, req: Req) -> None:
         """Queue a request that can be scheduled (its grammar compiled, if it has one)."""
@@ -325,7 +365,10 @@ class Scheduler:
             logits = LogitsRows.decode(reqs)
         rows, table, transfer = [r.kv.row for r in held], self.runner.req_to_token_pool, self.runner.transfer
         rope = self.rope_sets.row_offsets(reqs)
-        record = partial(BatchPlan.launch, mode, rows, prefix, extend_lens, logits.indices, rope, table, transfer)
+        lora = self._lora_batch(reqs, extend_lens)
+        record = partial(
+            BatchPlan.launch, mode, rows, prefix, extend_lens, logits.indices, rope, table, transfer, lora=lora
+        )
         batch = self.ledger.allocate(reqs, extend_lens, record)  # the slots go into the rows with the batch
         if proposals is None:
             work = StepWork.of(batch, logits, self.grammars.step_mask(logits.sample_reqs))
@@ -333,6 +376,15 @@ class Scheduler:
             work = StepWork.verify(batch, reqs, logits, proposals, self.grammars.verify_mask(reqs, proposals))
         kv_after = [r.kv.kv_len for r in held]
         return LaunchedStep(mode, list(reqs), work, self.worker.launch(work), kv_after, proposals=proposals)
+
+    def _lora_batch(self, reqs: list[Req], extend_lens: list[int]) -> LoRABatch | None:
+        """The step's adapter slots (multi-LoRA serving), its adapters put in slots now; a
+        slot of an adapter an admitted request uses is never taken."""
+        if self.runner.lora is None:
+            return None
+        admitted = [*self.running, *([self.chunked_req] if self.chunked_req is not None else [])]
+        keep = {r.lora_id for r in admitted if r.lora_id is not None}
+        return self.runner.lora.batch([r.lora_id for r in reqs], extend_lens, keep)
 
     def _process(self, launched: LaunchedStep) -> None:
         """Digest a finished step: prompt logprobs, cache the prefilled pages, finish
@@ -580,6 +632,10 @@ class Scheduler:
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         self.grammars.drop(req)
+        if req.lora_id is not None and self.runner.lora is not None:
+            dropped = self.runner.lora.release(req.lora_id)  # its last request: an unloaded adapter goes
+            if dropped is not None:
+                self.ledger.drop_cached(partial(is_lora_namespace, adapter_id=dropped))
         if self.speculation is not None:
             self.speculation.forget(req.rid)
         req.finish_reason = reason

@@ -8,12 +8,13 @@ with permuted slots, page sizes 1 and 16, ragged batches, cached prefixes,
 decode, GQA, head dims 64 and 128; several MoE expert counts, top-k,
 renormalization and group-limited routing settings; GEMM shapes with and without bias; the quantization
 lifecycle; KV transfer between pools of different page sizes, layouts and
-tensor-parallel splits, and its refusals; RMSNorm with and without the fused residual, rotary NeoX/GPT-J/partial
+tensor-parallel splits, and its refusals; batched LoRA updates over interleaved adapter slots with the
+base model's rows left untouched; RMSNorm with and without the fused residual, rotary NeoX/GPT-J/partial
 on views of a fused QKV buffer, SiLU-and-mul), runs the backend on ``device`` for every dtype it claims (asked
 through ``unsupported_reasons``) and compares it with the reference backend run
 on CPU in float32 on the same (dtype-rounded) inputs. The reference is the
 ``torch`` plugin's: ``torch_native`` attention, MoE and elementwise, ``torch`` GEMM, resolved
-by name through the registry like any backend.
+by name through the registry like any backend (LoRA's is the contract's ``lora_reference``, in float64).
 
 A backend may decline a case or a dtype (``unsupported_reasons``): the report
 lists it under ``skipped``, and ``num_run`` counts the (case, dtype) pairs that
@@ -31,13 +32,13 @@ interpreter), ``"standard"`` (the default), ``"full"`` (more shapes, for real
 devices), or an explicit sequence of case objects.
 
 Layout (as radixserve.kernels): ``base`` holds the tolerances, results, report,
-``compare`` and the shared driver; ``attention``, ``mla``, ``moe``, ``gemm``,
+``compare`` and the shared driver; ``attention``, ``mla``, ``moe``, ``lora``, ``gemm``,
 ``elementwise``, ``quantization`` and ``kv_transfer`` hold each kind's case sets, reference
 checks and ``check_*`` function. The case classes and the functions that make a
 case's inputs (``AttentionCase``, ``make_attention_inputs``, ``with_kv_layout``,
 ``MLACase``, ``make_mla_inputs``, ``ElementwiseCase``,
 ``make_elementwise_inputs``, ``run_elementwise_case``, ``MoECase``,
-``make_moe_inputs``) live beside the kernel interfaces, in
+``make_moe_inputs``, ``LoRACase``, ``make_lora_inputs``) live beside the kernel interfaces, in
 ``radixserve.kernels.cases``, where ``auto``'s timing uses them too; they are
 re-exported here. Import from this package; the names below are its API.
 """
@@ -47,11 +48,13 @@ from radixserve.kernels.cases import (
     AttentionCase,
     AttentionInputs,
     ElementwiseCase,
+    LoRACase,
     MLACase,
     MLAInputs,
     MoECase,
     make_attention_inputs,
     make_elementwise_inputs,
+    make_lora_inputs,
     make_mla_inputs,
     make_moe_inputs,
     run_elementwise_case,
@@ -79,6 +82,7 @@ from radixserve.testing.conformance.kv_transfer import (
     TransferCase,
     check_kv_transfer_backend,
 )
+from radixserve.testing.conformance.lora import LORA_CASES, check_lora_backend
 from radixserve.testing.conformance.mla import MLA_CASES, check_mla_attention_backend, dense_mla_attention
 from radixserve.testing.conformance.moe import MOE_CASES, check_moe_backend
 from radixserve.testing.conformance.quantization import (
@@ -103,6 +107,8 @@ __all__ = [
     "GEMM_CASES",
     "GemmCase",
     "KV_TRANSFER_CASES",
+    "LORA_CASES",
+    "LoRACase",
     "MLACase",
     "MLAInputs",
     "MLA_CASES",
@@ -119,6 +125,7 @@ __all__ = [
     "check_elementwise_backend",
     "check_gemm_backend",
     "check_kv_transfer_backend",
+    "check_lora_backend",
     "check_proposer",
     "check_mla_attention_backend",
     "check_moe_backend",
@@ -128,6 +135,7 @@ __all__ = [
     "dense_mla_attention",
     "make_attention_inputs",
     "make_elementwise_inputs",
+    "make_lora_inputs",
     "make_mla_inputs",
     "make_moe_inputs",
     "resolve_backend",

@@ -1,7 +1,7 @@
 """What every kit has in common: tolerances, the case results and the report,
 ``compare``, backend resolution and the shared driver (``_Run``) that picks the
 dtypes a backend claims and runs each case. The kits (attention.py, mla.py,
-moe.py, gemm.py, elementwise.py, quantization.py) import this module and nothing
+moe.py, lora.py, gemm.py, elementwise.py, quantization.py) import this module and nothing
 else of the kit; the case classes and input builders they share with ``auto``'s
 timing come from radixserve.kernels.cases."""
 
