@@ -16,16 +16,14 @@ request on the base model: what enabling LoRA costs), and each (N, rank). Each r
 once unmeasured, then ``--rounds`` times; the median output tokens per second. Each run
 appends one JSON line to ``--out``.
 
-Only the standard library is imported at the top: the vLLM side runs in vLLM's own
-virtualenv, which has no radixserve.
+Only the standard library (and sibling scripts that import only it) is imported at
+the top: the vLLM side runs in vLLM's own virtualenv, which has no radixserve.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import statistics
 import time
@@ -34,21 +32,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from bench_speculative import machine
+from compare_vllm_cpu import MODELS as VLLM_COMPARISON_MODELS
+
 DEFAULT_DIR = Path.home() / ".cache/radixserve-bench/lora"
 # compare_vllm_cpu.py's Llama shape, and one twice as wide. A decode step reads every
 # weight once, and each adapter a request uses too: 16 adapters of rank 16 weigh 41% of
 # the narrow model's weights, 21% of the wide one's (0.6% each of a Llama-3-8B layer's).
 MODELS = {
-    "llama": dict(
-        arch="llama",
-        hidden_size=1024,
-        num_layers=8,
-        num_heads=16,
-        num_kv_heads=8,
-        intermediate_size=2816,
-        vocab_size=4096,
-        max_position_embeddings=2048,
-    ),
+    "llama": VLLM_COMPARISON_MODELS["llama"],
     "wide": dict(
         arch="llama",
         hidden_size=2048,
@@ -61,15 +53,6 @@ MODELS = {
     ),
 }
 COUNTS = (1, 4, 16)
-
-
-def machine() -> str:
-    """``lscpu``'s model name, the CPU count and the ISA flags that matter here."""
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    model = next((line.split(":", 1)[1].strip() for line in cpuinfo if "model name" in line), platform.processor())
-    flags = next((line for line in cpuinfo if line.startswith("flags")), "")
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile") if f" {f}" in flags]
-    return f"{model} ({os.cpu_count()} cpus; {' '.join(isa)})"
 
 
 def build(root: Path, shape: str, ranks: list[int]) -> None:

@@ -43,6 +43,7 @@ WORKER_KEYS = {
     "decode_bands",
     "prefill_bands",
     "speculative",
+    "lora",
 }
 LOAD_KEYS = {
     "dp_rank",
@@ -169,7 +170,7 @@ def test_sglang_shapes_beside_the_old_names(http):
     info = http.get("/server_info").json()
     assert info.keys() == http.get("/get_server_info").json().keys()
     worker = info["worker"]
-    assert set(worker) == WORKER_KEYS
+    assert set(worker) == WORKER_KEYS and worker["lora"] is None  # LoRA off
     assert worker["device"] == "cpu" and worker["dtype"] == info["dtype"] == "float32"
     assert worker["backends"] == info["backends"] and worker["backends"]["attention"]
     assert (worker["tp_size"], worker["dp_size"], worker["max_total_num_tokens"]) == (1, 1, POOL)

@@ -115,19 +115,8 @@ class Engine:
         texts = (prompt if isinstance(prompt, list) else [prompt]) if prompt is not None else None
         ids = _id_lists(input_ids, is_batch) if input_ids is not None else None
         count = len(texts if texts is not None else ids if ids is not None else [None])
-        given: Sequence[dict[str, Any] | None]
-        if isinstance(sampling_params, list):
-            if len(sampling_params) != count:
-                raise ValueError(f"sampling_params: {len(sampling_params)} given for {count} prompts")
-            given = sampling_params
-        else:
-            given = [sampling_params] * count
-        if isinstance(lora_path, list):
-            if len(lora_path) != count:
-                raise ValueError(f"lora_path: {len(lora_path)} given for {count} prompts")
-            adapters = lora_path
-        else:
-            adapters = [lora_path] * count
+        given: Sequence[dict[str, Any] | None] = _per_prompt(sampling_params, count, "sampling_params")
+        adapters: Sequence[str | None] = _per_prompt(lora_path, count, "lora_path")
         params = [dict(p or {}) for p in given]
         for p in params:
             take_sampling_grammar(p)  # json_schema / regex / ebnf, as SGLang's Engine takes them
@@ -228,6 +217,15 @@ class Engine:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.shutdown()
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    """A value given once for all ``count`` prompts, or as a list with one per prompt."""
+    if not isinstance(value, list):
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(f"{name}: {len(value)} given for {count} prompts")
+    return value
 
 
 def _id_lists(input_ids: list[int] | list[list[int]], is_batch: bool) -> list[list[int]]:

@@ -48,7 +48,7 @@ class TorchNativeLoRA(LoRABackend):
             out[rows] += torch.cat(_expand(x[rows] @ a[seg.slot].T, b[seg.slot], out_splits), dim=-1)
 
 
-class TorchGroupedLoRA(LoRABackend):
+class TorchGroupedLoRA(TorchNativeLoRA):
     """The tokens of each slot gathered into one layout, one batched shrink and a
     batched expand per projection over the slots in use, the result added back by
     index: a decode batch whose requests interleave many adapters costs a few calls,
@@ -74,9 +74,7 @@ class TorchGroupedLoRA(LoRABackend):
         out_splits: tuple[int, ...],
     ) -> None:
         if len(batch.segments) == len(batch.slots):  # one run per slot: views, no gather
-            for seg in batch.segments:
-                rows = slice(seg.start, seg.start + seg.length)
-                out[rows] += torch.cat(_expand(x[rows] @ a[seg.slot].T, b[seg.slot], out_splits), dim=-1)
+            super().apply(x, out, a, b, batch, out_splits)
             return
         layout = batch.padded_rows()
         if layout.rows > 2 * layout.order.numel():
