@@ -67,6 +67,8 @@ class QueueView:
     chunked: Req | None
     uncached_prefills: list[Req]  # requests of prefill steps not digested yet: their prompts are not cached yet
     new_token_ratio: float
+    # The LoRA adapters of the requests holding KV (running, chunked, awaiting a prefill worker's KV).
+    adapters: frozenset[int] = frozenset()
 
 
 def match_limit(req: Req) -> int:
@@ -122,7 +124,7 @@ class PrefillPlanner:
             if chunk_left <= 0:
                 return plan
 
-        adapters: set[int | None] = {r.lora_id for r in [*queues.running, *plan.reqs] if r.lora_id is not None}
+        adapters: set[int | None] = set(queues.adapters)
         for req in order_waiting(queues.waiting, self.args.schedule_policy, self._prefix_len):
             if len(queues.running) + len(plan.reqs) >= self.max_running:
                 break

@@ -280,7 +280,9 @@ class Scheduler:
         ]
         uncached = [r for step in prefills for r in step.reqs]
         plan = self.planner.plan(
-            QueueView(self.waiting, self.running, self.chunked_req, uncached, self.new_token_ratio)
+            QueueView(
+                self.waiting, self.running, self.chunked_req, uncached, self.new_token_ratio, self._admitted_adapters()
+            )
         )
         self._apply(plan)
         if plan.reqs:
@@ -382,9 +384,20 @@ class Scheduler:
         slot of an adapter an admitted request uses is never taken."""
         if self.runner.lora is None:
             return None
-        admitted = [*self.running, *([self.chunked_req] if self.chunked_req is not None else [])]
-        keep = {r.lora_id for r in admitted if r.lora_id is not None}
-        return self.runner.lora.batch([r.lora_id for r in reqs], extend_lens, keep)
+        return self.runner.lora.batch([r.lora_id for r in reqs], extend_lens, set(self._admitted_adapters()))
+
+    def _admitted_adapters(self) -> frozenset[int]:
+        """The LoRA adapters of the requests holding KV: at most ``--max-loras-per-batch``."""
+        if self.runner.lora is None:
+            return frozenset()
+        return frozenset(r.lora_id for r in self.ledger.holders() if r.lora_id is not None)
+
+    def _adapter_fits(self, req: Req) -> bool:
+        """Whether admitting ``req`` keeps the admitted requests' adapters within the slots."""
+        admitted = self._admitted_adapters()
+        if req.lora_id is None or req.lora_id in admitted:
+            return True
+        return len(admitted) < self.args.max_loras_per_batch
 
     def _process(self, launched: LaunchedStep) -> None:
         """Digest a finished step: prompt logprobs, cache the prefilled pages, finish
@@ -596,6 +609,8 @@ class Scheduler:
         need = self.ledger.pages_needed([cached], [prompt - cached]) * self.ledger.page_size
         holding = len(self.ledger.holders())  # running, being prefilled, waiting for their KV
         if self.ledger.free_rows() < 1 or self.ledger.room() < need or holding >= self.max_running:
+            return None
+        if not self._adapter_fits(req):  # its adapter would be one more than the slots: it waits
             return None
         self.ledger.pin(match)
         self.ledger.admit(req, match)
