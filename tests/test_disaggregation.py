@@ -23,13 +23,17 @@ from helpers_pool import ServerPool, assert_whole_pool_back, idle
 from helpers_server import ServerProcess, wait_until
 from helpers_smg import NOT_INSTALLED, SMG_COMMANDS, SMG_TIMEOUT_S, free_port, smg
 
+from radixserve.checkpoints.random_adapter import build_random_adapter
+
 COMMON = ("--served-model-name", "tiny", "--max-total-tokens", "4096", "--skip-server-warmup")
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_llama_dir: Path) -> Iterator[dict[str, Any]]:
+def workers(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     bootstrap_port = free_port()
-    model = ("--model", str(tiny_llama_dir), *COMMON)
+    # Each worker serves one LoRA adapter (docs/lora.md): a pair computes its KV under it on both sides.
+    adapter = build_random_adapter(tiny_llama_dir, tmp_path_factory.mktemp("adapter"), rank=8, seed=3)
+    model = ("--model", str(tiny_llama_dir), *COMMON, "--enable-lora", "--lora-paths", f"sql={adapter}")
     prefill = ServerProcess(
         *model,
         "--disaggregation-mode",
@@ -124,6 +128,13 @@ def test_a_pair_gives_the_greedy_tokens_of_an_ordinary_worker(workers):
     _, decoded_chat = _paired(workers, "/v1/chat/completions", chat, room=15)
     want_chat = expected_chat["choices"][0]["message"]["content"]
     assert json.loads(decoded_chat)["choices"][0]["message"]["content"] == want_chat
+
+    # Under a LoRA adapter: both sides compute under it, and the text is an ordinary worker's under it.
+    adapted = {**body, "model": "sql"}
+    expected_adapted = httpx.post(workers["plain"].url + "/v1/completions", json=adapted, timeout=120).json()
+    assert expected_adapted["choices"][0]["text"] != expected["choices"][0]["text"]
+    _, decoded_adapted = _paired(workers, "/v1/completions", adapted, room=19)
+    assert json.loads(decoded_adapted)["choices"][0]["text"] == expected_adapted["choices"][0]["text"]
 
     native = {"text": "a longer prompt " * 20, "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
     expected_native = httpx.post(workers["plain"].url + "/generate", json=native, timeout=120).json()
