@@ -132,6 +132,9 @@ def test_breaker_opens_after_failures_half_opens_after_timeout_and_closes_on_suc
     assert breaker.state is BreakerState.OPEN
     clock.now = 20
     breaker.on_send()
+    breaker.on_undecided()  # the trial's client left, or another worker failed it: no verdict
+    assert breaker.state is BreakerState.HALF_OPEN and breaker.allows()
+    breaker.on_send()
     breaker.on_success()
     assert breaker.state is BreakerState.CLOSED and breaker.allows()
 

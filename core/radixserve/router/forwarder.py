@@ -273,6 +273,8 @@ class Forwarder:
                 outgoing.headers,
                 info,
                 Work(0, info.routing.max_tokens),
+                # The decode worker's 502 says its KV never came: the prefill side failed.
+                blame_502=prefill.worker,
             )
         )
         try:
@@ -297,11 +299,14 @@ class Forwarder:
         headers: dict[str, str],
         info: RequestInfo,
         work: Work,
+        blame_502: Worker | None = None,
     ) -> Answer:
         """Send to ``worker`` and read up to the first chunk of the answer (the whole answer
         when it does not stream): a failure up to there is a TryFailed, and can be retried.
         The worker's in-flight count holds the request until its answer is read whole (a
-        stream: until the relay ends), with its ``work``."""
+        stream: until the relay ends), with its ``work``. A failure counts against the
+        worker's circuit breaker, but a 502 against ``blame_502``'s where given (a decode
+        worker reports so the KV its prefill worker never sent)."""
         worker.breaker.on_send()
         self._hold(worker, work, +1)
         upstream: aiohttp.ClientResponse | None = None
@@ -310,6 +315,13 @@ class Forwarder:
             if upstream.status in RETRYABLE_STATUSES:
                 content = await upstream.read()
                 upstream.release()
+                # A decode worker's 502 in a pair: the KV never came, so its prefill worker failed.
+                if upstream.status == 502 and blame_502 is not None:
+                    self._hold(worker, work, -1)
+                    worker.breaker.on_undecided()
+                    self._count_failure(blame_502)
+                else:
+                    self._failed(worker, work)
                 raise TryFailed(worker, "status", f"answered {upstream.status}", upstream, content)
             if not info.stream or not upstream.headers.get("content-type", "").startswith("text/event-stream"):
                 content = await upstream.read()
@@ -319,8 +331,7 @@ class Forwarder:
                 return Answer(worker, upstream, content)
             chunks = upstream.content.iter_any()
             first = await chunks.__anext__()
-        except TryFailed:
-            self._failed(worker, work)
+        except TryFailed:  # counted where it was raised
             raise
         except (UpstreamError, *TRANSPORT_ERRORS, StopAsyncIteration) as exc:
             if upstream is not None:
@@ -331,12 +342,16 @@ class Forwarder:
             if upstream is not None:
                 upstream.close()  # the connection dropped: the worker aborts the request
             self._hold(worker, work, -1)
+            worker.breaker.on_undecided()
             raise
         worker.breaker.on_success()
         return Answer(worker, upstream, first, chunks, held=work)
 
     def _failed(self, worker: Worker, work: Work) -> None:
         self._hold(worker, work, -1)
+        self._count_failure(worker)
+
+    def _count_failure(self, worker: Worker) -> None:
         worker.breaker.on_failure()
         self.metrics.worker_state(worker)
 

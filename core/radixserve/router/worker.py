@@ -273,6 +273,11 @@ class CircuitBreaker:
             if self._successes >= self.success_threshold:
                 self._state = BreakerState.CLOSED
 
+    def on_undecided(self) -> None:
+        """A request ended without telling whether the worker is well (its client left, or
+        another worker failed it): a half-open breaker may send its next trial."""
+        self._trial_in_flight = False
+
     def on_failure(self) -> None:
         self._trial_in_flight = False
         self._failures += 1
