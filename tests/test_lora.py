@@ -197,6 +197,7 @@ def test_server_serves_adapters_by_model_and_lora_path(server, tiny_llama_dir, a
     models = {m.id: m for m in client.models.list().data}
     (base,) = [name for name, card in models.items() if card.parent is None]
     assert models["all8"].parent == base and models["all8"].root == str(adapters["all8"])
+    assert client.models.retrieve("all8").parent == base and client.models.retrieve(base).parent is None
     expected = peft_greedy(tiny_llama_dir, adapters["all8"], prompts[0], NEW_TOKENS)
     out = client.completions.create(model="all8", prompt=prompts[0], max_tokens=NEW_TOKENS, temperature=0)
     assert out.model == "all8"
