@@ -382,7 +382,7 @@ class Scheduler:
     def _lora_batch(self, reqs: list[Req], extend_lens: list[int]) -> LoRABatch | None:
         """The step's adapter slots (multi-LoRA serving), its adapters put in slots now; a
         slot of an adapter an admitted request uses is never taken."""
-        if self.runner.lora is None:
+        if self.runner.lora is None or all(r.lora_id is None for r in reqs):  # a base-model step: no LoRA call
             return None
         return self.runner.lora.batch([r.lora_id for r in reqs], extend_lens, set(self._admitted_adapters()))
 
