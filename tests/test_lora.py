@@ -225,6 +225,9 @@ def test_server_loads_and_unloads_behind_the_admin_key(server, adapters, prompts
         headers=admin,
     )
     assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "lora_path"
+    for name in (base, "a:b"):  # a request could not name it apart from the base model
+        clash = httpx.post(f"{server.url}/load_lora_adapter", json={**body, "lora_name": name}, headers=admin)
+        assert clash.status_code == 400 and clash.json()["error"]["param"] == "lora_name"
     chat = httpx.post(
         f"{server.url}/v1/chat/completions",
         json={"model": f"{base}:qv4", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},

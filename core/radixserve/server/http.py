@@ -214,7 +214,7 @@ def create_app(args: ServerArgs, request_exit: Callable[[int], None], started: S
     @app.post("/load_lora_adapter")
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterBody) -> dict[str, Any]:
-        await state.ready_adapters().load(state.ready_tm(), body.lora_name, body.lora_path)
+        await state.ready_adapters().load(state.ready_tm(), body.lora_name, body.lora_path, state.model_name)
         return {"success": True, "loaded_adapters": dict(state.ready_adapters().paths)}
 
     @app.post("/unload_lora_adapter")

@@ -66,9 +66,13 @@ class ServedAdapters:
             for name, path in sorted(self.paths.items())
         ]
 
-    async def load(self, tm: TokenizerManager, name: str, path: str) -> None:
+    async def load(self, tm: TokenizerManager, name: str, path: str, base_name: str) -> None:
+        """Load ``name`` on every replica; a name a request could not tell from the base
+        model (its name, or one with ``:``, ``BASE:ADAPTER``'s separator) is refused."""
         if not self.enabled:
             raise APIError(400, f"lora_name: {LORA_OFF}", param="lora_name")
+        if name == base_name or ":" in name:
+            raise APIError(400, f"lora_name: {name!r} is the served model's name or has a ':'", param="lora_name")
         self._check(await tm.control("load_lora_adapter", args={"lora_name": name, "lora_path": path}))
         self.paths[name] = path
 
