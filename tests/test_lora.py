@@ -165,6 +165,8 @@ def test_lora_flags_are_checked():
         ServerArgs(enable_lora=True, lora_paths=["noequals"])
     with pytest.raises(ValueError, match="lora_paths: needs --enable-lora"):
         ServerArgs(lora_paths=["a=/x"])
+    with pytest.raises(ValueError, match="lora_paths: adapter name 'm:x' is the served model's name or has a ':'"):
+        ServerArgs(enable_lora=True, lora_paths=["m:x=/x"])
     with pytest.raises(ValueError, match="max_loras_per_batch: must be >= 1"):
         ServerArgs(enable_lora=True, max_loras_per_batch=0)
     assert ServerArgs(enable_lora=True, lora_paths=["a=/x", "b=/y=z"]).lora_adapters() == {"a": "/x", "b": "/y=z"}

@@ -368,6 +368,8 @@ class ServerArgs(CliArgs):
             name, sep, path = entry.partition("=")
             if not sep or not name or not path:
                 bad("lora_paths", f"each entry is NAME=PATH, got {entry!r}")
+            if ":" in name or name in (self.served_model_name, self.model_path):
+                bad("lora_paths", f"adapter name {name!r} is the served model's name or has a ':'")
             names.append(name)
         if len(set(names)) != len(names):
             bad("lora_paths", f"adapter names repeat: {sorted(names)}")
