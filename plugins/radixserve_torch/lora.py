@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.kernels import KernelQuery, LoRABackend, LoRABatch
+from radixserve.kernels import LoRABackend, LoRABatch
 
 
 def _expand(shrink: torch.Tensor, b: torch.Tensor, out_splits: tuple[int, ...]) -> list[torch.Tensor]:
@@ -30,10 +30,6 @@ class TorchNativeLoRA(LoRABackend):
     name = "torch_native"
     priority = 0
 
-    @classmethod
-    def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        return []
-
     def apply(
         self,
         x: torch.Tensor,
@@ -53,16 +49,12 @@ class TorchGroupedLoRA(TorchNativeLoRA):
     batched expand per projection over the slots in use, the result added back by
     index: a decode batch whose requests interleave many adapters costs a few calls,
     not a few per adapter (2-5x faster than a loop over slots at 4-16 adapters of a
-    32-request decode step on an EPYC, bf16). A batch of one run per slot (a
+    32-request decode step on an EPYC, bf16: docs/benchmarks.md, P20). A batch of one run per slot (a
     prefill) runs each run on views; one whose slots hold very unequal token counts
     (the padded layout more than twice the tokens) loops over the slots."""
 
     name = "torch_grouped"
     priority = 1
-
-    @classmethod
-    def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        return []
 
     def apply(
         self,

@@ -21,6 +21,8 @@ from safetensors.torch import load_file
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 DEFAULT_MAX_LORA_RANK = 16
+# The projections an adapter may target (PEFT's names for them).
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class AdapterError(ValueError):

@@ -12,11 +12,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from radixserve.checkpoints.lora import CONFIG_FILE, WEIGHTS_FILE
+from radixserve.checkpoints.lora import CONFIG_FILE, LORA_TARGET_MODULES, WEIGHTS_FILE
 
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-ALL_MODULES = ATTENTION_MODULES + MLP_MODULES
 
 
 def module_shapes(config: dict[str, int]) -> dict[str, tuple[int, int]]:
@@ -40,7 +38,7 @@ def build_random_adapter(
     out_dir: str | Path,
     rank: int = 8,
     alpha: float | None = None,
-    target_modules: Sequence[str] = ALL_MODULES,
+    target_modules: Sequence[str] = LORA_TARGET_MODULES,
     seed: int = 0,
     strength: float = 1.0,
     use_rslora: bool = False,

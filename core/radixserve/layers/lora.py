@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from radixserve.checkpoints.lora import LORA_TARGET_MODULES
 from radixserve.layers.context import LoRAStep
 from radixserve.layers.linear import (
     ColumnParallelLinear,
@@ -30,9 +31,6 @@ from radixserve.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-
-# The projections an adapter may target (PEFT's names for them).
-LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from radixserve.checkpoints.lora import AdapterError, AdapterWeights
+from radixserve.checkpoints.lora import LORA_TARGET_MODULES, AdapterError, AdapterWeights
 from radixserve.kernels import NO_ADAPTER, LoRABatch
 from radixserve.layers.context import LoRAStep
-from radixserve.layers.lora import LORA_TARGET_MODULES, LoRASlots, attach_lora_slots
+from radixserve.layers.lora import LoRASlots, attach_lora_slots
 
 logger = logging.getLogger(__name__)
 

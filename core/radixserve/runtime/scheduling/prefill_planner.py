@@ -13,6 +13,7 @@ and evictable KV left after the running requests' own expected decode tokens.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -124,11 +125,11 @@ class PrefillPlanner:
             if chunk_left <= 0:
                 return plan
 
-        adapters: set[int | None] = set(queues.adapters)
+        adapters = set(queues.adapters)
         for req in order_waiting(queues.waiting, self.args.schedule_policy, self._prefix_len):
             if len(queues.running) + len(plan.reqs) >= self.max_running:
                 break
-            if not self._adapter_fits(req, adapters):
+            if not adapter_fits(req, adapters, self.max_adapters):
                 continue  # its adapter would be one too many; requests of adapters in use go on
             if self.ledger.free_rows() <= len(plan.admitted) or min(prefill_left, chunk_left) <= 0:
                 break
@@ -158,16 +159,12 @@ class PrefillPlanner:
             chunk_left -= extend_len
             plan.admitted.append(Admission(req, match))
             plan.add(req, extend_len)
-            adapters.add(req.lora_id)
+            if req.lora_id is not None:
+                adapters.add(req.lora_id)
             if extend_len < remaining:
                 plan.chunked = req
                 break
         return plan
-
-    def _adapter_fits(self, req: Req, adapters: set[int | None]) -> bool:
-        if self.max_adapters is None or req.lora_id is None or req.lora_id in adapters:
-            return True
-        return len(adapters - {None}) < self.max_adapters
 
     def _prefix_len(self, req: Req) -> int:
         return self.ledger.match(req.fill_ids[: match_limit(req)], req.cache_namespace).num_tokens
@@ -183,6 +180,14 @@ class PrefillPlanner:
         if self.ledger.page_size > 1 and self.ledger.caches_prefixes:
             n -= n % self.ledger.page_size  # chunks end on pages so the cache can take them
         return max(n, 0)
+
+
+def adapter_fits(req: Req, adapters: AbstractSet[int], limit: int | None) -> bool:
+    """Whether admitting ``req`` keeps the LoRA adapters of the admitted requests
+    (``adapters``) within ``limit`` (the device slots; None: LoRA off)."""
+    if limit is None or req.lora_id is None or req.lora_id in adapters:
+        return True
+    return len(adapters) < limit
 
 
 def _shares_uncached_prefix(req: Req, cached: int, limit: int, selected: list[Req]) -> bool:

@@ -29,6 +29,7 @@ from radixserve.messages import FinishReason, GenerateRequest, RoomRegistration,
 from radixserve.registry import PluginRegistry, get_registry
 from radixserve.runtime.execution.batch import BatchPlan, LogitsRows
 from radixserve.runtime.execution.distributed import RankSpec
+from radixserve.runtime.execution.lora_adapters import LoRAAdapters
 from radixserve.runtime.execution.model_plan import ModelPlan
 from radixserve.runtime.execution.model_runner import ModelRunner
 from radixserve.runtime.execution.model_worker import LaunchedStep, ModelWorker, StepResult, StepWork
@@ -40,7 +41,7 @@ from radixserve.runtime.scheduling.disaggregation import DecodeArrivals, FirstTo
 from radixserve.runtime.scheduling.intake import Intake
 from radixserve.runtime.scheduling.kv_ledger import KVLedger
 from radixserve.runtime.scheduling.outbox import Outbox, add_input_logprobs
-from radixserve.runtime.scheduling.prefill_planner import PrefillPlan, PrefillPlanner, QueueView
+from radixserve.runtime.scheduling.prefill_planner import PrefillPlan, PrefillPlanner, QueueView, adapter_fits
 from radixserve.runtime.scheduling.rope_sets import RopeSets
 from radixserve.runtime.scheduling.speculation import Speculation
 from radixserve.runtime.scheduling.stats import OperatorLog, SchedulerStats, ServingTotals, StepRates
@@ -129,23 +130,19 @@ class Scheduler:
 
     def _take_adapter(self, req: Req) -> FinishReason | None:
         """Bind a request to its LoRA adapter's current load (a 400 if none is loaded)."""
-        lora, name = self.runner.lora, cast(str, req.lora_name)
         try:
-            if lora is None:
-                raise AdapterError("lora_path", f"adapter {name!r} asked for, but LoRA is off (--enable-lora)")
-            adapter = lora.resolve(name)
+            adapters = self._adapters("lora_path")
+            adapter = adapters.resolve(cast(str, req.lora_name))
         except AdapterError as exc:
             return FinishReason(type="abort", message=str(exc), status_code=400)
-        lora.acquire(adapter)
+        adapters.acquire(adapter)
         req.lora_id = adapter.id
         return None
 
     def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
         """Load an adapter (every rank does, in the same order); the reply names a field on failure."""
-        if self.runner.lora is None:
-            return {"error": "LoRA is off; start the server with --enable-lora", "field": "lora_name"}
         try:
-            adapter = self.runner.lora.load(name, path)
+            adapter = self._adapters("lora_name").load(name, path)
         except AdapterError as exc:
             return {"error": exc.reason, "field": exc.field}
         return {"success": True, "adapter": adapter.describe()}
@@ -153,15 +150,22 @@ class Scheduler:
     def unload_lora_adapter(self, name: str) -> dict[str, Any]:
         """Unload an adapter: it takes no new requests, and its slot and cached KV go once
         the requests it is serving have finished (at once when there are none)."""
-        if self.runner.lora is None:
-            return {"error": "LoRA is off; start the server with --enable-lora", "field": "lora_name"}
         try:
-            dropped = self.runner.lora.unload(name)
+            self._forget_adapter(self._adapters("lora_name").unload(name))
         except AdapterError as exc:
             return {"error": exc.reason, "field": exc.field}
-        if dropped is not None:
-            self.ledger.drop_cached(partial(is_lora_namespace, adapter_id=dropped))
         return {"success": True}
+
+    def _adapters(self, field_name: str) -> LoRAAdapters:
+        """The LoRA adapters; an AdapterError naming ``field_name`` when LoRA is off."""
+        if self.runner.lora is None:
+            raise AdapterError(field_name, "LoRA is off; start the server with --enable-lora")
+        return self.runner.lora
+
+    def _forget_adapter(self, adapter_id: int | None) -> None:
+        """An adapter that went (unloaded, its last request done): its cached KV goes too."""
+        if adapter_id is not None:
+            self.ledger.drop_cached(partial(is_lora_namespace, adapter_id=adapter_id))
 
     def _ready(self, req: Req) -> None:
         """Queue a request that can be scheduled (its grammar compiled, if it has one)."""
@@ -392,13 +396,6 @@ class Scheduler:
             return frozenset()
         return frozenset(r.lora_id for r in self.ledger.holders() if r.lora_id is not None)
 
-    def _adapter_fits(self, req: Req) -> bool:
-        """Whether admitting ``req`` keeps the admitted requests' adapters within the slots."""
-        admitted = self._admitted_adapters()
-        if req.lora_id is None or req.lora_id in admitted:
-            return True
-        return len(admitted) < self.args.max_loras_per_batch
-
     def _process(self, launched: LaunchedStep) -> None:
         """Digest a finished step: prompt logprobs, cache the prefilled pages, finish
         prefill-only requests (embeddings), append the sampled tokens and check stop conditions."""
@@ -610,7 +607,7 @@ class Scheduler:
         holding = len(self.ledger.holders())  # running, being prefilled, waiting for their KV
         if self.ledger.free_rows() < 1 or self.ledger.room() < need or holding >= self.max_running:
             return None
-        if not self._adapter_fits(req):  # its adapter would be one more than the slots: it waits
+        if not adapter_fits(req, self._admitted_adapters(), self.planner.max_adapters):  # it waits for a slot
             return None
         self.ledger.pin(match)
         self.ledger.admit(req, match)
@@ -648,9 +645,7 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason) -> None:
         self.grammars.drop(req)
         if req.lora_id is not None and self.runner.lora is not None:
-            dropped = self.runner.lora.release(req.lora_id)  # its last request: an unloaded adapter goes
-            if dropped is not None:
-                self.ledger.drop_cached(partial(is_lora_namespace, adapter_id=dropped))
+            self._forget_adapter(self.runner.lora.release(req.lora_id))  # an unloaded adapter's last request
         if self.speculation is not None:
             self.speculation.forget(req.rid)
         req.finish_reason = reason
