@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from tokenizers import processors
 from transformers import AutoTokenizer
 
@@ -37,6 +37,7 @@ from radixserve.server.protocol import (
     GenerateRequestBody,
     find_bad_json,
 )
+from radixserve.server.streaming import sse
 from radixserve.server.tokenizer_manager import PreparedInput
 
 
@@ -450,3 +451,17 @@ def test_sampling_limits_come_from_the_flags():
             params.validate(512, args)
     defaults = ServerArgs()
     assert (defaults.max_n, defaults.max_stop_strings, defaults.max_stop_chars) == (64, 64, 8192)
+
+
+class _TextEvent(BaseModel):
+    text: str
+
+
+def test_sse_events_survive_line_splitting_clients():
+    """httpx's ``aiter_lines`` and requests' ``iter_lines`` split as
+    ``str.splitlines`` does; a generated U+2028, U+2029 or U+0085 must not cut
+    an event in two."""
+    text = "a\u2028b\u2029c\x85d\ne"
+    lines = [line for line in sse(_TextEvent(text=text)).splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("data: ")
+    assert json.loads(lines[0][6:]) == {"text": text}

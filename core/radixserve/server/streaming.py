@@ -137,9 +137,15 @@ async def first_and_rest(
     return chained()
 
 
+# JSON leaves these unescaped, but ``str.splitlines`` (behind httpx's
+# ``aiter_lines`` and requests' ``iter_lines``) breaks a line at each of them:
+# a model that generates one would cut its event in two for those clients.
+_LINE_BREAKS_JSON_KEEPS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: Any) -> str:
     body = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {body}\n\n"
+    return f"data: {body.translate(_LINE_BREAKS_JSON_KEEPS)}\n\n"
 
 
 async def sse_stream(events: AsyncGenerator[Any, None]) -> AsyncGenerator[str, None]:
