@@ -476,3 +476,27 @@ def test_random_requests_share_prefixes(ps, num_pages, cache_cls):
         assert pool.cache.protected_size() == 0
         pool.cache.evict(pool.alloc.size)
     assert pool.alloc.available_size() == pool.alloc.size
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_cached_len_is_the_match_without_touching_the_tree(ps):
+    """``cached_len`` counts what ``match_prefix`` would match, and leaves the tree as
+    it was: no split, no access time, no new namespace."""
+    rng = random.Random(7 + ps)
+    pool = Pool(page_size=ps, num_pages=400)
+    cache = pool.cache
+    systems = [[rng.randrange(50) for _ in range(rng.randrange(8, 40))] for _ in range(3)]
+    for _ in range(12):
+        insert_fresh(pool, rng.choice(systems)[: rng.randrange(4, 40)] + [rng.randrange(50) for _ in range(9)])
+
+    def tree_state() -> list[tuple[int, tuple[int, ...], int]]:
+        return sorted((n.id, tuple(n.key), n.last_access) for n in cache._nodes())
+
+    for _ in range(200):
+        query = rng.choice(systems)[: rng.randrange(0, 45)] + [rng.randrange(50) for _ in range(rng.randrange(0, 6))]
+        before = tree_state()
+        counted = cache.cached_len(query)
+        assert cache.cached_len(query, namespace=("other",)) == 0
+        assert tree_state() == before and set(cache._roots) == {None}
+        assert counted == cache.match_prefix(query).num_tokens
+    assert ChunkCache(PagedAllocator(8, ps, CPU), ps).cached_len(query) == 0

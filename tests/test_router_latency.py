@@ -22,6 +22,7 @@ from radixserve.rate_bands import DECODE_BANDS, PREFILL_BANDS, band_entries
 from radixserve.router.latency import DecisionLog
 from radixserve.router.policies import (
     MATCHED_SCORED,
+    NEAR_TIE,
     SAMPLED_SCORED,
     CapacityAware,
     LatencyAware,
@@ -213,6 +214,37 @@ def test_a_worker_given_more_than_its_share_lately_looks_slower():
     before = busy.utilisation()
     clock.now += UTILISATION_HALF_LIFE_S
     assert busy.utilisation() == pytest.approx(before / 2)
+
+
+def test_equal_workers_share_new_prefix_groups_though_their_measured_rates_differ():
+    """Two equal workers, one measured a sixth slower (as co-located workers' rates come
+    out). A new prefix group every few seconds: the queues have drained each time, so the
+    faster figure alone would win every group; within NEAR_TIE the work given decides,
+    and the groups split evenly. Each group's follow-ups stay with it: a near tie never
+    moves a request off its cached prefix."""
+    clock = Clock()
+    flat = {"prefill": (6000.0,) * 5, "decode": (300.0,) * 5}
+    a, b = worker("a", clock, 1.0, **flat), worker("b", clock, 0.85, **flat)
+    decisions = DecisionLog(1000)
+    policy = LatencyAware(PrefixTree(10**9), decisions)
+    homes: Counter[str] = Counter()
+    for group in range(40):
+        system = f"group {group} system prompt. " * 60
+        first, work = route(policy, RoutingRequest(system + "first?", 600, 16), [a, b])
+        homes[first.url] += 1
+        first.hold(work, -1)
+        for question in range(3):
+            clock.now += 1.0  # the queues drain
+            follower, work = route(policy, RoutingRequest(system + f"question {question}?", 600, 16), [a, b])
+            assert follower is first, (group, question)
+            follower.hold(work, -1)
+    assert abs(homes["a"] - homes["b"]) <= 4, homes
+    for decision in decisions.last(1000):
+        terms = decision["candidates"]
+        fastest = min(terms, key=lambda t: t["total_s"])
+        chosen = next(t for t in terms if t["worker"] == decision["chosen"])
+        assert chosen["total_s"] <= fastest["total_s"] * (1 + NEAR_TIE)
+        assert chosen["own_prefill_tokens"] <= fastest["own_prefill_tokens"] * (1 + NEAR_TIE)
 
 
 def test_the_queue_ahead_drains_at_the_prefill_rate_between_reports():

@@ -116,6 +116,26 @@ def test_repeated_prompt_reports_cached_tokens(tiny_llama_dir, page_size):
     assert stats.cached_tokens_total == expected and stats.memory_invariant_ok
 
 
+def test_waiting_tokens_are_the_prompt_tokens_left_to_compute(tiny_llama_dir):
+    """What a load report says the queue will prefill: not a prefix the cache holds, and
+    a prefix the waiting requests share only once (the planner computes it once)."""
+    scheduler = make_scheduler(tiny_llama_dir, max_running_requests=1)
+    system, other, shared = mixed_prompts(512, [40, 20, 24], seed=9)
+    (done,) = generate(scheduler, [system], max_new_tokens=1)
+    questions = [q for q in mixed_prompts(512, [6, 7, 8, 9], seed=10) if q[0] != done.output_ids[0]][:2]
+    running = submit(scheduler, other, max_new_tokens=30, ignore_eos=True)  # holds the one running slot
+    scheduler.step()
+    assert [r.rid for r in scheduler.running] == [running]
+    queued = [system + questions[0], system + questions[1], shared + [17, 18], shared + [19]]
+    for prompt in queued:
+        submit(scheduler, prompt, max_new_tokens=1)
+    left = len(questions[0]) + len(questions[1]) + len(shared) + 3
+    assert scheduler.stats().num_waiting_tokens == left
+    assert scheduler.stats(exact=False).num_waiting_tokens == sum(map(len, queued))
+    run(scheduler)
+    assert scheduler.stats().num_waiting_tokens == 0
+
+
 def test_radix_cache_off_reports_no_cached_tokens(tiny_llama_dir):
     scheduler = make_scheduler(tiny_llama_dir, disable_radix_cache=True)
     prompt = mixed_prompts(512, [20], seed=5)[0]

@@ -206,8 +206,8 @@ def test_sglang_shapes_beside_the_old_names(http):
     assert abs(load["ts_tic"] - time.time()) < 60
 
 
-def _generate_in_background(http: httpx.Client, rid: str, prompt_len: int) -> threading.Thread:
-    body = {"input_ids": [5] * prompt_len, "rid": rid, "sampling_params": LONG}
+def _generate_in_background(http: httpx.Client, rid: str, prompt_len: int, token: int = 5) -> threading.Thread:
+    body = {"input_ids": [token] * prompt_len, "rid": rid, "sampling_params": LONG}
     thread = threading.Thread(target=http.post, args=("/generate",), kwargs={"json": body}, daemon=True)
     thread.start()
     return thread
@@ -237,7 +237,8 @@ def test_load_moves_while_requests_run(http):
     running = _generate_in_background(http, "long-a", 10)
     assert wait_until(lambda: _load(http)["num_running_reqs"] == 1, timeout=60), _load(http)
     assert wait_until(lambda: _load(http)["decode_tokens_per_s"], timeout=60), _load(http)  # it decodes
-    queued = _generate_in_background(http, "long-b", 50)  # --max-running-requests 1: it waits
+    # --max-running-requests 1: it waits; nothing of it is cached (what is cached would not count)
+    queued = _generate_in_background(http, "long-b", 50, token=6)
     assert wait_until(lambda: _load(http)["num_waiting_reqs"] == 1, timeout=60), _load(http)
     load = _load(http)
     assert load["num_reqs"] == 2 and load["num_waiting_tokens"] == load["num_pending_tokens"] == 50

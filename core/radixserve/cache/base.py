@@ -48,6 +48,11 @@ class PrefixCache(ABC):
         """The longest cached page-aligned prefix of ``token_ids`` in ``namespace`` (not locked)."""
 
     @abstractmethod
+    def cached_len(self, token_ids: list[int], namespace: Hashable = None) -> int:
+        """How many leading tokens of ``token_ids`` are cached in ``namespace`` now, found
+        without changing anything (no split, no access time): what a load report counts."""
+
+    @abstractmethod
     def inc_lock_ref(self, node: Any) -> None:
         """Pin ``node`` and its ancestors so they cannot be evicted."""
 

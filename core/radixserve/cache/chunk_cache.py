@@ -30,6 +30,9 @@ class ChunkCache(PrefixCache):
     def match_prefix(self, token_ids: list[int], namespace: Hashable = None) -> MatchResult:
         return self._empty()
 
+    def cached_len(self, token_ids: list[int], namespace: Hashable = None) -> int:
+        return 0
+
     def inc_lock_ref(self, node: Any) -> None:
         pass
 

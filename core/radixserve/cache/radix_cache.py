@@ -90,6 +90,18 @@ class RadixCache(PrefixCache):
         slots = torch.cat(values) if values else root.value
         return MatchResult(slots=slots, last_node=node)
 
+    def cached_len(self, token_ids: list[int], namespace: Hashable = None) -> int:
+        node, pos = self._roots.get(namespace), 0
+        while node is not None and len(token_ids) - pos >= self.page_size:
+            child = node.children.get(self._page(token_ids, pos))
+            if child is None:
+                break
+            n = len(child.key)
+            if child.key != token_ids[pos : pos + n]:
+                return pos + self._match_len(child.key, token_ids, pos, len(token_ids))
+            node, pos = child, pos + n
+        return pos
+
     def insert(self, token_ids: list[int], slots: torch.Tensor, namespace: Hashable = None) -> int:
         """Store the page-aligned part of ``token_ids`` with ``slots`` (one per token) in
         ``namespace``. Returns how many leading tokens were already cached: the caller's

@@ -43,6 +43,8 @@ from radixserve.router.worker import Work, Worker
 SCORE_ALL_UP_TO = 16
 MATCHED_SCORED = 4
 SAMPLED_SCORED = 16
+# Predicted TTFTs within this fraction of the least count as equal (LatencyAware).
+NEAR_TIE = 0.25
 
 
 @dataclass(frozen=True)
@@ -181,8 +183,13 @@ class CapacityAware:
 
 class LatencyAware:
     """The candidate with the least predicted TTFT (``latency.predict``, its queueing term
-    included); ties go to the least utilised (``Worker.utilisation``), then to the one
-    with the fewest unfinished requests, then in turn.
+    included). Predictions within ``NEAR_TIE`` of the least are taken as ties, as long as
+    the prompt tokens they would compute are too (a near tie never moves a request off
+    its cached prefix): ties go to the least utilised (``Worker.utilisation``), then to the
+    one with the fewest unfinished requests, then in turn. A prediction is no more exact
+    than the rates it divides by, and equal workers' measured rates differ by a fifth
+    where they share a host's cores; taken at face value, that difference, not the work
+    each was given, would decide which of them gets a new prefix group.
 
     A fleet of up to ``SCORE_ALL_UP_TO`` candidates is scored whole. Of a larger one only
     the ``MATCHED_SCORED`` workers caching the longest prefix of the request and
@@ -206,9 +213,15 @@ class LatencyAware:
         rates = RateLookup(workers)
         choices = [Choice.of(w, request, matched.get(w.url, 0)) for w in workers]
         terms = [predict(c.worker, request.prompt_tokens, c.cached_tokens, request.max_tokens, rates) for c in choices]
-        best = min(
-            range(len(terms)), key=lambda k: (terms[k].total_s, terms[k].utilisation, terms[k].running_requests)
-        )  # min keeps the first of equals: the earliest in turn
+        best = min(range(len(terms)), key=lambda k: terms[k].total_s)
+        near = [
+            k
+            for k in range(len(terms))
+            if terms[k].total_s <= terms[best].total_s * (1 + NEAR_TIE)
+            and terms[k].own_prefill_tokens <= terms[best].own_prefill_tokens * (1 + NEAR_TIE)
+        ]
+        best = min(near, key=lambda k: (terms[k].utilisation, terms[k].running_requests))
+        # min keeps the first of equals: the earliest in turn
         self._next = scored[best] + 1
         chosen = choices[best]
         self.tree.insert(request.text, chosen.worker.url)

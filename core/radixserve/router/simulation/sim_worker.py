@@ -20,6 +20,7 @@ the last 30 s of them, overall and per batch-size band (``rate_bands``)."""
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import deque
 
 from radixserve.rate_bands import DECODE_BANDS, PREFILL_BANDS, band_index
@@ -69,12 +70,12 @@ class SimulatedWorker:
 
     def load_report(self, now: float) -> WorkerLoad:
         """What its ``/get_load`` would answer now."""
-        batch = len(self.running)
+        batch, waiting_tokens = len(self.running), self._tokens_to_prefill()
         return WorkerLoad(
             num_reqs=batch + len(self.waiting),
             num_waiting_reqs=len(self.waiting) - self.admitted,
-            num_tokens=self._context() + self.waiting_tokens,
-            num_waiting_tokens=self.waiting_tokens,
+            num_tokens=self._context() + waiting_tokens,
+            num_waiting_tokens=waiting_tokens,
             decode_tokens_per_s=self.rates.decode.tokens_per_s,
             prefill_tokens_per_s=self.rates.prefill.tokens_per_s,
             decode_band_rates=tuple(band.tokens_per_s for band in self.rates.decode_bands),
@@ -83,6 +84,16 @@ class SimulatedWorker:
             prefill_band_sizes=tuple(band.tokens_per_step for band in self.rates.prefill_bands),
             reported_at=now,
         )
+
+    def _tokens_to_prefill(self) -> int:
+        """As the real scheduler reports them: the waiting prompts' tokens but their cached
+        prefixes (matched now for those not admitted yet)."""
+        size = self.cache.block_size
+        cached = sum(
+            min(self.cache.match(r.prompt_keys(size)) * size, r.prompt_tokens - 1)
+            for r in itertools.islice(self.waiting, self.admitted, None)
+        )
+        return self.waiting_tokens - cached
 
     def kv_in_use(self) -> int:
         return self.cache.tokens + self.reserved

@@ -85,6 +85,10 @@ class KVLedger:
     def match(self, token_ids: list[int], namespace: Hashable = None) -> MatchResult:
         return self.cache.match_prefix(token_ids, namespace)
 
+    def cached_len(self, token_ids: list[int], namespace: Hashable = None) -> int:
+        """The cached prefix of ``token_ids``, counted without touching the cache."""
+        return self.cache.cached_len(token_ids, namespace)
+
     def room(self) -> int:
         """Slots a step could take: free ones plus the cache's evictable ones."""
         return self.allocator.available_size() + self.cache.evictable_size()

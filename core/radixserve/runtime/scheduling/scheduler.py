@@ -44,7 +44,7 @@ from radixserve.runtime.scheduling.outbox import Outbox, add_input_logprobs
 from radixserve.runtime.scheduling.prefill_planner import PrefillPlan, PrefillPlanner, QueueView, adapter_fits
 from radixserve.runtime.scheduling.rope_sets import RopeSets
 from radixserve.runtime.scheduling.speculation import Speculation
-from radixserve.runtime.scheduling.stats import OperatorLog, SchedulerStats, ServingTotals, StepRates
+from radixserve.runtime.scheduling.stats import OperatorLog, SchedulerStats, ServingTotals, StepRates, tokens_to_prefill
 from radixserve.runtime.scheduling.stop import StopChecker, internal_error, out_of_memory
 from radixserve.structured_output.grammar_queue import GrammarQueue
 
@@ -682,11 +682,20 @@ class Scheduler:
     # ---- introspection ---------------------------------------------------------
     def stats(self, exact: bool = True) -> SchedulerStats:
         """``exact``: count the pages whose frees are still on their way to the host
-        (waits for the device) and check every lock; the step logs pass False."""
+        (waits for the device), check every lock and match the queued prompts against
+        the prefix cache (``tokens_to_prefill``); the step logs pass False, and count
+        the queued prompts whole."""
         running = len(self.running) + (1 if self.chunked_req else 0)
         awaiting_kv = self.arrivals.requests() if self.arrivals is not None else []
         queued = [*self.waiting, *self.grammars.compiling, *awaiting_kv]
-        return SchedulerStats.of(self.totals, self.ledger.counts(exact), running, queued, self.rates)
+        if exact:
+            waiting_tokens = tokens_to_prefill(queued, self.ledger.cached_len)
+            chunked = self.chunked_req
+            if chunked is not None and chunked.kv is not None:
+                waiting_tokens += chunked.seq_len - chunked.kv.kv_len
+        else:
+            waiting_tokens = sum(r.seq_len for r in queued)
+        return SchedulerStats.of(self.totals, self.ledger.counts(exact), running, queued, waiting_tokens, self.rates)
 
     def check_memory(self) -> bool:
         """The pool invariant: free + held privately by requests + cached == total,

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 from radixserve.rate_bands import DECODE_BANDS, PREFILL_BANDS, band_index
@@ -129,11 +129,45 @@ class StepRates:
         )
 
 
+def tokens_to_prefill(waiting: Sequence[Req], cached_len: Callable[[list[int], Hashable], int]) -> int:
+    """The prompt tokens the waiting requests will compute: each one's beyond its prefix
+    already in the cache and beyond what an earlier one shares with it (the prefill
+    planner computes a shared prefix once, ``IN_BATCH_PREFIX_MIN_TOKENS``). A router
+    that counted whole prompts would see a prefix group's worker as busier than it is,
+    and move the group's next request elsewhere, where its prefix is computed again.
+
+    In sorted order, what a prompt shares with all those before it is what it shares
+    with the one just before, so each adds its tokens past both that and its cached part."""
+    by_namespace: dict[Hashable, list[list[int]]] = {}
+    for req in waiting:
+        by_namespace.setdefault(req.cache_namespace, []).append(req.fill_ids)
+    total = 0
+    for namespace, prompts in by_namespace.items():
+        prompts.sort()
+        before: list[int] = []
+        for ids in prompts:
+            total += len(ids) - max(_common_prefix_len(before, ids), cached_len(ids, namespace))
+            before = ids
+    return total
+
+
+def _common_prefix_len(a: list[int], b: list[int]) -> int:
+    """By bisection over slice comparisons (each done in C)."""
+    low, high = 0, min(len(a), len(b))
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[low:middle] == b[low:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 @dataclass
 class SchedulerStats:
     num_running_reqs: int
     num_queue_reqs: int
-    num_waiting_tokens: int  # tokens the waiting requests have to prefill
+    num_waiting_tokens: int  # prompt tokens the waiting requests have to compute (tokens_to_prefill)
     decode_tokens_per_s: float | None  # StepRates'
     prefill_tokens_per_s: float | None
     decode_band_tokens_per_s: list[float | None]  # per rate_bands.DECODE_BANDS band (and the open one)
@@ -161,13 +195,19 @@ class SchedulerStats:
 
     @classmethod
     def of(
-        cls, totals: ServingTotals, pool: PoolCounts, num_running: int, waiting: Sequence[Req], rates: StepRates
+        cls,
+        totals: ServingTotals,
+        pool: PoolCounts,
+        num_running: int,
+        waiting: Sequence[Req],
+        waiting_tokens: int,
+        rates: StepRates,
     ) -> SchedulerStats:
         in_use = pool.total - pool.free - pool.cached_evictable
         return cls(
             num_running_reqs=num_running,
             num_queue_reqs=len(waiting),
-            num_waiting_tokens=sum(r.seq_len for r in waiting),
+            num_waiting_tokens=waiting_tokens,
             decode_tokens_per_s=rates.decode.tokens_per_s,
             prefill_tokens_per_s=rates.prefill.tokens_per_s,
             decode_band_tokens_per_s=[band.tokens_per_s for band in rates.decode_bands],
