@@ -256,7 +256,9 @@ def start_router(
         proc = procs.start(name, cmd)
         url = f"http://127.0.0.1:{port}"
     else:
+        # At warning level, as smg runs here: no log line per request (about 0.03 ms of CPU each).
         cmd = ["radixserve", "router", "--worker-urls", *urls, "--policy", policy, "--host", "127.0.0.1"]
+        cmd += ["--log-level", "warning"]
         proc = procs.start(name, [*cmd, "--port", "0"])
         url = procs.wait_for_line(proc, READY_ROUTER, timeout)
     deadline = time.monotonic() + timeout

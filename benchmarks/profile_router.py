@@ -132,7 +132,10 @@ def main() -> None:
         if ns.smg:
             router, url = start_smg(ns.smg, worker_url, ns.log_dir / "smg.log")
         else:
-            router, url = start(["router", "--worker-urls", worker_url], ns.log_dir / "router.log")
+            # At warning level, as smg runs here (--log-level warn): no log line per request.
+            router, url = start(
+                ["router", "--worker-urls", worker_url, "--log-level", "warning"], ns.log_dir / "router.log"
+            )
         procs.append(router)
         asyncio.run(drive(url, 50, ns.concurrency, ns.stream))  # connections and caches warm
         spy = None
