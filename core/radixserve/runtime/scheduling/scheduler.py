@@ -700,7 +700,7 @@ class Scheduler:
     def check_memory(self) -> bool:
         """The pool invariant: free + held privately by requests + cached == total,
         and the cache's locks are exactly those of the requests holding KV."""
-        return self.stats().memory_invariant_ok
+        return self.ledger.counts().ok
 
     def flush_cache(self) -> bool:
         return not self.has_work() and self.ledger.flush()
