@@ -4,7 +4,8 @@ heads), saved in bfloat16 and quantized to GPTQ, AWQ, compressed-tensors 4-bit (
 GPTQ 8-bit, compressed-tensors W8A8 int8 (``CHECKPOINTS``)
 and GGUF files (``gguf-q4_0``, ``gguf-q4_k_m``: llama.cpp's Q4_K_M mix of Q4_K and
 Q6_K) by radixserve.testing.quantized_checkpoints, each served by the
-offline Engine in bfloat16 one after the other:
+offline Engine one after the other, in bfloat16 (``--dtype``: ``auto`` serves them as
+the platform chooses, float32 on a CPU without bfloat16 dot products):
 
 - batch-1 decode, ms a token: one 128-token prompt, (time to 129 new tokens - time to
   1) / 128, best of ``--repeats`` (the prompt is cached after the first: both times
@@ -12,7 +13,7 @@ offline Engine in bfloat16 one after the other:
 - ``--streams`` prompts of 128 tokens at once, 128 new tokens each: wall seconds and
   output tokens a second.
 
-    python benchmarks/bench_quantized.py [--streams 16] [--repeats 3] [--formats bf16 gptq awq]
+    python benchmarks/bench_quantized.py [--streams 16] [--repeats 3] [--formats bf16 gptq awq] [--dtype auto]
 
 The models are built once under ``~/.cache/radixserve-bench/quantized``. The GGUF file is
 the one to give llama.cpp's ``llama-bench -m`` for the same model.
@@ -92,19 +93,21 @@ def main() -> None:
     )
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", help="the Engine's dtype: bfloat16, float32 or auto")
     ns = p.parse_args()
     one = prompts(1, SHAPE["vocab_size"])
     many = prompts(ns.streams, SHAPE["vocab_size"])
     for name in ns.formats:
         tokenizer = str(model("bf16")) if name.startswith("gguf-") else None
         path = str(model(name))
-        with Engine(model_path=path, tokenizer_path=tokenizer, dtype="bfloat16", log_level="warning") as engine:
+        with Engine(model_path=path, tokenizer_path=tokenizer, dtype=ns.dtype, log_level="warning") as engine:
             timed(engine, one, 8)  # warm-up
             first = min(timed(engine, one, 1) for _ in range(ns.repeats))
             whole = min(timed(engine, one, 129) for _ in range(ns.repeats))
             wall = timed(engine, many, 128)
             row = {
                 "format": name,
+                "dtype": ns.dtype,
                 "batch1_decode_ms_per_token": round((whole - first) / 128 * 1000, 1),
                 "streams": ns.streams,
                 "streams_wall_s": round(wall, 1),

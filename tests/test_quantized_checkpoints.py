@@ -36,6 +36,8 @@ from radixserve_torch.quantized_checkpoints import (
     GPTQ,
     AtenInt4,
     ByteStrips,
+    FloatByteStrips,
+    FloatNibbleStrips,
     NibbleStrips,
     SevenBitStrips,
     dequantize,
@@ -198,6 +200,31 @@ def test_our_int8_kernel_agrees_with_the_dequantized_product(bits):
         got = packed.matmul(x).float()
         want = x.float() @ dequantize(qweight, zeros, scales).t()
         assert torch.allclose(got, want, atol=0.05, rtol=0.02), (got - want).abs().max()
+
+
+@pytest.mark.parametrize(("bits", "sym"), [(4, False), (4, True), (6, False), (8, True)])
+def test_our_float32_kernel_computes_the_checkpoints_exact_weights(bits, sym):
+    """csrc/cpu_int4.cpp's float32 path (AVX2, FMA, F16C) equals the dequantized weight's
+    product to float32's rounding, at 1, 2, 3, 5 and 9 rows (every row tile): figures
+    exact in float16 are kept so (GPTQ's scales are float16), others in float32, and a
+    4-bit symmetric layer's zero offsets are not stored at all."""
+    kernel = FloatNibbleStrips if bits == 4 else FloatByteStrips
+    if not kernel.serves(torch.Size([96, 512]), 32):
+        pytest.skip(f"{kernel.name} is not built for this CPU")
+    gen = torch.Generator().manual_seed(bits)
+    qweight = torch.randint(0, 2**bits, (96, 512), generator=gen).to(torch.uint8)
+    scales = (torch.rand(96, 16, generator=gen) * 0.01).half().float()  # as GPTQ stores them
+    zeros = torch.full((96, 16), float(2 ** (bits - 1))) if sym else torch.randint(0, 2**bits, (96, 16)).float()
+    packed = kernel.pack(qweight, zeros, scales, 32)
+    assert packed.scales.dtype == torch.float16
+    if sym:  # 4 bits: (8 - 8) * scale, none stored; 8 bits: -128 * scale, exact in float16
+        assert packed.offsets.numel() == 0 if bits == 4 else packed.offsets.dtype == torch.float16
+    else:  # (8 - zero) * scale needs more than float16's 11 bits
+        assert packed.offsets.dtype == torch.float32
+    for rows in (1, 2, 3, 5, 9):
+        x = torch.randn(rows, 512, generator=gen)
+        want = x.double() @ dequantize(qweight, zeros, scales).double().t()
+        assert torch.allclose(packed.matmul(x).double(), want, atol=1e-4, rtol=1e-5), rows
 
 
 DECISION = """
@@ -406,9 +433,10 @@ print("passed", torch.backends.cpu.get_cpu_capability())
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="the AVX2 caps are x86-64's")
 def test_the_kit_passes_under_the_avx2_caps():
     """What an AVX2-only CPU runs (``ATEN_CPU_CAPABILITY=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``):
-    no kernel of ours, ATen's int4 kernel or the dequantized weight, whichever is faster
-    (GPTQ, AWQ, GGUF's Q4_K and Q4_1 with fractional zero points), and W8A8's rounded
-    activations on the dequantized weight."""
+    in bfloat16 ATen's int4 kernel or the dequantized weight, whichever is faster; in
+    float32 our kernel's float32 path or the dequantized weight (GPTQ, AWQ, GGUF's Q4_K
+    and Q4_1 with fractional zero points), and W8A8's rounded activations on the
+    dequantized weight."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", KIT_UNDER_CAPS], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0 and "passed AVX2" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]

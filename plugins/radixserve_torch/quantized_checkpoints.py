@@ -236,14 +236,21 @@ class QuantizedCheckpointMethod(ShippedQuantization):
 
     def int4_kernels(self, shape: torch.Size, group: int, bits: int) -> list[type[Int4Kernel]]:
         """The int4 kernels that can compute a layer of ``shape`` ([out, in]) here: 4-bit
-        weights of a bfloat16 model on the CPU, and what each kernel needs besides; 5 to 8
-        bits through ours, one integer a byte (``ByteStrips``; ``SevenBitStrips`` below 8 bits)."""
+        weights of a bfloat16 or float32 model on the CPU, and what each kernel needs
+        besides; 5 to 8 bits through ours, one integer a byte (``ByteStrips``;
+        ``SevenBitStrips`` below 8 bits; in float32 ``FloatByteStrips`` for all)."""
         query = self.query
-        if not 4 <= bits <= 8 or query.device != "cpu" or query.dtype != torch.bfloat16:
+        if not 4 <= bits <= 8 or query.device != "cpu":
             return []
-        kernels: tuple[type[Int4Kernel], ...] = (NibbleStrips, AtenInt4)
-        if bits > 4:
-            kernels = (ByteStrips,) if bits == 8 else (SevenBitStrips, ByteStrips)
+        kernels: tuple[type[Int4Kernel], ...]
+        if query.dtype == torch.float32:
+            kernels = (FloatNibbleStrips,) if bits == 4 else (FloatByteStrips,)
+        elif query.dtype == torch.bfloat16:
+            kernels = (NibbleStrips, AtenInt4)
+            if bits > 4:
+                kernels = (ByteStrips,) if bits == 8 else (SevenBitStrips, ByteStrips)
+        else:
+            return []
         return [kernel for kernel in kernels if kernel.serves(shape, group)]
 
     def _fastest(
@@ -390,6 +397,7 @@ class NibbleStrips(Int4Kernel):
     name = "radixserve int4"
     bits: ClassVar[int] = 4
     inputs_a_chunk: ClassVar[int] = 8  # inputs of one strip's 64-byte chunk
+    dtype: ClassVar[torch.dtype] = torch.bfloat16  # of the activations (and the layout)
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, group: int, shift: int):
         self.packed, self.scales, self.offsets, self.group = packed, scales, offsets, group
@@ -403,7 +411,7 @@ class NibbleStrips(Int4Kernel):
             cpu_kernels.load()
         except cpu_kernels.KernelBuildError:
             return False  # the other paths serve: which one is logged at the choice
-        return bool(torch.ops.radixserve_cpu_int4.available())
+        return bool(torch.ops.radixserve_cpu_int4.available(cls.dtype))
 
     @classmethod
     def pack(cls, qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int) -> NibbleStrips:
@@ -426,18 +434,27 @@ class NibbleStrips(Int4Kernel):
         """The kernel on ``packed`` with ``scales`` and ``offsets`` ``[out, groups]`` float32,
         stored by strip in float16 after a power of two that brings them into float16's
         range (float16 keeps 11 bits from 6.1e-5 to 65504; the kernel divides its sums back
-        before rounding them)."""
+        before rounding them). For float32 activations, float16 only where that is exact
+        (else float32: a float32 model computes with the checkpoint's weights), and no
+        offsets where all are zero (symmetric formats: bytes a step need not read)."""
         strips = packed.shape[0]
 
         def by_strip(values: torch.Tensor) -> torch.Tensor:
-            return (values * 2.0**shift).half().view(strips, 16, -1).transpose(1, 2).contiguous()
+            shifted = values.float() * 2.0**shift
+            if cls.dtype == torch.float32 and not torch.equal(shifted.half().float(), shifted):
+                stored = shifted
+            else:
+                stored = shifted.half()
+            return stored.view(strips, 16, -1).transpose(1, 2).contiguous()
 
         largest = float(torch.maximum(scales.abs().max(), offsets.abs().max()))
         shift = int(math.floor(math.log2(16384 / largest))) if largest > 0 else 0
+        if cls.dtype == torch.float32 and not offsets.any():
+            return cls(packed, by_strip(scales), torch.empty(0), group, shift)
         return cls(packed, by_strip(scales), by_strip(offsets), group, shift)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], self.packed.shape[0] * 16, dtype=torch.bfloat16)
+        out = torch.empty(x.shape[0], self.packed.shape[0] * 16, dtype=self.dtype)
         torch.ops.radixserve_cpu_int4.linear(
             x.contiguous(), self.packed, self.scales, self.offsets, self.group, self.bits, 2.0**-self.shift, out
         )
@@ -473,6 +490,41 @@ class SevenBitStrips(ByteStrips):
 
     name = "radixserve int7"
     bits = 7
+
+
+class FloatNibbleStrips(NibbleStrips):
+    """The kernel's float32 path (AVX2, FMA and F16C: CPUs without bfloat16 dot
+    products, where models are served in float32), 4 bits: ``packed`` ``[out/16, in/8,
+    64]``, each chunk 16 little-endian 32-bit lanes, lane ``c`` the nibbles of column
+    ``c`` for the chunk's 8 inputs in order (nibble ``i``: input ``8t + i``), which the
+    kernel turns into floats with a shift, a mask and an OR."""
+
+    name = "radixserve int4 (float32)"
+    dtype = torch.float32
+
+    @classmethod
+    def packed_weight(cls, qweight: torch.Tensor) -> torch.Tensor:
+        out, inputs = qweight.shape
+        # (strip, column, chunk, i) -> (strip, chunk, lane = column, nibble i)
+        q = qweight.view(out // 16, 16, inputs // 8, 8).permute(0, 2, 1, 3).to(torch.int64)
+        lanes = (q << (4 * torch.arange(8))).sum(-1)  # the nibbles of a lane are disjoint bits
+        return lanes.to(torch.uint32).view(torch.uint8).reshape(out // 16, inputs // 8, 64).contiguous()
+
+
+class FloatByteStrips(ByteStrips):
+    """The float32 path on 5- to 8-bit integers: ``packed`` ``[out/16, in/4, 64]``, byte
+    ``16j + c`` of a chunk the weight of column ``c`` and input ``4t + j``, widened and
+    converted to float32 in registers, 8 columns at a time."""
+
+    name = "radixserve int8 (float32)"
+    dtype = torch.float32
+
+    @classmethod
+    def packed_weight(cls, qweight: torch.Tensor) -> torch.Tensor:
+        out, inputs = qweight.shape
+        # (strip, column, chunk, j) -> (strip, chunk, j, column)
+        q = qweight.view(out // 16, 16, inputs // 4, 4).permute(0, 2, 3, 1)
+        return q.reshape(out // 16, inputs // 4, 64).contiguous()
 
 
 def dequantize(qweight: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
