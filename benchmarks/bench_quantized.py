@@ -94,13 +94,15 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", help="the Engine's dtype: bfloat16, float32 or auto")
+    p.add_argument("--gemm-backend", default="auto", help="the Engine's GEMM backend (auto: chosen by timing)")
     ns = p.parse_args()
     one = prompts(1, SHAPE["vocab_size"])
     many = prompts(ns.streams, SHAPE["vocab_size"])
     for name in ns.formats:
         tokenizer = str(model("bf16")) if name.startswith("gguf-") else None
         path = str(model(name))
-        with Engine(model_path=path, tokenizer_path=tokenizer, dtype=ns.dtype, log_level="warning") as engine:
+        kw = dict(dtype=ns.dtype, gemm_backend=ns.gemm_backend, log_level="warning")
+        with Engine(model_path=path, tokenizer_path=tokenizer, **kw) as engine:
             timed(engine, one, 8)  # warm-up
             first = min(timed(engine, one, 1) for _ in range(ns.repeats))
             whole = min(timed(engine, one, 129) for _ in range(ns.repeats))
@@ -108,6 +110,7 @@ def main() -> None:
             row = {
                 "format": name,
                 "dtype": ns.dtype,
+                "gemm": engine.server_info()["backends"]["gemm"],
                 "batch1_decode_ms_per_token": round((whole - first) / 128 * 1000, 1),
                 "streams": ns.streams,
                 "streams_wall_s": round(wall, 1),

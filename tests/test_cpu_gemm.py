@@ -1,8 +1,8 @@
 """The CPU GEMM backends. ``onednn``: weights packed once after loading, selected
 by default on cpu where ``cpu_packed`` does not apply, conformant, and a model
 served with it generates what the ``torch`` GEMM generates. ``cpu_packed``: our
-kernels on AVX-512 CPUs (bfloat16 with AVX512-BF16), selected ahead of
-``onednn`` there, conformant on every row count and shape edge, a float32 model
+kernels on AVX-512 CPUs (bfloat16 with AVX512-BF16) and, in float32, on AVX2 ones,
+selected ahead of ``onednn`` there, conformant on every row count and shape edge, a float32 model
 on it generates what the ``torch`` GEMM generates, and a bfloat16 model on it is
 as close to the float32 model as one on ``onednn``."""
 
@@ -17,25 +17,27 @@ from radixserve.layers.linear import linear_layers
 from radixserve.registry import get_registry
 from radixserve.testing.conformance import GEMM_CASES, GemmCase, check_gemm_backend, check_quantization_method
 from radixserve_torch.elementwise_cpu import CpuFusedElementwise
-from radixserve_torch.gemm import CpuPackedGemm, OneDnnGemm
+from radixserve_torch.gemm import CpuPackedGemm, OneDnnGemm, TorchGemm
 
 DTYPES = [torch.float32, torch.bfloat16]
+# oneDNN's bfloat16 needs AVX-512 (or AVX-NE-CONVERT): not on an AVX2-only CPU.
+ONEDNN_DTYPES = [d for d in DTYPES if not OneDnnGemm.unsupported_reasons(KernelQuery(device="cpu", dtype=d))]
 
 
 def test_onednn_is_conformant_with_packed_weights():
     # The kit runs linear on the weight as prepare_weight leaves it (packed here).
     report = check_gemm_backend("onednn", cases="full")
     report.raise_for_failures()
-    assert {r.dtype for r in report.results} == {"float32", "bfloat16"}
+    assert {r.dtype for r in report.results} == {str(d).removeprefix("torch.") for d in ONEDNN_DTYPES}
     assert "float16" in str(report)  # skipped, with its reason
 
 
 @pytest.mark.parametrize("method", ["none", "int8"])
 def test_quantization_methods_run_on_onednn(method):
     # none packs the weight after loading; int8 hands a dense dequantized weight per call.
-    report = check_quantization_method(method, gemm="onednn", dtypes=DTYPES)
+    report = check_quantization_method(method, gemm="onednn", dtypes=ONEDNN_DTYPES)
     report.raise_for_failures()
-    assert len(report.results) == 8
+    assert len(report.results) == 4 * len(ONEDNN_DTYPES)
 
 
 def test_packed_weight_gives_the_dense_result_exactly():
@@ -53,10 +55,10 @@ def test_selection_prefers_our_kernels_then_onednn_on_cpu():
     registry = get_registry()
     for dtype in DTYPES:
         query = KernelQuery(device="cpu", dtype=dtype)
-        expected = "cpu_packed" if not CpuPackedGemm.unsupported_reasons(query) else "onednn"
-        assert registry.select("gemm", query, "auto").name == expected
+        usable = [b.name for b in (CpuPackedGemm, OneDnnGemm) if not b.unsupported_reasons(query)]
+        assert registry.select("gemm", query, "auto").name == (usable + ["torch"])[0]
     assert registry.select("gemm", KernelQuery(device="cpu", dtype=torch.float16), "auto").name == "torch"
-    assert OneDnnGemm.unsupported_reasons(KernelQuery(device="cuda", dtype=torch.bfloat16)) == [
+    assert OneDnnGemm.unsupported_reasons(KernelQuery(device="cuda", dtype=torch.float32)) == [
         "runs on cpu only, not 'cuda'"
     ]
     assert CpuPackedGemm.unsupported_reasons(KernelQuery(device="cuda", dtype=torch.float16))[:2] == [
@@ -202,3 +204,49 @@ def test_a_tied_lm_head_keeps_the_embedding_table_dense(tiny_model_factory, dtyp
     prompts = mixed_prompts(512, [12, 30], seed=2)
     ours, want = (generate(s, prompts, max_new_tokens=8, ignore_eos=True) for s in (scheduler, reference))
     assert [r.output_ids for r in ours] == [r.output_ids for r in want]
+
+
+@pytest.mark.parametrize(
+    ("saved", "served", "weight_dtype"),
+    [
+        (torch.bfloat16, torch.float32, torch.bfloat16),  # CPUs without bfloat16 dot products
+        (torch.float16, torch.float32, torch.float16),
+        (torch.bfloat16, torch.bfloat16, None),
+        (torch.float32, torch.float32, None),
+    ],
+)
+def test_a_16_bit_checkpoint_served_wider_names_its_weight_dtype(saved, served, weight_dtype):
+    """What the weights hold exactly, for the GEMM backends (cpu_packed stores them so on
+    AVX2) and auto's timing, which rounds its weights to it."""
+    from transformers import LlamaConfig
+
+    from radixserve.backend_timing import timing_cases
+    from radixserve.checkpoints.loader import model_kernel_query, model_timing_shapes
+
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        architectures=["LlamaForCausalLM"],
+        dtype=saved,
+    )
+    query = model_kernel_query(config, "cpu", served)
+    assert query.weight_dtype == weight_dtype
+    drawn = []
+
+    class Recording(TorchGemm):
+        def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
+            drawn.append(weight)
+            return weight
+
+    shapes = model_timing_shapes(config, query, tp_size=1, decode_rows=4, prefill_rows=16, context_length=64)
+    case = timing_cases("gemm", query, shapes, torch.device("cpu"))[0]
+    case.setup(Recording(query))
+    assert drawn and all(w.dtype == served for w in drawn)
+    narrow = weight_dtype or served
+    assert all(torch.equal(w.to(narrow).to(served), w) for w in drawn)
+    if served == torch.float32 and weight_dtype is None:  # a float32 checkpoint: float32 weights
+        assert not all(torch.equal(w.bfloat16().float(), w) for w in drawn)

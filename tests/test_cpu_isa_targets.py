@@ -4,10 +4,11 @@ At the CPU's own level they are built ``-march=native``; under
 ``ATEN_CPU_CAPABILITY=avx2`` (with ``ONEDNN_MAX_CPU_ISA=AVX2``: what an AVX2-only
 Xeon runs) for x86-64-v3, into a library of their own name, so both builds stay
 in torch's extension cache and later runs load them. Under that cap ``auto``
-passes over ``cpu_packed`` (its kernels are AVX-512) and, in bfloat16, ``onednn``,
-each saying why; the backends it picks pass the conformance kit; a bfloat16
-checkpoint is served in float32; and a model generates the same greedy tokens
-as on the native build."""
+passes over ``cpu_packed`` in bfloat16 (its kernels there are AVX512-BF16) and
+``onednn`` in bfloat16, each saying why; ``cpu_packed`` serves float32 with its AVX2
+kernels (16-bit weights stored as such where exact); the backends it picks pass the
+conformance kit; a bfloat16 checkpoint is served in float32; and a model generates
+the same greedy tokens as on the native build."""
 
 from __future__ import annotations
 
@@ -61,15 +62,20 @@ def test_this_process_builds_for_its_aten_capability():
     assert cpu_kernels.extension_name() == f"radixserve_cpu_kernels_{target.name}"
 
 
-def test_cpu_packed_passes_over_an_avx2_build(monkeypatch):
+def test_cpu_packed_serves_float32_alone_on_an_avx2_build(monkeypatch):
     avx2 = cpu_isa.select_target("x86_64", "AVX2", True, frozenset({"avx512f", "avx512_bf16"}))
     monkeypatch.setattr(cpu_isa, "build_target", lambda: avx2)
-    for dtype, needed in ((torch.float32, "avx512f"), (torch.bfloat16, "avx512_bf16")):
-        reasons = CpuPackedGemm.unsupported_reasons(KernelQuery(dtype=dtype, **QUERY))
-        assert reasons == [
-            f"its {dtype} kernels need {needed}, and the CPU kernels are built for AVX2 "
-            "(-march=x86-64-v3; ATEN_CPU_CAPABILITY caps ATen at AVX2), which lacks it"
-        ]
+    assert CpuPackedGemm.unsupported_reasons(KernelQuery(dtype=torch.float32, **QUERY)) == []
+    assert CpuPackedGemm.unsupported_reasons(KernelQuery(dtype=torch.bfloat16, **QUERY)) == [
+        "its torch.bfloat16 kernels need avx512_bf16, and the CPU kernels are built for AVX2 "
+        "(-march=x86-64-v3; ATEN_CPU_CAPABILITY caps ATen at AVX2), which lacks it"
+    ]
+    baseline = cpu_isa.select_target("x86_64", "DEFAULT", True, frozenset({"avx2", "avx512f"}))
+    monkeypatch.setattr(cpu_isa, "build_target", lambda: baseline)
+    assert CpuPackedGemm.unsupported_reasons(KernelQuery(dtype=torch.float32, **QUERY)) == [
+        "its torch.float32 kernels need avx512f or avx2 + f16c + fma, and the CPU kernels are built for DEFAULT "
+        "(-march=x86-64; ATEN_CPU_CAPABILITY caps ATen at DEFAULT), which lacks it"
+    ]
 
 
 def test_no_target_means_no_kernels(monkeypatch):
@@ -107,6 +113,20 @@ CAPPED_RUN = textwrap.dedent("""
         for kind, backend in out["selected"][name].items():
             report = kits[kind](backend, dtypes=[dtype]).raise_for_failures()
             out["cases"][f"{kind} {backend} {name}"] = len(report.results)
+    # cpu_packed's AVX2 kernels on float32 weights that bfloat16 or float16 hold exactly
+    # (stored so: half the bytes) and on others, plain and with silu(gate) * up fused.
+    gemm, gen, out["packed"] = CpuPackedGemm(KernelQuery(dtype=torch.float32, **json.loads(sys.argv[2]))), \
+        torch.Generator().manual_seed(0), {}
+    for narrow in (torch.bfloat16, torch.float16, torch.float32):
+        w = (torch.randn(96, 64, generator=gen) / 8).to(narrow).float()
+        packed, errors = gemm.prepare_weight(w), []
+        for rows in (1, 3, 8, 13):  # a tile of one row, of three, and the widened copy from eight
+            x = torch.randn(rows, 64, generator=gen)
+            full = x.double() @ w.double().t()
+            gated = torch.nn.functional.silu(full[:, :48]) * full[:, 48:]
+            errors.append((gemm.linear(x, packed).double() - full).abs().max().item())
+            errors.append((gemm.linear_silu_and_mul(x, packed).double() - gated).abs().max().item())
+        out["packed"][str(narrow)] = [str(packed.dtype), max(errors)]
     choice = CpuPlatform.auto_dtype(torch.bfloat16)
     out["auto_dtype"] = [str(choice.dtype), choice.reason]
     scheduler = make_scheduler(sys.argv[1], **json.loads(sys.argv[3]))
@@ -137,21 +157,31 @@ def test_avx2_caps_pick_working_backends_and_generate_as_the_native_build(tiny_m
 
     assert out["capability"] == "AVX2" and out["extension"] == "radixserve_cpu_kernels_x86_64_avx2"
     assert out["selected"] == {
-        "float32": {"attention": "cpu_paged", "gemm": "onednn", "elementwise": "cpu_fused"},
+        "float32": {"attention": "cpu_paged", "gemm": "cpu_packed", "elementwise": "cpu_fused"},
         "bfloat16": {"attention": "cpu_paged", "gemm": "torch", "elementwise": "cpu_fused"},
     }
-    cpu_packed_f32 = out["reasons"]["float32"]["cpu_packed"]
-    assert len(cpu_packed_f32) == 1 and "need avx512f" in cpu_packed_f32[0] and "x86-64-v3" in cpu_packed_f32[0]
-    assert out["reasons"]["bfloat16"]["onednn"] == [
-        "ONEDNN_MAX_CPU_ISA=AVX2 keeps oneDNN from the AVX-512 (or AVX-NE-CONVERT) its bfloat16 needs"
-    ]
+    assert out["reasons"]["float32"]["cpu_packed"] == []
+    cpu_packed_bf16 = out["reasons"]["bfloat16"]["cpu_packed"]
+    assert len(cpu_packed_bf16) == 1 and "need avx512_bf16" in cpu_packed_bf16[0] and "x86-64-v3" in cpu_packed_bf16[0]
+    for narrow, (stored, error) in out["packed"].items():
+        assert stored == narrow and error < 1e-5, out["packed"]
+    flags = cpu_isa.cpu_flags() or frozenset()
+    if {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags:  # the cap, not the CPU
+        why = "ONEDNN_MAX_CPU_ISA=AVX2 keeps oneDNN from the AVX-512 (or AVX-NE-CONVERT) its bfloat16 needs"
+    else:
+        why = "this CPU lacks the AVX-512 (or AVX-NE-CONVERT) oneDNN needs for bfloat16"
+    assert out["reasons"]["bfloat16"]["onednn"] == [why]
     print(json.dumps(out["cases"], indent=1))
-    # One dtype each: every standard case, but the fused silu_and_mul GEMM ones (only cpu_packed has them).
+    # One dtype each: every standard case, but the fused silu_and_mul GEMM ones where the
+    # backend has none (only cpu_packed has them).
     attention, elementwise = len(ATTENTION_CASES["standard"]), len(ELEMENTWISE_CASES["standard"])
-    gemm = sum(not c.silu_and_mul for c in GEMM_CASES["standard"])
+    unfused = sum(not c.silu_and_mul for c in GEMM_CASES["standard"])
     assert out["cases"] == {
         f"{kind} {backend} {dtype}": n
-        for dtype, gemm_backend in (("float32", "onednn"), ("bfloat16", "torch"))
+        for dtype, gemm_backend, gemm in (
+            ("float32", "cpu_packed", len(GEMM_CASES["standard"])),
+            ("bfloat16", "torch", unfused),
+        )
         for kind, backend, n in (
             ("attention", "cpu_paged", attention),
             ("gemm", gemm_backend, gemm),

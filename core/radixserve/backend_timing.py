@@ -170,6 +170,8 @@ def _gemm_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -
                 gen = torch.Generator().manual_seed(rows + out_features)
                 x = torch.randn((rows, in_features), generator=gen).to(device, query.dtype)
                 w = torch.randn((out_features, in_features), generator=gen) / math.sqrt(in_features)
+                if query.weight_dtype is not None:  # the checkpoint's values, as the model's weights hold them
+                    w = w.to(query.weight_dtype)
                 w = w.to(device, query.dtype)
                 # In a model step each layer's weight arrives cold from memory (the weights
                 # outgrow the caches); calls cycle through copies that outgrow them too.

@@ -1,7 +1,8 @@
 """GEMM backends for the CPU plugin: ``torch`` (``F.linear``, any device, the
 reference), ``onednn`` (CPU: weights packed once at load time into oneDNN's
 blocked layout, so no call reorders them again) and ``cpu_packed`` (bfloat16 and
-float32 on AVX-512 CPUs: our own kernels on weights packed at load time).
+float32 on AVX-512 CPUs, float32 on AVX2 ones: our own kernels on weights packed at
+load time).
 
 ``F.linear`` on a bf16 CPU tensor already runs oneDNN, but it reorders the
 weight on every call; at decode sizes that reorder costs as much as the
@@ -75,8 +76,10 @@ class OneDnnGemm(GemmBackend):
 
 class CpuPackedGemm(GemmBackend):
     """Our own C++ kernels (``csrc/cpu_gemm.cpp``) for AVX-512 CPUs, bfloat16 (with
-    AVX512-BF16) and float32, on weights packed at load time into strips of 16
-    output columns.
+    AVX512-BF16) and float32, and for AVX2 CPUs (with FMA and F16C), float32, on
+    weights packed at load time into strips of 16 output columns. On AVX2 a float32
+    weight that bfloat16 or float16 holds exactly (a 16-bit checkpoint served in
+    float32) is packed in that type and widened in registers: half the bytes.
 
     They serve the decode batches of a serving step better than ``onednn``: each
     weight arrives cold from memory once per step, and these kernels stream it
@@ -98,6 +101,11 @@ class CpuPackedGemm(GemmBackend):
         # The overloads themselves: they skip the packet's lookup on every call.
         self._linear = self._ops.linear.default
         self._linear_silu_and_mul = self._ops.linear_silu_and_mul.default
+        # Without AVX-512 the float32 kernels are AVX2's, which read a weight packed in
+        # bfloat16 or float16 where that holds it exactly: a 16-bit checkpoint served in
+        # float32 (what CPUs without bfloat16 dot products serve) then reads half the bytes.
+        target = cpu_isa.build_target()
+        self._narrows = query.dtype == torch.float32 and target is not None and "avx512f" not in target.features
         built = self._ops.dtypes()
         if str(query.dtype).removeprefix("torch.") not in built:
             raise cpu_kernels.KernelBuildError(
@@ -113,17 +121,17 @@ class CpuPackedGemm(GemmBackend):
         reasons = []
         if query.device != "cpu":
             reasons.append(f"runs on cpu only, not {query.device!r}")
-        needed = _NEEDED_FLAG.get(query.dtype)
+        needed = _NEEDED_FLAGS.get(query.dtype)
         if needed is None:
             reasons.append(f"dtype {query.dtype} is not float32 or bfloat16")
         else:
             # What the kernels are compiled for, not only what the CPU has: under
             # ATEN_CPU_CAPABILITY=avx2 they are built without AVX-512 (cpu_isa.py).
             target = cpu_isa.build_target()
-            if target is not None and needed not in target.features:
+            if target is not None and not any(flags <= target.features for flags in needed):
                 reasons.append(
-                    f"its {query.dtype} kernels need {needed}, and the CPU kernels are built for "
-                    f"{target.origin}, which lacks it"
+                    f"its {query.dtype} kernels need {' or '.join(' + '.join(sorted(f)) for f in needed)}, "
+                    f"and the CPU kernels are built for {target.origin}, which lacks it"
                 )
         return reasons + cpu_kernels.unavailable_reasons()
 
@@ -132,6 +140,10 @@ class CpuPackedGemm(GemmBackend):
         group = _GROUP.get(weight.dtype, 0)
         if not group or out_features % 16 or in_features % group:
             return weight
+        if self._narrows:
+            narrow = exact_16_bit(weight)
+            if narrow is not None:  # [N/16, K, 16, 1], as pack_weight lays out float32
+                return narrow.view(out_features // 16, 16, in_features, 1).permute(0, 2, 1, 3).contiguous()
         packed: torch.Tensor = self._ops.pack_weight(weight)
         return packed
 
@@ -167,4 +179,18 @@ class CpuPackedGemm(GemmBackend):
 
 # Packed layout [N/16, K/G, 16, G]: G in features per 64-byte weight load.
 _GROUP = {torch.bfloat16: 2, torch.float32: 1}
-_NEEDED_FLAG = {torch.bfloat16: "avx512_bf16", torch.float32: "avx512f"}
+# What the kernels of a dtype need the build to have: any one of these sets.
+_NEEDED_FLAGS = {
+    torch.bfloat16: (frozenset({"avx512_bf16"}),),
+    torch.float32: (frozenset({"avx512f"}), frozenset({"avx2", "fma", "f16c"})),
+}
+
+
+def exact_16_bit(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` (float32) as bfloat16 or float16 where that type holds every value
+    exactly (a 16-bit checkpoint's weights, widened to float32 at load), else None."""
+    for dtype in (torch.bfloat16, torch.float16):
+        narrow = weight.to(dtype)
+        if torch.equal(narrow.to(weight.dtype), weight):
+            return narrow
+    return None

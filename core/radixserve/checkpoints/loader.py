@@ -134,6 +134,8 @@ def model_kernel_query(
     (``checkpoints.quantized``): ``quantization`` may only repeat it."""
     facts = model_facts(config, registry)
     quantization, quantized_checkpoint = resolve_quantization(config, quantization)
+    saved = checkpoint_dtype(config)
+    narrower = saved in (torch.bfloat16, torch.float16) and dtype == torch.float32
     return KernelQuery(
         device=device,
         dtype=dtype,
@@ -150,6 +152,7 @@ def model_kernel_query(
         logit_softcap=facts.logit_softcap,
         elementwise_ops=facts.elementwise_ops or None,
         mla=facts.mla,
+        weight_dtype=saved if narrower else None,
     )
 
 

@@ -62,6 +62,10 @@ class KernelQuery:
     mla: LatentKV | None = None
     # LoRA serving (--enable-lora): the widest rank an adapter may have (None: LoRA off).
     max_lora_rank: int | None = None
+    # A 16-bit checkpoint computed in a wider dtype (bfloat16 weights served in float32):
+    # its dense weights hold values of this type exactly, which a GEMM backend may store
+    # in it (half the bytes) and its timing draws weights from.
+    weight_dtype: torch.dtype | None = None
 
     def describe(self) -> str:
         parts = [f"{k}={v}" for k, v in self.__dict__.items() if v is not None]

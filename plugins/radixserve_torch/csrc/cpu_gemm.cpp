@@ -1,5 +1,7 @@
 // Linear layers on AVX-512 CPUs: out = x W^T (+ bias) in bfloat16 (with
-// AVX512-BF16) or float32, float32 accumulation, one rounding at the end.
+// AVX512-BF16) or float32, float32 accumulation, one rounding at the end; and in
+// float32 on AVX2 CPUs (with FMA and F16C), whose weights may be packed in bfloat16 or
+// float16 where that holds them exactly (linear_avx2, below).
 //
 // Why not oneDNN: on the decode batches of a serving step (1-128 rows) every weight
 // comes from DRAM once per step, and oneDNN's product on a packed weight reaches
@@ -31,9 +33,14 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define RADIXSERVE_GEMM_AVX2 1
+#endif
+
+#if defined(__AVX512F__) || defined(RADIXSERVE_GEMM_AVX2)
 #include <immintrin.h>
 #endif
 
@@ -51,7 +58,7 @@ int64_t group_size(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1
 // The dtypes this build has a kernel for (the ISA it was compiled for, -march=native).
 std::vector<std::string> dtypes() {
   std::vector<std::string> out;
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(RADIXSERVE_GEMM_AVX2)
   out.push_back("float32");
 #endif
 #if defined(__AVX512BF16__)
@@ -69,6 +76,22 @@ at::Tensor pack_weight(const at::Tensor& weight) {
   TORCH_CHECK(n % kStripCols == 0 && k % g == 0, "pack_weight: out features a multiple of 16",
               g == 2 ? ", in features even" : "");
   return weight.contiguous().view({n / kStripCols, kStripCols, k / g, g}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// A tile's strips (w) and their biases (b, unless null): up to kTileStrips, or in
+// GATED half as many gate strips, each with the up strip `cols` strips further on.
+template <typename T, typename B, bool GATED>
+int strips_of_group(const T* wp, const B* bias, int64_t first, int64_t cols, int64_t strip_stride,
+                    const T** w, const B** b) {
+  constexpr int64_t per_group = GATED ? kTileStrips / 2 : kTileStrips;
+  const int n = static_cast<int>(std::min<int64_t>(per_group, cols - first));
+  for (int i = 0; i < n; ++i)
+    for (int half = 0; half < (GATED ? 2 : 1); ++half) {
+      const int64_t strip = first + i + half * cols;
+      w[i + half * n] = wp + strip * strip_stride;
+      if (b != nullptr) b[i + half * n] = bias != nullptr ? bias + strip * kStripCols : nullptr;
+    }
+  return GATED ? 2 * n : n;
 }
 
 #if defined(__AVX512F__)
@@ -173,22 +196,6 @@ TileFn<E> tile_for(int rows, int strips) {
   }
 }
 
-// A tile's strips (w) and their biases (b, unless null): up to kTileStrips, or in
-// GATED half as many gate strips, each with the up strip `cols` strips further on.
-template <typename T, bool GATED>
-int strips_of_group(const T* wp, const T* bias, int64_t first, int64_t cols, int64_t strip_stride,
-                    const T** w, const T** b) {
-  constexpr int64_t per_group = GATED ? kTileStrips / 2 : kTileStrips;
-  const int n = static_cast<int>(std::min<int64_t>(per_group, cols - first));
-  for (int i = 0; i < n; ++i)
-    for (int half = 0; half < (GATED ? 2 : 1); ++half) {
-      const int64_t strip = first + i + half * cols;
-      w[i + half * n] = wp + strip * strip_stride;
-      if (b != nullptr) b[i + half * n] = bias != nullptr ? bias + strip * kStripCols : nullptr;
-    }
-  return GATED ? 2 * n : n;
-}
-
 template <typename E, bool GATED>
 void linear_impl(const at::Tensor& x, const at::Tensor& packed, const typename E::T* bias, at::Tensor& out) {
   using T = typename E::T;
@@ -205,10 +212,10 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const typename E
       const T* w[kTileStrips];
       const T* b[kTileStrips];
       const T* next[kTileStrips];
-      const int ns = strips_of_group<T, GATED>(wp, bias, g * per_group, cols, strip_stride, w, b);
-      const int next_strips =
-          g + 1 < g1 ? strips_of_group<T, GATED>(wp, nullptr, (g + 1) * per_group, cols, strip_stride, next, nullptr)
-                     : 0;
+      const int ns = strips_of_group<T, T, GATED>(wp, bias, g * per_group, cols, strip_stride, w, b);
+      const int next_strips = g + 1 < g1 ? strips_of_group<T, T, GATED>(wp, nullptr, (g + 1) * per_group, cols,
+                                                                         strip_stride, next, nullptr)
+                                         : 0;
       for (int64_t r0 = 0, t = 0; r0 < m; r0 += kTileRows, ++t) {
         const int nr = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
         // While this group's weight is reused from L2, tile t pulls strip t of the next group there.
@@ -222,6 +229,181 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const typename E
 
 #endif  // __AVX512F__
 
+#if defined(RADIXSERVE_GEMM_AVX2)
+
+// float32 x and out on AVX2 (+ FMA, F16C): the weight packed as above (G = 1) in float32,
+// or in bfloat16 or float16 where those hold the model's float32 weights exactly (a 16-bit
+// checkpoint served in float32, as on CPUs without bfloat16 dot products): half the
+// bytes a decode step reads, widened exactly in registers. A strip's 16 columns are two
+// 8-lane halves.
+struct WeightsFloat32 {
+  using T = float;
+  static __m256 load8(const T* p) { return _mm256_loadu_ps(p); }
+};
+struct WeightsBFloat16 {
+  using T = uint16_t;
+  static __m256 load8(const T* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+};
+struct WeightsFloat16 {
+  using T = uint16_t;
+  static __m256 load8(const T* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+};
+
+// Up to three rows: 16 ymm registers hold 3 rows x 2 strips x 2 halves of accumulators
+// and the strips' four weight vectors (one row takes four strips: eight chains).
+constexpr int kAvx2TileRows = 3;
+
+// Rows [0, ROWS) of x times STRIPS strips, as tile() above (GATED alike), float32 out.
+// Accumulator (row r, strip s, half h) of a tile_avx2 of STRIPS strips.
+template <int STRIPS>
+constexpr int at(int r, int s, int h) {
+  return (r * STRIPS + s) * 2 + h;
+}
+
+template <typename W, int ROWS, int STRIPS, bool GATED>
+void tile_avx2(const float* x, int64_t lda, const typename W::T* const* w, int64_t steps, const float* const* bias,
+               float* out, int64_t ldc, const typename W::T* prefetch) {
+  // Flat: GCC kept a [ROWS][STRIPS][2] array in memory, stored at every step.
+  __m256 acc[ROWS * STRIPS * 2];
+  for (int r = 0; r < ROWS; ++r)
+    for (int s = 0; s < STRIPS; ++s) acc[at<STRIPS>(r, s, 0)] = acc[at<STRIPS>(r, s, 1)] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < steps; ++p) {
+    _mm_prefetch(reinterpret_cast<const char*>(prefetch + p * kStripCols), _MM_HINT_T1);
+    __m256 b[STRIPS][2];
+    for (int s = 0; s < STRIPS; ++s) {
+      b[s][0] = W::load8(w[s] + p * kStripCols);
+      b[s][1] = W::load8(w[s] + p * kStripCols + 8);
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * lda + p);
+      for (int s = 0; s < STRIPS; ++s)
+        for (int h = 0; h < 2; ++h) acc[at<STRIPS>(r, s, h)] = _mm256_fmadd_ps(a, b[s][h], acc[at<STRIPS>(r, s, h)]);
+    }
+  }
+  static const float kNoBias[kStripCols] = {};
+  for (int s = 0; s < STRIPS; ++s) {
+    const float* bs = bias[s] != nullptr ? bias[s] : kNoBias;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 bv = _mm256_loadu_ps(bs + 8 * h);
+      for (int r = 0; r < ROWS; ++r) acc[at<STRIPS>(r, s, h)] = _mm256_add_ps(acc[at<STRIPS>(r, s, h)], bv);
+    }
+  }
+  if constexpr (GATED) {
+    constexpr int kGates = STRIPS / 2;
+    for (int r = 0; r < ROWS; ++r)
+      for (int s = 0; s < kGates; ++s) {
+        alignas(32) float gate[kStripCols], up[kStripCols];
+        for (int h = 0; h < 2; ++h) {
+          _mm256_store_ps(gate + 8 * h, acc[at<STRIPS>(r, s, h)]);
+          _mm256_store_ps(up + 8 * h, acc[at<STRIPS>(r, kGates + s, h)]);
+        }
+        float* o = out + r * ldc + s * kStripCols;
+#pragma omp simd
+        for (int c = 0; c < kStripCols; ++c) o[c] = silu_mul<float>(gate[c], up[c]);
+      }
+  } else {
+    for (int r = 0; r < ROWS; ++r)
+      for (int s = 0; s < STRIPS; ++s)
+        for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * ldc + s * kStripCols + 8 * h, acc[at<STRIPS>(r, s, h)]);
+  }
+}
+
+template <typename W>
+using Avx2TileFn = void (*)(const float*, int64_t, const typename W::T* const*, int64_t, const float* const*, float*,
+                            int64_t, const typename W::T*);
+
+// One row: up to four strips (gated: two gate and two up); two or three rows: up to two
+// (gated: one of each), so the tile's strips are walked in pieces of that many.
+template <typename W, bool GATED>
+Avx2TileFn<W> avx2_tile_for(int rows, int strips) {
+  if (rows == 1) {
+    if constexpr (GATED) return strips == 2 ? tile_avx2<W, 1, 2, true> : tile_avx2<W, 1, 4, true>;
+    return strips == 1 ? tile_avx2<W, 1, 1, false> : strips == 2 ? tile_avx2<W, 1, 2, false>
+                       : strips == 3 ? tile_avx2<W, 1, 3, false> : tile_avx2<W, 1, 4, false>;
+  }
+  if (strips == 1) return rows == 2 ? tile_avx2<W, 2, 1, GATED> : tile_avx2<W, 3, 1, GATED>;
+  return rows == 2 ? tile_avx2<W, 2, 2, GATED> : tile_avx2<W, 3, 2, GATED>;
+}
+
+// Rows [0, m) of x times one group's ns strips (w, with biases b; gated: gate strips,
+// then their up strips), columns from out's first: row tiles of up to three rows, each
+// walking the strips in pieces its registers hold. next: the strips the next group will
+// read, prefetched to L2 a strip per piece (none: the group's own).
+template <typename W, bool GATED>
+void group_avx2(const float* x, int64_t lda, int64_t m, const typename W::T* const* w, const float* const* b, int ns,
+                int64_t steps, const typename W::T* const* next, int next_strips, float* out, int64_t ldc) {
+  using T = typename W::T;
+  for (int64_t r0 = 0, t = 0; r0 < m; r0 += kAvx2TileRows) {
+    const int nr = static_cast<int>(std::min<int64_t>(kAvx2TileRows, m - r0));
+    // A piece: a gate strip and its up strip (gated) or one to four strips.
+    const int piece = nr == 1 ? ns : GATED ? 2 : std::min(ns, 2);
+    const int pieces = GATED && nr > 1 ? ns / 2 : (ns + piece - 1) / piece;
+    for (int i = 0; i < pieces; ++i, ++t) {
+      const T* pw[kTileStrips];
+      const float* pb[kTileStrips];
+      int n = 0, first_col;
+      if (GATED && nr > 1) {  // gate strip i and up strip ns/2 + i
+        pw[0] = w[i], pw[1] = w[ns / 2 + i], pb[0] = b[i], pb[1] = b[ns / 2 + i], n = 2, first_col = i;
+      } else {
+        for (int j = i * piece; j < std::min(ns, (i + 1) * piece); ++j, ++n) pw[n] = w[j], pb[n] = b[j];
+        first_col = i * piece;
+      }
+      const T* prefetch = t < next_strips ? next[t] : w[0];
+      avx2_tile_for<W, GATED>(nr, n)(x + r0 * lda, lda, pw, steps, pb, out + r0 * ldc + first_col * kStripCols, ldc,
+                                     prefetch);
+    }
+  }
+}
+
+// From this many rows a group's 16-bit strips are widened once into a float32 copy
+// (L2-sized) that every row tile reads: widening in each tile cost prefill 1.6x
+// against float32 weights (3-row tiles share each widened vector only three ways).
+constexpr int64_t kWidenRows = 8;
+
+template <typename W, bool GATED>
+void linear_avx2(const at::Tensor& x, const at::Tensor& packed, const float* bias, at::Tensor& out) {
+  using T = typename W::T;
+  constexpr bool kNarrow = !std::is_same_v<W, WeightsFloat32>;
+  const int64_t m = x.size(0), strips = packed.size(0), steps = packed.size(1);
+  const float* xp = x.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const T*>(packed.data_ptr());
+  float* op = out.data_ptr<float>();
+  const int64_t lda = x.stride(0), ldc = out.stride(0), strip_stride = steps * kStripCols;
+  const int64_t cols = GATED ? strips / 2 : strips;
+  const int64_t per_group = GATED ? kTileStrips / 2 : kTileStrips;
+  const int64_t groups = (cols + per_group - 1) / per_group;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> widened;  // this thread's float32 copy of a group's strips
+    for (int64_t g = g0; g < g1; ++g) {
+      const T* w[kTileStrips];
+      const float* b[kTileStrips];
+      const T* next[kTileStrips];
+      const int ns = strips_of_group<T, float, GATED>(wp, bias, g * per_group, cols, strip_stride, w, b);
+      const int next_strips = g + 1 < g1 ? strips_of_group<T, float, GATED>(wp, nullptr, (g + 1) * per_group, cols,
+                                                                             strip_stride, next, nullptr)
+                                         : 0;
+      float* o = op + g * per_group * kStripCols;
+      if (kNarrow && m >= kWidenRows) {
+        widened.resize(ns * strip_stride);
+        const float* fw[kTileStrips];
+        for (int s = 0; s < ns; ++s) {
+          float* dst = widened.data() + s * strip_stride;
+          for (int64_t i = 0; i < strip_stride; i += 8) _mm256_storeu_ps(dst + i, W::load8(w[s] + i));
+          fw[s] = dst;
+        }
+        group_avx2<WeightsFloat32, GATED>(xp, lda, m, fw, b, ns, steps, fw, 0, o, ldc);
+      } else {
+        group_avx2<W, GATED>(xp, lda, m, w, b, ns, steps, next, next_strips, o, ldc);
+      }
+    }
+  });
+}
+
+#endif  // RADIXSERVE_GEMM_AVX2
+
 // x [M, K] (unit stride along K), packed [N/16, K/G, 16, G], bias [N] or none, all of
 // one dtype; out [M, N] contiguous, or [M, N/2] when gated (N/16 even: the first half
 // of the weight's rows are gate and the second half up).
@@ -230,7 +412,11 @@ void checked_linear(const char* op, const at::Tensor& x, const at::Tensor& packe
                     const c10::optional<at::Tensor>& bias, at::Tensor& out) {
   const at::ScalarType dtype = x.scalar_type();
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": x must be 2-D with unit stride along in features");
-  TORCH_CHECK(packed.scalar_type() == dtype && out.scalar_type() == dtype, op, ": x, weight and out of one dtype");
+  // A float32 model's weight may be packed in bfloat16 or float16 (where that holds it exactly).
+  const at::ScalarType stored = packed.scalar_type();
+  const bool narrowed = dtype == at::kFloat && (stored == at::kBFloat16 || stored == at::kHalf);
+  TORCH_CHECK((stored == dtype || narrowed) && out.scalar_type() == dtype, op,
+              ": x and out of one dtype, the weight of theirs (float32 x: or bfloat16, float16)");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kStripCols &&
                   packed.size(3) == group_size(dtype),
               op, ": the weight must come from pack_weight");
@@ -253,10 +439,19 @@ void checked_linear(const char* op, const at::Tensor& x, const at::Tensor& packe
     return linear_impl<BFloat16, GATED>(x, packed, static_cast<const uint16_t*>(bias_ptr), out);
 #endif
 #if defined(__AVX512F__)
-  if (dtype == at::kFloat) return linear_impl<Float32, GATED>(x, packed, static_cast<const float*>(bias_ptr), out);
+  if (dtype == at::kFloat && stored == at::kFloat)
+    return linear_impl<Float32, GATED>(x, packed, static_cast<const float*>(bias_ptr), out);
+#endif
+#if defined(RADIXSERVE_GEMM_AVX2)
+  if (dtype == at::kFloat) {
+    const auto* float_bias = static_cast<const float*>(bias_ptr);
+    if (stored == at::kBFloat16) return linear_avx2<WeightsBFloat16, GATED>(x, packed, float_bias, out);
+    if (stored == at::kHalf) return linear_avx2<WeightsFloat16, GATED>(x, packed, float_bias, out);
+    return linear_avx2<WeightsFloat32, GATED>(x, packed, float_bias, out);
+  }
 #endif
   TORCH_CHECK(false, "radixserve_cpu_gemm.", op, ": no kernel for ", dtype, " in this build (",
-              "needs AVX-512, and AVX512-BF16 for bfloat16)");
+              "float32 needs AVX2, FMA and F16C or AVX-512; bfloat16 AVX512-BF16)");
 }
 
 void linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, at::Tensor& out) {
