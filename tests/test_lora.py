@@ -117,6 +117,36 @@ def test_unloading_under_traffic_lets_running_requests_finish(tiny_llama_dir, ad
     assert scheduler.flush_cache() and scheduler.check_memory()
 
 
+def test_an_adapter_kept_from_the_slots_gets_one_though_others_keep_arriving(tiny_llama_dir, adapters, prompts):
+    """One device slot, requests of one adapter arriving every step: a request of another
+    adapter never finds the slot free, until it has waited ``slot_wait_limit``; then only
+    its adapter's and base requests are admitted, the busy adapter drains, and it runs
+    while that adapter's requests still arrive. The KV pool stays whole throughout."""
+    busy, other = list(adapters)[:2]
+    scheduler = lora_scheduler(tiny_llama_dir, adapters, max_loras_per_batch=1)
+    scheduler.planner.slot_wait_limit = float("inf")  # as before the rule: no request ever counts as starved
+    submit(scheduler, prompts[0], busy, "busy-0", max_new_tokens=4)
+    outputs = scheduler.step()
+    submit(scheduler, prompts[1], other, "other", max_new_tokens=4)
+    arrivals = 0
+
+    def steps(n: int) -> None:
+        nonlocal arrivals, outputs
+        for _ in range(n):
+            arrivals += 1
+            submit(scheduler, prompts[arrivals % len(prompts)], busy, f"busy-{arrivals}", max_new_tokens=4)
+            outputs += scheduler.step()
+            assert scheduler.check_memory()
+
+    steps(24)
+    assert not any(o.rid == "other" and o.new_token_ids for o in outputs)  # starved
+    scheduler.planner.slot_wait_limit = 0.0  # it has waited longer than that
+    steps(12)
+    assert any(o.rid == "other" and o.finish_reason is not None for o in outputs)
+    results = run(scheduler, earlier=outputs)
+    assert results["other"].output_ids and all(len(r.output_ids) == 4 for r in results.values())
+
+
 def test_what_cannot_be_served_is_refused_naming_the_field(tiny_llama_dir, adapters, tmp_path):
     scheduler = lora_scheduler(tiny_llama_dir, {"all8": adapters["all8"]}, max_lora_rank=8, max_loaded_loras=2)
     refusals = {

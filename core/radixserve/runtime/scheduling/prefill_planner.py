@@ -13,6 +13,7 @@ and evictable KV left after the running requests' own expected decode tokens.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import cast
@@ -31,6 +32,12 @@ RESERVE_CLIP = 4096
 # request being prefilled this step waits one step and then reads them from the
 # cache (SGLang's in-batch prefix caching uses the same threshold).
 IN_BATCH_PREFIX_MIN_TOKENS = 32
+
+# Multi-LoRA: a request whose adapter has found no device slot for this long reserves
+# the next one. Until it gets it, only requests of its adapter or of the base model are
+# admitted, so the adapters in use drain; without that, requests of adapters in use
+# that keep arriving would hold every slot for ever.
+LORA_SLOT_WAIT_LIMIT = 2.0  # seconds
 
 
 @dataclass
@@ -92,6 +99,7 @@ class PrefillPlanner:
         self.max_running = max_running
         # Multi-LoRA serving: the adapters the admitted requests may use at once (the device slots).
         self.max_adapters = args.max_loras_per_batch if args.enable_lora else None
+        self.slot_wait_limit = LORA_SLOT_WAIT_LIMIT
 
     def plan(self, queues: QueueView) -> PrefillPlan:
         """Continue the chunked request first; then admit waiting requests in policy
@@ -126,9 +134,12 @@ class PrefillPlanner:
                 return plan
 
         adapters = set(queues.adapters)
+        starved = self._starved_adapter(queues.waiting, adapters)
         for req in order_waiting(queues.waiting, self.args.schedule_policy, self._prefix_len):
             if len(queues.running) + len(plan.reqs) >= self.max_running:
                 break
+            if starved is not None and req.lora_id not in (None, starved):
+                continue  # the next free slot is the starved adapter's
             if not adapter_fits(req, adapters, self.max_adapters):
                 continue  # its adapter would be one too many; requests of adapters in use go on
             if self.ledger.free_rows() <= len(plan.admitted) or min(prefill_left, chunk_left) <= 0:
@@ -165,6 +176,19 @@ class PrefillPlanner:
                 plan.chunked = req
                 break
         return plan
+
+    def _starved_adapter(self, waiting: list[Req], adapters: AbstractSet[int]) -> int | None:
+        """The adapter of the longest-waiting request that has found no device slot for
+        ``slot_wait_limit`` seconds (None: no such request, or LoRA off)."""
+        if self.max_adapters is None:
+            return None
+        now = time.perf_counter()
+        starving = [
+            r
+            for r in waiting
+            if now - r.arrival_time > self.slot_wait_limit and not adapter_fits(r, adapters, self.max_adapters)
+        ]
+        return min(starving, key=lambda r: r.arrival).lora_id if starving else None
 
     def _prefix_len(self, req: Req) -> int:
         return self.ledger.match(req.fill_ids[: match_limit(req)], req.cache_namespace).num_tokens
