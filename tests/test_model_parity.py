@@ -293,8 +293,11 @@ def test_int8_equals_dequantized_reference(tiny_model_factory):
 
 
 def test_resolve_dtype():
+    from radixserve_torch import cpu_isa
+
     cfg = tiny_config("llama")
-    for saved, expected in ((None, torch.float32), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)):
+    bf16 = torch.bfloat16 if cpu_isa.bf16_matmul().native else torch.float32  # emulated bfloat16: float32
+    for saved, expected in ((None, torch.float32), (torch.float32, torch.float32), (torch.bfloat16, bf16)):
         cfg.dtype = saved
         assert resolve_dtype("auto", cfg, CpuPlatform) is expected
     assert resolve_dtype("float16", cfg, CpuPlatform) is torch.float16

@@ -13,10 +13,11 @@ After loading, 4-bit weights of a bfloat16 model on the CPU go to an int4 kernel
 which reads a quarter of the bytes of bfloat16 weights (what batch-1 decode, bound by
 memory, is paced by): radixserve's own (csrc/cpu_int4.cpp, AVX512-BF16) or ATen's
 (``torch._weight_int4pack_mm_for_cpu``, groups of 32 to 256), whichever is faster at
-batch 1 on the layer's shape, timed once per shape at load; where neither beats the
-GEMM backend on the dequantized weight (ATen's kernel on a CPU without AVX-512), and
-for float32 models, 8-bit weights and other group sizes, the weight is dequantized
-once at load and computed as a dense one.
+batch 1 on the layer's shape, timed once per shape at load; 5- to 8-bit weights to
+the same kernel's byte path. A float32 model (a CPU without bfloat16 dot products)
+takes the kernel's float32 path (AVX2, FMA, F16C) the same way. Where no kernel beats
+the GEMM backend on the dequantized weight (ATen's kernel on a CPU without AVX-512),
+or none applies, the weight is dequantized once at load and computed as a dense one.
 """
 
 from __future__ import annotations
