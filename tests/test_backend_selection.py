@@ -6,6 +6,8 @@ backend whose build fails is passed over, saying why."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import statistics
 import time
 
 import pytest
@@ -104,7 +106,8 @@ def test_auto_picks_the_faster_backend_over_the_higher_priority(registry, tmp_pa
     assert choice.scores["fast_gemm"] == 1.0 and choice.scores["slow_gemm"] > 2
     # Every case was timed on both; each call of the slow one took at least its wait.
     assert set(choice.seconds["slow_gemm"]) == set(choice.seconds["fast_gemm"])
-    assert len(choice.seconds["fast_gemm"]) == 2 * 4 + 1  # four projections x two row counts, the LM head at decode
+    # four projections at one row, a decode batch and a prefill chunk; the LM head at the first two
+    assert len(choice.seconds["fast_gemm"]) == 3 * 4 + 2
     assert min(choice.seconds["slow_gemm"].values()) >= SLOW_SECONDS
     assert "fast_gemm" in choice.describe() and "slow_gemm" in choice.describe()
 
@@ -140,7 +143,11 @@ def test_attention_features_are_timed_by_attention_alone(registry, tmp_path):
     again = selection(registry, tmp_path)
     assert again.select("gemm", windowed) is FastGemm and again.choices["gemm"].how.startswith("cached")
     names = [case.label for case in timing_cases("attention", windowed, SHAPES, torch.device("cpu"))]
-    assert names == ["decode/bs4/ctx64/window16/softcap30", "extend/t32/window16/softcap30"]
+    assert names == [
+        "decode/bs1/ctx64/window16/softcap30",
+        "decode/bs4/ctx64/window16/softcap30",
+        "extend/t32/window16/softcap30",
+    ]
     chooser = selection(PluginRegistry(), tmp_path)
     chooser.select("attention", windowed)
     timed = chooser.choices["attention"]
@@ -202,6 +209,73 @@ def test_a_scheduler_measures_once_then_reads_the_cache(tiny_llama_dir, tmp_path
     assert choices[0]["quantization"] == "named"
     assert outputs[0] == outputs[1]
     assert len(list((tmp_path / "backend-timings").glob("*.json"))) == 3
+
+
+class OneRowSprinterGemm(CountingGemm):
+    """Fastest on every case of one or a few rows, 30 ms a call on a prefill chunk."""
+
+    name = "sprinter_gemm"
+    priority = 100
+
+    def linear(self, x, weight, bias=None):
+        if x.shape[0] == SHAPES.prefill_rows:
+            time.sleep(0.03)
+        return super().linear(x, weight, bias)
+
+
+class SteadyGemm(CountingGemm):
+    """1 ms a call on every case."""
+
+    name = "steady_gemm"
+    priority = 50
+
+    def linear(self, x, weight, bias=None):
+        time.sleep(0.001)
+        return super().linear(x, weight, bias)
+
+
+def test_the_score_weighs_each_case_by_the_time_a_workload_spends_in_it(tmp_path):
+    """The sprinter wins ten of the fourteen cases by ~100x and loses four by 30x: by
+    the geometric mean of per-case ratios it would win. A request's time is what a
+    user waits for, and on both reference workloads its prefill chunks cost the
+    sprinter far more than the steady backend's one-row steps: the steady one wins."""
+
+    class Plugin:
+        @hookimpl
+        def register_gemm_backends(self, register):
+            register(OneRowSprinterGemm)
+            register(SteadyGemm)
+
+    registry = PluginRegistry(load_entry_points=False)
+    registry.register_plugin(Plugin(), "workload-gemm")
+    shapes = dataclasses.replace(SHAPES, num_layers=2)
+    chooser = MeasuredSelection(registry, CpuPlatform(), 0, shapes, cache=TimingCache(tmp_path))
+    assert chooser.select("gemm", QUERY) is SteadyGemm
+    choice = chooser.choices["gemm"]
+    sprinter, steady = choice.seconds["sprinter_gemm"], choice.seconds["steady_gemm"]
+    per_case = {
+        name: math.exp(statistics.fmean(math.log(times[c] / min(sprinter[c], steady[c])) for c in times))
+        for name, times in choice.seconds.items()
+    }
+    assert per_case["sprinter_gemm"] < per_case["steady_gemm"]  # what the old score would have chosen
+
+    # One stream: 1024 prompt tokens in 32 chunks of 32 rows, then 256 one-row steps;
+    # 4 streams: the same chunks and a quarter of the 4-row steps. Each layer's
+    # projections run once a step per layer, the LM head once a step (not at prefill).
+    def priced(times: dict[str, float], phase: str) -> float:
+        return sum(t * (1 if label.startswith("lm_head") else 2) for label, t in times.items() if f"/{phase}/" in label)
+
+    for name, times in choice.seconds.items():
+        one_stream = 32 * priced(times, "prefill") + 256 * priced(times, "single")
+        four_streams = 32 * priced(times, "prefill") + 64 * priced(times, "decode")
+        assert choice.workload_seconds[name] == pytest.approx({"1 stream": one_stream, "4 streams": four_streams})
+    ratios = [
+        choice.workload_seconds["sprinter_gemm"][w] / choice.workload_seconds["steady_gemm"][w]
+        for w in ("1 stream", "4 streams")
+    ]
+    assert choice.scores["steady_gemm"] == 1.0
+    assert choice.scores["sprinter_gemm"] == pytest.approx(math.sqrt(ratios[0] * ratios[1]))
+    assert "steady_gemm 1.00x (1 stream" in choice.describe()
 
 
 class PrefillFailsGemm(CountingGemm):

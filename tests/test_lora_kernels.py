@@ -320,7 +320,7 @@ def test_timing_cases_run_on_the_torch_backends():
     assert [c.label for c in cases] == [
         f"{proj}/{phase}/m{rows}"
         for proj in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-        for phase, rows in (("decode", 6), ("prefill", 10))
+        for phase, rows in (("single", 1), ("decode", 6), ("prefill", 10))
     ]
     splits = {"qkv_proj": (64, 32, 32), "o_proj": (64,), "gate_up_proj": (96, 96), "down_proj": (64,)}
     for case in cases:

@@ -199,5 +199,13 @@ def test_auto_times_mla_backends_on_latent_steps(tmp_path):
     chooser = MeasuredSelection(registry, CpuPlatform(), 0, shapes, cache=TimingCache(tmp_path))
     assert chooser.select("attention", query) is TorchMLAAttention
     choice = chooser.choices["attention"]
-    assert set(choice.seconds["slow_mla"]) == set(choice.seconds["torch_mla"]) == {"decode/bs4/ctx64", "extend/t32"}
+    assert (
+        set(choice.seconds["slow_mla"])
+        == set(choice.seconds["torch_mla"])
+        == {
+            "decode/bs1/ctx64",
+            "decode/bs4/ctx64",
+            "extend/t32",
+        }
+    )
     assert choice.scores["torch_mla"] == 1.0 and min(choice.seconds["slow_mla"].values()) >= 0.02

@@ -6,12 +6,22 @@ is fastest depends on the machine at hand: on an Intel Xeon with AMX, oneDNN's
 GEMM runs ten times faster than our packed AVX-512 kernels, while on an AMD
 EPYC without AMX the packed kernels lead at decode sizes. So the candidates that
 remain after ``unsupported_reasons`` and ``build`` (registry.usable) are timed:
-each GEMM projection at a decode batch and at a prefill chunk, attention on a
-decode and an extend step in the pool's layout, the elementwise ops, the MoE
-layer and each projection's LoRA update at both row counts. A candidate's score
-is the geometric mean, over those cases, of its time relative to the fastest
-candidate's; candidates within ``TIE_MARGIN`` of the best score are tied and
-priority breaks the tie.
+each GEMM projection at one row, at a decode batch and at a prefill chunk,
+attention on a one-request and a batched decode step and an extend step in the
+pool's layout, the elementwise ops, the MoE layer and each projection's LoRA
+update at those row counts.
+
+A candidate's score weighs each case by the time a workload spends in it, so
+that a win on a cheap case cannot outvote a loss on a costly one. Two reference
+workloads are priced from the cases: one stream (a request of
+``REFERENCE_PROMPT_TOKENS`` prompt tokens prefilled in chunks, then
+``REFERENCE_OUTPUT_TOKENS`` one-row decode steps: one user chatting, the
+commonest CPU case) and a busy server (the same request's prefill and its share
+of the batched decode steps). Each case counts as often as a model step calls it
+(the layers' projections once a layer, the LM head once a step). A candidate's
+score is the geometric mean, over the two workloads, of its time relative to the
+fastest candidate's; candidates within ``TIE_MARGIN`` of the best score are
+tied and priority breaks the tie.
 The case classes and the inputs they make come from radixserve.kernels.cases,
 which the conformance kit builds its cases from too (the serving path never
 imports the kit, radixserve.testing).
@@ -68,6 +78,8 @@ GIVE_UP_FACTOR, GIVE_UP_FLOOR_SECONDS = 20.0, 0.05
 # A GEMM case cycles through copies of its weight totalling this much (at most 64
 # copies), more than a CPU's last-level cache, as the layers of a model step do.
 COLD_BYTES, MAX_WEIGHT_COPIES = 256 * 2**20, 64
+# The request the workloads are priced on (as a chat turn: a long prompt, a shorter answer).
+REFERENCE_PROMPT_TOKENS, REFERENCE_OUTPUT_TOKENS = 1024, 256
 TIMED_KINDS = ("gemm", "attention", "elementwise", "moe", "lora")  # quantization is never chosen automatically
 CACHE_SUBDIR = "backend-timings"
 
@@ -89,6 +101,24 @@ class ModelShapes:
     top_k: int = 0
     moe_intermediate_size: int = 0
     lora_slots: int = 8  # adapters one batch may use (--max-loras-per-batch), where LoRA is served
+    num_layers: int = 1  # this rank's decoder layers: each calls every per-layer case once a step
+
+    def phases(self) -> list[tuple[str, int]]:
+        """``(phase, rows)`` a step runs at: one request decoding, a decode batch
+        (where more than one request runs) and a prefill chunk."""
+        batched = [("decode", self.decode_rows)] if self.decode_rows > 1 else []
+        return [("single", 1), *batched, ("prefill", self.prefill_rows)]
+
+    def workloads(self) -> dict[str, dict[str, float]]:
+        """Per reference workload, the steps of each phase one request costs (see the
+        module docstring): its prefill chunks, and its decode steps alone or its share
+        of the batched ones."""
+        prefill = REFERENCE_PROMPT_TOKENS / self.prefill_rows
+        workloads = {"1 stream": {"prefill": prefill, "single": float(REFERENCE_OUTPUT_TOKENS)}}
+        if self.decode_rows > 1:
+            decode = REFERENCE_OUTPUT_TOKENS / self.decode_rows
+            workloads[f"{self.decode_rows} streams"] = {"prefill": prefill, "decode": decode}
+        return workloads
 
     def gemm_shapes(self) -> list[tuple[str, int, int, bool]]:
         """``(name, out_features, in_features, decode_only)`` of each projection."""
@@ -108,23 +138,28 @@ class ModelShapes:
 
 @dataclass
 class TimingCase:
-    """One timed call: ``setup(backend)`` makes the inputs and returns the call."""
+    """One timed call: ``setup(backend)`` makes the inputs and returns the call,
+    which a model step at ``phase`` (ModelShapes.phases) makes ``calls_per_step`` times."""
 
     label: str
     setup: Callable[[Any], Callable[[], Any]]
+    phase: str
+    calls_per_step: int
 
 
 @dataclass
 class KindChoice:
     """How one kind's backend was chosen, for the startup summary and ``/get_server_info``.
-    ``describe()`` gives each timed candidate's score (its time relative to the fastest
-    on each case, geometric mean) and its time as the sum over the cases of one call each."""
+    ``describe()`` gives each timed candidate's score (its time on each reference
+    workload relative to the fastest candidate's, geometric mean) and those times."""
 
     kind: str
     chosen: str
     how: str  # "named", "only candidate", "measured", "cached", "priority"
-    # Per candidate: per case, the median seconds (absent where it was not timed further).
+    # Per candidate: per case, the fastest sample's seconds a call (absent where it was not timed further).
     seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Per candidate: per reference workload (ModelShapes.workloads), its seconds for one request.
+    workload_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
     scores: dict[str, float] = field(default_factory=dict)  # relative to the fastest (1.0)
     notes: dict[str, str] = field(default_factory=dict)  # why a candidate was not timed to the end
 
@@ -134,10 +169,19 @@ class KindChoice:
         figures = ", ".join(
             f"{name} ({self.notes[name]})"
             if name in self.notes
-            else f"{name} {self.scores[name]:.2f}x ({sum(self.seconds[name].values()) * 1e3:.3g} ms)"
+            else f"{name} {self.scores[name]:.2f}x ({self._times(name)})"
             for name in sorted(self.scores, key=self.scores.__getitem__)
         )
         return f"{self.how}: {figures}"
+
+    def _times(self, name: str) -> str:
+        return ", ".join(
+            f"{workload} {_duration(seconds)}" for workload, seconds in self.workload_seconds[name].items()
+        )
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
 # -- the cases -----------------------------------------------------------------
@@ -155,14 +199,13 @@ def timing_cases(kind: str, query: KernelQuery, shapes: ModelShapes, device: tor
     return builders[kind](query, shapes, device)
 
 
-def _rows(shapes: ModelShapes) -> list[tuple[str, int]]:
-    return [("decode", shapes.decode_rows), ("prefill", shapes.prefill_rows)]
-
-
 def _gemm_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -> list[TimingCase]:
     cases = []
     for name, out_features, in_features, decode_only in shapes.gemm_shapes():
-        for phase, rows in _rows(shapes)[:1] if decode_only else _rows(shapes):
+        calls = 1 if name == "lm_head" else shapes.num_layers
+        for phase, rows in shapes.phases():
+            if decode_only and phase == "prefill":
+                continue
 
             def setup(
                 backend: Any, rows: int = rows, out_features: int = out_features, in_features: int = in_features
@@ -179,8 +222,12 @@ def _gemm_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -
                 weights = itertools.cycle([backend.prepare_weight(w.clone()) for _ in range(copies)])
                 return lambda: backend.linear(x, next(weights))
 
-            cases.append(TimingCase(f"{name}/{phase}/m{rows}", setup))
+            cases.append(TimingCase(f"{name}/{phase}/m{rows}", setup, phase, calls))
     return cases
+
+
+def _decode_phases(shapes: ModelShapes) -> list[tuple[str, int]]:
+    return [(phase, rows) for phase, rows in shapes.phases() if phase != "prefill"]
 
 
 def _attention_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -> list[TimingCase]:
@@ -191,32 +238,31 @@ def _attention_cases(query: KernelQuery, shapes: ModelShapes, device: torch.devi
     # decode reads far fewer keys; a cap may take another path).
     features: dict[str, Any] = dict(sliding_window=query.sliding_window, logit_softcap=query.logit_softcap)
     suffix = "".join(f"/{k}{v:g}" for k, v in (("window", query.sliding_window), ("softcap", query.logit_softcap)) if v)
+    heads = (query.page_size, shapes.num_heads, shapes.num_kv_heads, shapes.head_dim)
     steps = [
-        AttentionCase(
-            f"decode/bs{shapes.decode_rows}/ctx{context}{suffix}",
-            "decode",
-            query.page_size,
-            shapes.num_heads,
-            shapes.num_kv_heads,
-            shapes.head_dim,
-            (context - 1,) * shapes.decode_rows,
-            (1,) * shapes.decode_rows,
-            **features,
-        ),
-        AttentionCase(
-            f"extend/t{shapes.prefill_rows}{suffix}",
-            "extend",
-            query.page_size,
-            shapes.num_heads,
-            shapes.num_kv_heads,
-            shapes.head_dim,
-            (0,),
-            (shapes.prefill_rows,),
-            **features,
-        ),
+        (
+            phase,
+            AttentionCase(
+                f"decode/bs{rows}/ctx{context}{suffix}",
+                "decode",
+                *heads,
+                (context - 1,) * rows,
+                (1,) * rows,
+                **features,
+            ),
+        )
+        for phase, rows in _decode_phases(shapes)
     ]
+    steps.append(
+        (
+            "prefill",
+            AttentionCase(
+                f"extend/t{shapes.prefill_rows}{suffix}", "extend", *heads, (0,), (shapes.prefill_rows,), **features
+            ),
+        )
+    )
     cases = []
-    for step in steps:
+    for phase, step in steps:
 
         def setup(backend: Any, step: AttentionCase = step) -> Callable[[], Any]:
             # The pool in the KV cache dtype and the layout the backend reads; q, k, v in the model's dtype.
@@ -230,7 +276,7 @@ def _attention_cases(query: KernelQuery, shapes: ModelShapes, device: torch.devi
 
             return call
 
-        cases.append(TimingCase(step.name, setup))
+        cases.append(TimingCase(step.name, setup, phase, shapes.num_layers))
     return cases
 
 
@@ -244,29 +290,14 @@ def _mla_attention_cases(
     of the latent's up-projection and of the output's ``W_UV`` product."""
     nope = shapes.head_dim - mla.rope_dim
     dims = (mla.kv_lora_rank, nope, mla.rope_dim, nope)
-    context, rows = shapes.decode_context, shapes.decode_rows
+    context, heads = shapes.decode_context, (query.page_size, shapes.num_heads, *dims)
     steps = [
-        MLACase(
-            f"decode/bs{rows}/ctx{context}",
-            "decode",
-            query.page_size,
-            shapes.num_heads,
-            *dims,
-            (context - 1,) * rows,
-            (1,) * rows,
-        ),
-        MLACase(
-            f"extend/t{shapes.prefill_rows}",
-            "extend",
-            query.page_size,
-            shapes.num_heads,
-            *dims,
-            (0,),
-            (shapes.prefill_rows,),
-        ),
+        (phase, MLACase(f"decode/bs{rows}/ctx{context}", "decode", *heads, (context - 1,) * rows, (1,) * rows))
+        for phase, rows in _decode_phases(shapes)
     ]
+    steps.append(("prefill", MLACase(f"extend/t{shapes.prefill_rows}", "extend", *heads, (0,), (shapes.prefill_rows,))))
     cases = []
-    for step in steps:
+    for phase, step in steps:
 
         def setup(backend: Any, step: MLACase = step) -> Callable[[], Any]:
             # The pool in the KV cache dtype; the queries, new entries and weight in the model's dtype.
@@ -282,7 +313,7 @@ def _mla_attention_cases(
 
             return call
 
-        cases.append(TimingCase(step.name, setup))
+        cases.append(TimingCase(step.name, setup, phase, shapes.num_layers))
     return cases
 
 
@@ -292,7 +323,7 @@ def _elementwise_cases(query: KernelQuery, shapes: ModelShapes, device: torch.de
     norm = "gemma_rms_norm" if "gemma_rms_norm" in model_ops else "rms_norm"
     act = "gelu_tanh_and_mul" if "gelu_tanh_and_mul" in model_ops else "silu_and_mul"
     cases = []
-    for phase, rows in _rows(shapes):
+    for phase, rows in shapes.phases():
         ops = [
             ElementwiseCase(f"{norm}/{phase}/m{rows}", norm, rows, hidden=shapes.hidden_size, residual=True),
             ElementwiseCase(
@@ -313,13 +344,15 @@ def _elementwise_cases(query: KernelQuery, shapes: ModelShapes, device: torch.de
                 inputs = make_elementwise_inputs(op, query.dtype, device)
                 return lambda: run_elementwise_case(backend, op, inputs)
 
-            cases.append(TimingCase(op.name, setup))
+            # Two norms a layer (before attention and before the MLP); one rotary and one activation.
+            calls = 2 * shapes.num_layers if op.op == norm else shapes.num_layers
+            cases.append(TimingCase(op.name, setup, phase, calls))
     return cases
 
 
 def _moe_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -> list[TimingCase]:
     cases = []
-    for phase, rows in _rows(shapes):
+    for phase, rows in shapes.phases():
         case = MoECase(
             f"moe/{phase}/m{rows}",
             rows,
@@ -336,7 +369,7 @@ def _moe_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) ->
             )
             return lambda: backend.forward(hidden, logits, w13, w2, routing)
 
-        cases.append(TimingCase(case.name, setup))
+        cases.append(TimingCase(case.name, setup, phase, shapes.num_layers))
     return cases
 
 
@@ -354,21 +387,21 @@ def _lora_out_splits(shapes: ModelShapes) -> dict[str, tuple[int, ...]]:
 
 
 def _lora_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -> list[TimingCase]:
-    """Each projection's adapter update at a decode step whose requests take turns
+    """Each projection's adapter update at decode steps whose requests take turns
     over the slots (a run of one token each, as adapters interleave in a real batch)
     and at a prefill chunk shared by a few requests on slots of their own."""
     assert query.max_lora_rank is not None
     slots = shapes.lora_slots
-    decode = ((1,) * shapes.decode_rows, tuple(i % slots for i in range(shapes.decode_rows)))
+    layouts = {phase: ((1,) * rows, tuple(i % slots for i in range(rows))) for phase, rows in _decode_phases(shapes)}
     requests = min(slots, LORA_PREFILL_REQUESTS, shapes.prefill_rows)
     share, extra = divmod(shapes.prefill_rows, requests)
-    prefill = (tuple(share + 1 if i < extra else share for i in range(requests)), tuple(range(requests)))
+    layouts["prefill"] = (tuple(share + 1 if i < extra else share for i in range(requests)), tuple(range(requests)))
     out_splits = _lora_out_splits(shapes)
     cases = []
     for name, out_features, in_features, _ in shapes.gemm_shapes():
         if name not in out_splits:
             continue
-        for phase, (counts, request_slots) in (("decode", decode), ("prefill", prefill)):
+        for phase, (counts, request_slots) in layouts.items():
             case = LoRACase(
                 f"{name}/{phase}/m{sum(counts)}",
                 counts,
@@ -386,7 +419,7 @@ def _lora_cases(query: KernelQuery, shapes: ModelShapes, device: torch.device) -
                 b.zero_()  # each call then adds nothing: out stays finite over any number of calls
                 return lambda: backend.apply(x, out, a, b, batch, splits)
 
-            cases.append(TimingCase(case.name, setup))
+            cases.append(TimingCase(case.name, setup, phase, shapes.num_layers))
     return cases
 
 
@@ -421,9 +454,15 @@ def time_call(call: Callable[[], Any], synchronize: Callable[[], None], give_up_
 
 
 def measure(
-    kind: str, candidates: list[Candidate], query: KernelQuery, cases: list[TimingCase], synchronize: Callable[[], None]
+    kind: str,
+    candidates: list[Candidate],
+    query: KernelQuery,
+    cases: list[TimingCase],
+    workloads: dict[str, dict[str, float]],
+    synchronize: Callable[[], None],
 ) -> KindChoice:
-    """Time every candidate on every case and choose (see the module docstring)."""
+    """Time every candidate on every case, price ``workloads`` (per workload, the
+    steps of each phase: ModelShapes.workloads) and choose (see the module docstring)."""
     choice = KindChoice(kind, chosen="", how="measured")
     best: dict[str, float] = {}
     for cand in candidates:
@@ -448,16 +487,20 @@ def measure(
                 break
             seconds[case.label] = elapsed
             best[case.label] = min(elapsed, best.get(case.label, math.inf))
+    timed = [c.name for c in candidates if c.name not in choice.notes]
+    for name in timed:
+        seconds = choice.seconds[name]
+        choice.workload_seconds[name] = {
+            workload: sum(steps.get(c.phase, 0.0) * c.calls_per_step * seconds[c.label] for c in cases)
+            for workload, steps in workloads.items()
+        }
+    fastest = {w: min(choice.workload_seconds[name][w] for name in timed) for w in workloads} if timed else {}
     for cand in candidates:
-        seconds = choice.seconds[cand.name]
         if cand.name in choice.notes:
             choice.scores[cand.name] = math.inf
         else:
-            choice.scores[cand.name] = (
-                math.exp(statistics.fmean(math.log(seconds[label] / best[label]) for label in seconds))
-                if seconds
-                else math.inf
-            )
+            times = choice.workload_seconds[cand.name]
+            choice.scores[cand.name] = math.exp(statistics.fmean(math.log(times[w] / fastest[w]) for w in workloads))
     choice.chosen = _winner(candidates, choice.scores)
     return choice
 
@@ -593,7 +636,9 @@ class MeasuredSelection:
         start = time.perf_counter()
         cases = timing_cases(kind, query, self.shapes, self.device)
         with torch.inference_mode(), self.platform.forward_context():
-            choice = measure(kind, usable, query, cases, lambda: self.platform.synchronize(self.device))
+            choice = measure(
+                kind, usable, query, cases, self.shapes.workloads(), lambda: self.platform.synchronize(self.device)
+            )
         choice.how = f"measured in {time.perf_counter() - start:.1f} s"
         self.cache.put(key, choice)
         return choice

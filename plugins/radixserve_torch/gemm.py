@@ -136,11 +136,16 @@ class CpuPackedGemm(GemmBackend):
         return reasons + cpu_kernels.unavailable_reasons()
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        return self._pack(weight, self._narrows)
+
+    def _pack(self, weight: torch.Tensor, narrows: bool) -> torch.Tensor:
+        """``weight`` packed; stored in 16 bits where ``narrows`` and that is exact (a
+        load-time check: weights handed in per call are packed as they are)."""
         out_features, in_features = weight.shape
         group = _GROUP.get(weight.dtype, 0)
         if not group or out_features % 16 or in_features % group:
             return weight
-        if self._narrows:
+        if narrows:
             narrow = exact_16_bit(weight)
             if narrow is not None:  # [N/16, K, 16, 1], as pack_weight lays out float32
                 return narrow.view(out_features // 16, 16, in_features, 1).permute(0, 2, 1, 3).contiguous()
@@ -149,7 +154,7 @@ class CpuPackedGemm(GemmBackend):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if weight.dim() == 2:
-            weight = self.prepare_weight(weight)
+            weight = self._pack(weight, narrows=False)
             if weight.dim() == 2:  # a shape the kernels do not take
                 return F.linear(x, weight, bias)
         if x.dim() != 2:
@@ -168,7 +173,7 @@ class CpuPackedGemm(GemmBackend):
         never written and read back (W2's float32 gate/up and SiLU: 12-20% faster
         in a kernel A/B, docs/benchmarks.md)."""
         if weight.dim() == 2:
-            weight = self.prepare_weight(weight)
+            weight = self._pack(weight, narrows=False)
         if weight.dim() != 4 or weight.shape[0] % 2:  # unpacked, or gate and up not whole strips
             return None
         rows = x.reshape(-1, x.shape[-1])

@@ -35,7 +35,7 @@ from torch import nn
 from radixserve.kernels import GemmBackend, KernelQuery, QuantizationMethod, QuantizedCheckpoint
 from radixserve.kernels.quantization import WeightLoader
 from radixserve.layers.weights import CheckpointTensor
-from radixserve_torch import cpu_kernels
+from radixserve_torch import cpu_isa, cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -390,6 +390,10 @@ class AtenInt4(Int4Kernel):
         return torch._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_and_offsets)
 
 
+# What csrc/cpu_int4.cpp's kernels of an activation dtype need the build target to have.
+_INT4_NEEDED_FLAGS = {torch.bfloat16: frozenset({"avx512_bf16"}), torch.float32: frozenset({"avx2", "fma", "f16c"})}
+
+
 class NibbleStrips(Int4Kernel):
     """radixserve's own int4 kernel (csrc/cpu_int4.cpp, AVX512-BF16), which streams the
     nibbles in strips of 16 output columns: ``packed`` ``[out/16, in/8, 64]`` uint8,
@@ -407,6 +411,10 @@ class NibbleStrips(Int4Kernel):
     @classmethod
     def serves(cls, shape: torch.Size, group: int) -> bool:
         if shape[0] % 16 or group % cls.inputs_a_chunk:
+            return False
+        # What the build target lacks, no build has: the library is not compiled to learn it.
+        target = cpu_isa.build_target()
+        if target is None or not _INT4_NEEDED_FLAGS[cls.dtype] <= target.features:
             return False
         try:
             cpu_kernels.load()

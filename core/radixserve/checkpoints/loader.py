@@ -255,6 +255,7 @@ def model_timing_shapes(
         num_experts=query.num_experts or 0,
         top_k=query.top_k or 0,
         moe_intermediate_size=facts.moe_intermediate_size // tp_size,
+        num_layers=config.num_hidden_layers,
     )
 
 

@@ -94,6 +94,39 @@ int strips_of_group(const T* wp, const B* bias, int64_t first, int64_t cols, int
   return GATED ? 2 * n : n;
 }
 
+// One thread's group of strips: the tile's strips w with their biases b (ns of them),
+// the strips the thread's next group will read (next_strips of them: prefetched to L2
+// while this group's are reused), and the group's first output column.
+template <typename T, typename B>
+struct StripGroup {
+  const T* w[kTileStrips];
+  const B* b[kTileStrips];
+  const T* next[kTileStrips];
+  int ns, next_strips;
+  int64_t first_col;
+};
+
+// Splits the packed weight's output columns into groups of up to kTileStrips strips (gated:
+// half as many gate strips, each with its up strip), spreads the groups over the threads
+// and calls body(group) for each, in order within a thread.
+template <typename T, typename B, bool GATED, typename Body>
+void for_each_group(const T* wp, const B* bias, int64_t strips, int64_t strip_stride, const Body& body) {
+  const int64_t cols = GATED ? strips / 2 : strips;  // strips that give output columns
+  const int64_t per_group = GATED ? kTileStrips / 2 : kTileStrips;
+  const int64_t groups = (cols + per_group - 1) / per_group;
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      StripGroup<T, B> group;
+      group.ns = strips_of_group<T, B, GATED>(wp, bias, g * per_group, cols, strip_stride, group.w, group.b);
+      group.next_strips = g + 1 < g1 ? strips_of_group<T, B, GATED>(wp, nullptr, (g + 1) * per_group, cols,
+                                                                    strip_stride, group.next, nullptr)
+                                     : 0;
+      group.first_col = g * per_group * kStripCols;
+      body(group);
+    }
+  });
+}
+
 #if defined(__AVX512F__)
 
 struct Float32 {
@@ -204,25 +237,13 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const typename E
   const auto* wp = reinterpret_cast<const T*>(packed.data_ptr());
   auto* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t lda = x.stride(0), ldc = out.stride(0), strip_stride = steps * E::kGroup * kStripCols;
-  const int64_t cols = GATED ? strips / 2 : strips;  // strips that give output columns
-  const int64_t per_group = GATED ? kTileStrips / 2 : kTileStrips;
-  const int64_t groups = (cols + per_group - 1) / per_group;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const T* w[kTileStrips];
-      const T* b[kTileStrips];
-      const T* next[kTileStrips];
-      const int ns = strips_of_group<T, T, GATED>(wp, bias, g * per_group, cols, strip_stride, w, b);
-      const int next_strips = g + 1 < g1 ? strips_of_group<T, T, GATED>(wp, nullptr, (g + 1) * per_group, cols,
-                                                                         strip_stride, next, nullptr)
-                                         : 0;
-      for (int64_t r0 = 0, t = 0; r0 < m; r0 += kTileRows, ++t) {
-        const int nr = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
-        // While this group's weight is reused from L2, tile t pulls strip t of the next group there.
-        const T* prefetch = t < next_strips ? next[t] : w[0];
-        tile_for<E, GATED>(nr, ns)(xp + r0 * lda, lda, w, steps, b, op + r0 * ldc + g * per_group * kStripCols, ldc,
-                                   prefetch);
-      }
+  for_each_group<T, T, GATED>(wp, bias, strips, strip_stride, [&](const StripGroup<T, T>& group) {
+    for (int64_t r0 = 0, t = 0; r0 < m; r0 += kTileRows, ++t) {
+      const int nr = static_cast<int>(std::min<int64_t>(kTileRows, m - r0));
+      // While this group's weight is reused from L2, tile t pulls strip t of the next group there.
+      const T* prefetch = t < group.next_strips ? group.next[t] : group.w[0];
+      tile_for<E, GATED>(nr, group.ns)(xp + r0 * lda, lda, group.w, steps, group.b, op + r0 * ldc + group.first_col,
+                                       ldc, prefetch);
     }
   });
 }
@@ -372,32 +393,20 @@ void linear_avx2(const at::Tensor& x, const at::Tensor& packed, const float* bia
   const auto* wp = reinterpret_cast<const T*>(packed.data_ptr());
   float* op = out.data_ptr<float>();
   const int64_t lda = x.stride(0), ldc = out.stride(0), strip_stride = steps * kStripCols;
-  const int64_t cols = GATED ? strips / 2 : strips;
-  const int64_t per_group = GATED ? kTileStrips / 2 : kTileStrips;
-  const int64_t groups = (cols + per_group - 1) / per_group;
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<float> widened;  // this thread's float32 copy of a group's strips
-    for (int64_t g = g0; g < g1; ++g) {
-      const T* w[kTileStrips];
-      const float* b[kTileStrips];
-      const T* next[kTileStrips];
-      const int ns = strips_of_group<T, float, GATED>(wp, bias, g * per_group, cols, strip_stride, w, b);
-      const int next_strips = g + 1 < g1 ? strips_of_group<T, float, GATED>(wp, nullptr, (g + 1) * per_group, cols,
-                                                                             strip_stride, next, nullptr)
-                                         : 0;
-      float* o = op + g * per_group * kStripCols;
-      if (kNarrow && m >= kWidenRows) {
-        widened.resize(ns * strip_stride);
-        const float* fw[kTileStrips];
-        for (int s = 0; s < ns; ++s) {
-          float* dst = widened.data() + s * strip_stride;
-          for (int64_t i = 0; i < strip_stride; i += 8) _mm256_storeu_ps(dst + i, W::load8(w[s] + i));
-          fw[s] = dst;
-        }
-        group_avx2<WeightsFloat32, GATED>(xp, lda, m, fw, b, ns, steps, fw, 0, o, ldc);
-      } else {
-        group_avx2<W, GATED>(xp, lda, m, w, b, ns, steps, next, next_strips, o, ldc);
+  for_each_group<T, float, GATED>(wp, bias, strips, strip_stride, [&](const StripGroup<T, float>& group) {
+    float* o = op + group.first_col;
+    if (kNarrow && m >= kWidenRows) {
+      thread_local std::vector<float> widened;  // this thread's float32 copy of a group's strips
+      widened.resize(group.ns * strip_stride);
+      const float* fw[kTileStrips];
+      for (int s = 0; s < group.ns; ++s) {
+        float* dst = widened.data() + s * strip_stride;
+        for (int64_t i = 0; i < strip_stride; i += 8) _mm256_storeu_ps(dst + i, W::load8(group.w[s] + i));
+        fw[s] = dst;
       }
+      group_avx2<WeightsFloat32, GATED>(xp, lda, m, fw, group.b, group.ns, steps, fw, 0, o, ldc);
+    } else {
+      group_avx2<W, GATED>(xp, lda, m, group.w, group.b, group.ns, steps, group.next, group.next_strips, o, ldc);
     }
   });
 }
