@@ -278,6 +278,39 @@ def test_the_score_weighs_each_case_by_the_time_a_workload_spends_in_it(tmp_path
     assert "steady_gemm 1.00x (1 stream" in choice.describe()
 
 
+class BurstHitGemm(CountingGemm):
+    """As fast as FastGemm, but its first 30 calls of one row on the o_proj shape take
+    2 ms each: as if a burst of load covered all its samples of that case."""
+
+    name = "burst_hit_gemm"
+    priority = 40
+    slow_calls = 0
+
+    def linear(self, x, weight, bias=None):
+        o_proj = weight.shape == (SHAPES.hidden_size, SHAPES.num_heads * SHAPES.head_dim)
+        if x.shape[0] == 1 and o_proj and BurstHitGemm.slow_calls < 30:
+            BurstHitGemm.slow_calls += 1
+            time.sleep(0.002)
+        return super().linear(x, weight, bias)
+
+
+def test_a_case_read_slow_is_timed_again_and_the_faster_reading_counts(tmp_path):
+    class Plugin:
+        @hookimpl
+        def register_gemm_backends(self, register):
+            register(FastGemm)
+            register(BurstHitGemm)
+
+    registry = PluginRegistry(load_entry_points=False)
+    registry.register_plugin(Plugin(), "burst-gemm")
+    chooser = selection(registry, tmp_path)
+    chooser.select("gemm", QUERY)
+    seconds = chooser.choices["gemm"].seconds
+    assert BurstHitGemm.slow_calls == 30  # the first timing of the case saw only slow calls (25 at most)
+    assert seconds["burst_hit_gemm"]["o_proj/single/m1"] < 0.001  # the second look's reading counts
+    assert chooser.choices["gemm"].scores["burst_hit_gemm"] < 1.5
+
+
 class PrefillFailsGemm(CountingGemm):
     """Claims the query, then raises on the prefill chunk's rows."""
 

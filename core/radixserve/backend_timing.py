@@ -74,6 +74,8 @@ TIE_MARGIN = 0.03  # scores within 3% of the best are a tie: priority decides
 # Per case: at least 3 samples of at least 0.5 ms each, more while under 50 ms in all.
 MIN_SAMPLES, MAX_SAMPLES, SAMPLE_SECONDS, MIN_SECONDS = 3, 25, 5e-4, 0.05
 # A candidate whose single call takes 20x the best's, and over 50 ms, is not timed further.
+# One timed at over 1.5x the best on a case is timed on it again (_second_look).
+SECOND_LOOK_FACTOR = 1.5
 GIVE_UP_FACTOR, GIVE_UP_FLOOR_SECONDS = 20.0, 0.05
 # A GEMM case cycles through copies of its weight totalling this much (at most 64
 # copies), more than a CPU's last-level cache, as the layers of a model step do.
@@ -465,11 +467,12 @@ def measure(
     steps of each phase: ModelShapes.workloads) and choose (see the module docstring)."""
     choice = KindChoice(kind, chosen="", how="measured")
     best: dict[str, float] = {}
+    backends: dict[str, Any] = {}
     for cand in candidates:
         seconds: dict[str, float] = {}
         choice.seconds[cand.name] = seconds
         try:
-            backend = cand.cls(query)
+            backend = backends[cand.name] = cand.cls(query)
         except Exception as exc:  # it said it supports the query, then could not be made: not a candidate
             choice.notes[cand.name] = f"failed to construct: {type(exc).__name__}: {exc}"
             logger.warning("%s backend %s failed to construct: %s", kind, cand.name, exc)
@@ -488,6 +491,7 @@ def measure(
             seconds[case.label] = elapsed
             best[case.label] = min(elapsed, best.get(case.label, math.inf))
     timed = [c.name for c in candidates if c.name not in choice.notes]
+    _second_look(cases, {name: backends[name] for name in timed}, choice.seconds, best, synchronize)
     for name in timed:
         seconds = choice.seconds[name]
         choice.workload_seconds[name] = {
@@ -503,6 +507,26 @@ def measure(
             choice.scores[cand.name] = math.exp(statistics.fmean(math.log(times[w] / fastest[w]) for w in workloads))
     choice.chosen = _winner(candidates, choice.scores)
     return choice
+
+
+def _second_look(
+    cases: list[TimingCase],
+    backends: dict[str, Any],
+    seconds: dict[str, dict[str, float]],
+    best: dict[str, float],
+    synchronize: Callable[[], None],
+) -> None:
+    """A timer on a shared machine only ever reads too slow, and a burst of load (a
+    process starting beside this one: the server's own, at startup) can cover every
+    sample of a case, as a call whose threads wait for a preempted one takes a whole
+    time slice. Each case a candidate was timed on at over ``SECOND_LOOK_FACTOR`` x the
+    fastest is timed again, after all the others; the faster reading counts."""
+    for name, backend in backends.items():
+        for case in cases:
+            if seconds[name][case.label] > SECOND_LOOK_FACTOR * best[case.label]:
+                again, _ = time_call(case.setup(backend), synchronize, math.inf)
+                seconds[name][case.label] = min(seconds[name][case.label], again)
+                best[case.label] = min(best[case.label], again)
 
 
 def _winner(candidates: list[Candidate], scores: dict[str, float]) -> str:
