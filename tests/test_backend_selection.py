@@ -78,18 +78,23 @@ class HiddenGemm(CountingGemm):
     priority = -1
 
 
-class FakeGemmPlugin:
-    @hookimpl
-    def register_gemm_backends(self, register):
-        for cls in (SlowGemm, FastGemm, BrokenBuildGemm, HiddenGemm):
-            register(cls)
+def gemm_registry(*backends: type[GemmBackend]) -> PluginRegistry:
+    """A registry of these GEMM backends alone."""
+
+    class Plugin:
+        @hookimpl
+        def register_gemm_backends(self, register):
+            for cls in backends:
+                register(cls)
+
+    registry = PluginRegistry(load_entry_points=False)
+    registry.register_plugin(Plugin(), "test-gemm")
+    return registry
 
 
 @pytest.fixture
 def registry() -> PluginRegistry:
-    registry = PluginRegistry(load_entry_points=False)
-    registry.register_plugin(FakeGemmPlugin(), "fake-gemm")
-    return registry
+    return gemm_registry(SlowGemm, FastGemm, BrokenBuildGemm, HiddenGemm)
 
 
 def selection(registry: PluginRegistry, cache_dir, **kw) -> MeasuredSelection:
@@ -240,14 +245,7 @@ def test_the_score_weighs_each_case_by_the_time_a_workload_spends_in_it(tmp_path
     user waits for, and on both reference workloads its prefill chunks cost the
     sprinter far more than the steady backend's one-row steps: the steady one wins."""
 
-    class Plugin:
-        @hookimpl
-        def register_gemm_backends(self, register):
-            register(OneRowSprinterGemm)
-            register(SteadyGemm)
-
-    registry = PluginRegistry(load_entry_points=False)
-    registry.register_plugin(Plugin(), "workload-gemm")
+    registry = gemm_registry(OneRowSprinterGemm, SteadyGemm)
     shapes = dataclasses.replace(SHAPES, num_layers=2)
     chooser = MeasuredSelection(registry, CpuPlatform(), 0, shapes, cache=TimingCache(tmp_path))
     assert chooser.select("gemm", QUERY) is SteadyGemm
@@ -295,14 +293,7 @@ class BurstHitGemm(CountingGemm):
 
 
 def test_a_case_read_slow_is_timed_again_and_the_faster_reading_counts(tmp_path):
-    class Plugin:
-        @hookimpl
-        def register_gemm_backends(self, register):
-            register(FastGemm)
-            register(BurstHitGemm)
-
-    registry = PluginRegistry(load_entry_points=False)
-    registry.register_plugin(Plugin(), "burst-gemm")
+    registry = gemm_registry(FastGemm, BurstHitGemm)
     chooser = selection(registry, tmp_path)
     chooser.select("gemm", QUERY)
     seconds = chooser.choices["gemm"].seconds
@@ -324,14 +315,7 @@ class PrefillFailsGemm(CountingGemm):
 
 
 def test_a_backend_that_fails_on_the_shapes_is_dropped_with_the_reason(tmp_path, caplog):
-    class Plugin:
-        @hookimpl
-        def register_gemm_backends(self, register):
-            register(PrefillFailsGemm)
-            register(FastGemm)
-
-    registry = PluginRegistry(load_entry_points=False)
-    registry.register_plugin(Plugin(), "failing-gemm")
+    registry = gemm_registry(PrefillFailsGemm, FastGemm)
     chooser = selection(registry, tmp_path)
     with caplog.at_level("WARNING", logger="radixserve.backend_timing"):
         assert chooser.select("gemm", QUERY) is FastGemm
