@@ -160,6 +160,20 @@ def test_attention_features_are_timed_by_attention_alone(registry, tmp_path):
     assert "torch_native" in timed.seconds and "torch_varlen" in timed.seconds
 
 
+def test_fields_a_kinds_timing_does_not_read_do_not_make_another_measurement(registry, tmp_path):
+    """The same model with another KV page size and cache dtype, from a quantized file:
+    the GEMM timing (dense weights of the model's dtype) is read from the cache; a
+    16-bit checkpoint served wider (its weights drawn in that type) is timed again."""
+    selection(registry, tmp_path).select("gemm", QUERY)
+    other = dataclasses.replace(QUERY, page_size=16, kv_dtype=torch.float16, quantization="gptq", max_lora_rank=8)
+    again = selection(registry, tmp_path)
+    assert again.select("gemm", other) is FastGemm and again.choices["gemm"].how.startswith("cached")
+    wider = selection(registry, tmp_path)
+    wider.select("gemm", dataclasses.replace(QUERY, weight_dtype=torch.bfloat16))
+    assert wider.choices["gemm"].how.startswith("measured")
+    assert len(list(tmp_path.glob("*.json"))) == 2
+
+
 def test_a_corrupt_cache_entry_is_measured_again(registry, tmp_path):
     selection(registry, tmp_path).select("gemm", QUERY)
     (path,) = tmp_path.glob("*.json")

@@ -43,7 +43,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -669,18 +669,36 @@ class MeasuredSelection:
 
     def _key(self, kind: str, query: KernelQuery, usable: list[Candidate]) -> dict[str, Any]:
         plugins = self.registry.plugins
-        if kind != "attention":  # a window or a cap is timed by attention alone
-            query = replace(query, sliding_window=None, logit_softcap=None)
-        if kind != "lora":  # serving adapters changes no other kind's kernels
-            query = replace(query, max_lora_rank=None)
         return {
             "kind": kind,
             "machine": self.platform.timing_fingerprint(self.device_index),
-            "query": query.describe(),
+            "query": timed_query(kind, query).describe(),
             "shapes": asdict(self.shapes),
             "candidates": {c.name: f"{c.plugin} {plugins[c.plugin].version or __version__}" for c in usable},
             "versions": {"radixserve": __version__, "torch": torch.__version__},
         }
+
+
+# The fields of a KernelQuery beyond the device, dtype and heads that a kind's timing
+# depends on (its cases read them, or its candidates' kernels may differ by them).
+# The others are left out of its cache key: the same model served with another KV
+# page size or from another quantized file times no GEMM again.
+TIMED_QUERY_FIELDS = {
+    "gemm": {"weight_dtype"},
+    "attention": {"page_size", "kv_dtype", "sliding_window", "logit_softcap", "mla"},
+    "elementwise": {"elementwise_ops"},
+    "moe": {"num_experts", "top_k", "quantization", "quantized_checkpoint"},
+    "lora": {"max_lora_rank"},
+}
+_QUERY_BASICS = {"device", "dtype", "head_dim", "num_heads", "num_kv_heads"}
+
+
+def timed_query(kind: str, query: KernelQuery) -> KernelQuery:
+    """``query`` with the fields that ``kind``'s timing does not depend on at their defaults."""
+    ignored: dict[str, Any] = {
+        f.name: f.default for f in fields(query) if f.name not in _QUERY_BASICS | TIMED_QUERY_FIELDS[kind]
+    }
+    return replace(query, **ignored)
 
 
 class AgreedSelection:
