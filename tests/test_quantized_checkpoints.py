@@ -17,8 +17,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from helpers_models import Reference, check_greedy_matches_hf, hf_reference, teacher_forced_agreement
+from generation_utils import hf_greedy
+from helpers_models import LOGPROB_TOL, Reference, check_greedy_matches_hf, hf_reference, teacher_forced_agreement
 from helpers_server import ServerProcess
+from helpers_tp import MAX_NEW_TOKENS, RankPool, run_ranks, script
 from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
@@ -81,27 +83,46 @@ def assert_served_greedy_tokens(server: ServerProcess, hf: Reference) -> None:
         assert answer.json()["output_ids"] == want
 
 
+# Formats served at --tp-size 2: (architecture, write_quantized's arguments).
 TP_FORMATS = {
-    "gptq": dict(method="gptq"),
-    "awq": dict(method="awq"),
-    "compressed-tensors": dict(method="compressed-tensors"),
-    "compressed-tensors-w8a16-channel": dict(method="compressed-tensors", bits=8, group=-1, sym=True),
-    "fp8_block": dict(method="fp8_block"),
+    "gptq": ("llama", dict(method="gptq")),
+    "awq": ("llama", dict(method="awq")),
+    "compressed-tensors": ("llama", dict(method="compressed-tensors")),
+    "compressed-tensors-w8a16-channel": ("llama", dict(method="compressed-tensors", bits=8, group=-1, sym=True)),
+    "fp8_block": ("llama", dict(method="fp8_block")),
+    "mixtral-gptq": ("mixtral", dict(method="gptq")),
 }
 
 
-@pytest.mark.parametrize("name", list(TP_FORMATS))
-def test_two_tensor_parallel_ranks_give_the_same_greedy_tokens(name, tiny_llama_dir, tmp_path):
-    """A server at --tp-size 2 (two ranks over gloo, each loading its slices of the packed
-    tensors: fused q/k/v and gate/up split by rows, o and down by input groups; one group
-    a row, by channel, replicated on both) answers with HF's greedy tokens on the
-    dequantized weights."""
-    out, reference_dir = tmp_path / "q", tmp_path / "r"
-    write_quantized(tiny_llama_dir, out, reference_dir, **TP_FORMATS[name])
-    hf = hf_reference(reference_dir, [9, 21], new_tokens=16)
-    with ServerProcess("--model", str(out), "--tp-size", "2", "--skip-server-warmup") as server:
-        server.wait_ready()
-        assert_served_greedy_tokens(server, hf)
+def test_two_tensor_parallel_ranks_give_hfs_greedy_tokens(tiny_llama_dir, tiny_model_factory, tmp_path):
+    """Every format at tp 2 (two rank processes over gloo, each loading its slices of the
+    packed tensors: fused q/k/v and gate/up split by rows, o and down by input groups;
+    one group a row, by channel, replicated on both; a quantized Mixtral's experts each
+    sliced, dequantized whole at load), under the tensor-parallel tests' load (queueing,
+    chunked prefill, radix cache hits, aborts): both ranks answer alike, and every greedy
+    request that ran to its end has HF's greedy tokens on the dequantized weights."""
+    checkpoints = {}
+    for name, (arch, spec) in TP_FORMATS.items():
+        base = tiny_llama_dir if arch == "llama" else tiny_model_factory(arch=arch)
+        out, reference_dir = tmp_path / name / "q", tmp_path / name / "r"
+        write_quantized(base, out, reference_dir, **spec)
+        checkpoints[out] = reference_dir
+    pool = RankPool(2)
+    try:
+        ranks = run_ranks(pool, list(checkpoints), 2)
+    finally:
+        pool.close()
+    for out, reference_dir in checkpoints.items():
+        first, second = (rank[str(out)] for rank in ranks)
+        prompts = {req.rid: req.input_ids for _, req in script(load_config(out).vocab_size)}
+        finished = [rid for rid, r in first.items() if rid.startswith("g") and r.finish == "length"]
+        assert len(finished) >= 4, (out, {rid: r.finish for rid, r in first.items()})
+        for rid in finished:
+            assert second[rid].output_ids == first[rid].output_ids, (out, rid)
+            want_ids, want_logprobs = hf_greedy(reference_dir, prompts[rid], MAX_NEW_TOKENS)
+            assert first[rid].output_ids == want_ids, (out, rid)
+            worst = max(abs(a - b) for a, b in zip(first[rid].logprobs, want_logprobs, strict=True))
+            assert worst < LOGPROB_TOL, (out, rid, worst)
 
 
 def test_the_method_comes_from_the_checkpoint(quantized):
@@ -384,17 +405,6 @@ def test_a_quantized_moe_gives_hfs_greedy_tokens_on_the_dequantized_weights(name
     check_greedy_matches_hf(Reference(out, hf.prompts, hf.new_tokens, hf.hf), "radix-cache")
 
 
-def test_a_quantized_moe_under_two_tensor_parallel_ranks(tiny_model_factory, tmp_path):
-    """GPTQ Mixtral at --tp-size 2: each rank slices its share of every expert, dequantized
-    whole at load; HF's greedy tokens on the dequantized weights."""
-    out, reference_dir = tmp_path / "q", tmp_path / "r"
-    write_quantized(tiny_model_factory(arch="mixtral"), out, reference_dir, "gptq")
-    hf = hf_reference(reference_dir, [9, 21], new_tokens=16)
-    with ServerProcess("--model", str(out), "--tp-size", "2", "--skip-server-warmup") as server:
-        server.wait_ready()
-        assert_served_greedy_tokens(server, hf)
-
-
 def test_act_order_is_refused_where_tensor_parallelism_splits_a_layers_inputs():
     scheme = QuantizedCheckpoint("gptq", 4, 32, symmetric=False, desc_act=True, zero_offset=1)
     query = KernelQuery(device="cpu", dtype=torch.float32, quantization="gptq", quantized_checkpoint=scheme)
@@ -459,7 +469,8 @@ def test_a_gguf_file_gives_the_greedy_tokens_hf_reads_from_it(linear_type, reque
     """``--model FILE.gguf --tokenizer-path DIR``: the file as llama.cpp's converter writes
     it (q and k rows permuted, projections quantized by the gguf package, or packed as
     k-quants; ``Q4_K_M``: Q4_K and Q6_K mixed as llama.cpp's recipe mixes them, the
-    embeddings Q4_K and the head Q6_K); HF transformers reading the same file
+    embeddings Q4_K; the head typed as llama.cpp's quantizer types it, here Q8_0 but for
+    Q4_K_M's Q6_K and F16's F16, and served quantized); HF transformers reading the same file
     (dequantizing it) is the reference."""
     from transformers import AutoModelForCausalLM
 
@@ -530,6 +541,53 @@ def test_the_int4_kernels_compute_k_quant_layers_read_at_16(kernel):
     got = kernel.pack(blocks["qweight"], zeros, scales, 32).matmul(x).float()
     want = x.float() @ dequantized.t()
     assert torch.allclose(got, want, atol=0.05, rtol=0.02), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q8_0"])
+def test_a_quantized_output_head_serves_each_ranks_vocabulary_rows_from_the_files_integers(kind):
+    """llama.cpp's quantizer stores the output head Q6_K (Q8_0 in a Q8_0 file): the gguf
+    method loads it as stored, each tensor-parallel rank its rows of the vocabulary (the
+    last rank's padded with zero rows), and each rank's logits are those of the head the
+    gguf package dequantizes."""
+    import dataclasses
+
+    import gguf
+
+    from radixserve.checkpoints.gguf import BLOCK_TYPES, read_blocks
+    from radixserve.layers import ParallelLMHead
+    from radixserve.testing.quantized_checkpoints import quantize_gguf
+
+    vocab, hidden = 301, 256
+    data = quantize_gguf(torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(3)) * 0.1, kind)
+    dense = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]).copy()).float()
+    blocks = read_blocks(data, kind, 16)
+    scheme = dataclasses.replace(scheme_of("gguf", BLOCK_TYPES[kind][0], 16), lm_head=True)
+    x = torch.randn(3, hidden, generator=torch.Generator().manual_seed(4))
+    logits = []
+    for rank in range(2):
+        query, cpu = _query(scheme, torch.float32), torch.device("cpu")
+        ctx = ModelContext.create(get_registry(), query, cpu, quantization="gguf", tp_rank=rank, tp_size=2)
+        head = ParallelLMHead(vocab, hidden, ctx)
+        params = dict(head.named_parameters())
+        assert sorted(params) == ["qweight", "qzeros", "scales"]  # the file's tensors, no float weight
+        for name, param in params.items():
+            param.weight_loader(param, blocks[name])  # type: ignore[attr-defined]
+        head.process_weights_after_loading()
+        logits.append(head.quant.apply(head, x, None))
+    got = torch.cat(logits, -1)
+    assert got.shape == (3, 302) and torch.equal(got[:, vocab:], torch.zeros(3, 1))
+    want = x.double() @ dense.double().t()
+    assert torch.allclose(got[:, :vocab].double(), want, atol=1e-4, rtol=1e-4), (got[:, :vocab] - want).abs().max()
+
+
+def test_a_quantized_head_is_not_tied_to_the_embeddings():
+    from radixserve.layers import ParallelLMHead, VocabParallelEmbedding
+
+    scheme = QuantizedCheckpoint("gguf", 8, 32, symmetric=False, lm_head=True)
+    ctx = ModelContext.create(get_registry(), _query(scheme, torch.float32), torch.device("cpu"), quantization="gguf")
+    head = ParallelLMHead(64, 32, ctx)
+    with pytest.raises(ValueError, match="lm_head_type"):
+        head.tie_to(VocabParallelEmbedding(64, 32, ctx))
 
 
 def test_without_a_tokenizer_path_the_files_own_tokenizer_serves(tiny_llama_dir, tmp_path):

@@ -8,7 +8,10 @@ HF config transformers derives from the file's metadata (plus a
 share), the tokenizer, and ``gguf.json`` pointing at the file. ``iterate_gguf_weights``
 then gives its tensors under HF names: the projections as they are quantized
 (``qweight``, one integer a byte, float ``qzeros`` and ``scales``, out-major: the
-``gguf`` quantization method loads them), every other tensor dequantized to float32;
+``gguf`` quantization method loads them), and the output head so too where its type is
+one of them (llama.cpp's quantizer gives it ``Q6_K``, or ``Q8_0`` in a ``Q8_0`` file: a
+third of a small model's bytes, which float32 would make 4-5x larger), every other
+tensor dequantized to float32;
 q_proj and k_proj rows back in HF's order (llama.cpp's converter permutes them for its
 rotary).
 
@@ -66,7 +69,7 @@ LAYER_NAMES = {
 }
 TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-MATERIALIZED_VERSION = 2  # part of a materialized directory's key: a new layout is written anew
+MATERIALIZED_VERSION = 3  # part of a materialized directory's key: a new layout is written anew
 
 
 def is_gguf_file(model_path: str) -> bool:
@@ -129,16 +132,30 @@ def linear_types(reader: Any) -> list[str]:
     )
 
 
-def quantization_config(types: list[str]) -> dict[str, Any] | None:
-    """config.json's ``quantization_config`` for projections of ``types`` (None: float)."""
+def head_type(reader: Any) -> str | None:
+    """The GGUF type of the output head where it is a block type served (then loaded
+    quantized); None where the file has no head of its own (tied to the embeddings) or
+    stores it otherwise (dequantized at load, as the other tensors)."""
+    kind = next((t.tensor_type.name for t in reader.tensors if t.name == "output.weight"), None)
+    return kind if kind in BLOCK_TYPES else None
+
+
+def quantization_config(types: list[str], lm_head_type: str | None = None) -> dict[str, Any] | None:
+    """config.json's ``quantization_config`` for projections of ``types`` and a head of
+    ``lm_head_type`` (None: float). Float projections leave the whole model float: a
+    quantized head among them is dequantized."""
     if set(types) <= set(FLOAT_TYPES):
         return None
-    return {
+    stored = [*types, lm_head_type] if lm_head_type is not None else types
+    config: dict[str, Any] = {
         "quant_method": "gguf",
         "linear_types": types,
-        "bits": max(BLOCK_TYPES[t][0] for t in types),
-        "group_size": min(BLOCK_TYPES[t][1] for t in types),
+        "bits": max(BLOCK_TYPES[t][0] for t in stored),
+        "group_size": min(BLOCK_TYPES[t][1] for t in stored),
     }
+    if lm_head_type is not None:
+        config["lm_head_type"] = lm_head_type
+    return config
 
 
 def materialize(gguf_file: str, tokenizer_path: str | None, cache_root: Path) -> Path:
@@ -160,7 +177,7 @@ def materialize(gguf_file: str, tokenizer_path: str | None, cache_root: Path) ->
         raise ValueError(
             f"model_path: GGUF architecture {architecture!r} is not served; served: {', '.join(ARCHITECTURES)}"
         )
-    quantized = quantization_config(linear_types(reader))
+    quantized = quantization_config(linear_types(reader), head_type(reader))
     building = target.with_name(target.name + f".building-{os.getpid()}")
     shutil.rmtree(building, ignore_errors=True)
     building.mkdir(parents=True)
@@ -199,12 +216,14 @@ def iterate_gguf_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Ten
 
     info = json.loads((Path(model_dir) / GGUF_INFO).read_text())
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    group = (config.get("quantization_config") or {}).get("group_size")
+    quantized = config.get("quantization_config") or {}
+    group = quantized.get("group_size")
+    blocks_read = set(PROJECTIONS) | ({"output"} if "lm_head_type" in quantized else set())
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     for tensor in _reader(info["file"]).tensors:
         name, kind = hf_name(tensor.name), tensor.name.rsplit(".", 2)[-2]
         permuted = heads.get(kind) if name.endswith(".weight") else None
-        if group is not None and kind in PROJECTIONS and name.endswith(".weight"):
+        if group is not None and kind in blocks_read and name.endswith(".weight"):
             module = name.removesuffix(".weight")
             blocks = read_blocks(tensor.data, tensor.tensor_type.name, group)
             parts = {f"{module}.{part}": value for part, value in blocks.items()}

@@ -183,7 +183,8 @@ def _fp8(fields: Fields) -> QuantizedCheckpoint:
 def _gguf(fields: Fields) -> QuantizedCheckpoint:
     """A GGUF file's projections (checkpoints/gguf.py writes this config): their GGUF
     types, the most bits of any, the group size they are read at; zero points of any
-    value (the types with a minimum have fractional ones)."""
+    value (the types with a minimum have fractional ones); the output head's type where
+    it is stored quantized too."""
     from radixserve.checkpoints.gguf import BLOCK_TYPES
 
     types = fields.get("linear_types") or []
@@ -192,7 +193,11 @@ def _gguf(fields: Fields) -> QuantizedCheckpoint:
         raise ValueError(
             f"quantization_config.linear_types: GGUF {unknown or types} not served; served: {', '.join(BLOCK_TYPES)}"
         )
-    return QuantizedCheckpoint("gguf", int(fields["bits"]), int(fields["group_size"]), symmetric=False)
+    head = fields.get("lm_head_type")
+    if head is not None and head not in BLOCK_TYPES:
+        raise ValueError(f"quantization_config.lm_head_type: GGUF {head} not served; served: {', '.join(BLOCK_TYPES)}")
+    bits, group = int(fields["bits"]), int(fields["group_size"])
+    return QuantizedCheckpoint("gguf", bits, group, symmetric=False, lm_head=head is not None)
 
 
 # quant_method -> how its quantization_config reads

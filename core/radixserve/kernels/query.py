@@ -28,6 +28,7 @@ class QuantizedCheckpoint:
     zero_offset: int = 0  # added to each stored zero point (GPTQ's own format stores it less one)
     weight_type: str = "int"  # "int" or "float" (float8 e4m3)
     activations: str | None = None  # None (weight-only), "token" (dynamic) or "tensor" (static scale)
+    lm_head: bool = False  # the LM head is stored quantized too (GGUF files), else in floats
 
 
 @dataclass(frozen=True)

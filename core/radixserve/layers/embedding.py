@@ -62,6 +62,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     head keeps a prepared copy of its own (``prepared_weight``, a buffer): one
     table more in memory, where the backend would otherwise prepare the dense
     table again at every step (a quarter of a small model's step on the CPU).
+
+    A checkpoint that stores the head quantized (``QuantizedCheckpoint.lm_head``: GGUF
+    files) has it loaded, stored and applied by the quantization method (``quant``), as
+    a column-parallel linear layer of the vocabulary's rows.
     """
 
     tied = False
@@ -70,21 +74,35 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, ctx: ModelContext):
         super().__init__(vocab_size, hidden_size, ctx)
         self.register_buffer("prepared_weight", None, persistent=False)
+        scheme = ctx.quant.query.quantized_checkpoint
+        self.quant = ctx.quant if scheme is not None and scheme.lm_head else None
+        if self.quant is not None:
+            del self.weight  # the method's tensors hold it, each row-sharded by weight_loader
+            self.quant.create_weights(self, hidden_size, self.rows_per_rank, ctx.dtype, self.weight_loader)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.prepared_weight if self.prepared_weight is not None else self.weight
-        logits = self.ctx.gemm.linear(hidden, weight)
+        if self.quant is not None:
+            logits = self.quant.apply(self, hidden, None)
+        else:
+            weight = self.prepared_weight if self.prepared_weight is not None else self.weight
+            logits = self.ctx.gemm.linear(hidden, weight)
         logits = all_gather_last_dim(logits, self.ctx)
         return logits[..., : self.vocab_size]
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        if self.quant is not None:
+            raise ValueError("quantization_config.lm_head_type: a quantized LM head cannot be tied to the embeddings")
         self.weight = embedding.weight
         self.tied = True
 
     def process_weights_after_loading(self) -> None:
         """The weight goes through the GEMM backend's ``prepare_weight`` once, as a
         linear layer's does: an untied head's is replaced by what it returns, a tied
-        one's stays the embedding's dense table beside its prepared copy."""
+        one's stays the embedding's dense table beside its prepared copy. A quantized
+        head is the quantization method's to convert."""
+        if self.quant is not None:
+            self.quant.process_weights_after_loading(self)
+            return
         prepared = self.ctx.gemm.prepare_weight(self.weight.data)
         if prepared is self.weight.data:
             return

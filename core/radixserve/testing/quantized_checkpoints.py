@@ -403,9 +403,10 @@ def write_gguf(model_dir: Path, out_file: Path, linear_type: str) -> None:
     decoder's projections quantized to ``linear_type`` (a block type the ``gguf``
     package quantizes: ``Q4_0``, ``Q4_1``, ``Q5_0``, ``Q5_1``, ``Q8_0``, ``TQ2_0``; ``F16``; a k-quant type,
     ``Q4_K``, ``Q5_K`` or ``Q6_K``, packed here since the package does not quantize
-    them; or ``Q4_K_M``, the mix above, with the embeddings in Q4_K), every other tensor
-    float32; the tokenizer (a byte-level BPE, the tiny models') as llama.cpp's ``gpt2``
-    vocabulary: its tokens, types and merges. K-quant rows take 256 inputs a block."""
+    them; or ``Q4_K_M``, the mix above, with the embeddings in Q4_K), the output head
+    as llama.cpp's quantizer types it (``_head_type``), every other tensor float32; the
+    tokenizer (a byte-level BPE, the tiny models') as llama.cpp's ``gpt2`` vocabulary:
+    its tokens, types and merges. K-quant rows take 256 inputs a block."""
     import gguf
 
     from radixserve.checkpoints.gguf import gguf_name, llama_cpp_permute
@@ -429,7 +430,7 @@ def write_gguf(model_dir: Path, out_file: Path, linear_type: str) -> None:
             weight = llama_cpp_permute(weight, config["num_attention_heads"])
         elif name.endswith("k_proj.weight"):
             weight = llama_cpp_permute(weight, config["num_key_value_heads"])
-        kind = _gguf_type(name, linear_type, config["num_hidden_layers"])
+        kind = _gguf_type(name, linear_type, config["num_hidden_layers"], weight.shape[-1])
         if kind is None:
             writer.add_tensor(gguf_name(name), weight.numpy())
         elif kind == "F16":
@@ -443,14 +444,14 @@ def write_gguf(model_dir: Path, out_file: Path, linear_type: str) -> None:
     writer.close()
 
 
-def _gguf_type(name: str, linear_type: str, layers: int) -> str | None:
-    """The GGUF type ``write_gguf`` gives tensor ``name`` (None: float32)."""
+def _gguf_type(name: str, linear_type: str, layers: int, inputs: int) -> str | None:
+    """The GGUF type ``write_gguf`` gives tensor ``name`` of ``inputs`` columns (None: float32)."""
     module = name.removesuffix(".weight")
     projection = module.rsplit(".", 1)[-1] in PROJECTIONS and name.endswith(".weight")
+    if module == "lm_head":
+        return _head_type(linear_type, inputs)
     if linear_type != Q4_K_M:
         return linear_type if projection else None
-    if module == "lm_head":
-        return "Q6_K"
     if module == "model.embed_tokens":
         return "Q4_K"
     if not projection:
@@ -460,6 +461,15 @@ def _gguf_type(name: str, linear_type: str, layers: int) -> str | None:
     if module.endswith(("v_proj", "down_proj")) and more_bits:
         return "Q6_K"
     return "Q4_K"
+
+
+def _head_type(linear_type: str, inputs: int) -> str:
+    """The output head's type as llama.cpp's quantizer chooses it: ``Q6_K`` whatever the
+    file's type but ``Q8_0`` (kept) or a float one, and ``Q8_0`` where the rows are not
+    whole 256-input k-quant blocks."""
+    if linear_type in ("F16", "Q8_0"):
+        return linear_type
+    return "Q6_K" if inputs % 256 == 0 else "Q8_0"
 
 
 def quantize_gguf(weight: torch.Tensor, kind: str) -> Any:
