@@ -544,11 +544,13 @@ def test_the_int4_kernels_compute_k_quant_layers_read_at_16(kernel):
 
 
 @pytest.mark.parametrize("kind", ["Q6_K", "Q8_0"])
-def test_a_quantized_output_head_serves_each_ranks_vocabulary_rows_from_the_files_integers(kind):
+@pytest.mark.parametrize("vocab", [301, 319])
+def test_a_quantized_output_head_serves_each_ranks_vocabulary_rows_from_the_files_integers(kind, vocab):
     """llama.cpp's quantizer stores the output head Q6_K (Q8_0 in a Q8_0 file): the gguf
     method loads it as stored, each tensor-parallel rank its rows of the vocabulary (the
-    last rank's padded with zero rows), and each rank's logits are those of the head the
-    gguf package dequantizes."""
+    last rank's padded with a zero row), and each rank's logits are those of the head the
+    gguf package dequantizes. 151 rows a rank are not whole strips of the byte kernel
+    (dequantized at load); 160 are (the kernel where it times faster)."""
     import dataclasses
 
     import gguf
@@ -557,7 +559,7 @@ def test_a_quantized_output_head_serves_each_ranks_vocabulary_rows_from_the_file
     from radixserve.layers import ParallelLMHead
     from radixserve.testing.quantized_checkpoints import quantize_gguf
 
-    vocab, hidden = 301, 256
+    hidden = 256
     data = quantize_gguf(torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(3)) * 0.1, kind)
     dense = torch.from_numpy(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind]).copy()).float()
     blocks = read_blocks(data, kind, 16)
@@ -575,7 +577,7 @@ def test_a_quantized_output_head_serves_each_ranks_vocabulary_rows_from_the_file
         head.process_weights_after_loading()
         logits.append(head.quant.apply(head, x, None))
     got = torch.cat(logits, -1)
-    assert got.shape == (3, 302) and torch.equal(got[:, vocab:], torch.zeros(3, 1))
+    assert got.shape == (3, vocab + 1) and torch.equal(got[:, vocab:], torch.zeros(3, 1))
     want = x.double() @ dense.double().t()
     assert torch.allclose(got[:, :vocab].double(), want, atol=1e-4, rtol=1e-4), (got[:, :vocab] - want).abs().max()
 
