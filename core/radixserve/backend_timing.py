@@ -82,7 +82,20 @@ GIVE_UP_FACTOR, GIVE_UP_FLOOR_SECONDS = 20.0, 0.05
 COLD_BYTES, MAX_WEIGHT_COPIES = 256 * 2**20, 64
 # The request the workloads are priced on (as a chat turn: a long prompt, a shorter answer).
 REFERENCE_PROMPT_TOKENS, REFERENCE_OUTPUT_TOKENS = 1024, 256
-TIMED_KINDS = ("gemm", "attention", "elementwise", "moe", "lora")  # quantization is never chosen automatically
+# The kinds chosen by timing (quantization never is: a checkpoint or the user names it),
+# each with the fields of a KernelQuery beyond the device, dtype and heads that a kind's timing
+# depends on (its cases read them, or its candidates' kernels may differ by them).
+# The others are left out of its cache key: the same model served with another KV
+# page size or from another quantized file times no GEMM again.
+TIMED_QUERY_FIELDS = {
+    "gemm": {"weight_dtype"},
+    "attention": {"page_size", "kv_dtype", "sliding_window", "logit_softcap", "mla"},
+    "elementwise": {"elementwise_ops"},
+    "moe": {"num_experts", "top_k", "quantization", "quantized_checkpoint"},
+    "lora": {"max_lora_rank"},
+}
+_QUERY_BASICS = {"device", "dtype", "head_dim", "num_heads", "num_kv_heads"}
+TIMED_KINDS = tuple(TIMED_QUERY_FIELDS)
 CACHE_SUBDIR = "backend-timings"
 
 
@@ -677,20 +690,6 @@ class MeasuredSelection:
             "candidates": {c.name: f"{c.plugin} {plugins[c.plugin].version or __version__}" for c in usable},
             "versions": {"radixserve": __version__, "torch": torch.__version__},
         }
-
-
-# The fields of a KernelQuery beyond the device, dtype and heads that a kind's timing
-# depends on (its cases read them, or its candidates' kernels may differ by them).
-# The others are left out of its cache key: the same model served with another KV
-# page size or from another quantized file times no GEMM again.
-TIMED_QUERY_FIELDS = {
-    "gemm": {"weight_dtype"},
-    "attention": {"page_size", "kv_dtype", "sliding_window", "logit_softcap", "mla"},
-    "elementwise": {"elementwise_ops"},
-    "moe": {"num_experts", "top_k", "quantization", "quantized_checkpoint"},
-    "lora": {"max_lora_rank"},
-}
-_QUERY_BASICS = {"device", "dtype", "head_dim", "num_heads", "num_kv_heads"}
 
 
 def timed_query(kind: str, query: KernelQuery) -> KernelQuery:
