@@ -26,7 +26,13 @@ class VocabParallelEmbedding(Layer):
         self.rows_per_rank = -(-vocab_size // ctx.tp_size)
         self.vocab_start = ctx.tp_rank * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
-        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, hidden_size, dtype=ctx.dtype), requires_grad=False)
+        self.create_weights(hidden_size)
+
+    def create_weights(self, hidden_size: int) -> None:
+        """This rank's rows of the table, each parameter filled by ``weight_loader``."""
+        self.weight = nn.Parameter(
+            torch.empty(self.rows_per_rank, hidden_size, dtype=self.ctx.dtype), requires_grad=False
+        )
         set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
@@ -74,11 +80,16 @@ class ParallelLMHead(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, ctx: ModelContext):
         super().__init__(vocab_size, hidden_size, ctx)
         self.register_buffer("prepared_weight", None, persistent=False)
-        scheme = ctx.quant.query.quantized_checkpoint
-        self.quant = ctx.quant if scheme is not None and scheme.lm_head else None
-        if self.quant is not None:
-            del self.weight  # the method's tensors hold it, each row-sharded by weight_loader
-            self.quant.create_weights(self, hidden_size, self.rows_per_rank, ctx.dtype, self.weight_loader)
+
+    def create_weights(self, hidden_size: int) -> None:
+        """A dense table, or the quantization method's tensors where the checkpoint stores
+        the head quantized (each row-sharded by ``weight_loader`` as the table would be)."""
+        scheme = self.ctx.quant.query.quantized_checkpoint
+        self.quant = self.ctx.quant if scheme is not None and scheme.lm_head else None
+        if self.quant is None:
+            super().create_weights(hidden_size)
+        else:
+            self.quant.create_weights(self, hidden_size, self.rows_per_rank, self.ctx.dtype, self.weight_loader)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
