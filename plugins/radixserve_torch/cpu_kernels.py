@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -52,6 +54,18 @@ SOURCES = [
         "cpu_int4.cpp",
     )
 ]
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of the kernels' sources (and their header): in the backend timings'
+    cache key, so that timings taken with other kernels are not reused after an
+    update that changes them without changing a version."""
+    digest = hashlib.sha256()
+    for path in sorted([*SOURCES, *CSRC.glob("*.h")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
 
 _lock = threading.Lock()
 _loaded = False

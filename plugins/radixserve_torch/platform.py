@@ -9,7 +9,7 @@ import sys
 import torch
 
 from radixserve.platform import DtypeChoice, Platform
-from radixserve_torch import cpu_isa
+from radixserve_torch import cpu_isa, cpu_kernels
 from radixserve_torch.cpu_topology import HostMemory, host_memory, place_this_process, thread_share
 
 logger = logging.getLogger(__name__)
@@ -121,7 +121,8 @@ class CpuPlatform(Platform):
     def timing_fingerprint(self, index: int = 0) -> dict[str, str]:
         """What decides which CPU kernel is fastest: the CPU model and its ISA flags,
         what ATen, our kernels and oneDNN may use (``ATEN_CPU_CAPABILITY``,
-        ``ONEDNN_MAX_CPU_ISA``), the torch threads and the torch version."""
+        ``ONEDNN_MAX_CPU_ISA``), our kernels' sources, the torch threads and the
+        torch version."""
         target = cpu_isa.build_target()
         return {
             "platform": self.name,
@@ -129,6 +130,7 @@ class CpuPlatform(Platform):
             "flags": " ".join(sorted(cpu_isa.cpu_flags() or ())),
             "aten_capability": torch.backends.cpu.get_cpu_capability(),
             "kernel_target": target.name if target is not None else "none",
+            "kernel_sources": cpu_kernels.source_digest(),
             "onednn_max_cpu_isa": cpu_isa.onednn_isa_cap() or "",
             "threads": str(torch.get_num_threads()),
             "torch": torch.__version__,

@@ -10,8 +10,9 @@
 // four tiles of one key list, and each block of keys is read from the pool once per
 // item (converted to float32 unless the pool holds float32, which is read in place).
 // The float32 products run over all of an item's tiles at once: every key component
-// is broadcast once for them all, with up to 16 independent FMA chains (one tile at
-// a time issued a load per FMA, and W2's extend ran 5-8% slower, its cascade 10%).
+// is broadcast once for them all, with up to kAccumulators independent FMA chains
+// (one tile at a time issued a load per FMA, and W2's extend ran 5-8% slower, its
+// cascade 10%).
 //
 // Extend (prefill, chunked prefill, prefix hits): request b's n new queries sit at
 // positions kv_len - n .. kv_len - 1 and query j sees keys [0, kv_len - n + j]. Its
@@ -29,10 +30,10 @@
 // Cascade decode: decode requests whose req_to_token rows start with the same
 // slots (a prefix the radix cache shares, e.g. a system prompt) attend to that
 // shared prefix together: the rows of all members of a group for one KV head form
-// the tiles, so the prefix's K/V is read and converted once per 16 rows instead of
-// once per request, and the products become small matrix products. Each member's
-// own keys (after the prefix) go through the decode kernel, which also returns their
-// log-sum-exp; the two parts are merged here.
+// the tiles, so the prefix's K/V is read and converted once per tile of rows
+// instead of once per request, and the products become small matrix products.
+// Each member's own keys (after the prefix) go through the decode kernel, which
+// also returns their log-sum-exp; the two parts are merged here.
 
 #include "cpu_paged_common.h"
 
@@ -41,7 +42,18 @@
 namespace radixserve_cpu_paged {
 namespace {
 
-constexpr int kLanes = 16;          // rows per tile: one vector of float32 lanes
+// Rows per tile: one vector register of float32 lanes. The products keep up to
+// kAccumulators tile vectors in registers: half the vector registers, leaving room
+// for the broadcasts and query loads. Without AVX-512 (16 registers of 8 floats) a
+// 16-lane tile took two registers and twice the accumulators: GCC spilled them to
+// the stack at every FMA, and the extend ran 10x slower than torch's (AVX2, Zen 3).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kAccumulators = 16;
+#else
+constexpr int kLanes = 8;
+constexpr int kAccumulators = 8;
+#endif
 constexpr int64_t kKeyBlock = 32;   // keys per online-softmax block
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 
@@ -58,12 +70,16 @@ inline Lanes lanes_max(Lanes a, Lanes b) {
   return r;
 }
 
-// fast_exp on every lane. exp16 where there is AVX-512: the omp simd loop over
-// fast_exp compiled its clamps into masked operations with a round trip through the
-// stack, and the extend kernel ran 7-8% faster with exp16 (qwen2's shape, one thread).
+// fast_exp on every lane: exp16 where there is AVX-512, exp8 with AVX2. The omp simd
+// loop over fast_exp compiled its clamps into masked operations with a round trip
+// through the stack: with exp16 the extend kernel ran 7-8% faster (qwen2's shape, one
+// thread, AVX-512), with exp8 about 1.7x faster (the softmax had been half its time;
+// a 1,024-token prompt of 16 heads, AVX2 on Zen 3, two threads).
 inline Lanes lanes_exp(Lanes x) {
 #if defined(__AVX512F__)
   return (Lanes)exp16((__m512)x);
+#elif defined(__AVX2__) && defined(__FMA__)
+  return (Lanes)exp8((__m256)x);
 #else
   Lanes r;
 #pragma omp simd
@@ -211,8 +227,17 @@ inline void paired_values(const Lanes*, int64_t, const uint32_t*, int64_t, Lanes
 inline Lanes in_register(Lanes v) {
 #if defined(__AVX512F__)
   asm("" : "+v"(v));
+#elif defined(__AVX__)
+  asm("" : "+x"(v));
 #endif
   return v;
+}
+
+// Independent FMA chains per tile when NT tiles run side by side: 8, 4, 2 or 1,
+// NT times that within kAccumulators.
+constexpr int chains_per_tile(int nt) {
+  const int n = kAccumulators / nt;
+  return n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
 }
 
 // Scores of keys kp[0..nb) (float32 rows) for the first NT tiles of an item (tile k's
@@ -240,7 +265,7 @@ __attribute__((always_inline)) inline void tiles_scores_n(const Lanes* qt, int64
 
 template <int NT>
 void tiles_scores_nt(const Lanes* qt, int64_t d, const float* const* kp, int64_t nb, Lanes* scores) {
-  constexpr int kKeys = NT <= 2 ? 8 : 4;  // up to 16 accumulators
+  constexpr int kKeys = chains_per_tile(NT);
   int64_t t = 0;
   for (; t + kKeys <= nb; t += kKeys) tiles_scores_n<NT, kKeys>(qt, d, kp + t, scores + t);
   for (; t < nb; ++t) tiles_scores_n<NT, 1>(qt, d, kp + t, scores + t);
@@ -279,7 +304,7 @@ __attribute__((always_inline)) inline void tiles_values_n(const Lanes* p, int64_
 
 template <int NT>
 void tiles_values_nt(const Lanes* p, int64_t nb, const float* const* vp, int64_t d, const Lanes* alpha, Lanes* ot) {
-  constexpr int kCols = NT <= 2 ? 8 : 4;  // up to 16 accumulators
+  constexpr int kCols = chains_per_tile(NT);
   int64_t i = 0;
   for (; i + kCols <= d; i += kCols) tiles_values_n<NT, kCols>(p, nb, vp, d, i, alpha, ot);
   for (; i < d; ++i) tiles_values_n<NT, 1>(p, nb, vp, d, i, alpha, ot);
