@@ -114,6 +114,7 @@ def measure(
         "rank": rank,
         "requests": ns.requests,
         "max_tokens": ns.max_tokens,
+        "lora_backend": ns.lora_backend if engine == "radixserve" else None,
         "rounds": [round(f, 1) for f in figures],
         "output_tok_per_s": round(statistics.median(figures), 1),
         "output_tokens": sum(len(t) for t in tokens),
@@ -134,7 +135,7 @@ def radixserve_side(ns: argparse.Namespace) -> None:
         names: list[str | None] = [None]
         if rank:
             paths = [f"a{i}={adapter_path(ns.dir, rank, i)}" for i in range(count)]
-            lora = {"enable_lora": True, "lora_paths": paths, "max_lora_rank": rank}
+            lora = {"enable_lora": True, "lora_paths": paths, "max_lora_rank": rank, "lora_backend": ns.lora_backend}
             lora["max_loras_per_batch"] = max(count, 1)
             names = [f"a{i}" for i in range(count)] or [None]
         with Engine(model_path=str(ns.dir / "model"), log_level="warning", **lora) as engine:
@@ -212,6 +213,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--lora-backend", default="auto", help="radixserve's --lora-backend (auto: timed)")
     parser.add_argument("--row", type=int, default=None, help="run only this row (0: base, 1: base+lora, ...)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_lora.jsonl"))
     parser.add_argument("--table", type=Path, default=None, help="print the table of a results file and exit")

@@ -26,6 +26,7 @@ from radixserve.checkpoints.random_adapter import build_random_adapter
 from radixserve.config import ServerArgs
 from radixserve.messages import GenerateRequest
 from radixserve.sampling.params import SamplingParams
+from radixserve_torch import cpu_kernels
 
 NEW_TOKENS = 8
 F32 = {"dtype": "float32", "backend_selection": "priority"}
@@ -61,7 +62,17 @@ def test_each_adapter_alone_matches_peft(tiny_llama_dir, adapters, prompts):
         assert got == peft_greedy(tiny_llama_dir, adapters.get(name or ""), prompts[0], NEW_TOKENS), name
 
 
-@pytest.mark.parametrize("backend,slots", [("torch_grouped", 8), ("torch_native", 2)])
+NEEDS_CPU_KERNELS = pytest.mark.skipif(bool(cpu_kernels.unavailable_reasons()), reason="the C++ kernels cannot build")
+
+
+@pytest.mark.parametrize(
+    "backend,slots",
+    [
+        ("torch_grouped", 8),
+        ("torch_native", 2),
+        pytest.param("cpu_sgmv", 4, marks=NEEDS_CPU_KERNELS),
+    ],
+)
 def test_a_batch_mixing_adapters_gives_each_request_its_tokens_alone(tiny_llama_dir, adapters, prompts, backend, slots):
     """Every prompt under every adapter and the base, all at once (ragged lengths, so
     prefill and decode runs interleave adapters); with two slots for four adapters the

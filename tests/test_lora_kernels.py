@@ -19,12 +19,17 @@ from radixserve.kernels import NO_ADAPTER, KernelQuery, LoRABatch, LoRASegment
 from radixserve.kernels.cases import make_lora_inputs
 from radixserve.registry import PluginRegistry
 from radixserve.testing import LORA_CASES, LoRACase, check_lora_backend
+from radixserve_torch import cpu_kernels
 from radixserve_torch.lora import TorchGroupedLoRA, TorchNativeLoRA
+from radixserve_torch.lora_cpu import CpuSgmvLoRA
 from radixserve_torch.platform import CpuPlatform
 
 N = NO_ADAPTER
 CPU = torch.device("cpu")
 has_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+needs_cpu_kernels = pytest.mark.skipif(
+    bool(cpu_kernels.unavailable_reasons()), reason="; ".join(cpu_kernels.unavailable_reasons())
+)
 
 # --------------------------------------------------------------------------
 # LoRABatch.of
@@ -91,6 +96,44 @@ def test_torch_backends_pass(backend):
     report = check_lora_backend(backend)
     report.raise_for_failures(min_run=3 * len(LORA_CASES["standard"]))
     assert {r.dtype for r in report.results} == {"float32", "bfloat16", "float16"}
+
+
+class SgmvOnEveryBatch(CpuSgmvLoRA):
+    """``cpu_sgmv`` with no batch handed to ``torch_grouped``: its C++ loops on the prefill cases too."""
+
+    name = "cpu_sgmv_every_batch"
+    PREFILL_RUN = 1 << 30
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("backend", ["cpu_sgmv", SgmvOnEveryBatch])
+def test_the_cpu_kernel_passes(backend):
+    report = check_lora_backend(backend)
+    report.raise_for_failures(min_run=3 * len(LORA_CASES["standard"]))
+    assert {r.dtype for r in report.results} == {"float32", "bfloat16", "float16"}
+
+
+@needs_cpu_kernels
+def test_the_cpu_kernel_hands_a_prefill_with_a_long_run_to_torch_grouped(monkeypatch):
+    """A batch of one run per slot, some longer than ``PREFILL_RUN``, runs torch's matmuls on views;
+    any other batch (interleaved runs however long, short prefills) runs the C++ loops."""
+    calls = []
+    monkeypatch.setattr(TorchGroupedLoRA, "apply", lambda self, *args: calls.append(args[4].max_segment_len))
+    backend = CpuSgmvLoRA(KernelQuery(device="cpu", dtype=torch.float32, max_lora_rank=8))
+    run = CpuSgmvLoRA.PREFILL_RUN
+    batches = [  # (tokens of each request, their slots, whether torch_grouped serves it)
+        ((run, run), (0, 1), False),
+        ((run + 1, 1), (0, 1), True),
+        ((run + 1, 3, run + 1), (0, N, 0), False),  # slot 0 has two runs
+        ((1, 1, 1), (0, 1, 0), False),  # a decode step
+    ]
+    for counts, slots, grouped in batches:
+        x, out, a, b, batch, splits = make_lora_inputs(LoRACase("run", counts, slots, 32, 24, 8, 2), torch.float32, CPU)
+        before, served = out.clone(), len(calls)
+        backend.apply(x, out, a, b, batch, splits)
+        assert (len(calls) > served) == grouped
+        assert (out != before).any() != grouped  # the C++ kernel wrote its update
+    assert calls == [run + 1]
 
 
 def test_case_set_covers_the_contract():
@@ -166,7 +209,12 @@ def test_registered_and_ordered(monkeypatch):
     registry = PluginRegistry()
     assert {"torch_native", "torch_grouped", "triton"} <= set(registry.candidates["lora"])
     query = KernelQuery(device="cpu", dtype=torch.bfloat16, max_lora_rank=16)
-    assert [c.name for c in registry.usable("lora", query)][:2] == ["torch_grouped", "torch_native"]
+    order = ["torch_grouped", "torch_native"]
+    if not cpu_kernels.unavailable_reasons():
+        order.insert(0, "cpu_sgmv")
+    assert [c.name for c in registry.usable("lora", query)][: len(order)] == order
+    cpu_sgmv = registry.candidates["lora"]["cpu_sgmv"].cls
+    assert "a CPU kernel; device is cuda" in cpu_sgmv.unsupported_reasons(replace(query, device="cuda"))
     if importlib.util.find_spec("triton") is not None:
         triton_lora = registry.candidates["lora"]["triton"].cls
         assert "TRITON_INTERPRET=1" in triton_lora.unsupported_reasons(query)[0]
@@ -330,7 +378,10 @@ def test_timing_cases_run_on_the_torch_backends():
         expected = splits[case.label.split("/")[0]]
         assert out_splits == expected and out.shape[1] == sum(expected)
         assert a.shape[1] == 8 * len(expected) and b.shape[1:] == (sum(expected), 8)
-    for backend in (TorchNativeLoRA(query), TorchGroupedLoRA(query)):
+    backends = [TorchNativeLoRA(query), TorchGroupedLoRA(query)]
+    if not cpu_kernels.unavailable_reasons():
+        backends.append(CpuSgmvLoRA(query))
+    for backend in backends:
         for case in cases:
             call = case.setup(backend)
             for _ in range(3):

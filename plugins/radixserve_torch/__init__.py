@@ -11,6 +11,7 @@ from radixserve_torch.elementwise import TorchNativeElementwise
 from radixserve_torch.elementwise_cpu import CpuFusedElementwise
 from radixserve_torch.gemm import CpuPackedGemm, OneDnnGemm, TorchGemm
 from radixserve_torch.lora import TorchGroupedLoRA, TorchNativeLoRA
+from radixserve_torch.lora_cpu import CpuSgmvLoRA
 from radixserve_torch.moe import TorchNativeMoE
 from radixserve_torch.platform import CpuPlatform
 from radixserve_torch.quantization import Int8WeightOnly, NoQuantization
@@ -53,6 +54,7 @@ def register_moe_backends(register: Register) -> None:
 def register_lora_backends(register: Register) -> None:
     register(TorchNativeLoRA)
     register(TorchGroupedLoRA)
+    register(CpuSgmvLoRA)
 
 
 @hookimpl

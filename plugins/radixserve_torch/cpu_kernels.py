@@ -10,8 +10,8 @@ so later processes only load it. The target follows ATen's CPU capability
 (cpu_isa.py: ``-march=native`` at the CPU's own level, ``-march=x86-64-v3`` under
 ``ATEN_CPU_CAPABILITY=avx2``, ...), and its name is in the library's, so builds for
 different targets coexist in the cache. It registers ``torch.ops.radixserve_cpu_paged``,
-``torch.ops.radixserve_cpu_elementwise``, ``torch.ops.radixserve_cpu_gemm`` and
-``torch.ops.radixserve_cpu_int4``.
+``torch.ops.radixserve_cpu_elementwise``, ``torch.ops.radixserve_cpu_gemm``, ``torch.ops.radixserve_cpu_int4`` and
+``torch.ops.radixserve_cpu_lora``.
 
 A build failure raises :class:`KernelBuildError` with the compiler's first error
 line and is remembered for the process (``load()`` raises it again at once); the
@@ -52,6 +52,7 @@ SOURCES = [
         "cpu_elementwise.cpp",
         "cpu_gemm.cpp",
         "cpu_int4.cpp",
+        "cpu_lora.cpp",
     )
 ]
 
