@@ -114,6 +114,7 @@ def measure(
         "rank": rank,
         "requests": ns.requests,
         "max_tokens": ns.max_tokens,
+        "dtype": ns.dtype,
         "lora_backend": ns.lora_backend if engine == "radixserve" else None,
         "rounds": [round(f, 1) for f in figures],
         "output_tok_per_s": round(statistics.median(figures), 1),
@@ -138,7 +139,7 @@ def radixserve_side(ns: argparse.Namespace) -> None:
             lora = {"enable_lora": True, "lora_paths": paths, "max_lora_rank": rank, "lora_backend": ns.lora_backend}
             lora["max_loras_per_batch"] = max(count, 1)
             names = [f"a{i}" for i in range(count)] or [None]
-        with Engine(model_path=str(ns.dir / "model"), log_level="warning", **lora) as engine:
+        with Engine(model_path=str(ns.dir / "model"), dtype=ns.dtype, log_level="warning", **lora) as engine:
 
             def run(engine: Engine = engine, names: list[str | None] = names) -> list[list[int]]:
                 adapters = [names[i % len(names)] for i in range(len(batch))]
@@ -162,7 +163,14 @@ def vllm_side(ns: argparse.Namespace) -> None:
             kw = {"enable_lora": True, "max_loras": slots, "max_lora_rank": rank, "max_cpu_loras": slots}
         try:
             # The KV cache's share of the machine's memory (vLLM's CPU backend reads it so).
-            llm = LLM(model=str(ns.dir / "model"), seed=0, max_model_len=2048, gpu_memory_utilization=0.3, **kw)
+            llm = LLM(
+                model=str(ns.dir / "model"),
+                seed=0,
+                max_model_len=2048,
+                gpu_memory_utilization=0.3,
+                dtype=ns.dtype,
+                **kw,
+            )
         except Exception as exc:  # its CPU build may not serve LoRA: say so, and go on
             line = {"engine": "vllm", "shape": ns.shape, "row": label, "error": f"{type(exc).__name__}: {exc}"[:500]}
             print(json.dumps(line), flush=True)
@@ -213,6 +221,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="auto", help="both engines' --dtype (auto: each engine's own choice)")
     parser.add_argument("--lora-backend", default="auto", help="radixserve's --lora-backend (auto: timed)")
     parser.add_argument("--row", type=int, default=None, help="run only this row (0: base, 1: base+lora, ...)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_lora.jsonl"))
