@@ -45,7 +45,6 @@ from radixserve.kernels import AttentionBackend, AttentionLayerSpec, KernelQuery
 from radixserve_torch import cpu_kernels
 from radixserve_torch.attention import grouped_heads_reasons
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A pool in another dtype than the compute dtype: only low precision under float32.
 _KV_DTYPES = {torch.float32: (torch.bfloat16, torch.float16)}
 
@@ -187,10 +186,7 @@ class CpuPagedAttention(AttentionBackend):
         reasons = grouped_heads_reasons(query) + attention_feature_reasons(
             query, cls.name, sliding_window=True, logit_softcap=True
         )
-        if query.device != "cpu":
-            reasons.append(f"a CPU kernel; device is {query.device}")
-        if query.dtype not in _DTYPES:
-            reasons.append(f"dtype {query.dtype} is not float32, bfloat16 or float16")
+        reasons += cpu_kernels.query_reasons(query)
         kv_dtype = query.kv_dtype
         if kv_dtype is not None and kv_dtype != query.dtype and kv_dtype not in _KV_DTYPES.get(query.dtype, ()):
             reasons.append(

@@ -40,6 +40,8 @@ from radixserve_torch import cpu_isa
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
+    from radixserve.kernels import KernelQuery
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -95,6 +97,20 @@ def unavailable_reasons() -> list[str]:
     needs the kernels is passed over with it."""
     reasons = [] if cpu_isa.build_target() is not None else [cpu_isa.no_target_reason()]
     return reasons + missing_tools()
+
+
+KERNEL_DTYPES = ("float32", "bfloat16", "float16")  # what every op of the library dispatches on
+
+
+def query_reasons(query: KernelQuery) -> list[str]:
+    """Why a backend built on these kernels cannot serve ``query`` for its device
+    or dtype (the backends add their own reasons and :func:`unavailable_reasons`)."""
+    reasons = []
+    if query.device != "cpu":
+        reasons.append(f"a CPU kernel; device is {query.device}")
+    if str(query.dtype).removeprefix("torch.") not in KERNEL_DTYPES:
+        reasons.append(f"dtype {query.dtype} is not float32, bfloat16 or float16")
+    return reasons
 
 
 def extension_name() -> str:

@@ -49,13 +49,8 @@ class CpuFusedElementwise(TorchNativeElementwise):
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        reasons = []
-        if query.device != "cpu":
-            reasons.append(f"a CPU kernel; device is {query.device}")
-        if query.dtype not in _DTYPES:
-            reasons.append(f"dtype {query.dtype} is not float32, bfloat16 or float16")
         # the model-specific ops are the reference's torch code, inherited
-        return reasons + super().unsupported_reasons(query) + cpu_kernels.unavailable_reasons()
+        return cpu_kernels.query_reasons(query) + super().unsupported_reasons(query) + cpu_kernels.unavailable_reasons()
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

@@ -19,8 +19,6 @@ from radixserve.kernels import KernelQuery, LoRABatch
 from radixserve_torch import cpu_kernels
 from radixserve_torch.lora import TorchGroupedLoRA
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 class CpuSgmvLoRA(TorchGroupedLoRA):
     name = "cpu_sgmv"
@@ -39,12 +37,7 @@ class CpuSgmvLoRA(TorchGroupedLoRA):
 
     @classmethod
     def unsupported_reasons(cls, query: KernelQuery) -> list[str]:
-        reasons = []
-        if query.device != "cpu":
-            reasons.append(f"a CPU kernel; device is {query.device}")
-        if query.dtype not in _DTYPES:
-            reasons.append(f"dtype {query.dtype} is not float32, bfloat16 or float16")
-        return reasons + super().unsupported_reasons(query) + cpu_kernels.unavailable_reasons()
+        return cpu_kernels.query_reasons(query) + super().unsupported_reasons(query) + cpu_kernels.unavailable_reasons()
 
     def apply(
         self,
