@@ -2,8 +2,8 @@
 each method, on models that have learned something (acceptance means nothing on
 random weights), radixserve and vLLM's CPU engine on the same token-id requests.
 
-    python benchmarks/train_speculative_models.py                       # once: target, draft, prompts
-    python benchmarks/bench_speculative.py --out /tmp/spec.jsonl         # radixserve: none, ngram, draft
+    python benchmarks/train_speculative_models.py                       # once: target, draft, EAGLE head, prompts
+    python benchmarks/bench_speculative.py --out /tmp/spec.jsonl         # radixserve: none, ngram, draft, eagle
     VLLM_CPU_OMP_THREADS_BIND=0-1 ~/.cache/radixserve-bench/vllm-venv/bin/python \\
         benchmarks/bench_speculative.py --engine vllm --out /tmp/spec.jsonl
     python benchmarks/bench_speculative.py --table /tmp/spec.jsonl
@@ -21,7 +21,10 @@ to ``--out``, which the vLLM side replays):
 Batch 1 runs the requests one after another and reports milliseconds per output
 token (a request's whole latency over its tokens, prefill included, alike for both
 engines); the batches report output tokens per second. Every workload runs once
-unmeasured (an engine may compile per shape), then ``--rounds`` times: the median. radixserve's rows also give
+unmeasured (an engine may compile per shape), then ``--rounds`` times: the median. With ``--alternate``,
+the batch-1 workloads only, every method's engine started at once and the methods
+taking turns round by round, so that a machine whose speed drifts (a shared 2-core
+VM's moved 2x within a minute) slows them alike. radixserve's rows also give
 the share of proposals kept and the tokens a verify step made per request (batch 1),
 from ``/server_info``'s counters, and how many requests' tokens differ from the
 unspeculated run's (greedy: none should). Each run appends one JSON line to ``--out``.
@@ -33,6 +36,7 @@ virtualenv, which has no radixserve.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -45,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_MODELS = Path.home() / ".cache/radixserve-bench/speculative"
-METHODS = ("none", "ngram", "draft")
+METHODS = ("none", "ngram", "draft", "eagle")
 
 
 @dataclass(frozen=True)
@@ -160,28 +164,94 @@ def radixserve_side(ns: argparse.Namespace) -> None:
         "none": {},
         "ngram": {"speculative_algorithm": "ngram"},
         "draft": {"speculative_algorithm": "draft", "speculative_draft_model_path": str(draft)},
+        "eagle": {"speculative_algorithm": "eagle", "speculative_eagle_path": str(ns.models / "eagle")},
     }
+
+    def open_engine(method: str) -> Engine:
+        spec = {**settings[method], "speculative_num_draft_tokens": ns.num_draft_tokens} if method != "none" else {}
+        return Engine(model_path=str(target), dtype="float32", log_level="warning", **spec)
+
+    if ns.alternate:
+        with contextlib.ExitStack() as stack:
+            engines = {method: stack.enter_context(open_engine(method)) for method in ns.methods}
+            alternate_batch_one(engines, prompts, ns.out, ns.rounds)
+        return
     reference: dict[str, list[list[int]]] = {}
     for method in ns.methods:
-        spec = {**settings[method], "speculative_num_draft_tokens": ns.num_draft_tokens} if method != "none" else {}
-        with Engine(model_path=str(target), dtype="float32", log_level="warning", **spec) as engine:
-
-            def generate(batch: list[list[int]], max_tokens: int, engine: Engine = engine) -> list[list[int]]:
-                params = {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-                results = engine.generate(input_ids=batch, sampling_params=params)
-                return [r["output_ids"] for r in results]
-
-            def counters(engine: Engine = engine) -> dict[str, int]:
-                stats = engine.server_info()["stats"]
-                return {
-                    "proposed": stats["spec_proposed_tokens_total"],
-                    "accepted": stats["spec_accepted_tokens_total"],
-                    "verify_steps": stats["spec_verify_steps"],
-                }
-
+        with open_engine(method) as engine:
+            generate, counters = engine_generate(engine), engine_counters(engine)
             got = run_workloads("radixserve", method, prompts, generate, counters, reference, ns.out, ns.rounds)
             if method == "none":
                 reference = got
+
+
+def engine_generate(engine: Any) -> Callable[[list[list[int]], int], list[list[int]]]:
+    def generate(batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+        params = {"max_new_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+        results = engine.generate(input_ids=batch, sampling_params=params)
+        return [r["output_ids"] for r in results]
+
+    return generate
+
+
+def engine_counters(engine: Any) -> Callable[[], dict[str, int]]:
+    def counters() -> dict[str, int]:
+        stats = engine.server_info()["stats"]
+        return {
+            "proposed": stats["spec_proposed_tokens_total"],
+            "accepted": stats["spec_accepted_tokens_total"],
+            "verify_steps": stats["spec_verify_steps"],
+        }
+
+    return counters
+
+
+def alternate_batch_one(engines: dict[str, Any], prompts: dict[str, list[list[int]]], out: Path, rounds: int) -> None:
+    """The batch-1 workloads with every method's engine running at once, the methods
+    taking turns round by round, so that a machine whose speed drifts (a shared VM)
+    slows them alike; one line per method and workload, as ``run_workloads`` writes."""
+    workloads = [w for w in WORKLOADS if w.batch == 1]
+    for engine in engines.values():  # warm-up
+        engine_generate(engine)(prompts["continue"][:1], 8)
+    figures: dict[tuple[str, str], list[float]] = {(m, w.name): [] for m in engines for w in workloads}
+    tokens: dict[tuple[str, str], list[list[int]]] = {}
+    before = {m: engine_counters(e)() for m, e in engines.items()}
+    for _ in range(rounds):
+        for method, engine in engines.items():
+            generate = engine_generate(engine)
+            for w in workloads:
+                got, latencies = [], []
+                for prompt in prompts[w.kind][: w.requests]:
+                    begun = time.perf_counter()
+                    got += generate([prompt], w.max_tokens)
+                    latencies.append((time.perf_counter() - begun) / w.max_tokens)
+                figures[(method, w.name)].append(1000 * sum(latencies) / len(latencies))
+                tokens[(method, w.name)] = got
+    for method, engine in engines.items():
+        delta = {k: v - before[method][k] for k, v in engine_counters(engine)().items()}
+        for w in workloads:
+            rounds_ms = figures[(method, w.name)]
+            line: dict[str, Any] = {
+                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "machine": machine(),
+                "engine": "radixserve",
+                "method": method,
+                "workload": w.name,
+                "batch": 1,
+                "requests": w.requests,
+                "alternated": True,
+                "rounds": [round(f, 3) for f in rounds_ms],
+                "ms_per_token": round(statistics.median(rounds_ms), 3),
+                "differ_from_none": sum(
+                    a != b for a, b in zip(tokens[(method, w.name)], tokens.get(("none", w.name), []), strict=False)
+                ),
+            }
+            if delta.get("proposed"):  # over both workloads: the counters are the engine's
+                line["kept_share"] = round(delta["accepted"] / delta["proposed"], 3)
+                line["tokens_per_verify"] = round(1 + delta["accepted"] / max(delta["verify_steps"], 1), 2)
+            print(json.dumps(line), flush=True)
+            with out.open("a") as f:
+                f.write(json.dumps(line) + "\n")
 
 
 def vllm_side(ns: argparse.Namespace) -> None:
@@ -195,6 +265,7 @@ def vllm_side(ns: argparse.Namespace) -> None:
         "none": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 12},
         "draft": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k},
+        "eagle": {"method": "eagle", "model": str(ns.models / "eagle"), "num_speculative_tokens": k},
     }
     reference: dict[str, list[list[int]]] = {}
     for method in ns.methods:
@@ -329,6 +400,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="measured runs of each workload (the median is kept)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_speculative.jsonl"))
     parser.add_argument("--table", type=Path, default=None, help="print the table of a results file and exit")
+    parser.add_argument(
+        "--alternate",
+        action="store_true",
+        help="batch 1 only, every method's engine running at once and taking turns each round (a drifting machine)",
+    )
     parser.add_argument(
         "--step-cost", action="store_true", help="time a verify step against a decode step per batch size, then exit"
     )

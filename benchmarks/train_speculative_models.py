@@ -14,23 +14,33 @@ training set and a held-out set of about ``--heldout-kb``:
   when encoding, as Llama's tokenizers do);
 - a target and a smaller draft ``LlamaForCausalLM`` (float32, tied embeddings),
   sharing that tokenizer, each trained with AdamW (warmup, then cosine decay over
-  its wall-clock budget; forward and backward under bfloat16 autocast unless
-  ``--no-bf16``, master weights and saved weights float32) on random windows of
+  its wall-clock budget; forward and backward under bfloat16 autocast where the
+  CPU multiplies bfloat16 natively, else float32 (``--bf16``/``--no-bf16`` decide),
+  master weights and saved weights float32) on random windows of
   ``--seq-len`` tokens. A ``--repeat-fraction`` share of the windows are built like
   the ``repeat`` prompts, back to back: a training-set function, the marker
   comment, the same function again; the others are plain windows of the training
   token stream. Seeing copying that often is what lets induction heads form
   within a budget of minutes, and copying a function just seen is where n-gram
-  speculation pays.
+  speculation pays;
+- an EAGLE head for the trained target (EAGLE-1/2's layout, radixserve's
+  ``--speculative-eagle-path``): ``fc`` over [embedding of token p + 1, the target's
+  final hidden state at p] and one Llama decoder layer without its input norm,
+  trained for ``--eagle-minutes`` with the target frozen, as EAGLE trains its heads:
+  a smooth-L1 loss between its output and the target's hidden state at p + 1 plus a
+  tenth of the cross-entropy of that output read by the target's LM head against
+  token p + 2, the input features jittered by uniform noise of +-``--eagle-noise``.
 
 Written under ``--out-dir`` (default ``~/.cache/radixserve-bench/speculative``,
 ``...-quick`` with ``--quick``): ``target/`` and ``draft/`` (``from_pretrained``
-directories with the tokenizer), ``heldout.jsonl`` (``{"prompt", "kind"}``:
+directories with the tokenizer), ``eagle/`` (the head's config.json and
+safetensors), ``heldout.jsonl`` (``{"prompt", "kind"}``:
 ``continue`` is 200-400 tokens of a held-out file to go on with, ``repeat`` is a
 held-out function followed by a comment asking for it again and the start of its
 ``def`` line, where n-gram speculation pays) and ``summary.json`` (sizes,
 parameters, tokens seen, held-out loss per token, how much of a ``repeat``
-function each model copies greedily, wall times). The budgets are wall-clock, so
+function each model copies greedily, the head's held-out top-1 accuracy on the
+token after next given the target's features, wall times). The budgets are wall-clock, so
 the step counts, and the weights, depend on the machine and its load.
 """
 
@@ -53,8 +63,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import transformers
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+from radixserve.checkpoints.random_eagle import head_config
 
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"  # ids 0, 1, 2 (the BPE trainer puts special tokens first)
 SKIPPED_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
@@ -87,6 +102,7 @@ QUICK = dict(  # --quick: defaults for a smoke run of a few seconds (flags given
     repeat_max_tokens=48,
     target_minutes=0.05,
     draft_minutes=0.03,
+    eagle_minutes=0.03,
     target_hidden=64,
     target_layers=2,
     target_heads=4,
@@ -209,6 +225,13 @@ def batch(
     return torch.stack(windows), torch.tensor(repeats)
 
 
+def learning_rate(peak: float, step: int, spent: float) -> float:
+    """Linear warmup over the first steps, then cosine decay to a tenth of ``peak``
+    over the share ``spent`` of the wall-clock budget."""
+    cosine = 0.5 * (1 + math.cos(math.pi * spent))
+    return peak * min(1.0, (step + 1) / WARMUP_STEPS) * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * cosine)
+
+
 def train(
     name: str,
     model: LlamaForCausalLM,
@@ -231,9 +254,8 @@ def train(
     kind_losses: dict[bool, list[float]] = {False: [], True: []}  # per window: plain, repeat
     start = last_log = time.perf_counter()
     while (elapsed := time.perf_counter() - start) < budget:
-        cosine = 0.5 * (1 + math.cos(math.pi * elapsed / budget))
         for group in opt.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / WARMUP_STEPS) * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * cosine)
+            group["lr"] = learning_rate(lr, step, elapsed / budget)
         windows, repeats = batch(stream, examples, args, gen)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             logits = model(input_ids=windows[:, :-1]).logits
@@ -264,6 +286,110 @@ def train(
         "train_seconds": round(time.perf_counter() - start, 1),
         "final_train_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4),
     }
+
+
+class EagleHead(nn.Module):
+    """An EAGLE head over ``target`` as radixserve serves one (models/eagle.py), in HF's modules."""
+
+    def __init__(self, target: LlamaForCausalLM):
+        super().__init__()
+        config = LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": 1})
+        config._attn_implementation = "sdpa"  # causal without a mask
+        hidden = config.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden)
+        self.layer = LlamaDecoderLayer(config, 0)
+        self.layer.input_layernorm = nn.Identity()  # type: ignore[assignment]
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def forward(self, embedded: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        x = self.fc(torch.cat([embedded, features], dim=-1))
+        positions = torch.arange(x.shape[1])[None].expand(x.shape[0], -1)
+        out: torch.Tensor = self.layer(x, position_ids=positions, position_embeddings=self.rotary(x, positions))
+        return out
+
+    def checkpoint(self) -> dict[str, torch.Tensor]:
+        """EAGLE-1/2's tensor names."""
+        weights = {f"fc.{k}": v for k, v in self.fc.state_dict().items()}
+        weights.update({f"layers.0.{k}": v for k, v in self.layer.state_dict().items()})
+        return {k: v.detach().contiguous() for k, v in weights.items()}
+
+
+def eagle_batch(
+    target: LlamaForCausalLM, windows: torch.Tensor, bf16: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The head's inputs and targets for ``windows`` ([batch, n] tokens): the embeddings
+    of tokens 1..n-2 and the target's features at 0..n-3 (its input), the features at
+    1..n-2 and the tokens 2..n-1 (what it predicts)."""
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        features = target.model(input_ids=windows[:, :-1]).last_hidden_state.float()
+        embedded = target.model.embed_tokens(windows[:, 1:-1]).float()
+    return embedded, features[:, :-1], features[:, 1:], windows[:, 2:]
+
+
+def train_eagle(
+    target: LlamaForCausalLM,
+    stream: torch.Tensor,
+    examples: list[torch.Tensor],
+    args: argparse.Namespace,
+) -> tuple[EagleHead, dict[str, Any]]:
+    """EAGLE's objective for ``--eagle-minutes``, the target frozen (see the module's docstring)."""
+    gen = torch.Generator().manual_seed(args.seed + 7)
+    target.train(False)
+    target.requires_grad_(False)
+    head = EagleHead(target)
+    opt = torch.optim.AdamW(head.parameters(), lr=args.eagle_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    budget, step, losses = args.eagle_minutes * 60, 0, []
+    start = last_log = time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < budget:
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(args.eagle_lr, step, elapsed / budget)
+        windows, _ = batch(stream, examples, args, gen)
+        embedded, features, next_features, next_tokens = eagle_batch(target, windows, args.bf16)
+        noise = (torch.rand(features.shape, generator=gen) * 2 - 1) * args.eagle_noise
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            out = head(embedded, features + noise).float()
+            logits = target.lm_head(out).float()
+        feature_loss = F.smooth_l1_loss(out, next_features)
+        token_loss = F.cross_entropy(logits.transpose(1, 2), next_tokens)
+        loss = feature_loss + 0.1 * token_loss
+        opt.zero_grad(set_to_none=True)
+        torch.autograd.backward(loss)
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        step += 1
+        losses.append((feature_loss.item(), token_loss.item()))
+        if time.perf_counter() - last_log >= args.log_seconds:
+            last_log = time.perf_counter()
+            recent = losses[-10:]
+            print(
+                f"eagle: step {step:5d}  feature loss {sum(f for f, _ in recent) / len(recent):.4f}  "
+                f"token loss {sum(t for _, t in recent) / len(recent):.3f}  lr {opt.param_groups[0]['lr']:.2e}",
+                flush=True,
+            )
+    return head, {
+        "steps": step,
+        "train_tokens_seen": step * args.batch_size * args.seq_len,
+        "train_seconds": round(time.perf_counter() - start, 1),
+        "final_feature_loss": round(sum(f for f, _ in losses[-20:]) / max(1, len(losses[-20:])), 4),
+        "final_token_loss": round(sum(t for _, t in losses[-20:]) / max(1, len(losses[-20:])), 4),
+    }
+
+
+@torch.inference_mode()
+def eagle_accuracy(head: EagleHead, target: LlamaForCausalLM, stream: torch.Tensor, args: argparse.Namespace) -> float:
+    """Held-out top-1 accuracy of the head's token after next, given the target's features
+    (teacher-forced: the first drafted token's chance of being the target's choice is
+    bounded by it)."""
+    head.train(False)
+    n = min(len(stream) - 1, args.eval_tokens) // (args.seq_len + 1) * (args.seq_len + 1)
+    windows = stream[:n].view(-1, args.seq_len + 1)
+    right = total = 0
+    for i in range(0, len(windows), 8):
+        embedded, features, _, next_tokens = eagle_batch(target, windows[i : i + 8], args.bf16)
+        guessed = target.lm_head(head(embedded, features)).argmax(-1)
+        right += int((guessed == next_tokens).sum())
+        total += next_tokens.numel()
+    return right / max(1, total)
 
 
 @torch.inference_mode()
@@ -355,6 +481,17 @@ def copied_fraction(
     return sum(fractions) / max(1, len(fractions))
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (avx512_bf16 or AMX). Without,
+    autocast's bfloat16 matmuls are emulated: about 12x slower than float32 on a 2-core
+    AVX2 EPYC (265 against 3,275 training tokens/s for the target)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=None)
@@ -371,13 +508,19 @@ def main() -> None:
         "--repeat-fraction", type=float, default=0.5, help="share of training windows of repeat examples"
     )
     parser.add_argument(
-        "--bf16", action=argparse.BooleanOptionalAction, default=True, help="bfloat16 autocast in training"
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bfloat16 autocast in training (default: where the CPU multiplies bfloat16 natively)",
     )
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--target-minutes", type=float, default=7.5)
     parser.add_argument("--draft-minutes", type=float, default=3.0)
     parser.add_argument("--target-lr", type=float, default=2e-3)
     parser.add_argument("--draft-lr", type=float, default=3e-3)
+    parser.add_argument("--eagle-minutes", type=float, default=3.0)
+    parser.add_argument("--eagle-lr", type=float, default=3e-3)
+    parser.add_argument("--eagle-noise", type=float, default=0.1, help="uniform jitter of the head's input features")
     for role, size in SIZES.items():
         for field in fields(ModelSize):
             flag = f"--{role}-{field.name.replace('_', '-')}"
@@ -393,6 +536,9 @@ def main() -> None:
     if args.quick:
         parser.set_defaults(**QUICK)
         args = parser.parse_args()
+    if args.bf16 is None:
+        args.bf16 = native_bf16()
+        print(f"bfloat16 autocast: {'on' if args.bf16 else 'off (this CPU has no avx512_bf16 or amx_bf16)'}")
     out_dir = args.out_dir or DEFAULT_OUT_DIR.with_name(DEFAULT_OUT_DIR.name + ("-quick" if args.quick else ""))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -427,6 +573,7 @@ def main() -> None:
             f.write(json.dumps({"prompt": prompt, "kind": "repeat"}) + "\n")
 
     results: dict[str, Any] = {}
+    trained: dict[str, LlamaForCausalLM] = {}
     for i, role in enumerate(SIZES):
         size = ModelSize(**{f.name: getattr(args, f"{role}_{f.name}") for f in fields(ModelSize)})
         model = build_model(size, tokenizer, args.seed + i)
@@ -439,6 +586,7 @@ def main() -> None:
         copied = copied_fraction(model, tokenizer, repeats[: args.check_prompts])
         stats["check_seconds"] = round(time.perf_counter() - start, 1)
         print(f"{role}: held-out loss {loss:.4f} per token; copies {copied:.0%} of a repeated function", flush=True)
+        trained[role] = model
         model.save_pretrained(out_dir / role)  # safetensors: transformers 5 writes nothing else
         tokenizer.save_pretrained(out_dir / role)
         results[role] = {
@@ -448,6 +596,18 @@ def main() -> None:
             "repeat_copied_fraction": round(copied, 4),
             **stats,
         }
+
+    head, stats = train_eagle(trained["target"], train_stream, examples, args)
+    accuracy = eagle_accuracy(head, trained["target"], heldout_stream, args)
+    print(f"eagle: held-out accuracy of the token after next {accuracy:.1%}", flush=True)
+    (out_dir / "eagle").mkdir(exist_ok=True)
+    (out_dir / "eagle" / "config.json").write_text(json.dumps(head_config(out_dir / "target"), indent=2))
+    save_file(head.checkpoint(), str(out_dir / "eagle" / "model.safetensors"))
+    results["eagle"] = {
+        "parameters": sum(p.numel() for p in head.parameters()),
+        "heldout_top1_accuracy": round(accuracy, 4),
+        **stats,
+    }
 
     wall["total"] = round(time.perf_counter() - begin, 1)
     summary = {

@@ -100,7 +100,7 @@ def generate(scheduler: Scheduler, prompts: list[list[int]], **params: Any) -> l
 
 def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
     """HF transformers greedy tokens and the log_softmax of each chosen token (fp32)."""
-    model = _hf_model(str(model_dir))
+    model = hf_model(str(model_dir))
     # Like ignore_eos: an EOS id that can never be generated (min_new_tokens
     # would instead mask the real EOS out of the distribution).
     never = model.config.vocab_size + 1
@@ -121,7 +121,7 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int) -> tuple[
 _hf_cache: dict[str, Any] = {}
 
 
-def _hf_model(path: str):
+def hf_model(path: str):
     if path not in _hf_cache:
         _hf_cache.clear()
         _hf_cache[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -119,13 +119,17 @@ def test_unknown_speculative_algorithm(cli_in_process):
     )
 
 
-def test_a_draft_proposer_without_a_draft_model(cli_in_process, tmp_path):
+def test_a_draft_or_eagle_proposer_without_its_model(cli_in_process, tmp_path):
     code, output = cli_in_process("serve", "--speculative-algorithm", "draft")
     assert_short_failure(code, output, "speculative_draft_model_path: --speculative-algorithm draft runs a draft model")
     code, output = cli_in_process(
         "serve", "--speculative-algorithm", "draft", "--speculative-draft-model-path", "/nope"
     )
     assert_short_failure(code, output, "speculative_draft_model_path:", "/nope")
+    code, output = cli_in_process("serve", "--speculative-algorithm", "eagle")
+    assert_short_failure(code, output, "speculative_eagle_path: --speculative-algorithm eagle runs an EAGLE head")
+    code, output = cli_in_process("serve", "--speculative-algorithm", "eagle", "--speculative-eagle-path", "/nope")
+    assert_short_failure(code, output, "speculative_eagle_path:", "/nope")
 
 
 def test_an_adapter_that_cannot_be_served_stops_the_start(cli_in_process, tiny_llama_dir, tmp_path):

@@ -16,16 +16,21 @@ import httpx
 import openai
 import pytest
 import torch
-from generation_utils import generate, make_scheduler, mixed_prompts, run, submit
+from generation_utils import generate, hf_model, make_scheduler, mixed_prompts, run, submit
 from helpers_server import serving
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
 from test_sampling import FREQ_LOGITS, assert_drawn_from, expected_distribution
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFLlamaDecoderLayer
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from radixserve.checkpoints.random_eagle import build_random_eagle_head
 from radixserve.hooks import hookimpl
 from radixserve.messages import FinishReason
 from radixserve.registry import PluginRegistry
+from radixserve.runtime.execution.eagle_head import FEATURE_BACKLOG
 from radixserve.runtime.execution.sampler import SamplingBatch
 from radixserve.runtime.execution.verifier import NO_PROPOSAL, verify, walk
 from radixserve.sampling.params import SamplingParams
@@ -395,6 +400,171 @@ def test_a_draft_model_must_share_the_vocabulary(tiny_llama_dir, tiny_model_fact
         make_scheduler(tiny_llama_dir, **PRIORITY, speculative_algorithm="draft")
     with pytest.raises(ValueError, match="speculative_draft_model_path: is for --speculative-algorithm draft"):
         make_scheduler(tiny_llama_dir, **PRIORITY, speculative_draft_model_path=str(other))
+
+
+# ---- the EAGLE proposer ---------------------------------------------------------------
+
+
+def copying_eagle_head(target_dir: Path, out_dir: Path) -> Path:
+    """An EAGLE head for ``target_dir`` in EAGLE-1/2's layout whose ``fc`` passes the
+    feature through and whose layer only perturbs it: it reads the target's next-token
+    choice off each feature, so it proposes the newest token again (which the tiny
+    model's looping outputs sometimes keep, so both verdicts happen). It ships an
+    ``embed_tokens`` copy, as some checkpoints do: the head uses the target's."""
+    out = build_random_eagle_head(target_dir, out_dir, seed=3)
+    weights = load_file(out / "model.safetensors")
+    hidden = weights["fc.bias"].shape[0]
+    weights = {k: v * 0.2 if k.startswith("layers.") and "norm" not in k else v for k, v in weights.items()}
+    weights["fc.weight"] = torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], dim=1)
+    weights["embed_tokens.weight"] = torch.zeros(512, hidden)
+    save_file(weights, out / "model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def eagle_head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    return copying_eagle_head(tiny_llama_dir, tmp_path_factory.mktemp("eagle"))
+
+
+def hf_eagle_logits(target_dir: Path, head_dir: Path, token_ids: list[int], k: int) -> list[torch.Tensor]:
+    """The logits of ``k`` drafted positions after ``token_ids``, computed from scratch
+    with HF transformers' modules: the target's final hidden states of every token but
+    the newest, then ``k`` times: ``fc`` over [embedding of token p + 1, feature of p]
+    for every position, HF's Llama decoder layer (no input norm), the target's LM head
+    on the last output; its argmax is the next drafted token, the output its feature."""
+    target = hf_model(str(target_dir))
+    config = LlamaConfig.from_pretrained(head_dir)
+    config._attn_implementation = "sdpa"  # causal without a mask
+    weights = load_file(head_dir / "model.safetensors")
+    layer = HFLlamaDecoderLayer(config, 0)
+    layer.input_layernorm = torch.nn.Identity()
+    layer.load_state_dict({k[len("layers.0.") :]: v for k, v in weights.items() if k.startswith("layers.0.")})
+    fc = torch.nn.Linear(2 * config.hidden_size, config.hidden_size)
+    fc.load_state_dict({"weight": weights["fc.weight"], "bias": weights["fc.bias"]})
+    rotary = LlamaRotaryEmbedding(config)
+    with torch.no_grad():
+        features = target.model(torch.tensor([token_ids[:-1]])).last_hidden_state[0]
+        tokens, logits = list(token_ids), []
+        for _ in range(k):
+            x = fc(torch.cat([target.model.embed_tokens(torch.tensor(tokens[1:])), features], dim=-1))[None]
+            positions = torch.arange(x.shape[1])[None]
+            out = layer(x, position_ids=positions, position_embeddings=rotary(x, positions))[0, -1]
+            logits.append(target.lm_head(out))
+            tokens.append(int(logits[-1].argmax()))
+            features = torch.cat([features, out[None]])
+    return logits
+
+
+def eagle_scheduler(target_dir: Path, head_dir: Path, **server_args):
+    server_args.setdefault("speculative_max_batch_size", 8)
+    return make_scheduler(
+        target_dir, **PRIORITY, speculative_algorithm="eagle", speculative_eagle_path=str(head_dir), **server_args
+    )
+
+
+class RecordedDrafts:
+    """Watches a scheduler's EAGLE proposer: for each request it was asked about, its
+    tokens and the logits the head gave each drafted position."""
+
+    def __init__(self, speculation):
+        self.drafts: list[tuple[list[int], list[torch.Tensor]]] = []
+        proposer, head = speculation.proposer, speculation.draft_model
+        propose, next_token_logits, rows = proposer.propose, head.next_token_logits, {}
+
+        def recording_logits(requests):
+            logits = next_token_logits(requests)
+            for request, row in zip(requests, logits, strict=True):
+                rows.setdefault(request.rid, []).append(row.clone())
+            return logits
+
+        def recording_propose(requests):
+            rows.clear()
+            made = propose(requests)
+            self.drafts += [(list(r.token_ids), rows[r.rid]) for r in requests if r.max_tokens]
+            return made
+
+        proposer.propose, head.next_token_logits = recording_propose, recording_logits
+
+
+def test_an_eagle_head_drafts_what_hfs_layers_compute_and_gives_plain_decodings_tokens(tiny_llama_dir, eagle_head_dir):
+    """Through the scheduler (a ragged batch, one prompt longer than the head's
+    feature backlog, chunked prefill, pages of 4, no radix cache so that every head
+    sequence starts at the prompt's first token): the logits of every drafted position
+    are what HF's decoder layer computes from scratch on the target's hidden states,
+    though the head computed them step by step (its own outputs standing in for
+    features the target had not computed yet, computed again with the target's once
+    kept); the tokens are plain decoding's; the head's pool is empty at the end."""
+    prompts = [*repetitive_prompts(512)[:3], mixed_prompts(512, [FEATURE_BACKLOG + 20], seed=4)[0]]
+    server_args = {"chunked_prefill_size": 16, "page_size": 4, "disable_radix_cache": True}
+    plain = generate(make_scheduler(tiny_llama_dir, **PRIORITY, **server_args), prompts, max_new_tokens=30, **GREEDY)
+    scheduler = eagle_scheduler(tiny_llama_dir, eagle_head_dir, **server_args)
+    recorded = RecordedDrafts(scheduler.speculation)
+    spec = generate(scheduler, prompts, max_new_tokens=30, **GREEDY)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    stats = scheduler.stats()
+    assert 0 < stats.spec_accepted_tokens_total < stats.spec_proposed_tokens_total
+    assert scheduler.speculation.draft_model.tokens_held() == 0
+    for token_ids, rows in recorded.drafts[::2]:  # every other one: each costs HF forwards
+        expected = hf_eagle_logits(tiny_llama_dir, eagle_head_dir, token_ids, len(rows))
+        for step, (ours, theirs) in enumerate(zip(rows, expected, strict=True)):
+            assert (ours - theirs).abs().max() < 1e-4, (len(token_ids), step)  # fp32: 1.3e-5 seen
+    assert len(recorded.drafts) >= 20
+
+
+def test_an_eagle_head_under_the_radix_cache_gives_plain_decodings_tokens(tiny_llama_dir, eagle_head_dir):
+    """With the radix cache (a prompt twice, and each prompt again in a second round:
+    those heads start after the cached prefix) and pages of 4: plain decoding's tokens,
+    the pools whole."""
+    prompts = repetitive_prompts(512)
+    plain_s = make_scheduler(tiny_llama_dir, **PRIORITY, page_size=4)
+    spec_s = eagle_scheduler(tiny_llama_dir, eagle_head_dir, page_size=4)
+    for _ in range(2):
+        plain = generate(plain_s, prompts, max_new_tokens=20, **GREEDY)
+        spec = generate(spec_s, prompts, max_new_tokens=20, **GREEDY)
+        assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    stats = spec_s.stats()
+    assert stats.spec_verify_steps > 0 and stats.cached_tokens_total > 0 and stats.private_tokens == 0
+    assert spec_s.speculation.draft_model.tokens_held() == 0
+
+
+def test_a_batch_too_large_to_speculate_trims_the_heads_features(tiny_llama_dir, eagle_head_dir):
+    """Four requests where only two may speculate, prompts longer than the head's
+    feature backlog: while four run, each keeps only its newest features and the head
+    computes nothing for them; once two have ended, the others speculate from what
+    they kept. Plain decoding's tokens; the head's pool empty at the end."""
+    prompts = mixed_prompts(512, [FEATURE_BACKLOG + 40, FEATURE_BACKLOG + 60, 30, 40], seed=9)
+    budgets = [40, 40, 6, 6]
+    plain_s = make_scheduler(tiny_llama_dir, **PRIORITY, page_size=4)
+    spec_s = eagle_scheduler(tiny_llama_dir, eagle_head_dir, page_size=4, speculative_max_batch_size=2)
+    head = spec_s.speculation.draft_model
+    results = []
+    for scheduler in (plain_s, spec_s):
+        rids = [submit(scheduler, p, max_new_tokens=n, **GREEDY) for p, n in zip(prompts, budgets, strict=True)]
+        outputs = []
+        while len(scheduler.running) < 4 or scheduler.waiting:  # the prompts prefilled, four decoding
+            outputs += scheduler.step()
+        if scheduler is spec_s:
+            assert head.tokens_held() == 0  # nothing computed while the batch is too large
+        done = run(scheduler, earlier=outputs)
+        results.append([done[r].output_ids for r in rids])
+    assert results[1] == results[0]
+    assert spec_s.stats().spec_verify_steps > 0 and head.tokens_held() == 0
+
+
+def test_an_eagle_head_is_checked_at_start(tiny_llama_dir, eagle_head_dir, small_draft_dir, tiny_model_factory):
+    with pytest.raises(ValueError, match="speculative_eagle_path: --speculative-algorithm eagle runs an EAGLE head"):
+        make_scheduler(tiny_llama_dir, **PRIORITY, speculative_algorithm="eagle")
+    with pytest.raises(ValueError, match="speculative_eagle_path: --speculative-algorithm ngram runs no EAGLE head"):
+        make_scheduler(
+            tiny_llama_dir, **PRIORITY, speculative_algorithm="ngram", speculative_eagle_path=str(eagle_head_dir)
+        )
+    with pytest.raises(ValueError, match="speculative_eagle_path: is for --speculative-algorithm eagle"):
+        make_scheduler(tiny_llama_dir, **PRIORITY, speculative_eagle_path=str(eagle_head_dir))
+    with pytest.raises(ValueError, match="the head's hidden size is 64, the target's 32"):
+        eagle_scheduler(small_draft_dir, eagle_head_dir)
+    gemma = tiny_model_factory(arch="gemma2")
+    with pytest.raises(ValueError, match="hidden states, which Gemma2ForCausalLM does not expose"):
+        eagle_scheduler(gemma, eagle_head_dir)
 
 
 def test_a_server_speculates_and_says_so(tiny_llama_dir, tiny_server):

@@ -191,7 +191,8 @@ class ServerArgs(CliArgs):
     speculative_algorithm: str | None = _flag(
         "propose several tokens a step and keep those the model agrees with (greedy: the same tokens; "
         "sampling: the same distribution): ngram (built in: lookup in the request's own prompt and output), "
-        "draft (built in: a smaller model, --speculative-draft-model-path) or any registered proposer "
+        "draft (built in: a smaller model, --speculative-draft-model-path), eagle (built in: an EAGLE head over the "
+        "target's hidden states, --speculative-eagle-path) or any registered proposer "
         "(`radixserve plugins` lists them); unset: off",
         default=None,
     )
@@ -199,6 +200,11 @@ class ServerArgs(CliArgs):
     speculative_draft_model_path: str | None = _flag(
         "draft: a smaller model with the same tokenizer (a local HuggingFace directory), run beside the target on "
         "the same device; it decodes the proposals greedily",
+        default=None,
+    )
+    speculative_eagle_path: str | None = _flag(
+        "eagle: an EAGLE head trained for the target (a local directory in EAGLE-1/2's layout: a Llama config.json "
+        "and fc/layers weights); it reads the target's hidden states and uses its embedding and LM head",
         default=None,
     )
     speculative_ngram_min_match_window_size: int = _flag(
@@ -349,6 +355,8 @@ class ServerArgs(CliArgs):
             bad("speculative_ngram_max_match_window_size", f"must be >= the min match window ({low}), got {high}")
         if self.speculative_draft_model_path is not None and self.speculative_algorithm is None:
             bad("speculative_draft_model_path", "is for --speculative-algorithm draft, and speculation is off")
+        if self.speculative_eagle_path is not None and self.speculative_algorithm is None:
+            bad("speculative_eagle_path", "is for --speculative-algorithm eagle, and speculation is off")
         if self.speculative_algorithm is not None and self.disable_overlap_schedule is False:
             bad(
                 "disable_overlap_schedule",

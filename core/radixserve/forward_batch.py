@@ -57,6 +57,13 @@ class ForwardBatch:
     rope_table_rows: torch.Tensor | None = None
     # Multi-LoRA serving: which adapter slot each new token uses (None: LoRA is off).
     lora: LoRABatch | None = None
+    # Speculative decoding with an EAGLE head (runtime/execution/eagle_head.py): with
+    # ``capture_hidden`` set, a model that serves as a target keeps the final hidden
+    # states of every new token (the LM head's input) in ``hidden_states``; the head
+    # reads the target's features, one per new token, from ``input_features``.
+    capture_hidden: bool = False
+    hidden_states: torch.Tensor | None = None
+    input_features: torch.Tensor | None = None
 
     @property
     def rope_rows(self) -> torch.Tensor:

@@ -63,13 +63,15 @@ def check_sources(args: ServerArgs) -> None:
         safetensors_files,
     )
 
-    draft = args.speculative_draft_model_path
-    if draft is not None:
+    for flag in ("speculative_draft_model_path", "speculative_eagle_path"):
+        path = getattr(args, flag)
+        if path is None:
+            continue
         try:
-            check_model_source(draft)
-            safetensors_files(draft)
+            check_model_source(path)
+            safetensors_files(path)
         except (ValueError, OSError, KeyError) as exc:
-            raise StartupError(f"speculative_draft_model_path: {exc}", MODEL_HINT) from exc
+            raise StartupError(f"{flag}: {exc}", MODEL_HINT) from exc
     if args.model_path is None:
         return
     try:
@@ -91,7 +93,7 @@ def check_args(args: ServerArgs) -> type[Platform]:
     ``--tool-call-parser``, ``--reasoning-parser``, ``--speculative-algorithm``).
     Returns the platform."""
     from radixserve.registry import PluginError, get_registry
-    from radixserve.speculative.base import draft_model_mismatch
+    from radixserve.speculative.base import model_path_error
 
     registry = get_registry()
     try:
@@ -102,9 +104,12 @@ def check_args(args: ServerArgs) -> type[Platform]:
         if args.reasoning_parser is not None:
             registry.reasoning_parser(args.reasoning_parser)
         if args.speculative_algorithm is not None:
-            needs_draft = registry.proposer(args.speculative_algorithm).needs_draft_model
-            if needs_draft != (args.speculative_draft_model_path is not None):
-                raise StartupError(draft_model_mismatch(args.speculative_algorithm, needs_draft))
+            proposer = registry.proposer(args.speculative_algorithm)
+            error = model_path_error(
+                args.speculative_algorithm, proposer, args.speculative_draft_model_path, args.speculative_eagle_path
+            )
+            if error is not None:
+                raise StartupError(error)
     except PluginError as exc:
         raise StartupError(str(exc), PLUGINS_HINT) from exc
     for kind, name in _forced_backends(args, args.quantization).items():

@@ -274,10 +274,18 @@ class LlamaForCausalLM(Layer):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(batch)
+        if batch.capture_hidden:
+            batch.hidden_states = hidden
         if batch.logits_indices is not None:
             hidden = hidden[batch.logits_indices]
         logits: torch.Tensor = self.lm_head(hidden)
         return logits.float()
+
+    def embed_and_head(self) -> tuple[nn.Module, nn.Module]:
+        """The token embedding and the LM head, which an EAGLE head over this model
+        shares (models/eagle.py); the forward keeps the hidden states such a head reads
+        when ``batch.capture_hidden`` is set."""
+        return self.model.embed_tokens, self.lm_head
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         """HF checkpoint name -> (parameter name, shard id), or None to skip it."""

@@ -17,7 +17,10 @@ proposer that runs a model of its own (a draft model) declares
 ``needs_draft_model``; the runtime then loads ``--speculative-draft-model-path``
 beside the target, on the same device, and hands it over as a ``SequenceModel``
 in the settings: the proposer asks it for next-token logits, the runtime keeps
-each request's KV in the draft model's own pool between calls.
+each request's KV in the draft model's own pool between calls. A proposer that
+declares ``needs_eagle_head`` gets the EAGLE head of ``--speculative-eagle-path``
+the same way; the runtime feeds it the target's hidden states, so it asks it
+for logits as it would a draft model, one drafted token at a time.
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ class Proposer(ABC):
     name: ClassVar[str]
     priority: ClassVar[int] = 0
     needs_draft_model: ClassVar[bool] = False  # True: built with ``settings.draft_model`` set
+    # True: built with ``settings.draft_model`` set to the EAGLE head of ``--speculative-eagle-path``,
+    # a SequenceModel that also reads the target's hidden states (the runtime feeds them).
+    needs_eagle_head: ClassVar[bool] = False
 
     def __init__(self, settings: ProposerSettings):
         self.settings = settings
@@ -98,8 +104,17 @@ class Proposer(ABC):
         """Request ``rid`` ended: drop whatever was kept for it."""
 
 
-def draft_model_mismatch(algorithm: str, needs_draft_model: bool) -> str:
-    """The error for a draft model missing where the proposer runs one, or given where it does not."""
-    if needs_draft_model:
-        return f"speculative_draft_model_path: --speculative-algorithm {algorithm} runs a draft model; name one"
-    return f"speculative_draft_model_path: --speculative-algorithm {algorithm} runs no draft model; leave it unset"
+def model_path_error(
+    algorithm: str, proposer: type[Proposer], draft_model_path: str | None, eagle_path: str | None
+) -> str | None:
+    """The error for a draft model or EAGLE head missing where the proposer runs one,
+    or given where it does not; None when the paths fit it."""
+    for flag, needed, given, what in (
+        ("speculative_draft_model_path", proposer.needs_draft_model, draft_model_path, "a draft model"),
+        ("speculative_eagle_path", proposer.needs_eagle_head, eagle_path, "an EAGLE head"),
+    ):
+        if needed and given is None:
+            return f"{flag}: --speculative-algorithm {algorithm} runs {what}; name one"
+        if given is not None and not needed:
+            return f"{flag}: --speculative-algorithm {algorithm} runs no {what.split(' ', 1)[1]}; leave it unset"
+    return None

@@ -25,7 +25,7 @@ class DraftModelProposer(Proposer):
     def __init__(self, settings: ProposerSettings):
         super().__init__(settings)
         if settings.draft_model is None:
-            raise ValueError("speculative_draft_model_path: the draft proposer needs a draft model")
+            raise ValueError(f"the {self.name} proposer runs a model of its own, and none was given")
         self.model: SequenceModel = settings.draft_model
 
     def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:

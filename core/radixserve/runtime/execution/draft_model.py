@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import PretrainedConfig
 
 from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardMode
 from radixserve.registry import PluginRegistry
 from radixserve.runtime.execution.batch import BatchPlan
+from radixserve.runtime.execution.model_plan import plan_model
 from radixserve.runtime.execution.model_runner import ModelRunner
 from radixserve.speculative.base import DraftRequest
 
@@ -36,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class _Computed:
+class ComputedTokens:
     row: int  # of the draft's token table
     tokens: list[int]  # whose KV is in the draft's pool, in order
     slots: list[int]  # their slots (on the host: cutting back reads no device)
@@ -47,10 +49,18 @@ class _Computed:
 
 
 class DraftModelRunner:
-    def __init__(self, args: ServerArgs, registry: PluginRegistry, target: ModelRunner):
-        path = args.speculative_draft_model_path
-        if path is None:
-            raise ValueError("speculative_draft_model_path: a draft model is needed")
+    flag = "speculative_draft_model_path"  # the flag that names the model, in errors
+
+    def __init__(
+        self,
+        args: ServerArgs,
+        registry: PluginRegistry,
+        target: ModelRunner,
+        path: str,
+        config: PretrainedConfig | None = None,
+    ):
+        """Load the model at ``path`` beside ``target`` (``config``: its config where
+        the caller has read and adjusted it)."""
         draft_args = dataclasses.replace(
             args,
             model_path=path,
@@ -67,23 +77,25 @@ class DraftModelRunner:
             disable_graph=True,
             speculative_algorithm=None,
             speculative_draft_model_path=None,
+            speculative_eagle_path=None,
             disaggregation_mode="null",
             enable_lora=False,  # it proposes base-model tokens; the target verifies them under each adapter
             lora_paths=[],
         )
-        self.runner = runner = ModelRunner(draft_args, path, registry)
+        plan = None if config is None else plan_model(draft_args, path, registry.resolve_platform(args.device), config)
+        self.runner = runner = ModelRunner(draft_args, path, registry, plan=plan)
         if runner.vocab_size != target.vocab_size:
             raise ValueError(
-                f"speculative_draft_model_path: the draft model's vocabulary has {runner.vocab_size} tokens, "
+                f"{self.flag}: the draft model's vocabulary has {runner.vocab_size} tokens, "
                 f"the target's {target.vocab_size}; a draft must share the target's tokenizer"
             )
         if runner.context_length < target.context_length:
             raise ValueError(
-                f"speculative_draft_model_path: the draft model's context ({runner.context_length}) is shorter than "
+                f"{self.flag}: the draft model's context ({runner.context_length}) is shorter than "
                 f"the target's ({target.context_length}); pass --context-length {runner.context_length} or less"
             )
         self.table, self.allocator = runner.req_to_token_pool, runner.allocator
-        self._computed: dict[str, _Computed] = {}
+        self._computed: dict[str, ComputedTokens] = {}
         logger.info(
             "draft model %s: %s, backends %s, KV pool %d tokens",
             path,
@@ -114,7 +126,7 @@ class DraftModelRunner:
         prefix_lens, new = [], []
         for state, request in zip(states, requests, strict=True):
             tokens = request.token_ids
-            keep = _common_prefix(state.tokens, tokens, len(tokens) - 1)  # the last token is always computed
+            keep = common_prefix(state.tokens, tokens, len(tokens) - 1)  # the last token is always computed
             self._cut(state, keep)
             prefix_lens.append(keep)
             new.append(list(tokens[keep:]))
@@ -148,16 +160,16 @@ class DraftModelRunner:
             self._cut(state, 0)
             self.table.free(state.row)
 
-    def _state(self, rid: str) -> _Computed:
+    def _state(self, rid: str) -> ComputedTokens:
         state = self._computed.get(rid)
         if state is None:
             row = self.table.alloc()
             if row is None:
                 raise RuntimeError("the draft model's token table is full (it has a row per running request)")
-            state = self._computed[rid] = _Computed(row, [], [])
+            state = self._computed[rid] = ComputedTokens(row, [], [])
         return state
 
-    def _cut(self, state: _Computed, keep: int) -> None:
+    def _cut(self, state: ComputedTokens, keep: int) -> None:
         """Keep the KV of ``state``'s first ``keep`` tokens; give back the pages past them."""
         if keep >= len(state.tokens):
             return
@@ -168,7 +180,7 @@ class DraftModelRunner:
         del state.tokens[keep:], state.slots[keep:]
 
 
-def _common_prefix(a: list[int], b: Sequence[int], limit: int) -> int:
+def common_prefix(a: list[int], b: Sequence[int], limit: int) -> int:
     n = min(len(a), len(b), limit)
     if a[:n] == list(b[:n]):  # the common case, compared in C
         return n

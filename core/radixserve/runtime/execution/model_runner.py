@@ -268,11 +268,12 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Float32 logits for ``batch.logits_indices`` (for an embedding model, the
         final hidden states there). A decode batch that the graphs cover is
-        replayed; its logits are then a view that the next forward overwrites."""
+        replayed; its logits are then a view that the next forward overwrites. One that
+        must keep its hidden states (``capture_hidden``) runs eagerly."""
         if self.lora is not None:
             self.lora.step.batch = batch.lora
         with self.platform.forward_context():
-            if self.graph_runner is not None and self.graph_runner.can_run(batch):
+            if self.graph_runner is not None and not batch.capture_hidden and self.graph_runner.can_run(batch):
                 return self.graph_runner.replay(batch)
             self.attention.init_forward_metadata(batch)
             logits: torch.Tensor = self.model(batch)

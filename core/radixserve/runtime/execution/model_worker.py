@@ -132,6 +132,9 @@ class StepResult:
     # A verify step's: per row, whether its proposal was kept, and the proposal's raw logprob.
     kept: list[bool] | None = None
     proposal_logprobs: list[float] | None = None
+    # With ``ModelWorker.keep_hidden_states``: the final hidden state of each of the step's
+    # tokens, in the batch's order, on the device (an EAGLE head reads them).
+    hidden_states: torch.Tensor | None = None
 
 
 @dataclass
@@ -146,12 +149,13 @@ class PendingStep:
     verified: bool = False  # a verify step's: kept[, proposal logprobs] follow the ids
     embedded: list[Req] = field(default_factory=list)  # whose embeddings are on their way
     embeddings: HostCopy | None = None
+    hidden_states: torch.Tensor | None = None
 
     def wait(self) -> StepResult:
         vectors = self.embeddings.wait()[0].tolist() if self.embeddings is not None else []
         embeddings = {req.rid: vector for req, vector in zip(self.embedded, vectors, strict=True)}
         if self.copies is None:
-            return StepResult([], None, [], self.prompt_logprobs, embeddings)
+            return StepResult([], None, [], self.prompt_logprobs, embeddings, hidden_states=self.hidden_states)
         host = iter(self.copies.wait())
         next_ids = next(host).tolist()
         kept = next(host).tolist() if self.verified else None
@@ -164,14 +168,23 @@ class PendingStep:
                 if req.return_logprob:
                     k = req.top_logprobs_num
                     tops[i] = list(zip(values[i][:k], ids[i][:k], strict=True))
-        return StepResult(next_ids, chosen, tops, self.prompt_logprobs, embeddings, kept, proposal_logprobs)
+        return StepResult(
+            next_ids, chosen, tops, self.prompt_logprobs, embeddings, kept, proposal_logprobs, self.hidden_states
+        )
 
 
 class ModelWorker:
     def __init__(
-        self, runner: ModelRunner, sampler: Sampler, pool: ReqToTokenPool, transfer: HostTransfer, overlap: bool
+        self,
+        runner: ModelRunner,
+        sampler: Sampler,
+        pool: ReqToTokenPool,
+        transfer: HostTransfer,
+        overlap: bool,
+        keep_hidden_states: bool = False,
     ):
         self.runner, self.sampler, self.pool, self.transfer = runner, sampler, pool, transfer
+        self.keep_hidden_states = keep_hidden_states  # each step's hidden states in its result (an EAGLE head's)
         self.pooling = EmbeddingPooling(runner.embedding, transfer) if runner.embedding is not None else None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-worker") if overlap else None
 
@@ -192,12 +205,13 @@ class ModelWorker:
 
     def _run(self, work: StepWork) -> PendingStep:
         batch = work.batch.build(self.pool, self.runner.kv_pool)
+        batch.capture_hidden = self.keep_hidden_states
         logits = self.runner.forward(batch)
         prompt = [
             self.sampler.prompt_logprobs(logits[p.row : p.row + len(p.targets)], p.targets, p.req.top_logprobs_num)
             for p in work.prompt_rows
         ]
-        pending = PendingStep(work.sample_reqs, prompt)
+        pending = PendingStep(work.sample_reqs, prompt, hidden_states=batch.hidden_states)
         if work.embed_rows:  # an embedding model: the logits are its final hidden states
             pending.embedded = [rows.req for rows in work.embed_rows if rows.done]
             pooling = cast(EmbeddingPooling, self.pooling)  # set for an embedding model

@@ -83,7 +83,10 @@ class Scheduler:
         if self.speculation is not None and overlap:
             logger.info("overlap scheduling: off (speculative decoding proposes from the last step's tokens)")
             overlap = False
-        self.worker = ModelWorker(runner, self.sampler, runner.req_to_token_pool, runner.transfer, overlap=overlap)
+        keep_hidden = self.speculation is not None and self.speculation.reads_hidden_states
+        self.worker = ModelWorker(
+            runner, self.sampler, runner.req_to_token_pool, runner.transfer, overlap, keep_hidden_states=keep_hidden
+        )
         self.profiler = StepProfiler(runner.platform.profiler_activities(), rank=runner.group.rank)
         self.rope_sets = RopeSets(runner.long_rope)
         self.totals, self.rates, self.oplog = ServingTotals(), StepRates(), OperatorLog(args.decode_log_interval)
@@ -421,6 +424,19 @@ class Scheduler:
         for i, req in enumerate(work.sample_reqs):
             if not req.finished:  # else aborted, or finished by the step before (overlap): the token is dropped
                 self._append(req, result, i)
+        if result.hidden_states is not None:
+            self._take_features(launched, result.hidden_states)
+
+    def _take_features(self, launched: LaunchedStep, hidden_states: torch.Tensor) -> None:
+        """Hand the speculative proposer's EAGLE head the target's hidden states of the
+        tokens this (extend or decode) step computed, request by request."""
+        speculation = cast(Speculation, self.speculation)  # only an EAGLE head asks for hidden states
+        speculating = speculation.speculates_at(len(self.running))
+        offset = 0
+        for req, n, kv_after in zip(launched.reqs, launched.work.batch.extend_lens, launched.kv_after, strict=True):
+            if not req.finished:
+                speculation.take_features(req, kv_after - n, hidden_states[offset : offset + n], speculating)
+            offset += n
 
     # ---- decode ----------------------------------------------------------------
     def _launch_decode(self) -> LaunchedStep | None:
@@ -497,6 +513,9 @@ class Scheduler:
                 row = cast("HoldsKV", req).kv.row
                 self.runner.req_to_token_pool.write_tokens(row, newest + taken, verified.tokens[-1:])
                 self.outbox.touch(req)
+                if result.hidden_states is not None:  # an EAGLE head's: the kept tokens' hidden states
+                    speculation = cast(Speculation, self.speculation)
+                    speculation.take_features(req, newest, result.hidden_states[rows : rows + taken], True)
 
     def _make_room_for_decode(self) -> None:
         """Retract (the chunked prefill first, then the newest requests) until

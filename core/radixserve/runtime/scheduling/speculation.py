@@ -14,12 +14,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from radixserve.config import ServerArgs
 from radixserve.registry import PluginRegistry
 from radixserve.runtime.execution.draft_model import DraftModelRunner
+from radixserve.runtime.execution.eagle_head import EagleHeadRunner
 from radixserve.runtime.execution.model_runner import ModelRunner
 from radixserve.runtime.execution.request import Req
-from radixserve.speculative.base import DraftRequest, Proposer, ProposerSettings, draft_model_mismatch
+from radixserve.speculative.base import DraftRequest, Proposer, ProposerSettings, model_path_error
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +36,8 @@ class Speculation:
         self.max_batch_size = max_batch_size
         self.vocab_size = vocab_size
         self.draft_model = draft_model
+        # An EAGLE head reads the target's hidden states of every token it computes (``take_features``).
+        self.eagle_head = draft_model if isinstance(draft_model, EagleHeadRunner) else None
 
     @classmethod
     def create(cls, args: ServerArgs, registry: PluginRegistry, target: ModelRunner) -> Speculation | None:
@@ -41,9 +46,15 @@ class Speculation:
         if args.speculative_algorithm is None:
             return None
         proposer_cls = registry.proposer(args.speculative_algorithm)
-        if proposer_cls.needs_draft_model != (args.speculative_draft_model_path is not None):
-            raise ValueError(draft_model_mismatch(args.speculative_algorithm, proposer_cls.needs_draft_model))
-        draft_model = DraftModelRunner(args, registry, target) if proposer_cls.needs_draft_model else None
+        draft_path = args.speculative_draft_model_path
+        error = model_path_error(args.speculative_algorithm, proposer_cls, draft_path, args.speculative_eagle_path)
+        if error is not None:
+            raise ValueError(error)
+        draft_model: DraftModelRunner | None = None
+        if draft_path is not None:
+            draft_model = DraftModelRunner(args, registry, target, draft_path)
+        elif proposer_cls.needs_eagle_head:
+            draft_model = EagleHeadRunner(args, registry, target)
         settings = ProposerSettings(
             num_draft_tokens=args.speculative_num_draft_tokens,
             ngram_min_match=args.speculative_ngram_min_match_window_size,
@@ -72,7 +83,7 @@ class Speculation:
     def proposals(self, running: list[Req]) -> list[list[int]] | None:
         """Each running request's proposals, in order; None when this step decodes
         without any (too many requests running, or nothing proposed)."""
-        if len(running) > self.max_batch_size:
+        if not self.speculates_at(len(running)):
             return None
         limits = [self._limit(r) for r in running]
         if not any(limits):
@@ -89,6 +100,26 @@ class Speculation:
 
     def forget(self, rid: str) -> None:
         self.proposer.forget(rid)
+
+    @property
+    def reads_hidden_states(self) -> bool:
+        """Whether the target's steps must keep their hidden states for ``take_features``."""
+        return self.eagle_head is not None
+
+    def speculates_at(self, batch_size: int) -> bool:
+        return batch_size <= self.max_batch_size
+
+    def take_features(self, req: Req, start: int, hidden_states: torch.Tensor, speculating: bool) -> None:
+        """The target computed and kept ``req``'s tokens at positions ``[start, start +
+        len(hidden_states))``: the EAGLE head reads their hidden states. ``speculating``:
+        whether the running batch is small enough to speculate (``speculates_at``); if
+        not, the head keeps only the newest of a request's waiting features."""
+        head = self.eagle_head
+        if head is not None and head.take_features(req.rid, start, hidden_states):
+            if speculating:
+                head.catch_up(req.rid, req.fill_ids)
+            else:
+                head.trim(req.rid)
 
     def _limit(self, req: Req) -> int:
         """How many tokens ``req`` may be proposed: up to ``num_draft_tokens``, leaving
