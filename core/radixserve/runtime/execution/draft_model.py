@@ -27,7 +27,7 @@ import torch
 from transformers import PretrainedConfig
 
 from radixserve.config import ServerArgs
-from radixserve.forward_batch import ForwardMode
+from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.registry import PluginRegistry
 from radixserve.runtime.execution.batch import BatchPlan
 from radixserve.runtime.execution.model_plan import plan_model
@@ -50,6 +50,8 @@ class ComputedTokens:
 
 class DraftModelRunner:
     flag = "speculative_draft_model_path"  # the flag that names the model, in errors
+    what = "draft model"
+    state_type: type[ComputedTokens] = ComputedTokens  # what is kept per request
 
     def __init__(
         self,
@@ -130,11 +132,21 @@ class DraftModelRunner:
             self._cut(state, keep)
             prefix_lens.append(keep)
             new.append(list(tokens[keep:]))
-            self.table.write_tokens(state.row, keep, new[-1])
+        batch, _ = self._batch(states, prefix_lens, new)
+        return self.runner.forward(batch).float()
+
+    def _batch(
+        self, states: Sequence[ComputedTokens], prefix_lens: list[int], new: list[list[int]]
+    ) -> tuple[ForwardBatch, list[int]]:
+        """The forward batch in which each state's request computes the tokens ``new[i]``
+        after its first ``prefix_lens[i]`` (their slots allocated and recorded in the
+        state), and where each request's tokens end in it."""
+        for state, keep, tokens in zip(states, prefix_lens, new, strict=True):
+            self.table.write_tokens(state.row, keep, tokens)
         extend_lens = [len(n) for n in new]
         slots = self.allocator.alloc_slots(prefix_lens, [s.last_slot for s in states], extend_lens)
         if slots is None:
-            raise RuntimeError("the draft model's KV pool is full (it is as large as the target's)")
+            raise RuntimeError(f"the {self.what}'s KV pool is full (it is as large as the target's)")
         mode = ForwardMode.DECODE if all(n == 1 for n in extend_lens) else ForwardMode.EXTEND
         ends = list(itertools.accumulate(extend_lens))
         plan = BatchPlan.launch(
@@ -148,11 +160,10 @@ class DraftModelRunner:
             self.runner.transfer,
             slots,
         )
-        logits = self.runner.forward(plan.build(self.table, self.runner.kv_pool)).float()
         for state, tokens, end in zip(states, new, ends, strict=True):
             state.tokens += tokens
             state.slots += slots[end - len(tokens) : end]
-        return logits
+        return plan.build(self.table, self.runner.kv_pool), ends
 
     def forget(self, rid: str) -> None:
         state = self._computed.pop(rid, None)
@@ -165,8 +176,8 @@ class DraftModelRunner:
         if state is None:
             row = self.table.alloc()
             if row is None:
-                raise RuntimeError("the draft model's token table is full (it has a row per running request)")
-            state = self._computed[rid] = ComputedTokens(row, [], [])
+                raise RuntimeError(f"the {self.what}'s token table is full (it has a row per running request)")
+            state = self._computed[rid] = self.state_type(row, [], [])
         return state
 
     def _cut(self, state: ComputedTokens, keep: int) -> None:

@@ -24,7 +24,6 @@ by the head in bulk once ``FEATURE_BACKLOG`` of them wait, so they stay bounded.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -33,10 +32,8 @@ import torch
 
 from radixserve.checkpoints.loader import load_config
 from radixserve.config import ServerArgs
-from radixserve.forward_batch import ForwardMode
 from radixserve.models.eagle import LlamaEagleHead
 from radixserve.registry import PluginRegistry
-from radixserve.runtime.execution.batch import BatchPlan
 from radixserve.runtime.execution.draft_model import ComputedTokens, DraftModelRunner, common_prefix
 from radixserve.runtime.execution.model_runner import ModelRunner
 from radixserve.speculative.base import DraftRequest
@@ -77,6 +74,8 @@ class _HeadState(ComputedTokens):
 
 class EagleHeadRunner(DraftModelRunner):
     flag = "speculative_eagle_path"
+    what = "EAGLE head"
+    state_type = _HeadState
 
     def __init__(self, args: ServerArgs, registry: PluginRegistry, target: ModelRunner):
         path = args.speculative_eagle_path
@@ -102,7 +101,6 @@ class EagleHeadRunner(DraftModelRunner):
         config.architectures = list(LlamaEagleHead.architectures)
         super().__init__(args, registry, target, path, config)
         cast(LlamaEagleHead, self.runner.model).attach(*embed_and_head())
-        self._computed: dict[str, _HeadState] = {}  # type: ignore[assignment]
 
     def take_features(self, rid: str, start: int, features: torch.Tensor) -> bool:
         """The target computed (and kept) the tokens of request ``rid`` at positions
@@ -137,43 +135,23 @@ class EagleHeadRunner(DraftModelRunner):
 
     def next_token_logits(self, requests: Sequence[DraftRequest]) -> torch.Tensor:
         states = [self._state(r.rid) for r in requests]
-        prefix_lens, new, features = [], [], []
+        prefix_lens, new, features, starts = [], [], [], []
         for state, request in zip(states, requests, strict=True):
             keep, tokens, rows = self._plan(state, request)
             self._cut(state, keep)
             prefix_lens.append(keep)
             new.append(tokens)
             features.append(rows)
-            self.table.write_tokens(state.row, keep, tokens)
-        extend_lens = [len(n) for n in new]
-        slots = self.allocator.alloc_slots(prefix_lens, [s.last_slot for s in states], extend_lens)
-        if slots is None:
-            raise RuntimeError("the EAGLE head's KV pool is full (it is as large as the target's)")
-        mode = ForwardMode.DECODE if all(n == 1 for n in extend_lens) else ForwardMode.EXTEND
-        ends = list(itertools.accumulate(extend_lens))
-        plan = BatchPlan.launch(
-            mode,
-            [s.row for s in states],
-            prefix_lens,
-            extend_lens,
-            [end - 1 for end in ends],
-            None,
-            self.table,
-            self.runner.transfer,
-            slots,
-        )
-        batch = plan.build(self.table, self.runner.kv_pool)
+            starts.append(state.base + keep)  # the first position computed
+        batch, ends = self._batch(states, prefix_lens, new)
         batch.input_features = torch.cat([f.to(self.runner.device) for f in features])
         batch.capture_hidden = True
         logits = self.runner.forward(batch).float()
         outputs = batch.hidden_states
         assert outputs is not None  # the head keeps them when asked
-        for state, tokens, end in zip(states, new, ends, strict=True):
-            first = state.base + len(state.tokens)
-            if state.target_run == len(state.tokens):  # the target's features continue the run
-                state.target_run += min(len(tokens), max(0, state.feature_end - first))
-            state.tokens += tokens
-            state.slots += slots[end - len(tokens) : end]
+        for state, first, end, computed in zip(states, starts, ends, new, strict=True):
+            if state.target_run == first - state.base:  # the target's features continue the run
+                state.target_run += min(len(computed), max(0, state.feature_end - first))
             state.last_output = (state.base + len(state.tokens) - 1, outputs[end - 1].clone())
             self._drop_read_features(state)
         return logits
@@ -237,10 +215,4 @@ class EagleHeadRunner(DraftModelRunner):
             state.target_run = min(state.target_run, keep)
 
     def _state(self, rid: str) -> _HeadState:
-        state = self._computed.get(rid)
-        if state is None:
-            row = self.table.alloc()
-            if row is None:
-                raise RuntimeError("the EAGLE head's token table is full (it has a row per running request)")
-            state = self._computed[rid] = _HeadState(row, [], [])
-        return state
+        return cast(_HeadState, super()._state(rid))
