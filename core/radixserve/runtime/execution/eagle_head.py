@@ -17,9 +17,11 @@ target's feature once that arrives.
 A request whose prompt was found in the radix cache gives the head no features
 for its cached part: the head's sequence starts at the first position the
 target computed for it (its positions count from there; rotary attention sees
-the same distances). Features a request gathers while it decodes without
-proposals (batches larger than ``--speculative-max-batch-size``) are computed
-by the head in bulk once ``FEATURE_BACKLOG`` of them wait, so they stay bounded.
+the same distances). Features wait at most ``FEATURE_BACKLOG`` a request: past
+that, a request in a batch small enough to speculate (or a prompt about to) has
+them computed at once (``catch_up``); one in a batch too large to
+(``--speculative-max-batch-size``) keeps the newest half, and its head sequence
+starts again from them (``trim``), so a large batch pays no head compute.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from radixserve.runtime.execution.draft_model import ComputedTokens, DraftModelR
 from radixserve.runtime.execution.model_runner import ModelRunner
 from radixserve.speculative.base import DraftRequest
 
-FEATURE_BACKLOG = 256  # target features a request may hold before the head computes them unasked
+FEATURE_BACKLOG = 256  # target features a request may hold waiting (then: catch_up or trim)
 
 
 @dataclass
