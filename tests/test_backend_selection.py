@@ -340,7 +340,9 @@ def test_a_case_read_slow_is_timed_again_and_the_faster_reading_counts(tmp_path)
     seconds = chooser.choices["gemm"].seconds
     assert BurstHitGemm.slow_calls == 30  # the first timing of the case saw only slow calls (25 at most)
     assert seconds["burst_hit_gemm"]["o_proj/single/m1"] < 0.001  # the second look's reading counts
-    assert chooser.choices["gemm"].scores["burst_hit_gemm"] < 1.5
+    # Scored as FastGemm is, within this machine's noise: 1.10-1.15 alone, 1.74 once in a CI
+    # run on a VM whose speed drifted 2x; the slow reading counted would score about 8.
+    assert chooser.choices["gemm"].scores["burst_hit_gemm"] < 3
 
 
 class PrefillFailsGemm(CountingGemm):
