@@ -259,6 +259,29 @@ def test_the_queue_ahead_drains_at_the_prefill_rate_between_reports():
     assert w.queued_prefill() == 0
 
 
+def test_an_ended_request_is_not_waiting_though_the_newest_report_counted_it():
+    """A request that ended has been prefilled: what the worker can still have waiting is
+    the router's requests in flight plus what the last report counted beyond them (other
+    routers' traffic), even before a newer report comes."""
+    clock = Clock()
+    w = worker("w", clock, prefill=(8000.0,) * 5, num_waiting_tokens=3000)  # 3000 from another router
+    first, second = Work(6000, 16), Work(4000, 16)
+    w.hold(first, +1)
+    w.hold(second, +1)
+    assert w.queued_prefill() == 13000
+    w.observe(report(clock, prefill=(8000.0,) * 5, num_waiting_tokens=13000))  # counts all three
+    w.hold(first, -1)
+    assert w.queued_prefill() == 7000  # the second and the other router's
+    w.hold(second, -1)
+    assert w.queued_prefill() == 3000
+    clock.now += 0.25
+    assert w.queued_prefill() == pytest.approx(1000)  # the rest drains at the prefill rate
+    silent = worker("silent", clock, speed=None)  # reports no load: only the router's own requests
+    silent.hold(first, +1)
+    silent.hold(first, -1)
+    assert silent.queued_prefill() == 0
+
+
 def test_a_full_running_batch_makes_a_request_wait_for_the_decode_ahead():
     """With every slot taken (--max-running-requests 2), a request waits for the output of
     the requests ahead of it: a worker with free slots wins even at a slower prefill."""

@@ -9,7 +9,9 @@ leave the KV pool whole; a real server serves with it and says so."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from pathlib import Path
 
 import httpx
@@ -27,12 +29,14 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFLlam
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from radixserve.checkpoints.random_eagle import build_random_eagle_head
+from radixserve.config import ServerArgs
 from radixserve.hooks import hookimpl
 from radixserve.messages import FinishReason
 from radixserve.registry import PluginRegistry
 from radixserve.runtime.execution.eagle_head import FEATURE_BACKLOG
 from radixserve.runtime.execution.sampler import SamplingBatch
 from radixserve.runtime.execution.verifier import NO_PROPOSAL, verify, walk
+from radixserve.runtime.scheduling.scheduler import Scheduler
 from radixserve.sampling.params import SamplingParams
 from radixserve.speculative.base import DraftRequest, Proposer, ProposerSettings
 from radixserve.speculative.ngram import NgramProposer
@@ -551,7 +555,9 @@ def test_a_batch_too_large_to_speculate_trims_the_heads_features(tiny_llama_dir,
     assert spec_s.stats().spec_verify_steps > 0 and head.tokens_held() == 0
 
 
-def test_an_eagle_head_is_checked_at_start(tiny_llama_dir, eagle_head_dir, small_draft_dir, tiny_model_factory):
+def test_an_eagle_head_is_checked_at_start(
+    tiny_llama_dir, eagle_head_dir, small_draft_dir, tiny_model_factory, tmp_path
+):
     with pytest.raises(ValueError, match="speculative_eagle_path: --speculative-algorithm eagle runs an EAGLE head"):
         make_scheduler(tiny_llama_dir, **PRIORITY, speculative_algorithm="eagle")
     with pytest.raises(ValueError, match="speculative_eagle_path: --speculative-algorithm ngram runs no EAGLE head"):
@@ -565,6 +571,15 @@ def test_an_eagle_head_is_checked_at_start(tiny_llama_dir, eagle_head_dir, small
     gemma = tiny_model_factory(arch="gemma2")
     with pytest.raises(ValueError, match="hidden states, which Gemma2ForCausalLM does not expose"):
         eagle_scheduler(gemma, eagle_head_dir)
+    named = Path(shutil.copytree(eagle_head_dir, tmp_path / "head"))
+    config = json.loads((named / "config.json").read_text())
+    (named / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaForCausalLMEagle"]}))
+    with pytest.raises(ValueError, match="is an EAGLE head, which drafts for its target model: serve the target"):
+        Scheduler(  # the head as the model, its config naming the head's architecture
+            ServerArgs(model_path=str(named), max_total_tokens=8192, **PRIORITY),
+            str(named),
+            AutoTokenizer.from_pretrained(tiny_llama_dir),
+        )
 
 
 def test_a_server_speculates_and_says_so(tiny_llama_dir, tiny_server):

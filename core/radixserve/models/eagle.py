@@ -42,6 +42,11 @@ SHARED_WITH_TARGET = ("embed_tokens.weight", "lm_head.weight", "norm.weight")
 
 class LlamaEagleHead(Layer):
     architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLMEagle",)
+    # Why it cannot be served as the model (it has neither embedding nor LM head of its own).
+    serves_only_attached: ClassVar[str] = (
+        "an EAGLE head, which drafts for its target model: serve the target with "
+        "--speculative-algorithm eagle --speculative-eagle-path set to it"
+    )
 
     def __init__(self, config: PretrainedConfig, ctx: ModelContext):
         super().__init__()

@@ -312,7 +312,9 @@ class Worker:
         self._recent_at = clock()
         # Prompt tokens waiting for prefill: the last report's, plus what was sent since, at _backlog_at.
         self._backlog, self._backlog_at = 0.0, clock()
-        self.reports_load = False  # it has answered /get_load since it (re)joined
+        # What the last report counted waiting beyond this router's requests in flight then
+        # (other routers' traffic): with those in flight now, the most that can be waiting.
+        self._others_waiting = 0.0
         # Counts the router's own changes to the facts (an adapter it loaded here), so that a
         # /server_info read sent before one does not undo it (``set_lora``).
         self.facts_revision = 0
@@ -342,23 +344,25 @@ class Worker:
         self.decode_curve.observe(load.decode_band_rates, load.decode_band_sizes, load.decode_tokens_per_s)
         self.prefill_curve.observe(load.prefill_band_rates, load.prefill_band_sizes, load.prefill_tokens_per_s)
         self._backlog, self._backlog_at = float(load.num_waiting_tokens), load.reported_at
-        self.reports_load = True
+        self._others_waiting = max(0.0, load.num_waiting_tokens - self.in_flight_work.prompt)
 
     def forget_load(self) -> None:
         """Restarted: what was measured before says nothing now."""
         self.load, self.decode_capacity, self.prefill_capacity = WorkerLoad(), PeakRate(), PeakRate()
         self.decode_curve, self.prefill_curve = RateCurve(DECODE_BANDS), RateCurve(PREFILL_BANDS)
         self._backlog, self._backlog_at = 0.0, self.clock()
-        self.reports_load = False
+        self._others_waiting = 0.0
 
     def hold(self, work: Work, sign: int) -> None:
         """A request sent here (+1) or ended (-1)."""
+        waiting = self.queued_prefill() + max(sign, 0) * work.prompt
         self.in_flight += sign
         held = self.in_flight_work
         self.in_flight_work = Work(held.prompt + sign * work.prompt, held.output + sign * work.output)
+        # Ended, its prompt is waiting no longer (see queued_prefill's bound).
+        self._backlog = min(waiting, self.in_flight_work.prompt + self._others_waiting)
+        self._backlog_at = self.clock()
         if sign > 0:
-            self._backlog = self.queued_prefill() + work.prompt
-            self._backlog_at = self.clock()
             self._recent_prompt = self._recent_prompt * self._fade() + work.prompt
 
     def _fade(self) -> float:
@@ -391,13 +395,15 @@ class Worker:
     def queued_prefill(self) -> float:
         """Prompt tokens not yet prefilled here, now: the last report's waiting tokens plus
         the prompts sent since, less what the worker has computed since at its prefill
-        rate. A worker that does not report load never has more than the router's own
-        requests in flight."""
+        rate; never more than the router's own requests in flight and what the last report
+        counted beyond them (a request that ended is not waiting, though the report that
+        counted it is still the newest; a worker that does not report load has only the
+        router's own requests)."""
         backlog = self._backlog
         rate = self.prefill_curve.at(self.prefill_step_tokens(int(backlog)))
         if rate is not None:
             backlog = max(0.0, backlog - (self.clock() - self._backlog_at) * rate)
-        return backlog if self.reports_load else min(backlog, self.in_flight_work.prompt)
+        return min(backlog, self.in_flight_work.prompt + self._others_waiting)
 
     def queued_work(self) -> Work:
         """Work not yet done here: the router's requests in flight, or, for the prompt

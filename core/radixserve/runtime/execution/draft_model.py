@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
+from radixserve.cache.token_prefix import common_prefix_len
 from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardBatch, ForwardMode
 from radixserve.registry import PluginRegistry
@@ -128,7 +129,7 @@ class DraftModelRunner:
         prefix_lens, new = [], []
         for state, request in zip(states, requests, strict=True):
             tokens = request.token_ids
-            keep = common_prefix(state.tokens, tokens, len(tokens) - 1)  # the last token is always computed
+            keep = common_prefix_len(state.tokens, tokens, len(tokens) - 1)  # the last token is always computed
             self._cut(state, keep)
             prefix_lens.append(keep)
             new.append(list(tokens[keep:]))
@@ -189,13 +190,3 @@ class DraftModelRunner:
         if first_free < len(state.slots):
             self.allocator.free(torch.tensor(state.slots[first_free:], dtype=torch.int64))
         del state.tokens[keep:], state.slots[keep:]
-
-
-def common_prefix(a: list[int], b: Sequence[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
-    if a[:n] == list(b[:n]):  # the common case, compared in C
-        return n
-    i = 0
-    while a[i] == b[i]:
-        i += 1
-    return i

@@ -32,11 +32,12 @@ from typing import cast
 
 import torch
 
+from radixserve.cache.token_prefix import common_prefix_len
 from radixserve.checkpoints.loader import load_config
 from radixserve.config import ServerArgs
 from radixserve.models.eagle import LlamaEagleHead
 from radixserve.registry import PluginRegistry
-from radixserve.runtime.execution.draft_model import ComputedTokens, DraftModelRunner, common_prefix
+from radixserve.runtime.execution.draft_model import ComputedTokens, DraftModelRunner
 from radixserve.runtime.execution.model_runner import ModelRunner
 from radixserve.speculative.base import DraftRequest
 
@@ -172,7 +173,7 @@ class EagleHeadRunner(DraftModelRunner):
         # Positions still right: the same tokens (the last position is always computed: its
         # output is asked), up to the first one computed from the head's own output where
         # the target's feature has arrived since.
-        keep = common_prefix(state.tokens, token_ids[base + 1 :], min(len(state.tokens), last - base))
+        keep = common_prefix_len(state.tokens, token_ids[base + 1 :], min(len(state.tokens), last - base))
         redo = max(state.target_run, state.feature_start - base)
         if redo < state.feature_end - base:
             keep = min(keep, redo)

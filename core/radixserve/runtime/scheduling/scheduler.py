@@ -66,6 +66,8 @@ class Scheduler:
         the model plan made before the ranks started (``model_plan.py``)."""
         self.args = args
         self.runner = runner = ModelRunner(args, model_path, registry or get_registry(), rank, plan)
+        if (attached := getattr(runner.model, "serves_only_attached", None)) is not None:
+            raise ValueError(f"model_path: {model_path} is {attached}")
         cache = (ChunkCache if args.disable_radix_cache else RadixCache)(runner.allocator, args.page_size)
         self.ledger = KVLedger(runner.allocator, runner.req_to_token_pool, cache)
         self.max_running = runner.max_running_requests

@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
+from radixserve.cache.token_prefix import common_prefix_len
 from radixserve.rate_bands import DECODE_BANDS, PREFILL_BANDS, band_index
 from radixserve.runtime.execution.request import Req
 from radixserve.runtime.scheduling.kv_ledger import PoolCounts
@@ -146,21 +147,9 @@ def tokens_to_prefill(waiting: Sequence[Req], cached_len: Callable[[list[int], H
         prompts.sort()
         before: list[int] = []
         for ids in prompts:
-            total += len(ids) - max(_common_prefix_len(before, ids), cached_len(ids, namespace))
+            total += len(ids) - max(common_prefix_len(before, ids), cached_len(ids, namespace))
             before = ids
     return total
-
-
-def _common_prefix_len(a: list[int], b: list[int]) -> int:
-    """By bisection over slice comparisons (each done in C)."""
-    low, high = 0, min(len(a), len(b))
-    while low < high:
-        middle = (low + high + 1) // 2
-        if a[low:middle] == b[low:middle]:
-            low = middle
-        else:
-            high = middle - 1
-    return low
 
 
 @dataclass
