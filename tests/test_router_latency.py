@@ -369,8 +369,9 @@ def two_workers_and_a_router(model: Path) -> Iterator[tuple[list[ServerProcess],
 def idle(router: ServerProcess) -> bool:
     """Every worker's last load report, as the router read it, shows no request, and the
     router counts no prompt tokens queued there (``queued_prefill_tokens``: the router's
-    estimate, which a report can leave stale; a local run showed 96 tokens still queued
-    on the prefix's home at the next decision, and a CI run saw the home lose one)."""
+    estimate; before an ended request's prompt stopped counting, a report predating the
+    end left 96 tokens queued on the prefix's home at the next decision, and a CI run saw
+    the home lose one)."""
     loads = httpx.get(router.url + "/get_loads", timeout=10).json()["workers"]
     return all(load["num_reqs"] == 0 and load["queued_prefill_tokens"] == 0 for load in loads)
 
