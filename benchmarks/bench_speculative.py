@@ -2,8 +2,8 @@
 each method, on models that have learned something (acceptance means nothing on
 random weights), radixserve and vLLM's CPU engine on the same token-id requests.
 
-    python benchmarks/train_speculative_models.py                       # once: target, draft, EAGLE head, prompts
-    python benchmarks/bench_speculative.py --out /tmp/spec.jsonl         # radixserve: none, ngram, draft, eagle
+    python benchmarks/train_speculative_models.py                       # once: target, draft, EAGLE heads, prompts
+    python benchmarks/bench_speculative.py --out /tmp/spec.jsonl         # radixserve: none, ngram, draft, eagle, eagle3
     VLLM_CPU_OMP_THREADS_BIND=0-1 ~/.cache/radixserve-bench/vllm-venv/bin/python \\
         benchmarks/bench_speculative.py --engine vllm --out /tmp/spec.jsonl
     python benchmarks/bench_speculative.py --table /tmp/spec.jsonl
@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_MODELS = Path.home() / ".cache/radixserve-bench/speculative"
-METHODS = ("none", "ngram", "draft", "eagle")
+METHODS = ("none", "ngram", "draft", "eagle", "eagle3")
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,7 @@ def radixserve_side(ns: argparse.Namespace) -> None:
         "ngram": {"speculative_algorithm": "ngram"},
         "draft": {"speculative_algorithm": "draft", "speculative_draft_model_path": str(draft)},
         "eagle": {"speculative_algorithm": "eagle", "speculative_eagle_path": str(ns.models / "eagle")},
+        "eagle3": {"speculative_algorithm": "eagle", "speculative_eagle_path": str(ns.models / "eagle3")},
     }
 
     def open_engine(method: str) -> Engine:
@@ -266,6 +267,7 @@ def vllm_side(ns: argparse.Namespace) -> None:
         "ngram": {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 12},
         "draft": {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k},
         "eagle": {"method": "eagle", "model": str(ns.models / "eagle"), "num_speculative_tokens": k},
+        "eagle3": {"method": "eagle3", "model": str(ns.models / "eagle3"), "num_speculative_tokens": k},
     }
     reference: dict[str, list[list[int]]] = {}
     for method in ns.methods:

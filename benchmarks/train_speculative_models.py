@@ -29,18 +29,34 @@ training set and a held-out set of about ``--heldout-kb``:
   trained for ``--eagle-minutes`` with the target frozen, as EAGLE trains its heads:
   a smooth-L1 loss between its output and the target's hidden state at p + 1 plus a
   tenth of the cross-entropy of that output read by the target's LM head against
-  token p + 2, the input features jittered by uniform noise of +-``--eagle-noise``.
+  token p + 2, the input features jittered by uniform noise of +-``--eagle-noise``;
+- an EAGLE-3 head for the trained target (``LlamaForCausalLMEagle3``, trained for
+  ``--eagle3-minutes``, the target frozen): ``fc`` over the outputs of the target's
+  layers 0, L/2 and L - 1 (EAGLE-3's default, 1, L/2 - 1 and L - 4, needs a deeper
+  target than this one), a decoder layer attending over [normed embedding, normed
+  feature], and an LM head over a draft vocabulary of the ``--eagle3-draft-vocab``
+  tokens most frequent in the training stream (started from the target's rows).
+  As EAGLE-3 trains, the loss is the cross-entropy against the target's own
+  distribution of token p + 2 restricted to the draft vocabulary (no feature
+  loss), and a second pass ("training-time test") feeds every position the head's
+  own output of the position before, as drafting past the first token does, its
+  loss weighted 0.8.
+
+``--reuse-models`` loads the target, draft and tokenizer already under
+``--out-dir`` instead of training them (and keeps ``heldout.jsonl``), to train a
+head alone: ``--reuse-models --eagle-minutes 0`` trains only the EAGLE-3 head.
 
 Written under ``--out-dir`` (default ``~/.cache/radixserve-bench/speculative``,
 ``...-quick`` with ``--quick``): ``target/`` and ``draft/`` (``from_pretrained``
-directories with the tokenizer), ``eagle/`` (the head's config.json and
-safetensors), ``heldout.jsonl`` (``{"prompt", "kind"}``:
+directories with the tokenizer), ``eagle/`` and ``eagle3/`` (each head's
+config.json and safetensors), ``heldout.jsonl`` (``{"prompt", "kind"}``:
 ``continue`` is 200-400 tokens of a held-out file to go on with, ``repeat`` is a
 held-out function followed by a comment asking for it again and the start of its
 ``def`` line, where n-gram speculation pays) and ``summary.json`` (sizes,
 parameters, tokens seen, held-out loss per token, how much of a ``repeat``
 function each model copies greedily, the head's held-out top-1 accuracy on the
-token after next given the target's features, wall times). The budgets are wall-clock, so
+token after next given the target's features, the EAGLE-3 head's agreement with
+the target's choice of it, wall times). The budgets are wall-clock, so
 the step counts, and the weights, depend on the machine and its load.
 """
 
@@ -67,10 +83,11 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from radixserve.checkpoints.random_eagle import head_config
+from radixserve.checkpoints.random_eagle import eagle3_head_config, eagle3_token_map, head_config
 
+SUMMARY_PARTS = ("target", "draft", "eagle", "eagle3")  # what --reuse-models keeps of summary.json
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"  # ids 0, 1, 2 (the BPE trainer puts special tokens first)
 SKIPPED_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__"}
 MAX_FILE_BYTES = 200_000
@@ -103,6 +120,8 @@ QUICK = dict(  # --quick: defaults for a smoke run of a few seconds (flags given
     target_minutes=0.05,
     draft_minutes=0.03,
     eagle_minutes=0.03,
+    eagle3_minutes=0.03,
+    eagle3_draft_vocab=128,
     target_hidden=64,
     target_layers=2,
     target_heads=4,
@@ -392,6 +411,167 @@ def eagle_accuracy(head: EagleHead, target: LlamaForCausalLM, stream: torch.Tens
     return right / max(1, total)
 
 
+class Eagle3Head(nn.Module):
+    """An EAGLE-3 head over ``target`` as radixserve serves one (models/eagle.py), in HF's modules."""
+
+    draft_tokens: torch.Tensor  # the target's id of each draft token
+
+    def __init__(self, target: LlamaForCausalLM, layer_ids: list[int], draft_tokens: torch.Tensor):
+        super().__init__()
+        config = LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": 1})
+        config._attn_implementation = "sdpa"  # causal without a mask
+        hidden = config.hidden_size
+        self.layer_ids, self.vocab_size = layer_ids, config.vocab_size
+        self.fc = nn.Linear(3 * hidden, hidden, bias=False)
+        self.layer = LlamaDecoderLayer(config, 0)
+        attn = self.layer.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, nn.Linear(2 * hidden, getattr(attn, name).out_features, bias=False))
+        self.hidden_norm = LlamaRMSNorm(hidden, config.rms_norm_eps)
+        self.norm = LlamaRMSNorm(hidden, config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, len(draft_tokens), bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target.lm_head.weight[draft_tokens])
+        self.register_buffer("draft_tokens", draft_tokens)
+        self.rotary = LlamaRotaryEmbedding(config)
+
+    def forward(self, embedded: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """The head's output (before its final norm) at every position."""
+        layer = self.layer
+        joined = torch.cat([layer.input_layernorm(embedded), self.hidden_norm(features)], dim=-1)
+        positions = torch.arange(joined.shape[1])[None].expand(joined.shape[0], -1)
+        attended = layer.self_attn(joined, position_embeddings=self.rotary(joined, positions), attention_mask=None)[0]
+        residual = features + attended
+        out: torch.Tensor = residual + layer.mlp(layer.post_attention_layernorm(residual))
+        return out
+
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.lm_head(self.norm(out))
+        return logits
+
+    def checkpoint(self) -> dict[str, torch.Tensor]:
+        """EAGLE-3's tensor names."""
+        weights = {"fc.weight": self.fc.weight, "norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight}
+        weights.update({f"midlayer.{k}": v for k, v in self.layer.state_dict().items()})
+        weights["midlayer.hidden_norm.weight"] = self.hidden_norm.weight
+        weights.update(eagle3_token_map(self.draft_tokens.tolist(), self.vocab_size))
+        return {k: v.detach().contiguous() for k, v in weights.items()}
+
+
+def eagle3_layers(target: LlamaForCausalLM) -> list[int]:
+    layers = target.config.num_hidden_layers
+    return [0, layers // 2, layers - 1]
+
+
+def eagle3_batch(
+    target: LlamaForCausalLM, head: Eagle3Head, windows: torch.Tensor, bf16: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For ``windows`` ([batch, n] tokens): the target's layer outputs at 0..n-3 side by
+    side and the embeddings of tokens 1..n-2 (the head's input), the target's
+    distribution of tokens 2..n-1 over the draft vocabulary (what it learns) and its
+    greedy choice of them."""
+    outputs: dict[int, torch.Tensor] = {}
+    hooks = [
+        target.model.layers[i].register_forward_hook(
+            lambda _m, _a, out, i=i: outputs.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+        )
+        for i in head.layer_ids
+    ]
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = target(input_ids=windows[:, :-1]).logits.float()
+            embedded = target.model.embed_tokens(windows[:, 1:-1]).float()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    features = torch.cat([outputs[i].float() for i in head.layer_ids], dim=-1)[:, :-1]
+    wanted = torch.softmax(logits[:, 1:, head.draft_tokens], dim=-1)
+    return features, embedded, wanted, logits[:, 1:].argmax(-1)
+
+
+def eagle3_losses(
+    head: Eagle3Head, features: torch.Tensor, embedded: torch.Tensor, wanted: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cross-entropy against ``wanted`` reading the target's features, and reading
+    the head's own output of the position before (the first position keeps the target's)."""
+    projected = head.fc(features)
+    out = head(embedded, projected)
+    own = torch.cat([projected[:, :1], out[:, :-1]], dim=1)
+    losses = []
+    for result in (out, head(embedded, own)):
+        log_probs = torch.log_softmax(head.draft_logits(result).float(), dim=-1)
+        losses.append(-(wanted * log_probs).sum(-1).mean())
+    return losses[0], losses[1]
+
+
+def train_eagle3(
+    target: LlamaForCausalLM,
+    stream: torch.Tensor,
+    examples: list[torch.Tensor],
+    args: argparse.Namespace,
+) -> tuple[Eagle3Head, dict[str, Any]]:
+    """EAGLE-3's objective for ``--eagle3-minutes``, the target frozen (see the module's docstring)."""
+    gen = torch.Generator().manual_seed(args.seed + 11)
+    target.train(False)
+    target.requires_grad_(False)
+    counts = torch.bincount(stream, minlength=target.config.vocab_size)
+    draft_tokens = counts.topk(args.eagle3_draft_vocab).indices.sort().values
+    head = Eagle3Head(target, eagle3_layers(target), draft_tokens)
+    opt = torch.optim.AdamW(head.parameters(), lr=args.eagle3_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    budget, step, losses = args.eagle3_minutes * 60, 0, []
+    start = last_log = time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < budget:
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(args.eagle3_lr, step, elapsed / budget)
+        windows, _ = batch(stream, examples, args, gen)
+        features, embedded, wanted, _ = eagle3_batch(target, head, windows, args.bf16)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            first, ahead = eagle3_losses(head, features, embedded, wanted)
+        loss = first + 0.8 * ahead
+        opt.zero_grad(set_to_none=True)
+        torch.autograd.backward(loss)
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        step += 1
+        losses.append((first.item(), ahead.item()))
+        if time.perf_counter() - last_log >= args.log_seconds:
+            last_log = time.perf_counter()
+            recent = losses[-10:]
+            print(
+                f"eagle3: step {step:5d}  loss {sum(f for f, _ in recent) / len(recent):.3f}  "
+                f"ahead {sum(a for _, a in recent) / len(recent):.3f}  lr {opt.param_groups[0]['lr']:.2e}",
+                flush=True,
+            )
+    return head, {
+        "layer_ids": head.layer_ids,
+        "draft_vocab_size": len(draft_tokens),
+        "draft_vocab_share_of_tokens": round(float(counts[draft_tokens].sum() / counts.sum()), 4),
+        "steps": step,
+        "train_tokens_seen": step * args.batch_size * args.seq_len,
+        "train_seconds": round(time.perf_counter() - start, 1),
+        "final_loss": round(sum(f for f, _ in losses[-20:]) / max(1, len(losses[-20:])), 4),
+        "final_ahead_loss": round(sum(a for _, a in losses[-20:]) / max(1, len(losses[-20:])), 4),
+    }
+
+
+@torch.inference_mode()
+def eagle3_agreement(
+    head: Eagle3Head, target: LlamaForCausalLM, stream: torch.Tensor, args: argparse.Namespace
+) -> float:
+    """Held-out share of positions where the head's token after next (given the target's
+    features) is the target's own greedy choice of it."""
+    head.train(False)
+    n = min(len(stream) - 1, args.eval_tokens) // (args.seq_len + 1) * (args.seq_len + 1)
+    windows = stream[:n].view(-1, args.seq_len + 1)
+    right = total = 0
+    for i in range(0, len(windows), 8):
+        features, embedded, _, chosen = eagle3_batch(target, head, windows[i : i + 8], args.bf16)
+        guessed = head.draft_tokens[head.draft_logits(head(embedded, head.fc(features))).argmax(-1)]
+        right += int((guessed == chosen).sum())
+        total += chosen.numel()
+    return right / max(1, total)
+
+
 @torch.inference_mode()
 def heldout_loss(model: LlamaForCausalLM, stream: torch.Tensor, seq_len: int, max_tokens: int) -> float:
     """Mean loss per token over non-overlapping windows of the held-out stream."""
@@ -521,6 +701,12 @@ def main() -> None:
     parser.add_argument("--eagle-minutes", type=float, default=3.0)
     parser.add_argument("--eagle-lr", type=float, default=3e-3)
     parser.add_argument("--eagle-noise", type=float, default=0.1, help="uniform jitter of the head's input features")
+    parser.add_argument("--eagle3-minutes", type=float, default=3.0, help="0: no EAGLE-3 head")
+    parser.add_argument("--eagle3-lr", type=float, default=3e-3)
+    parser.add_argument("--eagle3-draft-vocab", type=int, default=1024, help="the EAGLE-3 head's draft vocabulary")
+    parser.add_argument(
+        "--reuse-models", action="store_true", help="load the target, draft and tokenizer under --out-dir; train heads"
+    )
     for role, size in SIZES.items():
         for field in fields(ModelSize):
             flag = f"--{role}-{field.name.replace('_', '-')}"
@@ -550,7 +736,10 @@ def main() -> None:
     train_files, heldout_files = split(stdlib_sources(), args.heldout_kb * 1000, args.seed)
     train_texts = [text for _, text in train_files][: args.max_train_files or None]
     heldout_texts = [text for _, text in heldout_files]
-    tokenizer = train_tokenizer(train_texts, args.vocab_size)
+    if args.reuse_models:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(out_dir / "target")
+    else:
+        tokenizer = train_tokenizer(train_texts, args.vocab_size)
     train_stream, heldout_stream = token_stream(tokenizer, train_texts), token_stream(tokenizer, heldout_texts)
     unigram = unigram_loss(train_stream, heldout_stream, len(tokenizer))
     examples = repeat_examples(tokenizer, train_texts, args.repeat_max_tokens) if args.repeat_fraction > 0 else []
@@ -566,15 +755,21 @@ def main() -> None:
     continues = continue_prompts(tokenizer, heldout_texts, args.num_prompts, rng)
     repeats = repeat_prompts(tokenizer, heldout_texts, args.num_prompts, rng, args.repeat_max_tokens)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "heldout.jsonl", "w") as f:
-        for prompt in continues:
-            f.write(json.dumps({"prompt": prompt, "kind": "continue"}) + "\n")
-        for prompt, _ in repeats:
-            f.write(json.dumps({"prompt": prompt, "kind": "repeat"}) + "\n")
+    if not args.reuse_models:
+        with open(out_dir / "heldout.jsonl", "w") as f:
+            for prompt in continues:
+                f.write(json.dumps({"prompt": prompt, "kind": "continue"}) + "\n")
+            for prompt, _ in repeats:
+                f.write(json.dumps({"prompt": prompt, "kind": "repeat"}) + "\n")
 
     results: dict[str, Any] = {}
     trained: dict[str, LlamaForCausalLM] = {}
+    if args.reuse_models:
+        results = {k: v for k, v in json.loads((out_dir / "summary.json").read_text()).items() if k in SUMMARY_PARTS}
+        trained = {role: LlamaForCausalLM.from_pretrained(out_dir / role) for role in SIZES}
     for i, role in enumerate(SIZES):
+        if args.reuse_models:
+            break
         size = ModelSize(**{f.name: getattr(args, f"{role}_{f.name}") for f in fields(ModelSize)})
         model = build_model(size, tokenizer, args.seed + i)
         parameters = sum(p.numel() for p in model.parameters())
@@ -597,17 +792,32 @@ def main() -> None:
             **stats,
         }
 
-    head, stats = train_eagle(trained["target"], train_stream, examples, args)
-    accuracy = eagle_accuracy(head, trained["target"], heldout_stream, args)
-    print(f"eagle: held-out accuracy of the token after next {accuracy:.1%}", flush=True)
-    (out_dir / "eagle").mkdir(exist_ok=True)
-    (out_dir / "eagle" / "config.json").write_text(json.dumps(head_config(out_dir / "target"), indent=2))
-    save_file(head.checkpoint(), str(out_dir / "eagle" / "model.safetensors"))
-    results["eagle"] = {
-        "parameters": sum(p.numel() for p in head.parameters()),
-        "heldout_top1_accuracy": round(accuracy, 4),
-        **stats,
-    }
+    if args.eagle_minutes > 0:
+        head, stats = train_eagle(trained["target"], train_stream, examples, args)
+        accuracy = eagle_accuracy(head, trained["target"], heldout_stream, args)
+        print(f"eagle: held-out accuracy of the token after next {accuracy:.1%}", flush=True)
+        (out_dir / "eagle").mkdir(exist_ok=True)
+        (out_dir / "eagle" / "config.json").write_text(json.dumps(head_config(out_dir / "target"), indent=2))
+        save_file(head.checkpoint(), str(out_dir / "eagle" / "model.safetensors"))
+        results["eagle"] = {
+            "parameters": sum(p.numel() for p in head.parameters()),
+            "heldout_top1_accuracy": round(accuracy, 4),
+            **stats,
+        }
+
+    if args.eagle3_minutes > 0:
+        head3, stats = train_eagle3(trained["target"], train_stream, examples, args)
+        agreement = eagle3_agreement(head3, trained["target"], heldout_stream, args)
+        print(f"eagle3: held-out agreement with the target on the token after next {agreement:.1%}", flush=True)
+        (out_dir / "eagle3").mkdir(exist_ok=True)
+        config = eagle3_head_config(out_dir / "target", len(head3.draft_tokens), head3.layer_ids)
+        (out_dir / "eagle3" / "config.json").write_text(json.dumps(config, indent=2))
+        save_file(head3.checkpoint(), str(out_dir / "eagle3" / "model.safetensors"))
+        results["eagle3"] = {
+            "parameters": sum(p.numel() for p in head3.parameters()),
+            "heldout_top1_agreement": round(agreement, 4),
+            **stats,
+        }
 
     wall["total"] = round(time.perf_counter() - begin, 1)
     summary = {

@@ -19,6 +19,7 @@ import openai
 import pytest
 import torch
 from generation_utils import generate, hf_model, make_scheduler, mixed_prompts, run, submit
+from helpers_eagle import copying_eagle3_head, copying_eagle_head
 from helpers_server import serving
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -26,12 +27,12 @@ from safetensors.torch import load_file, save_file
 from test_sampling import FREQ_LOGITS, assert_drawn_from, expected_distribution
 from transformers import AutoTokenizer, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer as HFLlamaDecoderLayer
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding
 
-from radixserve.checkpoints.random_eagle import build_random_eagle_head
 from radixserve.config import ServerArgs
 from radixserve.hooks import hookimpl
 from radixserve.messages import FinishReason
+from radixserve.models.eagle import LlamaEagle3Head
 from radixserve.registry import PluginRegistry
 from radixserve.runtime.execution.eagle_head import FEATURE_BACKLOG
 from radixserve.runtime.execution.sampler import SamplingBatch
@@ -409,22 +410,6 @@ def test_a_draft_model_must_share_the_vocabulary(tiny_llama_dir, tiny_model_fact
 # ---- the EAGLE proposer ---------------------------------------------------------------
 
 
-def copying_eagle_head(target_dir: Path, out_dir: Path) -> Path:
-    """An EAGLE head for ``target_dir`` in EAGLE-1/2's layout whose ``fc`` passes the
-    feature through and whose layer only perturbs it: it reads the target's next-token
-    choice off each feature, so it proposes the newest token again (which the tiny
-    model's looping outputs sometimes keep, so both verdicts happen). It ships an
-    ``embed_tokens`` copy, as some checkpoints do: the head uses the target's."""
-    out = build_random_eagle_head(target_dir, out_dir, seed=3)
-    weights = load_file(out / "model.safetensors")
-    hidden = weights["fc.bias"].shape[0]
-    weights = {k: v * 0.2 if k.startswith("layers.") and "norm" not in k else v for k, v in weights.items()}
-    weights["fc.weight"] = torch.cat([torch.zeros(hidden, hidden), torch.eye(hidden)], dim=1)
-    weights["embed_tokens.weight"] = torch.zeros(512, hidden)
-    save_file(weights, out / "model.safetensors")
-    return out
-
-
 @pytest.fixture(scope="module")
 def eagle_head_dir(tiny_llama_dir, tmp_path_factory) -> Path:
     return copying_eagle_head(tiny_llama_dir, tmp_path_factory.mktemp("eagle"))
@@ -580,6 +565,127 @@ def test_an_eagle_head_is_checked_at_start(
             str(named),
             AutoTokenizer.from_pretrained(tiny_llama_dir),
         )
+
+
+@pytest.fixture(scope="module")
+def eagle3_target_dir(tiny_model_factory) -> Path:
+    """A tiny Llama of four layers: an EAGLE-3 head reads three."""
+    return tiny_model_factory(arch="llama", num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def eagle3_head_dir(eagle3_target_dir, tmp_path_factory) -> Path:
+    return copying_eagle3_head(eagle3_target_dir, tmp_path_factory.mktemp("eagle3"))
+
+
+def hf_eagle3_logits(target_dir: Path, head_dir: Path, token_ids: list[int], k: int) -> list[torch.Tensor]:
+    """The logits of ``k`` drafted positions after ``token_ids``, from scratch with HF
+    transformers' modules as EAGLE-3 defines the head: the outputs of the target's
+    layers the config names (forward hooks on HF's decoder layers) side by side for
+    every token but the newest, through ``fc``; then ``k`` times, for every position,
+    attention over [normed embedding of token p + 1, normed feature of p] (HF's Llama
+    attention with projections twice as wide), the feature as the residual, HF's MLP
+    block; the last output normed through the head's LM head over its draft
+    vocabulary, placed at the target's ids (minus infinity elsewhere). Its argmax is
+    the next drafted token, the un-normed output the next position's feature."""
+    target = hf_model(str(target_dir))
+    config = LlamaConfig.from_pretrained(head_dir)
+    config._attn_implementation = "sdpa"  # causal without a mask
+    weights = load_file(head_dir / "model.safetensors")
+    hidden = config.hidden_size
+    layer = HFLlamaDecoderLayer(config, 0)
+    attn = layer.self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(attn, name, torch.nn.Linear(2 * hidden, getattr(attn, name).out_features, bias=False))
+    layer.hidden_norm = LlamaRMSNorm(hidden, config.rms_norm_eps)
+    layer.load_state_dict({k[len("midlayer.") :]: v for k, v in weights.items() if k.startswith("midlayer.")})
+    fc = torch.nn.Linear(3 * hidden, hidden, bias=False)
+    fc.load_state_dict({"weight": weights["fc.weight"]})
+    norm = LlamaRMSNorm(hidden, config.rms_norm_eps)
+    norm.load_state_dict({"weight": weights["norm.weight"]})
+    draft_ids = weights["d2t"] + torch.arange(len(weights["d2t"]))
+    rotary = LlamaRotaryEmbedding(config)
+    outputs: dict[int, torch.Tensor] = {}
+    layer_ids = config.eagle_config["eagle_aux_hidden_state_layer_ids"]
+    for i in layer_ids:
+        target.model.layers[i].register_forward_hook(
+            lambda _m, _a, out, i=i: outputs.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+        )
+    with torch.no_grad():
+        target.model(torch.tensor([token_ids[:-1]]))
+        features = fc(torch.cat([outputs[i][0] for i in layer_ids], dim=-1))
+        tokens, logits = list(token_ids), []
+        for _ in range(k):
+            embedded = target.model.embed_tokens(torch.tensor(tokens[1:]))
+            joined = torch.cat([layer.input_layernorm(embedded), layer.hidden_norm(features)], dim=-1)[None]
+            positions = torch.arange(joined.shape[1])[None]
+            attended = attn(joined, position_embeddings=rotary(joined, positions), attention_mask=None)[0][0]
+            residual = features + attended
+            out = (residual + layer.mlp(layer.post_attention_layernorm(residual)))[-1]
+            full = torch.full((config.vocab_size,), float("-inf"))
+            full[draft_ids] = torch.nn.functional.linear(norm(out), weights["lm_head.weight"])
+            logits.append(full)
+            tokens.append(int(full.argmax()))
+            features = torch.cat([features, out[None]])
+    return logits
+
+
+def test_an_eagle3_head_drafts_what_hfs_modules_compute_and_gives_plain_decodings_tokens(
+    eagle3_target_dir, eagle3_head_dir
+):
+    """EAGLE-3's layout through the scheduler (a ragged batch, chunked prefill, pages
+    of 4, no radix cache): the logits of every drafted position, over the target's
+    vocabulary, are what HF's modules compute from scratch on the outputs of the
+    target's first, middle and last layers; the tokens are plain decoding's (proposals
+    kept and refused); the head's pool is empty at the end."""
+    prompts = [*repetitive_prompts(512)[:3], mixed_prompts(512, [90], seed=4)[0]]
+    server_args = {"chunked_prefill_size": 16, "page_size": 4, "disable_radix_cache": True}
+    plain = generate(make_scheduler(eagle3_target_dir, **PRIORITY, **server_args), prompts, max_new_tokens=24, **GREEDY)
+    scheduler = eagle_scheduler(eagle3_target_dir, eagle3_head_dir, **server_args)
+    recorded = RecordedDrafts(scheduler.speculation)
+    spec = generate(scheduler, prompts, max_new_tokens=24, **GREEDY)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    stats = scheduler.stats()
+    assert 0 < stats.spec_accepted_tokens_total < stats.spec_proposed_tokens_total
+    assert scheduler.speculation.draft_model.tokens_held() == 0
+    draft_vocab = set((load_file(eagle3_head_dir / "model.safetensors")["t2d"]).nonzero().flatten().tolist())
+    for token_ids, rows in recorded.drafts[::3]:  # every third one: each costs HF forwards
+        expected = hf_eagle3_logits(eagle3_target_dir, eagle3_head_dir, token_ids, len(rows))
+        for step, (ours, theirs) in enumerate(zip(rows, expected, strict=True)):
+            assert set(ours.isfinite().nonzero().flatten().tolist()) == draft_vocab
+            assert (ours - theirs).nan_to_num(posinf=0, neginf=0).abs().max() < 1e-4, (len(token_ids), step)
+    assert len(recorded.drafts) >= 12
+
+
+def test_an_eagle3_head_under_the_radix_cache_gives_plain_decodings_tokens(eagle3_target_dir, eagle3_head_dir):
+    """EAGLE-3 with the radix cache (each prompt again in a second round) and pages of
+    4: plain decoding's tokens, the pools whole."""
+    prompts = repetitive_prompts(512)
+    plain_s = make_scheduler(eagle3_target_dir, **PRIORITY, page_size=4)
+    spec_s = eagle_scheduler(eagle3_target_dir, eagle3_head_dir, page_size=4)
+    for _ in range(2):
+        plain = generate(plain_s, prompts, max_new_tokens=16, **GREEDY)
+        spec = generate(spec_s, prompts, max_new_tokens=16, **GREEDY)
+        assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    stats = spec_s.stats()
+    assert stats.spec_accepted_tokens_total > 0 and stats.cached_tokens_total > 0 and stats.private_tokens == 0
+    assert spec_s.speculation.draft_model.tokens_held() == 0
+
+
+def test_an_eagle3_head_is_checked_at_start(eagle3_target_dir, eagle3_head_dir, tiny_llama_dir, tmp_path):
+    """What an EAGLE-3 checkpoint says that cannot be served is named: target layers
+    the target lacks, a draft vocabulary without ``d2t``; EAGLE-3's default layers
+    are 1, L/2 - 1 and L - 4."""
+    config = json.loads((eagle3_head_dir / "config.json").read_text())
+    assert LlamaEagle3Head.target_layers(LlamaConfig(**{**config, "eagle_config": None}), 32) == (1, 15, 28)
+    with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids is \[0, 2, 3\].*the target's 2 layers"):
+        eagle_scheduler(tiny_llama_dir, eagle3_head_dir)
+    head = Path(shutil.copytree(eagle3_head_dir, tmp_path / "head"))
+    weights = load_file(head / "model.safetensors")
+    del weights["d2t"]
+    save_file(weights, head / "model.safetensors")
+    with pytest.raises(ValueError, match="draft vocabulary has 256 tokens .* no d2t"):
+        eagle_scheduler(eagle3_target_dir, head)
 
 
 def test_a_server_speculates_and_says_so(tiny_llama_dir, tiny_server):

@@ -13,9 +13,9 @@ import time
 
 import pytest
 import torch
+from helpers_eagle import copying_eagle3_head, copying_eagle_head
 from helpers_lora import build_adapters, lora_paths
 from helpers_tp import SAMPLED, RankPool, make_args, run_ranks, run_script
-from test_speculative import copying_eagle_head
 from transformers import AutoTokenizer
 
 from radixserve.checkpoints.loader import check_tp_shapes, load_config, load_model, model_kernel_query
@@ -75,19 +75,22 @@ def test_tp_ranks_equal_tp1_under_load_with_aborts(model_dirs, reference, rank_p
                 assert got[rid].logprobs == pytest.approx(ref[rid].logprobs, abs=1e-4)
 
 
-@pytest.mark.parametrize("algorithm", ["ngram", "draft", "eagle"])
+@pytest.mark.parametrize("algorithm", ["ngram", "draft", "eagle", "eagle3"])
 def test_tp2_with_speculative_decoding_equals_tp1_without(model_dirs, reference, rank_pool, algorithm, tmp_path):
     """Speculation (docs/speculative.md) at tp=2, n-gram, a draft model (the target
-    itself, unsharded on each rank) and an EAGLE head (unsharded, reading the gathered
-    hidden states and using the target's sharded embedding and LM head): every rank
+    itself, unsharded on each rank) and EAGLE heads (unsharded, reading the gathered
+    hidden states and using the target's sharded embedding, EAGLE-1's also its LM head;
+    EAGLE-3's reading three layers' outputs): every rank
     proposes and keeps alike, so the greedy requests get tp=1's plain tokens, and the
     ranks sample alike."""
     llama = model_dirs[:1]
-    spec = {"speculative_algorithm": algorithm, "speculative_num_draft_tokens": 3}
+    spec = {"speculative_algorithm": algorithm.removesuffix("3"), "speculative_num_draft_tokens": 3}
     if algorithm == "draft":
         spec["speculative_draft_model_path"] = str(llama[0])
     if algorithm == "eagle":
         spec["speculative_eagle_path"] = str(copying_eagle_head(llama[0], tmp_path))
+    if algorithm == "eagle3":
+        spec["speculative_eagle_path"] = str(copying_eagle3_head(llama[0], tmp_path))
     ranks = run_ranks(rank_pool, llama, 2, **spec)
     ref = reference[str(llama[0])]
     for answer in ranks:

@@ -203,8 +203,10 @@ class ServerArgs(CliArgs):
         default=None,
     )
     speculative_eagle_path: str | None = _flag(
-        "eagle: an EAGLE head trained for the target (a local directory in EAGLE-1/2's layout: a Llama config.json "
-        "and fc/layers weights); it reads the target's hidden states and uses its embedding and LM head",
+        "eagle: an EAGLE head trained for the target (a local directory in EAGLE-1/2's layout, a Llama config.json "
+        "and fc/layers weights, reading the target's final hidden states and using its embedding and LM head; or in "
+        "EAGLE-3's, architecture LlamaForCausalLMEagle3, reading three of the target's layers and proposing from a "
+        "draft vocabulary of its own)",
         default=None,
     )
     speculative_ngram_min_match_window_size: int = _flag(

@@ -4,7 +4,7 @@ hook a third-party plugin uses (the registry loads this module as a plugin)."""
 from radixserve.hooks import Register, hookimpl
 from radixserve.models.base import CausalLM, ModelFacts
 from radixserve.models.deepseek_v2 import DeepseekV2ForCausalLM
-from radixserve.models.eagle import LlamaEagleHead
+from radixserve.models.eagle import LlamaEagle3Head, LlamaEagleHead
 from radixserve.models.gemma2 import Gemma2ForCausalLM
 from radixserve.models.gemma3 import Gemma3ForCausalLM
 from radixserve.models.llama import LlamaForCausalLM
@@ -26,7 +26,8 @@ MODEL_CLASSES: tuple[type, ...] = (
     MixtralForCausalLM,
     Qwen2MoeForCausalLM,
     Phi3ForCausalLM,
-    LlamaEagleHead,  # the draft of --speculative-algorithm eagle, not served alone
+    LlamaEagleHead,  # the drafts of --speculative-algorithm eagle, not served alone
+    LlamaEagle3Head,
 )
 
 
@@ -41,6 +42,7 @@ __all__ = [
     "DeepseekV2ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "LlamaEagle3Head",
     "LlamaEagleHead",
     "LlamaForCausalLM",
     "MODEL_CLASSES",

@@ -10,7 +10,7 @@ elementwise backend (``ctx.elementwise``), so a plugin's kernels serve them.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -105,11 +105,14 @@ class LlamaAttention(Layer):
         ctx: ModelContext,
         options: AttentionOptions,
         rotary_emb: RotaryEmbedding,
+        input_size: int | None = None,
     ):
+        """``input_size``: the width of what the block reads where it is not the
+        hidden size (an EAGLE-3 head's layer reads two rows side by side)."""
         super().__init__()
         head_dim = head_dim_of(config)
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
+            input_size or config.hidden_size,
             head_dim,
             config.num_attention_heads,
             config.num_key_value_heads,
@@ -203,20 +206,30 @@ class LlamaDecoderLayer(PreNormDecoderLayer):
 
 
 class LlamaModel(Layer):
+    """The decoder stack: embedding, layers, final norm. With ``batch.capture_hidden``
+    it keeps each new token's features for an EAGLE head in ``batch.hidden_states``:
+    the final (normed) hidden state, or, where ``feature_layers`` names layers (an
+    EAGLE-3 head's), those layers' outputs (the residual stream after them) side by
+    side in that order."""
+
     def __init__(self, config: PretrainedConfig, ctx: ModelContext, layers: Iterable[nn.Module]):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ctx)
+        self.feature_layers: tuple[int, ...] = ()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden, residual = self.embed_tokens(batch.input_ids), None
-        for layer in self.layers:
+        keep = self.feature_layers if batch.capture_hidden else ()
+        kept: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, batch)
-        if residual is None:
-            out: torch.Tensor = self.norm(hidden)
-            return out
-        out = self.norm(hidden, residual)[0]
+            if keep and i in keep:
+                kept[i] = hidden + residual
+        out: torch.Tensor = self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+        if batch.capture_hidden:
+            batch.hidden_states = torch.cat([kept[i] for i in keep], dim=-1) if keep else out
         return out
 
 
@@ -274,8 +287,6 @@ class LlamaForCausalLM(Layer):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         hidden = self.model(batch)
-        if batch.capture_hidden:
-            batch.hidden_states = hidden
         if batch.logits_indices is not None:
             hidden = hidden[batch.logits_indices]
         logits: torch.Tensor = self.lm_head(hidden)
@@ -286,6 +297,14 @@ class LlamaForCausalLM(Layer):
         shares (models/eagle.py); the forward keeps the hidden states such a head reads
         when ``batch.capture_hidden`` is set."""
         return self.model.embed_tokens, self.lm_head
+
+    def keep_layer_outputs(self, layer_ids: Sequence[int]) -> None:
+        """Keep the outputs of these layers as the features of ``batch.capture_hidden``
+        (an EAGLE-3 head reads them) instead of the final hidden state."""
+        count = len(self.model.layers)
+        if not layer_ids or any(not 0 <= i < count for i in layer_ids):
+            raise ValueError(f"layers {list(layer_ids)} to keep: the model has layers 0 to {count - 1}")
+        self.model.feature_layers = tuple(layer_ids)
 
     def map_weight_name(self, name: str) -> tuple[str, Any] | None:
         """HF checkpoint name -> (parameter name, shard id), or None to skip it."""

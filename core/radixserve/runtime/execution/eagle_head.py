@@ -3,15 +3,17 @@ proposer as a ``SequenceModel`` (radixserve.speculative.base): the head's own
 ModelRunner (models/eagle.py; its KV pool and token table, as the draft model
 keeps them in draft_model.py), fed the target's features.
 
-The head's position ``p`` joins the target's feature of position ``p`` (the
-final hidden state the target computed for token ``p``) with token ``p + 1``;
-its output there stands for the target's feature of ``p + 1``. So for a request
-whose newest token is ``t_m`` it computes positions up to ``m - 1`` and proposes
-from the last. The target's features arrive after each target step
-(``take_features``: the positions that step computed and kept) and wait per
-request until the head computes their positions; where the head runs ahead of
-the target (the second proposal of a step and later), a position reads the
-head's own output of the position before, and is computed again with the
+The head's position ``p`` joins the target's feature of position ``p`` (what the
+target computed for token ``p``: its final hidden state for an EAGLE-1/2 head, three
+layers' outputs side by side for an EAGLE-3 head, which the target keeps once told
+which) with token ``p + 1``; its output there stands for the target's feature of
+``p + 1``. So for a request whose newest token is ``t_m`` it computes positions up
+to ``m - 1`` and proposes from the last. The target's features arrive after each
+target step (``take_features``: the positions that step computed and kept) and wait
+per request until the head computes their positions, when the head reads them
+(``read_target_features``: EAGLE-3's ``fc``, for the whole batch at once); where the
+head runs ahead of the target (the second proposal of a step and later), a position
+reads the head's own output of the position before, and is computed again with the
 target's feature once that arrives.
 
 A request whose prompt was found in the radix cache gives the head no features
@@ -35,7 +37,7 @@ import torch
 from radixserve.cache.token_prefix import common_prefix_len
 from radixserve.checkpoints.loader import load_config
 from radixserve.config import ServerArgs
-from radixserve.models.eagle import LlamaEagleHead
+from radixserve.models.eagle import LlamaEagle3Head, LlamaEagleHead
 from radixserve.registry import PluginRegistry
 from radixserve.runtime.execution.draft_model import ComputedTokens, DraftModelRunner
 from radixserve.runtime.execution.model_runner import ModelRunner
@@ -93,7 +95,7 @@ class EagleHeadRunner(DraftModelRunner):
         config = load_config(path)
         if getattr(config, "model_type", None) != "llama":
             raise ValueError(
-                f"speculative_eagle_path: {path} is not an EAGLE head in EAGLE-1/2's layout "
+                f"speculative_eagle_path: {path} is not an EAGLE head in EAGLE-1/2's or EAGLE-3's layout "
                 f"(its config.json says model_type {getattr(config, 'model_type', None)!r}, not 'llama')"
             )
         if config.hidden_size != target.hf_config.hidden_size:
@@ -101,9 +103,22 @@ class EagleHeadRunner(DraftModelRunner):
                 f"speculative_eagle_path: the head's hidden size is {config.hidden_size}, the target's "
                 f"{target.hf_config.hidden_size}; the head was trained for another model"
             )
-        config.architectures = list(LlamaEagleHead.architectures)
+        eagle3 = LlamaEagle3Head.architectures[0] in (getattr(config, "architectures", None) or [])
+        head_class: type[LlamaEagleHead | LlamaEagle3Head] = LlamaEagle3Head if eagle3 else LlamaEagleHead
+        config.architectures = list(head_class.architectures)
+        layer_ids = head_class.target_layers(config, target.hf_config.num_hidden_layers)
+        if layer_ids:
+            keep_layer_outputs = getattr(target.model, "keep_layer_outputs", None)
+            if keep_layer_outputs is None:
+                raise ValueError(
+                    f"speculative_eagle_path: an EAGLE-3 head reads the outputs of the target's layers, "
+                    f"which {type(target.model).__name__} does not expose"
+                )
+            keep_layer_outputs(layer_ids)
+        self.feature_size = config.hidden_size * max(1, len(layer_ids))  # the width of a target feature
         super().__init__(args, registry, target, path, config)
-        cast(LlamaEagleHead, self.runner.model).attach(*embed_and_head())
+        self.head = cast(LlamaEagleHead | LlamaEagle3Head, self.runner.model)
+        self.head.attach(*embed_and_head())
 
     def take_features(self, rid: str, start: int, features: torch.Tensor) -> bool:
         """The target computed (and kept) the tokens of request ``rid`` at positions
@@ -138,16 +153,17 @@ class EagleHeadRunner(DraftModelRunner):
 
     def next_token_logits(self, requests: Sequence[DraftRequest]) -> torch.Tensor:
         states = [self._state(r.rid) for r in requests]
-        prefix_lens, new, features, starts = [], [], [], []
+        prefix_lens, new, target_rows, own_rows, starts = [], [], [], [], []
         for state, request in zip(states, requests, strict=True):
-            keep, tokens, rows = self._plan(state, request)
+            keep, tokens, rows, own = self._plan(state, request)
             self._cut(state, keep)
             prefix_lens.append(keep)
             new.append(tokens)
-            features.append(rows)
+            target_rows.append(rows)
+            own_rows.append(own)
             starts.append(state.base + keep)  # the first position computed
         batch, ends = self._batch(states, prefix_lens, new)
-        batch.input_features = torch.cat([f.to(self.runner.device) for f in features])
+        batch.input_features = self._input_features(target_rows, own_rows)
         batch.capture_hidden = True
         logits = self.runner.forward(batch).float()
         outputs = batch.hidden_states
@@ -159,9 +175,24 @@ class EagleHeadRunner(DraftModelRunner):
             self._drop_read_features(state)
         return logits
 
-    def _plan(self, state: _HeadState, request: DraftRequest) -> tuple[int, list[int], torch.Tensor]:
+    def _input_features(self, target_rows: list[torch.Tensor], own_rows: list[torch.Tensor | None]) -> torch.Tensor:
+        """Each request's positions' features as the head reads them: the target's (read
+        in one call for the batch), then the head's own output where it runs ahead."""
+        runner = self.runner
+        joined = torch.cat(target_rows).to(device=runner.device, dtype=runner.dtype)
+        read = torch.split(self.head.read_target_features(joined), [len(rows) for rows in target_rows])
+        pieces = [
+            rows if own is None else torch.cat([rows, own.unsqueeze(0).to(rows)])
+            for rows, own in zip(read, own_rows, strict=True)
+        ]
+        return torch.cat(pieces)
+
+    def _plan(
+        self, state: _HeadState, request: DraftRequest
+    ) -> tuple[int, list[int], torch.Tensor, torch.Tensor | None]:
         """What to compute for ``request``: the head positions to keep, the tokens of
-        the positions after them, and those positions' features."""
+        the positions after them, the target's features of those positions, and the
+        head's own output standing for the last one's where the head runs ahead."""
         token_ids = request.token_ids
         if state.base < 0:
             if not state.feature_count:
@@ -184,18 +215,18 @@ class EagleHeadRunner(DraftModelRunner):
             self._restart(state)
             return self._plan(state, request)
         rows = self._features(state, first, target_rows)
-        if target_rows < len(tokens):  # the head runs ahead: its own output stands for the target's feature
-            output = state.last_output
-            if len(tokens) - target_rows != 1 or output is None or output[0] != first + target_rows - 1:
-                raise RuntimeError(
-                    f"the EAGLE head has no feature for position {first + target_rows} of request {request.rid}"
-                )
-            rows = torch.cat([rows, output[1].unsqueeze(0).to(rows.dtype)])
-        return keep, tokens, rows
+        if target_rows == len(tokens):
+            return keep, tokens, rows, None
+        output = state.last_output  # the head runs ahead: its own output stands for the target's feature
+        if len(tokens) - target_rows != 1 or output is None or output[0] != first + target_rows - 1:
+            raise RuntimeError(
+                f"the EAGLE head has no feature for position {first + target_rows} of request {request.rid}"
+            )
+        return keep, tokens, rows, output[1]
 
     def _features(self, state: _HeadState, first: int, count: int) -> torch.Tensor:
         if count == 0:
-            return torch.empty(0, self.runner.hf_config.hidden_size, dtype=self.runner.dtype, device=self.runner.device)
+            return torch.empty(0, self.feature_size, dtype=self.runner.dtype, device=self.runner.device)
         assert state.feature_start <= first and first + count <= state.feature_end
         offset = first - state.feature_start
         return state.features()[offset : offset + count]
