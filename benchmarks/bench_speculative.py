@@ -69,6 +69,11 @@ WORKLOADS = (
 )
 
 
+def selected(ns: argparse.Namespace) -> list[Workload]:
+    """The workloads ``--workloads`` names, in the order of ``WORKLOADS``."""
+    return [w for w in WORKLOADS if w.name in ns.workloads]
+
+
 def machine() -> str:
     """``lscpu``'s model name, the CPU count and the ISA flags that matter here."""
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
@@ -100,14 +105,15 @@ def run_workloads(
     reference: dict[str, list[list[int]]],
     out: Path,
     rounds: int,
+    workloads: list[Workload],
 ) -> dict[str, list[list[int]]]:
     """Each workload ``rounds`` times after a warm-up of every shape; the median figure
     (milliseconds per token at batch 1, output tokens per second in a batch), every
     round's, and the last round's counters. Returns the tokens each request got."""
     got: dict[str, list[list[int]]] = {}
-    for w in WORKLOADS:  # warm-up: every shape once (an engine may compile per shape)
+    for w in workloads:  # warm-up: every shape once (an engine may compile per shape)
         generate(prompts[w.kind][: w.batch], 8)
-    for w in WORKLOADS:
+    for w in workloads:
         requests = prompts[w.kind][: w.requests]
         figures = []
         for _ in range(rounds):
@@ -175,13 +181,15 @@ def radixserve_side(ns: argparse.Namespace) -> None:
     if ns.alternate:
         with contextlib.ExitStack() as stack:
             engines = {method: stack.enter_context(open_engine(method)) for method in ns.methods}
-            alternate_batch_one(engines, prompts, ns.out, ns.rounds)
+            alternate_batch_one(engines, prompts, ns.out, ns.rounds, selected(ns))
         return
     reference: dict[str, list[list[int]]] = {}
     for method in ns.methods:
         with open_engine(method) as engine:
             generate, counters = engine_generate(engine), engine_counters(engine)
-            got = run_workloads("radixserve", method, prompts, generate, counters, reference, ns.out, ns.rounds)
+            got = run_workloads(
+                "radixserve", method, prompts, generate, counters, reference, ns.out, ns.rounds, selected(ns)
+            )
             if method == "none":
                 reference = got
 
@@ -207,11 +215,13 @@ def engine_counters(engine: Any) -> Callable[[], dict[str, int]]:
     return counters
 
 
-def alternate_batch_one(engines: dict[str, Any], prompts: dict[str, list[list[int]]], out: Path, rounds: int) -> None:
+def alternate_batch_one(
+    engines: dict[str, Any], prompts: dict[str, list[list[int]]], out: Path, rounds: int, chosen: list[Workload]
+) -> None:
     """The batch-1 workloads with every method's engine running at once, the methods
     taking turns round by round, so that a machine whose speed drifts (a shared VM)
     slows them alike; one line per method and workload, as ``run_workloads`` writes."""
-    workloads = [w for w in WORKLOADS if w.batch == 1]
+    workloads = [w for w in chosen if w.batch == 1]
     for engine in engines.values():  # warm-up
         engine_generate(engine)(prompts["continue"][:1], 8)
     figures: dict[tuple[str, str], list[float]] = {(m, w.name): [] for m in engines for w in workloads}
@@ -287,7 +297,7 @@ def vllm_side(ns: argparse.Namespace) -> None:
             outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
             return [list(o.outputs[0].token_ids) for o in outputs]
 
-        got = run_workloads("vllm", method, prompts, generate, dict, reference, ns.out, ns.rounds)
+        got = run_workloads("vllm", method, prompts, generate, dict, reference, ns.out, ns.rounds, selected(ns))
         if method == "none":
             reference = got
         del llm
@@ -399,6 +409,9 @@ def main() -> None:
     parser.add_argument("--models", type=Path, default=DEFAULT_MODELS, help="train_speculative_models.py's --out-dir")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument(
+        "--workloads", nargs="+", choices=[w.name for w in WORKLOADS], default=[w.name for w in WORKLOADS]
+    )
     parser.add_argument("--rounds", type=int, default=3, help="measured runs of each workload (the median is kept)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench_speculative.jsonl"))
     parser.add_argument("--table", type=Path, default=None, help="print the table of a results file and exit")

@@ -38,9 +38,9 @@ training set and a held-out set of about ``--heldout-kb``:
   tokens most frequent in the training stream (started from the target's rows).
   As EAGLE-3 trains, the loss is the cross-entropy against the target's own
   distribution of token p + 2 restricted to the draft vocabulary (no feature
-  loss), and a second pass ("training-time test") feeds every position the head's
-  own output of the position before, as drafting past the first token does, its
-  loss weighted 0.8.
+  loss), and ``--eagle3-passes`` - 1 more passes ("training-time test") feed every
+  position the head's own output of the position before in the pass before, as
+  drafting past the first token does, pass ``i``'s loss weighted 0.8^i.
 
 ``--reuse-models`` loads the target, draft and tokenizer already under
 ``--out-dir`` instead of training them (and keeps ``heldout.jsonl``), to train a
@@ -490,18 +490,19 @@ def eagle3_batch(
 
 
 def eagle3_losses(
-    head: Eagle3Head, features: torch.Tensor, embedded: torch.Tensor, wanted: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cross-entropy against ``wanted`` reading the target's features, and reading
-    the head's own output of the position before (the first position keeps the target's)."""
-    projected = head.fc(features)
-    out = head(embedded, projected)
-    own = torch.cat([projected[:, :1], out[:, :-1]], dim=1)
+    head: Eagle3Head, features: torch.Tensor, embedded: torch.Tensor, wanted: torch.Tensor, passes: int
+) -> list[torch.Tensor]:
+    """The cross-entropy against ``wanted``, a value per pass: the first reads the
+    target's features, each later one the head's own output of the position before
+    in the pass before (the first position keeps what it read)."""
+    features = head.fc(features)
     losses = []
-    for result in (out, head(embedded, own)):
-        log_probs = torch.log_softmax(head.draft_logits(result).float(), dim=-1)
+    for _ in range(passes):
+        out = head(embedded, features)
+        log_probs = torch.log_softmax(head.draft_logits(out).float(), dim=-1)
         losses.append(-(wanted * log_probs).sum(-1).mean())
-    return losses[0], losses[1]
+        features = torch.cat([features[:, :1], out[:, :-1]], dim=1)
+    return losses
 
 
 def train_eagle3(
@@ -526,8 +527,9 @@ def train_eagle3(
         windows, _ = batch(stream, examples, args, gen)
         features, embedded, wanted, _ = eagle3_batch(target, head, windows, args.bf16)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
-            first, ahead = eagle3_losses(head, features, embedded, wanted)
-        loss = first + 0.8 * ahead
+            passes = eagle3_losses(head, features, embedded, wanted, args.eagle3_passes)
+        loss = torch.stack([0.8**i * pass_loss for i, pass_loss in enumerate(passes)]).sum()
+        first, ahead = passes[0], passes[-1]
         opt.zero_grad(set_to_none=True)
         torch.autograd.backward(loss)
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -704,6 +706,9 @@ def main() -> None:
     parser.add_argument("--eagle3-minutes", type=float, default=3.0, help="0: no EAGLE-3 head")
     parser.add_argument("--eagle3-lr", type=float, default=3e-3)
     parser.add_argument("--eagle3-draft-vocab", type=int, default=1024, help="the EAGLE-3 head's draft vocabulary")
+    parser.add_argument(
+        "--eagle3-passes", type=int, default=3, help="passes a step: the target's features, then the head's own"
+    )
     parser.add_argument(
         "--reuse-models", action="store_true", help="load the target, draft and tokenizer under --out-dir; train heads"
     )
