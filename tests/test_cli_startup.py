@@ -21,6 +21,7 @@ import torch
 from test_plugins import make_dist
 
 from radixserve import __version__
+from radixserve.checkpoints.random_eagle import build_random_eagle3_head
 
 MAX_LINES = 5  # "at most a few lines"
 
@@ -130,6 +131,15 @@ def test_a_draft_or_eagle_proposer_without_its_model(cli_in_process, tmp_path):
     assert_short_failure(code, output, "speculative_eagle_path: --speculative-algorithm eagle runs an EAGLE head")
     code, output = cli_in_process("serve", "--speculative-algorithm", "eagle", "--speculative-eagle-path", "/nope")
     assert_short_failure(code, output, "speculative_eagle_path:", "/nope")
+
+
+def test_an_eagle_head_as_the_model_stops_the_start(cli_in_process, tiny_llama_dir, tmp_path):
+    """Before anything loads: an EAGLE head runs only attached to its target."""
+    head = build_random_eagle3_head(tiny_llama_dir, tmp_path / "head", draft_vocab_size=64, layer_ids=[0, 1, 1])
+    code, output = cli_in_process("serve", "--model", str(head), "--tokenizer-path", str(tiny_llama_dir))
+    assert_short_failure(
+        code, output, "is an EAGLE head, which drafts for its target model", "--speculative-eagle-path"
+    )
 
 
 def test_an_adapter_that_cannot_be_served_stops_the_start(cli_in_process, tiny_llama_dir, tmp_path):

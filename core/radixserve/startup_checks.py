@@ -138,6 +138,7 @@ def check_model(args: ServerArgs, platform: type[Platform]) -> tuple[KernelQuery
     from radixserve.checkpoints.lora import AdapterError
     from radixserve.checkpoints.source import is_hub_id
     from radixserve.kernels import KernelQuery
+    from radixserve.models.base import check_served_alone
     from radixserve.registry import PluginError, get_registry
     from radixserve.runtime.execution.model_plan import plan_model
 
@@ -149,7 +150,7 @@ def check_model(args: ServerArgs, platform: type[Platform]) -> tuple[KernelQuery
         architectures = getattr(config, "architectures", None) or []
         if not architectures:
             raise ValueError(f"model_path: {args.model_path}/config.json names no architectures")
-        model_class(registry, architectures[0])
+        check_served_alone(model_class(registry, architectures[0]), args.model_path)
         embedding_config(args, args.model_path, config)  # the flags agree with the model and its pooling is served
         try:
             check_tp_shapes(config, args.tp_size)

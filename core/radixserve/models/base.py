@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -71,3 +72,11 @@ class CausalLM(Protocol):
         """Consume ``(HF checkpoint name, tensor)`` pairs; raise on a tensor that
         fits nothing or a parameter left unfilled."""
         ...
+
+
+def check_served_alone(model_class: type, model_path: str | Path) -> None:
+    """Refuse, naming what to do instead, a class that only runs attached to another
+    model (``serves_only_attached``: an EAGLE head) given as the model to serve."""
+    attached = getattr(model_class, "serves_only_attached", None)
+    if attached is not None:
+        raise ValueError(f"model_path: {model_path} is {attached}")

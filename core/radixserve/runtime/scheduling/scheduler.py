@@ -26,6 +26,7 @@ from radixserve.config import ServerArgs
 from radixserve.forward_batch import ForwardMode
 from radixserve.kernels import LoRABatch
 from radixserve.messages import FinishReason, GenerateRequest, RoomRegistration, TokenOutput
+from radixserve.models.base import check_served_alone
 from radixserve.registry import PluginRegistry, get_registry
 from radixserve.runtime.execution.batch import BatchPlan, LogitsRows
 from radixserve.runtime.execution.distributed import RankSpec
@@ -66,8 +67,7 @@ class Scheduler:
         the model plan made before the ranks started (``model_plan.py``)."""
         self.args = args
         self.runner = runner = ModelRunner(args, model_path, registry or get_registry(), rank, plan)
-        if (attached := getattr(runner.model, "serves_only_attached", None)) is not None:
-            raise ValueError(f"model_path: {model_path} is {attached}")
+        check_served_alone(type(runner.model), model_path)  # an Engine's model; the CLI checked before loading
         cache = (ChunkCache if args.disable_radix_cache else RadixCache)(runner.allocator, args.page_size)
         self.ledger = KVLedger(runner.allocator, runner.req_to_token_pool, cache)
         self.max_running = runner.max_running_requests
