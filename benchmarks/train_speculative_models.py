@@ -72,6 +72,7 @@ import re
 import sysconfig
 import textwrap
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -345,6 +346,50 @@ def eagle_batch(
     return embedded, features[:, :-1], features[:, 1:], windows[:, 2:]
 
 
+def fit_head(
+    name: str,
+    head: nn.Module,
+    losses_of: Callable[[torch.Tensor, torch.Generator], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    minutes: float,
+    lr: float,
+    stream: torch.Tensor,
+    examples: list[torch.Tensor],
+    args: argparse.Namespace,
+    seed: int,
+) -> dict[str, Any]:
+    """AdamW on ``head`` for ``minutes`` of wall time (warmup, then cosine decay), a batch
+    of ``batch`` a step: ``losses_of(windows, generator)`` gives the loss to minimise and
+    the named parts to log and report (``final_<part>``: the mean of the last 20 steps)."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    budget, step, logged = minutes * 60, 0, []
+    start = last_log = time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < budget:
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(lr, step, elapsed / budget)
+        windows, _ = batch(stream, examples, args, gen)
+        loss, parts = losses_of(windows, gen)
+        opt.zero_grad(set_to_none=True)
+        torch.autograd.backward(loss)
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        opt.step()
+        step += 1
+        logged.append({part: value.item() for part, value in parts.items()})
+        if time.perf_counter() - last_log >= args.log_seconds:
+            last_log = time.perf_counter()
+            recent = {part: sum(x[part] for x in logged[-10:]) / len(logged[-10:]) for part in parts}
+            shown = "  ".join(f"{part.replace('_', ' ')} {value:.4f}" for part, value in recent.items())
+            print(f"{name}: step {step:5d}  {shown}  lr {opt.param_groups[0]['lr']:.2e}", flush=True)
+    last = logged[-20:]
+    finals = {f"final_{part}": round(sum(x[part] for x in last) / max(1, len(last)), 4) for part in logged[0]}
+    return {
+        "steps": step,
+        "train_tokens_seen": step * args.batch_size * args.seq_len,
+        "train_seconds": round(time.perf_counter() - start, 1),
+        **finals,
+    }
+
+
 def train_eagle(
     target: LlamaForCausalLM,
     stream: torch.Tensor,
@@ -352,17 +397,11 @@ def train_eagle(
     args: argparse.Namespace,
 ) -> tuple[EagleHead, dict[str, Any]]:
     """EAGLE's objective for ``--eagle-minutes``, the target frozen (see the module's docstring)."""
-    gen = torch.Generator().manual_seed(args.seed + 7)
     target.train(False)
     target.requires_grad_(False)
     head = EagleHead(target)
-    opt = torch.optim.AdamW(head.parameters(), lr=args.eagle_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    budget, step, losses = args.eagle_minutes * 60, 0, []
-    start = last_log = time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < budget:
-        for group in opt.param_groups:
-            group["lr"] = learning_rate(args.eagle_lr, step, elapsed / budget)
-        windows, _ = batch(stream, examples, args, gen)
+
+    def losses(windows: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         embedded, features, next_features, next_tokens = eagle_batch(target, windows, args.bf16)
         noise = (torch.rand(features.shape, generator=gen) * 2 - 1) * args.eagle_noise
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
@@ -370,28 +409,10 @@ def train_eagle(
             logits = target.lm_head(out).float()
         feature_loss = F.smooth_l1_loss(out, next_features)
         token_loss = F.cross_entropy(logits.transpose(1, 2), next_tokens)
-        loss = feature_loss + 0.1 * token_loss
-        opt.zero_grad(set_to_none=True)
-        torch.autograd.backward(loss)
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        step += 1
-        losses.append((feature_loss.item(), token_loss.item()))
-        if time.perf_counter() - last_log >= args.log_seconds:
-            last_log = time.perf_counter()
-            recent = losses[-10:]
-            print(
-                f"eagle: step {step:5d}  feature loss {sum(f for f, _ in recent) / len(recent):.4f}  "
-                f"token loss {sum(t for _, t in recent) / len(recent):.3f}  lr {opt.param_groups[0]['lr']:.2e}",
-                flush=True,
-            )
-    return head, {
-        "steps": step,
-        "train_tokens_seen": step * args.batch_size * args.seq_len,
-        "train_seconds": round(time.perf_counter() - start, 1),
-        "final_feature_loss": round(sum(f for f, _ in losses[-20:]) / max(1, len(losses[-20:])), 4),
-        "final_token_loss": round(sum(t for _, t in losses[-20:]) / max(1, len(losses[-20:])), 4),
-    }
+        return feature_loss + 0.1 * token_loss, {"feature_loss": feature_loss, "token_loss": token_loss}
+
+    stats = fit_head("eagle", head, losses, args.eagle_minutes, args.eagle_lr, stream, examples, args, args.seed + 7)
+    return head, stats
 
 
 @torch.inference_mode()
@@ -512,47 +533,28 @@ def train_eagle3(
     args: argparse.Namespace,
 ) -> tuple[Eagle3Head, dict[str, Any]]:
     """EAGLE-3's objective for ``--eagle3-minutes``, the target frozen (see the module's docstring)."""
-    gen = torch.Generator().manual_seed(args.seed + 11)
     target.train(False)
     target.requires_grad_(False)
     counts = torch.bincount(stream, minlength=target.config.vocab_size)
     draft_tokens = counts.topk(args.eagle3_draft_vocab).indices.sort().values
     head = Eagle3Head(target, eagle3_layers(target), draft_tokens)
-    opt = torch.optim.AdamW(head.parameters(), lr=args.eagle3_lr, betas=(0.9, 0.95), weight_decay=0.0)
-    budget, step, losses = args.eagle3_minutes * 60, 0, []
-    start = last_log = time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < budget:
-        for group in opt.param_groups:
-            group["lr"] = learning_rate(args.eagle3_lr, step, elapsed / budget)
-        windows, _ = batch(stream, examples, args, gen)
+
+    def losses(windows: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         features, embedded, wanted, _ = eagle3_batch(target, head, windows, args.bf16)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
             passes = eagle3_losses(head, features, embedded, wanted, args.eagle3_passes)
         loss = torch.stack([0.8**i * pass_loss for i, pass_loss in enumerate(passes)]).sum()
-        first, ahead = passes[0], passes[-1]
-        opt.zero_grad(set_to_none=True)
-        torch.autograd.backward(loss)
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        step += 1
-        losses.append((first.item(), ahead.item()))
-        if time.perf_counter() - last_log >= args.log_seconds:
-            last_log = time.perf_counter()
-            recent = losses[-10:]
-            print(
-                f"eagle3: step {step:5d}  loss {sum(f for f, _ in recent) / len(recent):.3f}  "
-                f"ahead {sum(a for _, a in recent) / len(recent):.3f}  lr {opt.param_groups[0]['lr']:.2e}",
-                flush=True,
-            )
+        return loss, {"loss": passes[0], "ahead_loss": passes[-1]}
+
+    stats = fit_head(
+        "eagle3", head, losses, args.eagle3_minutes, args.eagle3_lr, stream, examples, args, args.seed + 11
+    )
+    share = float(counts[draft_tokens].sum() / counts.sum())
     return head, {
         "layer_ids": head.layer_ids,
         "draft_vocab_size": len(draft_tokens),
-        "draft_vocab_share_of_tokens": round(float(counts[draft_tokens].sum() / counts.sum()), 4),
-        "steps": step,
-        "train_tokens_seen": step * args.batch_size * args.seq_len,
-        "train_seconds": round(time.perf_counter() - start, 1),
-        "final_loss": round(sum(f for f, _ in losses[-20:]) / max(1, len(losses[-20:])), 4),
-        "final_ahead_loss": round(sum(a for _, a in losses[-20:]) / max(1, len(losses[-20:])), 4),
+        "draft_vocab_share_of_tokens": round(share, 4),
+        **stats,
     }
 
 
