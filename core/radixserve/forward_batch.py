@@ -58,9 +58,10 @@ class ForwardBatch:
     # Multi-LoRA serving: which adapter slot each new token uses (None: LoRA is off).
     lora: LoRABatch | None = None
     # Speculative decoding with an EAGLE head (runtime/execution/eagle_head.py): with
-    # ``capture_hidden`` set, a model that serves as a target keeps the final hidden
-    # states of every new token (the LM head's input) in ``hidden_states``; the head
-    # reads the target's features, one per new token, from ``input_features``.
+    # ``capture_hidden`` set, a model that serves as a target keeps the features of every
+    # new token in ``hidden_states`` (the final hidden state, the LM head's input; for an
+    # EAGLE-3 head, the outputs of the layers it reads side by side); the head reads its
+    # input features, one per new token, from ``input_features``.
     capture_hidden: bool = False
     hidden_states: torch.Tensor | None = None
     input_features: torch.Tensor | None = None

@@ -27,8 +27,8 @@ projections are twice as wide), with the feature as the residual; the output
 normed output gives logits over a draft vocabulary of its own (``lm_head``, the
 target's most frequent tokens; ``d2t[j]`` is what to add to draft token ``j`` to
 get the target's). The logits it returns are over the target's vocabulary, every
-token outside the draft vocabulary at minus infinity, so the proposer samples and
-the verifier judges proposals as for any draft. Its checkpoint (config
+token outside the draft vocabulary at minus infinity, so the proposer (which drafts
+their argmax) and the verifier take its proposals as any draft's. Its checkpoint (config
 architecture ``LlamaForCausalLMEagle3``) holds ``fc.weight``, ``midlayer.*``
 (with ``hidden_norm``), ``norm.weight``, ``lm_head.weight``, ``d2t`` and ``t2d``;
 the head uses the target's token embedding, so an ``embed_tokens.weight`` is not read.
