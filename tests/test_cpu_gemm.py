@@ -16,6 +16,7 @@ from radixserve.kernels import KernelQuery
 from radixserve.layers.linear import linear_layers
 from radixserve.registry import get_registry
 from radixserve.testing.conformance import GEMM_CASES, GemmCase, check_gemm_backend, check_quantization_method
+from radixserve_torch import cpu_isa, cpu_kernels
 from radixserve_torch.elementwise_cpu import CpuFusedElementwise
 from radixserve_torch.gemm import CpuPackedGemm, OneDnnGemm, TorchGemm
 
@@ -107,6 +108,19 @@ EDGE_CASES += [
     GemmCase(f"M{m}/K{k}/N{n}{'/bias' if bias else ''}/silu_and_mul", (m,), k, n, bias, silu_and_mul=True)
     for m, k, n, bias in ((1, 2, 32, False), (7, 128, 96, True), (13, 96, 160, False), (130, 2816, 64, True))
 ]
+# AMX's blocks (bfloat16, 12 rows or more, K a multiple of 32): 32 rows x 2 strips, a
+# strip left alone (odd strip counts), padded last rows, the 128-row chunks and the
+# 512-in-feature pieces of K; and a K off the 32-step, which takes the AVX-512 tiles.
+EDGE_CASES += [
+    GemmCase(f"M{m}/K{k}/N{n}{'/bias' if bias else ''}{'/silu_and_mul' if gated else ''}", (m,), k, n, bias, gated)
+    for m, k, n, bias, gated in (
+        (12, 64, 48, True, False),
+        (33, 96, 112, False, False),
+        (161, 1056, 80, True, False),
+        (45, 544, 96, True, True),
+        (20, 112, 64, False, False),
+    )
+]
 
 
 @pytest.mark.parametrize("dtype", PACKED_DTYPES, ids=str)
@@ -116,6 +130,20 @@ def test_cpu_packed_is_conformant_on_packed_weights(dtype):
         print(report)
         report.raise_for_failures()
         assert len(report.results) == len(cases if isinstance(cases, list) else GEMM_CASES[cases])
+
+
+def test_amx_is_used_where_the_build_has_it_and_hidden_with_onednn(monkeypatch):
+    amx, target = cpu_isa.amx_allowed(), cpu_isa.build_target()
+    if not CpuPackedGemm.unsupported_reasons(KernelQuery(device="cpu", dtype=torch.float32)):
+        assert cpu_kernels.uses_amx() == amx.allowed
+    # The setting that hides AMX from oneDNN hides it from our kernels (the class without AMX).
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")
+    can = cpu_isa.amx_allowed().allowed
+    assert can == (target is not None and {"amx_bf16", "amx_tile"} <= target.features)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    hidden = cpu_isa.amx_allowed()
+    assert not hidden.allowed and ("AVX512_CORE_BF16" in hidden.reason or not can), hidden.reason
 
 
 @pytest.mark.parametrize("dtype", PACKED_DTYPES, ids=str)
@@ -187,7 +215,9 @@ def test_bf16_model_on_cpu_packed_is_as_close_to_float32_as_on_onednn(tiny_model
     _, reference = prompt_logprobs(dtype="float32", gemm_backend="torch")
     ours_error, onednn_error = (ours - reference).abs().mean(), (onednn - reference).abs().mean()
     print(f"mean |logprob error| vs float32: cpu_packed {ours_error:.4f}, onednn {onednn_error:.4f}")
-    assert not torch.equal(ours, onednn)
+    # On AMX both take tile products summed over K in the same order, to the same bits;
+    # elsewhere our AVX-512 sums round differently from oneDNN's.
+    assert torch.equal(ours, onednn) == cpu_kernels.uses_amx()
     assert ours_error <= 1.5 * onednn_error + 1e-3, (ours_error, onednn_error)
 
 

@@ -156,3 +156,26 @@ def bf16_matmul() -> Bf16Matmul:
         f"this CPU has {' and '.join(has)}, but our kernels are built for {built_for} and "
         f"ONEDNN_MAX_CPU_ISA={cap} caps oneDNN below them",
     )
+
+
+@dataclass(frozen=True)
+class AmxUse:
+    """Whether our kernels may run bfloat16 products on AMX tiles, and why (for the log)."""
+
+    allowed: bool
+    reason: str
+
+
+def amx_allowed() -> AmxUse:
+    """AMX for our kernels where the build target has AMX-BF16 (the CPU's own level:
+    ``-march=native`` on a CPU with it) and ``ONEDNN_MAX_CPU_ISA``, if set, names an
+    AMX level: the setting that hides AMX from oneDNN hides it from our kernels too,
+    so ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` on an AMX Xeon runs the class without
+    AMX (AVX512-BF16, as AMD's Zen 4) throughout."""
+    target, cap = build_target(), onednn_isa_cap()
+    if target is None or not {"amx_bf16", "amx_tile"} <= target.features:
+        built_for = target.origin if target is not None else "no target"
+        return AmxUse(False, f"the CPU kernels are built for {built_for}, without AMX-BF16")
+    if cap is not None and "AMX" not in cap and cap not in ("ALL", "DEFAULT"):
+        return AmxUse(False, f"ONEDNN_MAX_CPU_ISA={cap} hides AMX")
+    return AmxUse(True, "this CPU has AMX-BF16 and nothing caps it")

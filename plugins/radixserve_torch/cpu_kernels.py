@@ -35,6 +35,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from radixserve_torch import cpu_isa
 
 if TYPE_CHECKING:
@@ -179,7 +181,20 @@ def load() -> None:
             _build_error = f"building the CPU kernels failed: {_first_error_line(str(exc))}"
             raise KernelBuildError(_build_error) from exc
         _loaded = True
-        logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - start, library)
+        amx = cpu_isa.amx_allowed()
+        uses_amx = torch.ops.radixserve_cpu_gemm.set_amx(amx.allowed)
+        logger.info(
+            "CPU kernels ready in %.1f s (%s); AMX tiles for bfloat16 GEMMs: %s",
+            time.perf_counter() - start,
+            library,
+            "yes" if uses_amx else f"no ({amx.reason if not amx.allowed else 'Linux refused the tile state'})",
+        )
+
+
+def uses_amx() -> bool:
+    """Whether the loaded kernels' bfloat16 GEMMs run on AMX tiles in this process."""
+    load()
+    return bool(torch.ops.radixserve_cpu_gemm.uses_amx())
 
 
 def _first_error_line(text: str) -> str:

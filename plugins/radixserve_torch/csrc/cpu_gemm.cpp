@@ -22,6 +22,12 @@
 // rows): a tile takes up to two gate strips and their up strips, and its epilogue
 // writes silu(gate) * up, so the projection (twice the result's width, tens of MB
 // at prefill sizes) is never written and read back by a separate op.
+//
+// With AMX (a build for a CPU with AMX-BF16, enabled at load time: set_amx), bfloat16
+// products of kAmxMinRows rows or more run on tile instructions instead: the same
+// packed strips are AMX's B operand as they lie (a strip's 16 steps of 16 columns x 2
+// are one 16 x 64-byte tile), and a 32-row x 2-strip block keeps its four float32 sums
+// in tiles over all of K (amx_linear, below).
 // Registered as torch.ops.radixserve_cpu_gemm.
 
 #include <ATen/Parallel.h>
@@ -38,6 +44,12 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define RADIXSERVE_GEMM_AVX2 1
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define RADIXSERVE_GEMM_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #if defined(__AVX512F__) || defined(RADIXSERVE_GEMM_AVX2)
@@ -250,6 +262,185 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const typename E
 
 #endif  // __AVX512F__
 
+#if defined(RADIXSERVE_GEMM_AMX)
+
+// AMX bfloat16 products. A tile is 16 rows of 64 bytes; tdpbf16ps multiplies a 16 x 32
+// bfloat16 tile of x (16 rows, 32 in features) by a 16 x (16 x 2) tile of packed weight
+// (16 in-feature pairs of 16 columns: 16 steps of a strip, contiguous) into a 16 x 16
+// float32 tile. A block is 32 rows x 2 strips: tiles 0-3 the sums (rows 0-15 / 16-31 x
+// strip 0 / 1), 4-5 the two row halves of x, 6-7 the two strips' weights; each pair of
+// weight loads feeds four products.
+namespace amx {
+
+bool enabled = false;  // set_amx: the build has AMX, the CPU and the kernel let this process use it
+
+constexpr int64_t kBlockRows = 32;
+constexpr int64_t kStepK = 32;                        // in features per tile product
+constexpr int64_t kTileElems = kBlockRows * kStepK;  // one step of a block's rows of x: two tiles
+// From this many rows a product takes the tiles (docs/benchmarks.md, P17: below it the
+// AVX-512 tiles, which stream the weight once for up to 6 rows at a time, are as fast
+// or faster; from 16 rows the tiles are 2-7x faster).
+constexpr int64_t kMinRows = 12;
+// A thread copies kChunkRows rows of x into tile order (kept in L2: 1 MiB at K 4,096)
+// and multiplies them by each of its pairs of strips in turn, kChunkK in features at a
+// time, so that the pair's weight for those in features (64 KiB) comes from L1 and L2
+// for all of the chunk's blocks; the blocks' sums wait in L1 between the pieces of K.
+// (512 in features a piece, which fits L1, ran 0.8x as fast at K 2,816 and 1,024 rows.)
+constexpr int64_t kChunkRows = 128;
+constexpr int64_t kChunkK = 1024;
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands a process AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM).
+bool request_permission() {
+  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+}
+
+// Rows [r0, r0 + rows) of x (row stride lda, k in features) in tile order, zeros past
+// the last row: block b's step s is at dst + (b * k / 32 + s) * kTileElems, 32 rows of
+// 32 in features (64 bytes each), so that every tile load reads 1 KiB in a row. Loaded
+// from x itself, a tile's 16 rows lie K * 2 bytes apart, a power of two for most
+// models, and map to the same few L1 sets.
+void pack_rows(const uint16_t* x, int64_t lda, int64_t rows, int64_t k, uint16_t* dst) {
+  const int64_t steps = k / kStepK, blocks = (rows + kBlockRows - 1) / kBlockRows;
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int64_t r = 0; r < kBlockRows; ++r) {
+      const int64_t row = b * kBlockRows + r;
+      uint16_t* out = dst + b * steps * kTileElems + r * kStepK;
+      if (row >= rows) {
+        for (int64_t st = 0; st < steps; ++st) std::memset(out + st * kTileElems, 0, kStepK * sizeof(uint16_t));
+        continue;
+      }
+      const uint16_t* in = x + row * lda;
+      for (int64_t st = 0; st < steps; ++st)
+        _mm512_storeu_si512(out + st * kTileElems, _mm512_loadu_si512(in + st * kStepK));
+    }
+}
+
+// A block's rows (packed by pack_rows: a) times strips w0 and w1 (w1 null: one strip)
+// over in features [k0, k1), added to the sums in c (resume) or to zero, which are left
+// in c: [32 rows][32 columns] float32, strip 0 in columns 0-15.
+void block(const uint16_t* a, const uint16_t* w0, const uint16_t* w1, int64_t k0, int64_t k1, bool resume, float* c) {
+  constexpr int64_t kRow = 64;  // bytes of a tile row: 32 bfloat16 of x, or one step of a strip
+  constexpr int64_t kRowBytes = kBlockRows * sizeof(float);
+  if (resume) {
+    _tile_loadd(0, c, kRowBytes);
+    _tile_loadd(1, c + 16, kRowBytes);
+    _tile_loadd(2, c + 16 * kBlockRows, kRowBytes);
+    _tile_loadd(3, c + 16 * kBlockRows + 16, kRowBytes);
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const uint16_t* ap = a + k0 / kStepK * kTileElems;
+  if (w1 != nullptr) {
+    for (int64_t p = k0; p < k1; p += kStepK, ap += kTileElems) {
+      _tile_loadd(4, ap, kRow);
+      _tile_loadd(5, ap + kTileElems / 2, kRow);
+      _tile_loadd(6, w0 + p * kStripCols, kRow);
+      _tile_loadd(7, w1 + p * kStripCols, kRow);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  } else {
+    for (int64_t p = k0; p < k1; p += kStepK, ap += kTileElems) {
+      _tile_loadd(4, ap, kRow);
+      _tile_loadd(5, ap + kTileElems / 2, kRow);
+      _tile_loadd(6, w0 + p * kStripCols, kRow);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(2, 5, 6);
+    }
+  }
+  _tile_stored(0, c, kRowBytes);
+  _tile_stored(1, c + 16, kRowBytes);
+  _tile_stored(2, c + 16 * kBlockRows, kRowBytes);
+  _tile_stored(3, c + 16 * kBlockRows + 16, kRowBytes);
+}
+
+// Whether a product of m rows of k in features takes the tiles.
+bool takes(int64_t m, int64_t k) { return enabled && m >= kMinRows && k % kStepK == 0; }
+
+// 16 sums plus bias, rounded once to bfloat16 (as the AVX-512 tiles' store16).
+inline void store_row(c10::BFloat16* out, const float* sums, __m512 bias) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_loadu_ps(sums), bias)));
+}
+
+// x [M, K] times the packed strips, as checked_linear's contract, on tiles. Work is
+// split over the threads by pairs of strips (plain: strips 2i and 2i+1, a last one
+// alone; gated: gate strip i and its up strip); the epilogue rounds as the AVX-512
+// tiles do (sum + bias rounded once; gated: gate and up rounded, then silu_mul).
+template <bool GATED>
+void linear(const at::Tensor& x, const at::Tensor& packed, const c10::BFloat16* bias, at::Tensor& out) {
+  using M = c10::BFloat16;
+  const int64_t m = x.size(0), k = x.size(1), strips = packed.size(0);
+  const int64_t lda = x.stride(0), ldc = out.stride(0), strip_stride = k * kStripCols;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* op = reinterpret_cast<M*>(out.data_ptr());
+  const int64_t pairs = GATED ? strips / 2 : (strips + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    configure_tiles();
+    thread_local std::vector<uint16_t> rows;  // this thread's chunk of x in tile order
+    rows.resize(kChunkRows * k);
+    alignas(64) float sums[kChunkRows / kBlockRows][kBlockRows * kBlockRows];
+    for (int64_t chunk = 0; chunk < m; chunk += kChunkRows) {
+      const int64_t chunk_rows = std::min(kChunkRows, m - chunk);
+      const int64_t blocks = (chunk_rows + kBlockRows - 1) / kBlockRows;
+      pack_rows(xp + chunk * lda, lda, chunk_rows, k, rows.data());
+      for (int64_t pair = p0; pair < p1; ++pair) {
+        // The pair's strips: s0 and s1 (none: -1), their columns 16 s0 and 16 s1 on.
+        const int64_t s0 = GATED ? pair : 2 * pair;
+        const int64_t s1 = GATED ? pair + strips / 2 : (2 * pair + 1 < strips ? 2 * pair + 1 : -1);
+        const uint16_t* w0 = wp + s0 * strip_stride;
+        const uint16_t* w1 = s1 >= 0 ? wp + s1 * strip_stride : nullptr;
+        for (int64_t k0 = 0; k0 < k; k0 += kChunkK)
+          for (int64_t b = 0; b < blocks; ++b)
+            block(rows.data() + b * k / kStepK * kTileElems, w0, w1, k0, std::min(k, k0 + kChunkK), k0 > 0, sums[b]);
+        alignas(64) float b0[kStripCols] = {}, b1[kStripCols] = {};
+        for (int64_t j = 0; bias != nullptr && j < kStripCols; ++j) {
+          b0[j] = bias[s0 * kStripCols + j];
+          if (s1 >= 0) b1[j] = bias[s1 * kStripCols + j];
+        }
+        const __m512 bias0 = _mm512_load_ps(b0), bias1 = _mm512_load_ps(b1);
+        for (int64_t r = 0; r < chunk_rows; ++r) {
+          const float* c = sums[r / kBlockRows] + r % kBlockRows * kBlockRows;
+          M* o = op + (chunk + r) * ldc;
+          if constexpr (GATED) {
+            M* g = o + pair * kStripCols;
+#pragma omp simd
+            for (int j = 0; j < kStripCols; ++j)
+              g[j] = silu_mul<M>(round_to<M>(c[j] + b0[j]), round_to<M>(c[16 + j] + b1[j]));
+          } else {
+            store_row(o + s0 * kStripCols, c, bias0);
+            if (s1 >= 0) store_row(o + s1 * kStripCols, c + 16, bias1);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+
+}  // namespace amx
+
+#endif  // RADIXSERVE_GEMM_AMX
+
 #if defined(RADIXSERVE_GEMM_AVX2)
 
 // float32 x and out on AVX2 (+ FMA, F16C): the weight packed as above (G = 1) in float32,
@@ -447,6 +638,10 @@ void checked_linear(const char* op, const at::Tensor& x, const at::Tensor& packe
     bias_ptr = bias->data_ptr();
   }
   if (m == 0) return;
+#if defined(RADIXSERVE_GEMM_AMX)
+  if (dtype == at::kBFloat16 && amx::takes(m, x.size(1)))
+    return amx::linear<GATED>(x, packed, static_cast<const c10::BFloat16*>(bias_ptr), out);
+#endif
 #if defined(__AVX512BF16__)
   if (dtype == at::kBFloat16)
     return linear_impl<BFloat16, GATED>(x, packed, static_cast<const uint16_t*>(bias_ptr), out);
@@ -478,10 +673,35 @@ void linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, const c1
   checked_linear<true>("linear_silu_and_mul", x, packed, bias, out);
 }
 
+// Lets (or keeps) bfloat16 products of this process from AMX's tiles, where the build
+// has them and Linux grants the tile state; returns whether they are used. Off until
+// called: the loader calls it with whether ONEDNN_MAX_CPU_ISA lets oneDNN use AMX, so
+// the one setting hides AMX from both (cpu_isa.amx_allowed).
+bool set_amx(bool use) {
+#if defined(RADIXSERVE_GEMM_AMX)
+  static const bool granted = amx::request_permission();
+  amx::enabled = use && granted;
+  return amx::enabled;
+#else
+  (void)use;
+  return false;
+#endif
+}
+
+bool uses_amx() {
+#if defined(RADIXSERVE_GEMM_AMX)
+  return amx::enabled;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(radixserve_cpu_gemm, m) {
   m.def("dtypes() -> str[]", &dtypes);
+  m.def("set_amx(bool use) -> bool", &set_amx);
+  m.def("uses_amx() -> bool", &uses_amx);
   m.def("pack_weight(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
   m.def("linear_silu_and_mul(Tensor x, Tensor packed, Tensor? bias, Tensor(a!) out) -> ()");
