@@ -215,11 +215,14 @@ def test_generation_matches_torch_native(tiny_llama_dir, page_size):
 
 
 # Extend shapes of both benchmark models: fresh prompts, a chunk over a long cached
-# prefix, a single new token (a tile with one query), GQA 8 at head_dim 32 (qwen2).
+# prefix, a single new token (a tile with one query), GQA 8 at head_dim 32 (qwen2). With
+# AMX, bfloat16 head dims that are multiples of 32 take the tiles: 32, 64, 128 and 96 (a
+# last pass of two component tiles); 80 stays on the AVX-512 pairs.
 EXTEND_CASES = (
     AttentionCase("extend/fresh/p1/gqa2/d64", "extend", 1, 16, 8, 64, (0, 0, 0), (200, 37, 129)),
     AttentionCase("extend/prefix/p1/gqa8/d32", "extend", 1, 16, 2, 32, (1024, 300, 0), (64, 1, 70)),
     AttentionCase("extend/prefix/p16/gqa2/d128", "extend", 16, 8, 4, 128, (513, 16), (40, 33)),
+    AttentionCase("extend/prefix/p1/gqa4/d96", "extend", 1, 8, 2, 96, (100, 0), (45, 17)),
     AttentionCase("extend/prefix/p1/mha/d80", "extend", 1, 3, 3, 80, (7, 0), (21, 5)),
 )
 

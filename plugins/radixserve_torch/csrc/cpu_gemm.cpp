@@ -34,6 +34,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "cpu_amx.h"
 #include "cpu_paged_common.h"
 
 #include <algorithm>
@@ -45,12 +46,6 @@
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define RADIXSERVE_GEMM_AVX2 1
-#endif
-
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define RADIXSERVE_GEMM_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #if defined(__AVX512F__) || defined(RADIXSERVE_GEMM_AVX2)
@@ -263,7 +258,7 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const typename E
 
 #endif  // __AVX512F__
 
-#if defined(RADIXSERVE_GEMM_AMX)
+#if defined(RADIXSERVE_AMX)
 
 // AMX bfloat16 products. A tile is 16 rows of 64 bytes; tdpbf16ps multiplies a 16 x 32
 // bfloat16 tile of x (16 rows, 32 in features) by a 16 x (16 x 2) tile of packed weight
@@ -273,7 +268,7 @@ void linear_impl(const at::Tensor& x, const at::Tensor& packed, const typename E
 // weight loads feeds four products.
 namespace amx {
 
-bool enabled = false;  // set_amx: the build has AMX, the CPU and the kernel let this process use it
+using radixserve_amx::configure_tiles;
 
 constexpr int64_t kBlockRows = 32;
 constexpr int64_t kStepK = 32;                        // in features per tile product
@@ -292,25 +287,6 @@ constexpr int64_t kMinRows = 12;
 constexpr int64_t kChunkBytes = 768 << 10;
 constexpr int64_t kMaxChunkRows = 256;
 constexpr int64_t kChunkK = 1024;
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands a process AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM).
-bool request_permission() {
-  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
-
-void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
-  _tile_loadconfig(&config);
-}
 
 // Rows [r0, r0 + rows) of x (row stride lda, k in features) in tile order, zeros past
 // the last row: block b's step s is at dst + (b * k / 32 + s) * kTileElems, 32 rows of
@@ -378,7 +354,7 @@ void block(const uint16_t* a, const uint16_t* w0, const uint16_t* w1, int64_t k0
 }
 
 // Whether a product of m rows of k in features takes the tiles.
-bool takes(int64_t m, int64_t k) { return enabled && m >= kMinRows && k % kStepK == 0; }
+bool takes(int64_t m, int64_t k) { return radixserve_amx::enabled && m >= kMinRows && k % kStepK == 0; }
 
 // 16 sums plus bias, rounded once to bfloat16 (as the AVX-512 tiles' store16).
 inline void store_row(c10::BFloat16* out, const float* sums, __m512 bias) {
@@ -448,7 +424,7 @@ void linear(const at::Tensor& x, const at::Tensor& packed, const c10::BFloat16* 
 
 }  // namespace amx
 
-#endif  // RADIXSERVE_GEMM_AMX
+#endif  // RADIXSERVE_AMX
 
 #if defined(RADIXSERVE_GEMM_AVX2)
 
@@ -647,7 +623,7 @@ void checked_linear(const char* op, const at::Tensor& x, const at::Tensor& packe
     bias_ptr = bias->data_ptr();
   }
   if (m == 0) return;
-#if defined(RADIXSERVE_GEMM_AMX)
+#if defined(RADIXSERVE_AMX)
   if (dtype == at::kBFloat16 && amx::takes(m, x.size(1)))
     return amx::linear<GATED>(x, packed, static_cast<const c10::BFloat16*>(bias_ptr), out);
 #endif
@@ -682,15 +658,16 @@ void linear_silu_and_mul(const at::Tensor& x, const at::Tensor& packed, const c1
   checked_linear<true>("linear_silu_and_mul", x, packed, bias, out);
 }
 
-// Lets (or keeps) bfloat16 products of this process from AMX's tiles, where the build
-// has them and Linux grants the tile state; returns whether they are used. Off until
+// Lets (or keeps) bfloat16 products of this process from AMX's tiles (these GEMMs and
+// cpu_paged's attention), where the build has them and Linux grants the tile state;
+// returns whether they are used. Off until
 // called: the loader calls it with whether ONEDNN_MAX_CPU_ISA lets oneDNN use AMX, so
 // the one setting hides AMX from both (cpu_isa.amx_allowed).
 bool set_amx(bool use) {
-#if defined(RADIXSERVE_GEMM_AMX)
-  static const bool granted = amx::request_permission();
-  amx::enabled = use && granted;
-  return amx::enabled;
+#if defined(RADIXSERVE_AMX)
+  static const bool granted = radixserve_amx::request_permission();
+  radixserve_amx::enabled = use && granted;
+  return radixserve_amx::enabled;
 #else
   (void)use;
   return false;
@@ -698,8 +675,8 @@ bool set_amx(bool use) {
 }
 
 bool uses_amx() {
-#if defined(RADIXSERVE_GEMM_AMX)
-  return amx::enabled;
+#if defined(RADIXSERVE_AMX)
+  return radixserve_amx::enabled;
 #else
   return false;
 #endif

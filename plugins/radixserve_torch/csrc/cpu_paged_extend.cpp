@@ -14,6 +14,13 @@
 // (one tile at a time issued a load per FMA, and W2's extend ran 5-8% slower, its
 // cascade 10%).
 //
+// With AMX (bfloat16 queries and pool, head_dim a multiple of 32), both products of a
+// tile are tile instructions on the layouts above as they are: the scores S^T (keys x
+// rows) = K (the block's rows, copied contiguous) x Qt, whose bf16 pairs are AMX's
+// operand layout, stored straight into the per-key score vectors; and Ot (head_dim x
+// rows) += V^T (the block's values as pairs per component) x the probabilities' pairs,
+// on Ot where it lies. The softmax between them is the AVX-512 one.
+//
 // Extend (prefill, chunked prefill, prefix hits): request b's n new queries sit at
 // positions kv_len - n .. kv_len - 1 and query j sees keys [0, kv_len - n + j]. Its
 // rows for one KV head are ordered query-major (row f is query f / G, head
@@ -35,6 +42,7 @@
 // Each member's own keys (after the prefix) go through the decode kernel, which
 // also returns their log-sum-exp; the two parts are merged here.
 
+#include "cpu_amx.h"
 #include "cpu_paged_common.h"
 
 #include <type_traits>
@@ -133,9 +141,14 @@ struct Scratch {
   std::vector<Lanes> qt, ot, scores, p_pairs;
   std::vector<float> kf, vf;
   std::vector<uint32_t> v_pairs;
+  // AMX: the block's K rows, contiguous, its values as pairs per component
+  // (v_columns[i][j] = component i of keys 2j and 2j + 1), and a tile's P.V for the
+  // block (pv[i]: component i of every row); Lanes for 64-byte alignment.
+  std::vector<Lanes> k_block, v_columns, pv;
   explicit Scratch(int64_t d)
-      : qt(kTilesPerItem * d), ot(kTilesPerItem * d), scores(kTilesPerItem * kKeyBlock), p_pairs(kKeyBlock / 2),
-        kf(kKeyBlock * d), vf(kKeyBlock * d), v_pairs(kKeyBlock / 2 * d) {}
+      : qt(kTilesPerItem * d), ot(kTilesPerItem * d), scores(kTilesPerItem * kKeyBlock), p_pairs(kTilesPerItem * kKeyBlock / 2),
+        kf(kKeyBlock * d), vf(kKeyBlock * d), v_pairs(kKeyBlock / 2 * d), k_block(kKeyBlock * d / 32),
+        v_columns(d), pv(d) {}
 };
 
 #if defined(__AVX512BF16__)
@@ -221,6 +234,94 @@ void paired_values(const Lanes* p, int64_t nb, const uint32_t* v_pairs, int64_t 
 #else
 inline void paired_values(const Lanes*, int64_t, const uint32_t*, int64_t, Lanes, Lanes*, Lanes*) {}
 #endif
+
+#if defined(RADIXSERVE_AMX)
+// Tiles: 0-3 sums, 4, 5 and 7 the keys' rows or value columns, 6 the tile's query or
+// probability pairs (all 16 rows x 64 bytes: radixserve_amx::configure_tiles).
+constexpr int64_t kTileRow = 64;
+
+// The block's nb K rows (bf16, head_dim d) one after another in kb; v_columns[i * 16 + j]
+// = the bf16 pair (V[2j][i], V[2j + 1][i]), zero past the block's end.
+template <typename KVT>
+void tile_block_rows(const KVT* const* k_rows, const KVT* const* v_rows, int64_t nb, int64_t d, uint16_t* kb,
+                     uint32_t* v_columns) {
+  for (int64_t t = 0; t < nb; ++t) std::memcpy(kb + t * d, k_rows[t], d * sizeof(uint16_t));
+  constexpr int64_t kPairs = kKeyBlock / 2;
+  for (int64_t j = 0; j < kPairs; ++j) {
+    const uint16_t* lo = 2 * j < nb ? reinterpret_cast<const uint16_t*>(v_rows[2 * j]) : nullptr;
+    const uint16_t* hi = 2 * j + 1 < nb ? reinterpret_cast<const uint16_t*>(v_rows[2 * j + 1]) : nullptr;
+    for (int64_t i = 0; i < d; ++i)
+      v_columns[i * kPairs + j] = (lo ? lo[i] : 0u) | (hi ? static_cast<uint32_t>(hi[i]) << 16 : 0u);
+  }
+}
+
+// Scores of the block's nb keys (kb, tile_block_rows) for one tile (qt: its rows' bf16
+// query pairs per pair of components): scores[t] = scale * (k_t . q) in every lane.
+void tile_scores(const Lanes* qt, const uint16_t* kb, int64_t nb, int64_t d, float scale, Lanes* scores) {
+  const int64_t stride = d * sizeof(uint16_t);
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t s = 0; s < d / 32; ++s) {
+    _tile_loadd(6, qt + s * 16, kTileRow);
+    _tile_loadd(4, kb + s * 32, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (nb > 16) {
+      _tile_loadd(5, kb + 16 * d + s * 32, stride);
+      _tile_dpbf16ps(1, 5, 6);
+    }
+  }
+  _tile_stored(0, scores, kTileRow);
+  if (nb > 16) _tile_stored(1, scores + 16, kTileRow);
+  for (int64_t t = 0; t < nb; ++t) scores[t] *= scale;
+}
+
+// A tile's probabilities over the block's nb keys (p: one vector per key) as bf16 pairs
+// per pair of keys, as AMX takes them (and as the paired path rounds them); zero past nb.
+void pair_probabilities(const Lanes* p, int64_t nb, Lanes* p_pairs) {
+  for (int64_t j = 0; j < kKeyBlock / 2; ++j) {
+    const __m512 lo = 2 * j < nb ? (__m512)p[2 * j] : _mm512_setzero_ps();
+    const __m512 hi = 2 * j + 1 < nb ? (__m512)p[2 * j + 1] : _mm512_setzero_ps();
+    p_pairs[j] = (Lanes)_mm512_castsi512_ps(interleave_halves((__m512i)_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+}
+
+// Ot = alpha * Ot + P.V over the block (p_pairs from pair_probabilities, made for all
+// of the item's tiles before the first of these: a tile load of pairs just stored
+// waited for the stores, as did one of Ot just rescaled). The products come from tiles
+// of 16 components into pv, and Ot takes them with its rescale in one pass.
+void tile_values(const Lanes* p_pairs, const uint32_t* v_columns, int64_t d, Lanes alpha, Lanes* ot, Lanes* pv) {
+  constexpr int64_t kPairs = kKeyBlock / 2;
+  _tile_loadd(6, p_pairs, kTileRow);
+  // Up to four tiles of components at once, on sums 0-3 and operands 4, 5, 7 and 4.
+  for (int64_t c = 0; c < d; c += 64) {
+    const int64_t n = std::min<int64_t>(4, (d - c) / 16);
+    const uint32_t* v = v_columns + c * kPairs;
+    _tile_zero(0);
+    _tile_loadd(4, v, kTileRow);
+    _tile_dpbf16ps(0, 4, 6);
+    if (n > 1) {
+      _tile_zero(1);
+      _tile_loadd(5, v + 16 * kPairs, kTileRow);
+      _tile_dpbf16ps(1, 5, 6);
+    }
+    if (n > 2) {
+      _tile_zero(2);
+      _tile_loadd(7, v + 32 * kPairs, kTileRow);
+      _tile_dpbf16ps(2, 7, 6);
+    }
+    if (n > 3) {
+      _tile_zero(3);
+      _tile_loadd(4, v + 48 * kPairs, kTileRow);
+      _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, pv + c, kTileRow);
+    if (n > 1) _tile_stored(1, pv + c + 16, kTileRow);
+    if (n > 2) _tile_stored(2, pv + c + 32, kTileRow);
+    if (n > 3) _tile_stored(3, pv + c + 48, kTileRow);
+  }
+  for (int64_t i = 0; i < d; ++i) ot[i] = ot[i] * alpha + pv[i];
+}
+#endif  // RADIXSERVE_AMX
 
 // v, in a register: GCC otherwise folds a vector load that several FMAs share into
 // each of them, one load per FMA.
@@ -393,6 +494,11 @@ void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool
   const Lanes zero = {};
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const bool paired = kPairedScores<QT, KVT> && d % 2 == 0;
+#if defined(RADIXSERVE_AMX)
+  const bool on_tiles = paired && kPairedValues<QT, KVT> && radixserve_amx::enabled && d % 32 == 0;
+  uint16_t* k_block = reinterpret_cast<uint16_t*>(sc.k_block.data());
+  uint32_t* v_columns = reinterpret_cast<uint32_t*>(sc.v_columns.data());
+#endif
   const KVT* k_rows[kKeyBlock];  // the block's K and V rows in the pool
   const KVT* v_rows[kKeyBlock];
   const float* k_float[kKeyBlock];  // the same rows in float32: the pool's own, or converted into kf and vf
@@ -459,7 +565,14 @@ void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool
         prefetch_values(v_pool + ahead, d);
       }
     }
-    if constexpr (kPairedValues<QT, KVT>) pair_value_rows(v_rows, block, d, sc.v_pairs.data());
+#if defined(RADIXSERVE_AMX)
+    if (on_tiles) {
+      tile_block_rows(k_rows, v_rows, block, d, k_block, v_columns);
+    } else
+#endif
+        if constexpr (kPairedValues<QT, KVT>) {
+      pair_value_rows(v_rows, block, d, sc.v_pairs.data());
+    }
     if (!paired) {  // every tile at once: scores, each tile's softmax, P.V
       tiles_scores(n_tiles, sc.qt.data(), d, k_float, block, scores);
       Lanes alpha[kTilesPerItem];
@@ -483,6 +596,27 @@ void attend_tiles(const TileRows<QT>& rows, const KVT* k_pool, const KVT* v_pool
       }
       continue;
     }
+#if defined(RADIXSERVE_AMX)
+    if (on_tiles) {  // every tile's scores and probabilities, then every tile's P.V
+      Lanes alpha[kTilesPerItem];
+      bool sees[kTilesPerItem];
+      for (int k = 0; k < n_tiles; ++k) {
+        sees[k] = !(max_end[k] <= k0 || (kWindowed && min_start[k] >= k0 + block));
+        if (!sees[k]) continue;
+        const int64_t nb = std::min(block, max_end[k] - k0);
+        Lanes* tile_scores_k = scores + k * kKeyBlock;
+        tile_scores(sc.qt.data() + k * d, k_block, nb, d, scale, tile_scores_k);
+        alpha[k] = softmax_block(tile_scores_k, nb, k0, min_end[k], end[k], kWindowed && k0 < max_start[k], start[k],
+                                 cap, m[k], l[k]);
+        pair_probabilities(tile_scores_k, nb, sc.p_pairs.data() + k * kKeyBlock / 2);
+      }
+      for (int k = 0; k < n_tiles; ++k)
+        if (sees[k])
+          tile_values(sc.p_pairs.data() + k * kKeyBlock / 2, v_columns, d, alpha[k], sc.ot.data() + k * d,
+                      sc.pv.data());
+      continue;
+    }
+#endif
     for (int k = 0; k < n_tiles; ++k) {
       if (max_end[k] <= k0 || (kWindowed && min_start[k] >= k0 + block)) continue;  // nothing of this block for the tile
       const int64_t nb = std::min(block, max_end[k] - k0);
@@ -516,7 +650,13 @@ void run_tiles(std::vector<TileItem>& items, int64_t d, F&& fn) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch scratch(d);
+#if defined(RADIXSERVE_AMX)
+    if (radixserve_amx::enabled) radixserve_amx::configure_tiles();
+#endif
     for (int64_t i = next.fetch_add(1); i < n_items; i = next.fetch_add(1)) fn(items[i], scratch);
+#if defined(RADIXSERVE_AMX)
+    if (radixserve_amx::enabled) _tile_release();
+#endif
   });
 }
 
