@@ -288,7 +288,7 @@ constexpr int64_t kChunkBytes = 768 << 10;
 constexpr int64_t kMaxChunkRows = 256;
 constexpr int64_t kChunkK = 1024;
 
-// Rows [r0, r0 + rows) of x (row stride lda, k in features) in tile order, zeros past
+// The first `rows` rows of x (row stride lda, k in features) in tile order, zeros past
 // the last row: block b's step s is at dst + (b * k / 32 + s) * kTileElems, 32 rows of
 // 32 in features (64 bytes each), so that every tile load reads 1 KiB in a row. Loaded
 // from x itself, a tile's 16 rows lie K * 2 bytes apart, a power of two for most
