@@ -109,14 +109,15 @@ EDGE_CASES += [
     for m, k, n, bias in ((1, 2, 32, False), (7, 128, 96, True), (13, 96, 160, False), (130, 2816, 64, True))
 ]
 # AMX's blocks (bfloat16, 12 rows or more, K a multiple of 32): 32 rows x 2 strips, a
-# strip left alone (odd strip counts), padded last rows, the 128-row chunks and the
-# 512-in-feature pieces of K; and a K off the 32-step, which takes the AVX-512 tiles.
+# strip left alone (odd strip counts), padded last rows, two chunks of rows (K 3,104:
+# chunks of 96 rows) and four pieces of K (1,024 in features each, the last 32); and a
+# K off the 32-step, which takes the AVX-512 tiles.
 EDGE_CASES += [
     GemmCase(f"M{m}/K{k}/N{n}{'/bias' if bias else ''}{'/silu_and_mul' if gated else ''}", (m,), k, n, bias, gated)
     for m, k, n, bias, gated in (
         (12, 64, 48, True, False),
         (33, 96, 112, False, False),
-        (161, 1056, 80, True, False),
+        (161, 3104, 48, True, False),
         (45, 544, 96, True, True),
         (20, 112, 64, False, False),
     )
