@@ -115,7 +115,7 @@ def cpu_kernels_built() -> None:
     starts a server or scheduler that would pick them (they are the cpu defaults)."""
     from radixserve_torch import cpu_kernels
 
-    if not cpu_kernels.missing_tools():
+    if not cpu_kernels.unavailable_reasons():
         cpu_kernels.load()
 
 

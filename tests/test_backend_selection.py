@@ -20,7 +20,7 @@ from radixserve.backend_timing import MeasuredSelection, ModelShapes, TimingCach
 from radixserve.hooks import hookimpl
 from radixserve.kernels import GemmBackend, KernelQuery
 from radixserve.registry import PluginError, PluginRegistry
-from radixserve_torch import cpu_kernels
+from radixserve_torch import cpu_kernel_build
 from radixserve_torch.platform import CpuPlatform
 
 QUERY = KernelQuery(device="cpu", dtype=torch.float32, head_dim=16, num_heads=4, num_kv_heads=2)
@@ -146,11 +146,11 @@ def test_a_change_to_the_cpu_kernels_sources_times_again(registry, tmp_path, mon
     """The timings' key holds a digest of the C++ kernels' sources: kernels changed
     without a version change (an update, a local edit) are measured afresh."""
     csrc = tmp_path / "csrc"
-    shutil.copytree(cpu_kernels.CSRC, csrc)
-    monkeypatch.setattr(cpu_kernels, "CSRC", csrc)
-    monkeypatch.setattr(cpu_kernels, "SOURCES", [csrc / s.name for s in cpu_kernels.SOURCES])
+    shutil.copytree(cpu_kernel_build.CSRC, csrc)
+    monkeypatch.setattr(cpu_kernel_build, "CSRC", csrc)
+    monkeypatch.setattr(cpu_kernel_build, "SOURCES", [csrc / s.name for s in cpu_kernel_build.SOURCES])
     cache = tmp_path / "timings"
-    cpu_kernels.source_digest.cache_clear()
+    cpu_kernel_build.source_digest.cache_clear()
     try:
         assert selection(registry, cache).select("gemm", QUERY) is FastGemm
         again = selection(registry, cache)
@@ -158,13 +158,13 @@ def test_a_change_to_the_cpu_kernels_sources_times_again(registry, tmp_path, mon
         assert again.choices["gemm"].how.startswith("cached")
         header = next(csrc.glob("*.h"))
         header.write_text(header.read_text() + "\n// changed\n")
-        cpu_kernels.source_digest.cache_clear()
+        cpu_kernel_build.source_digest.cache_clear()
         changed = selection(registry, cache)
         changed.select("gemm", QUERY)
         assert changed.choices["gemm"].how.startswith("measured")
         assert len(list(cache.glob("*.json"))) == 2
     finally:
-        cpu_kernels.source_digest.cache_clear()
+        cpu_kernel_build.source_digest.cache_clear()
 
 
 def test_attention_features_are_timed_by_attention_alone(registry, tmp_path):

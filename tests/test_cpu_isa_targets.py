@@ -1,9 +1,9 @@
-"""The CPU kernels' build target follows ATen's CPU capability (cpu_isa.py).
+"""The CPU kernels' build target follows the CPU and ATen's CPU capability (cpu_isa.py).
 
-At the CPU's own level they are built ``-march=native``; under
-``ATEN_CPU_CAPABILITY=avx2`` (with ``ONEDNN_MAX_CPU_ISA=AVX2``: what an AVX2-only
-Xeon runs) for x86-64-v3, into a library of their own name, so both builds stay
-in torch's extension cache and later runs load them. Under that cap ``auto``
+At the CPU's own level the installation's best compiled target the CPU runs is
+loaded (``-march=native``, compiled on first use, with ``RADIXSERVE_CPU_KERNELS=native``);
+under ``ATEN_CPU_CAPABILITY=avx2`` (with ``ONEDNN_MAX_CPU_ISA=AVX2``: what an
+AVX2-only Xeon runs) the installation's x86-64-v3 library. Under that cap ``auto``
 passes over ``cpu_packed`` in bfloat16 (its kernels there are AVX512-BF16) and
 ``onednn`` in bfloat16, each saying why; ``cpu_packed`` serves float32 with its AVX2
 kernels (16-bit weights stored as such where exact); the backends it picks pass the
@@ -29,6 +29,7 @@ from radixserve.kernels import KernelQuery
 from radixserve.registry import get_registry
 from radixserve.testing import ATTENTION_CASES, ELEMENTWISE_CASES, GEMM_CASES
 from radixserve_torch import cpu_isa, cpu_kernels
+from radixserve_torch.cpu_kernel_build import installed_library
 from radixserve_torch.gemm import CpuPackedGemm
 
 TESTS = Path(__file__).resolve().parent
@@ -37,28 +38,90 @@ FORCED = dict(attention_backend="cpu_paged", elementwise_backend="cpu_fused", ge
 QUERY = dict(device="cpu", head_dim=64, num_heads=4, num_kv_heads=2)
 
 
+# /proc/cpuinfo's flags of three classes (the x86-64-v4 level and what each adds).
+SKYLAKE_SP = cpu_isa.X86_64_V4 | {"avx512_vnni"}
+ZEN4 = cpu_isa.X86_64_V4 | {"avx512_bf16", "avx512_vnni"}
+SAPPHIRE_RAPIDS = ZEN4 | {"amx_bf16", "amx_tile", "amx_int8", "avx512_fp16"}
+HASWELL = cpu_isa.X86_64_V3
+
+
 def test_target_table():
+    # At the CPU's own level: the best compiled target it runs, each its own library.
+    shipped = {
+        flags_name: cpu_isa.select_target("x86_64", "AVX512", False, flags)
+        for flags_name, flags in (("spr", SAPPHIRE_RAPIDS), ("zen4", ZEN4), ("skx", SKYLAKE_SP), ("hsw", HASWELL))
+    }
+    assert {k: t.name for k, t in shipped.items()} == {
+        "spr": "x86_64_amx",
+        "zen4": "x86_64_avx512_bf16",
+        "skx": "x86_64_avx512",
+        "hsw": "x86_64_avx2",
+    }
+    assert all(t.shipped for t in shipped.values())
+    assert [t.name for t in cpu_isa.shipped_targets("x86_64")] == [t.name for t in shipped.values()]
+    assert {"amx_bf16", "amx_tile", "avx512_bf16"} <= shipped["spr"].features <= SAPPHIRE_RAPIDS
+    assert "-mamx-bf16" in shipped["spr"].cflags and "-mavx512bf16" in shipped["zen4"].cflags
+    assert "avx512_bf16" not in shipped["skx"].features and shipped["hsw"].cflags == ("-march=x86-64-v3",)
+    # Compiled for this CPU on first use: asked for, or where no compiled target fits.
     flags = frozenset({"avx2", "avx512f", "avx512_bf16"})
-    native = cpu_isa.select_target("x86_64", "AVX512", False, flags)
-    assert native.cflags == ("-march=native",) and native.features == flags
+    for native in (
+        cpu_isa.select_target("x86_64", "AVX512", False, SAPPHIRE_RAPIDS, native=True),
+        cpu_isa.select_target("x86_64", "AVX512", False, flags),
+    ):
+        assert native.cflags == ("-march=native",) and not native.shipped
+    assert cpu_isa.select_target("x86_64", "AVX512", False, flags).features == flags
+    # Under a cap: the capped level's target, compiled into the installation but for the baseline.
     avx2 = cpu_isa.select_target("x86_64", "AVX2", True, flags)
     assert avx2.cflags == ("-march=x86-64-v3",) and "avx2" in avx2.features and "avx512f" not in avx2.features
-    capped512 = cpu_isa.select_target("x86_64", "AVX512", True, flags)
+    capped512 = cpu_isa.select_target("x86_64", "AVX512", True, SAPPHIRE_RAPIDS)
     assert capped512.cflags == ("-march=x86-64-v4",) and "avx512_bf16" not in capped512.features
     baseline = cpu_isa.select_target("x86_64", "DEFAULT", True, flags)
     assert baseline.cflags == ("-march=x86-64",) and "avx" not in baseline.features
-    assert len({t.name for t in (native, avx2, capped512, baseline)}) == 4  # each builds its own library
+    assert (avx2.name, avx2.shipped) == ("x86_64_avx2", True)
+    assert (capped512.name, capped512.shipped, baseline.shipped) == ("x86_64_avx512", True, False)
     # No entry for another architecture yet: no kernels, and the backends say so.
     assert cpu_isa.select_target("aarch64", "DEFAULT", False, frozenset()) is None
 
 
-def test_this_process_builds_for_its_aten_capability():
+def test_the_kernels_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_CPU_KERNELS", "fastest")
+    with pytest.raises(ValueError, match="RADIXSERVE_CPU_KERNELS='fastest': expected 'installed'"):
+        cpu_isa.native_requested()
+    monkeypatch.setenv("RADIXSERVE_CPU_KERNELS", "Native")
+    assert cpu_isa.native_requested()
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or not shutil.which("objdump"), reason="x86-64 with objdump")
+def test_the_installation_holds_each_target_compiled_with_its_instructions():
+    """setup.py's libraries, disassembled: each uses its class's instructions and none
+    above them (an AVX2 CPU must not meet an AVX-512 one, an AVX-512 CPU a BF16 one)."""
+    used = {}
+    for target in cpu_isa.shipped_targets("x86_64"):
+        library = installed_library(target.name, target.cflags)
+        assert library is not None, f"no library for {target.name}: install with the README's command"
+        listing = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True).stdout
+        used[target.name.removeprefix("x86_64_")] = [
+            marker in listing for marker in ("%ymm", "%zmm", "vdpbf16ps", "tdpbf16ps")
+        ]
+    assert used == {
+        "amx": [True, True, True, True],
+        "avx512_bf16": [True, True, True, False],
+        "avx512": [True, True, False, False],
+        "avx2": [True, False, False, False],
+    }
+
+
+def test_this_process_loads_the_installations_library_for_its_cpu():
     target = cpu_isa.build_target()
     if target is None:
         pytest.skip(cpu_isa.no_target_reason())
-    capability = torch.backends.cpu.get_cpu_capability().lower()
     if platform.machine() == "x86_64" and not os.environ.get("ATEN_CPU_CAPABILITY"):
-        assert target.name == f"x86_64_{capability}_native" and target.cflags == ("-march=native",)
+        if os.environ.get("RADIXSERVE_CPU_KERNELS", "").lower() == "native":
+            assert target.cflags == ("-march=native",)
+        else:
+            best = next(t for t in cpu_isa.shipped_targets("x86_64") if t.features <= (cpu_isa.cpu_flags() or set()))
+            assert target == best
+            assert cpu_kernels.loaded_library() == str(installed_library(target.name, target.cflags))
     assert cpu_kernels.extension_name() == f"radixserve_cpu_kernels_{target.name}"
 
 
@@ -102,7 +165,7 @@ CAPPED_RUN = textwrap.dedent("""
 
     kits = {"attention": check_attention_backend, "gemm": check_gemm_backend,
             "elementwise": check_elementwise_backend}
-    out = {"capability": torch.backends.cpu.get_cpu_capability(), "extension": cpu_kernels.extension_name(),
+    out = {"capability": torch.backends.cpu.get_cpu_capability(), "library": cpu_kernels.loaded_library(),
            "selected": {}, "reasons": {}, "cases": {}}
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
@@ -140,7 +203,6 @@ CAPPED_RUN = textwrap.dedent("""
 @pytest.mark.skipif(
     platform.machine() != "x86_64" or "avx2" not in (cpu_isa.cpu_flags() or ()), reason="needs an x86-64 CPU with AVX2"
 )
-@pytest.mark.skipif(bool(cpu_kernels.missing_tools()), reason="needs a C++ compiler and ninja")
 def test_avx2_caps_pick_working_backends_and_generate_as_the_native_build(tiny_model_factory):
     model_dir = tiny_model_factory(dtype="bfloat16", seed=3)
     env = {**os.environ, **AVX2_CAPS, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
@@ -155,7 +217,9 @@ def test_avx2_caps_pick_working_backends_and_generate_as_the_native_build(tiny_m
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
 
-    assert out["capability"] == "AVX2" and out["extension"] == "radixserve_cpu_kernels_x86_64_avx2"
+    # The installation's AVX2 library, compiled by setup.py: nothing is compiled here.
+    avx2 = cpu_isa.select_target("x86_64", "AVX2", True, cpu_isa.cpu_flags())
+    assert out["capability"] == "AVX2" and out["library"] == str(installed_library(avx2.name, avx2.cflags))
     assert out["selected"] == {
         "float32": {"attention": "cpu_paged", "gemm": "cpu_packed", "elementwise": "cpu_fused"},
         "bfloat16": {"attention": "cpu_paged", "gemm": "torch", "elementwise": "cpu_fused"},
@@ -192,14 +256,8 @@ def test_avx2_caps_pick_working_backends_and_generate_as_the_native_build(tiny_m
         assert out["auto_dtype"][0] == "torch.float32" and "ONEDNN_MAX_CPU_ISA=AVX2" in out["auto_dtype"][1]
     assert out["dtype"] == "float32"
 
-    # Both builds stay in the extension cache (the next run loads them, builds nothing).
-    from torch.utils.cpp_extension import _get_build_directory
-
-    for name in (out["extension"], cpu_kernels.extension_name()):
-        assert (Path(_get_build_directory(name, False)) / f"{name}.so").is_file(), name
     if shutil.which("objdump"):
-        library = Path(_get_build_directory(out["extension"], False)) / f"{out['extension']}.so"
-        listing = subprocess.run(["objdump", "-d", str(library)], capture_output=True, text=True).stdout
+        listing = subprocess.run(["objdump", "-d", out["library"]], capture_output=True, text=True).stdout
         assert "%ymm" in listing and "%zmm" not in listing  # AVX2 vectors, no AVX-512 instruction
 
     # The native build, float32 as well: the same greedy tokens.

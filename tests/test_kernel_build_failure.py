@@ -1,7 +1,11 @@
-"""No hidden compile at the first request: the server builds the CPU kernels
-before it says it is listening, and a build that fails (here a broken compiler
-on PATH) makes ``auto`` pass over the backends that need it, saying why, while
-the server still serves."""
+"""The CPU kernels without a compiler, and a compile that fails.
+
+The installation holds them compiled (setup.py), so a server on a machine with no
+C++ compiler serves with them. Where they are compiled on first use
+(``RADIXSERVE_CPU_KERNELS=native`` here), there is no hidden compile at the first
+request: the server builds them before it says it is listening, and a build that
+fails (a broken compiler on PATH) makes ``auto`` pass over the backends that need
+them, saying why, while the server still serves."""
 
 from __future__ import annotations
 
@@ -10,6 +14,9 @@ import stat
 
 import httpx
 from helpers_server import ServerProcess
+
+from radixserve_torch import cpu_isa
+from radixserve_torch.cpu_kernel_build import installed_library
 
 BROKEN_CXX = """#!/bin/sh
 echo "broken-c++: error: this compiler is broken on purpose" >&2
@@ -23,6 +30,7 @@ def test_a_broken_compiler_passes_the_cpu_kernels_over_and_the_server_serves(tin
     cxx.chmod(cxx.stat().st_mode | stat.S_IXUSR)
     env = {
         "CXX": str(cxx),
+        "RADIXSERVE_CPU_KERNELS": "native",  # compiled for this CPU on first use, not loaded from the installation
         "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),  # nothing built there yet
         "RADIXSERVE_CACHE_DIR": str(tmp_path / "cache"),
     }
@@ -52,4 +60,34 @@ def test_a_broken_compiler_passes_the_cpu_kernels_over_and_the_server_serves(tin
     backends = info["backends"]
     assert backends["gemm"] != "cpu_packed" and backends["attention"] != "cpu_paged"
     assert backends["elementwise"] != "cpu_fused", backends
+    assert len(reply["output_ids"]) == 4
+
+
+def test_without_a_compiler_the_server_serves_with_the_installations_kernels(tiny_llama_dir, tmp_path):
+    target = cpu_isa.build_target()
+    assert target is not None and target.shipped, target
+    library = installed_library(target.name, target.cflags)
+    assert library is not None, "install with the README's command: setup.py compiles the kernels"
+    env = {
+        "CXX": str(tmp_path / "no-such-c++"),
+        "PATH": str(tmp_path),  # no compiler, no ninja (the server is started by path)
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),  # and no earlier build of them
+        "RADIXSERVE_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    args = ("--model", str(tiny_llama_dir), "--max-total-tokens", "4096", "--backend-selection", "priority")
+    with ServerProcess(*args, env=env) as server:
+        url = server.wait_ready()
+        backends = httpx.get(f"{url}/get_server_info", timeout=30).json()["backends"]
+        reply = httpx.post(
+            f"{url}/generate",
+            json={
+                "input_ids": [5, 6, 7],
+                "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+            },
+            timeout=60,
+        ).json()
+    assert not os.path.exists(env["TORCH_EXTENSIONS_DIR"])  # nothing was compiled
+    assert f"CPU kernels for {target.origin} ready" in server.log and str(library) in server.log
+    assert "passed over" not in server.log, server.log
+    assert (backends["attention"], backends["elementwise"]) == ("cpu_paged", "cpu_fused"), backends
     assert len(reply["output_ids"]) == 4

@@ -8,12 +8,14 @@ GEMM and torch's own bfloat16 matmuls). So ``ATEN_CPU_CAPABILITY=avx2
 ONEDNN_MAX_CPU_ISA=AVX2`` on an AVX-512 machine runs what an AVX2-only Xeon runs.
 
 :func:`build_target` is the one place that decides what the kernels are compiled
-for. At the CPU's own level (no ``ATEN_CPU_CAPABILITY``) that is the CPU itself
-(``-march=native``: every extension it has, tuned for it); under a cap, the
-explicit target of the capped level from :data:`CAPPED_TARGETS`. Both tables
-are keyed by ``platform.machine()``, so another architecture (aarch64: NEON,
-SVE) is its own entries; one without entries gets no kernels, and the backends
-that need them say so.
+for. At the CPU's own level (no ``ATEN_CPU_CAPABILITY``) that is the best of the
+targets the installation ships compiled (:data:`SHIPPED`: ``setup.py`` builds one
+library for each) that the CPU runs; with ``RADIXSERVE_CPU_KERNELS=native``, or on a
+CPU none of them fits, the CPU itself (``-march=native``: every extension it has,
+tuned for it), compiled on first use. Under a cap, the explicit target of the capped
+level (:data:`CAPPED`). The tables are keyed by ``platform.machine()``, so another
+architecture (aarch64: NEON, SVE) is its own entries; one without entries gets no
+kernels, and the backends that need them say so.
 """
 
 from __future__ import annotations
@@ -56,10 +58,11 @@ def cpu_model_name() -> str:
 class BuildTarget:
     """What the C++ kernels are compiled for."""
 
-    name: str  # part of the extension's name, so that builds for different targets coexist in torch's cache
+    name: str  # part of the library's name, so that builds for different targets coexist
     cflags: tuple[str, ...]  # the compiler flags that choose the instruction set
     features: frozenset[str]  # the extensions the compiled kernels may use, named as /proc/cpuinfo names them
     origin: str  # what it is and why, for messages
+    shipped: bool = False  # compiled into the installation by setup.py (else on first use)
 
 
 # The x86-64 micro-architecture levels (psABI), in /proc/cpuinfo's names.
@@ -68,35 +71,82 @@ X86_64_V2 = X86_64 | {"pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "cx16"}
 X86_64_V3 = X86_64_V2 | {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"}
 X86_64_V4 = X86_64_V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
 
-# The CPU's own level, per architecture: everything it has, tuned for it.
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """A named explicit target: its compiler flags and the extensions they allow."""
+
+    cflags: tuple[str, ...]
+    features: frozenset[str]
+
+
+# The explicit targets, per architecture. The kernels' code paths follow the
+# compiler's macros (__AVX2__, __AVX512F__, __AVX512BF16__, __AMX_BF16__), so these
+# four are the classes with different kernels: AMX (Intel Sapphire Rapids and later),
+# AVX512-BF16 without AMX (AMD Zen 4 and 5, Intel Cooper Lake), AVX-512 without BF16
+# (Intel Skylake-SP to Ice Lake), AVX2 (AMD Zen 1-3, Intel Haswell to Comet Lake).
+TARGETS: dict[str, dict[str, TargetSpec]] = {
+    "x86_64": {
+        "amx": TargetSpec(
+            ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mtune=sapphirerapids"),
+            X86_64_V4 | {"avx512_bf16", "amx_tile", "amx_bf16"},
+        ),
+        "avx512_bf16": TargetSpec(("-march=x86-64-v4", "-mavx512bf16"), X86_64_V4 | {"avx512_bf16"}),
+        "avx512": TargetSpec(("-march=x86-64-v4",), X86_64_V4),
+        "avx2": TargetSpec(("-march=x86-64-v3",), X86_64_V3),
+        "default": TargetSpec(("-march=x86-64",), X86_64),
+    },
+}
+# What setup.py compiles into the installation, best first: the first the CPU runs is used.
+SHIPPED: dict[str, tuple[str, ...]] = {"x86_64": ("amx", "avx512_bf16", "avx512", "avx2")}
+# ATen's capability capped by ATEN_CPU_CAPABILITY, per architecture: the target that
+# ATen's own kernels of that capability are compiled for.
+CAPPED: dict[tuple[str, str], str] = {
+    ("x86_64", "AVX512"): "avx512",
+    ("x86_64", "AVX2"): "avx2",
+    ("x86_64", "DEFAULT"): "default",
+}
+# The CPU's own level, per architecture: everything it has, tuned for it (compiled on first use).
 NATIVE_FLAGS: dict[str, tuple[str, ...]] = {
     "x86_64": ("-march=native",),
 }
-# A capped ATen capability, per (architecture, capability): an explicit target,
-# the level that ATen's own kernels of that capability are compiled for.
-CAPPED_TARGETS: dict[tuple[str, str], tuple[tuple[str, ...], frozenset[str]]] = {
-    ("x86_64", "AVX512"): (("-march=x86-64-v4",), X86_64_V4),
-    ("x86_64", "AVX2"): (("-march=x86-64-v3",), X86_64_V3),
-    ("x86_64", "DEFAULT"): (("-march=x86-64",), X86_64),
-}
 
 
-def select_target(machine: str, capability: str, capped: bool, flags: frozenset[str] | None) -> BuildTarget | None:
+def shipped_targets(machine: str) -> list[BuildTarget]:
+    """The targets setup.py compiles for ``machine``, best first."""
+    return [
+        _explicit(machine, name, "compiled into the installation", shipped=True) for name in SHIPPED.get(machine, ())
+    ]
+
+
+def _explicit(machine: str, name: str, why: str, shipped: bool) -> BuildTarget:
+    spec = TARGETS[machine][name]
+    return BuildTarget(
+        f"{machine}_{name}", spec.cflags, spec.features, f"{name.upper()} ({' '.join(spec.cflags)}; {why})", shipped
+    )
+
+
+def select_target(
+    machine: str, capability: str, capped: bool, flags: frozenset[str] | None, native: bool = False
+) -> BuildTarget | None:
     """The build target for ATen ``capability`` on ``machine`` (``capped``: set by
-    ``ATEN_CPU_CAPABILITY``; ``flags``: the CPU's), or None where there is none."""
+    ``ATEN_CPU_CAPABILITY``; ``flags``: the CPU's; ``native``: compile for this CPU
+    on first use rather than load a shipped target), or None where there is none."""
     level = capability.upper()
-    if not capped and machine in NATIVE_FLAGS:
+    if capped:
+        if (machine, level) not in CAPPED:
+            return None
+        name = CAPPED[(machine, level)]
+        why = f"ATEN_CPU_CAPABILITY caps ATen at {level}"
+        return _explicit(machine, name, why, shipped=name in SHIPPED.get(machine, ()))
+    if not native:
+        for target in shipped_targets(machine):
+            if flags is not None and target.features <= flags:
+                return target
+    if machine in NATIVE_FLAGS:
         cflags = NATIVE_FLAGS[machine]
         return BuildTarget(
             f"{machine}_{level.lower()}_native", cflags, flags or frozenset(), f"this CPU ({' '.join(cflags)})"
-        )
-    if (machine, level) in CAPPED_TARGETS:
-        cflags, features = CAPPED_TARGETS[(machine, level)]
-        return BuildTarget(
-            f"{machine}_{level.lower()}",
-            cflags,
-            features,
-            f"{level} ({' '.join(cflags)}; ATEN_CPU_CAPABILITY caps ATen at {level})",
         )
     return None
 
@@ -106,11 +156,27 @@ def aten_capability_capped() -> bool:
     return bool(os.environ.get("ATEN_CPU_CAPABILITY"))
 
 
+KERNELS_SETTING = "RADIXSERVE_CPU_KERNELS"  # "installed" (the default) or "native"
+
+
+def native_requested() -> bool:
+    """Whether ``RADIXSERVE_CPU_KERNELS=native`` asks for kernels compiled for this CPU
+    on first use instead of the installation's compiled ones."""
+    value = os.environ.get(KERNELS_SETTING, "installed").strip().lower()
+    if value not in ("installed", "native"):
+        raise ValueError(f"{KERNELS_SETTING}={value!r}: expected 'installed' (the default) or 'native'")
+    return value == "native"
+
+
 @functools.cache
 def build_target() -> BuildTarget | None:
     """This process's build target (ATen reads its capability once per process, so this is cached)."""
     return select_target(
-        platform.machine(), torch.backends.cpu.get_cpu_capability(), aten_capability_capped(), cpu_flags()
+        platform.machine(),
+        torch.backends.cpu.get_cpu_capability(),
+        aten_capability_capped(),
+        cpu_flags(),
+        native_requested(),
     )
 
 
@@ -167,8 +233,8 @@ class AmxUse:
 
 
 def amx_allowed() -> AmxUse:
-    """AMX for our kernels where the build target has AMX-BF16 (the CPU's own level:
-    ``-march=native`` on a CPU with it) and ``ONEDNN_MAX_CPU_ISA``, if set, names an
+    """AMX for our kernels where the build target has AMX-BF16 (the installation's
+    ``amx`` target, or ``-march=native`` on a CPU with it) and ``ONEDNN_MAX_CPU_ISA``, if set, names an
     AMX level: the setting that hides AMX from oneDNN hides it from our kernels too,
     so ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` on an AMX Xeon runs the class without
     AMX (AVX512-BF16, as AMD's Zen 4) throughout."""

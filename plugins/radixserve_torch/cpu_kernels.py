@@ -1,31 +1,33 @@
-"""The C++ kernels of the CPU backends (csrc/), built once per machine and build target.
+"""The C++ kernels of the CPU backends (csrc/): loaded from the installation, or
+built once per machine and build target.
 
 ``cpu_paged`` attention, ``cpu_fused`` elementwise ops and the ``cpu_packed`` GEMM
-live in one extension library, compiled on first use with ``torch.utils.cpp_extension.load`` (g++
-``-O3 -fopenmp`` and the target's instruction-set flags; only ATen and the op registry are included, and
-ninja compiles the sources in parallel: 10-20 s of CPU) into torch's extension
-cache (``$TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions/<python>_cpu/radixserve_cpu_kernels_<target>``),
-so later processes only load it. The target follows ATen's CPU capability
-(cpu_isa.py: ``-march=native`` at the CPU's own level, ``-march=x86-64-v3`` under
-``ATEN_CPU_CAPABILITY=avx2``, ...), and its name is in the library's, so builds for
-different targets coexist in the cache. It registers ``torch.ops.radixserve_cpu_paged``,
-``torch.ops.radixserve_cpu_elementwise``, ``torch.ops.radixserve_cpu_gemm``, ``torch.ops.radixserve_cpu_int4`` and
+live in one library. ``setup.py`` compiles it into the installation for each target
+``cpu_isa.SHIPPED`` names (AMX, AVX512-BF16, AVX-512, AVX2 on x86-64), and
+:func:`load` loads the one :func:`cpu_isa.build_target` picks for this CPU: a first
+start needs no compiler. A target the installation holds no library for (``-march=native``
+under ``RADIXSERVE_CPU_KERNELS=native``, the x86-64 baseline under
+``ATEN_CPU_CAPABILITY=default``, an installation built without torch, sources edited
+since the install) is compiled on first use with ``torch.utils.cpp_extension.load`` (g++
+``-O3 -fopenmp`` and the target's instruction-set flags; ninja compiles the sources in
+parallel: 10-40 s of CPU) into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, by
+default ``~/.cache/torch_extensions/<python>_cpu/radixserve_cpu_kernels_<target>``), so
+later processes only load it; the log says which and why. It registers
+``torch.ops.radixserve_cpu_paged``, ``torch.ops.radixserve_cpu_elementwise``,
+``torch.ops.radixserve_cpu_gemm``, ``torch.ops.radixserve_cpu_int4`` and
 ``torch.ops.radixserve_cpu_lora``.
 
-A build failure raises :class:`KernelBuildError` with the compiler's first error
-line and is remembered for the process (``load()`` raises it again at once); the
-backends' ``build()`` calls ``load()``, so ``auto`` passes over each of them with
-that line. :func:`unavailable_reasons` names a missing compiler or ninja without
-running anything.
+A build or load failure raises :class:`KernelBuildError` with the compiler's first
+error line (or the loader's) and is remembered for the process (``load()`` raises it
+again at once); the backends' ``build()`` calls ``load()``, so ``auto`` passes over
+each of them with that line. :func:`unavailable_reasons` names a missing compiler or
+ninja without running anything, where the installation has no library to load.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
-import hashlib
 import logging
 import os
 import shutil
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve_torch import cpu_isa
+from radixserve_torch.cpu_kernel_build import CFLAGS, LDFLAGS, SOURCES, installed_library
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -46,34 +49,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CSRC = Path(__file__).with_name("csrc")
-SOURCES = [
-    CSRC / name
-    for name in (
-        "cpu_paged_ops.cpp",
-        "cpu_paged_decode.cpp",
-        "cpu_paged_extend.cpp",
-        "cpu_elementwise.cpp",
-        "cpu_gemm.cpp",
-        "cpu_int4.cpp",
-        "cpu_lora.cpp",
-    )
-]
-
-
-@functools.cache
-def source_digest() -> str:
-    """A digest of the kernels' sources (and their header): in the backend timings'
-    cache key, so that timings taken with other kernels are not reused after an
-    update that changes them without changing a version."""
-    digest = hashlib.sha256()
-    for path in sorted([*SOURCES, *CSRC.glob("*.h")]):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 _lock = threading.Lock()
-_loaded = False
+_loaded: str | None = None  # the library's path, once loaded
 _build_error: str | None = None
 
 
@@ -97,8 +74,10 @@ def unavailable_reasons() -> list[str]:
     build target for this machine, or missing tools. A failed build is
     ``load()``'s error (the backends' ``build()``), so that each backend that
     needs the kernels is passed over with it."""
-    reasons = [] if cpu_isa.build_target() is not None else [cpu_isa.no_target_reason()]
-    return reasons + missing_tools()
+    target = cpu_isa.build_target()
+    if target is None:
+        return [cpu_isa.no_target_reason(), *missing_tools()]
+    return [] if installed_library(target.name, target.cflags) is not None else missing_tools()
 
 
 KERNEL_DTYPES = ("float32", "bfloat16", "float16")  # what every op of the library dispatches on
@@ -115,21 +94,21 @@ def query_reasons(query: KernelQuery) -> list[str]:
     return reasons
 
 
-def extension_name() -> str:
-    """One build per target (cpu_isa.build_target)."""
-    target = cpu_isa.build_target()
+def extension_name(target: cpu_isa.BuildTarget | None = None) -> str:
+    """The name of a first-use build: one per target (by default this process's, cpu_isa.build_target)."""
+    target = target or cpu_isa.build_target()
     return f"radixserve_cpu_kernels_{target.name if target is not None else 'no_target'}"
 
 
-def build_directory() -> Path:
-    """Where torch's extension builder keeps this target's build: ``$TORCH_EXTENSIONS_DIR``
+def build_directory(target: cpu_isa.BuildTarget | None = None) -> Path:
+    """Where torch's extension builder keeps a target's first-use build: ``$TORCH_EXTENSIONS_DIR``
     or its default root, as it names them for a CPU build of torch."""
     from torch.utils import cpp_extension
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
         cpp_extension.get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
     )
-    return Path(root) / extension_name()
+    return Path(root) / extension_name(target)
 
 
 @contextlib.contextmanager
@@ -151,7 +130,8 @@ def _build_lock(directory: Path) -> Iterator[None]:
 
 
 def load() -> None:
-    """Build (first use on this machine) or load the library; once per process."""
+    """Load the installation's library for this process's target, else build it (first
+    use on this machine) or load that build; once per process."""
     global _loaded, _build_error
     with _lock:
         if _loaded:
@@ -161,34 +141,65 @@ def load() -> None:
         target = cpu_isa.build_target()
         if target is None:
             raise KernelBuildError(cpu_isa.no_target_reason())
-        from torch.utils import cpp_extension
-
-        logger.info("loading the CPU kernels for %s (compiled on first use on this machine)", target.origin)
         start = time.perf_counter()
-        directory = build_directory()
-        try:
-            with _build_lock(directory):
-                library = cpp_extension.load(
-                    name=extension_name(),
-                    sources=[str(s) for s in SOURCES],
-                    extra_cflags=["-O3", *target.cflags, "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],
-                    build_directory=str(directory),
-                    is_python_module=False,
-                    verbose=False,
+        installed = installed_library(target.name, target.cflags)
+        if installed is not None:
+            try:
+                torch.ops.load_library(str(installed))  # type: ignore[no-untyped-call]
+            except OSError as exc:
+                _build_error = f"loading the installed CPU kernels {installed} failed: {exc}"
+                raise KernelBuildError(_build_error) from exc
+            library = str(installed)
+        else:
+            if target.shipped:
+                logger.warning(
+                    "the installation holds no CPU kernels for %s built from these sources for torch %s "
+                    "(installed without building them, or csrc/ changed since); compiling them now, once",
+                    target.origin,
+                    torch.__version__,
                 )
-        except Exception as exc:  # the compiler's output is in the exception text
-            _build_error = f"building the CPU kernels failed: {_first_error_line(str(exc))}"
-            raise KernelBuildError(_build_error) from exc
-        _loaded = True
+            library = _build(target)
+        _loaded = library
         amx = cpu_isa.amx_allowed()
         uses_amx = torch.ops.radixserve_cpu_gemm.set_amx(amx.allowed)
         logger.info(
-            "CPU kernels ready in %.1f s (%s); AMX tiles for bfloat16 GEMMs: %s",
+            "CPU kernels for %s ready in %.1f s (%s); AMX tiles for bfloat16 GEMMs: %s",
+            target.origin,
             time.perf_counter() - start,
             library,
             "yes" if uses_amx else f"no ({amx.reason if not amx.allowed else 'Linux refused the tile state'})",
         )
+
+
+def _build(target: cpu_isa.BuildTarget) -> str:
+    """Compile the library for ``target`` (or load torch's cached build of it); its path."""
+    global _build_error
+    from torch.utils import cpp_extension
+
+    logger.info("loading the CPU kernels for %s from torch's extension cache (compiled on first use)", target.origin)
+    directory = build_directory()
+    try:
+        with _build_lock(directory):
+            cpp_extension.load(
+                name=extension_name(),
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=[*CFLAGS, *target.cflags],
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
+    except Exception as exc:  # the compiler's output is in the exception text
+        _build_error = f"building the CPU kernels failed: {_first_error_line(str(exc))}"
+        raise KernelBuildError(_build_error) from exc
+    return str(directory / f"{extension_name()}.so")
+
+
+def loaded_library() -> str:
+    """The path of the library this process loaded (loading it first)."""
+    load()
+    assert _loaded is not None
+    return _loaded
 
 
 def uses_amx() -> bool:

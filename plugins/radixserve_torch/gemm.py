@@ -109,7 +109,7 @@ class CpuPackedGemm(GemmBackend):
         built = self._ops.dtypes()
         if str(query.dtype).removeprefix("torch.") not in built:
             raise cpu_kernels.KernelBuildError(
-                f"the CPU kernels ({cpu_kernels.extension_name()}) hold GEMM kernels for {built}, not {query.dtype}"
+                f"the CPU kernels ({cpu_kernels.loaded_library()}) hold GEMM kernels for {built}, not {query.dtype}"
             )
 
     @classmethod

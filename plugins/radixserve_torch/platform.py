@@ -9,7 +9,7 @@ import sys
 import torch
 
 from radixserve.platform import DtypeChoice, Platform
-from radixserve_torch import cpu_isa, cpu_kernels
+from radixserve_torch import cpu_isa, cpu_kernel_build
 from radixserve_torch.cpu_topology import HostMemory, host_memory, place_this_process, thread_share
 
 logger = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class CpuPlatform(Platform):
             "flags": " ".join(sorted(cpu_isa.cpu_flags() or ())),
             "aten_capability": torch.backends.cpu.get_cpu_capability(),
             "kernel_target": target.name if target is not None else "none",
-            "kernel_sources": cpu_kernels.source_digest(),
+            "kernel_sources": cpu_kernel_build.source_digest(),
             "onednn_max_cpu_isa": cpu_isa.onednn_isa_cap() or "",
             "threads": str(torch.get_num_threads()),
             "torch": torch.__version__,
