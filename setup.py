@@ -13,8 +13,10 @@ pyproject.toml.
 from __future__ import annotations
 
 import importlib.util
+import os
 import platform
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +35,22 @@ def load_standalone(name: str):  # noqa: ANN201 - a module loaded by path
     return module
 
 
+def compiler_accepts(cflags: tuple[str, ...]) -> bool:
+    """Whether the C++ compiler (``$CXX``, else ``c++``, as torch's builder uses) knows
+    these flags (GCC learned AMX's in version 11)."""
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        probe = subprocess.run(
+            [compiler, *cflags, "-x", "c++", "-fsyntax-only", "-"],
+            input="int main() {}\n",
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return False
+    return probe.returncode == 0
+
+
 def kernel_extensions() -> tuple[list, dict]:
     """The kernels' extensions and the build command that compiles them, or none
     where this build environment has no torch."""
@@ -46,6 +64,13 @@ def kernel_extensions() -> tuple[list, dict]:
     root = Path(__file__).resolve().parent
     extensions, stems = [], set()
     for target in isa.shipped_targets(platform.machine()):
+        if not compiler_accepts(target.cflags):
+            print(
+                f"setup.py: the C++ compiler rejects {' '.join(target.cflags)}: no {target.name} kernels "
+                "(too old for them?); CPUs of that class load the next class's",
+                file=sys.stderr,
+            )
+            continue
         stem = build.library_stem(target.name, target.cflags)
         stems.add(stem)
         extensions.append(

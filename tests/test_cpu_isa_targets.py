@@ -62,6 +62,11 @@ def test_target_table():
     assert {"amx_bf16", "amx_tile", "avx512_bf16"} <= shipped["spr"].features <= SAPPHIRE_RAPIDS
     assert "-mamx-bf16" in shipped["spr"].cflags and "-mavx512bf16" in shipped["zen4"].cflags
     assert "avx512_bf16" not in shipped["skx"].features and shipped["hsw"].cflags == ("-march=x86-64-v3",)
+    # An installation without the AMX library (a compiler too old for it): the next class's;
+    # one without any (sources edited since): the best, compiled on first use.
+    no_amx = cpu_isa.select_target("x86_64", "AVX512", False, SAPPHIRE_RAPIDS, installed=lambda t: "amx" not in t.name)
+    none = cpu_isa.select_target("x86_64", "AVX512", False, SAPPHIRE_RAPIDS, installed=lambda t: False)
+    assert (no_amx.name, none.name) == ("x86_64_avx512_bf16", "x86_64_amx")
     # Compiled for this CPU on first use: asked for, or where no compiled target fits.
     flags = frozenset({"avx2", "avx512f", "avx512_bf16"})
     for native in (

@@ -21,11 +21,15 @@ kernels, and the backends that need them say so.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -127,11 +131,19 @@ def _explicit(machine: str, name: str, why: str, shipped: bool) -> BuildTarget:
 
 
 def select_target(
-    machine: str, capability: str, capped: bool, flags: frozenset[str] | None, native: bool = False
+    machine: str,
+    capability: str,
+    capped: bool,
+    flags: frozenset[str] | None,
+    native: bool = False,
+    installed: Callable[[BuildTarget], bool] = lambda target: True,
 ) -> BuildTarget | None:
     """The build target for ATen ``capability`` on ``machine`` (``capped``: set by
     ``ATEN_CPU_CAPABILITY``; ``flags``: the CPU's; ``native``: compile for this CPU
-    on first use rather than load a shipped target), or None where there is none."""
+    on first use rather than load a shipped target), or None where there is none.
+    Of the shipped targets the CPU runs, the best that is ``installed`` (a compiler
+    too old for AMX leaves that one out of the installation), else the best (then
+    compiled on first use: the sources changed since the install, or it built none)."""
     level = capability.upper()
     if capped:
         if (machine, level) not in CAPPED:
@@ -140,9 +152,9 @@ def select_target(
         why = f"ATEN_CPU_CAPABILITY caps ATen at {level}"
         return _explicit(machine, name, why, shipped=name in SHIPPED.get(machine, ()))
     if not native:
-        for target in shipped_targets(machine):
-            if flags is not None and target.features <= flags:
-                return target
+        runnable = [t for t in shipped_targets(machine) if flags is not None and t.features <= flags]
+        if runnable:
+            return next((t for t in runnable if installed(t)), runnable[0])
     if machine in NATIVE_FLAGS:
         cflags = NATIVE_FLAGS[machine]
         return BuildTarget(
@@ -171,13 +183,21 @@ def native_requested() -> bool:
 @functools.cache
 def build_target() -> BuildTarget | None:
     """This process's build target (ATen reads its capability once per process, so this is cached)."""
-    return select_target(
-        platform.machine(),
-        torch.backends.cpu.get_cpu_capability(),
-        aten_capability_capped(),
-        cpu_flags(),
-        native_requested(),
+    from radixserve_torch.cpu_kernel_build import installed_library
+
+    here = (platform.machine(), torch.backends.cpu.get_cpu_capability(), aten_capability_capped(), cpu_flags())
+    best = select_target(*here, native_requested())
+    chosen = select_target(
+        *here, native_requested(), installed=lambda t: installed_library(t.name, t.cflags) is not None
     )
+    if chosen != best and best is not None and chosen is not None:
+        logger.warning(
+            "the installation holds no CPU kernels for %s (setup.py could not compile them: its output says why); "
+            "loading those for %s",
+            best.origin,
+            chosen.origin,
+        )
+    return chosen
 
 
 def no_target_reason() -> str:
