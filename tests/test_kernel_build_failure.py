@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 
 import httpx
 from helpers_server import ServerProcess
@@ -24,19 +25,10 @@ exit 1
 """
 
 
-def test_a_broken_compiler_passes_the_cpu_kernels_over_and_the_server_serves(tiny_llama_dir, tmp_path):
-    cxx = tmp_path / "broken-c++"
-    cxx.write_text(BROKEN_CXX)
-    cxx.chmod(cxx.stat().st_mode | stat.S_IXUSR)
-    env = {
-        "CXX": str(cxx),
-        "RADIXSERVE_CPU_KERNELS": "native",  # compiled for this CPU on first use, not loaded from the installation
-        "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),  # nothing built there yet
-        "RADIXSERVE_CACHE_DIR": str(tmp_path / "cache"),
-    }
-    assert not os.path.exists(env["TORCH_EXTENSIONS_DIR"])
-    # Backends by priority: auto passes over the ones that need the kernels and times none of the rest.
-    args = ("--model", str(tiny_llama_dir), "--max-total-tokens", "4096", "--backend-selection", "priority")
+def serve_one_request(model_dir: Path, env: dict[str, str]) -> tuple[ServerProcess, dict, dict]:
+    """A server on ``model_dir`` with ``env``, backends by priority (auto times none of
+    them); its server info and its answer to one greedy request, and the stopped server."""
+    args = ("--model", str(model_dir), "--max-total-tokens", "4096", "--backend-selection", "priority")
     with ServerProcess(*args, env=env) as server:
         url = server.wait_ready()
         info = httpx.get(f"{url}/get_server_info", timeout=30).json()
@@ -48,6 +40,22 @@ def test_a_broken_compiler_passes_the_cpu_kernels_over_and_the_server_serves(tin
             },
             timeout=60,
         ).json()
+    return server, info, reply
+
+
+def test_a_broken_compiler_passes_the_cpu_kernels_over_and_the_server_serves(tiny_llama_dir, tmp_path):
+    cxx = tmp_path / "broken-c++"
+    cxx.write_text(BROKEN_CXX)
+    cxx.chmod(cxx.stat().st_mode | stat.S_IXUSR)
+    env = {
+        "CXX": str(cxx),
+        "RADIXSERVE_CPU_KERNELS": "native",  # compiled for this CPU on first use, not loaded from the installation
+        "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),  # nothing built there yet
+        "RADIXSERVE_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    assert not os.path.exists(env["TORCH_EXTENSIONS_DIR"])
+    # auto passes over the backends that need the kernels.
+    server, info, reply = serve_one_request(tiny_llama_dir, env)
     lines = server.lines
     listening = next(i for i, line in enumerate(lines) if "listening at" in line)
     passed_over = [i for i, line in enumerate(lines) if "is passed over: build failed" in line]
@@ -74,18 +82,8 @@ def test_without_a_compiler_the_server_serves_with_the_installations_kernels(tin
         "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions"),  # and no earlier build of them
         "RADIXSERVE_CACHE_DIR": str(tmp_path / "cache"),
     }
-    args = ("--model", str(tiny_llama_dir), "--max-total-tokens", "4096", "--backend-selection", "priority")
-    with ServerProcess(*args, env=env) as server:
-        url = server.wait_ready()
-        backends = httpx.get(f"{url}/get_server_info", timeout=30).json()["backends"]
-        reply = httpx.post(
-            f"{url}/generate",
-            json={
-                "input_ids": [5, 6, 7],
-                "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
-            },
-            timeout=60,
-        ).json()
+    server, info, reply = serve_one_request(tiny_llama_dir, env)
+    backends = info["backends"]
     assert not os.path.exists(env["TORCH_EXTENSIONS_DIR"])  # nothing was compiled
     assert f"CPU kernels for {target.origin} ready" in server.log and str(library) in server.log
     assert "passed over" not in server.log, server.log
