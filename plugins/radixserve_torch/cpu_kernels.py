@@ -177,11 +177,11 @@ def _build(target: cpu_isa.BuildTarget) -> str:
     from torch.utils import cpp_extension
 
     logger.info("loading the CPU kernels for %s from torch's extension cache (compiled on first use)", target.origin)
-    directory = build_directory()
+    directory, name = build_directory(target), extension_name(target)
     try:
         with _build_lock(directory):
             cpp_extension.load(
-                name=extension_name(),
+                name=name,
                 sources=[str(s) for s in SOURCES],
                 extra_cflags=[*CFLAGS, *target.cflags],
                 extra_ldflags=list(LDFLAGS),
@@ -192,7 +192,7 @@ def _build(target: cpu_isa.BuildTarget) -> str:
     except Exception as exc:  # the compiler's output is in the exception text
         _build_error = f"building the CPU kernels failed: {_first_error_line(str(exc))}"
         raise KernelBuildError(_build_error) from exc
-    return str(directory / f"{extension_name()}.so")
+    return str(directory / f"{name}.so")
 
 
 def loaded_library() -> str:
