@@ -19,13 +19,15 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
-from setuptools import setup
+from setuptools import Extension, setup
 
-PACKAGE = Path(__file__).resolve().parent / "plugins" / "radixserve_torch"
+ROOT = Path(__file__).resolve().parent
+PACKAGE = ROOT / "plugins" / "radixserve_torch"
 
 
-def load_standalone(name: str):  # noqa: ANN201 - a module loaded by path
+def load_standalone(name: str) -> ModuleType:
     """A module of radixserve_torch that imports only the standard library and torch,
     loaded without importing the package (whose ``__init__`` needs radixserve)."""
     spec = importlib.util.spec_from_file_location(f"_radixserve_setup_{name}", PACKAGE / f"{name}.py")
@@ -61,7 +63,6 @@ def kernel_extensions() -> tuple[list, dict]:
         return [], {}
     build = load_standalone("cpu_kernel_build")
     isa = load_standalone("cpu_isa")
-    root = Path(__file__).resolve().parent
     extensions, stems = [], set()
     for target in isa.shipped_targets(platform.machine()):
         if not compiler_accepts(target.cflags):
@@ -76,7 +77,7 @@ def kernel_extensions() -> tuple[list, dict]:
         extensions.append(
             CppExtension(
                 f"radixserve_torch.{stem}",
-                [str(source.relative_to(root)) for source in build.SOURCES],
+                [str(source.relative_to(ROOT)) for source in build.SOURCES],
                 extra_compile_args=[*build.CFLAGS, *target.cflags, "-g0"],
                 extra_link_args=list(build.LDFLAGS),
             )
@@ -90,7 +91,7 @@ def kernel_extensions() -> tuple[list, dict]:
         """Reuses a library an editable install already compiled in place from the same
         sources, flags and torch (the name says which), so that installing again is quick."""
 
-        def build_extension(self, ext) -> None:  # noqa: ANN001 - setuptools' Extension
+        def build_extension(self, ext: Extension) -> None:
             output = Path(self.get_ext_fullpath(ext.name))
             in_place = PACKAGE / output.name
             if in_place.is_file() and in_place.resolve() != output.resolve():

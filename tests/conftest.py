@@ -119,6 +119,15 @@ def cpu_kernels_built() -> None:
         cpu_kernels.load()
 
 
+@pytest.fixture
+def without_installed_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as in an installation that holds no compiled CPU kernels (installed
+    without torch in its build, or the sources edited since): they are built on first use."""
+    from radixserve_torch import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "installed_library", lambda name, cflags: None)
+
+
 # -- the CLI in this process ------------------------------------------------------
 
 

@@ -162,7 +162,7 @@ def test_strided_queries_from_a_fused_projection():
     assert torch.equal(backend.forward_decode(q_view, inputs.layer, inputs.batch), expected)
 
 
-def test_auto_selects_it_on_cpu_and_torch_varlen_without_a_compiler_or_compiled_kernels(monkeypatch):
+def test_auto_selects_it_on_cpu_and_torch_varlen_without_a_compiler_or_compiled_kernels(monkeypatch, request):
     registry = get_registry()
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         query = KernelQuery(device="cpu", dtype=dtype, head_dim=64, num_heads=16, num_kv_heads=8)
@@ -171,7 +171,7 @@ def test_auto_selects_it_on_cpu_and_torch_varlen_without_a_compiler_or_compiled_
     # The installation's compiled kernels need no compiler (setup.py built them) ...
     assert CpuPagedAttention.unsupported_reasons(query) == []
     # ... an installation without them does.
-    monkeypatch.setattr(cpu_kernels, "installed_library", lambda name, cflags: None)
+    request.getfixturevalue("without_installed_kernels")
     assert CpuPagedAttention.unsupported_reasons(query) == [
         "no C++ compiler found (looked for 'no-such-c++-compiler' on PATH)"
     ]
@@ -182,13 +182,12 @@ def test_auto_selects_it_on_cpu_and_torch_varlen_without_a_compiler_or_compiled_
     assert "a CPU kernel; device is cuda" in CpuPagedAttention.unsupported_reasons(cuda)
 
 
-def test_a_build_failure_is_loud_and_names_the_compiler_error(tmp_path, monkeypatch):
+def test_a_build_failure_is_loud_and_names_the_compiler_error(tmp_path, monkeypatch, without_installed_kernels):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++;\n")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(cpu_kernels, "SOURCES", [broken])
     monkeypatch.setattr(cpu_kernels, "extension_name", lambda target=None: "radixserve_cpu_kernels_broken_test")
-    monkeypatch.setattr(cpu_kernels, "installed_library", lambda name, cflags: None)  # as if installed without them
     monkeypatch.setattr(cpu_kernels, "_loaded", None)
     monkeypatch.setattr(cpu_kernels, "_build_error", None)
     query = KernelQuery(device="cpu", dtype=torch.float32, head_dim=64, num_heads=4, num_kv_heads=2)

@@ -18,7 +18,6 @@ from radixserve.kernels import KernelQuery
 from radixserve.registry import get_registry
 from radixserve.testing import check_attention_backend
 from radixserve.testing.conformance import AttentionCase, make_attention_inputs
-from radixserve_torch import cpu_kernels
 from radixserve_torch.attention_varlen import TorchVarlenAttention
 
 # Ragged enough that the step plan cuts them into several buckets (asserted below).
@@ -105,9 +104,8 @@ def test_bucketed_cases_really_use_several_buckets(case):
     assert [b.seq_len for b in buckets] == [max(seq_lens[i] for i in order[b.start : b.end]) for b in buckets]
 
 
-def test_auto_selects_it_on_cpu_without_compiled_kernels_or_a_cpp_compiler(monkeypatch):
+def test_auto_selects_it_on_cpu_without_compiled_kernels_or_a_cpp_compiler(monkeypatch, without_installed_kernels):
     # cpu_paged (priority 7) needs its kernels: the installation's, else a compiler to build them.
-    monkeypatch.setattr(cpu_kernels, "installed_library", lambda name, cflags: None)
     monkeypatch.setenv("CXX", "no-such-c++-compiler")
     registry = get_registry()
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

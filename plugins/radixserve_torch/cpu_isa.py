@@ -183,6 +183,7 @@ def native_requested() -> bool:
 @functools.cache
 def build_target() -> BuildTarget | None:
     """This process's build target (ATen reads its capability once per process, so this is cached)."""
+    # Imported here: setup.py loads this module by path, outside the package.
     from radixserve_torch.cpu_kernel_build import installed_library
 
     here = (platform.machine(), torch.backends.cpu.get_cpu_capability(), aten_capability_capped(), cpu_flags())
