@@ -8,6 +8,7 @@ structured output: a worker lacking a feature the others have), the official
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -184,6 +185,31 @@ def test_an_inference_route_answers_a_wrong_method_or_body_in_the_error_envelope
     no_model = httpx.post(router.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
     assert no_model.status_code == 400 and no_model.json()["error"]["param"] == "model"
     assert httpx.get(router.url + "/no/such/route").json()["error"]["type"] == "not_found_error"
+
+
+def test_the_client_not_the_server_closes_an_idle_connection(router, fleet):
+    """The router and a worker keep an idle connection open past the 5 s after which the
+    openai client (httpx) drops its own: were the server to close first, at about the time
+    the client reuses the connection, the request written meanwhile would be lost
+    ("Server disconnected without sending a response")."""
+    client_expiry_s = httpx.Limits().keepalive_expiry
+    assert client_expiry_s is not None
+    connections = [
+        http.client.HTTPConnection(url.removeprefix("http://"), timeout=30) for url in (router.url, fleet["cpu"].url)
+    ]
+    body = json.dumps({"model": "tiny", "prompt": "kept", "max_tokens": 2})
+    sockets = []
+    for connection in connections:
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        assert connection.getresponse().read() and connection.sock is not None
+        sockets.append(connection.sock)
+    time.sleep(client_expiry_s + 0.5)
+    for connection, sock in zip(connections, sockets, strict=True):
+        connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200 and json.loads(response.read())["choices"]
+        assert connection.sock is sock  # the same connection served both
+        connection.close()
 
 
 def test_a_request_goes_only_to_workers_that_support_what_it_asks(router, fleet):

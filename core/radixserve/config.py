@@ -279,6 +279,11 @@ class ServerArgs(CliArgs):
         default=30.0,
     )
     max_header_size: int = _flag("max size of a request's headers in bytes (431 beyond)", default=64 * 1024)
+    timeout_keep_alive: float = _flag(
+        "seconds an idle keep-alive connection stays open; longer than clients keep theirs (httpx and the "
+        "openai client: 5 s, the router: 4 s), so that the client closes it first",
+        default=75.0,
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -345,6 +350,8 @@ class ServerArgs(CliArgs):
         self._validate_lora(bad)
         if self.max_header_size < 1024:
             bad("max_header_size", f"must be >= 1024 bytes, got {self.max_header_size}")
+        if self.timeout_keep_alive <= 0:
+            bad("timeout_keep_alive", f"must be > 0 seconds, got {self.timeout_keep_alive}")
 
     def _validate_speculative(self, bad: Callable[[str, str], None]) -> None:
         for name in ("speculative_num_draft_tokens", "speculative_max_batch_size"):

@@ -240,6 +240,7 @@ def run_router(args: RouterArgs) -> int:
         access_log=False,  # the forwarder's log line names the worker
         proxy_headers=False,  # the client's address is used nowhere: not worth reading per request
         timeout_graceful_shutdown=args.shutdown_grace_period_secs,  # type: ignore[arg-type]  # a float works
+        timeout_keep_alive=args.keep_alive_timeout_secs,  # type: ignore[arg-type]  # a float works
         loop="auto",  # uvloop where it is installed
     )
     server = _RouterServer(config)

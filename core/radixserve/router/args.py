@@ -103,6 +103,11 @@ class RouterArgs(CliArgs):
     shutdown_grace_period_secs: float = flag(
         "on SIGTERM, seconds the requests in flight get to finish while new ones are refused", default=30.0
     )
+    keep_alive_timeout_secs: float = flag(
+        "seconds an idle client connection stays open; longer than clients keep theirs (httpx and the openai "
+        "client: 5 s), so that the client closes it first",
+        default=75.0,
+    )
     log_level: str = flag("logging level", default="info")
 
     def __post_init__(self) -> None:
@@ -128,6 +133,8 @@ class RouterArgs(CliArgs):
             bad("cache_threshold", f"must be in [0, 1], got {self.cache_threshold}")
         if not 0 <= self.port <= 65535:
             bad("port", f"must be in [0, 65535] (0 picks a free port), got {self.port}")
+        if self.keep_alive_timeout_secs <= 0:
+            bad("keep_alive_timeout_secs", f"must be > 0, got {self.keep_alive_timeout_secs}")
         if self.retry_max_retries < 0:
             bad("retry_max_retries", f"must be >= 0, got {self.retry_max_retries}")
         for name in ("cb_failure_threshold", "cb_success_threshold", "health_failure_threshold"):

@@ -16,6 +16,12 @@ from typing import Any
 
 import aiohttp
 
+# Seconds an idle pooled connection to a worker is kept: below the 5 s keep-alive that
+# uvicorn gives SGLang and vLLM workers by default (radixserve's own keep theirs 75 s).
+# A connection must be dropped by the router before the worker closes it: a request
+# written as the worker closes the connection is lost, and a POST is not retried by aiohttp.
+UPSTREAM_KEEPALIVE_S = 4.0
+
 # The errors a try at a worker can end with: no connection, a broken answer, a timeout.
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
@@ -55,7 +61,7 @@ class Upstream:
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60), timeout=self._timeout
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S), timeout=self._timeout
         )
 
     async def close(self) -> None:

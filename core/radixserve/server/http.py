@@ -385,6 +385,7 @@ def run_server(args: ServerArgs, sock: socket.socket, started: SpawnedRuntime | 
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         http=_EnvelopeH11Protocol,
         h11_max_incomplete_event_size=args.max_header_size,
+        timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]  # a float works
     )
     server = _Server(config, state, args.shutdown_timeout)
     print(f"radixserve listening at {url} (starting up; /health answers 503 until ready)", flush=True)
