@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import openai
@@ -61,3 +62,27 @@ def test_missing_model_fails_fast_with_a_clear_error(tmp_path):
         code = srv.wait_exit(timeout=120)
         assert code == 1, srv.log
         assert "is not a directory" in srv.log
+
+
+def test_a_demo_model_that_cannot_be_built_fails_the_start_and_leaves_no_process(tmp_path):
+    """The demo model's first build runs while its model process, spawned held,
+    imports: a build that fails ends the start with an error, and the held process
+    with it."""
+    (tmp_path / "a-file").write_text("")
+    cache = str(tmp_path / "a-file" / "cache")  # no directory can be made there
+    with ServerProcess(*PRIORITY_BACKENDS, env={"RADIXSERVE_CACHE_DIR": cache}) as srv:
+        assert srv.wait_exit(timeout=120) == 1, srv.log
+        assert "startup failed" in srv.log and "Not a directory" in srv.log, srv.log
+    assert wait_until(lambda: not _processes_with_env("RADIXSERVE_CACHE_DIR", cache), timeout=10)
+
+
+def _processes_with_env(name: str, value: str) -> list[int]:
+    """The pids of this machine's processes whose environment sets ``name`` to ``value``."""
+    wanted, found = f"{name}={value}".encode(), []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and wanted in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                found.append(int(entry))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found

@@ -13,12 +13,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import BaseModel, ValidationError
 from tokenizers import processors
 from transformers import AutoTokenizer
 
 from radixserve.checkpoints import demo as demo_model
+from radixserve.checkpoints.random_model import build_llama_without_its_class, build_tiny_model
 from radixserve.checkpoints.source import model_path_at_hand, resolve_model_path
 from radixserve.config import ServerArgs
 from radixserve.messages import FinishReason
@@ -183,7 +185,7 @@ def test_demo_model_concurrent_first_runs_share_one_build(tmp_path, monkeypatch)
         Path(out_dir, "config.json").write_text("{}")
         return Path(out_dir)
 
-    monkeypatch.setattr("radixserve.checkpoints.random_model.build_tiny_model", fake_build)
+    monkeypatch.setattr("radixserve.checkpoints.random_model.build_llama_without_its_class", fake_build)
     results: list[Path] = []
     threads = [threading.Thread(target=lambda: results.append(demo_model.demo_model_path())) for _ in range(2)]
     for t in threads:
@@ -195,6 +197,30 @@ def test_demo_model_concurrent_first_runs_share_one_build(tmp_path, monkeypatch)
     assert [p.name for p in tmp_path.iterdir()] == [results[0].name]
     assert calls and calls[0]["hidden_size"] == 256 and calls[0]["max_position_embeddings"] == 2048
     assert demo_model.demo_model_path() == results[0] and len(calls) <= 2  # cached from now on
+
+
+def test_the_demo_model_is_what_build_tiny_model_writes_for_its_recipe(tmp_path):
+    """The demo model is built without transformers' Llama class (a second less at its
+    first start): the same names, shapes and values, config, generation config and
+    tokenizer as the class-based build of the same recipe."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, GenerationConfig
+
+    recipe = demo_model._RECIPE
+    fast = build_llama_without_its_class(tmp_path / "fast", **recipe)
+    reference = build_tiny_model(tmp_path / "reference", "llama", **recipe)
+    assert sorted(p.name for p in fast.iterdir()) == sorted(p.name for p in reference.iterdir())
+    ours, theirs = load_file(fast / "model.safetensors"), load_file(reference / "model.safetensors")
+    assert ours.keys() == theirs.keys() and len(ours) == 3 + 9 * recipe["num_layers"]
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    configs = [AutoConfig.from_pretrained(path).to_dict() for path in (fast, reference)]
+    for config in configs:
+        del config["_name_or_path"]  # where it was read from
+    assert configs[0] == configs[1]
+    assert GenerationConfig.from_pretrained(fast).to_dict() == GenerationConfig.from_pretrained(reference).to_dict()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (fast / name).read_bytes() == (reference / name).read_bytes(), name
 
 
 # ---- the OpenAI and native layers over a stand-in TokenizerManager -------------------------------

@@ -79,6 +79,7 @@ def _serve(args: ServerArgs) -> int:
         check_model,
         check_sources,
         check_startup,
+        needs_model_build,
         start_runtime,
     )
     from radixserve.startup_error import StartupError
@@ -99,7 +100,7 @@ def _serve(args: ServerArgs) -> int:
                 query, plan = check_model(args, platform)
                 sock = bind_socket(args.host, args.port)
                 build_backends(query)
-                if started is not None:
+                if started is not None and not needs_model_build(args):  # else the server's boot releases it
                     started.runtime.release(plan)
             except BaseException:
                 if started is not None:

@@ -187,9 +187,11 @@ def start_runtime(
     the demo model built by an earlier start), so that the scheduler imports torch
     and loads the model while this process checks, builds the backends and
     imports and starts the HTTP server, instead of after. None where the model
-    takes a download or the demo model's first build: the server's boot resolves
-    it and spawns the runtime then, after it says it is listening, so that
-    /health answers meanwhile.
+    takes a download: the server's boot resolves it and spawns the runtime then,
+    after it says it is listening, so that /health answers meanwhile. The demo
+    model's first build is the boot's too, but its directory is known: the
+    runtime is spawned held on it now, and the boot releases it once the model
+    is built (``needs_model_build``).
 
     Without ``platform``, before any check: only a lone scheduler (tp and dp
     1: it needs nothing from the platform), and held: its scheduler imports
@@ -205,9 +207,20 @@ def start_runtime(
     if platform is None and args.tp_size * args.dp_size > 1:
         return None  # several ranks: their environment comes from the platform, their rendezvous from the checks
     model_path = model_path_at_hand(args)
+    if model_path is None and platform is None and needs_model_build(args):
+        from radixserve.checkpoints.demo import demo_model_dir
+
+        model_path = str(demo_model_dir())
     if model_path is None:
         return None
     return spawn_runtime(args, model_path, platform, held=platform is None, plan=plan)
+
+
+def needs_model_build(args: ServerArgs) -> bool:
+    """Whether the model is the demo model and not built yet (the server's boot builds it)."""
+    from radixserve.checkpoints.demo import demo_model_built
+
+    return args.model_path is None and not demo_model_built()
 
 
 def _forced_backends(args: ServerArgs, quantization: str | None) -> dict[str, str]:

@@ -25,9 +25,8 @@ _VERSION = "v2"
 
 
 class _Recipe(TypedDict):
-    """``build_tiny_model``'s arguments for the demo model."""
+    """``build_llama_without_its_class``'s arguments for the demo model."""
 
-    arch: str
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -39,7 +38,6 @@ class _Recipe(TypedDict):
 
 
 _RECIPE = _Recipe(
-    arch="llama",
     hidden_size=256,
     num_layers=4,
     num_heads=4,
@@ -60,27 +58,28 @@ def cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("radixserve"))
 
 
-def _demo_model_dir() -> Path:
+def demo_model_dir() -> Path:
+    """Where the demo model is (or will be, once ``demo_model_path`` built it)."""
     return cache_dir() / f"demo-model-{_VERSION}"
 
 
 def demo_model_built() -> bool:
     """Whether the demo model is cached (``demo_model_path`` returns at once)."""
-    return _demo_model_dir().is_dir()
+    return demo_model_dir().is_dir()
 
 
 def demo_model_path() -> Path:
     """The demo model's directory, built first if it is not cached yet."""
-    final = _demo_model_dir()
+    final = demo_model_dir()
     if final.is_dir():
         return final
-    from radixserve.checkpoints.random_model import build_tiny_model
+    from radixserve.checkpoints.random_model import build_llama_without_its_class
 
     final.parent.mkdir(parents=True, exist_ok=True)
     logger.info("building the demo model (random weights) into %s", final)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
-        build_tiny_model(tmp, **_RECIPE)
+        build_llama_without_its_class(tmp, **_RECIPE)
         os.rename(tmp, final)
     except OSError:
         if not final.is_dir():  # not a lost race: a real failure

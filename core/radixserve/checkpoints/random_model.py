@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from radixserve.checkpoints.source import SAFETENSORS_SINGLE
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
@@ -411,20 +413,99 @@ def build_tiny_model(
     return out
 
 
+def build_llama_without_its_class(
+    out_dir: PathLike,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    vocab_size: int,
+    max_position_embeddings: int,
+    seed: int,
+    weight_scale: float = 0.1,
+    lm_head_scale: float = 0.5,
+) -> Path:
+    """What ``build_tiny_model(out_dir, "llama", ...)`` writes (float32, untied, one
+    file, with the tokenizer), without transformers' Llama model class: its import
+    and construction are over a second of CPU, on the demo model's first start.
+    The parameters are named and shaped here as that class names and shapes them
+    (tests/test_server_units.py checks that both write the same checkpoint)."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    config = tiny_config(
+        "llama",
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+    )
+    config.architectures, config.dtype = ["LlamaForCausalLM"], torch.float32  # as the class's save_pretrained sets them
+    head_dim = hidden_size // num_heads
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (vocab_size, hidden_size),
+        "model.norm.weight": (hidden_size,),
+    }
+    shapes["lm_head.weight"] = (vocab_size, hidden_size)
+    for i in range(num_layers):
+        layer = f"model.layers.{i}"
+        shapes |= {
+            f"{layer}.self_attn.q_proj.weight": (num_heads * head_dim, hidden_size),
+            f"{layer}.self_attn.k_proj.weight": (num_kv_heads * head_dim, hidden_size),
+            f"{layer}.self_attn.v_proj.weight": (num_kv_heads * head_dim, hidden_size),
+            f"{layer}.self_attn.o_proj.weight": (hidden_size, num_heads * head_dim),
+            f"{layer}.mlp.gate_proj.weight": (intermediate_size, hidden_size),
+            f"{layer}.mlp.up_proj.weight": (intermediate_size, hidden_size),
+            f"{layer}.mlp.down_proj.weight": (hidden_size, intermediate_size),
+            f"{layer}.input_layernorm.weight": (hidden_size,),
+            f"{layer}.post_attention_layernorm.weight": (hidden_size,),
+        }
+    weights = _random_weights(shapes, "lm_head.weight", seed, weight_scale, lm_head_scale)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / SAFETENSORS_SINGLE), metadata={"format": "pt"})
+    config.save_pretrained(str(out))
+    ids = _special_token_ids(vocab_size)
+    GenerationConfig(  # type: ignore[no-untyped-call]  # unannotated in transformers
+        bos_token_id=ids[BOS_TOKEN], eos_token_id=[ids[EOS_TOKEN], ids[IM_END]], pad_token_id=ids[PAD_TOKEN]
+    ).save_pretrained(str(out))
+    build_tokenizer(out, vocab_size=vocab_size)
+    return out
+
+
 @torch.no_grad()
 def _randomize(model: PreTrainedModel, seed: int, scale: float, lm_head_scale: float) -> None:
-    gen = torch.Generator().manual_seed(seed)
     head = model.get_output_embeddings()  # type: ignore[no-untyped-call]  # unannotated in transformers; None for a backbone
-    for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-        if head is not None and param is head.weight:
-            param.copy_(lm_head_scale * noise)
+    params = dict(model.named_parameters())
+    head_name = next((name for name, param in params.items() if head is not None and param is head.weight), None)
+    shapes = {name: tuple(param.shape) for name, param in params.items()}
+    for name, values in _random_weights(shapes, head_name, seed, scale, lm_head_scale).items():
+        params[name].copy_(values)
+
+
+def _random_weights(
+    shapes: dict[str, tuple[int, ...]], head_name: str | None, seed: int, scale: float, lm_head_scale: float
+) -> dict[str, torch.Tensor]:
+    """Random values of these shapes, drawn in name order from one generator seeded
+    with ``seed`` (the scales: ``build_tiny_model``'s docstring)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name in sorted(shapes):
+        noise = torch.randn(shapes[name], generator=gen, dtype=torch.float32)
+        if name == head_name:
+            weights[name] = lm_head_scale * noise
         elif "norm" in name:
-            param.copy_(1.0 + 0.1 * noise)
+            weights[name] = 1.0 + 0.1 * noise
         elif name.endswith(".bias"):
-            param.copy_(0.5 * scale * noise)
+            weights[name] = 0.5 * scale * noise
         else:
-            param.copy_(scale * noise)
+            weights[name] = scale * noise
+    return weights
 
 
 @contextlib.contextmanager

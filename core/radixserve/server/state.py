@@ -29,7 +29,13 @@ from radixserve.checkpoints.demo import DEMO_MODEL_NAME
 from radixserve.checkpoints.source import resolve_model_path, warn_demo_model
 from radixserve.config import ServerArgs
 from radixserve.registry import get_registry
-from radixserve.runtime.processes.spawn import RuntimeProcesses, SpawnedRuntime, spawn_runtime, wait_until_ready
+from radixserve.runtime.processes.spawn import (
+    RuntimeProcesses,
+    SpawnedRuntime,
+    plan_runtime,
+    spawn_runtime,
+    wait_until_ready,
+)
 from radixserve.server.chat_template import ChatTemplate
 from radixserve.server.errors import APIError
 from radixserve.server.lora import ServedAdapters
@@ -132,6 +138,9 @@ class ServerState:
             self.model_path = await _in_daemon_thread(resolve_model_path, args)
             # Spawned from this (the event loop's) thread, which lives as long as the server.
             self.runtime, self._ready_pipes = spawn_runtime(args, self.model_path)
+        elif self.runtime.held:  # the demo model's first build; the held rank imports meanwhile
+            self.model_path = await _in_daemon_thread(resolve_model_path, args)
+            self.runtime.release(await _in_daemon_thread(plan_runtime, args, self.model_path))
         elif args.model_path is None:
             warn_demo_model(self.runtime.model_path)  # resolve_model_path's warning, for the runtime the CLI started
         await _in_daemon_thread(wait_until_ready, self.runtime, self._ready_pipes)

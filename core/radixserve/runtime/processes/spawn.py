@@ -118,16 +118,19 @@ class RuntimeProcesses:
         """Every scheduler rank process on this node."""
         return [p for g in self.groups for p in g.processes]
 
+    @property
+    def held(self) -> bool:
+        """Whether its ranks still wait for ``release``."""
+        return bool(self._holds)
+
     def release(self, plan: ModelPlan | None = None) -> None:
         """Let the ranks of a held runtime read the model, the start-up checks
-        passed: each is handed ``plan`` (the checks' own), else one made now (a
-        StartupError if the model does not fit the arguments; the caller then
-        stops the runtime)."""
-        from radixserve.registry import get_registry
-
+        passed: each is handed ``plan`` (the checks' own), else one made now
+        (``plan_runtime``). Call it from the thread that spawned the runtime (the
+        detokenizer it starts dies with that thread)."""
         if self.leads:
             self.start_detokenizer()
-        plan = plan or _plan(self.args, self.model_path, get_registry().resolve_platform(self.args.device))
+        plan = plan or plan_runtime(self.args, self.model_path)
         for hold in self._holds:
             hold.send(plan)
             hold.close()
@@ -198,8 +201,13 @@ class RuntimeProcesses:
         """Stop every process: on node 0 each group's rank 0 first passes a
         ShutdownRequest to every rank of its group on every node (they leave their
         loops); what is still running after ``grace_s`` is terminated, then killed.
-        ``grace_s=0`` where no rank can be in its loop yet (a start-up check failed)."""
+        ``grace_s=0`` where no rank can be in its loop yet (a start-up check failed),
+        as for a runtime still held (its ranks end when their pipe closes)."""
         self._stopping = True
+        if self.held:
+            for hold in self._holds:
+                hold.close()
+            self._holds, grace_s = [], 0
         if self.leads:
             ctx = zmq.Context()
             try:
@@ -336,7 +344,7 @@ def spawn_runtime(
         environment = platform.process_environment(per_host)
     # Other nodes' ranks take rank 0's plan; held ranks get theirs from release().
     if plan is None and runtime.leads and platform is not None and not held:
-        plan = _plan(args, model_path, platform)
+        plan = plan_runtime(args, model_path, platform)
     with _environment(environment):
         if args.dp_size == 1:
             spawned = [spawn_group(ctx, args, model_path, endpoints, None, plan, held)]
@@ -360,11 +368,14 @@ def spawn_runtime(
     return SpawnedRuntime(runtime, pipes)
 
 
-def _plan(args: ServerArgs, model_path: str, platform: type[Platform]) -> ModelPlan:
+def plan_runtime(args: ServerArgs, model_path: str, platform: type[Platform] | None = None) -> ModelPlan:
     """The model plan every rank (of every replica) is handed; what is wrong with the
-    model for these arguments is a start-up error here, before any rank starts."""
+    model for these arguments is a StartupError here, before any rank reads it
+    (the caller then stops the runtime). ``platform``: ``--device``'s, if resolved already."""
+    from radixserve.registry import get_registry
     from radixserve.runtime.execution.model_plan import plan_model
 
+    platform = platform or get_registry().resolve_platform(args.device)
     try:
         return plan_model(args, model_path, platform)
     except (ValueError, OSError, KeyError) as exc:
