@@ -281,8 +281,9 @@ class ServerArgs(CliArgs):
     max_header_size: int = _flag("max size of a request's headers in bytes (431 beyond)", default=64 * 1024)
     timeout_keep_alive: float = _flag(
         "seconds an idle keep-alive connection stays open; longer than clients keep theirs (httpx and the "
-        "openai client: 5 s, the router: 4 s), so that the client closes it first",
-        default=75.0,
+        "openai client: 5 s, the router: 4 s, Go's and Rust's reqwest, hence SGLang's gateway: 90 s), so that "
+        "the client closes it first",
+        default=120.0,
     )
 
     def __post_init__(self) -> None:

@@ -104,9 +104,10 @@ class RouterArgs(CliArgs):
         "on SIGTERM, seconds the requests in flight get to finish while new ones are refused", default=30.0
     )
     keep_alive_timeout_secs: float = flag(
-        "seconds an idle client connection stays open; longer than clients keep theirs (httpx and the openai "
-        "client: 5 s), so that the client closes it first",
-        default=75.0,
+        "seconds an idle client connection stays open; longer than clients and load balancers keep theirs "
+        "(httpx and the openai client: 5 s, Go's and Rust's reqwest: 90 s, an AWS ALB: 60 s), so that they "
+        "close it first",
+        default=120.0,
     )
     log_level: str = flag("logging level", default="info")
 

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 
 # Seconds an idle pooled connection to a worker is kept: below the 5 s keep-alive that
-# uvicorn gives SGLang and vLLM workers by default (radixserve's own keep theirs 75 s).
+# uvicorn gives SGLang and vLLM workers by default (radixserve's own keep theirs 120 s).
 # A connection must be dropped by the router before the worker closes it: a request
 # written as the worker closes the connection is lost, and a POST is not retried by aiohttp.
 UPSTREAM_KEEPALIVE_S = 4.0
