@@ -450,8 +450,8 @@ def build_llama_without_its_class(
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (vocab_size, hidden_size),
         "model.norm.weight": (hidden_size,),
+        "lm_head.weight": (vocab_size, hidden_size),
     }
-    shapes["lm_head.weight"] = (vocab_size, hidden_size)
     for i in range(num_layers):
         layer = f"model.layers.{i}"
         shapes |= {
