@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixserve.checkpoints.source import SAFETENSORS_SINGLE
-
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
@@ -468,7 +466,7 @@ def build_llama_without_its_class(
     weights = _random_weights(shapes, "lm_head.weight", seed, weight_scale, lm_head_scale)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(out / SAFETENSORS_SINGLE), metadata={"format": "pt"})
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(out))
     ids = _special_token_ids(vocab_size)
     GenerationConfig(  # type: ignore[no-untyped-call]  # unannotated in transformers
