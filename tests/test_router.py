@@ -184,6 +184,10 @@ def test_an_inference_route_answers_a_wrong_method_or_body_in_the_error_envelope
     assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
     no_model = httpx.post(router.url + "/v1/completions", json={"prompt": "hi"}, timeout=30)
     assert no_model.status_code == 400 and no_model.json()["error"]["param"] == "model"
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
+    bad_objective = httpx.post(router.url + "/v1/completions", json=body, headers={"X-SLO-TPOT-MS": "soon"}, timeout=30)
+    assert bad_objective.status_code == 400 and bad_objective.json()["error"]["param"] == "x-slo-tpot-ms"
+    assert "'soon' is not a positive number of milliseconds" in bad_objective.json()["error"]["message"]
     assert httpx.get(router.url + "/no/such/route").json()["error"]["type"] == "not_found_error"
 
 

@@ -19,7 +19,7 @@ from generation_utils import make_scheduler, run, submit
 from helpers_server import ServerProcess, wait_until
 
 from radixserve.rate_bands import DECODE_BANDS, PREFILL_BANDS, band_entries
-from radixserve.router.latency import DecisionLog
+from radixserve.router.latency import DecisionLog, LatencyObjective
 from radixserve.router.policies import (
     MATCHED_SCORED,
     NEAR_TIE,
@@ -301,10 +301,58 @@ def test_a_full_running_batch_makes_a_request_wait_for_the_decode_ahead():
     assert terms["full"]["decode_wait_s"] == pytest.approx(2 / 60 + 2 * 200 / 60)  # a step of 2, then 2 x 200 tokens
 
 
+def test_a_latency_bound_request_goes_where_a_decode_step_gives_it_the_most_tokens():
+    """Two workers, one speculative (its decode steps give a request 2.5 tokens at batch 1,
+    2 up to 4, and 1 above: speculation off), the other with the faster prefill. A request
+    without objectives takes the sooner first token; one with ``x-slo-tpot-ms`` 30 goes
+    where a token comes every 20 ms rather than 50; once the speculative worker is busy,
+    neither meets it, and the one that misses it by the least takes it."""
+    clock = Clock()
+    plain = worker("plain", clock)
+    spec_output = tuple(rate * k for rate, k in zip(DECODE_CURVE, (2.5, 2.0, 1.0, 1.0, 1.0), strict=True))
+    slow_prefill = tuple(rate * 0.5 for rate in PREFILL_CURVE)
+    spec = worker("spec", clock, prefill=slow_prefill, decode_band_output_rates=spec_output)
+    decisions = DecisionLog(8)
+    policy = LatencyAware(PrefixTree(10**9), decisions)
+    bound = LatencyObjective(tpot_s=0.030)
+    assert policy.choose(RoutingRequest("first " * 40, 200, 64), [plain, spec]).worker is plain
+    assert policy.choose(RoutingRequest("second " * 40, 200, 64, bound), [plain, spec]).worker is spec
+    decision = decisions.last(1)[0]
+    assert decision["objective"] == {"ttft_s": None, "tpot_s": 0.030}
+    terms = {c["worker"]: c for c in decision["candidates"]}
+    assert terms["spec"]["tpot_s"] == pytest.approx(1 / 50) and terms["plain"]["tpot_s"] == pytest.approx(1 / 20)
+    assert terms["spec"]["ttft_s"] > terms["plain"]["ttft_s"]  # chosen for its tokens, not its first one
+    for _ in range(20):
+        spec.hold(Work(10, 200), +1)  # a batch of 21 to join: speculation is off there
+    assert policy.choose(RoutingRequest("third " * 40, 200, 64, bound), [plain, spec]).worker is plain
+    terms = {c["worker"]: c for c in decisions.last(1)[0]["candidates"]}
+    assert terms["spec"]["tpot_s"] > terms["plain"]["tpot_s"] > 0.030
+
+
+def test_a_request_with_a_ttft_objective_goes_to_a_worker_predicted_to_meet_it():
+    """An idle worker with the slower prefill causes the least delay (on the busy one, the
+    request's prefill would hold up the requests running there), but the busy one gives
+    the sooner first token: a request with an ``x-slo-ttft-ms`` only the busy one meets
+    goes there."""
+    clock = Clock()
+    idle_slow = worker("idle", clock, speed=0.6)
+    busy_fast = worker("busy", clock)
+    for _ in range(4):
+        busy_fast.hold(Work(0, 100), +1)
+    decisions = DecisionLog(4)
+    policy = LatencyAware(PrefixTree(10**9), decisions)
+    assert policy.choose(RoutingRequest("prompt " * 80, 600, 16), [idle_slow, busy_fast]).worker is idle_slow
+    terms = {c["worker"]: c for c in decisions.last(1)[0]["candidates"]}
+    assert terms["busy"]["ttft_s"] < terms["idle"]["ttft_s"] and terms["busy"]["imposed_s"] > 0
+    objective = LatencyObjective(ttft_s=(terms["busy"]["ttft_s"] + terms["idle"]["ttft_s"]) / 2)
+    assert policy.choose(RoutingRequest("other " * 80, 600, 16, objective), [idle_slow, busy_fast]).worker is busy_fast
+
+
 def test_band_reports_are_read_back_and_replicas_add_up():
     none = [None] * 5
     prefill = band_entries(PREFILL_BANDS, [100.0, None, 300.0, None, None], [50.0, None, 600.0, None, None], "")
-    decode = band_entries(DECODE_BANDS, [10.0, 20.0, None, None, None], [1.0, 3.0, None, None, None], "")
+    outputs = [25.0, 20.0, None, None, None]  # a speculative worker's: 2.5 tokens a request at batch 1
+    decode = band_entries(DECODE_BANDS, [10.0, 20.0, None, None, None], [1.0, 3.0, None, None, None], "", outputs)
     entry = {"num_reqs": 1, "prefill_bands": prefill, "decode_bands": decode}
     load = WorkerLoad.of([entry, {**entry, "decode_bands": decode[:2]}])  # the second: bands of other bounds
     assert (load.prefill_band_rates, load.prefill_band_sizes) == (
@@ -318,6 +366,10 @@ def test_band_reports_are_read_back_and_replicas_add_up():
     assert w.prefill_curve.at(650) == pytest.approx(650 / 1.25)
     assert w.prefill_curve.at(50) == pytest.approx(200.0) and w.prefill_curve.at(4000) == pytest.approx(600.0)
     assert w.decode_curve.at(2) == pytest.approx(2 / 0.125)  # 0.1 s a step at 1, 0.15 s at 3
+    assert load.decode_band_output_rates == (25.0, 20.0, *none[2:])
+    assert w.output_curve.at(1) == pytest.approx(25.0) and w.output_curve.at(3) == pytest.approx(20.0)
+    plain = WorkerLoad.of([{"num_reqs": 0, "decode_bands": band_entries(DECODE_BANDS, [10.0] * 5, [1.0] * 5, "")}])
+    assert plain.decode_band_output_rates == tuple(none)  # not reported: the decode curve stands in
     stats = {"decode_band_tokens_per_s": [1.0, None], "decode_band_sizes": [1.0, None]}
     assert total_stats({0: stats, 1: {"decode_band_tokens_per_s": [2.0, 3.0], "decode_band_sizes": [1.0, 4.0]}}) == {
         "decode_band_tokens_per_s": [3.0, 3.0],
@@ -407,9 +459,23 @@ def test_debug_decisions_explain_a_placement_on_a_real_fleet(tiny_llama_dir: Pat
         home = got["decisions"][-1]["chosen"]
         assert {d["chosen"] for d in got["decisions"]} == {home}
 
+        # A latency-bound request: its objectives are in its decision, with each candidate's
+        # predicted time per output token (a plain worker's: a token a request a step).
+        headers = {"x-slo-ttft-ms": "60000", "x-slo-tpot-ms": "60000"}
+        short = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+        answer = httpx.post(router.url + "/v1/completions", json=short, headers=headers, timeout=300)
+        assert answer.status_code == 200, answer.text
+        bound = httpx.get(router.url + "/debug/decisions", params={"limit": 1}, headers=ADMIN, timeout=10).json()
+        decision = bound["decisions"][0]
+        assert decision["objective"] == {"ttft_s": 60.0, "tpot_s": 60.0}
+        for terms in decision["candidates"]:
+            assert 0 < terms["tpot_s"] < 60 and terms["tpot_s"] * terms["output_tokens_per_s"] >= 1
+
         load = httpx.get(home + "/get_load", timeout=30).json()[0]
         assert [band["up_to"] for band in load["decode_bands"]] == [*DECODE_BANDS, None]
         assert load["decode_bands"][0]["tokens_per_s"] > 0 and any(b["tokens_per_s"] for b in load["prefill_bands"])
+        first_band = load["decode_bands"][0]  # no speculation: a token per request a step
+        assert first_band["output_tokens_per_s"] == pytest.approx(first_band["tokens_per_s"])
         facts = httpx.get(home + "/server_info", timeout=30).json()["worker"]
         assert facts["decode_bands"][0]["tokens_per_s"] > 0 and facts["max_running_requests"] >= 1
 

@@ -218,6 +218,24 @@ def test_greedy_tokens_and_logprobs_are_plain_decodings(tiny_llama_dir, config):
     assert 0 < stats.spec_accepted_tokens_total < stats.spec_proposed_tokens_total
 
 
+def test_a_speculative_worker_reports_the_tokens_its_decode_steps_give(tiny_llama_dir):
+    """Each decode band's ``output_tokens_per_s`` (what a router predicts a request's time
+    per output token from) counts the proposals a verify step kept: above the band's rate
+    of requests advanced where proposals were kept, equal to it without speculation."""
+    prompts = repetitive_prompts(512)[:1]  # alone: every step in the batch-1 band
+    plain_scheduler = make_scheduler(tiny_llama_dir, **PRIORITY)
+    generate(plain_scheduler, prompts, max_new_tokens=40, **GREEDY)
+    plain = plain_scheduler.stats()
+    assert plain.decode_band_output_tokens_per_s[0] == pytest.approx(plain.decode_band_tokens_per_s[0])
+    spec_scheduler = make_scheduler(tiny_llama_dir, **PRIORITY, **NGRAM)
+    generate(spec_scheduler, prompts, max_new_tokens=40, **GREEDY)
+    spec = spec_scheduler.stats()
+    assert spec.spec_accepted_tokens_total > 0
+    # The tokens after the first (a prefill's) over the decode steps that made them.
+    per_request_step = spec.decode_band_output_tokens_per_s[0] / spec.decode_band_tokens_per_s[0]
+    assert 1 < per_request_step <= 1 + spec_scheduler.args.speculative_num_draft_tokens
+
+
 def test_stops_and_budgets_cut_inside_a_verified_run(tiny_llama_dir):
     """A stop string and max_new_tokens that end a request inside the run of tokens
     one verify step kept (this prompt's output settles into repeating one token

@@ -27,21 +27,35 @@ def band_index(bounds: Sequence[int], size: int) -> int:
 
 
 def band_entries(
-    bounds: Sequence[int], rates: Sequence[float | None], sizes: Sequence[float | None], unit: str
+    bounds: Sequence[int],
+    rates: Sequence[float | None],
+    sizes: Sequence[float | None],
+    unit: str,
+    outputs: Sequence[float | None] | None = None,
 ) -> list[dict[str, Any]]:
     """The report's shape: one entry per band, ``{"up_to": bound or None (open), "unit":
     what a step's size counts, "tokens_per_s": its steps' rate, "mean_size": their mean
     size}`` (both None while no step of that size was measured). The mean size places the
-    rate within its band: a step's time at that size is ``mean_size / tokens_per_s``."""
+    rate within its band: a step's time at that size is ``mean_size / tokens_per_s``.
+
+    ``outputs`` (decode): each band's ``output_tokens_per_s``, the tokens its steps gave
+    their requests a second. It equals ``tokens_per_s`` (a token per request a step
+    advances) but on a speculative worker, whose verify steps give a request the
+    proposals they keep as well: a request's time per output token in a batch of
+    ``mean_size`` is ``mean_size / output_tokens_per_s``."""
     uppers: list[int | None] = [*bounds, None]
-    return [
+    entries = [
         {"up_to": upper, "unit": unit, "tokens_per_s": rate, "mean_size": size}
         for upper, rate, size in zip(uppers, rates, sizes, strict=True)
     ]
+    if outputs is not None:
+        for entry, output in zip(entries, outputs, strict=True):
+            entry["output_tokens_per_s"] = output
+    return entries
 
 
 def band_values(entries: Any, bounds: Sequence[int], key: str) -> tuple[float | None, ...]:
-    """``key`` (``tokens_per_s`` or ``mean_size``) of a report's entries, in band order; all
+    """``key`` (``tokens_per_s``, ``mean_size`` or ``output_tokens_per_s``) of a report's entries, in band order; all
     None when the report has no bands, or bands of other bounds (another version of the worker)."""
     unknown = (None,) * (len(bounds) + 1)
     if not isinstance(entries, list) or [e.get("up_to") for e in entries if isinstance(e, dict)] != [*bounds, None]:

@@ -290,6 +290,7 @@ class Fleet:
             disaggregation_mode=server_info.get("disaggregation_mode") or "null",
             bootstrap_port=server_info.get("disaggregation_bootstrap_port"),
             lora=LoRAFacts.of(facts.get("lora")),
+            speculative=_algorithm(facts.get("speculative")),
         )
 
     async def _get_json(self, url: str, path: str, required: bool = False) -> Any:
@@ -314,3 +315,9 @@ class Fleet:
                     param="url",
                     code="model_conflict",
                 )
+
+
+def _algorithm(speculative: Any) -> str | None:
+    """The speculative decoding algorithm a worker's facts name (None: off, or not said)."""
+    algorithm = speculative.get("algorithm") if isinstance(speculative, dict) else None
+    return algorithm if isinstance(algorithm, str) else None

@@ -40,7 +40,14 @@ from radixserve.router.fleet import Fleet
 from radixserve.router.lora import AdapterRouting
 from radixserve.router.metrics import RouterMetrics
 from radixserve.router.policies import Choice, PairPolicies, Policy
-from radixserve.router.request_info import RequestInfo, TokenEstimator, parse_body, read_request, usage_prompt_tokens
+from radixserve.router.request_info import (
+    RequestInfo,
+    TokenEstimator,
+    latency_objective,
+    parse_body,
+    read_request,
+    usage_prompt_tokens,
+)
 from radixserve.router.upstream import TRANSPORT_ERRORS, Upstream, UpstreamError
 from radixserve.router.worker import Work, Worker
 from radixserve.server.errors import APIError, error_body, error_response
@@ -144,7 +151,7 @@ class Forwarder:
         try:
             body = await _read_body(receive)
             payload = parse_body(body)
-            info = read_request(route, payload, self.estimator)
+            info = read_request(route, payload, self.estimator, latency_objective(scope["headers"]))
         except APIError as exc:
             await error_response(exc.status, exc.message, exc.param, exc.code)(scope, receive, send)
             return

@@ -27,6 +27,14 @@ while the running batch has a free slot):
 Rates are the worker's own per batch-size band (``Worker.prefill_curve``,
 ``decode_curve``); a worker that has measured none yet is given the median of the
 candidates that have, so that it gets its share of traffic and is measured.
+
+Each candidate's time per output token (``tpot_s``) is predicted too: the batch the request
+would join, over the tokens a decode step of that size gives its requests a second
+(``Worker.output_curve``: more than one a request on a speculative worker, whose verify
+steps keep proposals). A request that states latency objectives (``LatencyObjective``:
+the ``x-slo-ttft-ms`` and ``x-slo-tpot-ms`` headers) goes to a candidate predicted to
+meet them; that is how latency-bound requests find the speculative workers of a fleet
+while they have the headroom, and other requests are placed as before.
 """
 
 from __future__ import annotations
@@ -70,6 +78,26 @@ class ScoreTerms:
     queueing_s: float  # the wait its utilisation adds (expected_queueing)
     imposed_s: float  # what computing its uncached tokens holds up the requests running there
     total_s: float
+    ttft_s: float  # what the request would wait for its first token: prefill, decode wait, queueing
+    output_tokens_per_s: float  # what a decode step of the batch it joins gives its requests
+    tpot_s: float  # then its time per output token
+
+
+@dataclass(frozen=True)
+class LatencyObjective:
+    """A request's latency objectives, in seconds (None: not stated): its time to first
+    token and its time per output token (the ``x-slo-ttft-ms`` and ``x-slo-tpot-ms``
+    headers, as llm-d's endpoint picker reads them)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def excess(self, terms: ScoreTerms) -> float:
+        """The largest ratio of a prediction to its objective: at most 1 where all are met."""
+        ratios = [terms.ttft_s / self.ttft_s] if self.ttft_s else []
+        if self.tpot_s:
+            ratios.append(terms.tpot_s / self.tpot_s)
+        return max(ratios, default=0.0)
 
 
 class RateLookup:
@@ -118,6 +146,8 @@ def predict(worker: Worker, prompt_tokens: int, cached_tokens: int, max_tokens: 
     # max_tokens there, else this request's) at a full batch's rate.
     output_each = worker.in_flight_work.output / worker.in_flight if worker.in_flight > 0 else max_tokens
     decode_wait = step_in_progress + beyond * output_each / decode_rate
+    joined = min(running + 1, slots)  # the batch it decodes in
+    output_rate = worker.output_curve.at(joined) or rates.decode(worker, joined)[0]
     prefill_s = (queued + own) / prefill_rate
     # Where requests are running, computing its uncached tokens also holds them up (a
     # prefill step goes before their next decode step): that delay counts once more.
@@ -142,6 +172,9 @@ def predict(worker: Worker, prompt_tokens: int, cached_tokens: int, max_tokens: 
         queueing_s=queueing,
         imposed_s=imposed,
         total_s=prefill_s + decode_wait + queueing + imposed,
+        ttft_s=prefill_s + decode_wait + queueing,
+        output_tokens_per_s=output_rate,
+        tpot_s=joined / output_rate,
     )
 
 
@@ -168,6 +201,7 @@ class Decision:
     at: float  # Unix seconds
     prompt_tokens: int  # estimated, as the policy saw them
     max_tokens: int
+    objective: LatencyObjective | None  # the request's
     text_chars: int  # of the routing text the prefix tree matched
     chosen: str
     candidates: tuple[ScoreTerms, ...]
@@ -184,11 +218,17 @@ class DecisionLog:
         self._decisions: deque[Decision] = deque(maxlen=size)
 
     def record(
-        self, prompt_tokens: int, max_tokens: int, text_chars: int, chosen: str, candidates: Sequence[ScoreTerms]
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        objective: LatencyObjective | None,
+        text_chars: int,
+        chosen: str,
+        candidates: Sequence[ScoreTerms],
     ) -> None:
         if self._decisions.maxlen:
             self._decisions.append(
-                Decision(self.clock(), prompt_tokens, max_tokens, text_chars, chosen, tuple(candidates))
+                Decision(self.clock(), prompt_tokens, max_tokens, objective, text_chars, chosen, tuple(candidates))
             )
 
     def last(self, n: int) -> list[dict[str, Any]]:

@@ -35,7 +35,7 @@ from typing import Protocol
 
 from radixserve.load_balance import LOAD_KEYS, Load, least_loaded
 from radixserve.router.args import RouterArgs
-from radixserve.router.latency import DecisionLog, RateLookup, predict
+from radixserve.router.latency import DecisionLog, LatencyObjective, RateLookup, predict
 from radixserve.router.prefix_tree import PrefixTree
 from radixserve.router.worker import Work, Worker
 
@@ -50,11 +50,13 @@ NEAR_TIE = 0.25
 @dataclass(frozen=True)
 class RoutingRequest:
     """What a policy knows of a request: its routing text (the prompt, or the chat
-    messages flattened in order) and estimated token counts."""
+    messages flattened in order), estimated token counts, and the latency objectives it
+    states (``latency_aware`` meets them where it can; the other policies ignore them)."""
 
     text: str
     prompt_tokens: int
     max_tokens: int
+    objective: LatencyObjective | None = None
 
     @property
     def tokens(self) -> int:
@@ -186,7 +188,10 @@ class LatencyAware:
     included). Predictions within ``NEAR_TIE`` of the least are taken as ties, as long as
     the prompt tokens they would compute are too (a near tie never moves a request off
     its cached prefix): ties go to the least utilised (``Worker.utilisation``), then to the
-    one with the fewest unfinished requests, then in turn. A prediction is no more exact
+    one with the fewest unfinished requests, then in turn. A request with latency
+    objectives is placed so among the candidates predicted to meet them (its time to
+    first token and per output token, ``LatencyObjective``), or, where none is, on the
+    one that misses them by the least. A prediction is no more exact
     than the rates it divides by, and equal workers' measured rates differ by a fifth
     where they share a host's cores; taken at face value, that difference, not the work
     each was given, would decide which of them gets a new prefix group.
@@ -213,10 +218,15 @@ class LatencyAware:
         rates = RateLookup(workers)
         choices = [Choice.of(w, request, matched.get(w.url, 0)) for w in workers]
         terms = [predict(c.worker, request.prompt_tokens, c.cached_tokens, request.max_tokens, rates) for c in choices]
-        best = min(range(len(terms)), key=lambda k: terms[k].total_s)
+        eligible = list(range(len(terms)))
+        if request.objective is not None:
+            excess = [request.objective.excess(t) for t in terms]
+            meeting = [k for k in eligible if excess[k] <= 1]
+            eligible = meeting or [min(eligible, key=excess.__getitem__)]
+        best = min(eligible, key=lambda k: terms[k].total_s)
         near = [
             k
-            for k in range(len(terms))
+            for k in eligible
             if terms[k].total_s <= terms[best].total_s * (1 + NEAR_TIE)
             and terms[k].own_prefill_tokens <= terms[best].own_prefill_tokens * (1 + NEAR_TIE)
         ]
@@ -225,7 +235,9 @@ class LatencyAware:
         self._next = scored[best] + 1
         chosen = choices[best]
         self.tree.insert(request.text, chosen.worker.url)
-        self.decisions.record(request.prompt_tokens, request.max_tokens, len(request.text), chosen.worker.url, terms)
+        self.decisions.record(
+            request.prompt_tokens, request.max_tokens, request.objective, len(request.text), chosen.worker.url, terms
+        )
         return chosen
 
     def _scored(self, candidates: Sequence[Worker], matched: dict[str, int]) -> set[int]:

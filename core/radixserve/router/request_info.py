@@ -1,7 +1,8 @@
-"""What the router reads from a request body before routing it: the model, the LoRA
-adapter its ``lora_path`` names, whether it streams, the features it needs from a worker
-(the field that needs each, for the error), and its routing text with estimated token
-counts. The body itself is forwarded as it came."""
+"""What the router reads from a request before routing it: from its body, the model, the
+LoRA adapter its ``lora_path`` names, whether it streams, the features it needs from a
+worker (the field that needs each, for the error), and its routing text with estimated
+token counts; from its headers, the latency objectives it states. The body itself is
+forwarded as it came."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from radixserve.router.latency import LatencyObjective
 from radixserve.router.policies import RoutingRequest
 from radixserve.server.errors import APIError
 
@@ -17,6 +19,8 @@ DEFAULT_MAX_TOKENS = 256
 # The routes whose requests the router reads (model, features, routing text).
 ROUTED_BY_TEXT = ("chat", "completions", "generate", "embeddings")
 _PROMPT_TOKENS_KEY = b'"prompt_tokens":'
+# The headers stating a request's latency objectives, in milliseconds (llm-d's names).
+TTFT_OBJECTIVE_HEADER, TPOT_OBJECTIVE_HEADER = "x-slo-ttft-ms", "x-slo-tpot-ms"
 _GUIDED_FIELDS = ("regex", "ebnf", "json_schema", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
@@ -67,9 +71,12 @@ def parse_body(body: bytes) -> dict[str, Any]:
     return payload
 
 
-def read_request(route: str, payload: dict[str, Any], estimator: TokenEstimator) -> RequestInfo:
-    """What routing needs of a request to ``route``; one without routing text (tokenize,
-    detokenize) may go to any worker of its model."""
+def read_request(
+    route: str, payload: dict[str, Any], estimator: TokenEstimator, objective: LatencyObjective | None = None
+) -> RequestInfo:
+    """What routing needs of a request to ``route`` (``objective``: its headers',
+    ``latency_objective``); one without routing text (tokenize, detokenize) may go to
+    any worker of its model."""
     if route not in ROUTED_BY_TEXT:
         model = payload.get("model")
         return RequestInfo(model=model if isinstance(model, str) else None, stream=False)
@@ -88,8 +95,29 @@ def read_request(route: str, payload: dict[str, Any], estimator: TokenEstimator)
         stream=bool(payload.get("stream")),
         lora_path=_lora_path(payload.get("lora_path")),
         needs=_needs(route, payload, sampling),
-        routing=RoutingRequest(text, estimator.tokens(text), max_tokens or DEFAULT_MAX_TOKENS),
+        routing=RoutingRequest(text, estimator.tokens(text), max_tokens or DEFAULT_MAX_TOKENS, objective),
     )
+
+
+def latency_objective(headers: list[tuple[bytes, bytes]]) -> LatencyObjective | None:
+    """The objectives a request's headers state (None: none); a value that is not a
+    positive number of milliseconds is a 400 naming the header."""
+    found: dict[str, float] = {}
+    for raw_name, raw_value in headers:
+        name = raw_name.decode("latin-1").lower()
+        if name not in (TTFT_OBJECTIVE_HEADER, TPOT_OBJECTIVE_HEADER):
+            continue
+        value = raw_value.decode("latin-1").strip()
+        try:
+            ms = float(value)
+        except ValueError:
+            ms = float("nan")
+        if not ms > 0 or ms == float("inf"):
+            raise APIError(400, f"{name}: {value!r} is not a positive number of milliseconds", param=name)
+        found[name] = ms / 1000
+    if not found:
+        return None
+    return LatencyObjective(ttft_s=found.get(TTFT_OBJECTIVE_HEADER), tpot_s=found.get(TPOT_OBJECTIVE_HEADER))
 
 
 def _lora_path(value: Any) -> str | None:

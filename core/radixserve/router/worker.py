@@ -73,6 +73,7 @@ class WorkerFacts:
     disaggregation_mode: str = "null"  # prefill or decode: one half of a pair
     bootstrap_port: int | None = None  # a prefill worker's, as it reports it
     lora: LoRAFacts | None = None  # None: LoRA off (or a worker that does not say)
+    speculative: str | None = None  # its speculative decoding algorithm; None: off (or a worker that does not say)
 
     def supports(self, feature: str) -> bool:
         return self.features.get(feature, True)
@@ -92,9 +93,11 @@ class WorkerLoad:
     decode_tokens_per_s: float | None = None
     prefill_tokens_per_s: float | None = None
     # per band of batch size (rate_bands.DECODE_BANDS / PREFILL_BANDS, then the open band), the rate
-    # and the mean size of its steps; () when not reported
+    # and the mean size of its steps, and for decode the tokens those steps gave their requests a
+    # second (above the rate on a speculative worker); () when not reported
     decode_band_rates: tuple[float | None, ...] = ()
     decode_band_sizes: tuple[float | None, ...] = ()
+    decode_band_output_rates: tuple[float | None, ...] = ()
     prefill_band_rates: tuple[float | None, ...] = ()
     prefill_band_sizes: tuple[float | None, ...] = ()
     reported_at: float = 0.0
@@ -111,6 +114,7 @@ class WorkerLoad:
             prefill_tokens_per_s=_total(entries, "prefill_tokens_per_s"),
             decode_band_rates=_bands(entries, "decode_bands", DECODE_BANDS, "tokens_per_s"),
             decode_band_sizes=_bands(entries, "decode_bands", DECODE_BANDS, "mean_size"),
+            decode_band_output_rates=_bands(entries, "decode_bands", DECODE_BANDS, "output_tokens_per_s"),
             prefill_band_rates=_bands(entries, "prefill_bands", PREFILL_BANDS, "tokens_per_s"),
             prefill_band_sizes=_bands(entries, "prefill_bands", PREFILL_BANDS, "mean_size"),
             reported_at=time.monotonic(),
@@ -303,6 +307,10 @@ class Worker:
         self.load = WorkerLoad()
         self.decode_capacity, self.prefill_capacity = PeakRate(), PeakRate()  # tokens/s
         self.decode_curve, self.prefill_curve = RateCurve(DECODE_BANDS), RateCurve(PREFILL_BANDS)
+        # The tokens a decode step of each size gives its requests a second (``output_curve.at(b)``:
+        # a request in a batch of b gets a token every b / that seconds); not measured where the
+        # worker does not report it, and then the decode curve's (a token per request a step).
+        self.output_curve = RateCurve(DECODE_BANDS)
         self.in_flight = 0  # requests the router has sent here and not yet seen end
         self.in_flight_work = Work(0, 0)  # their uncached prompt and output tokens
         self.routed = 0
@@ -342,6 +350,8 @@ class Worker:
         self.decode_capacity.observe(load.decode_tokens_per_s, load.reported_at)
         self.prefill_capacity.observe(load.prefill_tokens_per_s, load.reported_at)
         self.decode_curve.observe(load.decode_band_rates, load.decode_band_sizes, load.decode_tokens_per_s)
+        if load.decode_band_output_rates:
+            self.output_curve.observe(load.decode_band_output_rates, load.decode_band_sizes, None)
         self.prefill_curve.observe(load.prefill_band_rates, load.prefill_band_sizes, load.prefill_tokens_per_s)
         self._backlog, self._backlog_at = float(load.num_waiting_tokens), load.reported_at
         self._others_waiting = max(0.0, load.num_waiting_tokens - self.in_flight_work.prompt)
@@ -350,6 +360,7 @@ class Worker:
         """Restarted: what was measured before says nothing now."""
         self.load, self.decode_capacity, self.prefill_capacity = WorkerLoad(), PeakRate(), PeakRate()
         self.decode_curve, self.prefill_curve = RateCurve(DECODE_BANDS), RateCurve(PREFILL_BANDS)
+        self.output_curve = RateCurve(DECODE_BANDS)
         self._backlog, self._backlog_at = 0.0, self.clock()
         self._others_waiting = 0.0
 
@@ -432,6 +443,7 @@ class Worker:
             "prefill_step_tokens": self.facts.prefill_step_tokens,
             "features": {name: self.facts.supports(name) for name in FEATURES},
             "lora": self.facts.lora.describe() if self.facts.lora is not None else None,
+            "speculative": self.facts.speculative,
             "load": {
                 "num_reqs": self.load.num_reqs,
                 "num_waiting_reqs": self.load.num_waiting_reqs,
@@ -442,6 +454,7 @@ class Worker:
                 "decode_capacity": self.decode_capacity.value,
                 "prefill_capacity": self.prefill_capacity.value,
                 "decode_bands": self.decode_curve.describe(),
+                "decode_output_bands": self.output_curve.describe(),
                 "prefill_bands": self.prefill_curve.describe(),
                 "queued_prefill_tokens": round(self.queued_prefill()),
                 "router_in_flight": self.in_flight,

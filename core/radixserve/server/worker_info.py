@@ -70,7 +70,11 @@ def band_reports(stats: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """The step rates per batch-size band, in ``rate_bands``' report shape."""
     return {
         "decode_bands": band_entries(
-            DECODE_BANDS, stats["decode_band_tokens_per_s"], stats["decode_band_sizes"], "running_requests"
+            DECODE_BANDS,
+            stats["decode_band_tokens_per_s"],
+            stats["decode_band_sizes"],
+            "running_requests",
+            stats["decode_band_output_tokens_per_s"],
         ),
         "prefill_bands": band_entries(
             PREFILL_BANDS, stats["prefill_band_tokens_per_s"], stats["prefill_band_sizes"], "prefill_tokens"

@@ -95,14 +95,18 @@ class StepRates:
     ``/server_info`` and ``/get_load``; the Decode batch log line); and the same per band of
     batch size (``rate_bands``: a prefill step by the prompt tokens it computes, a decode
     step by the requests it advances), the worker's speed at each size, which a router
-    uses to predict latency. A step costs two list lookups more."""
+    uses to predict latency; and for decode, the tokens those steps gave their requests
+    per second (``decode_band_outputs``): one per request a step advances, plus the
+    proposals a verify step kept (speculative decoding), so that a router can predict
+    the time per output token a request would see. A step costs three list lookups more."""
 
     def __init__(self, window_s: float = RATE_WINDOW_S):
         self.decode, self.prefill = StepRate(window_s), StepRate(window_s)
         self.decode_bands = [StepRate(window_s) for _ in range(len(DECODE_BANDS) + 1)]
+        self.decode_band_outputs = [StepRate(window_s) for _ in range(len(DECODE_BANDS) + 1)]
         self.prefill_bands = [StepRate(window_s) for _ in range(len(PREFILL_BANDS) + 1)]
-        # decode steps, generated, requests decoded, extend steps, extended: when the last step ended
-        self._seen = (0, 0, 0, 0, 0)
+        # decode steps, generated, requests decoded, proposals kept, extend steps, extended: when the last step ended
+        self._seen = (0, 0, 0, 0, 0, 0)
 
     @contextlib.contextmanager
     def measure(self, totals: ServingTotals) -> Iterator[None]:
@@ -112,11 +116,14 @@ class StepRates:
         started = time.perf_counter()
         yield
         seconds = time.perf_counter() - started
-        decode_steps, generated, decoded, extend_steps, extended = self._seen
+        decode_steps, generated, decoded, kept, extend_steps, extended = self._seen
         if totals.decode_steps != decode_steps:
             self.decode.add(seconds, totals.generation_tokens - generated)
             batch = totals.decoded_reqs - decoded
-            self.decode_bands[band_index(DECODE_BANDS, batch)].add(seconds, batch)
+            band = band_index(DECODE_BANDS, batch)
+            self.decode_bands[band].add(seconds, batch)
+            # With overlap scheduling the proposals kept are the step before's: the same band, in a steady run.
+            self.decode_band_outputs[band].add(seconds, batch + totals.accepted_tokens - kept)
         if totals.extend_steps != extend_steps:
             tokens = totals.extended_tokens - extended
             self.prefill.add(seconds, tokens)
@@ -125,6 +132,7 @@ class StepRates:
             totals.decode_steps,
             totals.generation_tokens,
             totals.decoded_reqs,
+            totals.accepted_tokens,
             totals.extend_steps,
             totals.extended_tokens,
         )
@@ -161,6 +169,7 @@ class SchedulerStats:
     prefill_tokens_per_s: float | None
     decode_band_tokens_per_s: list[float | None]  # per rate_bands.DECODE_BANDS band (and the open one)
     decode_band_sizes: list[float | None]  # the mean batch of each band's steps
+    decode_band_output_tokens_per_s: list[float | None]  # the tokens those steps gave their requests, per second
     prefill_band_tokens_per_s: list[float | None]  # per rate_bands.PREFILL_BANDS band
     prefill_band_sizes: list[float | None]  # the mean prompt tokens of each band's steps
     token_usage: float
@@ -201,6 +210,7 @@ class SchedulerStats:
             prefill_tokens_per_s=rates.prefill.tokens_per_s,
             decode_band_tokens_per_s=[band.tokens_per_s for band in rates.decode_bands],
             decode_band_sizes=[band.tokens_per_step for band in rates.decode_bands],
+            decode_band_output_tokens_per_s=[band.tokens_per_s for band in rates.decode_band_outputs],
             prefill_band_tokens_per_s=[band.tokens_per_s for band in rates.prefill_bands],
             prefill_band_sizes=[band.tokens_per_step for band in rates.prefill_bands],
             token_usage=in_use / pool.total,
