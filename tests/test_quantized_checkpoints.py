@@ -472,7 +472,7 @@ def test_a_gguf_file_gives_the_greedy_tokens_hf_reads_from_it(linear_type, reque
     embeddings Q4_K; the head typed as llama.cpp's quantizer types it, here Q8_0 but for
     Q4_K_M's Q6_K and F16's F16, and served quantized); HF transformers reading the same file
     (dequantizing it) is the reference."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = request.getfixturevalue("k_quant_llama_dir" if "_K" in linear_type else "tiny_llama_dir")
     gguf_file = tmp_path / f"tiny-{linear_type}.gguf"
@@ -485,12 +485,26 @@ def test_a_gguf_file_gives_the_greedy_tokens_hf_reads_from_it(linear_type, reque
     config.pop("quantization_config", None)
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     reference = hf_reference(tmp_path / "hf", [9, 21], new_tokens=16)
-    flags = ("--tokenizer-path", str(model_dir), "--dtype", "float32", "--skip-server-warmup")
+    # Q8_0's file is served with its own tokenizer (no --tokenizer-path): the GGUF's vocabulary
+    # (llama.cpp's gpt2 tokens and merges), read through transformers, tokenizes as the HF
+    # tokenizer it was written from.
+    own_tokenizer = linear_type == "Q8_0"
+    flags = (
+        "--dtype",
+        "float32",
+        "--skip-server-warmup",
+        *(() if own_tokenizer else ("--tokenizer-path", str(model_dir))),
+    )
     with ServerProcess("--model", str(gguf_file), *flags) as server:
         server.wait_ready()
         models = httpx.get(server.url + "/v1/models").json()["data"]
         assert [m["id"] for m in models] == [str(gguf_file)]  # served under the file's path
         assert_served_greedy_tokens(server, reference)
+        if own_tokenizer:
+            text = "the quick brown fox, and a <|im_end|> or two"
+            want = AutoTokenizer.from_pretrained(model_dir).encode(text, add_special_tokens=False)
+            body = {"model": str(gguf_file), "prompt": text, "add_special_tokens": False}
+            assert httpx.post(server.url + "/tokenize", json=body).json()["tokens"] == want
         if linear_type == "F16":
             assert "quantization backend: none" in server.log  # float projections: a dense model
         else:
@@ -590,21 +604,6 @@ def test_a_quantized_head_is_not_tied_to_the_embeddings():
     head = ParallelLMHead(64, 32, ctx)
     with pytest.raises(ValueError, match="lm_head_type"):
         head.tie_to(VocabParallelEmbedding(64, 32, ctx))
-
-
-def test_without_a_tokenizer_path_the_files_own_tokenizer_serves(tiny_llama_dir, tmp_path):
-    """The GGUF's vocabulary (llama.cpp's gpt2 tokens and merges), read through transformers,
-    tokenizes as the HF tokenizer it was written from."""
-    from transformers import AutoTokenizer
-
-    gguf_file = tmp_path / "tiny.gguf"
-    write_gguf(tiny_llama_dir, gguf_file, "Q8_0")
-    text = "the quick brown fox, and a <|im_end|> or two"
-    want = AutoTokenizer.from_pretrained(tiny_llama_dir).encode(text, add_special_tokens=False)
-    with ServerProcess("--model", str(gguf_file), "--skip-server-warmup") as server:
-        server.wait_ready()
-        body = {"model": str(gguf_file), "prompt": text, "add_special_tokens": False}
-        assert httpx.post(server.url + "/tokenize", json=body).json()["tokens"] == want
 
 
 def test_a_gguf_file_of_another_type_is_refused_naming_it(k_quant_llama_dir, tmp_path):
