@@ -7,6 +7,7 @@ forwarded as it came."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,8 +112,8 @@ def latency_objective(headers: list[tuple[bytes, bytes]]) -> LatencyObjective | 
         try:
             ms = float(value)
         except ValueError:
-            ms = float("nan")
-        if not ms > 0 or ms == float("inf"):
+            ms = 0.0
+        if not 0 < ms < math.inf:  # NaN too
             raise APIError(400, f"{name}: {value!r} is not a positive number of milliseconds", param=name)
         found[name] = ms / 1000
     if not found:
